@@ -1,0 +1,1 @@
+//! What a gpu-ckpt checkpoint is: archive layout, manifest, OCI image, compatibility.

@@ -1,0 +1,1 @@
+//! Test support for gpu-ckpt: OCI image builder, local test stack, kubelet-like clients.
