@@ -1,1 +1,26 @@
-//! The gpu-ckpt shim library.
+//! gpu-ckpt's containerd shim: the task service over runc, and (later) checkpoint and restore
+//! with device state.
+//!
+//! The binary `containerd-shim-gpu-ckpt-v1` is [`service::Service`] run by the containerd-shim
+//! crate; each module is one role:
+//!
+//! - [`service`]: containerd's `start`/`delete` actions, grouping one shim per pod;
+//! - [`task`]: the Task API mapped onto containers, and the exit handler;
+//! - [`container`]: one container's steps (create, start, exec, kill, delete) with their undo;
+//! - [`process`]: a process's state and exit;
+//! - [`runc`]: every runc invocation;
+//! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
+//! - [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
+//! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
+
+pub mod container;
+pub mod error;
+pub mod events;
+pub mod logging;
+pub mod oom;
+pub mod options;
+pub mod process;
+pub mod runc;
+pub mod service;
+pub mod stdio;
+pub mod task;

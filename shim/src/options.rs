@@ -1,0 +1,275 @@
+//! Runtime options: what containerd sends in `CreateTaskRequest.options`, in either of the two
+//! shapes it uses, normalised into [`RuntimeOptions`].
+//!
+//! - `containerd.runc.v1.Options`: task options from the containerd API (never from ctr, which
+//!   sends runtime options only to the runc shim).
+//! - `runtimeoptions.v1.Options`: what CRI sends for every runtime type but runc's. Its
+//!   `config_body` is the handler's options table as TOML, or `config_path` names a TOML file.
+
+use std::path::Path;
+
+use containerd_shim::protos::{
+    protobuf::{well_known_types::any::Any, CodedInputStream, Message},
+    shim::oci::Options as RuncOptions,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// File in the bundle where the options a container was created with are kept, so that the
+/// `delete` action (a separate process) can rebuild runc's global flags.
+pub const OPTIONS_FILE: &str = "gpu-ckpt-options.json";
+
+/// runc's state root when the options name none: our own, never runc-v2's.
+pub const DEFAULT_RUNC_ROOT: &str = "/run/containerd/gpu-ckpt";
+
+const RUNC_OPTIONS_TYPE: &str = "containerd.runc.v1.Options";
+const RUNTIME_OPTIONS_TYPE: &str = "runtimeoptions.v1.Options";
+
+/// The options this shim understands. In TOML (a containerd handler's `options` table) the keys
+/// are the PascalCase names runc-v2 uses: `BinaryName`, `Root`, `SystemdCgroup`, …
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "PascalCase", deny_unknown_fields, default)]
+pub struct RuntimeOptions {
+    /// The runc binary: a path, or a name looked up in PATH. Default `runc`.
+    pub binary_name: String,
+    /// runc's state root. Default [`DEFAULT_RUNC_ROOT`]`/<namespace>`.
+    pub root: String,
+    /// Use systemd to manage cgroups (`runc --systemd-cgroup`).
+    pub systemd_cgroup: bool,
+    /// `runc create --no-pivot`.
+    pub no_pivot_root: bool,
+    /// `runc create --no-new-keyring`.
+    pub no_new_keyring: bool,
+    /// The cgroup the shim process itself is put in.
+    pub shim_cgroup: String,
+    /// Owner of the stdio pipes handed to the container (user namespaces).
+    pub io_uid: u32,
+    pub io_gid: u32,
+    /// Ignored for runc `Options` compatibility: where containerd's API puts CRIU image and work
+    /// paths for a restore.
+    pub criu_image_path: String,
+    pub criu_work_path: String,
+}
+
+impl RuntimeOptions {
+    /// Decodes the options Any of a Create request. `None` or an empty Any gives the defaults.
+    pub fn from_any(any: Option<&Any>) -> Result<Self> {
+        let Some(any) = any.filter(|a| !a.type_url.is_empty() || !a.value.is_empty()) else {
+            return Ok(Self::default());
+        };
+        let type_name = any.type_url.rsplit('/').next().unwrap_or_default();
+        match type_name {
+            RUNC_OPTIONS_TYPE => {
+                let o = RuncOptions::parse_from_bytes(&any.value)?;
+                Ok(Self {
+                    binary_name: o.binary_name,
+                    root: o.root,
+                    systemd_cgroup: o.systemd_cgroup,
+                    no_pivot_root: o.no_pivot_root,
+                    no_new_keyring: o.no_new_keyring,
+                    shim_cgroup: o.shim_cgroup,
+                    io_uid: o.io_uid,
+                    io_gid: o.io_gid,
+                    criu_image_path: o.criu_image_path,
+                    criu_work_path: o.criu_work_path,
+                })
+            }
+            RUNTIME_OPTIONS_TYPE => {
+                let ro = decode_runtime_options(&any.value)?;
+                if !ro.config_body.trim().is_empty() {
+                    Self::from_toml(&ro.config_body, "runtime options config_body")
+                } else if !ro.config_path.is_empty() {
+                    let body = std::fs::read_to_string(&ro.config_path).map_err(Error::io(
+                        format!("read runtime options file {}", ro.config_path),
+                    ))?;
+                    Self::from_toml(&body, &ro.config_path)
+                } else {
+                    Ok(Self::default())
+                }
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "unsupported runtime options type {other:?}: expected {RUNC_OPTIONS_TYPE} or {RUNTIME_OPTIONS_TYPE}"
+            ))),
+        }
+    }
+
+    /// Parses a handler's options table. An unknown key is an error that names it.
+    pub fn from_toml(body: &str, origin: &str) -> Result<Self> {
+        toml::from_str(body)
+            .map_err(|e| Error::InvalidArgument(format!("invalid {origin}: {}", e.message())))
+    }
+
+    /// The runc binary to run.
+    pub fn runc_binary(&self) -> &str {
+        if self.binary_name.is_empty() {
+            "runc"
+        } else {
+            &self.binary_name
+        }
+    }
+
+    /// runc's state root for `namespace`.
+    pub fn runc_root(&self, namespace: &str) -> String {
+        if self.root.is_empty() {
+            format!("{DEFAULT_RUNC_ROOT}/{namespace}")
+        } else {
+            self.root.clone()
+        }
+    }
+
+    pub fn write_to_bundle(&self, bundle: &Path) -> Result<()> {
+        let path = bundle.join(OPTIONS_FILE);
+        let json = serde_json::to_vec(self).map_err(Error::json("encode runtime options"))?;
+        std::fs::write(&path, json).map_err(Error::io(format!("write {}", path.display())))
+    }
+
+    /// The options a container in `bundle` was created with; defaults when none were saved.
+    pub fn read_from_bundle(bundle: &Path) -> Result<Self> {
+        let path = bundle.join(OPTIONS_FILE);
+        match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(Error::json(format!("decode {}", path.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
+            Err(e) => Err(Error::io(format!("read {}", path.display()))(e)),
+        }
+    }
+}
+
+/// `runtimeoptions.v1.Options` (containerd's `pkg/runtimeoptions/v1/api.proto`): not vendored in
+/// containerd-shim-protos, so decoded by hand. Fields: 1 type_url, 2 config_path, 3 config_body.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct RuntimeOptionsMessage {
+    type_url: String,
+    config_path: String,
+    config_body: String,
+}
+
+fn decode_runtime_options(bytes: &[u8]) -> Result<RuntimeOptionsMessage> {
+    let mut msg = RuntimeOptionsMessage::default();
+    let mut input = CodedInputStream::from_bytes(bytes);
+    while let Some(tag) = input.read_raw_tag_or_eof()? {
+        match tag {
+            10 => msg.type_url = input.read_string()?,
+            18 => msg.config_path = input.read_string()?,
+            26 => msg.config_body = input.read_string()?,
+            other => input.skip_field(wire_type(other)?)?,
+        }
+    }
+    Ok(msg)
+}
+
+fn wire_type(tag: u32) -> Result<containerd_shim::protos::protobuf::rt::WireType> {
+    containerd_shim::protos::protobuf::rt::WireType::new(tag & 7).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "runtimeoptions.v1.Options: bad wire type in tag {tag}"
+        ))
+    })
+}
+
+#[cfg(test)]
+pub(crate) fn encode_runtime_options(config_path: &str, config_body: &str) -> Any {
+    use containerd_shim::protos::protobuf::CodedOutputStream;
+    let mut value = Vec::new();
+    {
+        let mut out = CodedOutputStream::vec(&mut value);
+        out.write_string(1, "runtimeoptions.v1.Options").unwrap();
+        out.write_string(2, config_path).unwrap();
+        out.write_string(3, config_body).unwrap();
+        out.flush().unwrap();
+    }
+    Any {
+        type_url: format!("type.googleapis.com/{RUNTIME_OPTIONS_TYPE}"),
+        value,
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_options_gives_defaults() {
+        let o = RuntimeOptions::from_any(None).unwrap();
+        assert_eq!(o.runc_binary(), "runc");
+        assert_eq!(o.runc_root("k8s.io"), "/run/containerd/gpu-ckpt/k8s.io");
+    }
+
+    #[test]
+    fn runc_options_are_decoded() {
+        let runc = RuncOptions {
+            binary_name: "/usr/sbin/runc".into(),
+            root: "/run/x".into(),
+            systemd_cgroup: true,
+            ..Default::default()
+        };
+        let any = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value: runc.write_to_bytes().unwrap(),
+            ..Default::default()
+        };
+        let o = RuntimeOptions::from_any(Some(&any)).unwrap();
+        assert_eq!(o.runc_binary(), "/usr/sbin/runc");
+        assert_eq!(o.runc_root("default"), "/run/x");
+        assert!(o.systemd_cgroup);
+    }
+
+    #[test]
+    fn toml_body_is_decoded() {
+        let any =
+            encode_runtime_options("", "BinaryName = \"/usr/sbin/runc\"\nRoot = \"/run/r\"\n");
+        let o = RuntimeOptions::from_any(Some(&any)).unwrap();
+        assert_eq!(o.binary_name, "/usr/sbin/runc");
+        assert_eq!(o.root, "/run/r");
+    }
+
+    #[test]
+    fn config_path_is_read_when_body_is_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("gpu-ckpt.toml");
+        std::fs::write(&path, "SystemdCgroup = true\n").unwrap();
+        let any = encode_runtime_options(path.to_str().unwrap(), "");
+        assert!(RuntimeOptions::from_any(Some(&any)).unwrap().systemd_cgroup);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let any = encode_runtime_options("", "BinaryName = \"runc\"\nFrobnicate = 1\n");
+        let err = RuntimeOptions::from_any(Some(&any))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Frobnicate"), "{err}");
+        assert!(matches!(
+            RuntimeOptions::from_any(Some(&any)),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn unknown_type_is_refused() {
+        let any = Any {
+            type_url: "example.com/Other".into(),
+            value: vec![1, 2],
+            ..Default::default()
+        };
+        let err = RuntimeOptions::from_any(Some(&any))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("example.com/Other") || err.contains("Other"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bundle_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = RuntimeOptions {
+            root: "/run/r".into(),
+            ..Default::default()
+        };
+        o.write_to_bundle(dir.path()).unwrap();
+        assert_eq!(RuntimeOptions::read_from_bundle(dir.path()).unwrap(), o);
+    }
+}

@@ -1,0 +1,689 @@
+//! The Task service: containerd's task API (v3) mapped onto [`Container`]s, and the exit
+//! handler that turns the reaper's exits into process state and TaskExit events.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use async_trait::async_trait;
+use containerd_shim::{
+    api::{
+        CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
+        DeleteRequest, Empty, ExecProcessRequest, KillRequest, PauseRequest, PidsRequest,
+        PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
+        StartResponse, StateRequest, StateResponse, Status as ApiStatus, UpdateTaskRequest,
+        WaitRequest, WaitResponse,
+    },
+    asynchronous::{io::Stdio, ExitSignal},
+    monitor::{monitor_subscribe, Subject, Topic},
+    protos::{
+        api::{DeleteResponse, ProcessInfo, StatsRequest, StatsResponse},
+        events::task::{
+            TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
+            TaskResumed, TaskStart,
+        },
+        protobuf::{well_known_types::any::Any, MessageDyn, MessageField},
+        shim::oci::ProcessDetails,
+        topics::*,
+        ttrpc,
+    },
+    util::convert_to_any,
+    Task, TtrpcContext,
+};
+use tokio::sync::{Mutex, RwLock};
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::{
+    container::Container,
+    error::{Error, Result},
+    events::EventSender,
+    process::{Exit, Status},
+    stdio,
+};
+
+type Shared = Arc<Mutex<Container>>;
+
+/// How long an exit nobody has claimed yet is kept: an exec can exit before its pid is known.
+const UNCLAIMED_EXIT_TTL: Duration = Duration::from_secs(60);
+
+/// Which process a pid belongs to, and exits that came before their pid was registered.
+#[derive(Default)]
+struct PidIndex {
+    owners: HashMap<i32, (String, String)>,
+    unclaimed: HashMap<i32, (i32, Instant)>,
+}
+
+/// The Task service containerd talks to; shares its state with the exit handler.
+#[derive(Clone)]
+pub struct TaskService(Arc<Tasks>);
+
+impl std::ops::Deref for TaskService {
+    type Target = Tasks;
+    fn deref(&self) -> &Tasks {
+        &self.0
+    }
+}
+
+pub struct Tasks {
+    namespace: String,
+    containers: RwLock<HashMap<String, Shared>>,
+    pids: std::sync::Mutex<PidIndex>,
+    events: EventSender,
+    exit: Arc<ExitSignal>,
+}
+
+impl TaskService {
+    /// Builds the service and starts its exit handler.
+    pub async fn start(
+        namespace: &str,
+        events: EventSender,
+        exit: Arc<ExitSignal>,
+    ) -> Result<Self> {
+        let service = Arc::new(Tasks {
+            namespace: namespace.to_string(),
+            containers: RwLock::new(HashMap::new()),
+            pids: Default::default(),
+            events,
+            exit,
+        });
+        let mut sub = monitor_subscribe(Topic::Pid).await?;
+        let weak = Arc::downgrade(&service);
+        tokio::spawn(async move {
+            while let Some(ev) = sub.rx.recv().await {
+                let Subject::Pid(pid) = ev.subject else {
+                    continue;
+                };
+                match weak.upgrade() {
+                    Some(s) => s.on_exit(pid, ev.exit_code).await,
+                    None => break,
+                }
+            }
+        });
+        Ok(TaskService(service))
+    }
+}
+
+impl Tasks {
+    async fn container(&self, id: &str) -> Result<Shared> {
+        self.containers
+            .read()
+            .await
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("container {id} not found")))
+    }
+
+    /// Records that `pid` is `exec_id` of `container`; returns its exit code if it has already
+    /// exited since `since`.
+    fn register_pid(
+        &self,
+        pid: i32,
+        container: &str,
+        exec_id: &str,
+        since: Instant,
+    ) -> Option<i32> {
+        let mut index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((code, at)) = index.unclaimed.remove(&pid) {
+            if at >= since {
+                return Some(code);
+            }
+        }
+        index
+            .owners
+            .insert(pid, (container.to_string(), exec_id.to_string()));
+        None
+    }
+
+    fn forget_pid(&self, pid: i32) {
+        let mut index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
+        index.owners.remove(&pid);
+    }
+
+    async fn on_exit(&self, pid: i32, code: i32) {
+        let owner = {
+            let mut index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
+            match index.owners.remove(&pid) {
+                Some(owner) => Some(owner),
+                None => {
+                    let now = Instant::now();
+                    index
+                        .unclaimed
+                        .retain(|_, (_, at)| now.duration_since(*at) < UNCLAIMED_EXIT_TTL);
+                    index.unclaimed.insert(pid, (code, now));
+                    None
+                }
+            }
+        };
+        let Some((id, exec_id)) = owner else { return };
+        let Ok(container) = self.container(&id).await else {
+            return;
+        };
+        let mut c = container.lock().await;
+        self.finish_process(&mut c, &exec_id, pid, code).await;
+    }
+
+    /// Marks a process exited and publishes TaskExit (after TaskOOM, for init).
+    async fn finish_process(&self, c: &mut Container, exec_id: &str, pid: i32, code: i32) {
+        if exec_id.is_empty() {
+            c.on_init_exit().await;
+        }
+        let id = c.id.clone();
+        let Ok(process) = c.process_mut(exec_id) else {
+            return;
+        };
+        let exit = process.set_exited(code);
+        info!(container = %id, exec = %exec_id, pid, code, "process exited");
+        self.events.send(
+            TASK_EXIT_EVENT_TOPIC,
+            TaskExit {
+                container_id: id.clone(),
+                id: if exec_id.is_empty() {
+                    id
+                } else {
+                    exec_id.to_string()
+                },
+                pid: pid as u32,
+                exit_status: exit.code,
+                exited_at: exit.exited_at(),
+                ..Default::default()
+            },
+        );
+    }
+
+    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse> {
+        if req.id.is_empty() {
+            return Err(Error::InvalidArgument("container id is empty".into()));
+        }
+        let mut containers = self.containers.write().await;
+        if containers.contains_key(&req.id) {
+            return Err(Error::AlreadyExists(format!(
+                "container {} already exists",
+                req.id
+            )));
+        }
+        let since = Instant::now();
+        let container = Container::create(&req, &self.namespace, &self.events).await?;
+        let pid = container.init.pid;
+        let id = container.id.clone();
+        let early = self.register_pid(pid, &id, "", since);
+        let shared = Arc::new(Mutex::new(container));
+        containers.insert(id.clone(), shared.clone());
+        drop(containers);
+        self.events.send(
+            TASK_CREATE_EVENT_TOPIC,
+            TaskCreate {
+                container_id: id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                checkpoint: req.checkpoint.clone(),
+                pid: pid as u32,
+                ..Default::default()
+            },
+        );
+        if let Some(code) = early {
+            let mut c = shared.lock().await;
+            self.finish_process(&mut c, "", pid, code).await;
+        }
+        Ok(CreateTaskResponse {
+            pid: pid as u32,
+            ..Default::default()
+        })
+    }
+
+    async fn do_start(&self, req: StartRequest) -> Result<StartResponse> {
+        let container = self.container(&req.id).await?;
+        let mut c = container.lock().await;
+        if req.exec_id.is_empty() {
+            c.start_init().await?;
+            let pid = c.init.pid;
+            self.events.send(
+                TASK_START_EVENT_TOPIC,
+                TaskStart {
+                    container_id: c.id.clone(),
+                    pid: pid as u32,
+                    ..Default::default()
+                },
+            );
+            return Ok(StartResponse {
+                pid: pid as u32,
+                ..Default::default()
+            });
+        }
+        let since = Instant::now();
+        let pid = c.start_exec(&req.exec_id).await?;
+        let early = self.register_pid(pid, &c.id, &req.exec_id, since);
+        self.events.send(
+            TASK_EXEC_STARTED_EVENT_TOPIC,
+            TaskExecStarted {
+                container_id: c.id.clone(),
+                exec_id: req.exec_id.clone(),
+                pid: pid as u32,
+                ..Default::default()
+            },
+        );
+        if let Some(code) = early {
+            self.finish_process(&mut c, &req.exec_id, pid, code).await;
+        }
+        Ok(StartResponse {
+            pid: pid as u32,
+            ..Default::default()
+        })
+    }
+
+    async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
+        let container = self.container(&req.id).await?;
+        let mut c = container.lock().await;
+        if !req.exec_id.is_empty() {
+            let process = c.process(&req.exec_id)?;
+            if matches!(process.status, Status::Running | Status::Paused) {
+                return Err(Error::FailedPrecondition(format!(
+                    "cannot delete exec {}: it is still running",
+                    req.exec_id
+                )));
+            }
+            let exit = process.exit().unwrap_or_else(|| Exit::now(0));
+            let pid = process.pid;
+            if let Some(p) = c.execs.remove(&req.exec_id) {
+                p.io.tasks.shutdown().await;
+            }
+            self.forget_pid(pid);
+            return Ok(DeleteResponse {
+                pid: pid as u32,
+                exit_status: exit.code,
+                exited_at: exit.exited_at(),
+                ..Default::default()
+            });
+        }
+        c.delete()
+            .instrument(info_span!("delete", id = %req.id))
+            .await?;
+        let pid = c.init.pid;
+        // A created, never started container has no exit of its own: runc delete killed it.
+        let exit = c
+            .init
+            .exit()
+            .unwrap_or_else(|| Exit::now(128 + libc::SIGKILL));
+        self.forget_pid(pid);
+        for p in c.execs.values() {
+            self.forget_pid(p.pid);
+        }
+        let id = c.id.clone();
+        drop(c);
+        self.containers.write().await.remove(&id);
+        self.events.send(
+            TASK_DELETE_EVENT_TOPIC,
+            TaskDelete {
+                container_id: id.clone(),
+                pid: pid as u32,
+                exit_status: exit.code,
+                exited_at: exit.exited_at(),
+                id,
+                ..Default::default()
+            },
+        );
+        Ok(DeleteResponse {
+            pid: pid as u32,
+            exit_status: exit.code,
+            exited_at: exit.exited_at(),
+            ..Default::default()
+        })
+    }
+
+    async fn do_exec(&self, req: ExecProcessRequest) -> Result<Empty> {
+        let container = self.container(&req.id).await?;
+        let mut c = container.lock().await;
+        if c.execs.contains_key(&req.exec_id) {
+            return Err(Error::AlreadyExists(format!(
+                "exec {} already exists in container {}",
+                req.exec_id, req.id
+            )));
+        }
+        if c.init.is_stopped() {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                req.id
+            )));
+        }
+        let spec = req
+            .spec
+            .as_ref()
+            .map(|a| a.value.clone())
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("exec {} has no process spec", req.exec_id))
+            })?;
+        serde_json::from_slice::<oci_spec::runtime::Process>(&spec).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "malformed process spec for exec {}: {e}",
+                req.exec_id
+            ))
+        })?;
+        let mut process = crate::process::Process::new(
+            &req.exec_id,
+            Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal),
+        );
+        process.spec = spec;
+        c.execs.insert(req.exec_id.clone(), process);
+        self.events.send(
+            TASK_EXEC_ADDED_EVENT_TOPIC,
+            TaskExecAdded {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                ..Default::default()
+            },
+        );
+        Ok(Empty::new())
+    }
+
+    async fn do_state(&self, req: StateRequest) -> Result<StateResponse> {
+        let container = self.container(&req.id).await?;
+        let c = container.lock().await;
+        let p = c.process(&req.exec_id)?;
+        let status = match p.status {
+            Status::Created => ApiStatus::CREATED,
+            Status::Running => ApiStatus::RUNNING,
+            Status::Paused => ApiStatus::PAUSED,
+            Status::Stopped => ApiStatus::STOPPED,
+        };
+        let exit = p.exit();
+        Ok(StateResponse {
+            id: if req.exec_id.is_empty() {
+                c.id.clone()
+            } else {
+                req.exec_id.clone()
+            },
+            bundle: c.bundle.display().to_string(),
+            pid: p.pid as u32,
+            status: status.into(),
+            stdin: p.stdio.stdin.clone(),
+            stdout: p.stdio.stdout.clone(),
+            stderr: p.stdio.stderr.clone(),
+            terminal: p.stdio.terminal,
+            exit_status: exit.as_ref().map(|e| e.code).unwrap_or_default(),
+            exited_at: exit.map(|e| e.exited_at()).unwrap_or_default(),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    async fn do_pause(&self, id: &str) -> Result<()> {
+        let container = self.container(id).await?;
+        let mut c = container.lock().await;
+        if c.init.status != Status::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is not running"
+            )));
+        }
+        c.runc.pause(id).await?;
+        c.init.status = Status::Paused;
+        self.events.send(
+            TASK_PAUSED_EVENT_TOPIC,
+            TaskPaused {
+                container_id: id.to_string(),
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    async fn do_resume(&self, id: &str) -> Result<()> {
+        let container = self.container(id).await?;
+        let mut c = container.lock().await;
+        if c.init.status != Status::Paused {
+            return Err(Error::FailedPrecondition(format!(
+                "container {id} is not paused"
+            )));
+        }
+        c.runc.resume(id).await?;
+        c.init.status = Status::Running;
+        self.events.send(
+            TASK_RESUMED_EVENT_TOPIC,
+            TaskResumed {
+                container_id: id.to_string(),
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    async fn do_pids(&self, id: &str) -> Result<PidsResponse> {
+        let container = self.container(id).await?;
+        let c = container.lock().await;
+        let pids = c.runc.ps(id).await?;
+        let mut processes = Vec::with_capacity(pids.len());
+        for pid in pids {
+            let mut info = ProcessInfo {
+                pid: pid as u32,
+                ..Default::default()
+            };
+            if let Some(exec) = c.execs.values().find(|p| p.pid == pid) {
+                let details = ProcessDetails {
+                    exec_id: exec.exec_id.clone(),
+                    ..Default::default()
+                };
+                info.info = MessageField::some(convert_to_any(Box::new(details))?);
+            }
+            processes.push(info);
+        }
+        Ok(PidsResponse {
+            processes,
+            ..Default::default()
+        })
+    }
+
+    async fn do_stats(&self, id: &str) -> Result<StatsResponse> {
+        let container = self.container(id).await?;
+        let pid = container.lock().await.init.pid;
+        let stats = tokio::task::spawn_blocking(move || -> Result<Any> {
+            let cgroup = containerd_shim::cgroup::get_cgroup(pid as u32)?;
+            let metrics: Box<dyn MessageDyn> = if cgroup.v2() {
+                Box::new(containerd_shim::cgroup::collect_metrics_v2(&cgroup)?)
+            } else {
+                Box::new(containerd_shim::cgroup::collect_metrics(&cgroup)?)
+            };
+            Ok(convert_to_any(metrics)?)
+        })
+        .await
+        .map_err(|e| Error::FailedPrecondition(format!("collect stats of {id}: {e}")))??;
+        Ok(StatsResponse {
+            stats: MessageField::some(stats),
+            ..Default::default()
+        })
+    }
+
+    async fn do_update(&self, req: UpdateTaskRequest) -> Result<()> {
+        let container = self.container(&req.id).await?;
+        let c = container.lock().await;
+        if c.init.is_stopped() {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                req.id
+            )));
+        }
+        let resources = req
+            .resources
+            .as_ref()
+            .map(|a| a.value.clone())
+            .unwrap_or_default();
+        serde_json::from_slice::<oci_spec::runtime::LinuxResources>(&resources).map_err(|e| {
+            Error::InvalidArgument(format!("malformed resources for {}: {e}", req.id))
+        })?;
+        c.runc.update(&req.id, &resources).await
+    }
+
+    async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
+        let container = self.container(&req.id).await?;
+        let mut rx = container.lock().await.process(&req.exec_id)?.exit_watch();
+        let exit = rx
+            .wait_for(Option::is_some)
+            .await
+            .map_err(|_| Error::NotFound(format!("process {} is gone", req.id)))?
+            .clone()
+            .ok_or_else(|| Error::NotFound(format!("process {} is gone", req.id)))?;
+        Ok(WaitResponse {
+            exit_status: exit.code,
+            exited_at: exit.exited_at(),
+            ..Default::default()
+        })
+    }
+}
+
+/// Runs one request in a span and maps its error to a ttrpc status, in one place.
+async fn serve<T>(
+    name: &'static str,
+    id: &str,
+    fut: impl std::future::Future<Output = Result<T>>,
+) -> ttrpc::Result<T> {
+    let span = info_span!("task", rpc = name, id = %id);
+    match fut.instrument(span).await {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            warn!(rpc = name, %id, error = %e, "request failed");
+            Err(e.into())
+        }
+    }
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CreateTaskRequest,
+    ) -> ttrpc::Result<CreateTaskResponse> {
+        let id = req.id.clone();
+        serve("create", &id, self.do_create(req)).await
+    }
+
+    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> ttrpc::Result<StartResponse> {
+        let id = req.id.clone();
+        serve("start", &id, self.do_start(req)).await
+    }
+
+    async fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: DeleteRequest,
+    ) -> ttrpc::Result<DeleteResponse> {
+        let id = req.id.clone();
+        serve("delete", &id, self.do_delete(req)).await
+    }
+
+    async fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> ttrpc::Result<StateResponse> {
+        let id = req.id.clone();
+        serve("state", &id, self.do_state(req)).await
+    }
+
+    async fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> ttrpc::Result<PidsResponse> {
+        serve("pids", &req.id, self.do_pids(&req.id)).await
+    }
+
+    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
+        serve("pause", &req.id, self.do_pause(&req.id))
+            .await
+            .map(|_| Empty::new())
+    }
+
+    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
+        serve("resume", &req.id, self.do_resume(&req.id))
+            .await
+            .map(|_| Empty::new())
+    }
+
+    async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
+        let fut = async {
+            let container = self.container(&req.id).await?;
+            let c = container.lock().await;
+            c.kill(&req.exec_id, req.signal, req.all).await
+        };
+        serve("kill", &req.id, fut).await.map(|_| Empty::new())
+    }
+
+    async fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> ttrpc::Result<Empty> {
+        let id = req.id.clone();
+        serve("exec", &id, self.do_exec(req)).await
+    }
+
+    async fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> ttrpc::Result<Empty> {
+        let fut = async {
+            let container = self.container(&req.id).await?;
+            let c = container.lock().await;
+            let p = c.process(&req.exec_id)?;
+            match &p.io.pty {
+                Some(pty) => stdio::resize(pty, req.width, req.height),
+                None => Err(Error::FailedPrecondition(format!(
+                    "process {} has no terminal",
+                    req.id
+                ))),
+            }
+        };
+        serve("resize_pty", &req.id, fut)
+            .await
+            .map(|_| Empty::new())
+    }
+
+    async fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> ttrpc::Result<Empty> {
+        let fut = async {
+            let container = self.container(&req.id).await?;
+            let c = container.lock().await;
+            if req.stdin {
+                c.process(&req.exec_id)?.io.tasks.close_input();
+            }
+            Ok(())
+        };
+        serve("close_io", &req.id, fut).await.map(|_| Empty::new())
+    }
+
+    async fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> ttrpc::Result<Empty> {
+        let id = req.id.clone();
+        serve("update", &id, self.do_update(req))
+            .await
+            .map(|_| Empty::new())
+    }
+
+    async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> ttrpc::Result<WaitResponse> {
+        let id = req.id.clone();
+        serve("wait", &id, self.do_wait(req)).await
+    }
+
+    async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
+        serve("stats", &req.id, self.do_stats(&req.id)).await
+    }
+
+    async fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        req: ConnectRequest,
+    ) -> ttrpc::Result<ConnectResponse> {
+        let fut = async {
+            let container = self.container(&req.id).await?;
+            let pid = container.lock().await.init.pid;
+            Ok(ConnectResponse {
+                shim_pid: std::process::id(),
+                task_pid: pid as u32,
+                ..Default::default()
+            })
+        };
+        serve("connect", &req.id, fut).await
+    }
+
+    async fn shutdown(&self, _ctx: &TtrpcContext, req: ShutdownRequest) -> ttrpc::Result<Empty> {
+        let remaining = self.containers.read().await.len();
+        if remaining > 0 && !req.now {
+            debug!(remaining, "shutdown ignored: containers remain");
+            return Ok(Empty::new());
+        }
+        info!("shutting down");
+        self.exit.signal();
+        Ok(Empty::new())
+    }
+}
