@@ -1,1 +1,22 @@
 //! What a gpu-ckpt checkpoint is: archive layout, manifest, OCI image, compatibility.
+//!
+//! - [`archive`]: the kubelet checkpoint archive (containerd 2.1+ layout, CRI-O's variant for reading),
+//!   read safely, written, verified and extracted.
+//! - [`manifest`]: the versioned gpu-ckpt manifest the shim writes next to the CRIU images.
+//! - [`compat`]: can a checkpoint restore on a node, and which field differs if not.
+//! - [`oci`]: the archive as an OCI image (layout directory or tarball), and back; registry push.
+//! - [`safe`]: the checks every untrusted tar entry passes, and `openat`-style extraction.
+//!
+//! The format is specified in docs/image-format.md.
+
+pub mod archive;
+pub mod compat;
+pub mod digest;
+pub mod error;
+pub mod fuzzing;
+pub mod manifest;
+pub mod oci;
+pub mod safe;
+
+pub use error::{Error, Result};
+pub use manifest::{hash_dir_flat, verify_dir, Manifest, MANIFEST_FILE};

@@ -1,0 +1,807 @@
+//! The checkpoint archive as containerd 2.1+ writes it for kubelet (and CRI-O's variant, for reading):
+//! an uncompressed tar holding `checkpoint/` (CRIU images plus our manifest), `config.dump`,
+//! `spec.dump`, `status.dump`, `status`, `container.log`, `dump.log`, `stats-dump` and
+//! `rootfs-diff.tar`. Entry names are the ones checkpointctl uses.
+//!
+//! Reading is always checked (see [`crate::safe`]): hostile names, links, special files, duplicates and
+//! size bombs are refused with an error naming the entry.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::{no_progress, sha256_hex, Progress, COPY_BUF};
+use crate::error::{Error, Result};
+use crate::manifest::{FileDigest, Manifest, MANIFEST_FILE};
+use crate::safe::{Checker, EntryInfo, EntryKind, Limits, SafeRoot};
+
+/// checkpointctl's names for archive members.
+pub mod names {
+    pub const CHECKPOINT_DIRECTORY: &str = "checkpoint";
+    pub const CONFIG_DUMP: &str = "config.dump";
+    pub const SPEC_DUMP: &str = "spec.dump";
+    pub const STATUS_DUMP: &str = "status.dump";
+    pub const STATUS: &str = "status";
+    pub const CONTAINER_LOG: &str = "container.log";
+    pub const DUMP_LOG: &str = "dump.log";
+    pub const RESTORE_LOG: &str = "restore.log";
+    pub const STATS_DUMP: &str = "stats-dump";
+    pub const STATS_RESTORE: &str = "stats-restore";
+    pub const ROOTFS_DIFF_TAR: &str = "rootfs-diff.tar";
+    pub const NETWORK_STATUS: &str = "network.status";
+    pub const DELETED_FILES: &str = "deleted.files";
+    pub const BIND_MOUNTS: &str = "bind.mounts";
+    pub const DEVSHM_CHECKPOINT: &str = "devshm-checkpoint.tar";
+    pub const VOLUMES: &str = "volumes";
+    pub const POD_OPTIONS: &str = "pod.options";
+    pub const POD_DUMP: &str = "pod.dump";
+    /// CRIU memory pages files start with this, inside `checkpoint/`.
+    pub const PAGES_PREFIX: &str = "pages-";
+    pub const AMDGPU_PAGES_PREFIX: &str = "amdgpu-pages-";
+    /// Where the gpu-ckpt manifest lives in the archive.
+    pub const MANIFEST_PATH: &str = "checkpoint/gpu-ckpt-manifest.json";
+}
+
+/// Small JSON members are read into memory up to this size; bigger ones are an error.
+pub const MAX_METADATA_BYTES: u64 = 16 << 20;
+
+/// `config.dump` as containerd's CRI writes it (CRI-O and Podman write a superset; unknown fields are
+/// kept in `extra`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConfigDump {
+    pub id: String,
+    pub name: String,
+    #[serde(
+        rename = "rootfsImage",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub rootfs_image: String,
+    #[serde(
+        rename = "rootfsImageRef",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub rootfs_image_ref: String,
+    #[serde(
+        rename = "rootfsImageName",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub rootfs_image_name: String,
+    #[serde(rename = "runtime", default, skip_serializing_if = "String::is_empty")]
+    pub runtime: String,
+    /// RFC 3339.
+    #[serde(rename = "createdTime", default)]
+    pub created_time: String,
+    /// RFC 3339.
+    #[serde(
+        rename = "checkpointedTime",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub checkpointed_time: String,
+    #[serde(flatten)]
+    pub extra: BTreeMap<String, serde_json::Value>,
+}
+
+/// Which engine wrote the archive, by checkpointctl's rule on `spec.dump`'s `io.container.manager`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Containerd,
+    #[serde(rename = "cri-o")]
+    CriO,
+    Podman,
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Engine::Containerd => "containerd",
+            Engine::CriO => "CRI-O",
+            Engine::Podman => "Podman",
+        })
+    }
+}
+
+/// Sizes as checkpointctl reports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Sizes {
+    /// All regular files under `checkpoint/`.
+    pub checkpoint_size: u64,
+    pub memory_pages_size: u64,
+    pub amd_gpu_memory_pages_size: u64,
+    pub root_fs_diff_size: u64,
+    /// Every regular file of the archive.
+    pub total_size: u64,
+}
+
+/// Everything `inspect` needs, read in one pass over the headers (data skipped by seeking).
+#[derive(Debug, Clone)]
+pub struct ArchiveInfo {
+    pub entries: Vec<EntryInfo>,
+    pub config_dump: Option<ConfigDump>,
+    pub spec_dump: Option<serde_json::Value>,
+    pub status_dump: Option<serde_json::Value>,
+    pub manifest: Option<Manifest>,
+    pub sizes: Sizes,
+}
+
+impl ArchiveInfo {
+    /// The `spec.dump` annotations.
+    pub fn annotations(&self) -> BTreeMap<String, String> {
+        let mut out = BTreeMap::new();
+        if let Some(a) = self
+            .spec_dump
+            .as_ref()
+            .and_then(|s| s.get("annotations"))
+            .and_then(|a| a.as_object())
+        {
+            for (k, v) in a {
+                if let Some(v) = v.as_str() {
+                    out.insert(k.clone(), v.to_string());
+                }
+            }
+        }
+        out
+    }
+
+    pub fn engine(&self) -> Engine {
+        match self
+            .annotations()
+            .get("io.container.manager")
+            .map(String::as_str)
+        {
+            Some("libpod") => Engine::Podman,
+            Some("cri-o") => Engine::CriO,
+            _ => Engine::Containerd,
+        }
+    }
+
+    /// Container name, pod name, pod namespace, as the engine recorded them.
+    pub fn identity(&self) -> (String, String, String) {
+        let a = self.annotations();
+        let get = |k: &str| a.get(k).cloned().unwrap_or_default();
+        match self.engine() {
+            Engine::Containerd => (
+                get("io.kubernetes.cri.container-name"),
+                get("io.kubernetes.cri.sandbox-name"),
+                get("io.kubernetes.cri.sandbox-namespace"),
+            ),
+            Engine::CriO => {
+                let name = a
+                    .get("io.kubernetes.cri-o.Metadata")
+                    .and_then(|m| serde_json::from_str::<serde_json::Value>(m).ok())
+                    .and_then(|m| m.get("name").and_then(|n| n.as_str()).map(str::to_string))
+                    .unwrap_or_else(|| get("io.kubernetes.container.name"));
+                (
+                    name,
+                    get("io.kubernetes.pod.name"),
+                    get("io.kubernetes.pod.namespace"),
+                )
+            }
+            Engine::Podman => (
+                self.config_dump
+                    .as_ref()
+                    .map(|c| c.name.clone())
+                    .unwrap_or_default(),
+                String::new(),
+                String::new(),
+            ),
+        }
+    }
+
+    /// The best name for the container: engine's name, else config.dump's, else the manifest's.
+    pub fn container_name(&self) -> String {
+        let (n, _, _) = self.identity();
+        if !n.is_empty() {
+            return n;
+        }
+        if let Some(c) = &self.config_dump {
+            if !c.name.is_empty() {
+                return c.name.clone();
+            }
+        }
+        self.manifest
+            .as_ref()
+            .map(|m| m.container.name.clone())
+            .unwrap_or_default()
+    }
+}
+
+fn tar_err(entry: Option<&str>, source: io::Error) -> Error {
+    Error::Tar {
+        entry: entry.map(str::to_string),
+        source,
+    }
+}
+
+fn read_small<R: Read>(r: &mut R, entry: &str, size: u64) -> Result<Vec<u8>> {
+    if size > MAX_METADATA_BYTES {
+        return Err(Error::EntryTooLarge {
+            entry: entry.to_string(),
+            size,
+            limit: MAX_METADATA_BYTES,
+        });
+    }
+    let mut v = Vec::with_capacity(size as usize);
+    r.take(MAX_METADATA_BYTES)
+        .read_to_end(&mut v)
+        .map_err(|e| tar_err(Some(entry), e))?;
+    Ok(v)
+}
+
+fn add_sizes(sizes: &mut Sizes, info: &EntryInfo) {
+    if info.kind != EntryKind::File {
+        return;
+    }
+    sizes.total_size += info.size;
+    if let Some(rest) = info.path.strip_prefix("checkpoint/") {
+        sizes.checkpoint_size += info.size;
+        if rest.starts_with(names::PAGES_PREFIX) {
+            sizes.memory_pages_size += info.size;
+        } else if rest.starts_with(names::AMDGPU_PAGES_PREFIX) {
+            sizes.amd_gpu_memory_pages_size += info.size;
+        }
+    } else if info.path == names::ROOTFS_DIFF_TAR {
+        sizes.root_fs_diff_size = info.size;
+    }
+}
+
+/// Read the metadata of an archive file: every header is checked, data of big members is skipped by
+/// seeking, the small JSON members are parsed.
+pub fn read_info(path: &Path, limits: Limits) -> Result<ArchiveInfo> {
+    let f = File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    read_info_from(io::BufReader::with_capacity(64 << 10, f), limits)
+}
+
+/// [`read_info`] over any seekable reader.
+pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInfo> {
+    let mut ar = tar::Archive::new(r);
+    let mut checker = Checker::new(limits);
+    let mut info = ArchiveInfo {
+        entries: Vec::new(),
+        config_dump: None,
+        spec_dump: None,
+        status_dump: None,
+        manifest: None,
+        sizes: Sizes::default(),
+    };
+    let mut last: Option<String> = None;
+    let entries = ar.entries_with_seek().map_err(|e| tar_err(None, e))?;
+    for ent in entries {
+        let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
+        let Some(e) = checker.check(&ent)? else {
+            continue;
+        };
+        last = Some(e.path.clone());
+        add_sizes(&mut info.sizes, &e);
+        if e.kind == EntryKind::File {
+            match e.path.as_str() {
+                names::CONFIG_DUMP => {
+                    let d = read_small(&mut ent, &e.path, e.size)?;
+                    info.config_dump =
+                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
+                }
+                names::SPEC_DUMP => {
+                    let d = read_small(&mut ent, &e.path, e.size)?;
+                    info.spec_dump =
+                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
+                }
+                names::STATUS_DUMP => {
+                    let d = read_small(&mut ent, &e.path, e.size)?;
+                    info.status_dump =
+                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
+                }
+                names::MANIFEST_PATH => {
+                    let d = read_small(&mut ent, &e.path, e.size)?;
+                    info.manifest = Some(Manifest::from_json(&d, &e.path)?);
+                }
+                _ => {}
+            }
+        }
+        info.entries.push(e);
+    }
+    Ok(info)
+}
+
+/// What a full streaming verification found.
+#[derive(Debug, Clone)]
+pub struct VerifyReport {
+    pub manifest: Manifest,
+    /// Files under `checkpoint/` checked against the manifest.
+    pub files_verified: usize,
+    /// Bytes hashed.
+    pub bytes: u64,
+    /// Archive members outside `checkpoint/` that the manifest does not cover (written by the
+    /// container engine after the shim): name -> size and sha256 as found.
+    pub uncovered: BTreeMap<String, FileDigest>,
+}
+
+/// Verify an archive in one streaming pass: check every header, hash every file, and compare the files
+/// of `checkpoint/` with the manifest found there (missing, unlisted, size and digest mismatches are
+/// errors naming the file).
+pub fn verify_archive(path: &Path, limits: Limits, progress: Progress<'_>) -> Result<VerifyReport> {
+    let f = File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    verify_stream(f, total, limits, progress)
+}
+
+/// [`verify_archive`] over any reader (`total` only feeds progress).
+pub fn verify_stream<R: Read>(
+    r: R,
+    total: u64,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<VerifyReport> {
+    let mut ar = tar::Archive::new(r);
+    let mut checker = Checker::new(limits);
+    let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
+    let mut uncovered = BTreeMap::new();
+    let mut manifest = None;
+    let mut buf = vec![0u8; COPY_BUF];
+    let mut bytes = 0u64;
+    let mut last: Option<String> = None;
+    {
+        let entries = ar.entries().map_err(|e| tar_err(None, e))?;
+        for ent in entries {
+            let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
+            let Some(e) = checker.check(&ent)? else {
+                continue;
+            };
+            last = Some(e.path.clone());
+            if e.kind != EntryKind::File {
+                continue;
+            }
+            if e.path == names::MANIFEST_PATH {
+                let d = read_small(&mut ent, &e.path, e.size)?;
+                manifest = Some(Manifest::from_json(&d, &e.path)?);
+                continue;
+            }
+            let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
+            let mut n = 0u64;
+            loop {
+                let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
+                if k == 0 {
+                    break;
+                }
+                sha2::Digest::update(&mut hasher, &buf[..k]);
+                n += k as u64;
+                bytes += k as u64;
+                progress(ent_pos(&ent) + n, total);
+            }
+            let d = FileDigest {
+                size: n,
+                sha256: hex::encode(sha2::Digest::finalize(hasher)),
+            };
+            match e.path.strip_prefix("checkpoint/") {
+                Some(name) if !name.contains('/') => {
+                    found.insert(name.to_string(), d);
+                }
+                _ => {
+                    uncovered.insert(e.path.clone(), d);
+                }
+            }
+        }
+    }
+    progress(total, total);
+    let manifest = manifest.ok_or_else(|| Error::MissingEntry {
+        name: names::MANIFEST_PATH.into(),
+    })?;
+    compare_files(&manifest, &found)?;
+    Ok(VerifyReport {
+        files_verified: found.len(),
+        manifest,
+        bytes,
+        uncovered,
+    })
+}
+
+fn ent_pos<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
+    e.raw_file_position()
+}
+
+/// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.
+pub fn compare_files(m: &Manifest, found: &BTreeMap<String, FileDigest>) -> Result<()> {
+    for (name, want) in &m.files {
+        let Some(got) = found.get(name) else {
+            return Err(Error::MissingFile { name: name.clone() });
+        };
+        if got.size != want.size {
+            return Err(Error::SizeMismatch {
+                name: name.clone(),
+                expected: want.size,
+                actual: got.size,
+            });
+        }
+        if got.sha256 != want.sha256 {
+            return Err(Error::DigestMismatch {
+                name: name.clone(),
+                expected: want.sha256.clone(),
+                actual: got.sha256.clone(),
+            });
+        }
+    }
+    for name in found.keys() {
+        if !m.files.contains_key(name) {
+            return Err(Error::UnlistedFile { name: name.clone() });
+        }
+    }
+    Ok(())
+}
+
+/// Options for [`extract_archive`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ExtractOptions {
+    pub limits: Limits,
+    /// Verify `checkpoint/` against the manifest while writing (and remove what was written on a
+    /// mismatch). An archive without a manifest is then an error.
+    pub verify: bool,
+}
+
+/// Extract an archive file into `target` (created with mode 0700 if absent). All headers are checked
+/// in a first pass before anything is written; files are created 0600 and directories 0700 below an
+/// open handle of `target`, never through a symlink. On any error, what was written is removed.
+pub fn extract_archive(
+    src: &Path,
+    target: &Path,
+    opts: ExtractOptions,
+    progress: Progress<'_>,
+) -> Result<Vec<EntryInfo>> {
+    // Pass 1: headers only.
+    read_info(src, opts.limits)?;
+    let f = File::open(src).map_err(|e| Error::io("opening", src, e))?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    extract_stream(f, target, opts, total, progress)
+}
+
+/// Extract from a stream in a single pass (each header is checked before its entry is written).
+pub fn extract_stream<R: Read>(
+    r: R,
+    target: &Path,
+    opts: ExtractOptions,
+    total: u64,
+    progress: Progress<'_>,
+) -> Result<Vec<EntryInfo>> {
+    let root = SafeRoot::open(target)?;
+    let mut created: Vec<String> = Vec::new();
+    let res = extract_inner(r, &root, target, opts, total, progress, &mut created);
+    if res.is_err() {
+        cleanup(target, &created);
+    }
+    res
+}
+
+fn cleanup(target: &Path, created: &[String]) {
+    for rel in created.iter().rev() {
+        let p = target.join(rel);
+        match fs::symlink_metadata(&p) {
+            Ok(m) if m.is_dir() => {
+                let _ = fs::remove_dir(&p);
+            }
+            Ok(_) => {
+                let _ = fs::remove_file(&p);
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+fn note_dirs(created: &mut Vec<String>, made: &mut std::collections::HashSet<String>, path: &str) {
+    let mut acc = String::new();
+    let comps: Vec<&str> = path.split('/').collect();
+    for c in &comps[..comps.len().saturating_sub(1)] {
+        if !acc.is_empty() {
+            acc.push('/');
+        }
+        acc.push_str(c);
+        if made.insert(acc.clone()) {
+            created.push(acc.clone());
+        }
+    }
+}
+
+fn extract_inner<R: Read>(
+    r: R,
+    root: &SafeRoot,
+    target: &Path,
+    opts: ExtractOptions,
+    total: u64,
+    progress: Progress<'_>,
+    created: &mut Vec<String>,
+) -> Result<Vec<EntryInfo>> {
+    let mut ar = tar::Archive::new(r);
+    let mut checker = Checker::new(opts.limits);
+    let mut out = Vec::new();
+    let mut symlinks = Vec::new();
+    let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
+    let mut manifest = None;
+    let mut made = std::collections::HashSet::new();
+    let mut last: Option<String> = None;
+    let mut buf = vec![0u8; COPY_BUF];
+    let entries = ar.entries().map_err(|e| tar_err(None, e))?;
+    for ent in entries {
+        let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
+        let Some(e) = checker.check(&ent)? else {
+            continue;
+        };
+        last = Some(e.path.clone());
+        let wrap = |x: io::Error| Error::io("extracting", target.join(&e.path), x);
+        let exists = |x: io::Error| {
+            if x.kind() == io::ErrorKind::AlreadyExists {
+                Error::Exists {
+                    entry: e.path.clone(),
+                }
+            } else {
+                Error::io("extracting", target.join(&e.path), x)
+            }
+        };
+        note_dirs(created, &mut made, &e.path);
+        match &e.kind {
+            EntryKind::Dir => {
+                root.create_dir(&e.path).map_err(wrap)?;
+                if made.insert(e.path.clone()) {
+                    created.push(e.path.clone());
+                }
+            }
+            EntryKind::File => {
+                let mut f = root.create_file(&e.path).map_err(exists)?;
+                created.push(e.path.clone());
+                let is_manifest = e.path == names::MANIFEST_PATH;
+                let mut small = Vec::new();
+                let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
+                let mut n = 0u64;
+                loop {
+                    let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
+                    if k == 0 {
+                        break;
+                    }
+                    if opts.verify {
+                        sha2::Digest::update(&mut hasher, &buf[..k]);
+                    }
+                    if is_manifest {
+                        small.extend_from_slice(&buf[..k]);
+                    }
+                    f.write_all(&buf[..k]).map_err(wrap)?;
+                    n += k as u64;
+                    progress(ent.raw_file_position() + n, total);
+                }
+                if is_manifest {
+                    manifest = Some(Manifest::from_json(&small, &e.path)?);
+                } else if let Some(name) = e.path.strip_prefix("checkpoint/") {
+                    if opts.verify && !name.contains('/') {
+                        found.insert(
+                            name.to_string(),
+                            FileDigest {
+                                size: n,
+                                sha256: hex::encode(sha2::Digest::finalize(hasher)),
+                            },
+                        );
+                    }
+                }
+            }
+            EntryKind::Hardlink(t) => {
+                root.hard_link(t, &e.path).map_err(exists)?;
+                created.push(e.path.clone());
+            }
+            EntryKind::Symlink(t) => symlinks.push((t.clone(), e.path.clone())),
+        }
+        out.push(e);
+    }
+    // Links last, so no later entry can be written through one.
+    for (t, p) in symlinks {
+        root.symlink(&t, &p).map_err(|x| {
+            if x.kind() == io::ErrorKind::AlreadyExists {
+                Error::Exists { entry: p.clone() }
+            } else {
+                Error::io("extracting", target.join(&p), x)
+            }
+        })?;
+        created.push(p);
+    }
+    if opts.verify {
+        let m = manifest.ok_or_else(|| Error::MissingEntry {
+            name: names::MANIFEST_PATH.into(),
+        })?;
+        compare_files(&m, &found)?;
+    }
+    progress(total, total);
+    Ok(out)
+}
+
+/// One member to put into an archive.
+#[derive(Debug, Clone)]
+pub enum Member {
+    /// Bytes held in memory.
+    Bytes(Vec<u8>),
+    /// A file on disk, streamed.
+    File(PathBuf),
+}
+
+/// What goes into a kubelet-style archive (containerd 2.1+ layout).
+#[derive(Debug, Clone, Default)]
+pub struct ArchiveSpec {
+    /// The checkpoint directory: flat, regular files only (CRIU images and the gpu-ckpt manifest).
+    pub checkpoint_dir: Option<PathBuf>,
+    pub config_dump: Option<ConfigDump>,
+    /// The OCI spec JSON.
+    pub spec_dump: Option<serde_json::Value>,
+    /// CRI ContainerStatus JSON.
+    pub status_dump: Option<serde_json::Value>,
+    /// Other members by name (`status`, `container.log`, `dump.log`, `stats-dump`,
+    /// `rootfs-diff.tar`, ...). Names must be flat.
+    pub members: BTreeMap<String, Member>,
+    /// mtime of every header (seconds since the epoch).
+    pub mtime: u64,
+}
+
+/// Write an archive at `out` (temp file then rename; mode 0600). Members are written in name order,
+/// as a directory walk would; files 0600, directories 0700, owner root.
+pub fn write_archive(spec: &ArchiveSpec, out: &Path) -> Result<()> {
+    let dir = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        out.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let res = (|| {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let w = io::BufWriter::with_capacity(COPY_BUF, f);
+        let w = write_archive_to(spec, w)?;
+        let f = w
+            .into_inner()
+            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
+        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+fn header(kind: tar::EntryType, size: u64, mtime: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(if kind == tar::EntryType::Directory {
+        0o700
+    } else {
+        0o600
+    });
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(mtime);
+    h
+}
+
+/// Write an archive to any writer; returns the writer.
+pub fn write_archive_to<W: Write>(spec: &ArchiveSpec, w: W) -> Result<W> {
+    let mut b = tar::Builder::new(w);
+    let mut all: BTreeMap<String, Member> = spec.members.clone();
+    for name in all.keys() {
+        crate::manifest::check_flat_name(name)?;
+    }
+    let json = |v: &dyn erased::Ser| -> Result<Vec<u8>> { v.to_json() };
+    if let Some(c) = &spec.config_dump {
+        all.insert(names::CONFIG_DUMP.into(), Member::Bytes(json(c)?));
+    }
+    if let Some(s) = &spec.spec_dump {
+        all.insert(names::SPEC_DUMP.into(), Member::Bytes(json(s)?));
+    }
+    if let Some(s) = &spec.status_dump {
+        all.insert(names::STATUS_DUMP.into(), Member::Bytes(json(s)?));
+    }
+    let werr =
+        |name: &str, e: io::Error| Error::io("writing archive member", PathBuf::from(name), e);
+    // "checkpoint" sorts before every other checkpointctl name.
+    if let Some(dir) = &spec.checkpoint_dir {
+        let mut h = header(tar::EntryType::Directory, 0, spec.mtime);
+        b.append_data(&mut h, "checkpoint/", io::empty())
+            .map_err(|e| werr("checkpoint/", e))?;
+        let mut files: Vec<String> = Vec::new();
+        for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
+            let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
+            let name = ent.file_name().into_string().map_err(|n| Error::NotFlat {
+                name: n.to_string_lossy().into_owned(),
+                reason: "name is not utf-8",
+            })?;
+            let ft = ent
+                .file_type()
+                .map_err(|e| Error::io("reading", ent.path(), e))?;
+            if !ft.is_file() {
+                return Err(Error::NotFlat {
+                    name,
+                    reason: "only regular files are allowed",
+                });
+            }
+            if name.starts_with(&format!(".{MANIFEST_FILE}.tmp-")) {
+                continue;
+            }
+            files.push(name);
+        }
+        files.sort();
+        for name in files {
+            append_file(
+                &mut b,
+                &dir.join(&name),
+                &format!("checkpoint/{name}"),
+                spec.mtime,
+            )?;
+        }
+    }
+    for (name, m) in &all {
+        match m {
+            Member::Bytes(d) => {
+                let mut h = header(tar::EntryType::Regular, d.len() as u64, spec.mtime);
+                b.append_data(&mut h, name, &d[..])
+                    .map_err(|e| werr(name, e))?;
+            }
+            Member::File(p) => append_file(&mut b, p, name, spec.mtime)?,
+        }
+    }
+    b.into_inner().map_err(|e| werr("(end of archive)", e))
+}
+
+fn append_file<W: Write>(
+    b: &mut tar::Builder<W>,
+    path: &Path,
+    name: &str,
+    mtime: u64,
+) -> Result<()> {
+    let f = File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let len = f
+        .metadata()
+        .map_err(|e| Error::io("reading", path, e))?
+        .len();
+    let mut h = header(tar::EntryType::Regular, len, mtime);
+    // Take exactly `len` bytes: a file that grows while we copy must not corrupt the stream.
+    let mut r = f.take(len);
+    b.append_data(&mut h, name, &mut r)
+        .map_err(|e| Error::io("writing archive member", path, e))
+}
+
+mod erased {
+    use crate::error::{Error, Result};
+    pub trait Ser {
+        fn to_json(&self) -> Result<Vec<u8>>;
+    }
+    impl<T: serde::Serialize> Ser for T {
+        fn to_json(&self) -> Result<Vec<u8>> {
+            serde_json::to_vec_pretty(self).map_err(|e| Error::json("archive member", e))
+        }
+    }
+}
+
+/// sha256 of an in-memory archive member, for callers building manifests of small files.
+pub fn digest_bytes(d: &[u8]) -> FileDigest {
+    FileDigest {
+        size: d.len() as u64,
+        sha256: sha256_hex(d),
+    }
+}
+
+/// Convenience: list a whole archive without extracting it.
+pub fn list(path: &Path) -> Result<Vec<EntryInfo>> {
+    Ok(read_info(path, Limits::default())?.entries)
+}
+
+/// Convenience: verify with no progress and default limits.
+pub fn verify(path: &Path) -> Result<VerifyReport> {
+    verify_archive(path, Limits::default(), &mut no_progress)
+}

@@ -1,0 +1,692 @@
+//! `gpu-ckpt`: inspect, verify, check compatibility of, build and extract gpu-ckpt checkpoints.
+//!
+//! Exit codes: 0 success (compat: compatible), 1 compat: not compatible, 2 any error.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+use image_format::archive::{self, ExtractOptions};
+use image_format::compat::{self, Profile, Verdict};
+use image_format::manifest::{Devices, Gpu, Manifest, Workload, MANIFEST_FILE};
+use image_format::oci::{self, BuildOptions};
+use image_format::safe::Limits;
+
+#[derive(Parser)]
+#[command(
+    name = "gpu-ckpt",
+    version,
+    about = "Inspect, verify, check and package gpu-ckpt checkpoints"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone, Default)]
+struct NodeArgs {
+    /// Node GPU inventory, JSON: {"driver_version","cuda_driver_version","gpus":[{uuid,model,...}]}
+    /// (or {"devices":{...},"workload":{...}}). Default: $GPU_CKPT_NODE_INVENTORY, else nvidia-smi.
+    #[arg(long, value_name = "FILE")]
+    node: Option<PathBuf>,
+    /// Engine version the restoring pod declares (gpu-ckpt.io/engine-version).
+    #[arg(long)]
+    engine_version: Option<String>,
+    /// Model version the restoring pod declares (gpu-ckpt.io/model-version).
+    #[arg(long)]
+    model_version: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Show what a checkpoint archive or image holds (like `checkpointctl inspect`), with the GPU
+    /// section and the compatibility verdict for this node.
+    Inspect {
+        /// Archive (.tar), OCI image (layout dir or tarball), or checkpoint directory.
+        path: PathBuf,
+        /// Print JSON instead of a tree.
+        #[arg(long)]
+        json: bool,
+        /// List every entry.
+        #[arg(long)]
+        files: bool,
+        #[command(flatten)]
+        node: NodeArgs,
+    },
+    /// Verify every digest: archive members against the manifest, image blobs against their digests,
+    /// or a checkpoint directory against its manifest.
+    Verify {
+        path: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Can this checkpoint restore on this node? Exit 0 yes, 1 no (the differing fields are printed).
+    Compat {
+        /// Archive, OCI image, checkpoint directory, or manifest JSON file.
+        path: PathBuf,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        node: NodeArgs,
+    },
+    /// Turn a checkpoint archive into an OCI image (layout directory and/or tarball), optionally pushed.
+    Build {
+        archive: PathBuf,
+        /// Image reference, e.g. localhost:5000/ckpt/counter:1.
+        #[arg(long = "ref", value_name = "REF")]
+        reference: String,
+        /// Write an OCI layout directory here.
+        #[arg(long, value_name = "DIR")]
+        layout: Option<PathBuf>,
+        /// Write an OCI layout tarball here (for `ctr images import`).
+        #[arg(long, value_name = "FILE")]
+        tarball: Option<PathBuf>,
+        /// Push to the registry named in --ref (plain http).
+        #[arg(long)]
+        push: bool,
+    },
+    /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
+    /// archive (--archive).
+    Extract {
+        /// Archive or OCI image.
+        src: PathBuf,
+        /// Extract the archive's contents into this directory.
+        #[arg(long, value_name = "DIR")]
+        to: Option<PathBuf>,
+        /// From an image: write the checkpoint archive to this file.
+        #[arg(long, value_name = "FILE")]
+        archive: Option<PathBuf>,
+        /// Do not verify checkpoint/ against the manifest while extracting.
+        #[arg(long)]
+        no_verify: bool,
+    },
+}
+
+/// Progress on stderr when it is a terminal, at most ten updates a second.
+struct Bar {
+    label: &'static str,
+    tty: bool,
+    start: Instant,
+    last: Option<Instant>,
+}
+
+impl Bar {
+    fn new(label: &'static str) -> Bar {
+        Bar {
+            label,
+            tty: std::io::stderr().is_terminal(),
+            start: Instant::now(),
+            last: None,
+        }
+    }
+    fn update(&mut self, done: u64, total: u64) {
+        if !self.tty {
+            return;
+        }
+        let now = Instant::now();
+        if let Some(l) = self.last {
+            if now.duration_since(l).as_millis() < 100 && done < total {
+                return;
+            }
+        }
+        self.last = Some(now);
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let secs = self.start.elapsed().as_secs_f64().max(1e-3);
+        let pct = if total > 0 {
+            format!(" {:5.1}%", 100.0 * done as f64 / total as f64)
+        } else {
+            String::new()
+        };
+        eprint!(
+            "\r{}: {:.2}/{:.2} GiB{} {:.2} GiB/s   ",
+            self.label,
+            gib(done),
+            gib(total),
+            pct,
+            gib(done) / secs
+        );
+        let _ = std::io::stderr().flush();
+    }
+    fn finish(&self) {
+        if self.tty && self.last.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gpu-ckpt: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Inspect {
+            path,
+            json,
+            files,
+            node,
+        } => inspect(&path, json, files, &node),
+        Cmd::Verify { path, json } => verify(&path, json),
+        Cmd::Compat { path, json, node } => compat_cmd(&path, json, &node),
+        Cmd::Build {
+            archive,
+            reference,
+            layout,
+            tarball,
+            push,
+        } => build(&archive, &reference, layout, tarball, push),
+        Cmd::Extract {
+            src,
+            to,
+            archive,
+            no_verify,
+        } => extract(&src, to, archive, no_verify),
+    }
+}
+
+/// The node's inventory plus the pod's declared versions, or None when no inventory can be had.
+fn node_profile(args: &NodeArgs) -> Result<Option<Profile>> {
+    let path = args
+        .node
+        .clone()
+        .or_else(|| std::env::var_os("GPU_CKPT_NODE_INVENTORY").map(PathBuf::from));
+    let mut p = if let Some(path) = path {
+        let data = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&data).with_context(|| format!("parsing {}", path.display()))?;
+        if v.get("devices").is_some() {
+            serde_json::from_value::<Profile>(v)
+                .with_context(|| format!("parsing {}", path.display()))?
+        } else {
+            Profile {
+                devices: serde_json::from_value::<Devices>(v)
+                    .with_context(|| format!("parsing {}", path.display()))?,
+                workload: Workload::default(),
+            }
+        }
+    } else {
+        match nvidia_smi_inventory() {
+            Some(d) => Profile {
+                devices: d,
+                workload: Workload::default(),
+            },
+            None => return Ok(None),
+        }
+    };
+    if let Some(e) = &args.engine_version {
+        p.workload.engine_version = e.clone();
+    }
+    if let Some(m) = &args.model_version {
+        p.workload.model_version = m.clone();
+    }
+    Ok(Some(p))
+}
+
+/// Inventory from nvidia-smi, if it runs.
+fn nvidia_smi_inventory() -> Option<Devices> {
+    let out = std::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=uuid,name,memory.total,pci.bus_id,driver_version",
+            "--format=csv,noheader,nounits",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut d = Devices::default();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let f: Vec<&str> = line.split(',').map(str::trim).collect();
+        if f.len() < 5 {
+            continue;
+        }
+        d.driver_version = f[4].to_string();
+        d.gpus.push(Gpu {
+            uuid: f[0].into(),
+            model: f[1].into(),
+            architecture: String::new(),
+            memory_bytes: f[2].parse::<u64>().unwrap_or(0) << 20,
+            pci_address: f[3].into(),
+        });
+    }
+    let banner = std::process::Command::new("nvidia-smi").output().ok()?;
+    let banner = String::from_utf8_lossy(&banner.stdout);
+    if let Some(i) = banner.find("CUDA Version:") {
+        d.cuda_driver_version = banner[i + 13..]
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_string();
+    }
+    Some(d)
+}
+
+/// The checkpoint's profile (and manifest when there is one) from any kind of input.
+fn checkpoint_profile(path: &Path) -> Result<(Profile, Option<Manifest>)> {
+    if path.is_dir() && path.join(MANIFEST_FILE).is_file() {
+        let m = Manifest::read_from(path)?;
+        return Ok((Profile::from_manifest(&m), Some(m)));
+    }
+    if oci::is_image(path) {
+        return match oci::image_profile(path)? {
+            Some(p) => Ok((p, None)),
+            None => bail!(
+                "image {} carries no gpu-ckpt.io/ annotations",
+                path.display()
+            ),
+        };
+    }
+    if path.is_file() {
+        // A manifest JSON file, or an archive.
+        let head = {
+            let mut f = std::fs::File::open(path)?;
+            let mut b = [0u8; 1];
+            let n = std::io::Read::read(&mut f, &mut b)?;
+            (n == 1).then_some(b[0])
+        };
+        if head == Some(b'{') {
+            let data = std::fs::read(path)?;
+            let m = Manifest::from_json(&data, &path.display().to_string())?;
+            return Ok((Profile::from_manifest(&m), Some(m)));
+        }
+        let info = archive::read_info(path, Limits::default())?;
+        let m = info.manifest.with_context(|| {
+            format!(
+                "{} has no {}",
+                path.display(),
+                archive::names::MANIFEST_PATH
+            )
+        })?;
+        return Ok((Profile::from_manifest(&m), Some(m)));
+    }
+    bail!(
+        "{}: not an archive, image, checkpoint directory or manifest",
+        path.display()
+    )
+}
+
+fn print_verdict(v: &Verdict) {
+    if v.compatible {
+        println!("compatible: yes");
+        for p in v.remapped() {
+            println!("  remap {} -> {}", p.old_uuid, p.new_uuid);
+        }
+    } else {
+        println!("compatible: no");
+        for d in &v.differences {
+            println!("  {d}");
+        }
+    }
+}
+
+fn compat_cmd(path: &Path, json: bool, args: &NodeArgs) -> Result<ExitCode> {
+    let (ckpt, _) = checkpoint_profile(path)?;
+    let Some(node) = node_profile(args)? else {
+        bail!("no node inventory: pass --node FILE, set GPU_CKPT_NODE_INVENTORY, or install nvidia-smi");
+    };
+    let v = compat::check(&ckpt, &node);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print_verdict(&v);
+    }
+    Ok(if v.compatible {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn human(b: u64) -> String {
+    const U: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if b < 1024 {
+        return format!("{b} B");
+    }
+    let mut v = b as f64 / 1024.0;
+    let mut i = 0;
+    while v >= 1024.0 && i < U.len() - 1 {
+        v /= 1024.0;
+        i += 1;
+    }
+    format!("{v:.1} {}", U[i])
+}
+
+fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<ExitCode> {
+    let node = node_profile(args).unwrap_or(None);
+    if oci::is_image(path) {
+        let (m, digest) = oci::read_image_manifest(path)?;
+        let prof = compat::profile_from_annotations(&m.annotations);
+        let verdict = match (&prof, &node) {
+            (Some(c), Some(n)) => Some(compat::check(c, n)),
+            _ => None,
+        };
+        if json {
+            let v = serde_json::json!({
+                "image": path, "manifest_digest": digest, "annotations": m.annotations,
+                "layers": m.layers, "gpu_profile": prof, "compat": verdict,
+            });
+            println!("{}", serde_json::to_string_pretty(&v)?);
+        } else {
+            println!("\nDisplaying checkpoint image {}\n", path.display());
+            println!("Manifest: {digest}");
+            for (k, v) in &m.annotations {
+                println!("├── {k}: {v}");
+            }
+            for l in &m.layers {
+                println!(
+                    "└── layer {} ({}, {})",
+                    l.digest,
+                    l.media_type,
+                    human(l.size)
+                );
+            }
+            match &verdict {
+                Some(v) => print_verdict(v),
+                None => {
+                    println!("compatible: unknown (no node inventory or no gpu-ckpt annotations)")
+                }
+            }
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let info = archive::read_info(path, Limits::default())?;
+    let (name, pod, ns) = info.identity();
+    let cfg = info.config_dump.clone().unwrap_or_default();
+    let verdict = match (&info.manifest, &node) {
+        (Some(m), Some(n)) => Some(compat::check(&Profile::from_manifest(m), n)),
+        _ => None,
+    };
+    if json {
+        let entries_json: Option<Vec<serde_json::Value>> = files.then(|| {
+            info.entries
+                .iter()
+                .map(|e| serde_json::json!({"path": e.path, "size": e.size}))
+                .collect()
+        });
+        // checkpointctl's field names, plus "gpu" and "compat".
+        let v = serde_json::json!([{
+            "container_name": info.container_name(),
+            "image": cfg.rootfs_image_name,
+            "id": cfg.id,
+            "runtime": cfg.runtime,
+            "created": cfg.created_time,
+            "checkpointed": cfg.checkpointed_time,
+            "engine": info.engine().to_string(),
+            "checkpoint_size": {
+                "total_size": info.sizes.checkpoint_size,
+                "memory_pages_size": info.sizes.memory_pages_size,
+                "amd_gpu_memory_pages_size": info.sizes.amd_gpu_memory_pages_size,
+                "root_fs_diff_size": info.sizes.root_fs_diff_size,
+            },
+            "metadata": {"pod_name": pod, "kubernetes_namespace": ns, "annotations": info.annotations()},
+            "gpu": info.manifest,
+            "compat": verdict,
+            "files": entries_json,
+        }]);
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "\nDisplaying container checkpoint tree view from {}\n",
+        path.display()
+    );
+    println!(
+        "{}",
+        if name.is_empty() {
+            info.container_name()
+        } else {
+            name
+        }
+    );
+    println!("├── Image: {}", cfg.rootfs_image_name);
+    println!("├── ID: {}", cfg.id);
+    println!("├── Runtime: {}", cfg.runtime);
+    println!("├── Created: {}", cfg.created_time);
+    if !cfg.checkpointed_time.is_empty() {
+        println!("├── Checkpointed: {}", cfg.checkpointed_time);
+    }
+    println!("├── Engine: {}", info.engine());
+    if !pod.is_empty() {
+        println!("├── Pod: {pod} (namespace {ns})");
+    }
+    println!("├── Checkpoint size: {}", human(info.sizes.checkpoint_size));
+    println!(
+        "│   └── Memory pages size: {}",
+        human(info.sizes.memory_pages_size)
+    );
+    if info.sizes.root_fs_diff_size > 0 {
+        println!(
+            "├── Root FS diff size: {}",
+            human(info.sizes.root_fs_diff_size)
+        );
+    }
+    match &info.manifest {
+        None => println!("└── GPU: no gpu-ckpt manifest (not taken by gpu-ckpt)"),
+        Some(m) => {
+            println!(
+                "└── GPU (manifest schema {}, taken {})",
+                m.schema_version, m.created
+            );
+            println!(
+                "    ├── Node: kernel {}, CRIU {}, runc {}, shim {}",
+                m.node.kernel, m.node.criu, m.node.runc, m.node.shim
+            );
+            println!(
+                "    ├── Driver {}, CUDA {}",
+                m.devices.driver_version, m.devices.cuda_driver_version
+            );
+            for (i, g) in m.devices.gpus.iter().enumerate() {
+                println!(
+                    "    ├── GPU {i}: {} ({}, {}, {}) {}",
+                    g.model,
+                    g.architecture,
+                    human(g.memory_bytes),
+                    g.pci_address,
+                    g.uuid
+                );
+            }
+            println!(
+                "    ├── Engine version: {}, model version: {}",
+                m.workload.engine_version, m.workload.model_version
+            );
+            println!(
+                "    ├── Device state: {} blobs, {}",
+                m.device_state.len(),
+                human(m.device_state_bytes())
+            );
+            for t in &m.timings {
+                println!("    ├── {}: {:.1} ms", t.step, t.millis);
+            }
+            println!("    └── Files: {} listed", m.files.len());
+        }
+    }
+    if files {
+        println!("\nEntries:");
+        for e in &info.entries {
+            println!("  {:>12}  {}", e.size, e.path);
+        }
+    }
+    match &verdict {
+        Some(v) => print_verdict(v),
+        None => println!("compatible: unknown (no node inventory or no manifest)"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn verify(path: &Path, json: bool) -> Result<ExitCode> {
+    let start = Instant::now();
+    let mut bar = Bar::new("verify");
+    let (summary, bytes) = if path.is_dir() && path.join(MANIFEST_FILE).is_file() {
+        let m = image_format::manifest::verify_dir_progress(path, &mut |d, t| bar.update(d, t))?;
+        let b: u64 = m.files.values().map(|f| f.size).sum();
+        (format!("{} files match the manifest", m.files.len()), b)
+    } else if oci::is_image(path) {
+        // Blob digests: stream the layer out to nowhere while hashing.
+        let sink = tempdir_file()?;
+        let n = oci::extract_archive_from_image(path, &sink, &mut |d, t| bar.update(d, t));
+        let _ = std::fs::remove_file(&sink);
+        let n = n?;
+        (format!("image layer digest ok ({})", human(n)), n)
+    } else {
+        let r = archive::verify_archive(path, Limits::default(), &mut |d, t| bar.update(d, t))?;
+        (
+            format!(
+                "{} checkpoint files match the manifest; {} other members ({}) are not covered by it",
+                r.files_verified,
+                r.uncovered.len(),
+                r.uncovered.keys().cloned().collect::<Vec<_>>().join(", ")
+            ),
+            r.bytes,
+        )
+    };
+    bar.finish();
+    let secs = start.elapsed().as_secs_f64();
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"ok": true, "summary": summary, "bytes": bytes, "seconds": secs})
+        );
+    } else {
+        println!("verify ok: {summary}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn tempdir_file() -> Result<PathBuf> {
+    let dir = std::env::temp_dir();
+    Ok(dir.join(format!(".gpu-ckpt-verify-{}", std::process::id())))
+}
+
+fn build(
+    archive: &Path,
+    reference: &str,
+    layout: Option<PathBuf>,
+    tarball: Option<PathBuf>,
+    push: bool,
+) -> Result<ExitCode> {
+    if layout.is_none() && tarball.is_none() && !push {
+        bail!("nothing to do: give --layout DIR, --tarball FILE and/or --push");
+    }
+    let opts = BuildOptions {
+        reference: reference.to_string(),
+        limits: Limits::default(),
+    };
+    let mut bar = Bar::new("build");
+    let mut built = None;
+    let mut pushed_from = None;
+    if let Some(t) = &tarball {
+        built = Some(oci::build_tarball(archive, t, &opts, &mut |d, t| {
+            bar.update(d, t)
+        })?);
+        pushed_from = Some(t.clone());
+    }
+    if let Some(l) = &layout {
+        let b = oci::build_layout(archive, l, &opts, &mut |d, t| bar.update(d, t))?;
+        built = Some(b);
+        pushed_from = Some(l.clone());
+    }
+    let tmp_layout;
+    if pushed_from.is_none() {
+        tmp_layout = std::env::temp_dir().join(format!("gpu-ckpt-build-{}", std::process::id()));
+        built = Some(oci::build_layout(
+            archive,
+            &tmp_layout,
+            &opts,
+            &mut |d, t| bar.update(d, t),
+        )?);
+        pushed_from = Some(tmp_layout.clone());
+    }
+    bar.finish();
+    let built = built.context("nothing built")?;
+    println!("built {} ({})", reference, built.manifest_digest);
+    println!(
+        "  layer {} ({})",
+        built.layer.digest,
+        human(built.layer.size)
+    );
+    println!("  container {}", built.container_name);
+    if let Some(t) = &tarball {
+        println!("  tarball {}", t.display());
+    }
+    if let Some(l) = &layout {
+        println!("  layout {}", l.display());
+    }
+    if push {
+        let from = pushed_from.context("no image to push")?;
+        let mut bar = Bar::new("push");
+        let d = oci::push(&from, reference, &mut |d, t| bar.update(d, t));
+        bar.finish();
+        if layout.is_none() && tarball.is_none() {
+            let _ = std::fs::remove_dir_all(&from);
+        }
+        println!("pushed {reference}@{}", d?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn extract(
+    src: &Path,
+    to: Option<PathBuf>,
+    out: Option<PathBuf>,
+    no_verify: bool,
+) -> Result<ExitCode> {
+    if to.is_none() && out.is_none() {
+        bail!("nothing to do: give --to DIR and/or --archive FILE");
+    }
+    let mut archive_path = src.to_path_buf();
+    let mut tmp = None;
+    if oci::is_image(src) {
+        let dst = match &out {
+            Some(o) => o.clone(),
+            None => {
+                let t = std::env::temp_dir()
+                    .join(format!(".gpu-ckpt-extract-{}.tar", std::process::id()));
+                tmp = Some(t.clone());
+                t
+            }
+        };
+        let mut bar = Bar::new("image -> archive");
+        oci::extract_archive_from_image(src, &dst, &mut |d, t| bar.update(d, t))?;
+        bar.finish();
+        if out.is_some() {
+            println!("wrote archive {}", dst.display());
+        }
+        archive_path = dst;
+    } else if out.is_some() {
+        bail!(
+            "--archive applies to an OCI image; {} is an archive already",
+            src.display()
+        );
+    }
+    let res = (|| -> Result<()> {
+        if let Some(dir) = &to {
+            let mut bar = Bar::new("extract");
+            let opts = ExtractOptions {
+                limits: Limits::default(),
+                verify: !no_verify,
+            };
+            let entries =
+                archive::extract_archive(&archive_path, dir, opts, &mut |d, t| bar.update(d, t))?;
+            bar.finish();
+            println!("extracted {} entries into {}", entries.len(), dir.display());
+        }
+        Ok(())
+    })();
+    if let Some(t) = tmp {
+        let _ = std::fs::remove_file(t);
+    }
+    res?;
+    Ok(ExitCode::SUCCESS)
+}

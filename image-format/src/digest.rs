@@ -1,0 +1,91 @@
+//! sha256 helpers that hash while data streams through, and a progress hook for long copies.
+
+use std::io::{self, Read, Write};
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// Buffer size for streaming copies: large enough that syscalls are not the bottleneck.
+pub const COPY_BUF: usize = 1 << 20;
+
+/// Called with (bytes done, bytes expected in total, 0 if unknown) as a long operation advances.
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
+
+/// A progress hook that does nothing.
+pub fn no_progress(_: u64, _: u64) {}
+
+/// Lower-case hex sha256 of a byte slice.
+pub fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// A reader that hashes (and counts) everything read through it.
+pub struct HashingReader<R> {
+    inner: R,
+    hasher: Sha256,
+    count: u64,
+}
+
+impl<R: Read> HashingReader<R> {
+    pub fn new(inner: R) -> Self {
+        HashingReader {
+            inner,
+            hasher: Sha256::new(),
+            count: 0,
+        }
+    }
+
+    /// Bytes read so far.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Finish: (hex sha256, byte count, inner reader).
+    pub fn finish(self) -> (String, u64, R) {
+        (hex::encode(self.hasher.finalize()), self.count, self.inner)
+    }
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count += n as u64;
+        Ok(n)
+    }
+}
+
+/// Copy `r` to `w` while hashing; returns (hex sha256, bytes copied). Reports progress.
+pub fn copy_hashing(
+    r: &mut dyn Read,
+    w: &mut dyn Write,
+    total: u64,
+    progress: Progress<'_>,
+) -> io::Result<(String, u64)> {
+    let mut buf = vec![0u8; COPY_BUF];
+    let mut hasher = Sha256::new();
+    let mut done = 0u64;
+    loop {
+        let n = match r.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        hasher.update(&buf[..n]);
+        w.write_all(&buf[..n])?;
+        done += n as u64;
+        progress(done, total);
+    }
+    Ok((hex::encode(hasher.finalize()), done))
+}
+
+/// Hash a whole file, streaming. Returns (hex sha256, size).
+pub fn hash_file(path: &Path, progress: Progress<'_>) -> Result<(String, u64)> {
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    copy_hashing(&mut f, &mut io::sink(), total, progress)
+        .map_err(|e| Error::io("reading", path, e))
+}

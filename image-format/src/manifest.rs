@@ -1,0 +1,530 @@
+//! The gpu-ckpt manifest: a versioned JSON document, `gpu-ckpt-manifest.json`, that the shim writes next
+//! to the CRIU images (so it ends up as `checkpoint/gpu-ckpt-manifest.json` in the kubelet archive).
+//!
+//! It records who was checkpointed, on what node, with which GPUs and versions, and the size and sha256
+//! of every file in the checkpoint directory (except itself). The schema is documented field by field in
+//! docs/image-format.md.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::{hash_file, no_progress, Progress};
+use crate::error::{Error, Result};
+
+/// File name of the manifest inside the checkpoint directory.
+pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
+/// The value of the `kind` field.
+pub const MANIFEST_KIND: &str = "gpu-ckpt.io/CheckpointManifest";
+/// The value of the `$schema` field for schema major version 1.
+pub const MANIFEST_SCHEMA_ID: &str = "https://gpu-ckpt.io/schemas/checkpoint-manifest/v1.json";
+/// The schema major version this build writes and reads.
+pub const SCHEMA_VERSION: u32 = 1;
+/// Largest manifest we agree to parse (it is metadata; megabytes would be an attack).
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+
+/// The pod annotation that declares the engine version (e.g. "vllm 0.11.0").
+pub const ANNOTATION_ENGINE_VERSION: &str = "gpu-ckpt.io/engine-version";
+/// The pod annotation that declares the model version (e.g. "Qwen3-8B@abc123").
+pub const ANNOTATION_MODEL_VERSION: &str = "gpu-ckpt.io/model-version";
+
+/// The whole manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Schema id (URL-like), fixed per major version.
+    #[serde(rename = "$schema")]
+    pub schema: String,
+    /// Always [`MANIFEST_KIND`].
+    pub kind: String,
+    /// Schema major version; readers refuse majors they do not know.
+    pub schema_version: u32,
+    /// When the checkpoint was taken, RFC 3339 UTC.
+    pub created: String,
+    pub container: Container,
+    pub node: Node,
+    pub devices: Devices,
+    pub workload: Workload,
+    /// Device state blobs (files in the checkpoint directory that hold GPU state).
+    #[serde(default)]
+    pub device_state: Vec<DeviceState>,
+    /// Every file of the checkpoint directory except the manifest: name -> size and sha256.
+    #[serde(default)]
+    pub files: BTreeMap<String, FileDigest>,
+    /// Step timings in milliseconds, in the order the steps ran.
+    #[serde(default)]
+    pub timings: Vec<StepTiming>,
+}
+
+/// The checkpointed container.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Container {
+    /// containerd container id.
+    pub id: String,
+    /// Container name (the Kubernetes container name when run through CRI).
+    #[serde(default)]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_namespace: String,
+    /// Base image reference as the container was created from it.
+    #[serde(default)]
+    pub image: String,
+    /// Base image digest, `sha256:<hex>` (manifest digest, as in `repo@sha256:...`).
+    #[serde(default)]
+    pub image_digest: String,
+}
+
+/// The node the checkpoint was taken on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub hostname: String,
+    /// `uname -r`.
+    pub kernel: String,
+    /// CRIU version, e.g. "4.1.1".
+    pub criu: String,
+    /// runc version, e.g. "1.3.6".
+    pub runc: String,
+    /// gpu-ckpt shim version.
+    pub shim: String,
+}
+
+/// The GPUs and their driver.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Devices {
+    /// NVIDIA driver version, e.g. "580.65.06". Empty when the container held no GPU.
+    #[serde(default)]
+    pub driver_version: String,
+    /// CUDA driver API version, e.g. "13.0" (from cuDriverGetVersion).
+    #[serde(default)]
+    pub cuda_driver_version: String,
+    /// The container's GPUs, in the order the container saw them.
+    #[serde(default)]
+    pub gpus: Vec<Gpu>,
+}
+
+/// One GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
+    pub uuid: String,
+    /// Model name as NVML reports it, e.g. "NVIDIA H100 80GB HBM3".
+    pub model: String,
+    /// Architecture, e.g. "hopper".
+    #[serde(default)]
+    pub architecture: String,
+    /// Total device memory in bytes.
+    #[serde(default)]
+    pub memory_bytes: u64,
+    /// PCI bus id, e.g. "00000000:3B:00.0".
+    #[serde(default)]
+    pub pci_address: String,
+}
+
+/// The versions that the pod declares through annotations.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Workload {
+    /// `gpu-ckpt.io/engine-version`; empty when not declared.
+    #[serde(default)]
+    pub engine_version: String,
+    /// `gpu-ckpt.io/model-version`; empty when not declared.
+    #[serde(default)]
+    pub model_version: String,
+}
+
+/// A device state blob.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DeviceState {
+    /// File name in the checkpoint directory.
+    pub name: String,
+    /// The GPU the state came from, if it is per GPU.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub gpu_uuid: String,
+    /// The process it belongs to (pid inside the container), if per process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    pub size: u64,
+    pub sha256: String,
+}
+
+/// Size and sha256 of one file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    pub size: u64,
+    /// Lower-case hex, no prefix.
+    pub sha256: String,
+}
+
+/// How long one step took.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepTiming {
+    /// e.g. "device-lock", "device-checkpoint", "criu-dump", "device-restore", "manifest".
+    pub step: String,
+    pub millis: f64,
+}
+
+impl Manifest {
+    /// A new manifest with the schema fields filled in and no files yet.
+    pub fn new(
+        created: impl Into<String>,
+        container: Container,
+        node: Node,
+        devices: Devices,
+        workload: Workload,
+    ) -> Self {
+        Manifest {
+            schema: MANIFEST_SCHEMA_ID.to_string(),
+            kind: MANIFEST_KIND.to_string(),
+            schema_version: SCHEMA_VERSION,
+            created: created.into(),
+            container,
+            node,
+            devices,
+            workload,
+            device_state: Vec::new(),
+            files: BTreeMap::new(),
+            timings: Vec::new(),
+        }
+    }
+
+    /// Hash `dir/name` and record it in `files`. The name must be a flat file name.
+    pub fn add_file(&mut self, dir: &Path, name: &str) -> Result<&FileDigest> {
+        check_flat_name(name)?;
+        if name == MANIFEST_FILE {
+            return Err(Error::BadFileName {
+                name: name.to_string(),
+                reason: "the manifest does not list itself",
+            });
+        }
+        let path = dir.join(name);
+        let meta = fs::symlink_metadata(&path).map_err(|e| Error::io("reading", &path, e))?;
+        if !meta.file_type().is_file() {
+            return Err(Error::NotFlat {
+                name: name.to_string(),
+                reason: "not a regular file",
+            });
+        }
+        let (sha256, size) = hash_file(&path, &mut no_progress)?;
+        self.files
+            .insert(name.to_string(), FileDigest { size, sha256 });
+        Ok(&self.files[name])
+    }
+
+    /// Record a device state blob (hashing it) and list it in `files` too.
+    pub fn add_device_state(
+        &mut self,
+        dir: &Path,
+        name: &str,
+        gpu_uuid: &str,
+        pid: Option<u32>,
+    ) -> Result<()> {
+        let d = self.add_file(dir, name)?.clone();
+        self.device_state.push(DeviceState {
+            name: name.to_string(),
+            gpu_uuid: gpu_uuid.to_string(),
+            pid,
+            size: d.size,
+            sha256: d.sha256,
+        });
+        Ok(())
+    }
+
+    /// Record a step timing.
+    pub fn add_timing(&mut self, step: impl Into<String>, millis: f64) {
+        self.timings.push(StepTiming {
+            step: step.into(),
+            millis,
+        });
+    }
+
+    /// Replace `files` with the size and sha256 of every regular file in `dir` except the manifest.
+    pub fn hash_dir(&mut self, dir: &Path) -> Result<()> {
+        self.files = hash_dir_flat(dir)?;
+        Ok(())
+    }
+
+    /// Serialize to pretty JSON (with a trailing newline).
+    pub fn to_json(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).unwrap_or_default();
+        v.push(b'\n');
+        v
+    }
+
+    /// Parse a manifest, checking `kind` and the schema major version before the fields, so that a
+    /// manifest from a newer major version gets a version error rather than a field error.
+    pub fn from_json(data: &[u8], what: &str) -> Result<Manifest> {
+        if data.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(Error::InvalidField {
+                what: what.to_string(),
+                field: "(document)".into(),
+                reason: format!("larger than {MAX_MANIFEST_BYTES} bytes"),
+            });
+        }
+        let v: serde_json::Value =
+            serde_json::from_slice(data).map_err(|e| Error::json(what, e))?;
+        let obj = v.as_object().ok_or_else(|| Error::InvalidField {
+            what: what.to_string(),
+            field: "(document)".into(),
+            reason: "not a json object".into(),
+        })?;
+        let kind = obj.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+        if kind != MANIFEST_KIND {
+            return Err(Error::WrongKind {
+                path: what.to_string(),
+                found: kind.to_string(),
+                expected: MANIFEST_KIND,
+            });
+        }
+        match obj.get("schema_version") {
+            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(SCHEMA_VERSION as u64) => {}
+            Some(other) => {
+                return Err(Error::UnsupportedSchema {
+                    path: what.to_string(),
+                    found: other.to_string(),
+                    supported: SCHEMA_VERSION,
+                })
+            }
+            None => {
+                return Err(Error::InvalidField {
+                    what: what.to_string(),
+                    field: "schema_version".into(),
+                    reason: "missing".into(),
+                })
+            }
+        }
+        let m: Manifest = serde_json::from_value(v).map_err(|e| Error::json(what, e))?;
+        for name in m.files.keys() {
+            check_flat_name(name)?;
+            if name == MANIFEST_FILE {
+                return Err(Error::BadFileName {
+                    name: name.clone(),
+                    reason: "the manifest does not list itself",
+                });
+            }
+        }
+        for (name, d) in &m.files {
+            if !is_sha256_hex(&d.sha256) {
+                return Err(Error::InvalidField {
+                    what: what.to_string(),
+                    field: format!("files.{name}.sha256"),
+                    reason: "not 64 lower-case hex digits".into(),
+                });
+            }
+        }
+        for (i, d) in m.device_state.iter().enumerate() {
+            check_flat_name(&d.name)?;
+            if !is_sha256_hex(&d.sha256) {
+                return Err(Error::InvalidField {
+                    what: what.to_string(),
+                    field: format!("device_state[{i}].sha256"),
+                    reason: "not 64 lower-case hex digits".into(),
+                });
+            }
+        }
+        Ok(m)
+    }
+
+    /// Write `dir/gpu-ckpt-manifest.json` atomically (temp file, fsync, rename), mode 0600.
+    pub fn write_to(&self, dir: &Path) -> Result<()> {
+        let tmp = dir.join(format!(".{MANIFEST_FILE}.tmp-{}", std::process::id()));
+        let dst = dir.join(MANIFEST_FILE);
+        let res = (|| {
+            let mut f = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)
+                .map_err(|e| Error::io("creating", &tmp, e))?;
+            f.write_all(&self.to_json())
+                .map_err(|e| Error::io("writing", &tmp, e))?;
+            f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
+            fs::rename(&tmp, &dst).map_err(|e| Error::io("renaming into place", &dst, e))
+        })();
+        if res.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        res
+    }
+
+    /// Read and parse `dir/gpu-ckpt-manifest.json`.
+    pub fn read_from(dir: &Path) -> Result<Manifest> {
+        let path = dir.join(MANIFEST_FILE);
+        let meta = fs::symlink_metadata(&path).map_err(|e| Error::io("reading", &path, e))?;
+        if !meta.file_type().is_file() {
+            return Err(Error::NotFlat {
+                name: MANIFEST_FILE.into(),
+                reason: "not a regular file",
+            });
+        }
+        if meta.len() > MAX_MANIFEST_BYTES {
+            return Err(Error::InvalidField {
+                what: path.display().to_string(),
+                field: "(document)".into(),
+                reason: format!("larger than {MAX_MANIFEST_BYTES} bytes"),
+            });
+        }
+        let data = fs::read(&path).map_err(|e| Error::io("reading", &path, e))?;
+        Manifest::from_json(&data, &path.display().to_string())
+    }
+
+    /// Total bytes of device state.
+    pub fn device_state_bytes(&self) -> u64 {
+        self.device_state.iter().map(|d| d.size).sum()
+    }
+}
+
+/// Is `s` 64 lower-case hex digits?
+pub fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// A flat file name: not empty, no '/', not "." or "..", no NUL.
+pub fn check_flat_name(name: &str) -> Result<()> {
+    let reason = if name.is_empty() {
+        "empty"
+    } else if name.contains('/') {
+        "contains '/'"
+    } else if name == "." || name == ".." {
+        "is a relative directory"
+    } else if name.contains('\0') {
+        "contains NUL"
+    } else {
+        return Ok(());
+    };
+    Err(Error::BadFileName {
+        name: name.to_string(),
+        reason,
+    })
+}
+
+/// Size and sha256 of every regular file in `dir` (flat: a subdirectory, symlink or other special file is
+/// an error naming it; so is a file with more than one link), except the manifest and its temp files.
+pub fn hash_dir_flat(dir: &Path) -> Result<BTreeMap<String, FileDigest>> {
+    hash_dir_flat_progress(dir, &mut no_progress)
+}
+
+/// [`hash_dir_flat`] with a progress hook (bytes hashed, total bytes).
+pub fn hash_dir_flat_progress(
+    dir: &Path,
+    progress: Progress<'_>,
+) -> Result<BTreeMap<String, FileDigest>> {
+    let mut names = Vec::new();
+    let mut total = 0u64;
+    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
+        let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
+        let name = ent.file_name().into_string().map_err(|n| Error::NotFlat {
+            name: n.to_string_lossy().into_owned(),
+            reason: "name is not utf-8",
+        })?;
+        if is_manifest_or_temp(&name) {
+            continue;
+        }
+        let meta = ent
+            .metadata()
+            .map_err(|e| Error::io("reading", ent.path(), e))?;
+        let ft = meta.file_type();
+        if ft.is_dir() {
+            return Err(Error::NotFlat {
+                name,
+                reason: "subdirectories are not allowed",
+            });
+        }
+        if !ft.is_file() {
+            return Err(Error::NotFlat {
+                name,
+                reason: "only regular files are allowed",
+            });
+        }
+        if meta.nlink() > 1 {
+            return Err(Error::NotFlat {
+                name,
+                reason: "hard links are not allowed",
+            });
+        }
+        total += meta.len();
+        names.push(name);
+    }
+    names.sort();
+    let mut out = BTreeMap::new();
+    let mut base = 0u64;
+    for name in names {
+        let path = dir.join(&name);
+        let (sha256, size) = hash_file(&path, &mut |d, _| progress(base + d, total))?;
+        base += size;
+        out.insert(name, FileDigest { size, sha256 });
+    }
+    Ok(out)
+}
+
+fn is_manifest_or_temp(name: &str) -> bool {
+    name == MANIFEST_FILE || name.starts_with(&format!(".{MANIFEST_FILE}.tmp-"))
+}
+
+/// Verify a checkpoint directory against its manifest: every listed file present with the recorded size
+/// and sha256, and no unlisted file. Returns the manifest, or the first mismatch (in name order).
+pub fn verify_dir(dir: &Path) -> Result<Manifest> {
+    verify_dir_progress(dir, &mut no_progress)
+}
+
+/// [`verify_dir`] with a progress hook.
+pub fn verify_dir_progress(dir: &Path, progress: Progress<'_>) -> Result<Manifest> {
+    let m = Manifest::read_from(dir)?;
+    let total: u64 = m.files.values().map(|f| f.size).sum();
+    let mut base = 0u64;
+    // Unlisted files first: cheap, and a stray file is as much a mismatch as a bad digest.
+    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
+        let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
+        let name = ent.file_name().to_string_lossy().into_owned();
+        if !is_manifest_or_temp(&name) && !m.files.contains_key(&name) {
+            return Err(Error::UnlistedFile { name });
+        }
+    }
+    for (name, want) in &m.files {
+        let path = dir.join(name);
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::MissingFile { name: name.clone() })
+            }
+            Err(e) => return Err(Error::io("reading", &path, e)),
+        };
+        if !meta.file_type().is_file() {
+            return Err(Error::NotFlat {
+                name: name.clone(),
+                reason: "not a regular file",
+            });
+        }
+        if meta.len() != want.size {
+            return Err(Error::SizeMismatch {
+                name: name.clone(),
+                expected: want.size,
+                actual: meta.len(),
+            });
+        }
+        let (sha, size) = hash_file(&path, &mut |d, _| progress(base + d, total))?;
+        base += size;
+        if size != want.size {
+            return Err(Error::SizeMismatch {
+                name: name.clone(),
+                expected: want.size,
+                actual: size,
+            });
+        }
+        if sha != want.sha256 {
+            return Err(Error::DigestMismatch {
+                name: name.clone(),
+                expected: want.sha256.clone(),
+                actual: sha,
+            });
+        }
+    }
+    Ok(m)
+}

@@ -1,0 +1,960 @@
+//! The OCI checkpoint image: the kubelet archive as one uncompressed layer (the same as
+//! `buildah add ckpt.tar /`), a config, and a manifest annotated so that containerd
+//! (`org.criu.checkpoint.container.name`) and CRI-O (`io.kubernetes.cri-o.annotations.checkpoint.name`)
+//! see a checkpoint, plus `gpu-ckpt.io/` keys carrying the GPU profile and versions, so compatibility is
+//! decided from the manifest alone, without pulling the layer.
+//!
+//! Written as an OCI layout directory or as a layout tarball (what `ctr images import` takes), reading
+//! the archive exactly once and hashing while copying.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::archive::{names, ArchiveInfo, ConfigDump, Sizes, MAX_METADATA_BYTES};
+use crate::compat::{self, keys, Profile};
+use crate::digest::{sha256_hex, Progress, COPY_BUF};
+use crate::error::{Error, Result};
+use crate::manifest::{Manifest, SCHEMA_VERSION};
+use crate::safe::{Checker, EntryKind, Limits};
+
+pub const MEDIA_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
+pub const MEDIA_LAYER_TAR_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+pub const MEDIA_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
+pub const MEDIA_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const MEDIA_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+
+/// containerd's key: an image whose manifest has it is restored as a checkpoint.
+pub const ANN_CONTAINERD_NAME: &str = "org.criu.checkpoint.container.name";
+/// CRI-O's key.
+pub const ANN_CRIO_NAME: &str = "io.kubernetes.cri-o.annotations.checkpoint.name";
+pub const ANN_ENGINE: &str = "org.criu.checkpoint.engine.name";
+pub const ANN_POD: &str = "org.criu.checkpoint.pod.name";
+pub const ANN_NAMESPACE: &str = "org.criu.checkpoint.pod.namespace";
+pub const ANN_ROOTFS_IMAGE_NAME: &str = "org.criu.checkpoint.rootfsImageName";
+pub const ANN_RUNTIME: &str = "org.criu.checkpoint.runtime.name";
+pub const ANN_REF_NAME: &str = "org.opencontainers.image.ref.name";
+pub const ANN_CONTAINERD_IMAGE_NAME: &str = "io.containerd.image.name";
+pub const ANN_CREATED: &str = "org.opencontainers.image.created";
+
+/// An OCI descriptor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Descriptor {
+    #[serde(rename = "mediaType")]
+    pub media_type: String,
+    pub digest: String,
+    pub size: u64,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<Platform>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Platform {
+    pub architecture: String,
+    pub os: String,
+}
+
+/// An OCI image manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageManifest {
+    #[serde(rename = "schemaVersion")]
+    pub schema_version: u32,
+    #[serde(rename = "mediaType", default)]
+    pub media_type: String,
+    pub config: Descriptor,
+    pub layers: Vec<Descriptor>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// An OCI index (`index.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Index {
+    #[serde(rename = "schemaVersion")]
+    pub schema_version: u32,
+    #[serde(
+        rename = "mediaType",
+        default,
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub media_type: String,
+    pub manifests: Vec<Descriptor>,
+}
+
+/// What to build.
+#[derive(Debug, Clone)]
+pub struct BuildOptions {
+    /// Full reference, e.g. `localhost:5000/ckpt/counter:1`. Its tag becomes
+    /// `org.opencontainers.image.ref.name`; the whole becomes `io.containerd.image.name`.
+    pub reference: String,
+    pub limits: Limits,
+}
+
+/// What was built.
+#[derive(Debug, Clone)]
+pub struct Built {
+    pub manifest: ImageManifest,
+    pub manifest_json: Vec<u8>,
+    pub manifest_digest: String,
+    pub config_json: Vec<u8>,
+    pub index_json: Vec<u8>,
+    pub layer: Descriptor,
+    /// The gpu-ckpt manifest found in the archive, if any.
+    pub gpu_manifest: Option<Manifest>,
+    pub container_name: String,
+}
+
+fn go_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "powerpc64" => "ppc64le",
+        a => a,
+    }
+}
+
+/// The tag part of a reference (after the last ':' that follows the last '/'), or "latest".
+pub fn tag_of(reference: &str) -> &str {
+    let base = reference.rsplit('/').next().unwrap_or(reference);
+    let base = base.split('@').next().unwrap_or(base);
+    match base.rfind(':') {
+        Some(i) => &base[i + 1..],
+        None => "latest",
+    }
+}
+
+/// A reader that copies everything read through it to `out`, hashing and counting.
+struct Tee<'a, R> {
+    inner: R,
+    out: &'a mut dyn Write,
+    hasher: Sha256,
+    n: u64,
+    total: u64,
+    progress: Progress<'a>,
+    last_report: u64,
+}
+
+impl<R: Read> Read for Tee<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let k = self.inner.read(buf)?;
+        self.hasher.update(&buf[..k]);
+        self.out.write_all(&buf[..k])?;
+        self.n += k as u64;
+        if self.n - self.last_report >= (8 << 20) || k == 0 {
+            self.last_report = self.n;
+            (self.progress)(self.n, self.total);
+        }
+        Ok(k)
+    }
+}
+
+/// Collected while the archive streams through.
+struct Collected {
+    info: ArchiveInfo,
+}
+
+/// Stream the archive from `src` into `out`, checking every header and collecting metadata; returns
+/// the layer digest (hex), size and metadata. Reads `src` once.
+fn stream_layer(
+    src: &Path,
+    out: &mut dyn Write,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<(String, u64, Collected)> {
+    let f = File::open(src).map_err(|e| Error::io("opening", src, e))?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let tee = Tee {
+        inner: io::BufReader::with_capacity(COPY_BUF, f),
+        out,
+        hasher: Sha256::new(),
+        n: 0,
+        total,
+        progress,
+        last_report: 0,
+    };
+    let mut ar = tar::Archive::new(tee);
+    let mut checker = Checker::new(limits);
+    let mut info = ArchiveInfo {
+        entries: Vec::new(),
+        config_dump: None,
+        spec_dump: None,
+        status_dump: None,
+        manifest: None,
+        sizes: Sizes::default(),
+    };
+    {
+        let entries = ar.entries().map_err(|e| Error::Tar {
+            entry: None,
+            source: e,
+        })?;
+        let mut last: Option<String> = None;
+        for ent in entries {
+            let mut ent = ent.map_err(|e| Error::Tar {
+                entry: last.clone(),
+                source: e,
+            })?;
+            let Some(e) = checker.check(&ent)? else {
+                continue;
+            };
+            last = Some(e.path.clone());
+            if e.kind == EntryKind::File {
+                info.sizes.total_size += e.size;
+                if e.path.starts_with("checkpoint/") {
+                    info.sizes.checkpoint_size += e.size;
+                }
+                if e.path == names::ROOTFS_DIFF_TAR {
+                    info.sizes.root_fs_diff_size = e.size;
+                }
+                let small = matches!(
+                    e.path.as_str(),
+                    names::CONFIG_DUMP | names::SPEC_DUMP | names::MANIFEST_PATH
+                );
+                if small {
+                    if e.size > MAX_METADATA_BYTES {
+                        return Err(Error::EntryTooLarge {
+                            entry: e.path.clone(),
+                            size: e.size,
+                            limit: MAX_METADATA_BYTES,
+                        });
+                    }
+                    let mut d = Vec::new();
+                    ent.read_to_end(&mut d).map_err(|x| Error::Tar {
+                        entry: Some(e.path.clone()),
+                        source: x,
+                    })?;
+                    match e.path.as_str() {
+                        names::CONFIG_DUMP => {
+                            info.config_dump = Some(
+                                serde_json::from_slice::<ConfigDump>(&d)
+                                    .map_err(|x| Error::json(&e.path, x))?,
+                            )
+                        }
+                        names::SPEC_DUMP => {
+                            info.spec_dump = Some(
+                                serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?,
+                            )
+                        }
+                        _ => info.manifest = Some(Manifest::from_json(&d, &e.path)?),
+                    }
+                }
+            }
+            info.entries.push(e);
+        }
+    }
+    let mut tee = ar.into_inner();
+    // Whatever follows the end-of-archive blocks is part of the file and of the layer.
+    io::copy(&mut tee, &mut io::sink()).map_err(|e| Error::io("reading", src, e))?;
+    (tee.progress)(tee.n, tee.total);
+    if info.config_dump.is_none() {
+        return Err(Error::MissingEntry {
+            name: names::CONFIG_DUMP.into(),
+        });
+    }
+    if info.spec_dump.is_none() {
+        return Err(Error::MissingEntry {
+            name: names::SPEC_DUMP.into(),
+        });
+    }
+    let digest = hex::encode(tee.hasher.finalize());
+    Ok((digest, tee.n, Collected { info }))
+}
+
+/// Build the config, manifest and index for a layer.
+fn assemble(layer_hex: &str, layer_size: u64, c: Collected, opts: &BuildOptions) -> Result<Built> {
+    let info = c.info;
+    let name = info.container_name();
+    let (_, pod, ns) = info.identity();
+    let cfg = info.config_dump.clone().unwrap_or_default();
+    let created = info
+        .manifest
+        .as_ref()
+        .map(|m| m.created.clone())
+        .filter(|s| !s.is_empty())
+        .or_else(|| Some(cfg.checkpointed_time.clone()).filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| cfg.created_time.clone());
+    let layer_digest = format!("sha256:{layer_hex}");
+    // The config is unique per checkpoint (layer digest in diff_ids, created time), so CRI never mixes
+    // two checkpoint images up (it keys images by config digest).
+    let config = serde_json::json!({
+        "created": created,
+        "architecture": go_arch(),
+        "os": "linux",
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+        "config": {"Labels": {ANN_CONTAINERD_NAME: name}},
+        "history": [{"created": created, "created_by": "gpu-ckpt build", "comment": "checkpoint archive"}],
+    });
+    let config_json = serde_json::to_vec(&config).map_err(|e| Error::json("image config", e))?;
+    let mut ann = BTreeMap::new();
+    ann.insert(ANN_CONTAINERD_NAME.to_string(), name.clone());
+    ann.insert(ANN_CRIO_NAME.to_string(), name.clone());
+    ann.insert(ANN_ENGINE.to_string(), info.engine().to_string());
+    if !pod.is_empty() {
+        ann.insert(ANN_POD.to_string(), pod);
+    }
+    if !ns.is_empty() {
+        ann.insert(ANN_NAMESPACE.to_string(), ns);
+    }
+    if !cfg.rootfs_image_name.is_empty() {
+        ann.insert(
+            ANN_ROOTFS_IMAGE_NAME.to_string(),
+            cfg.rootfs_image_name.clone(),
+        );
+    }
+    if !cfg.runtime.is_empty() {
+        ann.insert(ANN_RUNTIME.to_string(), cfg.runtime.clone());
+    }
+    if !created.is_empty() {
+        ann.insert(ANN_CREATED.to_string(), created.clone());
+    }
+    if let Some(m) = &info.manifest {
+        ann.extend(compat::profile_annotations(&Profile::from_manifest(m)));
+        ann.insert(keys::SCHEMA_VERSION.to_string(), SCHEMA_VERSION.to_string());
+        ann.insert(
+            keys::MANIFEST_DIGEST.to_string(),
+            format!("sha256:{}", sha256_hex(&m.to_json())),
+        );
+    }
+    let layer = Descriptor {
+        media_type: MEDIA_LAYER_TAR.into(),
+        digest: layer_digest,
+        size: layer_size,
+        annotations: BTreeMap::new(),
+        platform: None,
+    };
+    let manifest = ImageManifest {
+        schema_version: 2,
+        media_type: MEDIA_MANIFEST.into(),
+        config: Descriptor {
+            media_type: MEDIA_CONFIG.into(),
+            digest: format!("sha256:{}", sha256_hex(&config_json)),
+            size: config_json.len() as u64,
+            annotations: BTreeMap::new(),
+            platform: None,
+        },
+        layers: vec![layer.clone()],
+        annotations: ann.clone(),
+    };
+    let manifest_json =
+        serde_json::to_vec(&manifest).map_err(|e| Error::json("image manifest", e))?;
+    let manifest_digest = format!("sha256:{}", sha256_hex(&manifest_json));
+    let mut idx_ann = ann;
+    idx_ann.insert(ANN_REF_NAME.into(), tag_of(&opts.reference).to_string());
+    idx_ann.insert(ANN_CONTAINERD_IMAGE_NAME.into(), opts.reference.clone());
+    let index = Index {
+        schema_version: 2,
+        media_type: MEDIA_INDEX.into(),
+        manifests: vec![Descriptor {
+            media_type: MEDIA_MANIFEST.into(),
+            digest: manifest_digest.clone(),
+            size: manifest_json.len() as u64,
+            annotations: idx_ann,
+            platform: Some(Platform {
+                architecture: go_arch().into(),
+                os: "linux".into(),
+            }),
+        }],
+    };
+    let index_json = serde_json::to_vec(&index).map_err(|e| Error::json("image index", e))?;
+    Ok(Built {
+        manifest,
+        manifest_json,
+        manifest_digest,
+        config_json,
+        index_json,
+        layer,
+        gpu_manifest: info.manifest,
+        container_name: name,
+    })
+}
+
+fn private_create(path: &Path) -> Result<File> {
+    fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| Error::io("creating", path, e))
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    let mut f = private_create(path)?;
+    f.write_all(data).map_err(|e| Error::io("writing", path, e))
+}
+
+fn mkdir_private(path: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)
+        .map_err(|e| Error::io("creating", path, e))
+}
+
+/// Build an OCI layout directory at `dir` from the archive `src`.
+pub fn build_layout(
+    src: &Path,
+    dir: &Path,
+    opts: &BuildOptions,
+    progress: Progress<'_>,
+) -> Result<Built> {
+    let blobs = dir.join("blobs").join("sha256");
+    mkdir_private(&blobs)?;
+    let tmp = blobs.join(format!(".layer.tmp-{}", std::process::id()));
+    let res = (|| {
+        let f = private_create(&tmp)?;
+        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
+        let (hexd, size, c) = stream_layer(src, &mut w, opts.limits, progress)?;
+        w.flush().map_err(|e| Error::io("writing", &tmp, e))?;
+        let built = assemble(&hexd, size, c, opts)?;
+        fs::rename(&tmp, blobs.join(&hexd)).map_err(|e| Error::io("renaming", &tmp, e))?;
+        write_private(
+            &blobs.join(hex_of(&built.manifest.config.digest)),
+            &built.config_json,
+        )?;
+        write_private(
+            &blobs.join(hex_of(&built.manifest_digest)),
+            &built.manifest_json,
+        )?;
+        write_private(
+            &dir.join("oci-layout"),
+            br#"{"imageLayoutVersion":"1.0.0"}"#,
+        )?;
+        write_private(&dir.join("index.json"), &built.index_json)?;
+        Ok(built)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+fn hex_of(digest: &str) -> &str {
+    digest.strip_prefix("sha256:").unwrap_or(digest)
+}
+
+fn tar_header(name: &str, size: u64, dir: bool) -> Result<tar::Header> {
+    let mut h = tar::Header::new_ustar();
+    h.set_path(name)
+        .map_err(|e| Error::io("naming tar entry", PathBuf::from(name), e))?;
+    h.set_size(size);
+    h.set_mode(if dir { 0o700 } else { 0o600 });
+    h.set_entry_type(if dir {
+        tar::EntryType::Directory
+    } else {
+        tar::EntryType::Regular
+    });
+    h.set_mtime(0);
+    h.set_cksum();
+    Ok(h)
+}
+
+fn pad(w: &mut dyn Write, size: u64) -> io::Result<()> {
+    let rem = (size % 512) as usize;
+    if rem != 0 {
+        w.write_all(&[0u8; 512][..512 - rem])?;
+    }
+    Ok(())
+}
+
+/// Build an OCI layout tarball at `out` (what `ctr images import` takes) from the archive `src`, in one
+/// pass: the layer is streamed behind a placeholder header, which is rewritten with the digest name once
+/// the hash is known.
+pub fn build_tarball(
+    src: &Path,
+    out: &Path,
+    opts: &BuildOptions,
+    progress: Progress<'_>,
+) -> Result<Built> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        out.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let res = (|| {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let werr = |e: io::Error| Error::io("writing", &tmp, e);
+        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
+        for (d, name) in [(true, "blobs/"), (true, "blobs/sha256/")] {
+            w.write_all(tar_header(name, 0, d)?.as_bytes())
+                .map_err(werr)?;
+        }
+        let placeholder = format!("blobs/sha256/{}", "0".repeat(64));
+        let expected = fs::metadata(src)
+            .map_err(|e| Error::io("reading", src, e))?
+            .len();
+        let layer_header_at = w.stream_position().map_err(werr)?;
+        w.write_all(tar_header(&placeholder, expected, false)?.as_bytes())
+            .map_err(werr)?;
+        let (hexd, size, c) = stream_layer(src, &mut w, opts.limits, progress)?;
+        if size != expected {
+            return Err(Error::io(
+                "reading",
+                src,
+                io::Error::other(format!(
+                    "file changed size while reading ({expected} -> {size} bytes)"
+                )),
+            ));
+        }
+        pad(&mut w, size).map_err(werr)?;
+        let built = assemble(&hexd, size, c, opts)?;
+        let end = w.stream_position().map_err(werr)?;
+        w.seek(SeekFrom::Start(layer_header_at)).map_err(werr)?;
+        w.write_all(tar_header(&format!("blobs/sha256/{hexd}"), size, false)?.as_bytes())
+            .map_err(werr)?;
+        w.seek(SeekFrom::Start(end)).map_err(werr)?;
+        let small: [(String, &[u8]); 4] = [
+            (
+                format!("blobs/sha256/{}", hex_of(&built.manifest.config.digest)),
+                &built.config_json,
+            ),
+            (
+                format!("blobs/sha256/{}", hex_of(&built.manifest_digest)),
+                &built.manifest_json,
+            ),
+            ("oci-layout".into(), br#"{"imageLayoutVersion":"1.0.0"}"#),
+            ("index.json".into(), &built.index_json),
+        ];
+        for (name, data) in small.iter() {
+            w.write_all(tar_header(name, data.len() as u64, false)?.as_bytes())
+                .map_err(werr)?;
+            w.write_all(data).map_err(werr)?;
+            pad(&mut w, data.len() as u64).map_err(werr)?;
+        }
+        w.write_all(&[0u8; 1024]).map_err(werr)?;
+        let f = w.into_inner().map_err(|e| werr(e.into_error()))?;
+        f.sync_all().map_err(werr)?;
+        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
+        Ok(built)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Where an image lives: an OCI layout directory or a layout tarball.
+#[derive(Debug)]
+enum Source {
+    Dir(PathBuf),
+    Tarball(PathBuf),
+}
+
+fn source_of(path: &Path) -> Result<Source> {
+    let m = fs::metadata(path).map_err(|e| Error::io("reading", path, e))?;
+    Ok(if m.is_dir() {
+        Source::Dir(path.to_path_buf())
+    } else {
+        Source::Tarball(path.to_path_buf())
+    })
+}
+
+/// Read a small blob (JSON) by path inside the image.
+fn read_small_member(src: &Source, name: &str) -> Result<Vec<u8>> {
+    match src {
+        Source::Dir(d) => {
+            let p = d.join(name);
+            let m = fs::symlink_metadata(&p).map_err(|e| Error::io("reading", &p, e))?;
+            if !m.is_file() || m.len() > MAX_METADATA_BYTES {
+                return Err(Error::oci(name, "not a regular file of reasonable size"));
+            }
+            fs::read(&p).map_err(|e| Error::io("reading", &p, e))
+        }
+        Source::Tarball(t) => {
+            let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
+            let mut ar = tar::Archive::new(f);
+            for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
+                entry: None,
+                source: e,
+            })? {
+                let ent = ent.map_err(|e| Error::Tar {
+                    entry: None,
+                    source: e,
+                })?;
+                let p = crate::safe::normalize_name(&ent.path_bytes())?;
+                if p == name {
+                    if ent.size() > MAX_METADATA_BYTES {
+                        return Err(Error::EntryTooLarge {
+                            entry: p,
+                            size: ent.size(),
+                            limit: MAX_METADATA_BYTES,
+                        });
+                    }
+                    let mut v = Vec::new();
+                    ent.take(MAX_METADATA_BYTES)
+                        .read_to_end(&mut v)
+                        .map_err(|e| Error::Tar {
+                            entry: Some(p.clone()),
+                            source: e,
+                        })?;
+                    return Ok(v);
+                }
+            }
+            Err(Error::oci(t.display().to_string(), format!("no {name}")))
+        }
+    }
+}
+
+fn blob_name(digest: &str) -> Result<String> {
+    let hex = digest
+        .strip_prefix("sha256:")
+        .filter(|h| crate::manifest::is_sha256_hex(h))
+        .ok_or_else(|| Error::oci(digest, "not a sha256 digest"))?;
+    Ok(format!("blobs/sha256/{hex}"))
+}
+
+/// Read `index.json` and the (single, or first checkpoint) image manifest, verifying its digest.
+pub fn read_image_manifest(image: &Path) -> Result<(ImageManifest, String)> {
+    let src = source_of(image)?;
+    let idx: Index = serde_json::from_slice(&read_small_member(&src, "index.json")?)
+        .map_err(|e| Error::json("index.json", e))?;
+    let d = idx
+        .manifests
+        .iter()
+        .find(|d| d.media_type == MEDIA_MANIFEST || d.media_type.is_empty())
+        .ok_or_else(|| Error::oci("index.json", "lists no image manifest"))?;
+    let data = read_small_member(&src, &blob_name(&d.digest)?)?;
+    let got = format!("sha256:{}", sha256_hex(&data));
+    if got != d.digest {
+        return Err(Error::DigestMismatch {
+            name: blob_name(&d.digest)?,
+            expected: d.digest.clone(),
+            actual: got,
+        });
+    }
+    let m: ImageManifest =
+        serde_json::from_slice(&data).map_err(|e| Error::json("image manifest", e))?;
+    Ok((m, d.digest.clone()))
+}
+
+/// Compatibility profile from an image's manifest annotations, without reading the layer.
+pub fn image_profile(image: &Path) -> Result<Option<Profile>> {
+    let (m, _) = read_image_manifest(image)?;
+    Ok(compat::profile_from_annotations(&m.annotations))
+}
+
+/// Write the checkpoint archive held in an image back to `out` (mode 0600), verifying the layer digest
+/// while copying. For our images (uncompressed layer) the result is byte-identical to the archive the
+/// image was built from.
+pub fn extract_archive_from_image(image: &Path, out: &Path, progress: Progress<'_>) -> Result<u64> {
+    let src = source_of(image)?;
+    let (m, _) = read_image_manifest(image)?;
+    if !m.annotations.contains_key(ANN_CONTAINERD_NAME)
+        && !m.annotations.contains_key(ANN_CRIO_NAME)
+    {
+        return Err(Error::oci(
+            image.display().to_string(),
+            "manifest has no checkpoint annotation (not a checkpoint image)",
+        ));
+    }
+    let [layer] = &m.layers[..] else {
+        return Err(Error::oci(
+            image.display().to_string(),
+            format!("expected one layer, found {}", m.layers.len()),
+        ));
+    };
+    let gz = match layer.media_type.as_str() {
+        MEDIA_LAYER_TAR | "application/vnd.docker.image.rootfs.diff.tar" => false,
+        MEDIA_LAYER_TAR_GZIP | "application/vnd.docker.image.rootfs.diff.tar.gzip" => true,
+        other => {
+            return Err(Error::oci(
+                "layer",
+                format!("unsupported media type {other}"),
+            ))
+        }
+    };
+    let name = blob_name(&layer.digest)?;
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        out.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let res = (|| {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
+        let copy = |r: &mut dyn Read, w: &mut dyn Write, progress: Progress<'_>| -> Result<u64> {
+            // Hash the blob as stored (compressed or not), write the tar.
+            let mut hr = crate::digest::HashingReader::new(r);
+            let n = if gz {
+                let mut dec = flate2::read::GzDecoder::new(&mut hr);
+                crate::digest::copy_hashing(&mut dec, w, 0, progress)
+                    .map_err(|e| Error::io("decompressing layer to", out, e))?
+                    .1
+            } else {
+                crate::digest::copy_hashing(&mut hr, w, layer.size, progress)
+                    .map_err(|e| Error::io("copying layer to", out, e))?
+                    .1
+            };
+            io::copy(&mut hr, &mut io::sink())
+                .map_err(|e| Error::io("reading layer of", image, e))?;
+            let (hexd, size, _) = hr.finish();
+            let got = format!("sha256:{hexd}");
+            if got != layer.digest || size != layer.size {
+                return Err(Error::DigestMismatch {
+                    name: name.clone(),
+                    expected: format!("{} ({} bytes)", layer.digest, layer.size),
+                    actual: format!("{got} ({size} bytes)"),
+                });
+            }
+            Ok(n)
+        };
+        let n = match &src {
+            Source::Dir(d) => {
+                let p = d.join(&name);
+                let mut f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
+                copy(&mut f, &mut w, progress)?
+            }
+            Source::Tarball(t) => {
+                let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
+                let mut ar = tar::Archive::new(f);
+                let mut found = None;
+                for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
+                    entry: None,
+                    source: e,
+                })? {
+                    let mut ent = ent.map_err(|e| Error::Tar {
+                        entry: None,
+                        source: e,
+                    })?;
+                    if crate::safe::normalize_name(&ent.path_bytes())? == name {
+                        found = Some(copy(&mut ent, &mut w, progress)?);
+                        break;
+                    }
+                }
+                found.ok_or_else(|| Error::oci(t.display().to_string(), format!("no {name}")))?
+            }
+        };
+        let f = w
+            .into_inner()
+            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
+        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
+        Ok(n)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Push an image (layout directory or tarball) to a registry over the OCI distribution API:
+/// `POST /v2/<name>/blobs/uploads/`, `PUT <location>?digest=`, `PUT /v2/<name>/manifests/<tag>`.
+/// `reference` is `host[:port]/name:tag`. Plain http (localhost registries); blobs already present
+/// (HEAD 200) are skipped. Returns the manifest digest.
+pub fn push(image: &Path, reference: &str, progress: Progress<'_>) -> Result<String> {
+    let (host, repo, tag) = split_reference(reference)?;
+    let base = format!("http://{host}");
+    let src = source_of(image)?;
+    let (m, mdigest) = read_image_manifest(image)?;
+    let agent = ureq::AgentBuilder::new().build();
+    let reg = |url: &str, reason: String| Error::Registry {
+        url: url.to_string(),
+        reason,
+    };
+    let mut blobs: Vec<&Descriptor> = vec![&m.config];
+    blobs.extend(m.layers.iter());
+    let total: u64 = blobs.iter().map(|b| b.size).sum();
+    let mut done = 0u64;
+    for b in blobs {
+        let head = format!("{base}/v2/{repo}/blobs/{}", b.digest);
+        match agent.head(&head).call() {
+            Ok(r) if r.status() == 200 => {
+                done += b.size;
+                progress(done, total);
+                continue;
+            }
+            _ => {}
+        }
+        let start = format!("{base}/v2/{repo}/blobs/uploads/");
+        let r = agent
+            .post(&start)
+            .set("Content-Length", "0")
+            .call()
+            .map_err(|e| reg(&start, e.to_string()))?;
+        if r.status() != 202 {
+            return Err(reg(
+                &start,
+                format!("status {} starting upload", r.status()),
+            ));
+        }
+        let loc = r
+            .header("Location")
+            .ok_or_else(|| reg(&start, "no Location header".into()))?
+            .to_string();
+        let loc = if loc.starts_with("http://") || loc.starts_with("https://") {
+            loc
+        } else {
+            format!("{base}{loc}")
+        };
+        let sep = if loc.contains('?') { '&' } else { '?' };
+        let put = format!("{loc}{sep}digest={}", b.digest);
+        let name = blob_name(&b.digest)?;
+        let base_done = done;
+        let mut prog = |d: u64, _t: u64| progress(base_done + d, total);
+        let resp = match &src {
+            Source::Dir(d) => {
+                let p = d.join(&name);
+                let f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
+                send_blob(&agent, &put, f, b.size, &mut prog)
+            }
+            Source::Tarball(t) => {
+                let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
+                let mut ar = tar::Archive::new(f);
+                let mut res = None;
+                for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
+                    entry: None,
+                    source: e,
+                })? {
+                    let ent = ent.map_err(|e| Error::Tar {
+                        entry: None,
+                        source: e,
+                    })?;
+                    if crate::safe::normalize_name(&ent.path_bytes())? == name {
+                        res = Some(send_blob(&agent, &put, ent, b.size, &mut prog));
+                        break;
+                    }
+                }
+                res.ok_or_else(|| Error::oci(t.display().to_string(), format!("no {name}")))?
+            }
+        };
+        let status = resp.map_err(|e| reg(&put, e))?;
+        if status != 201 {
+            return Err(reg(&put, format!("status {status} uploading {}", b.digest)));
+        }
+        done += b.size;
+        progress(done, total);
+    }
+    let murl = format!("{base}/v2/{repo}/manifests/{tag}");
+    let data = read_small_member(&src, &blob_name(&mdigest)?)?;
+    let r = agent
+        .put(&murl)
+        .set("Content-Type", MEDIA_MANIFEST)
+        .send_bytes(&data)
+        .map_err(|e| reg(&murl, e.to_string()))?;
+    if r.status() != 201 && r.status() != 200 {
+        return Err(reg(
+            &murl,
+            format!("status {} putting manifest", r.status()),
+        ));
+    }
+    Ok(mdigest)
+}
+
+fn send_blob<R: Read>(
+    agent: &ureq::Agent,
+    url: &str,
+    r: R,
+    size: u64,
+    progress: Progress<'_>,
+) -> std::result::Result<u16, String> {
+    struct P<'a, R> {
+        r: R,
+        n: u64,
+        total: u64,
+        progress: Progress<'a>,
+    }
+    impl<R: Read> Read for P<'_, R> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let k = self.r.read(buf)?;
+            self.n += k as u64;
+            (self.progress)(self.n, self.total);
+            Ok(k)
+        }
+    }
+    let body = P {
+        r: r.take(size),
+        n: 0,
+        total: size,
+        progress,
+    };
+    agent
+        .put(url)
+        .set("Content-Type", "application/octet-stream")
+        .set("Content-Length", &size.to_string())
+        .send(body)
+        .map(|r| r.status())
+        .map_err(|e| e.to_string())
+}
+
+/// Split `host[:port]/name[:tag]` into (host, name, tag).
+pub fn split_reference(reference: &str) -> Result<(String, String, String)> {
+    let bad = |why: &str| Error::InvalidField {
+        what: format!("reference {reference:?}"),
+        field: "reference".into(),
+        reason: why.into(),
+    };
+    let (host, rest) = reference
+        .split_once('/')
+        .ok_or_else(|| bad("expected host[:port]/name[:tag]"))?;
+    if rest.is_empty() || host.is_empty() {
+        return Err(bad("expected host[:port]/name[:tag]"));
+    }
+    let (name, tag) = match rest.rsplit_once(':') {
+        Some((n, t)) if !t.contains('/') => (n, t),
+        _ => (rest, "latest"),
+    };
+    if name.is_empty() || tag.is_empty() || name.contains("..") {
+        return Err(bad("empty name or tag"));
+    }
+    Ok((host.to_string(), name.to_string(), tag.to_string()))
+}
+
+/// Is `path` an OCI image (a layout directory, or a tarball holding `oci-layout` and `index.json`)
+/// rather than a checkpoint archive?
+pub fn is_image(path: &Path) -> bool {
+    match fs::metadata(path) {
+        Ok(m) if m.is_dir() => path.join("index.json").is_file(),
+        Ok(_) => {
+            let Ok(f) = File::open(path) else {
+                return false;
+            };
+            let mut ar = tar::Archive::new(f);
+            let Ok(entries) = ar.entries_with_seek() else {
+                return false;
+            };
+            let mut seen = 0;
+            for ent in entries.take(64) {
+                let Ok(ent) = ent else { return false };
+                match crate::safe::normalize_name(&ent.path_bytes()).as_deref() {
+                    Ok("oci-layout") | Ok("index.json") => seen += 1,
+                    Ok("config.dump") | Ok("spec.dump") => return false,
+                    _ => {}
+                }
+                if seen == 2 {
+                    return true;
+                }
+            }
+            false
+        }
+        Err(_) => false,
+    }
+}
