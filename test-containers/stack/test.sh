@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs every test: unit tests, then integration tests against private containerd nodes that the
+# tests start themselves, with the local registry running around them. Stops what it started.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/../.." && pwd)"
+export GPU_CKPT_STACK="${GPU_CKPT_STACK:-$repo/.stack}"
+# shellcheck source=/dev/null
+source "$GPU_CKPT_STACK/env.sh"
+cd "$repo"
+
+if [ "$(id -u)" != 0 ]; then
+  echo "test.sh: integration tests need root (containerd, runc, CRIU)" >&2
+  exit 1
+fi
+
+registry="$repo/test-containers/stack/registry.sh"
+cleanup() {
+  "$registry" stop || true
+  # Nodes a crashed test left behind: containerd processes under our prefix.
+  pkill -f "containerd --config $GPU_CKPT_STACK/nodes/" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+"$registry" start
+export GPU_CKPT_SHIM_DIR="$repo/target/debug"
+cargo build --workspace --all-targets
+# Two test threads: each integration test runs its own containerd, on a 2-core machine.
+cargo test --workspace --no-fail-fast -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}"
