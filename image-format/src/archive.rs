@@ -53,7 +53,9 @@ pub const MAX_METADATA_BYTES: u64 = 16 << 20;
 /// kept in `extra`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ConfigDump {
+    #[serde(default)]
     pub id: String,
+    #[serde(default)]
     pub name: String,
     #[serde(
         rename = "rootfsImage",

@@ -1,0 +1,416 @@
+//! Archive round trip, CRI-O reading, manifest round trip and versions, compat, OCI image and back.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+
+use common::*;
+use image_format::archive::{self, Engine, ExtractOptions};
+use image_format::compat::{self, Profile};
+use image_format::digest::no_progress;
+use image_format::manifest::{self, Manifest, MANIFEST_FILE};
+use image_format::oci::{self, BuildOptions};
+use image_format::safe::Limits;
+use image_format::Error;
+
+fn entries_of(path: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+    let mut ar = tar::Archive::new(std::fs::File::open(path).unwrap());
+    let mut out = BTreeMap::new();
+    for e in ar.entries().unwrap() {
+        let mut e = e.unwrap();
+        let name = String::from_utf8(e.path_bytes().into_owned()).unwrap();
+        let mut d = Vec::new();
+        e.read_to_end(&mut d).unwrap();
+        out.insert(name, d);
+    }
+    out
+}
+
+#[test]
+fn archive_round_trip() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = make_archive(tmp.path());
+    let mode = std::fs::metadata(&a).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "archive must be root-only");
+    let names: Vec<String> = entries_of(&a).into_keys().collect();
+    for want in [
+        "checkpoint/",
+        "checkpoint/gpu-ckpt-manifest.json",
+        "checkpoint/pages-1.img",
+        "config.dump",
+        "spec.dump",
+        "status.dump",
+        "status",
+        "container.log",
+        "dump.log",
+        "stats-dump",
+        "rootfs-diff.tar",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "missing {want} in {names:?}"
+        );
+    }
+    let info = archive::read_info(&a, Limits::default()).unwrap();
+    assert_eq!(info.engine(), Engine::Containerd);
+    assert_eq!(
+        info.identity(),
+        ("counter".into(), "counter-pod".into(), "default".into())
+    );
+    assert_eq!(info.config_dump.as_ref().unwrap(), &config_dump());
+    assert_eq!(info.sizes.memory_pages_size, 300_000);
+    assert_eq!(info.sizes.root_fs_diff_size, 5000);
+    let m = info.manifest.unwrap();
+    assert_eq!(m.devices.gpus.len(), 2);
+    assert!(!m.files.contains_key(MANIFEST_FILE));
+
+    // Extract and compare byte for byte with the source directory.
+    let t = tmp.path().join("x");
+    let ents = archive::extract_archive(
+        &a,
+        &t,
+        ExtractOptions {
+            limits: Limits::default(),
+            verify: true,
+        },
+        &mut no_progress,
+    )
+    .unwrap();
+    assert_eq!(ents.len(), names.len());
+    for name in ["pages-1.img", "gpu-state-0.bin", MANIFEST_FILE] {
+        assert_eq!(
+            std::fs::read(t.join("checkpoint").join(name)).unwrap(),
+            std::fs::read(tmp.path().join("ckdir").join(name)).unwrap()
+        );
+    }
+    manifest::verify_dir(&t.join("checkpoint")).unwrap();
+    let r = archive::verify_archive(&a, Limits::default(), &mut no_progress).unwrap();
+    assert_eq!(r.files_verified, 5);
+    assert!(r.uncovered.contains_key("rootfs-diff.tar"));
+}
+
+#[test]
+fn reads_a_crio_archive() {
+    let spec = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "annotations": {
+            "io.container.manager": "cri-o",
+            "io.kubernetes.cri-o.Metadata": "{\"name\":\"counter\",\"attempt\":0}",
+            "io.kubernetes.pod.name": "counters",
+            "io.kubernetes.pod.namespace": "default",
+            "io.kubernetes.cri-o.Created": "2026-09-01T11:00:00Z"
+        }
+    });
+    let config = serde_json::json!({
+        "id": "f11d11844af0", "name": "k8s_counter_counters_default_0", "rootfsImageName": "quay.io/x/counter:latest",
+        "runtime": "crun", "createdTime": "2026-09-01T11:00:00.123456789Z", "checkpointedTime": "2026-09-01T12:00:00Z",
+        "restoreLabel": "x"
+    });
+    let data = RawTar::new()
+        .entry(b"checkpoint/", tar::EntryType::Directory, b"", None)
+        .file("checkpoint/inventory.img", b"inv")
+        .file("checkpoint/pages-1.img", &[1u8; 4096])
+        .file(
+            "config.dump",
+            serde_json::to_string(&config).unwrap().as_bytes(),
+        )
+        .file(
+            "spec.dump",
+            serde_json::to_string(&spec).unwrap().as_bytes(),
+        )
+        .file("bind.mounts", b"[]")
+        .file("deleted.files", b"[\"/tmp/x\"]")
+        .file("rootfs-diff.tar", &[0u8; 1024])
+        .finish();
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("crio.tar");
+    std::fs::write(&p, data).unwrap();
+    let info = archive::read_info(&p, Limits::default()).unwrap();
+    assert_eq!(info.engine(), Engine::CriO);
+    assert_eq!(
+        info.identity(),
+        ("counter".into(), "counters".into(), "default".into())
+    );
+    let c = info.config_dump.as_ref().unwrap();
+    assert_eq!(c.runtime, "crun");
+    assert!(c.extra.contains_key("restoreLabel"));
+    assert!(info.manifest.is_none());
+    assert!(info.status_dump.is_none());
+    assert_eq!(info.sizes.memory_pages_size, 4096);
+    // Not taken by gpu-ckpt: verify says the manifest is missing.
+    let e = archive::verify_archive(&p, Limits::default(), &mut no_progress).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "archive has no \"checkpoint/gpu-ckpt-manifest.json\""
+    );
+}
+
+#[test]
+fn manifest_round_trip_and_versions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = make_checkpoint_dir(tmp.path());
+    let path = tmp.path().join(MANIFEST_FILE);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let back = Manifest::read_from(tmp.path()).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(back.schema_version, 1);
+    assert_eq!(back.kind, manifest::MANIFEST_KIND);
+    assert_eq!(back.files.len(), 5);
+    assert!(!back.files.contains_key(MANIFEST_FILE));
+    assert_eq!(back.device_state[0].size, 70_000);
+    assert_eq!(manifest::hash_dir_flat(tmp.path()).unwrap(), back.files);
+    assert_eq!(manifest::verify_dir(tmp.path()).unwrap(), m);
+
+    let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+    v["schema_version"] = 2.into();
+    let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err();
+    assert!(matches!(e, Error::UnsupportedSchema { .. }));
+    assert_eq!(
+        e.to_string(),
+        "manifest m.json: unsupported schema_version 2 (this build reads major version 1)"
+    );
+    v["schema_version"] = "1".into();
+    assert!(matches!(
+        Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err(),
+        Error::UnsupportedSchema { .. }
+    ));
+    v["schema_version"] = 1.into();
+    v["kind"] = "something-else".into();
+    let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err();
+    assert!(e.to_string().contains("field \"kind\""), "{e}");
+    // Unknown fields within a major version are ignored (minor additions).
+    v["kind"] = manifest::MANIFEST_KIND.into();
+    v["future_field"] = 1.into();
+    assert!(Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").is_ok());
+    // A manifest that lists a path-like name is refused.
+    v["files"]["../x"] = serde_json::json!({"size": 1, "sha256": "00".repeat(32)});
+    let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err();
+    assert!(e.to_string().contains("\"../x\""), "{e}");
+}
+
+#[test]
+fn verify_dir_names_the_first_mismatch_and_flatness_is_enforced() {
+    let tmp = tempfile::tempdir().unwrap();
+    make_checkpoint_dir(tmp.path());
+    std::fs::write(tmp.path().join("pages-1.img"), vec![8u8; 300_000]).unwrap();
+    let e = manifest::verify_dir(tmp.path()).unwrap_err();
+    assert!(
+        matches!(&e, Error::DigestMismatch { name, .. } if name == "pages-1.img"),
+        "{e}"
+    );
+    std::fs::remove_file(tmp.path().join("core-1.img")).unwrap();
+    let e = manifest::verify_dir(tmp.path()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "file \"core-1.img\": listed in the manifest but missing"
+    );
+    std::fs::create_dir(tmp.path().join("sub")).unwrap();
+    let e = manifest::hash_dir_flat(tmp.path()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "checkpoint directory entry \"sub\": subdirectories are not allowed"
+    );
+    std::fs::remove_dir(tmp.path().join("sub")).unwrap();
+    std::fs::hard_link(tmp.path().join("inventory.img"), tmp.path().join("hl.img")).unwrap();
+    let e = manifest::hash_dir_flat(tmp.path()).unwrap_err();
+    assert!(e.to_string().contains("hard links are not allowed"), "{e}");
+}
+
+fn node_like_checkpoint() -> Profile {
+    Profile::from_manifest(&sample_manifest())
+}
+
+#[test]
+fn compat_identical_node_and_each_single_difference() {
+    let ck = node_like_checkpoint();
+    let v = compat::check(&ck, &ck.clone());
+    assert!(v.compatible && v.differences.is_empty());
+    assert_eq!(v.gpu_map.len(), 2);
+    assert_eq!(v.remapped().count(), 0);
+
+    let one = |f: &dyn Fn(&mut Profile), field: &str| {
+        let mut n = ck.clone();
+        f(&mut n);
+        let v = compat::check(&ck, &n);
+        assert!(!v.compatible, "{field}: should be incompatible");
+        let fields: Vec<&str> = v.differences.iter().map(|d| d.field.as_str()).collect();
+        assert_eq!(fields, vec![field], "{field}");
+        assert!(v.gpu_map.is_empty());
+        v
+    };
+    let v = one(
+        &|n| n.devices.gpus[1].model = "NVIDIA A100-SXM4-80GB".into(),
+        "gpu_model",
+    );
+    assert_eq!(v.differences[0].gpu, Some(1));
+    assert!(v.differences[0]
+        .to_string()
+        .contains("NVIDIA A100-SXM4-80GB"));
+    one(
+        &|n| n.devices.gpus.push(gpu(2, "NVIDIA H100 80GB HBM3")),
+        "gpu_count",
+    );
+    one(
+        &|n| {
+            n.devices.gpus.pop();
+        },
+        "gpu_count",
+    );
+    one(
+        &|n| n.devices.driver_version = "590.44.01".into(),
+        "driver_version",
+    );
+    one(
+        &|n| n.devices.cuda_driver_version = "13.1".into(),
+        "cuda_driver_version",
+    );
+    one(
+        &|n| n.workload.engine_version = "vllm 0.12.0".into(),
+        "engine_version",
+    );
+    one(
+        &|n| n.workload.model_version = "Qwen3-8B@rev2".into(),
+        "model_version",
+    );
+    one(&|n| n.workload.model_version.clear(), "model_version");
+    one(&|n| n.devices.gpus[0].memory_bytes = 40 << 30, "gpu_memory");
+
+    // Different UUIDs (and PCI addresses) are fine and yield a remap.
+    let mut n = ck.clone();
+    for (i, g) in n.devices.gpus.iter_mut().enumerate() {
+        g.uuid = format!("GPU-ffffffff-0000-0000-0000-00000000000{i}");
+        g.pci_address = format!("00000000:9{i}:00.0");
+    }
+    let v = compat::check(&ck, &n);
+    assert!(v.compatible);
+    let pairs: Vec<_> = v.remapped().collect();
+    assert_eq!(pairs.len(), 2);
+    assert_eq!(pairs[0].old_uuid, ck.devices.gpus[0].uuid);
+    assert_eq!(
+        pairs[0].new_uuid,
+        "GPU-ffffffff-0000-0000-0000-000000000000"
+    );
+}
+
+#[test]
+fn oci_image_from_archive_and_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = make_archive(tmp.path());
+    let opts = BuildOptions {
+        reference: "localhost:5000/ckpt/counter:1".into(),
+        limits: Limits::default(),
+    };
+    let layout = tmp.path().join("layout");
+    let b1 = oci::build_layout(&a, &layout, &opts, &mut no_progress).unwrap();
+    let tarball = tmp.path().join("image.tar");
+    let b2 = oci::build_tarball(&a, &tarball, &opts, &mut no_progress).unwrap();
+    assert_eq!(
+        b1.manifest_digest, b2.manifest_digest,
+        "layout and tarball hold the same image"
+    );
+    let archive_sha = image_format::digest::hash_file(&a, &mut no_progress)
+        .unwrap()
+        .0;
+    assert_eq!(b1.layer.digest, format!("sha256:{archive_sha}"));
+    assert_eq!(b1.layer.media_type, oci::MEDIA_LAYER_TAR);
+    let ann = &b1.manifest.annotations;
+    assert_eq!(ann[oci::ANN_CONTAINERD_NAME], "counter");
+    assert_eq!(ann[oci::ANN_CRIO_NAME], "counter");
+    assert_eq!(ann["gpu-ckpt.io/engine-version"], "vllm 0.11.0");
+    assert_eq!(ann["gpu-ckpt.io/model-version"], "Qwen3-8B@rev1");
+    assert_eq!(ann["gpu-ckpt.io/driver-version"], "580.65.06");
+    assert_eq!(ann["gpu-ckpt.io/cuda-driver-version"], "13.0");
+    assert_eq!(ann["gpu-ckpt.io/gpu-count"], "2");
+    for f in ["oci-layout", "index.json"] {
+        assert_eq!(
+            std::fs::metadata(layout.join(f))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o600
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(&tarball).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
+    assert_eq!(
+        idx["manifests"][0]["annotations"]["io.containerd.image.name"],
+        "localhost:5000/ckpt/counter:1"
+    );
+    assert_eq!(
+        idx["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"],
+        "1"
+    );
+
+    // The tarball is a valid tar whose members are exactly the layout's files.
+    let t = entries_of(&tarball);
+    assert!(t.contains_key("oci-layout") && t.contains_key("index.json"));
+    assert_eq!(
+        t[&format!("blobs/sha256/{archive_sha}")],
+        std::fs::read(&a).unwrap()
+    );
+
+    // Compatibility from the manifest alone.
+    for img in [&layout, &tarball] {
+        assert!(oci::is_image(img));
+        let p = oci::image_profile(img).unwrap().unwrap();
+        assert_eq!(p, node_like_checkpoint());
+        assert!(compat::check(&p, &node_like_checkpoint()).compatible);
+    }
+    assert!(!oci::is_image(&a));
+
+    // And back: byte-identical archive.
+    for (i, img) in [&layout, &tarball].iter().enumerate() {
+        let out = tmp.path().join(format!("back{i}.tar"));
+        oci::extract_archive_from_image(img, &out, &mut no_progress).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&a).unwrap());
+    }
+
+    // A corrupted layer blob is caught by digest.
+    let blob = layout.join("blobs/sha256").join(&archive_sha);
+    let mut d = std::fs::read(&blob).unwrap();
+    d[600] ^= 1;
+    std::fs::write(&blob, d).unwrap();
+    let e = oci::extract_archive_from_image(&layout, &tmp.path().join("bad.tar"), &mut no_progress)
+        .unwrap_err();
+    assert!(matches!(e, Error::DigestMismatch { .. }), "{e}");
+    assert!(!tmp.path().join("bad.tar").exists());
+}
+
+#[test]
+fn build_refuses_a_hostile_archive() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("h.tar");
+    std::fs::write(&p, RawTar::new().file("../x", b"1").finish()).unwrap();
+    let opts = BuildOptions {
+        reference: "localhost:5000/x:1".into(),
+        limits: Limits::default(),
+    };
+    let e = oci::build_tarball(&p, &tmp.path().join("o.tar"), &opts, &mut no_progress).unwrap_err();
+    assert!(matches!(e, Error::PathTraversal { .. }));
+    assert!(!tmp.path().join("o.tar").exists());
+}
+
+#[test]
+fn references_split() {
+    assert_eq!(
+        oci::split_reference("localhost:5000/ckpt/counter:1").unwrap(),
+        ("localhost:5000".into(), "ckpt/counter".into(), "1".into())
+    );
+    assert_eq!(
+        oci::split_reference("localhost:5000/c").unwrap().2,
+        "latest"
+    );
+    assert!(oci::split_reference("nohost").is_err());
+    assert_eq!(oci::tag_of("localhost:5000/a/b:7"), "7");
+    assert_eq!(oci::tag_of("localhost:5000/a/b"), "latest");
+}
