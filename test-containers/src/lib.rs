@@ -1,1 +1,4 @@
 //! Test support for gpu-ckpt: OCI image builder, local test stack, kubelet-like clients.
+pub mod containerd;
+pub mod cri;
+pub mod stack;

@@ -1,0 +1,624 @@
+//! A containerd API client over a node's socket (containerd-client 0.9): Tasks (Wait, Update,
+//! Get, Metrics) and Events.Subscribe with decoded `/tasks/*` events.
+//!
+//! The namespace travels in the `containerd-namespace` gRPC metadata header.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use containerd_client::events as ev;
+use containerd_client::services::v1::events_client::EventsClient;
+use containerd_client::services::v1::tasks_client::TasksClient;
+use containerd_client::services::v1::{
+    GetRequest, MetricsRequest, SubscribeRequest, UpdateTaskRequest, WaitRequest,
+};
+use containerd_client::types::v1::{Process, Status};
+use containerd_client::types::{Envelope, Metric};
+use prost_types::{Any, Timestamp};
+use tonic::transport::Channel;
+
+pub use containerd_client;
+
+/// Type URL under which containerd's typeurl registers runtime-spec `LinuxResources`
+/// (`types.containerd.io` + `opencontainers/runtime-spec` + spec major version + name). The
+/// value of such an Any is the JSON encoding of the Go struct (typeurl marshals types that are
+/// not protobuf messages with encoding/json).
+pub const LINUX_RESOURCES_TYPE_URL: &str =
+    "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources";
+
+/// How a task ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitStatus {
+    pub code: u32,
+    pub exited_at: Option<Timestamp>,
+}
+
+/// Memory numbers from Tasks.Metrics (cgroup v1 or v2).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MemoryMetrics {
+    /// Current usage in bytes.
+    pub usage: u64,
+    /// Limit in bytes (cgroup v1 reports a huge number when unlimited; v2 reports u64::MAX).
+    pub limit: u64,
+    /// Peak usage (v1 `max_usage_in_bytes`, v2 `max_usage` when the kernel reports it).
+    pub max_usage: u64,
+    /// OOM kills (v1 `memory.oom_control oom_kill`, v2 `memory.events oom_kill`).
+    pub oom_kill: u64,
+    /// Which cgroup version the metric came from (1 or 2).
+    pub cgroup_version: u8,
+}
+
+/// A decoded event.
+#[derive(Debug, Clone)]
+pub enum TaskEvent {
+    Create(ev::TaskCreate),
+    Start(ev::TaskStart),
+    Exit(ev::TaskExit),
+    Delete(ev::TaskDelete),
+    Oom(ev::TaskOom),
+    ExecAdded(ev::TaskExecAdded),
+    ExecStarted(ev::TaskExecStarted),
+    Paused(ev::TaskPaused),
+    Resumed(ev::TaskResumed),
+    Checkpointed(ev::TaskCheckpointed),
+    /// Anything else (other topics, or a type this client does not decode).
+    Other(Any),
+}
+
+/// One event from Events.Subscribe.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub namespace: String,
+    pub topic: String,
+    pub timestamp: Option<Timestamp>,
+    pub event: TaskEvent,
+}
+
+impl Event {
+    /// The container id the event is about, for task events.
+    pub fn container_id(&self) -> Option<&str> {
+        Some(match &self.event {
+            TaskEvent::Create(e) => &e.container_id,
+            TaskEvent::Start(e) => &e.container_id,
+            TaskEvent::Exit(e) => &e.container_id,
+            TaskEvent::Delete(e) => &e.container_id,
+            TaskEvent::Oom(e) => &e.container_id,
+            TaskEvent::ExecAdded(e) => &e.container_id,
+            TaskEvent::ExecStarted(e) => &e.container_id,
+            TaskEvent::Paused(e) => &e.container_id,
+            TaskEvent::Resumed(e) => &e.container_id,
+            TaskEvent::Checkpointed(e) => &e.container_id,
+            TaskEvent::Other(_) => return None,
+        })
+    }
+}
+
+/// Decodes an envelope's Any for `/tasks/*` topics.
+pub fn decode_event(env: Envelope) -> Event {
+    let any = env.event.unwrap_or_default();
+    // containerd sends the protobuf full name ("containerd.events.TaskExit"), with or without a
+    // URL prefix; prost's `to_msg` needs a '/' before the name.
+    let name = any
+        .type_url
+        .rsplit('/')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let mut norm = any.clone();
+    norm.type_url = format!("/{name}");
+    macro_rules! dec {
+        ($a:expr, $t:ty) => {
+            $a.to_msg::<$t>().ok()
+        };
+    }
+    let decoded = match name.as_str() {
+        "containerd.events.TaskCreate" => dec!(norm, ev::TaskCreate).map(TaskEvent::Create),
+        "containerd.events.TaskStart" => dec!(norm, ev::TaskStart).map(TaskEvent::Start),
+        "containerd.events.TaskExit" => dec!(norm, ev::TaskExit).map(TaskEvent::Exit),
+        "containerd.events.TaskDelete" => dec!(norm, ev::TaskDelete).map(TaskEvent::Delete),
+        "containerd.events.TaskOOM" => dec!(norm, ev::TaskOom).map(TaskEvent::Oom),
+        "containerd.events.TaskExecAdded" => {
+            dec!(norm, ev::TaskExecAdded).map(TaskEvent::ExecAdded)
+        }
+        "containerd.events.TaskExecStarted" => {
+            dec!(norm, ev::TaskExecStarted).map(TaskEvent::ExecStarted)
+        }
+        "containerd.events.TaskPaused" => dec!(norm, ev::TaskPaused).map(TaskEvent::Paused),
+        "containerd.events.TaskResumed" => dec!(norm, ev::TaskResumed).map(TaskEvent::Resumed),
+        "containerd.events.TaskCheckpointed" => {
+            dec!(norm, ev::TaskCheckpointed).map(TaskEvent::Checkpointed)
+        }
+        _ => None,
+    };
+    Event {
+        namespace: env.namespace,
+        topic: env.topic,
+        timestamp: env.timestamp,
+        event: decoded.unwrap_or(TaskEvent::Other(any)),
+    }
+}
+
+/// A stream of events.
+pub struct EventStream {
+    inner: tonic::Streaming<Envelope>,
+}
+
+impl EventStream {
+    /// The next event; `None` when the server closed the stream.
+    pub async fn next(&mut self) -> Result<Option<Event>> {
+        let env = self.inner.message().await.context("events stream")?;
+        Ok(env.map(decode_event))
+    }
+
+    /// The next event within `timeout`; `None` on timeout or end of stream.
+    pub async fn next_timeout(&mut self, timeout: Duration) -> Result<Option<Event>> {
+        match tokio::time::timeout(timeout, self.next()).await {
+            Ok(r) => r,
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Reads events until one satisfies `pred`; returns it and everything seen before it.
+    /// Fails when `timeout` passes first (the error lists the topics seen).
+    pub async fn wait_for<F>(
+        &mut self,
+        timeout: Duration,
+        mut pred: F,
+    ) -> Result<(Event, Vec<Event>)>
+    where
+        F: FnMut(&Event) -> bool,
+    {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                let topics: Vec<String> = seen
+                    .iter()
+                    .map(|e: &Event| format!("{} {:?}", e.topic, e.container_id()))
+                    .collect();
+                bail!("no matching event within {timeout:?}; seen: {topics:?}");
+            }
+            match tokio::time::timeout(left, self.next()).await {
+                Ok(Ok(Some(e))) => {
+                    if pred(&e) {
+                        return Ok((e, seen));
+                    }
+                    seen.push(e);
+                }
+                Ok(Ok(None)) => bail!("events stream ended while waiting"),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => continue,
+            }
+        }
+    }
+}
+
+/// A containerd API client bound to one namespace. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Containerd {
+    channel: Channel,
+    namespace: String,
+}
+
+impl Containerd {
+    /// Connects to containerd's socket; requests go to `namespace`.
+    pub async fn connect(socket: &Path, namespace: &str) -> Result<Containerd> {
+        let channel = crate::cri::unix_channel(socket).await?;
+        Ok(Containerd {
+            channel,
+            namespace: namespace.to_string(),
+        })
+    }
+
+    /// The same connection, another namespace.
+    pub fn with_namespace(&self, namespace: &str) -> Containerd {
+        Containerd {
+            channel: self.channel.clone(),
+            namespace: namespace.to_string(),
+        }
+    }
+
+    /// The namespace requests go to.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The underlying channel (for other containerd-client services).
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    /// Wraps a message in a request carrying the namespace header.
+    pub fn request<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut req = tonic::Request::new(msg);
+        req.metadata_mut().insert(
+            "containerd-namespace",
+            self.namespace
+                .parse()
+                .expect("namespace is valid ASCII metadata"),
+        );
+        req
+    }
+
+    fn tasks(&self) -> TasksClient<Channel> {
+        TasksClient::new(self.channel.clone())
+    }
+
+    /// Tasks.Wait for the init process: blocks until the task exits.
+    pub async fn wait(&self, container_id: &str) -> Result<ExitStatus> {
+        self.wait_exec(container_id, "").await
+    }
+
+    /// Tasks.Wait for an exec process (`exec_id` "" = init).
+    pub async fn wait_exec(&self, container_id: &str, exec_id: &str) -> Result<ExitStatus> {
+        let r = self
+            .tasks()
+            .wait(self.request(WaitRequest {
+                container_id: container_id.to_string(),
+                exec_id: exec_id.to_string(),
+            }))
+            .await
+            .with_context(|| format!("Tasks.Wait {container_id} (ns {})", self.namespace))?
+            .into_inner();
+        Ok(ExitStatus {
+            code: r.exit_status,
+            exited_at: r.exited_at,
+        })
+    }
+
+    /// Tasks.Wait with a timeout.
+    pub async fn wait_timeout(&self, container_id: &str, timeout: Duration) -> Result<ExitStatus> {
+        tokio::time::timeout(timeout, self.wait(container_id))
+            .await
+            .map_err(|_| anyhow!("task {container_id} did not exit within {timeout:?}"))?
+    }
+
+    /// Tasks.Get: the init process (pid, status, exit status).
+    pub async fn get(&self, container_id: &str) -> Result<Process> {
+        let r = self
+            .tasks()
+            .get(self.request(GetRequest {
+                container_id: container_id.to_string(),
+                exec_id: String::new(),
+            }))
+            .await
+            .with_context(|| format!("Tasks.Get {container_id} (ns {})", self.namespace))?
+            .into_inner();
+        r.process
+            .ok_or_else(|| anyhow!("Tasks.Get {container_id}: no process in the answer"))
+    }
+
+    /// The task's status (Created, Running, Stopped, Paused, ...).
+    pub async fn status(&self, container_id: &str) -> Result<Status> {
+        let p = self.get(container_id).await?;
+        Ok(Status::try_from(p.status).unwrap_or(Status::Unknown))
+    }
+
+    /// Tasks.Update with an arbitrary resources Any.
+    pub async fn update_raw(
+        &self,
+        container_id: &str,
+        resources: Option<Any>,
+        annotations: std::collections::HashMap<String, String>,
+    ) -> Result<()> {
+        self.tasks()
+            .update(self.request(UpdateTaskRequest {
+                container_id: container_id.to_string(),
+                resources,
+                annotations,
+            }))
+            .await
+            .with_context(|| format!("Tasks.Update {container_id} (ns {})", self.namespace))?;
+        Ok(())
+    }
+
+    /// Tasks.Update with runtime-spec `LinuxResources` given as JSON (for example
+    /// `{"memory":{"limit":268435456}}`).
+    pub async fn update_resources_json(
+        &self,
+        container_id: &str,
+        linux_resources: &serde_json::Value,
+    ) -> Result<()> {
+        self.update_raw(
+            container_id,
+            Some(linux_resources_any(linux_resources)?),
+            Default::default(),
+        )
+        .await
+    }
+
+    /// Sets the task's memory limit (bytes) through Tasks.Update.
+    pub async fn update_memory_limit(&self, container_id: &str, bytes: i64) -> Result<()> {
+        self.update_resources_json(
+            container_id,
+            &serde_json::json!({ "memory": { "limit": bytes } }),
+        )
+        .await
+    }
+
+    /// Tasks.Metrics for one container (raw metrics).
+    pub async fn metrics(&self, container_id: &str) -> Result<Vec<Metric>> {
+        let r = self
+            .tasks()
+            .metrics(self.request(MetricsRequest {
+                filters: vec![format!("id=={container_id}")],
+            }))
+            .await
+            .with_context(|| format!("Tasks.Metrics {container_id} (ns {})", self.namespace))?
+            .into_inner();
+        Ok(r.metrics)
+    }
+
+    /// Memory usage and limit of the task, decoded from cgroup v1 or v2 metrics.
+    pub async fn memory(&self, container_id: &str) -> Result<MemoryMetrics> {
+        let metrics = self.metrics(container_id).await?;
+        let m = metrics
+            .into_iter()
+            .find(|m| m.id == container_id)
+            .ok_or_else(|| anyhow!("Tasks.Metrics: no metric for {container_id}"))?;
+        let data = m
+            .data
+            .ok_or_else(|| anyhow!("Tasks.Metrics {container_id}: metric without data"))?;
+        decode_memory_metrics(&data)
+    }
+
+    /// Events.Subscribe with raw filters (containerd filter syntax; several filters are ORed).
+    pub async fn subscribe(&self, filters: &[&str]) -> Result<EventStream> {
+        let r = EventsClient::new(self.channel.clone())
+            .subscribe(self.request(SubscribeRequest {
+                filters: filters.iter().map(|s| s.to_string()).collect(),
+            }))
+            .await
+            .context("Events.Subscribe")?;
+        Ok(EventStream {
+            inner: r.into_inner(),
+        })
+    }
+
+    /// Events.Subscribe for `/tasks/*` topics in this client's namespace.
+    pub async fn subscribe_tasks(&self) -> Result<EventStream> {
+        let f = format!("namespace=={},topic~=\"^/tasks/\"", self.namespace);
+        self.subscribe(&[&f]).await
+    }
+}
+
+/// Encodes runtime-spec `LinuxResources` JSON the way containerd's typeurl does.
+pub fn linux_resources_any(linux_resources: &serde_json::Value) -> Result<Any> {
+    if !linux_resources.is_object() {
+        bail!("LinuxResources must be a JSON object, got {linux_resources}");
+    }
+    Ok(Any {
+        type_url: LINUX_RESOURCES_TYPE_URL.to_string(),
+        value: serde_json::to_vec(linux_resources)?,
+    })
+}
+
+/// Decodes memory numbers from an `io.containerd.cgroups.v1.Metrics` or
+/// `io.containerd.cgroups.v2.Metrics` Any.
+pub fn decode_memory_metrics(any: &Any) -> Result<MemoryMetrics> {
+    let name = any.type_url.rsplit('/').next().unwrap_or_default();
+    match name {
+        "io.containerd.cgroups.v1.Metrics" => {
+            // Metrics { memory = 4: MemoryStat { usage = 33: MemoryEntry { limit 1, usage 2,
+            // max 3, failcnt 4 } }, memory_oom_control = 9: { oom_kill = 3 } }
+            let top = wire::fields(&any.value)?;
+            let mut out = MemoryMetrics {
+                cgroup_version: 1,
+                ..Default::default()
+            };
+            if let Some(mem) = wire::message(&top, 4) {
+                let mem = wire::fields(mem)?;
+                if let Some(usage) = wire::message(&mem, 33) {
+                    let e = wire::fields(usage)?;
+                    out.limit = wire::varint(&e, 1);
+                    out.usage = wire::varint(&e, 2);
+                    out.max_usage = wire::varint(&e, 3);
+                }
+            }
+            if let Some(oom) = wire::message(&top, 9) {
+                out.oom_kill = wire::varint(&wire::fields(oom)?, 3);
+            }
+            Ok(out)
+        }
+        "io.containerd.cgroups.v2.Metrics" => {
+            // Metrics { memory = 4: MemoryStat { usage 32, usage_limit 33, max_usage 36 },
+            // memory_events = 8: { oom_kill = 5 } }
+            let top = wire::fields(&any.value)?;
+            let mut out = MemoryMetrics {
+                cgroup_version: 2,
+                ..Default::default()
+            };
+            if let Some(mem) = wire::message(&top, 4) {
+                let mem = wire::fields(mem)?;
+                out.usage = wire::varint(&mem, 32);
+                out.limit = wire::varint(&mem, 33);
+                out.max_usage = wire::varint(&mem, 36);
+            }
+            if let Some(events) = wire::message(&top, 8) {
+                out.oom_kill = wire::varint(&wire::fields(events)?, 5);
+            }
+            Ok(out)
+        }
+        other => bail!("unknown metrics type {other:?}"),
+    }
+}
+
+/// A minimal protobuf wire-format reader for the few metric fields above.
+mod wire {
+    use anyhow::{bail, Result};
+
+    pub enum Val<'a> {
+        Varint(u64),
+        Bytes(&'a [u8]),
+        Fixed,
+    }
+
+    fn read_varint(b: &[u8], i: &mut usize) -> Result<u64> {
+        let mut v: u64 = 0;
+        for shift in (0..64).step_by(7) {
+            let Some(&byte) = b.get(*i) else {
+                bail!("truncated varint");
+            };
+            *i += 1;
+            v |= u64::from(byte & 0x7f) << shift;
+            if byte & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        bail!("varint too long")
+    }
+
+    pub fn fields(b: &[u8]) -> Result<Vec<(u32, Val<'_>)>> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            let key = read_varint(b, &mut i)?;
+            let field = (key >> 3) as u32;
+            match key & 7 {
+                0 => out.push((field, Val::Varint(read_varint(b, &mut i)?))),
+                1 => {
+                    i += 8;
+                    out.push((field, Val::Fixed));
+                }
+                2 => {
+                    let len = read_varint(b, &mut i)? as usize;
+                    let Some(s) = b.get(i..i + len) else {
+                        bail!("truncated length-delimited field {field}");
+                    };
+                    i += len;
+                    out.push((field, Val::Bytes(s)));
+                }
+                5 => {
+                    i += 4;
+                    out.push((field, Val::Fixed));
+                }
+                t => bail!("unsupported wire type {t} for field {field}"),
+            }
+        }
+        if i > b.len() {
+            bail!("truncated message");
+        }
+        Ok(out)
+    }
+
+    pub fn varint(f: &[(u32, Val<'_>)], n: u32) -> u64 {
+        f.iter()
+            .rev()
+            .find_map(|(k, v)| match v {
+                Val::Varint(x) if *k == n => Some(*x),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
+    pub fn message<'a>(f: &[(u32, Val<'a>)], n: u32) -> Option<&'a [u8]> {
+        f.iter().rev().find_map(|(k, v)| match v {
+            Val::Bytes(b) if *k == n => Some(*b),
+            _ => None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn varint(mut v: u64, out: &mut Vec<u8>) {
+        loop {
+            let b = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                out.push(b);
+                return;
+            }
+            out.push(b | 0x80);
+        }
+    }
+    fn field_varint(n: u32, v: u64, out: &mut Vec<u8>) {
+        varint(u64::from(n) << 3, out);
+        varint(v, out);
+    }
+    fn field_bytes(n: u32, b: &[u8], out: &mut Vec<u8>) {
+        varint((u64::from(n) << 3) | 2, out);
+        varint(b.len() as u64, out);
+        out.extend_from_slice(b);
+    }
+
+    #[test]
+    fn decodes_v1_memory() {
+        let mut entry = Vec::new();
+        field_varint(1, 256 << 20, &mut entry);
+        field_varint(2, 1234567, &mut entry);
+        field_varint(3, 2345678, &mut entry);
+        let mut mem = Vec::new();
+        field_varint(2, 99, &mut mem); // rss
+        field_bytes(33, &entry, &mut mem);
+        let mut oom = Vec::new();
+        field_varint(3, 2, &mut oom);
+        let mut top = Vec::new();
+        field_bytes(4, &mem, &mut top);
+        field_bytes(9, &oom, &mut top);
+        let any = Any {
+            type_url: "io.containerd.cgroups.v1.Metrics".into(),
+            value: top,
+        };
+        let m = decode_memory_metrics(&any).unwrap();
+        assert_eq!(
+            m,
+            MemoryMetrics {
+                usage: 1234567,
+                limit: 256 << 20,
+                max_usage: 2345678,
+                oom_kill: 2,
+                cgroup_version: 1
+            }
+        );
+    }
+
+    #[test]
+    fn decodes_v2_memory() {
+        let mut mem = Vec::new();
+        field_varint(32, 42, &mut mem);
+        field_varint(33, 4096, &mut mem);
+        let mut top = Vec::new();
+        field_bytes(4, &mem, &mut top);
+        let any = Any {
+            type_url: "types.containerd.io/io.containerd.cgroups.v2.Metrics".into(),
+            value: top,
+        };
+        let m = decode_memory_metrics(&any).unwrap();
+        assert_eq!((m.usage, m.limit, m.cgroup_version), (42, 4096, 2));
+    }
+
+    #[test]
+    fn resources_any_is_json() {
+        let a = linux_resources_any(&serde_json::json!({"memory":{"limit": 1}})).unwrap();
+        assert_eq!(a.type_url, LINUX_RESOURCES_TYPE_URL);
+        assert_eq!(a.value, br#"{"memory":{"limit":1}}"#);
+    }
+
+    #[test]
+    fn decodes_task_exit_event() {
+        let exit = ev::TaskExit {
+            container_id: "c1".into(),
+            id: "c1".into(),
+            pid: 7,
+            exit_status: 137,
+            exited_at: None,
+        };
+        let any = containerd_client::to_any(&exit);
+        let e = decode_event(Envelope {
+            timestamp: None,
+            namespace: "default".into(),
+            topic: "/tasks/exit".into(),
+            event: Some(any),
+        });
+        match e.event {
+            TaskEvent::Exit(ref x) => assert_eq!(x.exit_status, 137),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(e.container_id(), Some("c1"));
+    }
+}

@@ -1,0 +1,1422 @@
+//! The local test stack: a private containerd 2.x per test "node", the local registry, and
+//! the test images.
+//!
+//! Layout (see `docs`/`shared/reference/stack.md`):
+//! - `$STACK` = env `GPU_CKPT_STACK`, else `<repo>/.stack`;
+//! - containerd, ctr, containerd-shim-runc-v2 in `$STACK/root/usr/bin`; criu and checkpointctl in
+//!   `$STACK/bin`; CNI plugins in `$STACK/cni/usr/lib/cni`; test images in `$STACK/images`;
+//! - per node: persistent files in `$STACK/nodes/<name>/` (config, containerd.log, pod logs, the
+//!   content store under `root/`), runtime state in `/run/gpu-ckpt-test/<name>/` (socket, state,
+//!   runc roots, fifos: short paths because of the unix socket path limit).
+//!
+//! Nothing here skips: when the stack is missing, [`Stack::discover`] fails.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// Runtime handler name of the project's shim in the node config.
+pub const GPU_CKPT_HANDLER: &str = "gpu-ckpt";
+/// Runtime type of the project's shim.
+pub const GPU_CKPT_RUNTIME_TYPE: &str = "io.containerd.gpu-ckpt.v1";
+/// Runtime handler of the plain runc shim (the CRI default on test nodes).
+pub const RUNC_HANDLER: &str = "runc";
+/// The runc binary every handler uses.
+pub const RUNC_BINARY: &str = "/usr/sbin/runc";
+/// Registry address of the local registry.
+pub const REGISTRY: &str = "localhost:5000";
+/// The pinned sandbox (pause) image.
+pub const PAUSE_IMAGE: &str = "localhost:5000/pause:1";
+/// The workloads image (busybox + counter, memhog, echo-server, echo-client, oom-eater).
+pub const WORKLOADS_IMAGE: &str = "localhost:5000/gpu-ckpt/workloads:1";
+/// containerd namespace used by CRI.
+pub const K8S_NAMESPACE: &str = "k8s.io";
+/// Where per-node runtime state lives (short paths: unix socket limit).
+pub const RUN_BASE: &str = "/run/gpu-ckpt-test";
+
+/// The installed test stack.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    prefix: PathBuf,
+    repo: PathBuf,
+}
+
+impl Stack {
+    /// Finds the stack: env `GPU_CKPT_STACK`, else `<repo>/.stack`. Fails (never skips) when
+    /// containerd is not installed there.
+    pub fn discover() -> Result<Stack> {
+        let repo = repo_root();
+        let prefix = match std::env::var_os("GPU_CKPT_STACK") {
+            Some(p) if !p.is_empty() => PathBuf::from(p),
+            _ => repo.join(".stack"),
+        };
+        let stack = Stack { prefix, repo };
+        let containerd = stack.containerd_bin();
+        if !containerd.is_file() {
+            bail!(
+                "test stack not installed at {}: run `make deps` (missing {})",
+                stack.prefix.display(),
+                containerd.display()
+            );
+        }
+        Ok(stack)
+    }
+
+    /// The stack prefix (`$STACK`).
+    pub fn prefix(&self) -> &Path {
+        &self.prefix
+    }
+
+    /// The repository root.
+    pub fn repo(&self) -> &Path {
+        &self.repo
+    }
+
+    /// `$STACK/root/usr/bin/containerd`.
+    pub fn containerd_bin(&self) -> PathBuf {
+        self.prefix.join("root/usr/bin/containerd")
+    }
+
+    /// `$STACK/root/usr/bin/ctr`.
+    pub fn ctr_bin(&self) -> PathBuf {
+        self.prefix.join("root/usr/bin/ctr")
+    }
+
+    /// `$STACK/bin` (criu, checkpointctl).
+    pub fn bin_dir(&self) -> PathBuf {
+        self.prefix.join("bin")
+    }
+
+    /// `$STACK/bin/criu`.
+    pub fn criu_bin(&self) -> PathBuf {
+        self.bin_dir().join("criu")
+    }
+
+    /// `$STACK/bin/checkpointctl`.
+    pub fn checkpointctl_bin(&self) -> PathBuf {
+        self.bin_dir().join("checkpointctl")
+    }
+
+    /// `$STACK/cni/usr/lib/cni`.
+    pub fn cni_bin_dir(&self) -> PathBuf {
+        self.prefix.join("cni/usr/lib/cni")
+    }
+
+    /// `$STACK/images` (OCI tarballs and `images.json`).
+    pub fn images_dir(&self) -> PathBuf {
+        self.prefix.join("images")
+    }
+
+    /// `$STACK/nodes/<name>`.
+    pub fn node_dir(&self, name: &str) -> PathBuf {
+        self.prefix.join("nodes").join(name)
+    }
+
+    /// Directory that holds `containerd-shim-gpu-ckpt-v1`: env `GPU_CKPT_SHIM_DIR`, else
+    /// `$CARGO_TARGET_DIR/debug` when that is set, else `<repo>/target/debug`.
+    pub fn shim_dir(&self) -> PathBuf {
+        if let Some(d) = std::env::var_os("GPU_CKPT_SHIM_DIR").filter(|d| !d.is_empty()) {
+            return PathBuf::from(d);
+        }
+        if let Some(d) = std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+            let d = PathBuf::from(d);
+            let d = if d.is_absolute() {
+                d
+            } else {
+                self.repo.join(d)
+            };
+            return d.join("debug");
+        }
+        self.repo.join("target/debug")
+    }
+
+    /// PATH for containerd (and therefore for its shims, runc and CRIU): the shim dir, `$STACK/bin`
+    /// (CRIU before any system criu, P4), `$STACK/root/usr/bin`, then the system directories.
+    pub fn path_env(&self) -> String {
+        format!(
+            "{}:{}:{}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            self.shim_dir().display(),
+            self.bin_dir().display(),
+            self.prefix.join("root/usr/bin").display()
+        )
+    }
+}
+
+/// `<repo>` = the parent of this crate's manifest directory.
+pub fn repo_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+/// A value in a runtime's `options` table.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OptValue {
+    Str(String),
+    Bool(bool),
+    Int(i64),
+    List(Vec<String>),
+}
+
+impl From<&str> for OptValue {
+    fn from(v: &str) -> Self {
+        OptValue::Str(v.to_string())
+    }
+}
+impl From<String> for OptValue {
+    fn from(v: String) -> Self {
+        OptValue::Str(v)
+    }
+}
+impl From<&Path> for OptValue {
+    fn from(v: &Path) -> Self {
+        OptValue::Str(v.display().to_string())
+    }
+}
+impl From<bool> for OptValue {
+    fn from(v: bool) -> Self {
+        OptValue::Bool(v)
+    }
+}
+impl From<i64> for OptValue {
+    fn from(v: i64) -> Self {
+        OptValue::Int(v)
+    }
+}
+impl From<Vec<String>> for OptValue {
+    fn from(v: Vec<String>) -> Self {
+        OptValue::List(v)
+    }
+}
+
+impl OptValue {
+    fn to_toml(&self) -> String {
+        match self {
+            OptValue::Str(s) => toml_str(s),
+            OptValue::Bool(b) => b.to_string(),
+            OptValue::Int(i) => i.to_string(),
+            OptValue::List(l) => toml_list(l),
+        }
+    }
+}
+
+/// A TOML basic string (JSON string escapes are valid TOML escapes).
+fn toml_str(s: &str) -> String {
+    serde_json::to_string(s).expect("string serializes")
+}
+
+fn toml_list(items: &[String]) -> String {
+    let parts: Vec<String> = items.iter().map(|s| toml_str(s)).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// An additional CRI runtime handler in the node config.
+#[derive(Debug, Clone)]
+pub struct ExtraRuntime {
+    pub name: String,
+    pub runtime_type: String,
+    pub pod_annotations: Vec<String>,
+    pub container_annotations: Vec<String>,
+    pub options: BTreeMap<String, OptValue>,
+}
+
+/// Options for [`Node`]; start with [`Node::builder`].
+#[derive(Debug, Clone)]
+pub struct NodeBuilder {
+    stack: Stack,
+    name: String,
+    cni: bool,
+    log_level: String,
+    gpu_ckpt_options: BTreeMap<String, OptValue>,
+    extra_runtimes: Vec<ExtraRuntime>,
+    extra_config: Vec<String>,
+    env: Vec<(String, String)>,
+    start_timeout: Duration,
+}
+
+impl NodeBuilder {
+    /// Write a CNI bridge config for this node (default: on). Without it, only hostNetwork
+    /// (NODE network namespace) pods work.
+    pub fn cni(mut self, on: bool) -> Self {
+        self.cni = on;
+        self
+    }
+
+    /// containerd log level (default "debug").
+    pub fn log_level(mut self, level: &str) -> Self {
+        self.log_level = level.to_string();
+        self
+    }
+
+    /// Adds or replaces a key in the `gpu-ckpt` runtime's `options` table (it reaches the shim as
+    /// `runtimeoptions.v1.Options.config_body`). Defaults: `BinaryName`, `Root`.
+    pub fn runtime_option(mut self, key: &str, value: impl Into<OptValue>) -> Self {
+        self.gpu_ckpt_options.insert(key.to_string(), value.into());
+        self
+    }
+
+    /// Adds another CRI runtime handler (for example a restore class with different options).
+    pub fn extra_runtime(mut self, runtime: ExtraRuntime) -> Self {
+        self.extra_runtimes.push(runtime);
+        self
+    }
+
+    /// Appends raw TOML to the generated config (new tables only: keys of tables the generator
+    /// already wrote cannot be repeated in TOML).
+    pub fn extra_config(mut self, toml: &str) -> Self {
+        self.extra_config.push(toml.to_string());
+        self
+    }
+
+    /// Sets an extra environment variable for containerd (and so for its shims).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// How long `start` waits for the socket (default 20 s).
+    pub fn start_timeout(mut self, timeout: Duration) -> Self {
+        self.start_timeout = timeout;
+        self
+    }
+
+    /// Starts the node.
+    pub fn start(self) -> Result<Node> {
+        Node::start_with(self)
+    }
+}
+
+/// Paths of one node.
+#[derive(Debug, Clone)]
+pub struct NodePaths {
+    /// `$STACK/nodes/<name>`.
+    pub dir: PathBuf,
+    /// `$STACK/nodes/<name>/root` (containerd root; deleted on stop).
+    pub root: PathBuf,
+    /// `$STACK/nodes/<name>/config.toml`.
+    pub config: PathBuf,
+    /// `$STACK/nodes/<name>/containerd.log` (kept after stop).
+    pub log: PathBuf,
+    /// `$STACK/nodes/<name>/logs` (pod log directories).
+    pub pod_logs: PathBuf,
+    /// `$STACK/nodes/<name>/certs.d`.
+    pub certs_d: PathBuf,
+    /// `$STACK/nodes/<name>/net.d`.
+    pub cni_conf_dir: PathBuf,
+    /// `$STACK/nodes/<name>/cni-ipam` (host-local IPAM data).
+    pub cni_ipam_dir: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>`.
+    pub run: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/state`.
+    pub state: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/containerd.sock`.
+    pub socket: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/runc` (runc root of the `runc` handler and of `ctr run`).
+    pub runc_root: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/gpu-ckpt-runc` (runc root of the `gpu-ckpt` handler).
+    pub gpu_ckpt_runc_root: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/fifo` (ctr fifos).
+    pub fifo_dir: PathBuf,
+    /// `/run/gpu-ckpt-test/<name>/containerd.pid`.
+    pub pid_file: PathBuf,
+}
+
+impl NodePaths {
+    fn new(stack: &Stack, name: &str) -> NodePaths {
+        let dir = stack.node_dir(name);
+        let run = Path::new(RUN_BASE).join(name);
+        NodePaths {
+            root: dir.join("root"),
+            config: dir.join("config.toml"),
+            log: dir.join("containerd.log"),
+            pod_logs: dir.join("logs"),
+            certs_d: dir.join("certs.d"),
+            cni_conf_dir: dir.join("net.d"),
+            cni_ipam_dir: dir.join("cni-ipam"),
+            dir,
+            state: run.join("state"),
+            socket: run.join("containerd.sock"),
+            runc_root: run.join("runc"),
+            gpu_ckpt_runc_root: run.join("gpu-ckpt-runc"),
+            fifo_dir: run.join("fifo"),
+            pid_file: run.join("containerd.pid"),
+            run,
+        }
+    }
+}
+
+/// CNI settings of a node: a bridge and a /24 derived from the node name.
+#[derive(Debug, Clone)]
+pub struct CniNet {
+    pub network: String,
+    pub bridge: String,
+    pub subnet: String,
+    pub gateway: String,
+}
+
+impl CniNet {
+    fn for_node(name: &str) -> CniNet {
+        let h = fnv1a(name.as_bytes());
+        let second = 100 + (h % 100) as u8;
+        let third = ((h >> 8) % 256) as u8;
+        CniNet {
+            network: format!("gpu-ckpt-{name}"),
+            bridge: format!("gck{:08x}", h as u32),
+            subnet: format!("10.{second}.{third}.0/24"),
+            gateway: format!("10.{second}.{third}.1"),
+        }
+    }
+}
+
+fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// A private containerd instance. Stopped (and its state removed) on drop.
+#[derive(Debug)]
+pub struct Node {
+    stack: Stack,
+    name: String,
+    paths: NodePaths,
+    cni: Option<CniNet>,
+    child: Option<Child>,
+    extra_runc_roots: Vec<PathBuf>,
+    stopped: bool,
+}
+
+impl Node {
+    /// A builder for a node called `name` on the discovered stack.
+    pub fn builder(name: &str) -> Result<NodeBuilder> {
+        Ok(Node::builder_on(&Stack::discover()?, name))
+    }
+
+    /// A builder for a node called `name` on `stack`.
+    pub fn builder_on(stack: &Stack, name: &str) -> NodeBuilder {
+        NodeBuilder {
+            stack: stack.clone(),
+            name: name.to_string(),
+            cni: true,
+            log_level: "debug".to_string(),
+            gpu_ckpt_options: BTreeMap::new(),
+            extra_runtimes: Vec::new(),
+            extra_config: Vec::new(),
+            env: Vec::new(),
+            start_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// Starts a node with default options.
+    pub fn start(name: &str) -> Result<Node> {
+        Node::builder(name)?.start()
+    }
+
+    fn start_with(b: NodeBuilder) -> Result<Node> {
+        validate_name(&b.name)?;
+        let stack = b.stack.clone();
+        let paths = NodePaths::new(&stack, &b.name);
+        let cni = b.cni.then(|| CniNet::for_node(&b.name));
+
+        // Leftovers of an earlier instance of this node (crashed test, killed cargo).
+        let extra_roots: Vec<PathBuf> = b
+            .extra_runtimes
+            .iter()
+            .filter_map(|r| match r.options.get("Root") {
+                Some(OptValue::Str(s)) => Some(PathBuf::from(s)),
+                _ => None,
+            })
+            .collect();
+        cleanup_node(&paths, cni.as_ref(), &extra_roots, None);
+
+        for d in [
+            &paths.dir,
+            &paths.root,
+            &paths.pod_logs,
+            &paths.run,
+            &paths.state,
+            &paths.runc_root,
+            &paths.gpu_ckpt_runc_root,
+            &paths.fifo_dir,
+        ] {
+            fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+        }
+
+        // Registry hosts.toml (P6: CRI does not fall back to plain HTTP by itself).
+        let hosts_dir = paths.certs_d.join(REGISTRY);
+        fs::create_dir_all(&hosts_dir)?;
+        fs::write(
+            hosts_dir.join("hosts.toml"),
+            format!(
+                "server = \"http://{REGISTRY}\"\n\n[host.\"http://{REGISTRY}\"]\n  capabilities = [\"pull\", \"resolve\", \"push\"]\n"
+            ),
+        )?;
+
+        if let Some(net) = &cni {
+            write_cni_conf(&stack, &paths, net)?;
+        } else {
+            let _ = fs::remove_dir_all(&paths.cni_conf_dir);
+        }
+
+        let config = render_config(&stack, &b, &paths, cni.is_some())?;
+        fs::write(&paths.config, config)
+            .with_context(|| format!("write {}", paths.config.display()))?;
+
+        if paths.log.exists() {
+            let _ = fs::rename(&paths.log, paths.dir.join("containerd.log.prev"));
+        }
+        let log = fs::File::create(&paths.log)
+            .with_context(|| format!("create {}", paths.log.display()))?;
+        let log2 = log.try_clone()?;
+
+        let mut cmd = Command::new(stack.containerd_bin());
+        cmd.arg("--config")
+            .arg(&paths.config)
+            .env("PATH", stack.path_env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log2));
+        for (k, v) in &b.env {
+            cmd.env(k, v);
+        }
+        // A session of its own, so a terminal's ^C reaches it only through us.
+        unsafe_setsid(&mut cmd);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", stack.containerd_bin().display()))?;
+        let _ = fs::write(&paths.pid_file, child.id().to_string());
+
+        let mut node = Node {
+            stack,
+            name: b.name.clone(),
+            paths,
+            cni,
+            child: Some(child),
+            extra_runc_roots: extra_roots,
+            stopped: false,
+        };
+        node.wait_ready(b.start_timeout)?;
+        Ok(node)
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    self.child = None;
+                    bail!(
+                        "containerd for node {} exited during start ({status}); log {}:\n{}",
+                        self.name,
+                        self.paths.log.display(),
+                        self.log_tail(60)
+                    );
+                }
+            }
+            if UnixStream::connect(&self.paths.socket).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "containerd for node {} did not open {} within {:?}; log {}:\n{}",
+                    self.name,
+                    self.paths.socket.display(),
+                    timeout,
+                    self.paths.log.display(),
+                    self.log_tail(60)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The stack it runs on.
+    pub fn stack(&self) -> &Stack {
+        &self.stack
+    }
+
+    /// All paths of this node.
+    pub fn paths(&self) -> &NodePaths {
+        &self.paths
+    }
+
+    /// The containerd gRPC socket.
+    pub fn socket(&self) -> &Path {
+        &self.paths.socket
+    }
+
+    /// containerd's PID while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// CNI settings, when CNI is on.
+    pub fn cni(&self) -> Option<&CniNet> {
+        self.cni.as_ref()
+    }
+
+    /// Directory for pod logs (`log_directory` of CRI pods goes below it).
+    pub fn pod_log_root(&self) -> &Path {
+        &self.paths.pod_logs
+    }
+
+    /// Flags for `ctr run` that keep runc state and fifos private (P7) and pick the runc binary (P1).
+    pub fn ctr_run_flags(&self) -> Vec<String> {
+        vec![
+            "--runc-binary".into(),
+            RUNC_BINARY.into(),
+            "--runc-root".into(),
+            self.paths.runc_root.display().to_string(),
+            "--fifo-dir".into(),
+            self.paths.fifo_dir.display().to_string(),
+        ]
+    }
+
+    /// Runs `ctr --address <sock> -n default <args>`.
+    pub fn ctr(&self, args: &[&str]) -> Result<Output> {
+        self.ctr_ns("default", args)
+    }
+
+    /// Runs `ctr --address <sock> -n <ns> <args>`.
+    pub fn ctr_ns(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        let ctr = self.stack.ctr_bin();
+        Command::new(&ctr)
+            .arg("--address")
+            .arg(&self.paths.socket)
+            .arg("-n")
+            .arg(ns)
+            .args(args)
+            .env("PATH", self.stack.path_env())
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("run {} {}", ctr.display(), args.join(" ")))
+    }
+
+    /// Like [`Node::ctr`], but fails unless ctr exits 0; returns stdout.
+    pub fn ctr_ok(&self, args: &[&str]) -> Result<String> {
+        self.ctr_ns_ok("default", args)
+    }
+
+    /// Like [`Node::ctr_ns`], but fails unless ctr exits 0; returns stdout.
+    pub fn ctr_ns_ok(&self, ns: &str, args: &[&str]) -> Result<String> {
+        let out = self.ctr_ns(ns, args)?;
+        if !out.status.success() {
+            bail!(
+                "ctr -n {ns} {} failed ({}): {}{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim(),
+                String::from_utf8_lossy(&out.stdout).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The whole containerd log (lossy UTF-8).
+    pub fn log(&self) -> String {
+        fs::read(&self.paths.log)
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// Whether containerd's log contains `needle`.
+    pub fn log_contains(&self, needle: &str) -> bool {
+        self.log().contains(needle)
+    }
+
+    /// The last `lines` lines of containerd's log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.log(), lines)
+    }
+
+    /// Imports an OCI tarball into namespace `ns` (`ctr images import`); returns ctr's output.
+    pub fn import_image(&self, tar: &Path, ns: &str) -> Result<String> {
+        let tar_s = tar.display().to_string();
+        self.ctr_ns_ok(
+            ns,
+            &["images", "import", "--snapshotter", "overlayfs", &tar_s],
+        )
+        .with_context(|| format!("import {tar_s} into node {}", self.name))
+    }
+
+    /// Stops containerd (SIGTERM, SIGKILL after 5 s), kills the shims it started and the
+    /// containers in its runc roots, unmounts everything below its root and state, deletes
+    /// `/run/gpu-ckpt-test/<name>` and `$STACK/nodes/<name>/root`. Keeps `containerd.log`.
+    pub fn stop(&mut self) -> Result<()> {
+        if self.stopped {
+            return Ok(());
+        }
+        self.stopped = true;
+        let child = self.child.take();
+        let errors = cleanup_node(
+            &self.paths,
+            self.cni.as_ref(),
+            &self.extra_runc_roots,
+            child,
+        );
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(anyhow!(
+                "stopping node {}: {}",
+                self.name,
+                errors.join("; ")
+            ))
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            eprintln!("gpu-ckpt test stack: {e:#}");
+        }
+    }
+}
+
+fn validate_name(name: &str) -> Result<()> {
+    if name.is_empty()
+        || name.len() > 40
+        || !name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+    {
+        bail!("bad node name {name:?}: use 1-40 of [A-Za-z0-9_-]");
+    }
+    Ok(())
+}
+
+fn unsafe_setsid(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            let _ = nix::unistd::setsid();
+            Ok(())
+        });
+    }
+}
+
+fn tail(s: &str, lines: usize) -> String {
+    let all: Vec<&str> = s.lines().collect();
+    let start = all.len().saturating_sub(lines);
+    all[start..].join("\n")
+}
+
+fn write_cni_conf(stack: &Stack, paths: &NodePaths, net: &CniNet) -> Result<()> {
+    let _ = fs::remove_dir_all(&paths.cni_conf_dir);
+    fs::create_dir_all(&paths.cni_conf_dir)?;
+    fs::create_dir_all(&paths.cni_ipam_dir)?;
+    let conf = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": net.network,
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": net.bridge,
+                "isGateway": true,
+                "ipMasq": false,
+                "hairpinMode": true,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": paths.cni_ipam_dir,
+                    "ranges": [[{ "subnet": net.subnet, "gateway": net.gateway }]],
+                    "routes": [{ "dst": "0.0.0.0/0" }]
+                }
+            }
+        ]
+    });
+    let _ = stack;
+    fs::write(
+        paths.cni_conf_dir.join("10-gpu-ckpt.conflist"),
+        serde_json::to_string_pretty(&conf)?,
+    )?;
+    Ok(())
+}
+
+/// Which `containerd config default` keys exist in the installed containerd (cached).
+fn containerd_default_config(stack: &Stack) -> String {
+    static CACHE: Mutex<Option<(PathBuf, String)>> = Mutex::new(None);
+    let mut g = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((p, s)) = g.as_ref() {
+        if p == &stack.containerd_bin() {
+            return s.clone();
+        }
+    }
+    let out = Command::new(stack.containerd_bin())
+        .args(["config", "default"])
+        .stdin(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    *g = Some((stack.containerd_bin(), out.clone()));
+    out
+}
+
+fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Result<String> {
+    let defaults = containerd_default_config(stack);
+    let has_key = |k: &str| defaults.contains(&format!("{k} ="));
+    let mut c = String::new();
+    let s = |p: &Path| toml_str(&p.display().to_string());
+
+    writeln!(c, "version = 3")?;
+    writeln!(c, "root = {}", s(&p.root))?;
+    writeln!(c, "state = {}", s(&p.state))?;
+    // NRI listens on a fixed host path (/var/run/nri/nri.sock): two nodes would clash.
+    writeln!(c, "disabled_plugins = [\"io.containerd.nri.v1.nri\"]")?;
+    writeln!(c)?;
+    writeln!(c, "[grpc]\n  address = {}", s(&p.socket))?;
+    writeln!(c, "[ttrpc]\n  address = \"\"")?;
+    writeln!(
+        c,
+        "[debug]\n  address = \"\"\n  level = {}",
+        toml_str(&b.log_level)
+    )?;
+    writeln!(c, "[metrics]\n  address = \"\"")?;
+    writeln!(c)?;
+
+    writeln!(c, "[plugins.'io.containerd.cri.v1.images']")?;
+    writeln!(c, "  snapshotter = \"overlayfs\"")?;
+    writeln!(c, "[plugins.'io.containerd.cri.v1.images'.pinned_images]")?;
+    writeln!(c, "  sandbox = {}", toml_str(PAUSE_IMAGE))?;
+    writeln!(c, "[plugins.'io.containerd.cri.v1.images'.registry]")?;
+    writeln!(c, "  config_path = {}", s(&p.certs_d))?;
+    writeln!(c)?;
+
+    writeln!(c, "[plugins.'io.containerd.cri.v1.runtime']")?;
+    writeln!(c, "  restrict_oom_score_adj = true")?;
+    if has_key("enable_criu") {
+        writeln!(c, "  enable_criu = true")?;
+    }
+    if has_key("netns_mounts_under_state_dir") {
+        // Keeps pod network namespaces out of the shared /var/run/netns.
+        writeln!(c, "  netns_mounts_under_state_dir = true")?;
+    }
+    writeln!(c, "[plugins.'io.containerd.cri.v1.runtime'.containerd]")?;
+    writeln!(c, "  default_runtime_name = {}", toml_str(RUNC_HANDLER))?;
+
+    let rt = "plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes";
+    writeln!(c, "[{rt}.runc]")?;
+    writeln!(c, "  runtime_type = \"io.containerd.runc.v2\"")?;
+    writeln!(c, "[{rt}.runc.options]")?;
+    writeln!(c, "  BinaryName = {}", toml_str(RUNC_BINARY))?;
+    writeln!(c, "  SystemdCgroup = false")?;
+    writeln!(c, "  Root = {}", s(&p.runc_root))?;
+
+    let ann = vec!["gpu-ckpt.io/*".to_string()];
+    writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}]")?;
+    writeln!(c, "  runtime_type = {}", toml_str(GPU_CKPT_RUNTIME_TYPE))?;
+    writeln!(c, "  pod_annotations = {}", toml_list(&ann))?;
+    writeln!(c, "  container_annotations = {}", toml_list(&ann))?;
+    let mut opts: BTreeMap<String, OptValue> = BTreeMap::new();
+    opts.insert("BinaryName".into(), RUNC_BINARY.into());
+    opts.insert("Root".into(), p.gpu_ckpt_runc_root.as_path().into());
+    opts.extend(b.gpu_ckpt_options.clone());
+    writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}.options]")?;
+    for (k, v) in &opts {
+        writeln!(c, "  {k} = {}", v.to_toml())?;
+    }
+
+    for r in &b.extra_runtimes {
+        writeln!(c, "[{rt}.{}]", toml_str(&r.name))?;
+        writeln!(c, "  runtime_type = {}", toml_str(&r.runtime_type))?;
+        if !r.pod_annotations.is_empty() {
+            writeln!(c, "  pod_annotations = {}", toml_list(&r.pod_annotations))?;
+        }
+        if !r.container_annotations.is_empty() {
+            writeln!(
+                c,
+                "  container_annotations = {}",
+                toml_list(&r.container_annotations)
+            )?;
+        }
+        if !r.options.is_empty() {
+            writeln!(c, "[{rt}.{}.options]", toml_str(&r.name))?;
+            for (k, v) in &r.options {
+                writeln!(c, "  {k} = {}", v.to_toml())?;
+            }
+        }
+    }
+
+    writeln!(c, "[plugins.'io.containerd.cri.v1.runtime'.cni]")?;
+    let cni_bins = vec![stack.cni_bin_dir().display().to_string()];
+    if has_key("bin_dirs") || !has_key("bin_dir") {
+        writeln!(c, "  bin_dirs = {}", toml_list(&cni_bins))?;
+    } else {
+        writeln!(c, "  bin_dir = {}", toml_str(&cni_bins[0]))?;
+    }
+    // Without CNI the conf dir is simply empty: hostNetwork pods only.
+    let _ = cni;
+    writeln!(c, "  conf_dir = {}", s(&p.cni_conf_dir))?;
+    writeln!(c)?;
+
+    writeln!(c, "[plugins.'io.containerd.grpc.v1.cri']")?;
+    writeln!(c, "  disable_tcp_service = true")?;
+    writeln!(c, "  stream_server_address = \"127.0.0.1\"")?;
+    writeln!(c, "  stream_server_port = \"0\"")?;
+
+    for extra in &b.extra_config {
+        writeln!(c)?;
+        writeln!(c, "{extra}")?;
+    }
+    Ok(c)
+}
+
+/// Tears a node down (also used before a start, to clean what a previous instance left).
+/// Returns the problems it met; never panics.
+fn cleanup_node(
+    paths: &NodePaths,
+    cni: Option<&CniNet>,
+    extra_runc_roots: &[PathBuf],
+    child: Option<Child>,
+) -> Vec<String> {
+    let mut errors = Vec::new();
+
+    // 1. containerd: SIGTERM, then SIGKILL after 5 s.
+    match child {
+        Some(mut child) => {
+            if let Err(e) = terminate(&mut child) {
+                errors.push(format!("stop containerd: {e:#}"));
+            }
+        }
+        None => {
+            // A previous instance that was not stopped: its pid file, if it still is containerd.
+            if let Some(pid) = fs::read_to_string(&paths.pid_file)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+            {
+                let cmdline = read_cmdline(pid);
+                let cfg = paths.config.display().to_string();
+                if cmdline.iter().any(|a| a == &cfg) {
+                    terminate_pid(pid);
+                }
+            }
+        }
+    }
+
+    // 2. Containers in the private runc roots (they would keep mounts busy and leak processes).
+    let mut roots = vec![paths.runc_root.clone(), paths.gpu_ckpt_runc_root.clone()];
+    roots.extend(extra_runc_roots.iter().cloned());
+    for root in &roots {
+        kill_runc_containers(root);
+    }
+
+    // 3. Shims that talk to this containerd.
+    let sock = paths.socket.display().to_string();
+    for pid in shim_pids(&sock) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+
+    // 4. Mounts below the root, the state and the run dir, deepest first, lazily.
+    let prefixes = [paths.root.clone(), paths.state.clone(), paths.run.clone()];
+    for _ in 0..3 {
+        let mounts = mounts_under(&prefixes);
+        if mounts.is_empty() {
+            break;
+        }
+        for m in mounts {
+            if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+                if e != nix::errno::Errno::EINVAL && e != nix::errno::Errno::ENOENT {
+                    errors.push(format!("umount {}: {e}", m.display()));
+                }
+            }
+        }
+    }
+
+    // 5. The CNI bridge.
+    if let Some(net) = cni {
+        if Path::new("/sys/class/net").join(&net.bridge).exists() {
+            let _ = Command::new("ip")
+                .args(["link", "del", &net.bridge])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        let _ = fs::remove_dir_all(&paths.cni_ipam_dir);
+    }
+
+    // 6. Directories.
+    for d in [&paths.run, &paths.root] {
+        if d.exists() {
+            if let Err(e) = remove_dir_all_retry(d) {
+                errors.push(format!("remove {}: {e:#}", d.display()));
+            }
+        }
+    }
+    errors
+}
+
+fn remove_dir_all_retry(d: &Path) -> Result<()> {
+    let mut last = None;
+    for _ in 0..5 {
+        match fs::remove_dir_all(d) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Err(last
+        .map(anyhow::Error::from)
+        .unwrap_or_else(|| anyhow!("unknown")))
+}
+
+fn terminate(child: &mut Child) -> Result<()> {
+    if child.try_wait()?.is_some() {
+        return Ok(());
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    child.wait()?;
+    Ok(())
+}
+
+fn terminate_pid(pid: i32) {
+    let p = nix::unistd::Pid::from_raw(pid);
+    if nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGTERM).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        if !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL);
+}
+
+fn is_zombie(pid: i32) -> bool {
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rfind(')')
+                .and_then(|i| s[i + 1..].split_whitespace().next().map(|st| st == "Z"))
+        })
+        .unwrap_or(true)
+}
+
+fn read_cmdline(pid: i32) -> Vec<String> {
+    fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|c| *c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Processes whose command line has `-address <sock>` (runc v2 shim and our shim both do).
+fn shim_pids(sock: &str) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let mut out = Vec::new();
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let args = read_cmdline(pid);
+        let hit = args
+            .windows(2)
+            .any(|w| (w[0] == "-address" || w[0] == "--address") && w[1] == sock)
+            || args.iter().any(|a| a == &format!("-address={sock}"));
+        let is_shim = args
+            .first()
+            .map(|a| {
+                Path::new(a)
+                    .file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with("containerd-shim"))
+            })
+            .unwrap_or(false);
+        if hit && is_shim {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Kills and deletes every container in a runc root (`<root>/<namespace>/<id>/state.json`).
+fn kill_runc_containers(root: &Path) {
+    let Ok(namespaces) = fs::read_dir(root) else {
+        return;
+    };
+    for ns in namespaces.flatten() {
+        let ns_root = ns.path();
+        let Ok(containers) = fs::read_dir(&ns_root) else {
+            continue;
+        };
+        for c in containers.flatten() {
+            let state = c.path().join("state.json");
+            if !state.is_file() {
+                continue;
+            }
+            let id = c.file_name().to_string_lossy().into_owned();
+            let deleted = Path::new(RUNC_BINARY).exists()
+                && Command::new(RUNC_BINARY)
+                    .arg("--root")
+                    .arg(&ns_root)
+                    .args(["delete", "--force", &id])
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status()
+                    .map(|s| s.success())
+                    .unwrap_or(false);
+            if !deleted {
+                kill_from_state(&state);
+            }
+        }
+    }
+}
+
+fn kill_from_state(state: &Path) {
+    let Ok(text) = fs::read_to_string(state) else {
+        return;
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return;
+    };
+    let Some(pid) = v.get("init_process_pid").and_then(|p| p.as_i64()) else {
+        return;
+    };
+    let start = v.get("init_process_start").and_then(|p| p.as_u64());
+    let pid = pid as i32;
+    if pid <= 1 {
+        return;
+    }
+    // Guard against a reused PID: compare the start time (field 22 of /proc/<pid>/stat).
+    let actual = fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let i = s.rfind(')')?;
+            s[i + 1..].split_whitespace().nth(19)?.parse::<u64>().ok()
+        });
+    if start.is_some() && actual != start {
+        return;
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
+/// Mount points below any of `prefixes`, deepest first.
+fn mounts_under(prefixes: &[PathBuf]) -> Vec<PathBuf> {
+    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount)
+        .map(PathBuf::from)
+        .filter(|m| prefixes.iter().any(|p| m.starts_with(p)))
+        .collect();
+    out.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    out.dedup();
+    out
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for a space, ...).
+fn unescape_mount(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() {
+            let oct = &s[i + 1..(i + 4).min(s.len())];
+            if oct.len() == 3 && oct.bytes().all(|c| (b'0'..=b'7').contains(&c)) {
+                if let Ok(v) = u8::from_str_radix(oct, 8) {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One image from `$STACK/images/images.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageEntry {
+    /// Reference, for example `localhost:5000/gpu-ckpt/workloads:1`.
+    pub name: String,
+    /// The OCI-layout tarball.
+    pub tar: PathBuf,
+}
+
+/// Reads `images.json` in `dir`. Accepts a list of objects, or an object with an `images` list,
+/// or an object mapping reference to tarball; a reference is found under `name`/`ref`/
+/// `reference`/`image`, a tarball under `tar`/`path`/`file`/`archive`/`tarball`; relative
+/// paths are relative to `dir`.
+pub fn read_images_json(dir: &Path) -> Result<Vec<ImageEntry>> {
+    let file = dir.join("images.json");
+    let text = fs::read_to_string(&file).with_context(|| {
+        format!(
+            "test images missing ({}): build them with `gpu-ckpt-images --out {}` (`make deps`)",
+            file.display(),
+            dir.display()
+        )
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("parse {}", file.display()))?;
+    let resolve = |p: &str| {
+        let p = PathBuf::from(p);
+        if p.is_absolute() {
+            p
+        } else {
+            dir.join(p)
+        }
+    };
+    let pick = |o: &serde_json::Map<String, serde_json::Value>, keys: &[&str]| {
+        keys.iter()
+            .find_map(|k| o.get(*k).and_then(|v| v.as_str()).map(str::to_string))
+    };
+    let from_obj = |o: &serde_json::Map<String, serde_json::Value>| -> Option<ImageEntry> {
+        let name = pick(o, &["name", "ref", "reference", "image"])?;
+        let tar = pick(o, &["tar", "path", "file", "archive", "tarball"])?;
+        Some(ImageEntry {
+            name,
+            tar: resolve(&tar),
+        })
+    };
+    let list = match &v {
+        serde_json::Value::Array(a) => a.clone(),
+        serde_json::Value::Object(o) => match o.get("images") {
+            Some(serde_json::Value::Array(a)) => a.clone(),
+            _ => {
+                let mut out = Vec::new();
+                for (k, val) in o {
+                    if let Some(t) = val.as_str() {
+                        out.push(ImageEntry {
+                            name: k.clone(),
+                            tar: resolve(t),
+                        });
+                    } else if let Some(obj) = val.as_object() {
+                        let mut obj = obj.clone();
+                        obj.entry("name".to_string())
+                            .or_insert_with(|| serde_json::Value::String(k.clone()));
+                        if let Some(e) = from_obj(&obj) {
+                            out.push(e);
+                        }
+                    }
+                }
+                if out.is_empty() {
+                    bail!("{}: no images found", file.display());
+                }
+                return Ok(out);
+            }
+        },
+        _ => bail!("{}: expected a list or an object", file.display()),
+    };
+    let mut out = Vec::new();
+    for item in &list {
+        let o = item
+            .as_object()
+            .ok_or_else(|| anyhow!("{}: entry is not an object: {item}", file.display()))?;
+        out.push(
+            from_obj(o)
+                .ok_or_else(|| anyhow!("{}: entry without name or tar: {item}", file.display()))?,
+        );
+    }
+    if out.is_empty() {
+        bail!("{}: no images listed", file.display());
+    }
+    Ok(out)
+}
+
+/// The local registry on 127.0.0.1:5000 (started once, never stopped by tests).
+#[derive(Debug, Clone)]
+pub struct Registry {
+    stack: Stack,
+}
+
+impl Registry {
+    /// Starts the registry with `test-containers/stack/registry.sh start` unless it answers
+    /// already; waits until `/v2/` answers.
+    pub fn ensure_running(stack: &Stack) -> Result<Registry> {
+        static LOCK: Mutex<()> = Mutex::new(());
+        let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        if registry_answers() {
+            return Ok(Registry {
+                stack: stack.clone(),
+            });
+        }
+        // Serialise with other test processes too.
+        fs::create_dir_all(stack.prefix())?;
+        let lock_path = stack.prefix().join("registry.lock");
+        let lock_file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .with_context(|| format!("open {}", lock_path.display()))?;
+        let _flock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| anyhow!("flock {}: {e}", lock_path.display()))?;
+        if !registry_answers() {
+            let script = stack.repo().join("test-containers/stack/registry.sh");
+            let out = Command::new("bash")
+                .arg(&script)
+                .arg("start")
+                .env("GPU_CKPT_STACK", stack.prefix())
+                .stdin(Stdio::null())
+                .output()
+                .with_context(|| format!("run {} start", script.display()))?;
+            if !out.status.success() {
+                bail!(
+                    "{} start failed ({}): {}{}",
+                    script.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while !registry_answers() {
+                if Instant::now() > deadline {
+                    bail!(
+                        "registry on {REGISTRY} does not answer after `{} start`: {}{}",
+                        script.display(),
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(Registry {
+            stack: stack.clone(),
+        })
+    }
+
+    /// Imports every tarball of `$STACK/images/images.json` into `node` (namespace k8s.io) and
+    /// pushes it to the registry (`ctr images push --plain-http`), so that CRI can pull it and the
+    /// image gets a RepoDigest (P8b). Returns the pushed references.
+    pub fn push_images(&self, node: &Node) -> Result<Vec<String>> {
+        let images = read_images_json(&self.stack.images_dir())?;
+        let mut refs = Vec::new();
+        for img in images {
+            if !img.tar.is_file() {
+                bail!(
+                    "image tarball {} (for {}) is missing",
+                    img.tar.display(),
+                    img.name
+                );
+            }
+            node.import_image(&img.tar, K8S_NAMESPACE)?;
+            node.ctr_ns_ok(
+                K8S_NAMESPACE,
+                &["images", "push", "--plain-http", &img.name],
+            )
+            .with_context(|| format!("push {} to {REGISTRY}", img.name))?;
+            refs.push(img.name);
+        }
+        Ok(refs)
+    }
+}
+
+/// Whether something on 127.0.0.1:5000 answers `GET /v2/` like a registry.
+pub fn registry_answers() -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(
+        &"127.0.0.1:5000".parse().expect("valid address"),
+        Duration::from_millis(500),
+    ) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /v2/ HTTP/1.1\r\nHost: localhost:5000\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unescapes_mountinfo() {
+        assert_eq!(unescape_mount("/a\\040b"), "/a b");
+        assert_eq!(unescape_mount("/plain"), "/plain");
+        assert_eq!(unescape_mount("/x\\"), "/x\\");
+    }
+
+    #[test]
+    fn cni_net_differs_per_node() {
+        let a = CniNet::for_node("a");
+        let b = CniNet::for_node("b");
+        assert_ne!(a.bridge, b.bridge);
+        assert_ne!(a.subnet, b.subnet);
+        assert!(a.bridge.len() <= 15);
+    }
+
+    #[test]
+    fn images_json_shapes() {
+        let d = tempfile::tempdir().unwrap();
+        fs::write(
+            d.path().join("images.json"),
+            r#"[{"name":"localhost:5000/pause:1","tar":"pause.tar"}]"#,
+        )
+        .unwrap();
+        let v = read_images_json(d.path()).unwrap();
+        assert_eq!(v[0].name, "localhost:5000/pause:1");
+        assert_eq!(v[0].tar, d.path().join("pause.tar"));
+        fs::write(
+            d.path().join("images.json"),
+            r#"{"images":[{"reference":"x:1","path":"/abs/x.tar"}]}"#,
+        )
+        .unwrap();
+        let v = read_images_json(d.path()).unwrap();
+        assert_eq!(v[0].tar, PathBuf::from("/abs/x.tar"));
+    }
+
+    #[test]
+    fn toml_strings_escape() {
+        assert_eq!(toml_str("a\"b"), "\"a\\\"b\"");
+        assert_eq!(OptValue::from(true).to_toml(), "true");
+    }
+}
