@@ -138,10 +138,12 @@ impl Checker {
             tar::EntryType::Directory => EntryKind::Dir,
             tar::EntryType::Symlink => {
                 let target = link_name(entry, &display)?;
-                check_symlink_target(&path, &target).map_err(|_| Error::SymlinkEscape {
-                    entry: display.clone(),
-                    target: target.clone(),
-                })?;
+                if !symlink_target_stays_inside(&path, &target) {
+                    return Err(Error::SymlinkEscape {
+                        entry: display,
+                        target,
+                    });
+                }
                 EntryKind::Symlink(target)
             }
             tar::EntryType::Link => {
@@ -269,9 +271,9 @@ fn link_name<R: io::Read>(entry: &tar::Entry<'_, R>, display: &str) -> Result<St
 /// A symlink target is accepted when it is relative, its ".." components all come first, and the
 /// leading ".."s do not climb above the archive root from the link's directory. Then it resolves
 /// inside the tree whatever the other links are, since none of them can climb either.
-pub fn check_symlink_target(link_path: &str, target: &str) -> std::result::Result<(), ()> {
+pub fn symlink_target_stays_inside(link_path: &str, target: &str) -> bool {
     if target.starts_with('/') {
-        return Err(());
+        return false;
     }
     let depth = if parent_of(link_path).is_empty() {
         0
@@ -285,7 +287,7 @@ pub fn check_symlink_target(link_path: &str, target: &str) -> std::result::Resul
             "" | "." => {}
             ".." => {
                 if seen_normal {
-                    return Err(());
+                    return false;
                 }
                 ups += 1;
             }
@@ -293,9 +295,9 @@ pub fn check_symlink_target(link_path: &str, target: &str) -> std::result::Resul
         }
     }
     if ups > depth {
-        return Err(());
+        return false;
     }
-    Ok(())
+    true
 }
 
 /// A directory handle below which entries are created without following symlinks.

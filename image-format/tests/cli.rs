@@ -1,0 +1,266 @@
+//! The `gpu-ckpt` command end to end, and a registry push against an in-process mock registry that
+//! checks every blob digest.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use image_format::compat::Profile;
+
+fn gpu_ckpt() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let o = gpu_ckpt()
+        .args(args)
+        .env_remove("GPU_CKPT_NODE_INVENTORY")
+        .output()
+        .unwrap();
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn inspect_verify_compat_build_extract() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = common::make_archive(tmp.path());
+    let a_s = a.to_str().unwrap();
+    let node = tmp.path().join("node.json");
+    let prof = Profile {
+        devices: common::devices(2),
+        workload: common::workload(),
+    };
+    std::fs::write(&node, serde_json::to_vec(&prof).unwrap()).unwrap();
+    let node_s = node.to_str().unwrap();
+
+    let (rc, out, err) = run(&["inspect", a_s, "--node", node_s]);
+    assert_eq!(rc, 0, "{err}");
+    for want in [
+        "counter",
+        "Engine: containerd",
+        "NVIDIA H100 80GB HBM3",
+        "Driver 580.65.06",
+        "compatible: yes",
+    ] {
+        assert!(out.contains(want), "inspect output lacks {want:?}:\n{out}");
+    }
+    let (rc, out, _) = run(&["inspect", a_s, "--json", "--node", node_s]);
+    assert_eq!(rc, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v[0]["container_name"], "counter");
+    assert_eq!(v[0]["metadata"]["pod_name"], "counter-pod");
+    assert_eq!(v[0]["checkpoint_size"]["memory_pages_size"], 300000);
+    assert_eq!(
+        v[0]["gpu"]["devices"]["gpus"][1]["model"],
+        "NVIDIA H100 80GB HBM3"
+    );
+    assert_eq!(v[0]["compat"]["compatible"], true);
+
+    let (rc, out, err) = run(&["verify", a_s]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains("verify ok: 5 checkpoint files match the manifest"),
+        "{out}"
+    );
+
+    let (rc, out, _) = run(&["compat", a_s, "--node", node_s]);
+    assert_eq!((rc, out.trim()), (0, "compatible: yes"));
+    let (rc, out, _) = run(&[
+        "compat",
+        a_s,
+        "--node",
+        node_s,
+        "--model-version",
+        "Qwen3-8B@rev2",
+    ]);
+    assert_eq!(rc, 1);
+    assert!(
+        out.contains("model_version: checkpoint \"Qwen3-8B@rev1\", node \"Qwen3-8B@rev2\""),
+        "{out}"
+    );
+    let (rc, _, err) = run(&["compat", a_s]);
+    if rc == 2 {
+        assert!(err.contains("no node inventory"), "{err}");
+    }
+
+    let layout = tmp.path().join("layout");
+    let tarball = tmp.path().join("img.tar");
+    let (rc, out, err) = run(&[
+        "build",
+        a_s,
+        "--ref",
+        "localhost:5000/ckpt/counter:1",
+        "--layout",
+        layout.to_str().unwrap(),
+        "--tarball",
+        tarball.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains("built localhost:5000/ckpt/counter:1 (sha256:"),
+        "{out}"
+    );
+    let (rc, out, _) = run(&[
+        "compat",
+        tarball.to_str().unwrap(),
+        "--node",
+        node_s,
+        "--json",
+    ]);
+    assert_eq!(rc, 0);
+    assert!(out.contains("\"compatible\": true"));
+    let (rc, out, _) = run(&["inspect", layout.to_str().unwrap()]);
+    assert_eq!(rc, 0);
+    assert!(
+        out.contains("org.criu.checkpoint.container.name: counter"),
+        "{out}"
+    );
+    let (rc, out, err) = run(&["verify", tarball.to_str().unwrap()]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("image layer digest ok"), "{out}");
+
+    let back = tmp.path().join("back.tar");
+    let (rc, _, err) = run(&[
+        "extract",
+        tarball.to_str().unwrap(),
+        "--archive",
+        back.to_str().unwrap(),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(std::fs::read(&back).unwrap(), std::fs::read(&a).unwrap());
+    let dir = tmp.path().join("x");
+    let (rc, out, err) = run(&["extract", a_s, "--to", dir.to_str().unwrap()]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("extracted 15 entries"), "{out}");
+    let (rc, out, _) = run(&["verify", dir.join("checkpoint").to_str().unwrap()]);
+    assert_eq!(
+        (rc, out.trim()),
+        (0, "verify ok: 5 files match the manifest")
+    );
+
+    // Errors exit 2 and name the problem.
+    let bad = tmp.path().join("bad.tar");
+    std::fs::write(&bad, common::RawTar::new().file("../evil", b"x").finish()).unwrap();
+    let (rc, _, err) = run(&["verify", bad.to_str().unwrap()]);
+    assert_eq!(rc, 2);
+    assert!(err.contains("entry \"../evil\": path traversal"), "{err}");
+}
+
+type Store = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
+
+/// A minimal OCI distribution registry: HEAD blob (404 unless stored), POST upload, PUT with digest
+/// (checked), PUT manifest.
+fn mock_registry() -> (String, Store) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let store: Store = Arc::default();
+    let st = store.clone();
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut s) = conn else { return };
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut line = String::new();
+            if r.read_line(&mut line).is_err() {
+                continue;
+            }
+            let parts: Vec<&str> = line.split_whitespace().collect();
+            let (method, path) = (parts[0].to_string(), parts[1].to_string());
+            let mut len = 0usize;
+            loop {
+                let mut h = String::new();
+                r.read_line(&mut h).unwrap();
+                if h == "\r\n" || h.is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':') {
+                    if k.eq_ignore_ascii_case("content-length") {
+                        len = v.trim().parse().unwrap();
+                    }
+                }
+            }
+            let mut body = vec![0u8; len];
+            r.read_exact(&mut body).unwrap();
+            let (status, extra) = match method.as_str() {
+                "HEAD" => {
+                    let key = path.rsplit('/').next().unwrap().to_string();
+                    if st.lock().unwrap().contains_key(&key) {
+                        ("200 OK", String::new())
+                    } else {
+                        ("404 Not Found", String::new())
+                    }
+                }
+                "POST" => (
+                    "202 Accepted",
+                    "Location: /v2/ckpt/counter/blobs/uploads/u1?state=x\r\n".into(),
+                ),
+                "PUT" if path.contains("/blobs/uploads/") => {
+                    let digest = path.split("digest=").nth(1).unwrap().to_string();
+                    let got = format!("sha256:{}", image_format::digest::sha256_hex(&body));
+                    if got == digest {
+                        st.lock().unwrap().insert(digest, body);
+                        ("201 Created", String::new())
+                    } else {
+                        ("400 Bad Request", String::new())
+                    }
+                }
+                "PUT" => {
+                    st.lock().unwrap().insert(path.clone(), body);
+                    ("201 Created", String::new())
+                }
+                _ => ("405 Method Not Allowed", String::new()),
+            };
+            let _ = write!(
+                s,
+                "HTTP/1.1 {status}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    (addr, store)
+}
+
+#[test]
+fn push_to_registry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = common::make_archive(tmp.path());
+    let (addr, store) = mock_registry();
+    let reference = format!("{addr}/ckpt/counter:7");
+    let layout = tmp.path().join("layout");
+    let (rc, out, err) = run(&[
+        "build",
+        a.to_str().unwrap(),
+        "--ref",
+        &reference,
+        "--layout",
+        layout.to_str().unwrap(),
+        "--push",
+    ]);
+    assert_eq!(rc, 0, "{out}\n{err}");
+    assert!(
+        out.contains(&format!("pushed {reference}@sha256:")),
+        "{out}"
+    );
+    let s = store.lock().unwrap();
+    let archive_digest = format!(
+        "sha256:{}",
+        image_format::digest::sha256_hex(&std::fs::read(&a).unwrap())
+    );
+    assert_eq!(
+        s[&archive_digest],
+        std::fs::read(&a).unwrap(),
+        "layer pushed byte for byte"
+    );
+    let m: serde_json::Value = serde_json::from_slice(&s["/v2/ckpt/counter/manifests/7"]).unwrap();
+    assert_eq!(
+        m["annotations"]["org.criu.checkpoint.container.name"],
+        "counter"
+    );
+    assert!(s.contains_key(m["config"]["digest"].as_str().unwrap()));
+}
