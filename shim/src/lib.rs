@@ -10,7 +10,7 @@
 //! - [`process`]: a process's state and exit;
 //! - [`runc`]: every runc invocation;
 //! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
-//! - [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
+//! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod container;
@@ -22,5 +22,6 @@ pub mod options;
 pub mod process;
 pub mod runc;
 pub mod service;
+pub mod stats;
 pub mod stdio;
 pub mod task;

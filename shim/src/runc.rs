@@ -295,6 +295,12 @@ impl Runc {
                     (!s.is_empty()).then_some(s)
                 })
                 .unwrap_or_else(|| format!("exit status {code}"));
+            // runc's own messages often begin with "runc <command> failed: " already.
+            let prefix = format!("runc {command_name} failed: ");
+            let message = message
+                .strip_prefix(&prefix)
+                .map(str::to_string)
+                .unwrap_or(message);
             return Err(Error::Runc {
                 command: command_name,
                 message,

@@ -45,6 +45,11 @@ pub struct PreparedIo {
 pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
     let io = ProcessIo::default();
     if stdio.terminal {
+        if log_file(&stdio.stdout)?.is_some() {
+            return Err(Error::InvalidArgument(
+                "a terminal cannot write to a file:// log URI".into(),
+            ));
+        }
         return Ok(PreparedIo {
             child: ChildIo::PassThrough {
                 stdin: None,
@@ -75,6 +80,11 @@ pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
         if path.is_empty() {
             return Ok(None);
         }
+        if let Some(file) = log_file(path)? {
+            // A file:// log URI: the process writes to the file itself, as with runc-v2.
+            owner(&file)?;
+            return Ok(Some(file));
+        }
         let (r, w) = new_pipe()?;
         owner(&w)?;
         let receiver = pipe::Receiver::from_owned_fd(r).map_err(Error::io("output pipe"))?;
@@ -92,6 +102,34 @@ pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
         console: None,
         io,
     })
+}
+
+/// Opens the file a `file://` log URI names (created, appended to). `None` for a fifo path.
+fn log_file(uri: &str) -> Result<Option<OwnedFd>> {
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return Ok(None);
+    };
+    match scheme {
+        "file" => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let path = Path::new(rest);
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir)
+                    .map_err(Error::io(format!("create log directory {}", dir.display())))?;
+            }
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .mode(0o640)
+                .open(path)
+                .map_err(Error::io(format!("open log file {}", path.display())))?;
+            Ok(Some(file.into()))
+        }
+        "fifo" => Ok(None),
+        other => Err(Error::InvalidArgument(format!(
+            "unsupported stdio URI scheme {other:?} in {uri:?}: use a fifo path or file://"
+        ))),
+    }
 }
 
 fn new_pipe() -> Result<(OwnedFd, OwnedFd)> {
@@ -200,4 +238,25 @@ pub fn resize(pty: &Pty, width: u32, height: u32) -> Result<()> {
         return Err(Error::io("resize terminal")(std::io::Error::last_os_error()));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_uris_open_the_file_and_others_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("logs/c1.log");
+        let uri = format!("file://{}", path.display());
+        assert!(log_file(&uri).unwrap().is_some());
+        assert!(path.exists());
+        assert!(log_file("/run/containerd/fifo/1/c1-stdout")
+            .unwrap()
+            .is_none());
+        let err = log_file("binary:///usr/bin/logger?x=1")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("binary"), "{err}");
+    }
 }

@@ -24,7 +24,7 @@ use containerd_shim::{
             TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
             TaskResumed, TaskStart,
         },
-        protobuf::{well_known_types::any::Any, MessageDyn, MessageField},
+        protobuf::MessageField,
         shim::oci::ProcessDetails,
         topics::*,
         ttrpc,
@@ -483,17 +483,9 @@ impl Tasks {
     async fn do_stats(&self, id: &str) -> Result<StatsResponse> {
         let container = self.container(id).await?;
         let pid = container.lock().await.init.pid;
-        let stats = tokio::task::spawn_blocking(move || -> Result<Any> {
-            let cgroup = containerd_shim::cgroup::get_cgroup(pid as u32)?;
-            let metrics: Box<dyn MessageDyn> = if cgroup.v2() {
-                Box::new(containerd_shim::cgroup::collect_metrics_v2(&cgroup)?)
-            } else {
-                Box::new(containerd_shim::cgroup::collect_metrics(&cgroup)?)
-            };
-            Ok(convert_to_any(metrics)?)
-        })
-        .await
-        .map_err(|e| Error::FailedPrecondition(format!("collect stats of {id}: {e}")))??;
+        let stats = tokio::task::spawn_blocking(move || crate::stats::collect(pid))
+            .await
+            .map_err(|e| Error::FailedPrecondition(format!("collect stats of {id}: {e}")))??;
         Ok(StatsResponse {
             stats: MessageField::some(stats),
             ..Default::default()

@@ -221,6 +221,7 @@ fn cri_pod_two_containers_runc() -> Result<()> {
         }
         cri.stop_pod_sandbox(&pod.id).await?;
         cri.remove_pod_sandbox(&pod.id).await?;
+        test_containers::cri::remove_pod_cgroups(&pod.spec.uid);
         let left = cri.list_pod_sandboxes().await?;
         ensure!(left.is_empty(), "{} pods left", left.len());
         Ok::<_, anyhow::Error>(())

@@ -1,0 +1,188 @@
+//! Shared setup of the integration tests: a private containerd node with the test images.
+#![allow(dead_code)]
+
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+use test_containers::stack::{
+    read_images_json, Node, NodeBuilder, Registry, Stack, WORKLOADS_IMAGE,
+};
+
+pub const RUNTIME: &str = "io.containerd.gpu-ckpt.v1";
+
+/// A started node whose `default` namespace has the test images (for ctr) and whose images are
+/// in the registry (for CRI). Fails, never skips, when the stack is not installed.
+pub fn node(name: &str) -> Result<Node> {
+    node_with(Node::builder(name)?)
+}
+
+pub fn node_with(builder: NodeBuilder) -> Result<Node> {
+    let stack = Stack::discover()?;
+    let registry = Registry::ensure_running(&stack)?;
+    let node = builder.start()?;
+    registry.push_images(&node)?;
+    for img in read_images_json(&stack.images_dir())? {
+        node.import_image(&img.tar, "default")?;
+    }
+    Ok(node)
+}
+
+/// `ctr run` flags for this runtime, keeping fifos under the node.
+pub fn run_flags(node: &Node) -> Vec<String> {
+    vec![
+        "--runtime".into(),
+        RUNTIME.into(),
+        "--fifo-dir".into(),
+        node.paths().fifo_dir.display().to_string(),
+    ]
+}
+
+/// Runs ctr with `args`, after `run <run_flags>` when `run` is set.
+pub fn ctr_run(node: &Node, extra: &[&str]) -> Result<std::process::Output> {
+    let flags = run_flags(node);
+    let mut args: Vec<&str> = vec!["run"];
+    args.extend(flags.iter().map(String::as_str));
+    args.extend_from_slice(extra);
+    node.ctr(&args)
+}
+
+pub fn workloads() -> &'static str {
+    WORKLOADS_IMAGE
+}
+
+/// Polls `f` until it returns `Some`, or fails after `timeout` with `what`.
+pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The init pid of a task, from `ctr task ls`.
+pub fn task_pid(node: &Node, id: &str) -> Result<i32> {
+    task_row(node, id)?
+        .1
+        .parse()
+        .with_context(|| format!("pid of task {id}"))
+}
+
+/// The status of a task (RUNNING, PAUSED, STOPPED, …), from `ctr task ls`.
+pub fn task_status(node: &Node, id: &str) -> Result<String> {
+    Ok(task_row(node, id)?.2)
+}
+
+fn task_row(node: &Node, id: &str) -> Result<(String, String, String)> {
+    let out = node.ctr_ok(&["task", "ls"])?;
+    for line in out.lines().skip(1) {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() >= 3 && cols[0] == id {
+            return Ok((cols[0].into(), cols[1].into(), cols[2].into()));
+        }
+    }
+    bail!("task {id} not in `ctr task ls`:\n{out}")
+}
+
+/// The counter value a counter workload wrote to its file, read through its rootfs.
+pub fn counter_value(pid: i32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/root/counter.txt"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Lines of /proc/self/mountinfo that mention `needle`.
+pub fn mounts_mentioning(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Processes whose command line contains every one of `needles`.
+pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if needles.iter().all(|n| cmdline.contains(n)) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The shim processes serving `node`.
+pub fn shims_of(node: &Node) -> Vec<i32> {
+    let socket = node.socket().display().to_string();
+    processes_matching(&["containerd-shim-gpu-ckpt-v1", "-address", &socket])
+}
+
+/// Files below `dir` whose name contains `needle`.
+pub fn files_named(dir: &Path, needle: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if e.file_name().to_string_lossy().contains(needle) {
+                out.push(p.clone());
+            }
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                stack.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// The cgroup v1 memory directory of a process, or its v2 directory.
+pub fn memory_cgroup_dir(pid: i32) -> Result<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))?;
+    for line in text.lines() {
+        let parts: Vec<&str> = line.splitn(3, ':').collect();
+        if parts.len() == 3 && parts[1].split(',').any(|c| c == "memory") {
+            return Ok(
+                PathBuf::from("/sys/fs/cgroup/memory").join(parts[2].trim_start_matches('/'))
+            );
+        }
+    }
+    for line in text.lines() {
+        if let Some(p) = line.strip_prefix("0::") {
+            return Ok(PathBuf::from("/sys/fs/cgroup").join(p.trim_start_matches('/')));
+        }
+    }
+    bail!("no memory cgroup for pid {pid}")
+}
+
+pub fn read_u64(path: &Path) -> Result<u64> {
+    let s = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    let s = s.trim();
+    if s == "max" {
+        return Ok(u64::MAX);
+    }
+    s.parse()
+        .with_context(|| format!("parse {} ({s:?})", path.display()))
+}

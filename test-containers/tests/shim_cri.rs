@@ -1,0 +1,322 @@
+//! The shim under CRI, driven like kubelet: pods on handler gpu-ckpt, one shim per pod, OOM
+//! events, and bad input that must fail clearly and leave nothing behind.
+
+mod common;
+
+use std::time::Duration;
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    containerd::{Containerd, TaskEvent},
+    cri::{v1 as cri, ContainerSpec, Cri, Network, PodSpec},
+    stack::{Node, GPU_CKPT_HANDLER, K8S_NAMESPACE},
+};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+#[test]
+fn pod_of_two_containers_runs_on_one_shim() -> Result<()> {
+    let node = node("cri-pod")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        for network in [Network::Node, Network::Pod] {
+            let name = match network {
+                Network::Node => "hostnet",
+                Network::Pod => "podnet",
+            };
+            let spec = PodSpec::new(name, node.pod_log_root())
+                .handler(GPU_CKPT_HANDLER)
+                .network(network);
+            let pod = cri.run_pod(&spec).await?;
+            let counter = ContainerSpec::new("counter", workloads()).command(&[
+                "/bin/counter",
+                "--interval-ms",
+                "100",
+            ]);
+            let echo = ContainerSpec::new("echo", workloads()).command(&[
+                "/bin/echo-server",
+                "--listen",
+                "127.0.0.1:7777",
+            ]);
+            let c1 = cri.run_container(&pod, &counter).await?;
+            let c2 = cri.run_container(&pod, &echo).await?;
+            for id in [&c1, &c2] {
+                cri.wait_container_state(
+                    id,
+                    cri::ContainerState::ContainerRunning,
+                    Duration::from_secs(10),
+                )
+                .await?;
+            }
+
+            // Sandbox and both containers are served by a single shim process.
+            let shims = shims_of(&node);
+            ensure!(
+                shims.len() == 1,
+                "{name}: expected one shim for the pod, found {shims:?}"
+            );
+
+            // ExecSync runs in the container and returns output and exit code.
+            let r = cri
+                .exec_sync(
+                    &c1,
+                    &["sh", "-c", "cat /counter.txt; echo err >&2; exit 4"],
+                    10,
+                )
+                .await?;
+            ensure!(r.exit_code == 4, "{name}: exec exit code {}", r.exit_code);
+            ensure!(
+                r.stdout_str().trim().parse::<u64>().is_ok(),
+                "{name}: exec stdout {:?}",
+                r.stdout_str()
+            );
+            ensure!(
+                r.stderr_str().contains("err"),
+                "{name}: exec stderr {:?}",
+                r.stderr_str()
+            );
+
+            // Containers share the pod's network: the counter's container reaches the echo server.
+            let r = cri
+                .exec_sync(
+                    &c1,
+                    &[
+                        "/bin/echo-client",
+                        "--connect",
+                        "127.0.0.1:7777",
+                        "--count",
+                        "2",
+                    ],
+                    10,
+                )
+                .await;
+            if let Ok(r) = &r {
+                ensure!(
+                    r.stdout_str().contains("echo 1"),
+                    "{name}: echo over the pod network: {:?}",
+                    r.stdout_str()
+                );
+            }
+
+            // The container log (CRI format) has the counter's ticks.
+            let log = pod.container_log("counter");
+            wait_until(
+                Duration::from_secs(10),
+                "counter ticks in the CRI log",
+                || {
+                    std::fs::read_to_string(&log)
+                        .ok()
+                        .filter(|s| s.contains("stdout F tick"))
+                },
+            )?;
+
+            let pids: Vec<i32> = {
+                let mut v = Vec::new();
+                for id in [&c1, &c2] {
+                    let st = cri.container_status(id).await?;
+                    let info = st.info.get("info").cloned().unwrap_or_default();
+                    let json: serde_json::Value = serde_json::from_str(&info).unwrap_or_default();
+                    if let Some(p) = json.get("pid").and_then(|p| p.as_i64()) {
+                        v.push(p as i32);
+                    }
+                }
+                v
+            };
+            ensure!(pids.len() == 2, "{name}: pids of the containers: {pids:?}");
+
+            for id in [&c1, &c2] {
+                cri.stop_container(id, 5).await?;
+                cri.remove_container(id).await?;
+            }
+            cri.stop_pod_sandbox(&pod.id).await?;
+            cri.remove_pod_sandbox(&pod.id).await?;
+
+            // Nothing left: processes, shim, mounts.
+            for pid in &pids {
+                wait_until(
+                    Duration::from_secs(10),
+                    "container processes to be gone",
+                    || (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(()),
+                )?;
+            }
+            wait_until(Duration::from_secs(10), "the pod's shim to exit", || {
+                shims_of(&node).is_empty().then_some(())
+            })?;
+            for id in [&c1, &c2, &pod.id] {
+                let mounts = mounts_mentioning(id);
+                ensure!(
+                    mounts.is_empty(),
+                    "{name}: mounts left for {id}: {mounts:?}"
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn oom_kill_reports_task_oom_before_task_exit() -> Result<()> {
+    let node = node("cri-oom")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let api = Containerd::connect(node.socket(), K8S_NAMESPACE).await?;
+        let mut events = api.subscribe_tasks().await?;
+        let pod = cri
+            .run_pod(&PodSpec::new("oom", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let spec = ContainerSpec::new("eater", workloads())
+            .command(&["/bin/oom-eater", "--step-mib", "8"])
+            .memory_limit(48 * 1024 * 1024);
+        let id = cri.run_container(&pod, &spec).await?;
+        let (exit, before) = events
+            .wait_for(Duration::from_secs(60), |e| {
+                e.container_id() == Some(id.as_str()) && matches!(e.event, TaskEvent::Exit(_))
+            })
+            .await?;
+        let TaskEvent::Exit(exit) = exit.event else {
+            unreachable!("matched an exit")
+        };
+        ensure!(
+            exit.exit_status == 137,
+            "OOM-killed container exit status {}",
+            exit.exit_status
+        );
+        let oom_before_exit = before
+            .iter()
+            .any(|e| e.container_id() == Some(id.as_str()) && matches!(e.event, TaskEvent::Oom(_)));
+        ensure!(
+            oom_before_exit,
+            "no TaskOOM before TaskExit; saw {:?}",
+            before.iter().map(|e| &e.topic).collect::<Vec<_>>()
+        );
+        let st = cri.container_status(&id).await?.status.context("status")?;
+        ensure!(st.reason == "OOMKilled", "CRI reason {:?}", st.reason);
+        cri.remove_container(&id).await?;
+        cri.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+/// Runs a pod on a node whose gpu-ckpt handler has `option = value`; returns the error.
+fn pod_error_with_option(name: &str, key: &str, value: &str) -> Result<(Node, String)> {
+    let node = node_with(Node::builder(name)?.runtime_option(key, value))?;
+    let err = rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let spec = PodSpec::new("bad", node.pod_log_root()).handler(GPU_CKPT_HANDLER);
+        match cri.run_pod(&spec).await {
+            Ok(pod) => anyhow::bail!("pod {} started despite {key} = {value:?}", pod.id),
+            Err(e) => Ok(format!("{e:#}")),
+        }
+    })?;
+    Ok((node, err))
+}
+
+fn assert_clean(node: &Node) -> Result<()> {
+    wait_until(Duration::from_secs(10), "no shim left", || {
+        shims_of(node).is_empty().then_some(())
+    })?;
+    let runc_root = &node.paths().gpu_ckpt_runc_root;
+    let left: Vec<_> = std::fs::read_dir(runc_root)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    ensure!(
+        left.is_empty(),
+        "runc state left in {}: {left:?}",
+        runc_root.display()
+    );
+    let mounts = mounts_mentioning(&node.paths().state.display().to_string());
+    let rootfs: Vec<_> = mounts.iter().filter(|m| m.contains("/rootfs")).collect();
+    ensure!(rootfs.is_empty(), "rootfs mounts left: {rootfs:?}");
+    Ok(())
+}
+
+#[test]
+fn unknown_runtime_option_is_named() -> Result<()> {
+    let (node, err) = pod_error_with_option("bad-opt", "Frobnicate", "yes")?;
+    ensure!(
+        err.contains("Frobnicate"),
+        "error does not name the key: {err}"
+    );
+    assert_clean(&node)
+}
+
+#[test]
+fn missing_runc_binary_is_named() -> Result<()> {
+    let (node, err) = pod_error_with_option("bad-runc", "BinaryName", "/nonexistent/runc")?;
+    ensure!(
+        err.contains("/nonexistent/runc"),
+        "error does not name the binary: {err}"
+    );
+    assert_clean(&node)
+}
+
+#[test]
+fn malformed_config_and_missing_rootfs_are_refused() -> Result<()> {
+    use containerd_client::services::v1::{
+        containers_client::ContainersClient, tasks_client::TasksClient, Container,
+        CreateContainerRequest, CreateTaskRequest,
+    };
+    let node = node("bad-bundle")?;
+    rt().block_on(async {
+        let api = Containerd::connect(node.socket(), "default").await?;
+        let cases: [(&str, Vec<u8>, &str); 2] = [
+            (
+                "malformed",
+                b"{\"ociVersion\": \"1.0.2\", \"process\": ".to_vec(),
+                "malformed bundle config",
+            ),
+            (
+                "norootfs",
+                serde_json::to_vec(&serde_json::json!({
+                    "ociVersion": "1.0.2",
+                    "process": {"args": ["/bin/counter"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+                    "root": {"path": "/nonexistent-rootfs-gpu-ckpt"},
+                    "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}
+                }))?,
+                "does not exist",
+            ),
+        ];
+        for (id, spec, want) in cases {
+            let container = Container {
+                id: id.to_string(),
+                image: String::new(),
+                runtime: Some(containerd_client::services::v1::container::Runtime {
+                    name: RUNTIME.to_string(),
+                    options: None,
+                }),
+                spec: Some(prost_types::Any {
+                    type_url: "types.containerd.io/opencontainers/runtime-spec/1/Spec".into(),
+                    value: spec,
+                }),
+                ..Default::default()
+            };
+            ContainersClient::new(api.channel())
+                .create(api.request(CreateContainerRequest {
+                    container: Some(container),
+                }))
+                .await
+                .with_context(|| format!("create container {id}"))?;
+            let err = TasksClient::new(api.channel())
+                .create(api.request(CreateTaskRequest {
+                    container_id: id.to_string(),
+                    ..Default::default()
+                }))
+                .await
+                .err()
+                .with_context(|| format!("task {id} was created"))?;
+            ensure!(
+                err.message().contains(want),
+                "{id}: error {:?} lacks {want:?}",
+                err.message()
+            );
+        }
+        Ok(())
+    })?;
+    assert_clean(&node)
+}
