@@ -24,3 +24,17 @@ fn write_manifest_for_bench() {
     m.hash_dir(&dir).unwrap();
     m.write_to(&dir).unwrap();
 }
+
+mod common;
+
+/// Writes the test suite's sample archive to $GPU_CKPT_SAMPLE_OUT (for manual checks with ctr).
+#[test]
+#[ignore]
+fn write_sample_archive() {
+    let Some(out) = std::env::var_os("GPU_CKPT_SAMPLE_OUT") else {
+        panic!("set GPU_CKPT_SAMPLE_OUT");
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let a = common::make_archive(tmp.path());
+    std::fs::copy(a, out).unwrap();
+}
