@@ -48,6 +48,9 @@ pub struct Manifest {
     pub node: Node,
     pub devices: Devices,
     pub workload: Workload,
+    /// How CRIU dumped the process tree; restore passes the matching options.
+    #[serde(default)]
+    pub criu: CriuOptions,
     /// Device state blobs (files in the checkpoint directory that hold GPU state).
     #[serde(default)]
     pub device_state: Vec<DeviceState>,
@@ -137,6 +140,30 @@ pub struct Workload {
     pub model_version: String,
 }
 
+/// The CRIU options a checkpoint was dumped with.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CriuOptions {
+    /// The container kept running after the dump.
+    #[serde(default)]
+    pub leave_running: bool,
+    /// Established TCP connections: "" (none allowed), "established" (dumped, restored on the
+    /// same address) or "close" (not dumped, restored closed).
+    #[serde(default)]
+    pub tcp: String,
+    #[serde(default)]
+    pub external_unix_sockets: bool,
+    /// The init process had a terminal.
+    #[serde(default)]
+    pub shell_job: bool,
+    #[serde(default)]
+    pub file_locks: bool,
+    /// CRIU's cgroups mode (soft, full, strict, ignore); empty for runc's default.
+    #[serde(default)]
+    pub cgroups_mode: String,
+    #[serde(default)]
+    pub empty_namespaces: Vec<String>,
+}
+
 /// A device state blob.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceState {
@@ -186,6 +213,7 @@ impl Manifest {
             node,
             devices,
             workload,
+            criu: CriuOptions::default(),
             device_state: Vec::new(),
             files: BTreeMap::new(),
             timings: Vec::new(),

@@ -2,9 +2,12 @@
 //! that create, start and delete it, each with its undo.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
+    ffi::OsString,
+    os::unix::fs::PermissionsExt,
     path::{Path, PathBuf},
     sync::Arc,
+    time::Instant,
 };
 
 use containerd_shim::{
@@ -16,13 +19,17 @@ use containerd_shim::{
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
 use tracing::{info_span, warn, Instrument};
 
+use image_format::manifest::{self, Manifest};
+
 use crate::{
+    annotations::{self, Annotations},
+    checkpoint::{self, CheckpointPlan},
     error::{Error, Result},
     events::EventSender,
     oom::{MemoryCgroup, OomMonitor},
     options::RuntimeOptions,
     process::{Process, Status},
-    runc::{CreateOpts, Runc},
+    runc::{tool_output, CreateOpts, Runc},
     stdio,
 };
 
@@ -40,7 +47,15 @@ pub struct Container {
     /// do not die with it and must be killed.
     shares_pid_namespace: bool,
     mounted_rootfs: bool,
+    /// The spec's annotations (identity for the manifest) and the checked gpu-ckpt ones.
+    spec_annotations: HashMap<String, String>,
+    pub annotations: Annotations,
+    /// Set when the container is to be restored from a checkpoint directory at start.
+    restore_from: Option<PathBuf>,
 }
+
+/// Where the shim keeps CRIU's work files by default; removed after a checkpoint.
+const CRIU_WORK: &str = "criu-work";
 
 /// Reads and checks a bundle's config.json, with an error that names the file.
 pub fn load_spec(bundle: &Path) -> Result<Spec> {
@@ -75,6 +90,8 @@ impl Container {
                     .any(|n| n.typ() == LinuxNamespaceType::Pid && n.path().is_none())
             });
 
+        let spec_annotations = spec.annotations().clone().unwrap_or_default();
+        let annotations = Annotations::from_spec(&spec_annotations)?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let mut container = Container {
             id: req.id.clone(),
@@ -86,6 +103,9 @@ impl Container {
             oom: None,
             shares_pid_namespace,
             mounted_rootfs: false,
+            spec_annotations,
+            annotations,
+            restore_from: (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)),
         };
 
         // Step 1: the rootfs. Undo: unmount.
@@ -97,7 +117,19 @@ impl Container {
             container.unmount_rootfs();
             return Err(e);
         }
-        // Step 2: stdio and runc create. Undo: stop the copies, runc delete, unmount.
+        // Step 2: the CRIU configuration file runc will use for this container's checkpoints.
+        if let Err(e) = checkpoint::write_criu_conf(&bundle, false)
+            .and_then(|_| checkpoint::point_runc_at_criu_conf(&bundle))
+        {
+            container.unmount_rootfs();
+            return Err(e);
+        }
+        // A restore creates nothing now: containerd lays the rootfs diff over the rootfs after
+        // Create, and Start restores the process.
+        if container.restore_from.is_some() {
+            return Ok(container);
+        }
+        // Step 3: stdio and runc create. Undo: stop the copies, runc delete, unmount.
         if let Err(e) = container
             .runc_create()
             .instrument(info_span!("runc_create", id = %req.id))
@@ -110,11 +142,15 @@ impl Container {
             container.unmount_rootfs();
             return Err(e);
         }
-        // Step 3: OOM watch (nothing to undo: it ends with the cgroup).
-        if let Some(cgroup) = MemoryCgroup::of_pid(container.init.pid) {
-            container.oom = Some(OomMonitor::start(&container.id, cgroup, events.clone()));
-        }
+        // Step 4: OOM watch (nothing to undo: it ends with the cgroup).
+        container.watch_oom(events);
         Ok(container)
+    }
+
+    fn watch_oom(&mut self, events: &EventSender) {
+        if let Some(cgroup) = MemoryCgroup::of_pid(self.init.pid) {
+            self.oom = Some(OomMonitor::start(&self.id, cgroup, events.clone()));
+        }
     }
 
     async fn mount_rootfs(&mut self, req: &CreateTaskRequest, spec: &Spec) -> Result<()> {
@@ -186,7 +222,7 @@ impl Container {
         Ok(())
     }
 
-    pub async fn start_init(&mut self) -> Result<()> {
+    pub async fn start_init(&mut self, events: &EventSender) -> Result<()> {
         match self.init.status {
             Status::Created => {}
             Status::Stopped => {
@@ -202,9 +238,243 @@ impl Container {
                 )))
             }
         }
-        self.runc.start(&self.id).await?;
+        if let Some(dir) = self.restore_from.clone() {
+            let span = info_span!("restore", id = %self.id);
+            self.restore(&dir).instrument(span).await?;
+            self.watch_oom(events);
+        } else {
+            self.runc.start(&self.id).await?;
+        }
         self.init.status = Status::Running;
         Ok(())
+    }
+
+    /// Restores the container's process tree from the checkpoint directory `dir`.
+    async fn restore(&mut self, dir: &Path) -> Result<()> {
+        let step = |step: &'static str| {
+            move |e: &dyn std::fmt::Display| Error::Step {
+                operation: "restore",
+                step,
+                message: e.to_string(),
+            }
+        };
+        // Step 1: verify every file against the manifest; refuse anything that does not match.
+        let manifest = tokio::task::spawn_blocking({
+            let dir = dir.to_path_buf();
+            move || manifest::verify_dir(&dir)
+        })
+        .await
+        .map_err(|e| step("verify")(&e))?
+        .map_err(|e| step("verify")(&e))?;
+        // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
+        // this container asks for it (a new address).
+        let tcp_close = manifest.criu.tcp == "close"
+            || self.annotations.get(annotations::TCP) == Some("close")
+            || (self.annotations.get(annotations::TCP).is_none()
+                && self.options.tcp_mode == "close");
+        checkpoint::write_criu_conf(&self.bundle, tcp_close).map_err(|e| step("prepare")(&e))?;
+        // Step 3: runc restore. Undo: stop the copies, runc delete.
+        let work = self.bundle.join(CRIU_WORK);
+        std::fs::create_dir_all(&work).map_err(|e| step("prepare")(&e))?;
+        let prepared = stdio::prepare(&self.init.stdio, self.options.io_uid, self.options.io_gid)?;
+        let mut io = prepared.io;
+        let console = prepared.console;
+        let console_path = console.as_ref().map(|c| c.path().to_path_buf());
+        let pid_file = self.bundle.join(INIT_PID_FILE);
+        let opts = CreateOpts {
+            pid_file: &pid_file,
+            console_socket: console_path.as_deref(),
+            no_pivot: self.options.no_pivot_root,
+            no_new_keyring: false,
+        };
+        let args = checkpoint::restore_args(&manifest.criu, tcp_close);
+        let restore = self.runc.restore(
+            &self.id,
+            &self.bundle,
+            dir,
+            &work,
+            &opts,
+            &args,
+            prepared.child,
+        );
+        let result = match console {
+            Some(console) => {
+                let stdio = self.init.stdio.clone();
+                let (restored, received) = tokio::join!(restore, console.receive(&stdio, &mut io));
+                restored.and(received)
+            }
+            None => restore.await,
+        };
+        let result = match result {
+            Ok(()) => read_pid_from_file(&pid_file).await.map_err(Error::from),
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(pid) => {
+                self.init.io = io;
+                self.init.pid = pid;
+                let _ = std::fs::remove_dir_all(&work);
+                Ok(())
+            }
+            Err(e) => {
+                io.tasks.abort().await;
+                let log = work.join("restore.log");
+                let kept = self.bundle.join(checkpoint::RESTORE_LOG_COPY);
+                let _ = std::fs::copy(&log, &kept);
+                let tail = checkpoint::log_tail(&log, 15);
+                if let Err(de) = self.runc.delete(&self.id, true).await {
+                    if !de.to_string().contains("does not exist") {
+                        warn!(id = %self.id, error = %de, "undo of a failed restore: runc delete");
+                    }
+                }
+                Err(Error::Step {
+                    operation: "restore",
+                    step: "criu-restore",
+                    message: format!("{e}; CRIU log {}:\n{tail}", kept.display()),
+                })
+            }
+        }
+    }
+
+    /// Checkpoints the container into `plan.image_path`: CRIU dump, then the manifest written
+    /// last, so a directory without a manifest is never a complete checkpoint. On failure every
+    /// file the checkpoint wrote is removed and the container runs on as before.
+    pub async fn checkpoint(&self, plan: &CheckpointPlan) -> Result<Manifest> {
+        let fail = |step: &'static str, message: String| Error::Step {
+            operation: "checkpoint",
+            step,
+            message,
+        };
+        if !matches!(self.init.status, Status::Running | Status::Paused) {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                self.id
+            )));
+        }
+        // Step 1: the image directory, root-only (checkpoints hold process memory).
+        let image = &plan.image_path;
+        let created_dir = !image.exists();
+        std::fs::create_dir_all(image)
+            .and_then(|_| std::fs::set_permissions(image, std::fs::Permissions::from_mode(0o700)))
+            .map_err(|e| {
+                fail(
+                    "prepare",
+                    format!("image directory {}: {e}", image.display()),
+                )
+            })?;
+        let before = dir_names(image);
+        let undo = || {
+            for name in dir_names(image).difference(&before) {
+                let _ = std::fs::remove_file(image.join(name));
+            }
+            if created_dir {
+                let _ = std::fs::remove_dir(image);
+            }
+        };
+        let work = plan
+            .work_path
+            .clone()
+            .unwrap_or_else(|| self.bundle.join(CRIU_WORK));
+        if let Err(e) = std::fs::create_dir_all(&work)
+            .map_err(|e| fail("prepare", format!("work directory {}: {e}", work.display())))
+            .and_then(|_| {
+                checkpoint::write_criu_conf(&self.bundle, plan.criu.tcp == "close")
+                    .map_err(|e| fail("prepare", e.to_string()))
+            })
+        {
+            undo();
+            return Err(e);
+        }
+        let mut timings = Vec::new();
+
+        // Step 2: CRIU dump through runc. Undo: remove what it wrote; CRIU resumes the tasks.
+        let t = Instant::now();
+        let dumped = self
+            .runc
+            .checkpoint(&self.id, image, &work, &plan.runc_args())
+            .instrument(info_span!("criu_dump", id = %self.id))
+            .await;
+        if let Err(e) = dumped {
+            let log = work.join("dump.log");
+            let kept = self.bundle.join(checkpoint::DUMP_LOG_COPY);
+            let _ = std::fs::copy(&log, &kept);
+            let tail = checkpoint::log_tail(&log, 15);
+            undo();
+            return Err(fail(
+                "criu-dump",
+                format!("{e}; CRIU log {}:\n{tail}", kept.display()),
+            ));
+        }
+        timings.push(("criu-dump", t.elapsed()));
+
+        // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
+        let t = Instant::now();
+        let written = self
+            .write_manifest(plan, &mut timings, t)
+            .instrument(info_span!("manifest", id = %self.id))
+            .await;
+        if plan.work_path.is_none() {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        match written {
+            Ok(m) => Ok(m),
+            Err(e) => {
+                undo();
+                Err(fail("manifest", e.to_string()))
+            }
+        }
+    }
+
+    async fn write_manifest(
+        &self,
+        plan: &CheckpointPlan,
+        timings: &mut Vec<(&'static str, std::time::Duration)>,
+        started: Instant,
+    ) -> Result<Manifest> {
+        let image = plan.image_path.clone();
+        let a = &self.spec_annotations;
+        let get = |k: &str| a.get(k).cloned().unwrap_or_default();
+        let name = a
+            .get("io.kubernetes.cri.container-name")
+            .cloned()
+            .unwrap_or_else(|| self.id.clone());
+        let container = manifest::Container {
+            id: self.id.clone(),
+            name,
+            pod_name: get("io.kubernetes.cri.sandbox-name"),
+            pod_namespace: get("io.kubernetes.cri.sandbox-namespace"),
+            image: get("io.kubernetes.cri.image-name"),
+            image_digest: String::new(),
+        };
+        let node = node_info(&self.runc).await;
+        let workload = manifest::Workload {
+            engine_version: get(annotations::ENGINE_VERSION),
+            model_version: get(annotations::MODEL_VERSION),
+        };
+        let mut m = Manifest::new(
+            now_rfc3339(),
+            container,
+            node,
+            manifest::Devices::default(),
+            workload,
+        );
+        m.criu = plan.criu.clone();
+        let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
+            let mut m = m;
+            restrict_files(&image)?;
+            m.hash_dir(&image)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            Ok(m)
+        })
+        .await
+        .map_err(|e| Error::FailedPrecondition(format!("hash checkpoint: {e}")))??;
+        timings.push(("manifest-hash", started.elapsed()));
+        for (step, d) in timings.iter() {
+            m.add_timing(*step, d.as_secs_f64() * 1000.0);
+        }
+        m.write_to(&plan.image_path)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        Ok(m)
     }
 
     /// Starts an exec process with `runc exec --detach`; returns its pid.
@@ -354,6 +624,54 @@ impl Container {
         let _ = std::fs::remove_file(self.bundle.join(INIT_PID_FILE));
         Ok(())
     }
+}
+
+/// Names of the entries of `dir` (empty when it cannot be read).
+fn dir_names(dir: &Path) -> HashSet<OsString> {
+    std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default()
+}
+
+/// Makes every file of a checkpoint directory readable by root alone.
+fn restrict_files(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(Error::io(format!("list {}", dir.display())))? {
+        let entry = entry.map_err(Error::io(format!("list {}", dir.display())))?;
+        if entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+            std::fs::set_permissions(entry.path(), std::fs::Permissions::from_mode(0o600))
+                .map_err(Error::io(format!("chmod {}", entry.path().display())))?;
+        }
+    }
+    Ok(())
+}
+
+/// The versions a checkpoint was taken with.
+async fn node_info(runc: &Runc) -> manifest::Node {
+    let criu = tool_output("criu", &["--version"]).await;
+    let criu = criu
+        .lines()
+        .find_map(|l| l.strip_prefix("Version:"))
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let uts = nix::sys::utsname::uname().ok();
+    manifest::Node {
+        hostname: uts
+            .as_ref()
+            .map(|u| u.nodename().to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        kernel: uts
+            .as_ref()
+            .map(|u| u.release().to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        criu,
+        runc: runc.version().await,
+        shim: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
 /// Cleans up after a shim that is gone (the `delete` action): runc delete, unmount.

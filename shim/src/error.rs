@@ -24,6 +24,13 @@ pub enum Error {
     /// runc ran and failed; `message` is runc's own error, taken from its log.
     #[error("runc {command} failed: {message}")]
     Runc { command: String, message: String },
+    /// A checkpoint or restore step failed; `message` says why (with CRIU's log tail).
+    #[error("{operation} failed at step {step}: {message}")]
+    Step {
+        operation: &'static str,
+        step: &'static str,
+        message: String,
+    },
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -77,7 +84,9 @@ impl Error {
             Error::Shim(containerd_shim::Error::FailedPreconditionError(_)) => {
                 Code::FAILED_PRECONDITION
             }
-            Error::Runc { .. } | Error::Io { .. } | Error::Shim(_) => Code::UNKNOWN,
+            Error::Runc { .. } | Error::Io { .. } | Error::Shim(_) | Error::Step { .. } => {
+                Code::UNKNOWN
+            }
         }
     }
 }

@@ -6,13 +6,16 @@
 //!
 //! - [`service`]: containerd's `start`/`delete` actions, grouping one shim per pod;
 //! - [`task`]: the Task API mapped onto containers, and the exit handler;
-//! - [`container`]: one container's steps (create, start, exec, kill, delete) with their undo;
+//! - [`container`]: one container's steps (create, start, exec, kill, delete, checkpoint,
+//!   restore) with their undo; [`checkpoint`]: CRIU options; [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit;
 //! - [`runc`]: every runc invocation;
 //! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
+pub mod annotations;
+pub mod checkpoint;
 pub mod container;
 pub mod error;
 pub mod events;

@@ -50,6 +50,18 @@ pub struct RuntimeOptions {
     /// paths for a restore.
     pub criu_image_path: String,
     pub criu_work_path: String,
+    /// Checkpoint default for established TCP connections: "established" or "close".
+    /// The pod annotation `gpu-ckpt.io/tcp` overrides it.
+    pub tcp_mode: String,
+    /// Checkpoint default: dump file locks (`--file-locks`).
+    pub file_locks: bool,
+    /// Checkpoint default: dump external unix sockets (`--ext-unix-sk`).
+    pub external_unix_sockets: bool,
+    /// Checkpoint default: CRIU's cgroups mode (soft, full, strict).
+    pub cgroups_mode: String,
+    /// "restore" for the restore handler (`gpu-ckpt-restore`): containers whose pod names a
+    /// checkpoint in `gpu-ckpt.io/restore-from` are restored from it at start.
+    pub mode: String,
 }
 
 impl RuntimeOptions {
@@ -73,6 +85,7 @@ impl RuntimeOptions {
                     io_gid: o.io_gid,
                     criu_image_path: o.criu_image_path,
                     criu_work_path: o.criu_work_path,
+                    ..Default::default()
                 })
             }
             RUNTIME_OPTIONS_TYPE => {
@@ -96,8 +109,9 @@ impl RuntimeOptions {
 
     /// Parses a handler's options table. An unknown key is an error that names it.
     pub fn from_toml(body: &str, origin: &str) -> Result<Self> {
-        toml::from_str(body)
-            .map_err(|e| Error::InvalidArgument(format!("invalid {origin}: {}", e.message())))
+        toml::from_str::<Self>(body)
+            .map_err(|e| Error::InvalidArgument(format!("invalid {origin}: {}", e.message())))?
+            .validate()
     }
 
     /// The runc binary to run.
@@ -116,6 +130,37 @@ impl RuntimeOptions {
         } else {
             self.root.clone()
         }
+    }
+
+    /// Checks the values of the keys that take a fixed set.
+    fn validate(self) -> Result<Self> {
+        if !matches!(self.tcp_mode.as_str(), "" | "established" | "close") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid TcpMode {:?}: expected \"established\" or \"close\"",
+                self.tcp_mode
+            )));
+        }
+        if !matches!(
+            self.cgroups_mode.as_str(),
+            "" | "soft" | "full" | "strict" | "ignore"
+        ) {
+            return Err(Error::InvalidArgument(format!(
+                "invalid CgroupsMode {:?}: expected soft, full, strict or ignore",
+                self.cgroups_mode
+            )));
+        }
+        if !matches!(self.mode.as_str(), "" | "run" | "restore") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid Mode {:?}: expected \"run\" or \"restore\"",
+                self.mode
+            )));
+        }
+        Ok(self)
+    }
+
+    /// Whether this is the restore handler.
+    pub fn restore_mode(&self) -> bool {
+        self.mode == "restore"
     }
 
     pub fn write_to_bundle(&self, bundle: &Path) -> Result<()> {
@@ -244,6 +289,17 @@ mod tests {
             RuntimeOptions::from_any(Some(&any)),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let err = RuntimeOptions::from_toml("TcpMode = \"sometimes\"", "t").unwrap_err();
+        assert!(err.to_string().contains("TcpMode"), "{err}");
+        let err = RuntimeOptions::from_toml("Mode = \"x\"", "t").unwrap_err();
+        assert!(err.to_string().contains("Mode"), "{err}");
+        assert!(RuntimeOptions::from_toml("Mode = \"restore\"", "t")
+            .unwrap()
+            .restore_mode());
     }
 
     #[test]

@@ -203,6 +203,71 @@ impl Runc {
         .map(drop)
     }
 
+    /// `runc checkpoint` into `image` (CRIU's work files and log in `work`).
+    pub async fn checkpoint(
+        &self,
+        id: &str,
+        image: &Path,
+        work: &Path,
+        args: &[String],
+    ) -> Result<()> {
+        let mut all = vec![
+            "checkpoint".to_string(),
+            "--image-path".to_string(),
+            image.display().to_string(),
+            "--work-path".to_string(),
+            work.display().to_string(),
+        ];
+        all.extend_from_slice(args);
+        all.push(id.to_string());
+        self.run(&all, ChildIo::Captured, None).await.map(drop)
+    }
+
+    /// `runc restore --detach --no-subreaper` of `image` into the container `id` of `bundle`:
+    /// the shim is the subreaper already and gets the restored process.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn restore(
+        &self,
+        id: &str,
+        bundle: &Path,
+        image: &Path,
+        work: &Path,
+        opts: &CreateOpts<'_>,
+        args: &[String],
+        io: ChildIo,
+    ) -> Result<()> {
+        let mut all = vec![
+            "restore".to_string(),
+            "--detach".to_string(),
+            "--no-subreaper".to_string(),
+            "--bundle".to_string(),
+            bundle.display().to_string(),
+            "--pid-file".to_string(),
+            opts.pid_file.display().to_string(),
+            "--image-path".to_string(),
+            image.display().to_string(),
+            "--work-path".to_string(),
+            work.display().to_string(),
+        ];
+        push_console(&mut all, opts.console_socket);
+        if opts.no_pivot {
+            all.push("--no-pivot".to_string());
+        }
+        all.extend_from_slice(args);
+        all.push(id.to_string());
+        self.run(&all, io, None).await.map(drop)
+    }
+
+    /// `runc --version`, first line.
+    pub async fn version(&self) -> String {
+        tool_output(&self.binary, &["--version"])
+            .await
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     /// Runs runc with `args` after the global flags, awaits its exit through the monitor and
     /// returns its stdout. A non-zero exit becomes [`Error::Runc`] with runc's own message.
     async fn run(&self, args: &[String], io: ChildIo, stdin: Option<Vec<u8>>) -> Result<Vec<u8>> {
@@ -234,59 +299,14 @@ impl Runc {
 
         // Only what this invocation logs counts as its error.
         let log_offset = std::fs::metadata(&self.log).map(|m| m.len()).unwrap_or(0);
-        // Subscribe before the child exists, so its exit cannot be missed.
-        let mut sub = monitor_subscribe(Topic::Pid).await?;
-        let spawned = cmd.spawn();
-        // The parent's copies of pass-through fds close here.
-        drop(cmd);
-        let mut child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                let _ = monitor_unsubscribe(sub.id).await;
-                return Err(if e.kind() == std::io::ErrorKind::NotFound {
-                    Error::InvalidArgument(format!(
-                        "runc binary {:?} not found (set BinaryName in the runtime options, or put runc in PATH)",
-                        self.binary
-                    ))
-                } else {
-                    Error::io(format!("start runc binary {:?}", self.binary))(e)
-                });
+        let (code, stdout, stderr) = match spawn_monitored(cmd, stdin).await {
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                return Err(Error::InvalidArgument(format!(
+                    "runc binary {:?} not found (set BinaryName in the runtime options, or put runc in PATH)",
+                    self.binary
+                )))
             }
-        };
-        let pid = child.id() as i32;
-        if let (Some(mut input), Some(data)) = (child.stdin.take(), stdin) {
-            tokio::task::spawn_blocking(move || std::io::Write::write_all(&mut input, &data));
-        }
-        let stdout = child.stdout.take().map(read_all);
-        let stderr = child.stderr.take().map(read_all);
-        // `child` is dropped without waiting: the reaper collects it.
-        drop(child);
-
-        let code = loop {
-            match sub.rx.recv().await {
-                Some(ev) => {
-                    if let Subject::Pid(p) = ev.subject {
-                        if p == pid {
-                            break ev.exit_code;
-                        }
-                    }
-                }
-                None => {
-                    return Err(Error::FailedPrecondition(
-                        "exit monitor closed while runc was running".into(),
-                    ))
-                }
-            }
-        };
-        let _ = monitor_unsubscribe(sub.id).await;
-
-        let stdout = match stdout {
-            Some(h) => h.await.unwrap_or_default(),
-            None => Vec::new(),
-        };
-        let stderr = match stderr {
-            Some(h) => h.await.unwrap_or_default(),
-            None => Vec::new(),
+            other => other?,
         };
         if code != 0 {
             let message = last_runc_error(&self.log, log_offset)
@@ -310,6 +330,73 @@ impl Runc {
             return Ok(Vec::new());
         }
         Ok(stdout)
+    }
+}
+
+/// Spawns `cmd` and waits for its exit through the shim's exit monitor (subscribed before the
+/// child exists, so the exit cannot be missed). Returns the exit code, stdout and stderr (empty
+/// unless piped).
+async fn spawn_monitored(
+    mut cmd: Command,
+    stdin: Option<Vec<u8>>,
+) -> Result<(i32, Vec<u8>, Vec<u8>)> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let mut sub = monitor_subscribe(Topic::Pid).await?;
+    let spawned = cmd.spawn();
+    // The parent's copies of pass-through fds close here.
+    drop(cmd);
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = monitor_unsubscribe(sub.id).await;
+            return Err(Error::io(format!("start {program:?}"))(e));
+        }
+    };
+    let pid = child.id() as i32;
+    if let (Some(mut input), Some(data)) = (child.stdin.take(), stdin) {
+        tokio::task::spawn_blocking(move || std::io::Write::write_all(&mut input, &data));
+    }
+    let stdout = child.stdout.take().map(read_all);
+    let stderr = child.stderr.take().map(read_all);
+    // `child` is dropped without waiting: the reaper collects it.
+    drop(child);
+    let code = loop {
+        match sub.rx.recv().await {
+            Some(ev) => {
+                if matches!(ev.subject, Subject::Pid(p) if p == pid) {
+                    break ev.exit_code;
+                }
+            }
+            None => {
+                let _ = monitor_unsubscribe(sub.id).await;
+                return Err(Error::FailedPrecondition(format!(
+                    "exit monitor closed while {program} was running"
+                )));
+            }
+        }
+    };
+    let _ = monitor_unsubscribe(sub.id).await;
+    let stdout = match stdout {
+        Some(h) => h.await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    let stderr = match stderr {
+        Some(h) => h.await.unwrap_or_default(),
+        None => Vec::new(),
+    };
+    Ok((code, stdout, stderr))
+}
+
+/// The first line a tool prints for `args` (a version), or an empty string when it fails.
+pub async fn tool_output(binary: &str, args: &[&str]) -> String {
+    let mut cmd = Command::new(binary);
+    cmd.args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    match spawn_monitored(cmd, None).await {
+        Ok((0, out, _)) => String::from_utf8_lossy(&out).trim().to_string(),
+        _ => String::new(),
     }
 }
 

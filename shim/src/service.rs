@@ -116,6 +116,11 @@ impl containerd_shim::asynchronous::Shim for Service {
             name: runtime_id.to_string(),
             ..Default::default()
         };
+        // What containerd's runc shim reports for a runc with CRIU: checkpoint is supported.
+        info.annotations.insert(
+            "org.opencontainers.runc.checkpoint.enabled".to_string(),
+            "true".to_string(),
+        );
         info.version = containerd_shim::protos::protobuf::MessageField::some(
             containerd_shim::protos::types::introspection::RuntimeVersion {
                 version: env!("CARGO_PKG_VERSION").to_string(),

@@ -10,9 +10,9 @@ use std::{
 use async_trait::async_trait;
 use containerd_shim::{
     api::{
-        CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest, CreateTaskResponse,
-        DeleteRequest, Empty, ExecProcessRequest, KillRequest, PauseRequest, PidsRequest,
-        PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
+        CheckpointTaskRequest, CloseIORequest, ConnectRequest, ConnectResponse, CreateTaskRequest,
+        CreateTaskResponse, DeleteRequest, Empty, ExecProcessRequest, KillRequest, PauseRequest,
+        PidsRequest, PidsResponse, ResizePtyRequest, ResumeRequest, ShutdownRequest, StartRequest,
         StartResponse, StateRequest, StateResponse, Status as ApiStatus, UpdateTaskRequest,
         WaitRequest, WaitResponse,
     },
@@ -36,6 +36,7 @@ use tokio::sync::{Mutex, RwLock};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::{
+    checkpoint::CheckpointPlan,
     container::Container,
     error::{Error, Result},
     events::EventSender,
@@ -243,7 +244,7 @@ impl Tasks {
         let container = self.container(&req.id).await?;
         let mut c = container.lock().await;
         if req.exec_id.is_empty() {
-            c.start_init().await?;
+            c.start_init(&self.events).await?;
             let pid = c.init.pid;
             self.events.send(
                 TASK_START_EVENT_TOPIC,
@@ -512,6 +513,28 @@ impl Tasks {
         c.runc.update(&req.id, &resources).await
     }
 
+    async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<()> {
+        let container = self.container(&req.id).await?;
+        let c = container.lock().await;
+        let plan = CheckpointPlan::resolve(
+            &req.path,
+            req.options.as_ref(),
+            &c.options,
+            &c.annotations,
+            c.init.stdio.terminal,
+        )?;
+        let manifest = c.checkpoint(&plan).await?;
+        let total: u64 = manifest.files.values().map(|f| f.size).sum();
+        info!(
+            id = %req.id,
+            path = %plan.image_path.display(),
+            bytes = total,
+            leave_running = plan.criu.leave_running,
+            "checkpoint written"
+        );
+        Ok(())
+    }
+
     async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
         let container = self.container(&req.id).await?;
         let mut rx = container.lock().await.process(&req.exec_id)?.exit_watch();
@@ -645,6 +668,17 @@ impl Task for TaskService {
     async fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> ttrpc::Result<WaitResponse> {
         let id = req.id.clone();
         serve("wait", &id, self.do_wait(req)).await
+    }
+
+    async fn checkpoint(
+        &self,
+        _ctx: &TtrpcContext,
+        req: CheckpointTaskRequest,
+    ) -> ttrpc::Result<Empty> {
+        let id = req.id.clone();
+        serve("checkpoint", &id, self.do_checkpoint(req))
+            .await
+            .map(|_| Empty::new())
     }
 
     async fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
