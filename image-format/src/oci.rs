@@ -655,6 +655,42 @@ pub fn image_profile(image: &Path) -> Result<Option<Profile>> {
 /// while copying. For our images (uncompressed layer) the result is byte-identical to the archive the
 /// image was built from.
 pub fn extract_archive_from_image(image: &Path, out: &Path, progress: Progress<'_>) -> Result<u64> {
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = parent.join(format!(
+        ".{}.tmp-{}",
+        out.file_name()
+            .map(|n| n.to_string_lossy())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let res = (|| {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| Error::io("creating", &tmp, e))?;
+        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
+        let n = write_layer(image, &mut w, progress)?;
+        let f = w
+            .into_inner()
+            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
+        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
+        Ok(n)
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// Stream the checkpoint archive held in an image into `w`, verifying the layer digest (and size)
+/// while copying. Returns the bytes written.
+pub fn write_layer(image: &Path, w: &mut dyn Write, progress: Progress<'_>) -> Result<u64> {
     let src = source_of(image)?;
     let (m, _) = read_image_manifest(image)?;
     if !m.annotations.contains_key(ANN_CONTAINERD_NAME)
@@ -682,88 +718,63 @@ pub fn extract_archive_from_image(image: &Path, out: &Path, progress: Progress<'
         }
     };
     let name = blob_name(&layer.digest)?;
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        out.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let res = (|| {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
-        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
-        let copy = |r: &mut dyn Read, w: &mut dyn Write, progress: Progress<'_>| -> Result<u64> {
-            // Hash the blob as stored (compressed or not), write the tar.
-            let mut hr = crate::digest::HashingReader::new(r);
-            let n = if gz {
-                let mut dec = flate2::read::GzDecoder::new(&mut hr);
-                crate::digest::copy_hashing(&mut dec, w, 0, progress)
-                    .map_err(|e| Error::io("decompressing layer to", out, e))?
-                    .1
-            } else {
-                crate::digest::copy_hashing(&mut hr, w, layer.size, progress)
-                    .map_err(|e| Error::io("copying layer to", out, e))?
-                    .1
-            };
-            io::copy(&mut hr, &mut io::sink())
-                .map_err(|e| Error::io("reading layer of", image, e))?;
-            let (hexd, size, _) = hr.finish();
-            let got = format!("sha256:{hexd}");
-            if got != layer.digest || size != layer.size {
-                return Err(Error::DigestMismatch {
-                    name: name.clone(),
-                    expected: format!("{} ({} bytes)", layer.digest, layer.size),
-                    actual: format!("{got} ({size} bytes)"),
-                });
-            }
-            Ok(n)
+    let copy = |r: &mut dyn Read, w: &mut dyn Write, progress: Progress<'_>| -> Result<u64> {
+        // Hash the blob as stored (compressed or not), write the tar.
+        let mut hr = crate::digest::HashingReader::new(r);
+        let n = if gz {
+            let mut dec = flate2::read::GzDecoder::new(&mut hr);
+            crate::digest::copy_hashing(&mut dec, w, 0, progress)
+                .map_err(|e| Error::io("decompressing layer of", image, e))?
+                .1
+        } else {
+            crate::digest::copy_hashing(&mut hr, w, layer.size, progress)
+                .map_err(|e| Error::io("copying layer of", image, e))?
+                .1
         };
-        let n = match &src {
-            Source::Dir(d) => {
-                let p = d.join(&name);
-                let mut f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
-                copy(&mut f, &mut w, progress)?
-            }
-            Source::Tarball(t) => {
-                let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
-                let mut ar = tar::Archive::new(f);
-                let mut found = None;
-                for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
+        io::copy(&mut hr, &mut io::sink()).map_err(|e| Error::io("reading layer of", image, e))?;
+        let (hexd, size, _) = hr.finish();
+        let got = format!("sha256:{hexd}");
+        if got != layer.digest || size != layer.size {
+            return Err(Error::DigestMismatch {
+                name: name.clone(),
+                expected: format!("{} ({} bytes)", layer.digest, layer.size),
+                actual: format!("{got} ({size} bytes)"),
+            });
+        }
+        Ok(n)
+    };
+    let n = match &src {
+        Source::Dir(d) => {
+            let p = d.join(&name);
+            let mut f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
+            copy(&mut f, w, progress)?
+        }
+        Source::Tarball(t) => {
+            let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
+            let mut ar = tar::Archive::new(f);
+            let mut found = None;
+            for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
+                entry: None,
+                source: e,
+            })? {
+                let mut ent = ent.map_err(|e| Error::Tar {
                     entry: None,
                     source: e,
-                })? {
-                    let mut ent = ent.map_err(|e| Error::Tar {
-                        entry: None,
-                        source: e,
-                    })?;
-                    if crate::safe::normalize_name(&ent.path_bytes())? == name {
-                        found = Some(copy(&mut ent, &mut w, progress)?);
-                        break;
-                    }
+                })?;
+                if crate::safe::normalize_name(&ent.path_bytes())? == name {
+                    found = Some(copy(&mut ent, w, progress)?);
+                    break;
                 }
-                found.ok_or_else(|| Error::oci(t.display().to_string(), format!("no {name}")))?
             }
-        };
-        let f = w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
-        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
-        Ok(n)
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res
+            found.ok_or_else(|| Error::oci(t.display().to_string(), format!("no {name}")))?
+        }
+    };
+    Ok(n)
+}
+
+/// Verify an image's layer against its digest without writing anything.
+pub fn verify_image(image: &Path, progress: Progress<'_>) -> Result<u64> {
+    write_layer(image, &mut io::sink(), progress)
 }
 
 /// Push an image (layout directory or tarball) to a registry over the OCI distribution API:

@@ -533,11 +533,8 @@ fn verify(path: &Path, json: bool) -> Result<ExitCode> {
         let b: u64 = m.files.values().map(|f| f.size).sum();
         (format!("{} files match the manifest", m.files.len()), b)
     } else if oci::is_image(path) {
-        // Blob digests: stream the layer out to nowhere while hashing.
-        let sink = tempdir_file()?;
-        let n = oci::extract_archive_from_image(path, &sink, &mut |d, t| bar.update(d, t));
-        let _ = std::fs::remove_file(&sink);
-        let n = n?;
+        // Blob digest: stream the layer to nowhere while hashing.
+        let n = oci::verify_image(path, &mut |d, t| bar.update(d, t))?;
         (format!("image layer digest ok ({})", human(n)), n)
     } else {
         let r = archive::verify_archive(path, Limits::default(), &mut |d, t| bar.update(d, t))?;
@@ -562,11 +559,6 @@ fn verify(path: &Path, json: bool) -> Result<ExitCode> {
         println!("verify ok: {summary}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn tempdir_file() -> Result<PathBuf> {
-    let dir = std::env::temp_dir();
-    Ok(dir.join(format!(".gpu-ckpt-verify-{}", std::process::id())))
 }
 
 fn build(
