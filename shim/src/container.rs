@@ -90,6 +90,12 @@ impl Container {
                     .any(|n| n.typ() == LinuxNamespaceType::Pid && n.path().is_none())
             });
 
+        // A restore: containerd's checkpoint (ctr container restore, CRI restore-via-create), or
+        // a CRIU image directory named in the runc options (the containerd API's CriuImagePath).
+        let restore_from = [req.checkpoint.as_str(), options.criu_image_path.as_str()]
+            .into_iter()
+            .find(|p| !p.is_empty())
+            .map(PathBuf::from);
         let spec_annotations = spec.annotations().clone().unwrap_or_default();
         let annotations = Annotations::from_spec(&spec_annotations)?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
@@ -105,7 +111,7 @@ impl Container {
             mounted_rootfs: false,
             spec_annotations,
             annotations,
-            restore_from: (!req.checkpoint.is_empty()).then(|| PathBuf::from(&req.checkpoint)),
+            restore_from,
         };
 
         // Step 1: the rootfs. Undo: unmount.

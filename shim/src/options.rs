@@ -46,8 +46,8 @@ pub struct RuntimeOptions {
     /// Owner of the stdio pipes handed to the container (user namespaces).
     pub io_uid: u32,
     pub io_gid: u32,
-    /// Ignored for runc `Options` compatibility: where containerd's API puts CRIU image and work
-    /// paths for a restore.
+    /// A CRIU image directory to restore the container from (the containerd API's way to
+    /// restore from `ctr task checkpoint --image-path`), and CRIU's work directory for it.
     pub criu_image_path: String,
     pub criu_work_path: String,
     /// Checkpoint default for established TCP connections: "established" or "close".

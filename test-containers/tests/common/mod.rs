@@ -186,3 +186,60 @@ pub fn read_u64(path: &Path) -> Result<u64> {
     s.parse()
         .with_context(|| format!("parse {} ({s:?})", path.display()))
 }
+
+/// A status file a workload writes, read through its rootfs.
+pub fn rootfs_file(pid: i32, path: &str) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/root{path}")).ok()
+}
+
+/// Runs a command and returns its output, failing with its stderr when it fails.
+pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed ({}): {}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Restores container `id` (its task deleted) from a CRIU image directory through the containerd
+/// API: Tasks.Create with runc options naming `CriuImagePath`, then Tasks.Start. Returns the pid.
+pub async fn restore_from_image_path(
+    api: &test_containers::containerd::Containerd,
+    id: &str,
+    image_path: &Path,
+) -> Result<u32> {
+    use containerd_client::services::v1::{
+        tasks_client::TasksClient, CreateTaskRequest, StartRequest,
+    };
+    use prost::Message;
+    // containerd.runc.v1.Options, field 10: criu_image_path.
+    let mut value = Vec::new();
+    prost::encoding::string::encode(10, &image_path.display().to_string(), &mut value);
+    let options = prost_types::Any {
+        type_url: "containerd.runc.v1.Options".into(),
+        value,
+    };
+    let _ = options.encoded_len();
+    let mut tasks = TasksClient::new(api.channel());
+    tasks
+        .create(api.request(CreateTaskRequest {
+            container_id: id.to_string(),
+            options: Some(options),
+            ..Default::default()
+        }))
+        .await
+        .with_context(|| format!("Tasks.Create {id} from {}", image_path.display()))?;
+    let r = tasks
+        .start(api.request(StartRequest {
+            container_id: id.to_string(),
+            exec_id: String::new(),
+        }))
+        .await
+        .with_context(|| format!("Tasks.Start {id}"))?;
+    Ok(r.into_inner().pid)
+}

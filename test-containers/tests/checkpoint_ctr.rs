@@ -1,0 +1,500 @@
+//! Checkpoint and restore through containerd's task API (ctr and the API itself) with real
+//! runc and CRIU: continuity, memory integrity, and nothing lost when something fails.
+
+mod common;
+
+use std::{path::Path, time::Duration};
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{containerd::Containerd, stack::Node};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
+    let out = ctr_run(
+        node,
+        &[
+            "-d",
+            workloads(),
+            id,
+            "/bin/counter",
+            "--interval-ms",
+            interval_ms,
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "ctr run: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(node, id)?;
+    wait_until(Duration::from_secs(10), "the counter to reach 5", || {
+        counter_value(pid).filter(|v| *v >= 5)
+    })?;
+    Ok(pid)
+}
+
+fn remove(node: &Node, id: &str) {
+    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
+    std::thread::sleep(Duration::from_millis(300));
+    let _ = node.ctr(&["task", "rm", id]);
+    let _ = node.ctr(&["container", "rm", id]);
+}
+
+/// The values the counter writes from now on, until `n` distinct ones were seen.
+fn next_values(pid: i32, n: usize) -> Result<Vec<u64>> {
+    let mut seen: Vec<u64> = Vec::new();
+    wait_until(
+        Duration::from_secs(20),
+        "the restored counter to tick",
+        || {
+            if let Some(v) = counter_value(pid) {
+                if seen.last() != Some(&v) {
+                    seen.push(v);
+                }
+            }
+            (seen.len() >= n).then_some(())
+        },
+    )?;
+    Ok(seen)
+}
+
+#[test]
+fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
+    let node = node("ck-ctr")?;
+    let pid = start_counter(&node, "c1", "100")?;
+    let before = counter_value(pid).context("counter")?;
+    node.ctr_ok(&[
+        "container",
+        "checkpoint",
+        "--task",
+        "--rw",
+        "c1",
+        "localhost/ckpt/c1:1",
+    ])?;
+    let after = counter_value(pid).context("counter")?;
+    // The original keeps running after the checkpoint.
+    wait_until(
+        Duration::from_secs(5),
+        "the original to keep counting",
+        || counter_value(pid).filter(|v| *v > after),
+    )?;
+    remove(&node, "c1");
+
+    node.ctr_ok(&[
+        "container",
+        "restore",
+        "--live",
+        "--rw",
+        "c1",
+        "localhost/ckpt/c1:1",
+    ])?;
+    let restored = task_pid(&node, "c1")?;
+    let seen = next_values(restored, 4)?;
+    // It goes on from the checkpoint, not from zero: the file from the rootfs diff and the
+    // value in memory agree, so consecutive values step by one.
+    ensure!(
+        seen[0] >= before && seen[0] <= after + 1,
+        "restored counter starts at {} (checkpoint taken between {before} and {after}): {seen:?}",
+        seen[0]
+    );
+    for w in seen.windows(2) {
+        ensure!(
+            w[1] == w[0] + 1,
+            "restored counter skipped or reset: {seen:?}"
+        );
+    }
+    remove(&node, "c1");
+    Ok(())
+}
+
+#[test]
+fn task_checkpoint_exit_then_restore() -> Result<()> {
+    let node = node("ck-exit")?;
+    let pid = start_counter(&node, "c2", "100")?;
+    let dir = node.paths().dir.join("c2-image");
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.display().to_string();
+    node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, "c2"])?;
+    wait_until(Duration::from_secs(10), "the task to stop", || {
+        (task_status(&node, "c2").ok().as_deref() == Some("STOPPED")).then_some(())
+    })?;
+    ensure!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the counter still runs after --exit"
+    );
+    let at_exit = std::fs::read_to_string(dir.join("gpu-ckpt-manifest.json"))
+        .context("the checkpoint has no manifest")?;
+    ensure!(
+        at_exit.contains("\"leave_running\": false"),
+        "manifest: {at_exit}"
+    );
+    // Checkpoints hold process memory: root-only.
+    use std::os::unix::fs::PermissionsExt;
+    for e in std::fs::read_dir(&dir)? {
+        let e = e?;
+        let mode = e.metadata()?.permissions().mode() & 0o777;
+        ensure!(
+            mode & 0o077 == 0,
+            "{} has mode {mode:o}",
+            e.path().display()
+        );
+    }
+    node.ctr_ok(&["task", "rm", "c2"])?;
+
+    let restored = rt().block_on(async {
+        let api = Containerd::connect(node.socket(), "default").await?;
+        restore_from_image_path(&api, "c2", &dir).await
+    })? as i32;
+    let seen = next_values(restored, 3)?;
+    ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
+    remove(&node, "c2");
+    Ok(())
+}
+
+#[test]
+fn one_gib_of_memory_survives() -> Result<()> {
+    let node = node("ck-mem")?;
+    let out = ctr_run(
+        &node,
+        &[
+            "-d",
+            workloads(),
+            "m1",
+            "/bin/memhog",
+            "--mib",
+            "1024",
+            "--seed",
+            "42",
+            "--interval-ms",
+            "200",
+            "--status-file",
+            "/status.txt",
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(&node, "m1")?;
+    wait_until(
+        Duration::from_secs(120),
+        "memhog to fill 1 GiB and verify it",
+        || rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass")),
+    )?;
+    let dir = node.paths().dir.join("m1-image");
+    let _ = std::fs::remove_dir_all(&dir);
+    node.ctr_ok(&[
+        "task",
+        "checkpoint",
+        "--exit",
+        "--image-path",
+        &dir.display().to_string(),
+        "m1",
+    ])?;
+    let pages: u64 = std::fs::read_dir(&dir)?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+        .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+        .sum();
+    ensure!(
+        pages >= 1 << 30,
+        "pages images hold {pages} bytes, less than 1 GiB"
+    );
+    node.ctr_ok(&["task", "rm", "m1"])?;
+    let restored = rt().block_on(async {
+        let api = Containerd::connect(node.socket(), "default").await?;
+        restore_from_image_path(&api, "m1", &dir).await
+    })? as i32;
+    // The restored process re-verifies every page: a later pass means all 1 GiB matched.
+    let first = rootfs_file(restored, "/status.txt").unwrap_or_default();
+    wait_until(
+        Duration::from_secs(120),
+        "a verification pass after the restore",
+        || {
+            rootfs_file(restored, "/status.txt")
+                .filter(|s| s != &first && s.contains("verified pass"))
+        },
+    )?;
+    ensure!(
+        Path::new(&format!("/proc/{restored}")).exists(),
+        "memhog died after the restore"
+    );
+    remove(&node, "m1");
+    Ok(())
+}
+
+fn checkpoint_error(node: &Node, id: &str, dir: &Path) -> String {
+    let out = node
+        .ctr(&[
+            "task",
+            "checkpoint",
+            "--image-path",
+            &dir.display().to_string(),
+            id,
+        ])
+        .expect("run ctr");
+    assert!(
+        !out.status.success(),
+        "the checkpoint of {id} should have failed"
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn assert_no_complete_checkpoint(dir: &Path) -> Result<()> {
+    ensure!(
+        !dir.join("gpu-ckpt-manifest.json").exists(),
+        "a failed checkpoint left a manifest in {}",
+        dir.display()
+    );
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    ensure!(left.is_empty(), "a failed checkpoint left files: {left:?}");
+    Ok(())
+}
+
+#[test]
+fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
+    let node = node("ck-fail")?;
+    // An established TCP connection without tcp-established: CRIU refuses it mid-dump, after
+    // it has frozen the tree.
+    let out = ctr_run(
+        &node,
+        &[
+            "-d", "--net-host", workloads(), "t1", "sh", "-c",
+            "/bin/echo-server --listen 127.0.0.1:17801 & sleep 0.3; exec /bin/echo-client --connect 127.0.0.1:17801 --interval-ms 100 > /client.log",
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(&node, "t1")?;
+    let echoes = || {
+        rootfs_file(pid, "/client.log")
+            .map(|s| s.lines().filter(|l| l.starts_with("echo ")).count())
+    };
+    wait_until(Duration::from_secs(10), "echoes", || {
+        echoes().filter(|n| *n >= 3)
+    })?;
+    let dir = node.paths().dir.join("t1-image");
+    let err = checkpoint_error(&node, "t1", &dir);
+    ensure!(
+        err.contains("criu-dump"),
+        "the error does not name the step: {err}"
+    );
+    ensure!(
+        err.to_lowercase().contains("tcp") || err.contains("established"),
+        "the error does not carry CRIU's cause: {err}"
+    );
+    assert_no_complete_checkpoint(&dir)?;
+    // Unharmed: still running, still echoing on the same connection.
+    ensure!(task_status(&node, "t1")? == "RUNNING");
+    let n = echoes().unwrap_or(0);
+    wait_until(
+        Duration::from_secs(5),
+        "echoes after the failed dump",
+        || echoes().filter(|m| *m > n + 2),
+    )?;
+    let log = rootfs_file(pid, "/client.log").unwrap_or_default();
+    ensure!(
+        !log.contains("reconnect"),
+        "the client lost its connection:\n{log}"
+    );
+    remove(&node, "t1");
+    Ok(())
+}
+
+#[test]
+fn full_disk_leaves_the_container_running() -> Result<()> {
+    let node = node("ck-full")?;
+    let out = ctr_run(
+        &node,
+        &[
+            "-d",
+            workloads(),
+            "f1",
+            "/bin/memhog",
+            "--mib",
+            "64",
+            "--interval-ms",
+            "100",
+            "--status-file",
+            "/status.txt",
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(&node, "f1")?;
+    wait_until(Duration::from_secs(30), "memhog to verify", || {
+        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
+    })?;
+    let dir = node.paths().dir.join("full");
+    std::fs::create_dir_all(&dir)?;
+    run_ok(
+        std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+            .arg(&dir),
+    )?;
+    let result = (|| -> Result<()> {
+        let err = checkpoint_error(&node, "f1", &dir);
+        ensure!(
+            err.contains("criu-dump"),
+            "the error does not name the step: {err}"
+        );
+        ensure!(
+            err.contains("No space left") || err.contains("ENOSPC") || err.contains("space"),
+            "the error does not name the full disk: {err}"
+        );
+        assert_no_complete_checkpoint(&dir)?;
+        ensure!(task_status(&node, "f1")? == "RUNNING");
+        let s = rootfs_file(pid, "/status.txt").unwrap_or_default();
+        wait_until(Duration::from_secs(10), "memhog to verify again", || {
+            rootfs_file(pid, "/status.txt").filter(|t| t != &s && t.contains("verified pass"))
+        })?;
+        Ok(())
+    })();
+    let _ = std::process::Command::new("umount").arg(&dir).status();
+    result?;
+    remove(&node, "f1");
+    Ok(())
+}
+
+#[test]
+fn container_exiting_during_the_dump_fails_cleanly() -> Result<()> {
+    let node = node("ck-gone")?;
+    let out = ctr_run(
+        &node,
+        &[
+            "-d",
+            workloads(),
+            "g1",
+            "/bin/memhog",
+            "--mib",
+            "768",
+            "--status-file",
+            "/status.txt",
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(&node, "g1")?;
+    wait_until(Duration::from_secs(60), "memhog to fill", || {
+        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
+    })?;
+    let dir = node.paths().dir.join("g1-image");
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(250));
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    });
+    let out = node.ctr(&[
+        "task",
+        "checkpoint",
+        "--image-path",
+        &dir.display().to_string(),
+        "g1",
+    ])?;
+    killer.join().expect("killer");
+    if out.status.success() {
+        // The dump won the race: then it must be a complete, verifiable checkpoint.
+        image_format::verify_dir(&dir).context("a checkpoint that succeeded must verify")?;
+    } else {
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(
+            err.contains("checkpoint failed at step"),
+            "unclear error: {err}"
+        );
+        assert_no_complete_checkpoint(&dir)?;
+    }
+    remove(&node, "g1");
+    Ok(())
+}
+
+#[test]
+fn truncated_or_tampered_checkpoints_are_refused() -> Result<()> {
+    let node = node("ck-tamper")?;
+    start_counter(&node, "x1", "100")?;
+    let dir = node.paths().dir.join("x1-image");
+    let _ = std::fs::remove_dir_all(&dir);
+    node.ctr_ok(&[
+        "task",
+        "checkpoint",
+        "--exit",
+        "--image-path",
+        &dir.display().to_string(),
+        "x1",
+    ])?;
+    node.ctr_ok(&["task", "rm", "x1"])?;
+    let pages = std::fs::read_dir(&dir)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("pages-"))
+        })
+        .context("no pages image")?;
+    let original = std::fs::read(&pages)?;
+    let cases: [(&str, Vec<u8>); 2] = [
+        ("truncated", original[..original.len() / 2].to_vec()),
+        ("tampered", {
+            let mut v = original.clone();
+            v[original.len() / 3] ^= 0x5a;
+            v
+        }),
+    ];
+    for (what, bytes) in cases {
+        std::fs::write(&pages, &bytes)?;
+        let err = rt()
+            .block_on(async {
+                let api = Containerd::connect(node.socket(), "default").await?;
+                restore_from_image_path(&api, "x1", &dir).await
+            })
+            .err()
+            .with_context(|| format!("a {what} checkpoint was restored"))?;
+        let msg = format!("{err:#}");
+        ensure!(
+            msg.contains("verify"),
+            "{what}: the error does not name the verification: {msg}"
+        );
+        ensure!(
+            msg.contains(
+                &pages
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_string()
+            ),
+            "{what}: the error does not name the file: {msg}"
+        );
+        // Nothing started.
+        let ps = processes_matching(&["/bin/counter"]);
+        let ours: Vec<_> = ps
+            .iter()
+            .filter(|p| {
+                std::fs::read_link(format!("/proc/{p}/root"))
+                    .is_ok_and(|r| r.display().to_string().contains("x1"))
+            })
+            .collect();
+        ensure!(ours.is_empty(), "{what}: a counter runs: {ours:?}");
+        let _ = node.ctr(&["task", "rm", "x1"]);
+    }
+    Ok(())
+}
