@@ -1,4 +1,5 @@
 //! Test support for gpu-ckpt: OCI image builder, local test stack, kubelet-like clients.
 pub mod containerd;
 pub mod cri;
+pub mod image;
 pub mod stack;

@@ -1,0 +1,190 @@
+//! `gpu-ckpt-images --workloads-dir DIR --out DIR`: builds the test images as OCI layout
+//! tarballs and lists them in `<out>/images.json`:
+//!
+//! - `localhost:5000/gpu-ckpt/workloads:1`: the static workloads in /bin, the host's static
+//!   busybox as /bin/busybox with its applet symlinks, /tmp, /etc/passwd and /etc/group with
+//!   root; default command `/bin/counter`;
+//! - `localhost:5000/pause:1`: only /pause; command `/pause`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use serde_json::json;
+use test_containers::image::{elf_is_static, BuiltImage, ImageBuilder};
+
+/// Reference of the workloads image.
+const WORKLOADS_REF: &str = "localhost:5000/gpu-ckpt/workloads:1";
+/// Reference of the pause image.
+const PAUSE_REF: &str = "localhost:5000/pause:1";
+
+/// The workload binaries (test-containers/workloads).
+const WORKLOADS: &[&str] = &[
+    "counter",
+    "memhog",
+    "echo-server",
+    "echo-client",
+    "pause",
+    "oom-eater",
+];
+
+/// busybox applets linked in /bin.
+const APPLETS: &[&str] = &[
+    "sh", "ls", "cat", "sleep", "echo", "true", "false", "kill", "ps", "grep", "test", "mkdir",
+    "rm", "id", "env", "head", "tail", "wc", "sync",
+];
+
+const STATIC_HINT: &str =
+    "build them with `make workloads` (RUSTFLAGS=\"-C target-feature=+crt-static\" \
+cargo build --release -p gpu-ckpt-workloads --target x86_64-unknown-linux-gnu)";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "gpu-ckpt-images",
+    about = "Build the gpu-ckpt test images (OCI layout tarballs)"
+)]
+struct Args {
+    /// Directory with the static workload binaries
+    /// (target/x86_64-unknown-linux-gnu/release).
+    #[arg(long, value_name = "DIR")]
+    workloads_dir: PathBuf,
+    /// Output directory for the tarballs and images.json.
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// The static busybox to put in the workloads image.
+    #[arg(long, value_name = "PATH", default_value = "/bin/busybox")]
+    busybox: PathBuf,
+    /// Also write each image as an OCI layout directory next to its tarball.
+    #[arg(long)]
+    layout_dirs: bool,
+}
+
+fn check_static(path: &Path, what: &str, hint: &str) -> Result<()> {
+    match elf_is_static(path) {
+        Ok(Some(true)) => Ok(()),
+        Ok(Some(false)) => bail!("{what} {} is dynamically linked: {hint}", path.display()),
+        Ok(None) => bail!(
+            "{what} {} is not an x86-64 ELF executable: {hint}",
+            path.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            bail!("{what} {} is missing: {hint}", path.display())
+        }
+        Err(e) => Err(e).with_context(|| format!("reading {what} {}", path.display())),
+    }
+}
+
+fn workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
+    let mut b = ImageBuilder::new(WORKLOADS_REF)
+        .dir("/bin")
+        .dir_mode("/tmp", 0o1777)
+        .dir_mode("/root", 0o700)
+        .file("/etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n", 0o644)
+        .file("/etc/group", b"root:x:0:\n", 0o644)
+        .file("/bin/busybox", busybox, 0o755)
+        .env("PATH", "/bin")
+        .workdir("/")
+        .cmd(["/bin/counter"])
+        .label("org.opencontainers.image.title", "gpu-ckpt test workloads");
+    for name in WORKLOADS {
+        let path = dir.join(name);
+        check_static(&path, "workload", STATIC_HINT)?;
+        b = b.file(format!("/bin/{name}"), path, 0o755);
+    }
+    for applet in APPLETS {
+        b = b.symlink(format!("/bin/{applet}"), "busybox");
+    }
+    Ok(b)
+}
+
+fn pause_image(dir: &Path) -> Result<ImageBuilder> {
+    let path = dir.join("pause");
+    check_static(&path, "workload", STATIC_HINT)?;
+    Ok(ImageBuilder::new(PAUSE_REF)
+        .file("/pause", path, 0o755)
+        .cmd(["/pause"]))
+}
+
+/// `localhost:5000/gpu-ckpt/workloads:1` -> `workloads-1`.
+fn file_stem(reference: &str, tag: &str) -> String {
+    let repo = reference
+        .strip_suffix(&format!(":{tag}"))
+        .unwrap_or(reference);
+    let name = repo.rsplit('/').next().unwrap_or(repo);
+    format!("{name}-{tag}")
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu-ckpt-images: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    check_static(
+        &args.busybox,
+        "busybox",
+        "install the static build with `apt-get install busybox-static`",
+    )?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let out = args
+        .out
+        .canonicalize()
+        .with_context(|| format!("resolving {}", args.out.display()))?;
+
+    let images = [
+        workloads_image(&args.workloads_dir, &args.busybox)?,
+        pause_image(&args.workloads_dir)?,
+    ];
+    let mut listed = Vec::new();
+    for img in &images {
+        let blobs = img.build()?;
+        let summary = blobs.summary();
+        let stem = file_stem(&summary.reference, &summary.tag);
+        let tar = out.join(format!("{stem}.tar"));
+        if args.layout_dirs {
+            blobs.write_layout(&out.join(&stem))?;
+        }
+        blobs.write_tarball(&tar)?;
+        let built = BuiltImage {
+            tarball: Some(tar.clone()),
+            ..summary
+        };
+        println!(
+            "{} {} {}",
+            built.reference,
+            built.manifest_digest,
+            tar.display()
+        );
+        listed.push(json!({
+            "reference": built.reference,
+            "digest": built.manifest_digest,
+            "config_digest": built.config_digest,
+            "tar": format!("{stem}.tar"),
+        }));
+    }
+    let index = out.join("images.json");
+    let text = serde_json::to_string_pretty(&json!({ "images": listed }))? + "\n";
+    let tmp = out.join("images.json.tmp");
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, &index).with_context(|| format!("writing {}", index.display()))?;
+    println!("wrote {}", index.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stems() {
+        assert_eq!(file_stem(WORKLOADS_REF, "1"), "workloads-1");
+        assert_eq!(file_stem(PAUSE_REF, "1"), "pause-1");
+    }
+}
