@@ -11,7 +11,7 @@ use containerd_client::events as ev;
 use containerd_client::services::v1::events_client::EventsClient;
 use containerd_client::services::v1::tasks_client::TasksClient;
 use containerd_client::services::v1::{
-    GetRequest, MetricsRequest, SubscribeRequest, UpdateTaskRequest, WaitRequest,
+    GetRequest, MetricsRequest, PublishRequest, SubscribeRequest, UpdateTaskRequest, WaitRequest,
 };
 use containerd_client::types::v1::{Process, Status};
 use containerd_client::types::{Envelope, Metric};
@@ -139,16 +139,46 @@ pub fn decode_event(env: Envelope) -> Event {
     }
 }
 
-/// A stream of events.
+/// A stream of events, fed by a background task that holds the Subscribe call.
+///
+/// containerd's server does not answer a Subscribe call (no response headers) before the first
+/// event, and tonic waits for those headers: so the call runs in a task, and
+/// [`Containerd::subscribe`] returns only after a probe event it published itself has come
+/// through, which proves that the subscription is registered.
 pub struct EventStream {
-    inner: tonic::Streaming<Envelope>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<Envelope, tonic::Status>>,
+    buffered: std::collections::VecDeque<Envelope>,
+    probe_topic: String,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for EventStream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl EventStream {
+    async fn next_envelope(&mut self) -> Result<Option<Envelope>> {
+        loop {
+            let env = match self.buffered.pop_front() {
+                Some(e) => e,
+                None => match self.rx.recv().await {
+                    Some(Ok(e)) => e,
+                    Some(Err(status)) => return Err(anyhow!("events stream: {status}")),
+                    None => return Ok(None),
+                },
+            };
+            if env.topic == self.probe_topic {
+                continue;
+            }
+            return Ok(Some(env));
+        }
+    }
+
     /// The next event; `None` when the server closed the stream.
     pub async fn next(&mut self) -> Result<Option<Event>> {
-        let env = self.inner.message().await.context("events stream")?;
-        Ok(env.map(decode_event))
+        Ok(self.next_envelope().await?.map(decode_event))
     }
 
     /// The next event within `timeout`; `None` on timeout or end of stream.
@@ -365,22 +395,100 @@ impl Containerd {
     }
 
     /// Events.Subscribe with raw filters (containerd filter syntax; several filters are ORed).
+    /// Returns once the subscription is live (see [`EventStream`]).
     pub async fn subscribe(&self, filters: &[&str]) -> Result<EventStream> {
-        let r = EventsClient::new(self.channel.clone())
-            .subscribe(self.request(SubscribeRequest {
-                filters: filters.iter().map(|s| s.to_string()).collect(),
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let probe_topic = format!(
+            "/gpu-ckpt-test/subscribed/{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let mut all: Vec<String> = filters.iter().map(|s| s.to_string()).collect();
+        if !all.is_empty() {
+            all.push(format!("topic==\"{probe_topic}\""));
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut client = EventsClient::new(self.channel.clone());
+        let req = self.request(SubscribeRequest { filters: all });
+        let task = tokio::spawn(async move {
+            match client.subscribe(req).await {
+                Ok(resp) => {
+                    let mut stream = resp.into_inner();
+                    loop {
+                        match stream.message().await {
+                            Ok(Some(env)) => {
+                                if tx.send(Ok(env)).is_err() {
+                                    break;
+                                }
+                            }
+                            Ok(None) => break,
+                            Err(status) => {
+                                let _ = tx.send(Err(status));
+                                break;
+                            }
+                        }
+                    }
+                }
+                Err(status) => {
+                    let _ = tx.send(Err(status));
+                }
+            }
+        });
+        let mut stream = EventStream {
+            rx,
+            buffered: Default::default(),
+            probe_topic: probe_topic.clone(),
+            task,
+        };
+
+        // Publish probes until one comes back through the subscription.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            self.publish(&probe_topic, empty_any()).await?;
+            let until = tokio::time::Instant::now() + Duration::from_millis(200);
+            loop {
+                match tokio::time::timeout_at(until, stream.rx.recv()).await {
+                    Err(_) => break,
+                    Ok(None) => bail!("Events.Subscribe: stream ended before it was live"),
+                    Ok(Some(Err(status))) => bail!("Events.Subscribe: {status}"),
+                    Ok(Some(Ok(env))) => {
+                        if env.topic == probe_topic {
+                            return Ok(stream);
+                        }
+                        stream.buffered.push_back(env);
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("Events.Subscribe: the subscription did not deliver a probe event in 15 s");
+            }
+        }
+    }
+
+    /// Events.Publish of `event` under `topic` in this namespace.
+    pub async fn publish(&self, topic: &str, event: Any) -> Result<()> {
+        EventsClient::new(self.channel.clone())
+            .publish(self.request(PublishRequest {
+                topic: topic.to_string(),
+                event: Some(event),
             }))
             .await
-            .context("Events.Subscribe")?;
-        Ok(EventStream {
-            inner: r.into_inner(),
-        })
+            .with_context(|| format!("Events.Publish {topic}"))?;
+        Ok(())
     }
 
     /// Events.Subscribe for `/tasks/*` topics in this client's namespace.
     pub async fn subscribe_tasks(&self) -> Result<EventStream> {
         let f = format!("namespace=={},topic~=\"^/tasks/\"", self.namespace);
         self.subscribe(&[&f]).await
+    }
+}
+
+/// An Any holding `google.protobuf.Empty`.
+fn empty_any() -> Any {
+    Any {
+        type_url: "type.googleapis.com/google.protobuf.Empty".to_string(),
+        value: Vec::new(),
     }
 }
 

@@ -194,6 +194,25 @@ pub fn new_uid() -> String {
     )
 }
 
+/// Removes the (empty) pod cgroup `kubepods/besteffort/pod<uid>` in every hierarchy, as kubelet
+/// does after the pod is gone. Best effort.
+pub fn remove_pod_cgroups(uid: &str) {
+    let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    for h in hierarchies.flatten() {
+        let base = h.path();
+        for dir in [
+            base.join(format!("kubepods/besteffort/pod{uid}")),
+            base.join(format!("kubepods.slice/kubepods-besteffort.slice/pod{uid}")),
+        ] {
+            if dir.is_dir() {
+                let _ = std::fs::remove_dir(&dir);
+            }
+        }
+    }
+}
+
 /// One container of a pod.
 #[derive(Debug, Clone, Default)]
 pub struct ContainerSpec {
@@ -612,7 +631,9 @@ impl Cri {
             self.remove_container(&c.id).await?;
         }
         self.stop_pod_sandbox(&pod.id).await?;
-        self.remove_pod_sandbox(&pod.id).await
+        self.remove_pod_sandbox(&pod.id).await?;
+        remove_pod_cgroups(&pod.spec.uid);
+        Ok(())
     }
 
     /// PodSandboxStatus.

@@ -778,6 +778,8 @@ fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Re
     writeln!(c, "version = 3")?;
     writeln!(c, "root = {}", s(&p.root))?;
     writeln!(c, "state = {}", s(&p.state))?;
+    // containerd's temp dir (checkpoint dumps pass through it): private, removed with the root.
+    writeln!(c, "temp = {}", s(&p.root.join("tmp")))?;
     // NRI listens on a fixed host path (/var/run/nri/nri.sock): two nodes would clash.
     writeln!(c, "disabled_plugins = [\"io.containerd.nri.v1.nri\"]")?;
     writeln!(c)?;
@@ -918,12 +920,20 @@ fn cleanup_node(
     }
 
     // 3. Shims that talk to this containerd.
+    // Their listening sockets (/run/containerd/s/<hash>) would outlive a SIGKILL: note them first.
     let sock = paths.socket.display().to_string();
-    for pid in shim_pids(&sock) {
+    let pids = shim_pids(&sock);
+    let shim_sockets = listening_socket_paths(&pids);
+    for pid in &pids {
         let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
+            nix::unistd::Pid::from_raw(*pid),
             nix::sys::signal::Signal::SIGKILL,
         );
+    }
+    for s in shim_sockets {
+        if s.starts_with("/run/containerd/s/") {
+            let _ = fs::remove_file(&s);
+        }
     }
 
     // 4. Mounts below the root, the state and the run dir, deepest first, lazily.
@@ -1070,6 +1080,37 @@ fn shim_pids(sock: &str) -> Vec<i32> {
     out
 }
 
+/// Paths of the unix sockets that `pids` hold open (from their fds and /proc/net/unix).
+fn listening_socket_paths(pids: &[i32]) -> Vec<PathBuf> {
+    let mut inodes = std::collections::HashSet::new();
+    for pid in pids {
+        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = fs::read_link(fd.path()) {
+                let t = target.to_string_lossy();
+                if let Some(ino) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
+                    inodes.insert(ino.to_string());
+                }
+            }
+        }
+    }
+    let Ok(table) = fs::read_to_string("/proc/net/unix") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for line in table.lines().skip(1) {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() >= 8 && inodes.contains(cols[6]) && cols[7].starts_with('/') {
+            out.push(PathBuf::from(cols[7]));
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Kills and deletes every container in a runc root (`<root>/<namespace>/<id>/state.json`).
 fn kill_runc_containers(root: &Path) {
     let Ok(namespaces) = fs::read_dir(root) else {
@@ -1086,6 +1127,7 @@ fn kill_runc_containers(root: &Path) {
                 continue;
             }
             let id = c.file_name().to_string_lossy().into_owned();
+            let pod_cgroups = pod_cgroup_parents(&state);
             let deleted = Path::new(RUNC_BINARY).exists()
                 && Command::new(RUNC_BINARY)
                     .arg("--root")
@@ -1100,8 +1142,42 @@ fn kill_runc_containers(root: &Path) {
             if !deleted {
                 kill_from_state(&state);
             }
+            // What kubelet would remove: the pod's cgroup (empty once its containers are gone;
+            // rmdir fails harmlessly while another container of the pod still uses it).
+            for dir in pod_cgroups {
+                let _ = fs::remove_dir(&dir);
+            }
         }
     }
+}
+
+/// Parents named `pod<uid>` of the container's cgroups (from runc's `cgroup_paths`).
+fn pod_cgroup_parents(state: &Path) -> Vec<PathBuf> {
+    let Some(v) = fs::read_to_string(state)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut paths: Vec<&str> = Vec::new();
+    if let Some(map) = v.get("cgroup_paths").and_then(|m| m.as_object()) {
+        paths.extend(map.values().filter_map(|p| p.as_str()));
+    }
+    for p in paths {
+        if let Some(parent) = Path::new(p).parent() {
+            let is_pod = parent
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("pod"));
+            if is_pod && parent.starts_with("/sys/fs/cgroup") {
+                out.push(parent.to_path_buf());
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn kill_from_state(state: &Path) {
