@@ -124,6 +124,51 @@ fn ctr_run_counter_and_task_api() -> Result<()> {
     Ok(())
 }
 
+/// The runc shim reports an OOM kill as /tasks/oom before /tasks/exit (the order the project's
+/// shim must keep too).
+#[test]
+fn ctr_oom_event_before_exit() -> Result<()> {
+    let stack = Stack::discover()?;
+    let node = Node::builder_on(&stack, "smoke-oom").cni(false).start()?;
+    node.import_image(&workloads_tar(&stack)?, "default")?;
+    let rt = runtime()?;
+    rt.block_on(async {
+        let ctd = Containerd::connect(node.socket(), "default").await?;
+        let mut events = ctd.subscribe_tasks().await?;
+        let id = "smoke-oom";
+        let limit = (32 * MIB).to_string();
+        let mut args: Vec<String> = vec!["run".into(), "-d".into(), "--memory-limit".into(), limit];
+        args.extend(node.ctr_run_flags());
+        args.extend([
+            WORKLOADS_IMAGE.to_string(),
+            id.to_string(),
+            "/bin/oom-eater".to_string(),
+        ]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        node.ctr_ok(&args)?;
+        let (exit, before) = events
+            .wait_for(
+                Duration::from_secs(30),
+                |e| matches!(&e.event, TaskEvent::Exit(x) if x.container_id == id),
+            )
+            .await?;
+        let topics: Vec<&str> = before.iter().map(|e| e.topic.as_str()).collect();
+        println!("events before {}: {topics:?}", exit.topic);
+        ensure!(
+            before
+                .iter()
+                .any(|e| matches!(&e.event, TaskEvent::Oom(o) if o.container_id == id)),
+            "no /tasks/oom before /tasks/exit: {topics:?}"
+        );
+        let status = ctd.wait(id).await?;
+        println!("exit status {}", status.code);
+        ensure!(status.code == 137, "exit status {}", status.code);
+        node.ctr_ok(&["tasks", "rm", id])?;
+        node.ctr_ok(&["containers", "rm", id])?;
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
 /// A kubelet-like CRI pod on handler `runc` (hostNetwork) with two containers.
 #[test]
 fn cri_pod_two_containers_runc() -> Result<()> {
@@ -199,6 +244,24 @@ fn cri_pod_two_containers_runc() -> Result<()> {
             "counter state {}",
             status.state
         );
+
+        // CheckpointContainer (runc + CRIU): the archive appears and the container keeps running.
+        let archive = node.paths().dir.join("smoke-counter-ckpt.tar");
+        let _ = std::fs::remove_file(&archive);
+        let t0 = std::time::Instant::now();
+        cri.checkpoint_container(&counter, &archive, 60).await?;
+        let size = std::fs::metadata(&archive)
+            .with_context(|| format!("no archive at {}", archive.display()))?
+            .len();
+        println!("CheckpointContainer: {} bytes in {:?}", size, t0.elapsed());
+        ensure!(size > 0, "empty checkpoint archive");
+        cri.wait_container_state(
+            &counter,
+            test_containers::cri::v1::ContainerState::ContainerRunning,
+            Duration::from_secs(5),
+        )
+        .await?;
+        let _ = std::fs::remove_file(&archive);
 
         // UpdateContainerResources, observed through the containerd task API.
         cri.update_container_resources(
