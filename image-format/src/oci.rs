@@ -880,6 +880,90 @@ pub fn push(image: &Path, reference: &str, progress: Progress<'_>) -> Result<Str
     Ok(mdigest)
 }
 
+/// Largest image manifest `pull_archive` reads.
+const MAX_MANIFEST_DOC: u64 = 4 << 20;
+
+/// Pulls a checkpoint image from a registry (plain http, like [`push`]) and writes its archive,
+/// the image's single layer, to `out` (created new, mode 0600). The layer is hashed while it
+/// streams and refused unless it matches its digest and size; a refused pull leaves no file.
+/// Returns the manifest digest.
+pub fn pull_archive(reference: &str, out: &Path, limits: Limits) -> Result<String> {
+    let (host, repo, tag) = split_reference(reference)?;
+    let base = format!("http://{host}");
+    let agent = ureq::AgentBuilder::new().build();
+    let reg = |url: &str, reason: String| Error::Registry {
+        url: url.to_string(),
+        reason,
+    };
+    let murl = format!("{base}/v2/{repo}/manifests/{tag}");
+    let r = agent
+        .get(&murl)
+        .set("Accept", MEDIA_MANIFEST)
+        .call()
+        .map_err(|e| reg(&murl, e.to_string()))?;
+    let mut doc = Vec::new();
+    r.into_reader()
+        .take(MAX_MANIFEST_DOC + 1)
+        .read_to_end(&mut doc)
+        .map_err(|e| reg(&murl, e.to_string()))?;
+    if doc.len() as u64 > MAX_MANIFEST_DOC {
+        return Err(reg(&murl, format!("manifest larger than {MAX_MANIFEST_DOC} bytes")));
+    }
+    let mdigest = format!("sha256:{}", sha256_hex(&doc));
+    let m: ImageManifest = serde_json::from_slice(&doc)
+        .map_err(|e| reg(&murl, format!("not an OCI image manifest: {e}")))?;
+    let [layer] = m.layers.as_slice() else {
+        return Err(reg(
+            &murl,
+            format!("a checkpoint image has one layer, this one has {}", m.layers.len()),
+        ));
+    };
+    if layer.media_type != MEDIA_LAYER_TAR {
+        return Err(reg(&murl, format!("layer media type {} is not {MEDIA_LAYER_TAR}", layer.media_type)));
+    }
+    if layer.size > limits.max_total_bytes {
+        return Err(reg(&murl, format!("layer of {} bytes exceeds the limit of {} bytes", layer.size, limits.max_total_bytes)));
+    }
+    let want = blob_name(&layer.digest)?;
+    let burl = format!("{base}/v2/{repo}/blobs/{}", layer.digest);
+    let r = agent.get(&burl).call().map_err(|e| reg(&burl, e.to_string()))?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(out)
+        .map_err(|e| Error::io("creating", out, e))?;
+    let copied = (|| -> Result<()> {
+        let mut hasher = Sha256::new();
+        let mut reader = r.into_reader().take(layer.size + 1);
+        let mut buf = vec![0u8; COPY_BUF];
+        let mut n = 0u64;
+        loop {
+            let k = reader.read(&mut buf).map_err(|e| reg(&burl, e.to_string()))?;
+            if k == 0 {
+                break;
+            }
+            n += k as u64;
+            if n > layer.size {
+                return Err(reg(&burl, format!("blob is larger than its {} bytes", layer.size)));
+            }
+            hasher.update(&buf[..k]);
+            f.write_all(&buf[..k]).map_err(|e| Error::io("writing", out, e))?;
+        }
+        let got = hex::encode(hasher.finalize());
+        if n != layer.size || format!("blobs/sha256/{got}") != want {
+            return Err(reg(&burl, format!("blob does not match its digest {} ({n} bytes read)", layer.digest)));
+        }
+        f.sync_all().map_err(|e| Error::io("syncing", out, e))
+    })();
+    if let Err(e) = copied {
+        let _ = fs::remove_file(out);
+        return Err(e);
+    }
+    Ok(mdigest)
+}
+
 fn send_blob<R: Read>(
     agent: &ureq::Agent,
     url: &str,

@@ -257,66 +257,182 @@ fn missing_runc_binary_is_named() -> Result<()> {
 }
 
 #[test]
-fn malformed_config_and_missing_rootfs_are_refused() -> Result<()> {
+fn missing_rootfs_is_refused() -> Result<()> {
     use containerd_client::services::v1::{
         containers_client::ContainersClient, tasks_client::TasksClient, Container,
         CreateContainerRequest, CreateTaskRequest,
     };
-    let node = node("bad-bundle")?;
+    let node = node("bad-rootfs")?;
     rt().block_on(async {
         let api = Containerd::connect(node.socket(), "default").await?;
-        let cases: [(&str, Vec<u8>, &str); 2] = [
-            (
-                "malformed",
-                b"{\"ociVersion\": \"1.0.2\", \"process\": ".to_vec(),
-                "malformed bundle config",
-            ),
-            (
-                "norootfs",
-                serde_json::to_vec(&serde_json::json!({
-                    "ociVersion": "1.0.2",
-                    "process": {"args": ["/bin/counter"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
-                    "root": {"path": "/nonexistent-rootfs-gpu-ckpt"},
-                    "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}
-                }))?,
-                "does not exist",
-            ),
-        ];
-        for (id, spec, want) in cases {
-            let container = Container {
-                id: id.to_string(),
-                image: String::new(),
-                runtime: Some(containerd_client::services::v1::container::Runtime {
-                    name: RUNTIME.to_string(),
-                    options: None,
-                }),
-                spec: Some(prost_types::Any {
-                    type_url: "types.containerd.io/opencontainers/runtime-spec/1/Spec".into(),
-                    value: spec,
-                }),
+        let spec = serde_json::to_vec(&serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {"args": ["/bin/counter"], "cwd": "/", "user": {"uid": 0, "gid": 0}},
+            "root": {"path": "/nonexistent-rootfs-gpu-ckpt"},
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "mount"}]}
+        }))?;
+        let container = Container {
+            id: "norootfs".to_string(),
+            runtime: Some(containerd_client::services::v1::container::Runtime {
+                name: RUNTIME.to_string(),
+                options: None,
+            }),
+            spec: Some(prost_types::Any {
+                type_url: "types.containerd.io/opencontainers/runtime-spec/1/Spec".into(),
+                value: spec,
+            }),
+            ..Default::default()
+        };
+        ContainersClient::new(api.channel())
+            .create(api.request(CreateContainerRequest {
+                container: Some(container),
+            }))
+            .await
+            .context("create container")?;
+        let err = TasksClient::new(api.channel())
+            .create(api.request(CreateTaskRequest {
+                container_id: "norootfs".to_string(),
                 ..Default::default()
-            };
-            ContainersClient::new(api.channel())
-                .create(api.request(CreateContainerRequest {
-                    container: Some(container),
-                }))
-                .await
-                .with_context(|| format!("create container {id}"))?;
-            let err = TasksClient::new(api.channel())
-                .create(api.request(CreateTaskRequest {
-                    container_id: id.to_string(),
-                    ..Default::default()
-                }))
-                .await
-                .err()
-                .with_context(|| format!("task {id} was created"))?;
-            ensure!(
-                err.message().contains(want),
-                "{id}: error {:?} lacks {want:?}",
-                err.message()
-            );
-        }
+            }))
+            .await
+            .err()
+            .context("a task without a rootfs was created")?;
+        ensure!(
+            err.message().contains("/nonexistent-rootfs-gpu-ckpt")
+                && err.message().contains("does not exist"),
+            "error does not name the missing rootfs: {:?}",
+            err.message()
+        );
         Ok(())
     })?;
     assert_clean(&node)
+}
+
+/// containerd refuses a malformed spec before any shim sees it, so this drives the shim binary
+/// the way containerd does (`start`, Task API over ttrpc, `delete`) on a bundle whose
+/// config.json is malformed.
+#[test]
+fn malformed_bundle_config_is_refused() -> Result<()> {
+    use containerd_shim_protos::{
+        api::{CreateTaskRequest, ShutdownRequest},
+        shim_async::TaskClient,
+        ttrpc::{asynchronous::Client, context},
+    };
+    let node = node("bad-config")?;
+    let bundle = node.paths().dir.join("bundles/bad1");
+    std::fs::create_dir_all(bundle.join("rootfs"))?;
+    std::fs::write(
+        bundle.join("config.json"),
+        b"{\"ociVersion\": \"1.0.2\", \"process\": ",
+    )?;
+    let shim = node.stack().shim_dir().join("containerd-shim-gpu-ckpt-v1");
+    let socket = node.socket().display().to_string();
+    let ttrpc_address = format!("{socket}.ttrpc");
+    let out = std::process::Command::new(&shim)
+        .args([
+            "-namespace",
+            "default",
+            "-id",
+            "bad1",
+            "-address",
+            &socket,
+            "start",
+        ])
+        .current_dir(&bundle)
+        .env("TTRPC_ADDRESS", &ttrpc_address)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .context("run the shim's start action")?;
+    ensure!(
+        out.status.success(),
+        "shim start: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "shim start reply {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })?;
+    let address = reply["address"]
+        .as_str()
+        .context("no address in the start reply")?
+        .to_string();
+    rt().block_on(async {
+        let client = Client::connect(&address).await.context("connect to the shim")?;
+        let tasks = TaskClient::new(client);
+        let err = tasks
+            .create(
+                context::with_timeout(10_000_000_000),
+                &CreateTaskRequest {
+                    id: "bad1".into(),
+                    bundle: bundle.display().to_string(),
+                    ..Default::default()
+                },
+            )
+            .await
+            .err()
+            .context("a task with a malformed config.json was created")?;
+        let msg = err.to_string();
+        ensure!(
+            msg.contains("malformed bundle config"),
+            "unclear error: {msg}"
+        );
+        ensure!(
+            msg.contains("config.json"),
+            "error does not name the file: {msg}"
+        );
+        let _ = tasks
+            .shutdown(
+                context::with_timeout(5_000_000_000),
+                &ShutdownRequest {
+                    id: "bad1".into(),
+                    now: true,
+                    ..Default::default()
+                },
+            )
+            .await;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let out = std::process::Command::new(&shim)
+        .args([
+            "-namespace",
+            "default",
+            "-id",
+            "bad1",
+            "-address",
+            &socket,
+            "-bundle",
+        ])
+        .arg(&bundle)
+        .arg("delete")
+        .current_dir(&bundle)
+        .env("TTRPC_ADDRESS", &ttrpc_address)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .context("run the shim's delete action")?;
+    ensure!(
+        out.status.success(),
+        "shim delete: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until(Duration::from_secs(10), "the shim to exit", || {
+        processes_matching(&["containerd-shim-gpu-ckpt-v1", "-id bad1"])
+            .is_empty()
+            .then_some(())
+    })?;
+    let sock_path = address.trim_start_matches("unix://");
+    ensure!(
+        !std::path::Path::new(sock_path).exists(),
+        "shim socket {sock_path} left behind"
+    );
+    ensure!(
+        mounts_mentioning(&bundle.display().to_string()).is_empty(),
+        "mounts left in the bundle"
+    );
+    ensure!(
+        !std::path::Path::new("/run/containerd/gpu-ckpt/default/bad1").exists(),
+        "runc state left for bad1"
+    );
+    Ok(())
 }

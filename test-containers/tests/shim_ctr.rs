@@ -299,6 +299,8 @@ fn terminal_and_resize() -> Result<()> {
     };
     let pty = openpty(Some(&ws), None)?;
     let flags = run_flags(&node);
+    // ctr sends its terminal's size (ResizePty) right after the task starts; the container
+    // reads it a moment later.
     let mut cmd = std::process::Command::new(node.stack().ctr_bin());
     cmd.arg("--address")
         .arg(node.socket())
@@ -311,7 +313,7 @@ fn terminal_and_resize() -> Result<()> {
             "tty1",
             "sh",
             "-c",
-            "stty size; tty; exit 5",
+            "sleep 1; stty size; tty; exit 5",
         ])
         .env("PATH", node.stack().path_env())
         .stdin(std::process::Stdio::from(pty.slave.try_clone()?))
@@ -330,6 +332,8 @@ fn terminal_and_resize() -> Result<()> {
         });
     }
     let mut child = cmd.spawn().context("spawn ctr run -t")?;
+    // Only ctr may hold the terminal's slave side, or reading the master never ends.
+    drop(cmd);
     drop(pty.slave);
     let mut master = std::fs::File::from(pty.master);
     let reader = std::thread::spawn(move || {
