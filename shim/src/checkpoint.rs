@@ -189,13 +189,25 @@ pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<()> {
     std::fs::write(&path, out).map_err(Error::io(format!("write {}", path.display())))
 }
 
-/// The last `lines` lines of a CRIU log, for error messages.
-pub fn log_tail(path: &Path, lines: usize) -> String {
+/// What an error message should carry of a CRIU log: its error lines (the cause is usually the
+/// first of them, well before the end of the log) and its last `tail` lines.
+pub fn log_summary(path: &Path, tail: usize) -> String {
     let text = std::fs::read(path)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
         .unwrap_or_default();
     let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
+    let start = all.len().saturating_sub(tail);
+    let mut out: Vec<&str> = all[..start]
+        .iter()
+        .copied()
+        .filter(|l| l.contains("Error (") || l.contains("Error:"))
+        .take(10)
+        .collect();
+    if !out.is_empty() && start > 0 {
+        out.push("...");
+    }
+    out.extend_from_slice(&all[start..]);
+    out.join("\n")
 }
 
 #[cfg(test)]
@@ -291,6 +303,21 @@ mod tests {
             std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap(),
             "tcp-close\n"
         );
+    }
+
+    #[test]
+    fn log_summary_keeps_the_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        let mut text = String::from("(0.1) start\n(0.2) Error (criu/sk-inet.c:1): inet: Connected TCP socket, consider using --tcp-established option.\n");
+        for i in 0..50 {
+            text.push_str(&format!("(1.{i}) unwinding\n"));
+        }
+        std::fs::write(&log, text).unwrap();
+        let s = log_summary(&log, 5);
+        assert!(s.contains("--tcp-established"), "{s}");
+        assert!(s.ends_with("(1.49) unwinding"), "{s}");
+        assert_eq!(s.lines().count(), 7, "{s}");
     }
 
     #[test]

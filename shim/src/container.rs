@@ -327,7 +327,7 @@ impl Container {
                 let log = work.join("restore.log");
                 let kept = self.bundle.join(checkpoint::RESTORE_LOG_COPY);
                 let _ = std::fs::copy(&log, &kept);
-                let tail = checkpoint::log_tail(&log, 15);
+                let tail = checkpoint::log_summary(&log, 8);
                 if let Err(de) = self.runc.delete(&self.id, true).await {
                     if !de.to_string().contains("does not exist") {
                         warn!(id = %self.id, error = %de, "undo of a failed restore: runc delete");
@@ -404,7 +404,7 @@ impl Container {
             let log = work.join("dump.log");
             let kept = self.bundle.join(checkpoint::DUMP_LOG_COPY);
             let _ = std::fs::copy(&log, &kept);
-            let tail = checkpoint::log_tail(&log, 15);
+            let tail = checkpoint::log_summary(&log, 8);
             undo();
             return Err(fail(
                 "criu-dump",

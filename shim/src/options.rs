@@ -6,7 +6,7 @@
 //! - `runtimeoptions.v1.Options`: what CRI sends for every runtime type but runc's. Its
 //!   `config_body` is the handler's options table as TOML, or `config_path` names a TOML file.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use containerd_shim::protos::{
     protobuf::{well_known_types::any::Any, CodedInputStream, Message},
@@ -20,7 +20,8 @@ use crate::error::{Error, Result};
 /// `delete` action (a separate process) can rebuild runc's global flags.
 pub const OPTIONS_FILE: &str = "gpu-ckpt-options.json";
 
-/// runc's state root when the options name none: our own, never runc-v2's.
+/// runc's state root (before the namespace) for containerd's default state directory when the
+/// options name none: our own, never runc-v2's.
 pub const DEFAULT_RUNC_ROOT: &str = "/run/containerd/gpu-ckpt";
 
 const RUNC_OPTIONS_TYPE: &str = "containerd.runc.v1.Options";
@@ -33,7 +34,7 @@ const RUNTIME_OPTIONS_TYPE: &str = "runtimeoptions.v1.Options";
 pub struct RuntimeOptions {
     /// The runc binary: a path, or a name looked up in PATH. Default `runc`.
     pub binary_name: String,
-    /// runc's state root. Default [`DEFAULT_RUNC_ROOT`]`/<namespace>`.
+    /// runc's state root; the namespace is appended. Default: see [`RuntimeOptions::runc_root`].
     pub root: String,
     /// Use systemd to manage cgroups (`runc --systemd-cgroup`).
     pub systemd_cgroup: bool,
@@ -123,13 +124,27 @@ impl RuntimeOptions {
         }
     }
 
-    /// runc's state root for `namespace`.
-    pub fn runc_root(&self, namespace: &str) -> String {
-        if self.root.is_empty() {
-            format!("{DEFAULT_RUNC_ROOT}/{namespace}")
+    /// runc's state root for `namespace`, as containerd's runc shim forms it: `Root` (or the
+    /// default) joined with the namespace. The default lives in the state directory of the
+    /// containerd that made `bundle` (`<state>/io.containerd.runtime.v2.task/<ns>/<id>`), so that
+    /// two containerd instances on one host never share runc state; for containerd's default
+    /// state directory that is [`DEFAULT_RUNC_ROOT`].
+    pub fn runc_root(&self, namespace: &str, bundle: &Path) -> String {
+        let base = if !self.root.is_empty() {
+            PathBuf::from(&self.root)
         } else {
-            self.root.clone()
-        }
+            bundle
+                .parent()
+                .and_then(Path::parent)
+                .filter(|d| {
+                    d.file_name()
+                        .is_some_and(|n| n == "io.containerd.runtime.v2.task")
+                })
+                .and_then(Path::parent)
+                .map(|state| state.join("gpu-ckpt"))
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_RUNC_ROOT))
+        };
+        base.join(namespace).display().to_string()
     }
 
     /// Checks the values of the keys that take a fixed set.
@@ -238,7 +253,17 @@ mod tests {
     fn no_options_gives_defaults() {
         let o = RuntimeOptions::from_any(None).unwrap();
         assert_eq!(o.runc_binary(), "runc");
-        assert_eq!(o.runc_root("k8s.io"), "/run/containerd/gpu-ckpt/k8s.io");
+        assert_eq!(
+            o.runc_root("k8s.io", Path::new("/elsewhere/b")),
+            "/run/containerd/gpu-ckpt/k8s.io"
+        );
+        assert_eq!(
+            o.runc_root(
+                "default",
+                Path::new("/run/ctd-a/io.containerd.runtime.v2.task/default/c1")
+            ),
+            "/run/ctd-a/gpu-ckpt/default"
+        );
     }
 
     #[test]
@@ -256,7 +281,7 @@ mod tests {
         };
         let o = RuntimeOptions::from_any(Some(&any)).unwrap();
         assert_eq!(o.runc_binary(), "/usr/sbin/runc");
-        assert_eq!(o.runc_root("default"), "/run/x");
+        assert_eq!(o.runc_root("default", Path::new("/b")), "/run/x/default");
         assert!(o.systemd_cgroup);
     }
 

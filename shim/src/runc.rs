@@ -65,7 +65,7 @@ impl Runc {
     pub fn new(options: &RuntimeOptions, namespace: &str, bundle: &Path) -> Self {
         Self {
             binary: options.runc_binary().to_string(),
-            root: options.runc_root(namespace),
+            root: options.runc_root(namespace, bundle),
             systemd_cgroup: options.systemd_cgroup,
             log: bundle.join(LOG_FILE),
         }

@@ -913,7 +913,12 @@ fn cleanup_node(
     }
 
     // 2. Containers in the private runc roots (they would keep mounts busy and leak processes).
-    let mut roots = vec![paths.runc_root.clone(), paths.gpu_ckpt_runc_root.clone()];
+    // gpu-ckpt's default root (no options, as under ctr) is in containerd's state directory.
+    let mut roots = vec![
+        paths.runc_root.clone(),
+        paths.gpu_ckpt_runc_root.clone(),
+        paths.state.join("gpu-ckpt"),
+    ];
     roots.extend(extra_runc_roots.iter().cloned());
     for root in &roots {
         kill_runc_containers(root);

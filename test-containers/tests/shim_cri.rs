@@ -221,15 +221,24 @@ fn assert_clean(node: &Node) -> Result<()> {
     wait_until(Duration::from_secs(10), "no shim left", || {
         shims_of(node).is_empty().then_some(())
     })?;
-    let runc_root = &node.paths().gpu_ckpt_runc_root;
-    let left: Vec<_> = std::fs::read_dir(runc_root)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
-    ensure!(
-        left.is_empty(),
-        "runc state left in {}: {left:?}",
-        runc_root.display()
-    );
+    // runc state, in the handler's root and in the default one, one directory per namespace.
+    for root in [
+        node.paths().gpu_ckpt_runc_root.clone(),
+        node.paths().state.join("gpu-ckpt"),
+    ] {
+        let left: Vec<_> = std::fs::read_dir(&root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .flat_map(|ns| std::fs::read_dir(ns.path()).into_iter().flatten().flatten())
+            .map(|c| c.path())
+            .collect();
+        ensure!(
+            left.is_empty(),
+            "runc state left in {}: {left:?}",
+            root.display()
+        );
+    }
     let mounts = mounts_mentioning(&node.paths().state.display().to_string());
     let rootfs: Vec<_> = mounts.iter().filter(|m| m.contains("/rootfs")).collect();
     ensure!(rootfs.is_empty(), "rootfs mounts left: {rootfs:?}");
@@ -359,7 +368,9 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
         .context("no address in the start reply")?
         .to_string();
     rt().block_on(async {
-        let client = Client::connect(&address).await.context("connect to the shim")?;
+        let client = Client::connect(&address)
+            .await
+            .context("connect to the shim")?;
         let tasks = TaskClient::new(client);
         let err = tasks
             .create(

@@ -214,7 +214,9 @@ pub async fn restore_from_image_path(
     image_path: &Path,
 ) -> Result<u32> {
     use containerd_client::services::v1::{
-        tasks_client::TasksClient, CreateTaskRequest, StartRequest,
+        containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
+        snapshots::MountsRequest, tasks_client::TasksClient, CreateTaskRequest,
+        GetContainerRequest, StartRequest,
     };
     use prost::Message;
     // containerd.runc.v1.Options, field 10: criu_image_path.
@@ -225,10 +227,28 @@ pub async fn restore_from_image_path(
         value,
     };
     let _ = options.encoded_len();
+    // As containerd's client does: the rootfs mounts come from the container's snapshot.
+    let container = ContainersClient::new(api.channel())
+        .get(api.request(GetContainerRequest { id: id.to_string() }))
+        .await
+        .with_context(|| format!("Containers.Get {id}"))?
+        .into_inner()
+        .container
+        .context("no container")?;
+    let mounts = SnapshotsClient::new(api.channel())
+        .mounts(api.request(MountsRequest {
+            snapshotter: container.snapshotter.clone(),
+            key: container.snapshot_key.clone(),
+        }))
+        .await
+        .with_context(|| format!("Snapshots.Mounts {}", container.snapshot_key))?
+        .into_inner()
+        .mounts;
     let mut tasks = TasksClient::new(api.channel());
     tasks
         .create(api.request(CreateTaskRequest {
             container_id: id.to_string(),
+            rootfs: mounts,
             options: Some(options),
             ..Default::default()
         }))
