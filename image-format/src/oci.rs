@@ -907,7 +907,10 @@ pub fn pull_archive(reference: &str, out: &Path, limits: Limits) -> Result<Strin
         .read_to_end(&mut doc)
         .map_err(|e| reg(&murl, e.to_string()))?;
     if doc.len() as u64 > MAX_MANIFEST_DOC {
-        return Err(reg(&murl, format!("manifest larger than {MAX_MANIFEST_DOC} bytes")));
+        return Err(reg(
+            &murl,
+            format!("manifest larger than {MAX_MANIFEST_DOC} bytes"),
+        ));
     }
     let mdigest = format!("sha256:{}", sha256_hex(&doc));
     let m: ImageManifest = serde_json::from_slice(&doc)
@@ -915,18 +918,36 @@ pub fn pull_archive(reference: &str, out: &Path, limits: Limits) -> Result<Strin
     let [layer] = m.layers.as_slice() else {
         return Err(reg(
             &murl,
-            format!("a checkpoint image has one layer, this one has {}", m.layers.len()),
+            format!(
+                "a checkpoint image has one layer, this one has {}",
+                m.layers.len()
+            ),
         ));
     };
     if layer.media_type != MEDIA_LAYER_TAR {
-        return Err(reg(&murl, format!("layer media type {} is not {MEDIA_LAYER_TAR}", layer.media_type)));
+        return Err(reg(
+            &murl,
+            format!(
+                "layer media type {} is not {MEDIA_LAYER_TAR}",
+                layer.media_type
+            ),
+        ));
     }
     if layer.size > limits.max_total_bytes {
-        return Err(reg(&murl, format!("layer of {} bytes exceeds the limit of {} bytes", layer.size, limits.max_total_bytes)));
+        return Err(reg(
+            &murl,
+            format!(
+                "layer of {} bytes exceeds the limit of {} bytes",
+                layer.size, limits.max_total_bytes
+            ),
+        ));
     }
     let want = blob_name(&layer.digest)?;
     let burl = format!("{base}/v2/{repo}/blobs/{}", layer.digest);
-    let r = agent.get(&burl).call().map_err(|e| reg(&burl, e.to_string()))?;
+    let r = agent
+        .get(&burl)
+        .call()
+        .map_err(|e| reg(&burl, e.to_string()))?;
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -940,20 +961,32 @@ pub fn pull_archive(reference: &str, out: &Path, limits: Limits) -> Result<Strin
         let mut buf = vec![0u8; COPY_BUF];
         let mut n = 0u64;
         loop {
-            let k = reader.read(&mut buf).map_err(|e| reg(&burl, e.to_string()))?;
+            let k = reader
+                .read(&mut buf)
+                .map_err(|e| reg(&burl, e.to_string()))?;
             if k == 0 {
                 break;
             }
             n += k as u64;
             if n > layer.size {
-                return Err(reg(&burl, format!("blob is larger than its {} bytes", layer.size)));
+                return Err(reg(
+                    &burl,
+                    format!("blob is larger than its {} bytes", layer.size),
+                ));
             }
             hasher.update(&buf[..k]);
-            f.write_all(&buf[..k]).map_err(|e| Error::io("writing", out, e))?;
+            f.write_all(&buf[..k])
+                .map_err(|e| Error::io("writing", out, e))?;
         }
         let got = hex::encode(hasher.finalize());
         if n != layer.size || format!("blobs/sha256/{got}") != want {
-            return Err(reg(&burl, format!("blob does not match its digest {} ({n} bytes read)", layer.digest)));
+            return Err(reg(
+                &burl,
+                format!(
+                    "blob does not match its digest {} ({n} bytes read)",
+                    layer.digest
+                ),
+            ));
         }
         f.sync_all().map_err(|e| Error::io("syncing", out, e))
     })();
