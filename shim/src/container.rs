@@ -29,6 +29,7 @@ use crate::{
     oom::{MemoryCgroup, OomMonitor},
     options::RuntimeOptions,
     process::{Process, Status},
+    restore,
     runc::{tool_output, CreateOpts, Runc},
     stdio,
 };
@@ -130,12 +131,24 @@ impl Container {
             container.unmount_rootfs();
             return Err(e);
         }
+        // Step 3 (restore handler): the checkpoint the pod names for this container, fetched,
+        // checked, unpacked and its rootfs diff applied. Undo: what it unpacked, the mount.
+        if container.restore_from.is_none() && container.options.restore_mode() {
+            if let Err(e) = container
+                .prepare_own_restore()
+                .instrument(info_span!("prepare_restore", id = %req.id))
+                .await
+            {
+                container.unmount_rootfs();
+                return Err(e);
+            }
+        }
         // A restore creates nothing now: containerd lays the rootfs diff over the rootfs after
         // Create, and Start restores the process.
         if container.restore_from.is_some() {
             return Ok(container);
         }
-        // Step 3: stdio and runc create. Undo: stop the copies, runc delete, unmount.
+        // Step 4: stdio and runc create. Undo: stop the copies, runc delete, unmount.
         if let Err(e) = container
             .runc_create()
             .instrument(info_span!("runc_create", id = %req.id))
@@ -148,9 +161,47 @@ impl Container {
             container.unmount_rootfs();
             return Err(e);
         }
-        // Step 4: OOM watch (nothing to undo: it ends with the cgroup).
+        // Step 5: OOM watch (nothing to undo: it ends with the cgroup).
         container.watch_oom(events);
         Ok(container)
+    }
+
+    /// Under the restore handler, a container (not the pod's sandbox) whose pod names a
+    /// checkpoint for it is set up to be restored from it at Start.
+    async fn prepare_own_restore(&mut self) -> Result<()> {
+        let a = &self.spec_annotations;
+        if a.get("io.kubernetes.cri.container-type")
+            .map(String::as_str)
+            != Some("container")
+        {
+            return Ok(());
+        }
+        let name = a
+            .get("io.kubernetes.cri.container-name")
+            .cloned()
+            .unwrap_or_else(|| self.id.clone());
+        let Some(source) = self.annotations.restore_from(&name).map(str::to_string) else {
+            return Ok(());
+        };
+        let image = a
+            .get("io.kubernetes.cri.image-name")
+            .cloned()
+            .unwrap_or_default();
+        let bundle = self.bundle.clone();
+        let ann = self.annotations.clone();
+        let plan = tokio::task::spawn_blocking(move || {
+            let me = restore::Identity {
+                name: &name,
+                image: &image,
+            };
+            restore::prepare(&bundle, &bundle.join("rootfs"), &source, &me, &ann)
+        })
+        .await
+        .map_err(|e| Error::FailedPrecondition(format!("prepare restore: {e}")))??;
+        if let restore::Plan::Restore(dir) = plan {
+            self.restore_from = Some(dir);
+        }
+        Ok(())
     }
 
     fn watch_oom(&mut self, events: &EventSender) {

@@ -8,7 +8,7 @@
 //! - [`task`]: the Task API mapped onto containers, and the exit handler;
 //! - [`container`]: one container's steps (create, start, exec, kill, delete, checkpoint,
 //!   restore) with their undo; [`checkpoint`]: CRIU options; [`annotations`]: `gpu-ckpt.io/` keys;
-//! - [`process`]: a process's state and exit;
+//! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //! - [`runc`]: every runc invocation;
 //! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
@@ -23,6 +23,7 @@ pub mod logging;
 pub mod oom;
 pub mod options;
 pub mod process;
+pub mod restore;
 pub mod runc;
 pub mod service;
 pub mod stats;

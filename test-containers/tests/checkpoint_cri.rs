@@ -1,0 +1,339 @@
+//! Checkpoint and restore as Kubernetes drives them: CRI CheckpointContainer (kubelet's
+//! checkpoint endpoint), checkpointctl on the archive, and restore on a second, independent
+//! containerd through containerd's restore-via-create and through the gpu-ckpt-restore
+//! RuntimeClass, from the archive and from an OCI checkpoint image in the registry.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    cri::{ContainerSpec, Cri, Pod, PodSpec},
+    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+};
+
+const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// A node with the restore RuntimeClass's handler next to gpu-ckpt's.
+fn restore_node(name: &str) -> Result<Node> {
+    let mut options = BTreeMap::new();
+    options.insert("Mode".to_string(), OptValue::from("restore"));
+    options.insert(
+        "Root".to_string(),
+        OptValue::from(format!("/run/gpu-ckpt-test/{name}/gpu-ckpt-restore-runc")),
+    );
+    node_with(Node::builder(name)?.extra_runtime(ExtraRuntime {
+        name: RESTORE_HANDLER.into(),
+        runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
+        pod_annotations: vec!["gpu-ckpt.io/*".into()],
+        container_annotations: vec!["gpu-ckpt.io/*".into()],
+        options,
+    }))
+}
+
+fn counter_spec() -> ContainerSpec {
+    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
+}
+
+async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
+    let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
+    r.stdout_str()
+        .trim()
+        .parse()
+        .with_context(|| format!("counter of {id}: {:?}", r.stdout_str()))
+}
+
+async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
+    for _ in 0..200 {
+        if let Ok(v) = counter_of(cri, id).await {
+            if v > above {
+                return Ok(v);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("the counter of {id} did not pass {above}")
+}
+
+/// Checkpoints a running counter through CRI on `node`; returns the archive and the counter
+/// values read just before and just after the checkpoint.
+async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64, Pod, String)> {
+    let pod = cri
+        .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+        .await?;
+    let id = cri.run_container(&pod, &counter_spec()).await?;
+    let before = wait_counter_above(cri, &id, 5).await?;
+    let archive = node
+        .paths()
+        .dir
+        .join("checkpoint-worker_default-counter.tar");
+    let _ = std::fs::remove_file(&archive);
+    cri.checkpoint_container(&id, &archive, 60).await?;
+    let after = counter_of(cri, &id).await?;
+    Ok((archive, before, after, pod, id))
+}
+
+fn checkpointctl(node: &Node, args: &[&str]) -> Result<String> {
+    run_ok(std::process::Command::new(node.stack().checkpointctl_bin()).args(args))
+}
+
+#[test]
+fn cri_checkpoint_keeps_running_and_checkpointctl_reads_it() -> Result<()> {
+    let node = node("cri-ck")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let (archive, _before, after, pod, id) = checkpoint_counter(&node, &cri).await?;
+        // The container keeps running after the checkpoint.
+        wait_counter_above(&cri, &id, after).await?;
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&archive)?.permissions().mode() & 0o777;
+        ensure!(mode & 0o077 == 0, "archive mode {mode:o}");
+
+        let text = checkpointctl(&node, &["inspect", &archive.display().to_string()])?;
+        ensure!(
+            text.contains("counter"),
+            "checkpointctl does not show the container:\n{text}"
+        );
+        ensure!(
+            text.contains(workloads()),
+            "checkpointctl does not show the image:\n{text}"
+        );
+        let json = checkpointctl(
+            &node,
+            &["inspect", "--format=json", &archive.display().to_string()],
+        )?;
+        let v: serde_json::Value = serde_json::from_str(&json).context("checkpointctl json")?;
+        let first = v
+            .as_array()
+            .and_then(|a| a.first())
+            .cloned()
+            .unwrap_or(v.clone());
+        let size = &first["checkpoint_size"];
+        ensure!(
+            size["memory_pages_size"].as_u64().unwrap_or(0) > 0,
+            "no memory pages size in {first}"
+        );
+        ensure!(
+            size["total_size"].as_u64().unwrap_or(0) > 0,
+            "no total size in {first}"
+        );
+        // The archive carries the gpu-ckpt manifest, and `gpu-ckpt verify` accepts it.
+        let info = image_format::archive::read_info(&archive, Default::default())?;
+        let manifest = info
+            .manifest
+            .context("no gpu-ckpt manifest in the archive")?;
+        ensure!(
+            manifest.container.name == "counter",
+            "manifest: {:?}",
+            manifest.container
+        );
+        ensure!(manifest.criu.leave_running);
+        image_format::archive::verify(&archive).context("verify the archive")?;
+        cri.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+#[test]
+fn restore_on_a_second_node_through_both_paths() -> Result<()> {
+    let a = node("cri-a")?;
+    let b = restore_node("cri-b")?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        let (archive, before, after, pod_a, _id) = checkpoint_counter(&a, &cri_a).await?;
+
+        // 1. containerd's own restore-via-create: the image is the archive path. The original
+        //    still runs on node A (a fork).
+        let pod = cri_b
+            .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let spec = ContainerSpec::new("counter", &archive.display().to_string());
+        let id = cri_b.run_container(&pod, &spec).await?;
+        let first = counter_of(&cri_b, &id).await?;
+        ensure!(
+            first >= before && first <= after + 2,
+            "restore-via-create started at {first}, checkpoint was between {before} and {after}"
+        );
+        wait_counter_above(&cri_b, &id, first).await?;
+        cri_b.remove_pod(&pod).await?;
+
+        // 2. The gpu-ckpt-restore RuntimeClass: an ordinary container spec, the pod names the
+        //    checkpoint; the original is gone by now.
+        cri_a.remove_pod(&pod_a).await?;
+        let pod = cri_b
+            .run_pod(
+                &PodSpec::new("worker", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+            )
+            .await?;
+        let id = cri_b.run_container(&pod, &counter_spec()).await?;
+        let first = counter_of(&cri_b, &id).await?;
+        ensure!(
+            first >= before && first <= after + 2,
+            "the restore handler started at {first}, checkpoint was between {before} and {after}"
+        );
+        wait_counter_above(&cri_b, &id, first).await?;
+        cri_b.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+#[test]
+fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
+    let a = node("cri-own")?;
+    let b = restore_node("cri-own-b")?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        let (archive, _before, _after, pod_a, _) = checkpoint_counter(&a, &cri_a).await?;
+        cri_a.remove_pod(&pod_a).await?;
+        let archive_s = archive.display().to_string();
+
+        // A container of another name: refused, naming the field.
+        let pod = cri_b
+            .run_pod(
+                &PodSpec::new("other", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &archive_s),
+            )
+            .await?;
+        let spec = ContainerSpec::new("sidecar", workloads()).command(&["/bin/counter"]);
+        let err = cri_b
+            .run_container(&pod, &spec)
+            .await
+            .err()
+            .context("a checkpoint of another container was restored")?;
+        let msg = format!("{err:#}");
+        ensure!(
+            msg.contains("container name"),
+            "error does not name the field: {msg}"
+        );
+        cri_b.remove_pod(&pod).await?;
+
+        // The same with on-incompatible: cold-start starts it fresh.
+        let pod = cri_b
+            .run_pod(
+                &PodSpec::new("cold", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &archive_s)
+                    .annotation("gpu-ckpt.io/model-version", "other-model")
+                    .annotation("gpu-ckpt.io/on-incompatible", "cold-start"),
+            )
+            .await?;
+        let id = cri_b.run_container(&pod, &counter_spec()).await?;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let v = counter_of(&cri_b, &id).await?;
+        ensure!(v <= 5, "a cold start should count from zero, found {v}");
+        cri_b.remove_pod(&pod).await?;
+
+        // A tampered archive: refused at restore, nothing starts.
+        let tampered = b.paths().dir.join("tampered.tar");
+        let mut bytes = std::fs::read(&archive)?;
+        let pages = find(&bytes, b"pages-1.img").context("pages-1.img in the archive")?;
+        let at = pages + 512 + 600; // inside the file's data, past its tar header
+        bytes[at] ^= 0xff;
+        std::fs::write(&tampered, &bytes)?;
+        let pod = cri_b
+            .run_pod(
+                &PodSpec::new("worker", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &tampered.display().to_string()),
+            )
+            .await?;
+        let err = cri_b
+            .run_container(&pod, &counter_spec())
+            .await
+            .err()
+            .context("a tampered checkpoint was restored")?;
+        let msg = format!("{err:#}");
+        ensure!(
+            msg.contains("pages-1.img"),
+            "error does not name the file: {msg}"
+        );
+        cri_b.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[test]
+fn oci_checkpoint_image_round_trip_through_the_registry() -> Result<()> {
+    let a = node("oci-a")?;
+    let b = restore_node("oci-b")?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        let (archive, before, after, pod_a, _) = checkpoint_counter(&a, &cri_a).await?;
+        cri_a.remove_pod(&pod_a).await?;
+        let reference = format!("localhost:5000/ckpt/counter:{}", std::process::id());
+        let gpu_ckpt = gpu_ckpt_cli();
+        run_ok(
+            std::process::Command::new(&gpu_ckpt)
+                .arg("build")
+                .arg(&archive)
+                .args(["--ref", &reference, "--push"]),
+        )?;
+
+        // The restore handler pulls it by reference.
+        let pod = cri_b
+            .run_pod(
+                &PodSpec::new("worker", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &reference),
+            )
+            .await?;
+        let id = cri_b.run_container(&pod, &counter_spec()).await?;
+        let first = counter_of(&cri_b, &id).await?;
+        ensure!(
+            first >= before && first <= after + 2,
+            "restored from the image at {first}"
+        );
+        cri_b.remove_pod(&pod).await?;
+
+        // containerd's restore-via-create from the same image, pulled onto node B.
+        b.ctr_ns_ok("k8s.io", &["images", "pull", "--plain-http", &reference])?;
+        let pod = cri_b
+            .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let id = cri_b
+            .run_container(&pod, &ContainerSpec::new("counter", &reference))
+            .await?;
+        let first = counter_of(&cri_b, &id).await?;
+        ensure!(
+            first >= before && first <= after + 2,
+            "restore-via-create from the image at {first}"
+        );
+        cri_b.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+fn gpu_ckpt_cli() -> PathBuf {
+    let dir = test_containers::stack::Stack::discover()
+        .map(|s| s.shim_dir())
+        .unwrap_or_else(|_| PathBuf::from("target/debug"));
+    let p = dir.join("gpu-ckpt");
+    if p.exists() {
+        p
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
+    }
+}
