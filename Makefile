@@ -13,7 +13,7 @@ HOST_TARGET := x86_64-unknown-linux-gnu
 WORKLOADS_DIR := $(CURDIR)/target/$(HOST_TARGET)/release
 IMAGES_DIR := $(STACK)/images
 
-.PHONY: all deps build release workloads images lint unit-test integration-test test demo bench clean-stack
+.PHONY: all deps build release release-tools workloads images lint unit-test integration-test test demo bench bench-image-format fuzz clean-stack
 
 all: build
 
@@ -26,12 +26,17 @@ build:
 release:
 	$(CARGO) build --release -p gpu-ckpt-shim
 
+# The shim, the gpu-ckpt command and the demo/benchmark drivers, optimised.
+release-tools:
+	$(CARGO) build --release --workspace --bins
+
 # Test workloads are fully static so that images need no libc.
 workloads:
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p gpu-ckpt-workloads --target $(HOST_TARGET)
 
-images: workloads
-	$(CARGO) run -q -p gpu-ckpt-test-containers --bin gpu-ckpt-images -- --workloads-dir $(WORKLOADS_DIR) --out $(IMAGES_DIR)
+# Run from the workspace build, so that no second feature set of the dependencies is compiled.
+images: workloads build
+	target/debug/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --out $(IMAGES_DIR)
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -47,11 +52,19 @@ integration-test: deps build images
 test: deps lint build images
 	test-containers/stack/test.sh
 
-demo: deps images release
+demo: deps images release-tools
 	test-containers/stack/demo.sh
 
-bench: deps images release
+bench: deps images release-tools
 	test-containers/stack/bench.sh
+
+# gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
+bench-image-format:
+	$(MAKE) -C image-format bench SIZE_GIB=4
+
+# Longer fuzzing of the archive reader and manifest parser than the test command's bounded run.
+fuzz:
+	$(MAKE) -C image-format fuzz-long
 
 clean-stack:
 	test-containers/stack/registry.sh stop || true

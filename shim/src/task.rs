@@ -244,8 +244,14 @@ impl Tasks {
         let container = self.container(&req.id).await?;
         let mut c = container.lock().await;
         if req.exec_id.is_empty() {
+            let since = Instant::now();
+            let created_pid = c.init.pid;
             c.start_init(&self.events).await?;
             let pid = c.init.pid;
+            // A restore has a pid only now: exits are matched to it from here on.
+            let early = (pid != created_pid)
+                .then(|| self.register_pid(pid, &c.id, "", since))
+                .flatten();
             self.events.send(
                 TASK_START_EVENT_TOPIC,
                 TaskStart {
@@ -254,6 +260,9 @@ impl Tasks {
                     ..Default::default()
                 },
             );
+            if let Some(code) = early {
+                self.finish_process(&mut c, "", pid, code).await;
+            }
             return Ok(StartResponse {
                 pid: pid as u32,
                 ..Default::default()

@@ -326,6 +326,58 @@ impl Containerd {
         Ok(Status::try_from(p.status).unwrap_or(Status::Unknown))
     }
 
+    /// Restores container `id` (its task deleted) from a CRIU image directory, the way the
+    /// containerd API allows it: Tasks.Create with the container's rootfs mounts (from its
+    /// snapshot, as containerd's client does) and runc options naming `CriuImagePath`, then
+    /// Tasks.Start. Returns the pid. Works with gpu-ckpt and with containerd-shim-runc-v2.
+    pub async fn restore_from_image_path(&self, id: &str, image_path: &Path) -> Result<u32> {
+        use containerd_client::services::v1::{
+            containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
+            snapshots::MountsRequest, CreateTaskRequest, GetContainerRequest, StartRequest,
+        };
+        let container = ContainersClient::new(self.channel())
+            .get(self.request(GetContainerRequest { id: id.to_string() }))
+            .await
+            .with_context(|| format!("Containers.Get {id}"))?
+            .into_inner()
+            .container
+            .context("no container")?;
+        let mounts = SnapshotsClient::new(self.channel())
+            .mounts(self.request(MountsRequest {
+                snapshotter: container.snapshotter.clone(),
+                key: container.snapshot_key.clone(),
+            }))
+            .await
+            .with_context(|| format!("Snapshots.Mounts {}", container.snapshot_key))?
+            .into_inner()
+            .mounts;
+        // containerd.runc.v1.Options, field 10: criu_image_path.
+        let mut value = Vec::new();
+        prost::encoding::string::encode(10, &image_path.display().to_string(), &mut value);
+        let options = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value,
+        };
+        let mut tasks = TasksClient::new(self.channel());
+        tasks
+            .create(self.request(CreateTaskRequest {
+                container_id: id.to_string(),
+                rootfs: mounts,
+                options: Some(options),
+                ..Default::default()
+            }))
+            .await
+            .with_context(|| format!("Tasks.Create {id} from {}", image_path.display()))?;
+        let r = tasks
+            .start(self.request(StartRequest {
+                container_id: id.to_string(),
+                exec_id: String::new(),
+            }))
+            .await
+            .with_context(|| format!("Tasks.Start {id}"))?;
+        Ok(r.into_inner().pid)
+    }
+
     /// Tasks.Update with an arbitrary resources Any.
     pub async fn update_raw(
         &self,

@@ -6,4 +6,4 @@ export GPU_CKPT_STACK="${GPU_CKPT_STACK:-$repo/.stack}"
 export GPU_CKPT_SHIM_DIR="${GPU_CKPT_SHIM_DIR:-$repo/target/release}"
 cd "$repo"
 trap '"$repo/test-containers/stack/registry.sh" stop >/dev/null 2>&1 || true' EXIT
-cargo run -q --release -p gpu-ckpt-test-containers --bin gpu-ckpt-demo
+"$repo/target/release/gpu-ckpt-demo"

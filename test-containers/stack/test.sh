@@ -4,9 +4,12 @@
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 export GPU_CKPT_STACK="${GPU_CKPT_STACK:-$repo/.stack}"
-# shellcheck source=/dev/null
-source "$GPU_CKPT_STACK/env.sh"
 cd "$repo"
+# The tests build their own PATH for containerd from the stack; ours keeps cargo.
+[ -x "$GPU_CKPT_STACK/root/usr/bin/containerd" ] || {
+  echo "test.sh: the test stack is not installed in $GPU_CKPT_STACK: run 'make deps'" >&2
+  exit 1
+}
 
 if [ "$(id -u)" != 0 ]; then
   echo "test.sh: integration tests need root (containerd, runc, CRIU)" >&2

@@ -71,6 +71,9 @@ async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
 /// Checkpoints a running counter through CRI on `node`; returns the archive and the counter
 /// values read just before and just after the checkpoint.
 async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64, Pod, String)> {
+    // Pulled through CRI, so that the image has a RepoDigest: a restore pulls the base image by
+    // the digest the checkpoint recorded.
+    cri.pull_image(workloads()).await?;
     let pod = cri
         .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
         .await?;
@@ -244,8 +247,11 @@ fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
         // A tampered archive: refused at restore, nothing starts.
         let tampered = b.paths().dir.join("tampered.tar");
         let mut bytes = std::fs::read(&archive)?;
-        let pages = find(&bytes, b"pages-1.img").context("pages-1.img in the archive")?;
-        let at = pages + 512 + 600; // inside the file's data, past its tar header
+        // The tar header of checkpoint/pages-1.img (its name, NUL-padded, opens the header).
+        let header =
+            find(&bytes, b"checkpoint/pages-1.img\0").context("pages-1.img in the archive")?;
+        ensure!(header % 512 == 0, "pages-1.img header at {header}");
+        let at = header + 512 + 600; // inside the file's data
         bytes[at] ^= 0xff;
         std::fs::write(&tampered, &bytes)?;
         let pod = cri_b

@@ -40,11 +40,16 @@ fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
     Ok(pid)
 }
 
-fn remove(node: &Node, id: &str) {
+/// Kills and deletes a container; its exit must be seen (a restored task's too).
+fn remove(node: &Node, id: &str) -> Result<()> {
+    // It may have exited already (killed by the test).
     let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
-    std::thread::sleep(Duration::from_millis(300));
-    let _ = node.ctr(&["task", "rm", id]);
-    let _ = node.ctr(&["container", "rm", id]);
+    wait_until(Duration::from_secs(10), "the killed task to stop", || {
+        (task_status(node, id).ok().as_deref() == Some("STOPPED")).then_some(())
+    })?;
+    node.ctr_ok(&["task", "rm", id])?;
+    node.ctr_ok(&["container", "rm", id])?;
+    Ok(())
 }
 
 /// The values the counter writes from now on, until `n` distinct ones were seen.
@@ -85,7 +90,7 @@ fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
         "the original to keep counting",
         || counter_value(pid).filter(|v| *v > after),
     )?;
-    remove(&node, "c1");
+    remove(&node, "c1")?;
 
     node.ctr_ok(&[
         "container",
@@ -110,7 +115,7 @@ fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
             "restored counter skipped or reset: {seen:?}"
         );
     }
-    remove(&node, "c1");
+    remove(&node, "c1")?;
     Ok(())
 }
 
@@ -154,7 +159,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     })? as i32;
     let seen = next_values(restored, 3)?;
     ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
-    remove(&node, "c2");
+    remove(&node, "c2")?;
     Ok(())
 }
 
@@ -227,7 +232,7 @@ fn one_gib_of_memory_survives() -> Result<()> {
         Path::new(&format!("/proc/{restored}")).exists(),
         "memhog died after the restore"
     );
-    remove(&node, "m1");
+    remove(&node, "m1")?;
     Ok(())
 }
 
@@ -310,7 +315,7 @@ fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
         !log.contains("reconnect"),
         "the client lost its connection:\n{log}"
     );
-    remove(&node, "t1");
+    remove(&node, "t1")?;
     Ok(())
 }
 
@@ -368,7 +373,7 @@ fn full_disk_leaves_the_container_running() -> Result<()> {
     })();
     let _ = std::process::Command::new("umount").arg(&dir).status();
     result?;
-    remove(&node, "f1");
+    remove(&node, "f1")?;
     Ok(())
 }
 
@@ -424,7 +429,7 @@ fn container_exiting_during_the_dump_fails_cleanly() -> Result<()> {
         );
         assert_no_complete_checkpoint(&dir)?;
     }
-    remove(&node, "g1");
+    remove(&node, "g1")?;
     Ok(())
 }
 

@@ -41,10 +41,14 @@ fn stdout_reaches_ctr_and_exit_status_comes_back() -> Result<()> {
         "ctr run exit status {:?}",
         out.status
     );
-    // The shim served the container: containerd's log names our runtime.
+    // The shim served the container, and its own logs (tracing) reached containerd's log.
     ensure!(
         node.log_contains(RUNTIME),
         "containerd log does not mention {RUNTIME}"
+    );
+    ensure!(
+        node.log_contains("task service starting"),
+        "the shim's log lines are not in containerd's log"
     );
     Ok(())
 }

@@ -14,6 +14,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use test_containers::{
+    containerd::Containerd,
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{
         read_images_json, Node, Registry, Stack, GPU_CKPT_HANDLER, RUNC_HANDLER, WORKLOADS_IMAGE,
@@ -39,6 +40,20 @@ enum What {
         #[arg(long, default_value_t = 5)]
         pods: usize,
     },
+    /// Checkpoint and restore of a memory workload: gpu-ckpt vs runc-v2 vs raw runc.
+    Checkpoint {
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
+    /// How long a CRI CheckpointContainer freezes the application, gpu-ckpt vs runc-v2.
+    Freeze {
+        #[arg(long, default_value_t = 512)]
+        mib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -55,6 +70,12 @@ fn main() -> Result<()> {
     match args.what {
         What::Lifecycle { n } => lifecycle(&node, n),
         What::Memory { pods } => tokio::runtime::Runtime::new()?.block_on(memory(&node, pods)),
+        What::Checkpoint { mib, runs } => {
+            tokio::runtime::Runtime::new()?.block_on(checkpoint(&node, mib, runs))
+        }
+        What::Freeze { mib, runs } => {
+            tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
+        }
     }
 }
 
@@ -206,4 +227,369 @@ async fn memory(node: &Node, pods: usize) -> Result<()> {
         per_pod[1].1 / per_pod[0].1
     );
     Ok(())
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn med(v: &[Duration]) -> Duration {
+    median(v.to_vec())
+}
+
+/// Waits until a memhog has filled its memory and verified it once.
+fn wait_filled(status: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if std::fs::read_to_string(status).is_ok_and(|s| s.contains("verified pass")) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("memhog did not fill its memory ({})", status.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn task_pid(node: &Node, id: &str) -> Result<i32> {
+    let out = node.ctr_ok(&["task", "ls"])?;
+    out.lines()
+        .skip(1)
+        .find_map(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            (c.first() == Some(&id))
+                .then(|| c.get(1)?.parse().ok())
+                .flatten()
+        })
+        .with_context(|| format!("pid of {id}"))
+}
+
+/// One checkpoint (exit) and restore of a memhog through a shim; returns both durations.
+async fn shim_round(
+    node: &Node,
+    api: &Containerd,
+    flags: &[String],
+    id: &str,
+    mib: u64,
+) -> Result<(Duration, Duration)> {
+    let mib_s = mib.to_string();
+    let mut args: Vec<&str> = vec!["run", "-d"];
+    args.extend(flags.iter().map(String::as_str));
+    args.extend([
+        WORKLOADS_IMAGE,
+        id,
+        "/bin/memhog",
+        "--mib",
+        &mib_s,
+        "--interval-ms",
+        "500",
+        "--status-file",
+        "/status.txt",
+    ]);
+    node.ctr_ok(&args)?;
+    let pid = task_pid(node, id)?;
+    wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
+    let dir = node.paths().dir.join(format!("bench-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let dir_s = dir.display().to_string();
+    let t = Instant::now();
+    node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, id])?;
+    let ckpt = t.elapsed();
+    node.ctr_ok(&["task", "rm", id])?;
+    let t = Instant::now();
+    api.restore_from_image_path(id, &dir).await?;
+    let restore = t.elapsed();
+    node.ctr(&["task", "kill", "-s", "SIGKILL", id])?;
+    std::thread::sleep(Duration::from_millis(300));
+    node.ctr(&["task", "rm", id])?;
+    node.ctr(&["container", "rm", id])?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((ckpt, restore))
+}
+
+/// One checkpoint and restore of a memhog with runc alone, on a bundle over the image's rootfs.
+fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
+    let base = node.paths().dir.join(format!("raw-{id}"));
+    let _ = std::fs::remove_dir_all(&base);
+    let rootfs = base.join("rootfs");
+    std::fs::create_dir_all(&rootfs)?;
+    let rootfs_s = rootfs.display().to_string();
+    node.ctr_ok(&["images", "mount", "--rw", WORKLOADS_IMAGE, &rootfs_s])?;
+    let result = (|| -> Result<(Duration, Duration)> {
+        let spec = serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": false, "user": {"uid": 0, "gid": 0}, "cwd": "/",
+                "args": ["/bin/memhog", "--mib", mib.to_string(), "--interval-ms", "500", "--status-file", "/status.txt"],
+                "env": ["PATH=/bin"]
+            },
+            "root": {"path": rootfs_s},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc"},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}
+            ],
+            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
+                      "cgroupsPath": format!("/gpu-ckpt-bench/{id}")}
+        });
+        std::fs::write(base.join("config.json"), serde_json::to_vec(&spec)?)?;
+        let root = base.join("runc-root").display().to_string();
+        let runc = |args: &[&str]| -> Result<()> {
+            let out = std::process::Command::new("/usr/sbin/runc")
+                .arg("--root")
+                .arg(&root)
+                .args(args)
+                .current_dir(&base)
+                .env("PATH", node.stack().path_env())
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .output()?;
+            if !out.status.success() {
+                bail!(
+                    "runc {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(())
+        };
+        let bundle = base.display().to_string();
+        runc(&["run", "-d", "--bundle", &bundle, id])?;
+        wait_filled(&rootfs.join("status.txt"))?;
+        let dir = base.join("image").display().to_string();
+        let t = Instant::now();
+        runc(&["checkpoint", "--image-path", &dir, id])?;
+        let ckpt = t.elapsed();
+        let t = Instant::now();
+        runc(&[
+            "restore",
+            "-d",
+            "--bundle",
+            &bundle,
+            "--image-path",
+            &dir,
+            id,
+        ])?;
+        let restore = t.elapsed();
+        runc(&["delete", "--force", id])?;
+        Ok((ckpt, restore))
+    })();
+    let _ = node.ctr(&["images", "unmount", &rootfs_s]);
+    let _ = std::fs::remove_dir_all(&base);
+    result
+}
+
+async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
+    let api = Containerd::connect(node.socket(), "default").await?;
+    let mut runc_flags = vec!["--runtime".to_string(), "io.containerd.runc.v2".to_string()];
+    runc_flags.extend(node.ctr_run_flags());
+    let ours = vec![
+        "--runtime".to_string(),
+        "io.containerd.gpu-ckpt.v1".to_string(),
+        "--fifo-dir".to_string(),
+        node.paths().fifo_dir.display().to_string(),
+    ];
+    let (mut g, mut r, mut raw) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..runs {
+        g.push(shim_round(node, &api, &ours, &format!("g{i}"), mib).await?);
+        r.push(shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?);
+        raw.push(raw_round(node, &format!("w{i}"), mib)?);
+    }
+    let split = |v: &[(Duration, Duration)]| -> (Duration, Duration) {
+        (
+            med(&v.iter().map(|x| x.0).collect::<Vec<_>>()),
+            med(&v.iter().map(|x| x.1).collect::<Vec<_>>()),
+        )
+    };
+    let (gc, gr) = split(&g);
+    let (rc, rr) = split(&r);
+    let (wc, wr) = split(&raw);
+    println!("| path ({mib} MiB memhog, median of {runs}) | checkpoint | restore |");
+    println!("| --- | --- | --- |");
+    println!(
+        "| raw `runc checkpoint` / `runc restore` | {:.2} s | {:.2} s |",
+        secs(wc),
+        secs(wr)
+    );
+    println!(
+        "| containerd-shim-runc-v2 (ctr / API) | {:.2} s | {:.2} s |",
+        secs(rc),
+        secs(rr)
+    );
+    println!(
+        "| containerd-shim-gpu-ckpt-v1 (ctr / API) | {:.2} s | {:.2} s |",
+        secs(gc),
+        secs(gr)
+    );
+    println!(
+        "\nratios: gpu-ckpt / raw runc: checkpoint {:.3}, restore {:.3}; gpu-ckpt / runc-v2: checkpoint {:.3}, restore {:.3}",
+        secs(gc) / secs(wc),
+        secs(gr) / secs(wr),
+        secs(gc) / secs(rc),
+        secs(gr) / secs(rr)
+    );
+    Ok(())
+}
+
+/// Timestamps of a CRI container log's lines.
+fn log_times(path: &Path) -> Vec<std::time::SystemTime> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| humantime::parse_rfc3339(l.split(' ').next()?).ok())
+        .collect()
+}
+
+/// The longest gap between two log lines in `[from, to]`.
+fn longest_gap(
+    times: &[std::time::SystemTime],
+    from: std::time::SystemTime,
+    to: std::time::SystemTime,
+) -> Duration {
+    times
+        .windows(2)
+        .filter(|w| w[1] >= from && w[0] <= to)
+        .filter_map(|w| w[1].duration_since(w[0]).ok())
+        .max()
+        .unwrap_or_default()
+}
+
+async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
+    let cri = Cri::connect(node.socket()).await?;
+    println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | CRIU dump | rest of the freeze |");
+    println!("| --- | --- | --- | --- | --- |");
+    let mut frozen_by = Vec::new();
+    for (handler, name) in [
+        (RUNC_HANDLER, "containerd-shim-runc-v2"),
+        (GPU_CKPT_HANDLER, "containerd-shim-gpu-ckpt-v1"),
+    ] {
+        let (mut total, mut frozen, mut dump) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..runs {
+            let pod = cri
+                .run_pod(
+                    &PodSpec::new(&format!("freeze-{handler}-{i}"), node.pod_log_root())
+                        .handler(handler),
+                )
+                .await?;
+            // A memhog that also ticks: sh runs both, the ticks go to the CRI log with timestamps.
+            let mib_s = mib.to_string();
+            let cmd = format!("/bin/memhog --mib {mib_s} --interval-ms 100000 --status-file /status.txt & exec /bin/counter --interval-ms 20");
+            let c = ContainerSpec::new("app", WORKLOADS_IMAGE).command(&["sh", "-c", &cmd]);
+            let id = cri.run_container(&pod, &c).await?;
+            let deadline = Instant::now() + Duration::from_secs(300);
+            loop {
+                let r = cri.exec_sync(&id, &["cat", "/status.txt"], 10).await?;
+                if r.stdout_str().contains("verified pass") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("memhog did not fill");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let archive = node.paths().dir.join(format!("freeze-{handler}-{i}.tar"));
+            let _ = std::fs::remove_file(&archive);
+            let from = std::time::SystemTime::now();
+            let t = Instant::now();
+            cri.checkpoint_container(&id, &archive, 600).await?;
+            total.push(t.elapsed());
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let to = std::time::SystemTime::now();
+            frozen.push(longest_gap(&log_times(&pod.container_log("app")), from, to));
+            dump.push(criu_dump_time(&archive)?);
+            cri.remove_pod(&pod).await?;
+            let _ = std::fs::remove_file(&archive);
+        }
+        let (t, f, d) = (med(&total), med(&frozen), med(&dump));
+        println!(
+            "| {name} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
+            secs(t),
+            secs(f),
+            secs(d),
+            secs(f.saturating_sub(d))
+        );
+        frozen_by.push(f);
+    }
+    println!(
+        "\nfreeze ratio (gpu-ckpt / runc-v2): {:.3}",
+        secs(frozen_by[1]) / secs(frozen_by[0])
+    );
+    Ok(())
+}
+
+/// The CRIU dump time of an archive: CRIU's own statistics (`stats-dump`, runc-v2's archives)
+/// or the gpu-ckpt manifest's `criu-dump` step.
+fn criu_dump_time(archive: &Path) -> Result<Duration> {
+    let info = image_format::archive::read_info(archive, Default::default())?;
+    if let Some(m) = &info.manifest {
+        if let Some(t) = m.timings.iter().find(|t| t.step == "criu-dump") {
+            return Ok(Duration::from_secs_f64(t.millis / 1000.0));
+        }
+    }
+    // stats-dump: CRIU's own statistics (runc-v2 archives carry them).
+    let mut ar = tar::Archive::new(std::fs::File::open(archive)?);
+    for e in ar.entries()? {
+        let mut e = e?;
+        if e.path()?.to_string_lossy() == "stats-dump" {
+            let mut buf = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut buf)?;
+            if let Some(us) = criu_frozen_time_us(&buf) {
+                return Ok(Duration::from_micros(us));
+            }
+        }
+    }
+    bail!("{}: no CRIU dump time recorded", archive.display())
+}
+
+/// CRIU's `stats-dump` image: magic words, then a size-prefixed `stats_entry` whose field 1
+/// is `dump_stats_entry` { freezing_time = 1, frozen_time = 2, memdump_time = 3, ... }.
+fn criu_frozen_time_us(buf: &[u8]) -> Option<u64> {
+    let body = buf.get(8..)?; // two magic u32s
+    let len = u32::from_le_bytes(body.get(..4)?.try_into().ok()?) as usize;
+    let entry = body.get(4..4 + len)?;
+    let dump = proto_field(entry, 1)?;
+    let mut i = 0;
+    while i < dump.len() {
+        let (key, n) = varint(&dump[i..])?;
+        i += n;
+        let (v, n) = varint(&dump[i..])?;
+        i += n;
+        if key >> 3 == 2 && key & 7 == 0 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+fn proto_field(msg: &[u8], field: u64) -> Option<&[u8]> {
+    let mut i = 0;
+    while i < msg.len() {
+        let (key, n) = varint(&msg[i..])?;
+        i += n;
+        match key & 7 {
+            0 => i += varint(&msg[i..])?.1,
+            2 => {
+                let (len, n) = varint(&msg[i..])?;
+                i += n;
+                let data = msg.get(i..i + len as usize)?;
+                if key >> 3 == field {
+                    return Some(data);
+                }
+                i += len as usize;
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+fn varint(b: &[u8]) -> Option<(u64, usize)> {
+    let mut v = 0u64;
+    for (i, byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
 }

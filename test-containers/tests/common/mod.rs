@@ -206,60 +206,11 @@ pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Restores container `id` (its task deleted) from a CRIU image directory through the containerd
-/// API: Tasks.Create with runc options naming `CriuImagePath`, then Tasks.Start. Returns the pid.
+/// Restores container `id` from a CRIU image directory through the containerd API.
 pub async fn restore_from_image_path(
     api: &test_containers::containerd::Containerd,
     id: &str,
     image_path: &Path,
 ) -> Result<u32> {
-    use containerd_client::services::v1::{
-        containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
-        snapshots::MountsRequest, tasks_client::TasksClient, CreateTaskRequest,
-        GetContainerRequest, StartRequest,
-    };
-    use prost::Message;
-    // containerd.runc.v1.Options, field 10: criu_image_path.
-    let mut value = Vec::new();
-    prost::encoding::string::encode(10, &image_path.display().to_string(), &mut value);
-    let options = prost_types::Any {
-        type_url: "containerd.runc.v1.Options".into(),
-        value,
-    };
-    let _ = options.encoded_len();
-    // As containerd's client does: the rootfs mounts come from the container's snapshot.
-    let container = ContainersClient::new(api.channel())
-        .get(api.request(GetContainerRequest { id: id.to_string() }))
-        .await
-        .with_context(|| format!("Containers.Get {id}"))?
-        .into_inner()
-        .container
-        .context("no container")?;
-    let mounts = SnapshotsClient::new(api.channel())
-        .mounts(api.request(MountsRequest {
-            snapshotter: container.snapshotter.clone(),
-            key: container.snapshot_key.clone(),
-        }))
-        .await
-        .with_context(|| format!("Snapshots.Mounts {}", container.snapshot_key))?
-        .into_inner()
-        .mounts;
-    let mut tasks = TasksClient::new(api.channel());
-    tasks
-        .create(api.request(CreateTaskRequest {
-            container_id: id.to_string(),
-            rootfs: mounts,
-            options: Some(options),
-            ..Default::default()
-        }))
-        .await
-        .with_context(|| format!("Tasks.Create {id} from {}", image_path.display()))?;
-    let r = tasks
-        .start(api.request(StartRequest {
-            container_id: id.to_string(),
-            exec_id: String::new(),
-        }))
-        .await
-        .with_context(|| format!("Tasks.Start {id}"))?;
-    Ok(r.into_inner().pid)
+    api.restore_from_image_path(id, image_path).await
 }

@@ -1,0 +1,213 @@
+//! Network state across checkpoint and restore: an established TCP connection survives a
+//! restore on the same address (tcp-established); restored into a pod with a new address
+//! (tcp-close), the client sees its connection closed and reconnects.
+
+mod common;
+
+use std::{collections::BTreeMap, time::Duration};
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    containerd::Containerd,
+    cri::{ContainerSpec, Cri, Network, PodSpec},
+    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn echoes(log: &str) -> usize {
+    log.lines().filter(|l| l.starts_with("echo ")).count()
+}
+
+#[test]
+fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
+    let node = node("net-same")?;
+    let port = "17901";
+    let out = ctr_run(
+        &node,
+        &[
+            "-d",
+            "--net-host",
+            workloads(),
+            "srv",
+            "/bin/echo-server",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let out = ctr_run(
+        &node,
+        &[
+            "-d",
+            "--net-host",
+            "--annotation",
+            "gpu-ckpt.io/tcp=established",
+            workloads(),
+            "cli",
+            "sh",
+            "-c",
+            &format!(
+                "exec /bin/echo-client --connect 127.0.0.1:{port} --interval-ms 100 > /client.log"
+            ),
+        ],
+    )?;
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pid = task_pid(&node, "cli")?;
+    wait_until(Duration::from_secs(10), "echoes", || {
+        rootfs_file(pid, "/client.log").filter(|s| echoes(s) >= 5)
+    })?;
+    let dir = node.paths().dir.join("cli-image");
+    let _ = std::fs::remove_dir_all(&dir);
+    node.ctr_ok(&[
+        "task",
+        "checkpoint",
+        "--exit",
+        "--image-path",
+        &dir.display().to_string(),
+        "cli",
+    ])?;
+    let manifest = std::fs::read_to_string(dir.join("gpu-ckpt-manifest.json"))?;
+    ensure!(
+        manifest.contains("\"tcp\": \"established\""),
+        "manifest: {manifest}"
+    );
+    node.ctr_ok(&["task", "rm", "cli"])?;
+    let restored = rt().block_on(async {
+        let api = Containerd::connect(node.socket(), "default").await?;
+        restore_from_image_path(&api, "cli", &dir).await
+    })? as i32;
+    let before = echoes(&rootfs_file(restored, "/client.log").unwrap_or_default());
+    let log = wait_until(Duration::from_secs(15), "echoes after the restore", || {
+        rootfs_file(restored, "/client.log").filter(|s| echoes(s) >= before + 5)
+    })?;
+    ensure!(
+        !log.contains("reconnect"),
+        "the connection did not survive:\n{log}"
+    );
+    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", "cli"]);
+    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", "srv"]);
+    Ok(())
+}
+
+#[test]
+fn new_address_with_tcp_close_reconnects() -> Result<()> {
+    let mut options = BTreeMap::new();
+    options.insert("Mode".to_string(), OptValue::from("restore"));
+    options.insert(
+        "Root".to_string(),
+        OptValue::from("/run/gpu-ckpt-test/net-new/gpu-ckpt-restore-runc".to_string()),
+    );
+    let node = node_with(Node::builder("net-new")?.extra_runtime(ExtraRuntime {
+        name: "gpu-ckpt-restore".into(),
+        runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
+        pod_annotations: vec!["gpu-ckpt.io/*".into()],
+        container_annotations: vec!["gpu-ckpt.io/*".into()],
+        options,
+    }))?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let server_pod = cri
+            .run_pod(
+                &PodSpec::new("server", node.pod_log_root())
+                    .handler(GPU_CKPT_HANDLER)
+                    .network(Network::Pod),
+            )
+            .await?;
+        cri.run_container(
+            &server_pod,
+            &ContainerSpec::new("server", workloads()).command(&[
+                "/bin/echo-server",
+                "--listen",
+                "0.0.0.0:7777",
+            ]),
+        )
+        .await?;
+        let ip = cri
+            .pod_sandbox_status(&server_pod.id)
+            .await?
+            .status
+            .and_then(|s| s.network)
+            .map(|n| n.ip)
+            .filter(|ip| !ip.is_empty())
+            .context("the server pod has no IP")?;
+        let client = |handler: &str| {
+            PodSpec::new("client", node.pod_log_root())
+                .handler(handler)
+                .network(Network::Pod)
+                .annotation("gpu-ckpt.io/tcp", "close")
+        };
+        let client_spec = ContainerSpec::new("client", workloads()).command(&[
+            "sh",
+            "-c",
+            &format!("exec /bin/echo-client --connect {ip}:7777 --interval-ms 100 > /client.log"),
+        ]);
+        let pod_a = cri.run_pod(&client(GPU_CKPT_HANDLER)).await?;
+        let c_a = cri.run_container(&pod_a, &client_spec).await?;
+        let log_of = |id: String| {
+            let cri = cri.clone();
+            async move {
+                cri.exec_sync(&id, &["cat", "/client.log"], 10)
+                    .await
+                    .map(|r| r.stdout_str())
+                    .unwrap_or_default()
+            }
+        };
+        for _ in 0..100 {
+            if echoes(&log_of(c_a.clone()).await) >= 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        ensure!(
+            echoes(&log_of(c_a.clone()).await) >= 5,
+            "no echoes before the checkpoint"
+        );
+        let archive = node.paths().dir.join("client.tar");
+        let _ = std::fs::remove_file(&archive);
+        cri.checkpoint_container(&c_a, &archive, 60).await?;
+        cri.remove_pod(&pod_a).await?;
+
+        // Restored into a new pod: a new address.
+        let pod_b = cri
+            .run_pod(
+                &client("gpu-ckpt-restore")
+                    .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+            )
+            .await?;
+        let c_b = cri.run_container(&pod_b, &client_spec).await?;
+        let mut log = String::new();
+        for _ in 0..150 {
+            log = log_of(c_b.clone()).await;
+            if let Some(after) = log.split("reconnect").nth(1) {
+                if echoes(after) >= 3 {
+                    break;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let after = log.split("reconnect").nth(1).context(format!(
+            "the client never saw its connection closed:\n{log}"
+        ))?;
+        ensure!(after.contains("connected"), "no reconnect:\n{log}");
+        ensure!(echoes(after) >= 3, "no echoes after reconnecting:\n{log}");
+        cri.remove_pod(&pod_b).await?;
+        cri.remove_pod(&server_pod).await?;
+        Ok(())
+    })
+}
