@@ -2,7 +2,7 @@
 # Installs the local test stack (see shared/reference/stack.md) into a private prefix:
 #
 #   $STACK/root/usr/bin/{containerd,ctr,containerd-shim-runc-v2}   containerd 2.x from sid (.deb, dpkg -x)
-#   $STACK/bin/criu                                                 CRIU 4.1.x built from trixie's source
+#   $STACK/bin/criu                                                 CRIU 4.2.x built from sid's source
 #   $STACK/bin/checkpointctl                                        trixie/sid .deb, patched onto $STACK/sidlibc
 #   $STACK/sidlibc                                                  libc6 from sid (never installed)
 #   $STACK/registry/usr/bin/docker-registry                         bookworm .deb (see registry.sh)
@@ -32,7 +32,10 @@ JOBS="${GPU_CKPT_JOBS:-2}"
 # Versions verified together (stack.md §1). Each is taken when the archive has it; otherwise the
 # newest acceptable version is taken and the installer says so.
 CONTAINERD_PIN="2.1.9+ds1-5"       # sid; else newest containerd 2.x in sid
-CRIU_PIN="4.1.1-1"                 # trixie source; else newest 4.x source in trixie/sid
+# CRIU 4.2.1 (sid source): 4.1.1 cannot dump TCP sockets on kernels from 6.16 on, which refuse
+# getsockopt(SO_PASSCRED/SO_PASSSEC) on them ("sockets: Can't get 1:16 opt: Operation not
+# supported"); 4.2 asks for those options on unix and netlink sockets only.
+CRIU_PIN="4.2.1-1"                 # sid source; else newest 4.x source in trixie/sid
 LIBC_PIN="2.43-7"                  # sid; else newest libc6 in sid
 CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
 
@@ -346,7 +349,9 @@ install_containerd() {
 
 install_criu() {
   COMPONENT="criu"
-  if stamp_valid criu "$STACK/bin/criu"; then
+  # An installed CRIU older than the pin is rebuilt (the pin moved for a reason).
+  if stamp_valid criu "$STACK/bin/criu" &&
+    [ "$(printf '%s\n%s\n' "$(stamp_get criu)" "${CRIU_PIN%-*}" | sort -V | head -n 1)" = "${CRIU_PIN%-*}" ]; then
     log "criu $(stamp_get criu) -> $STACK/bin/criu (installed)"
     return
   fi
@@ -355,9 +360,6 @@ install_criu() {
   upstream=${CRIU_PIN%-*}
   orig="$CACHE/criu/criu_${upstream}.orig.tar.xz"
   if [ ! -s "$orig" ]; then
-    orig=$(ls "$CACHE"/criu/criu_4.*.orig.tar.* 2>/dev/null | sort -V | tail -n 1 || true)
-  fi
-  if [ -z "$orig" ] || [ ! -s "$orig" ]; then
     papt_update
     local srcs
     srcs=$(apt-cache "${PAPT[@]}" showsrc criu 2>/dev/null | awk '/^Version:/ { print $2 }' | sort -u || true)
