@@ -132,6 +132,9 @@ pub struct ArchiveInfo {
     pub status_dump: Option<serde_json::Value>,
     pub manifest: Option<Manifest>,
     pub sizes: Sizes,
+    /// CRIU's dump statistics, from `stats-dump` (containerd's runc path) or
+    /// `checkpoint/stats-dump` (what gpu-ckpt's shim keeps).
+    pub statistics: Option<crate::criu_stats::DumpStats>,
 }
 
 impl ArchiveInfo {
@@ -273,6 +276,7 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
         status_dump: None,
         manifest: None,
         sizes: Sizes::default(),
+        statistics: None,
     };
     let mut last: Option<String> = None;
     let entries = ar.entries_with_seek().map_err(|e| tar_err(None, e))?;
@@ -303,6 +307,14 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
                 names::MANIFEST_PATH => {
                     let d = read_small(&mut ent, &e.path, e.size)?;
                     info.manifest = Some(Manifest::from_json(&d, &e.path)?);
+                }
+                names::STATS_DUMP | "checkpoint/stats-dump" => {
+                    let d = read_small(&mut ent, &e.path, e.size)?;
+                    let s = crate::criu_stats::parse_dump_stats(&d, &e.path)?;
+                    // The top-level file is what checkpointctl reads: it wins.
+                    if e.path == names::STATS_DUMP || info.statistics.is_none() {
+                        info.statistics = Some(s);
+                    }
                 }
                 _ => {}
             }

@@ -11,6 +11,7 @@
 
 pub mod archive;
 pub mod compat;
+pub mod criu_stats;
 pub mod digest;
 pub mod error;
 pub mod fuzzing;

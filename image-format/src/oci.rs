@@ -188,6 +188,7 @@ fn stream_layer(
         status_dump: None,
         manifest: None,
         sizes: Sizes::default(),
+        statistics: None,
     };
     {
         let entries = ar.entries().map_err(|e| Error::Tar {

@@ -331,7 +331,11 @@ impl Container {
                 && self.options.tcp_mode == "close");
         checkpoint::write_criu_conf(&self.bundle, tcp_close).map_err(|e| step("prepare")(&e))?;
         // Step 3: runc restore. Undo: stop the copies, runc delete.
-        let work = self.bundle.join(CRIU_WORK);
+        let work = if self.options.criu_work_path.is_empty() {
+            self.bundle.join(CRIU_WORK)
+        } else {
+            PathBuf::from(&self.options.criu_work_path)
+        };
         std::fs::create_dir_all(&work).map_err(|e| step("prepare")(&e))?;
         let prepared = stdio::prepare(&self.init.stdio, self.options.io_uid, self.options.io_gid)?;
         let mut io = prepared.io;
@@ -370,7 +374,9 @@ impl Container {
             Ok(pid) => {
                 self.init.io = io;
                 self.init.pid = pid;
-                let _ = std::fs::remove_dir_all(&work);
+                if self.options.criu_work_path.is_empty() {
+                    let _ = std::fs::remove_dir_all(&work);
+                }
                 Ok(())
             }
             Err(e) => {
@@ -463,6 +469,14 @@ impl Container {
             ));
         }
         timings.push(("criu-dump", t.elapsed()));
+        // CRIU's own statistics travel with the images (checkpointctl and `gpu-ckpt inspect`
+        // show them); CRIU wrote them to the work directory.
+        let stats = work.join("stats-dump");
+        if stats.exists() && !image.join("stats-dump").exists() {
+            if let Err(e) = std::fs::copy(&stats, image.join("stats-dump")) {
+                warn!(id = %self.id, error = %e, "keep CRIU's dump statistics");
+            }
+        }
 
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
         let t = Instant::now();

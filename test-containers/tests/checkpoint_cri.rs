@@ -343,3 +343,81 @@ fn gpu_ckpt_cli() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
     }
 }
+
+/// `gpu-ckpt inspect --json` against checkpointctl on real archives: gpu-ckpt's own, and
+/// containerd-shim-runc-v2's (which carries CRIU's statistics where checkpointctl reads them).
+#[test]
+fn inspect_agrees_with_checkpointctl() -> Result<()> {
+    let node = node("cri-inspect")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        cri.pull_image(workloads()).await?;
+        for handler in [GPU_CKPT_HANDLER, test_containers::stack::RUNC_HANDLER] {
+            let pod = cri
+                .run_pod(
+                    &PodSpec::new(&format!("inspect-{handler}"), node.pod_log_root())
+                        .handler(handler),
+                )
+                .await?;
+            let id = cri.run_container(&pod, &counter_spec()).await?;
+            wait_counter_above(&cri, &id, 3).await?;
+            let archive = node.paths().dir.join(format!("inspect-{handler}.tar"));
+            let _ = std::fs::remove_file(&archive);
+            cri.checkpoint_container(&id, &archive, 60).await?;
+            let a = archive.display().to_string();
+            let theirs: serde_json::Value = serde_json::from_str(&checkpointctl(
+                &node,
+                &["inspect", "--format=json", "--stats", &a],
+            )?)?;
+            let ours: serde_json::Value = serde_json::from_str(&run_ok(
+                std::process::Command::new(gpu_ckpt_cli()).args(["inspect", "--json", &a]),
+            )?)?;
+            let (t, o) = (&theirs[0], &ours[0]);
+            for key in ["container_name", "image"] {
+                ensure!(
+                    t[key] == o[key],
+                    "{handler}: {key}: checkpointctl {} vs gpu-ckpt {}",
+                    t[key],
+                    o[key]
+                );
+            }
+            for key in ["total_size", "memory_pages_size", "root_fs_diff_size"] {
+                let (tv, ov) = (&t["checkpoint_size"][key], &o["checkpoint_size"][key]);
+                ensure!(
+                    tv == ov,
+                    "{handler}: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
+                );
+            }
+            if handler == test_containers::stack::RUNC_HANDLER {
+                let ts = &t["statistics"];
+                ensure!(
+                    ts.is_object(),
+                    "checkpointctl shows no statistics for runc-v2: {t}"
+                );
+                for key in [
+                    "freezing_time",
+                    "frozen_time",
+                    "memdump_time",
+                    "memwrite_time",
+                    "pages_scanned",
+                    "pages_written",
+                ] {
+                    ensure!(
+                        ts[key] == o["statistics"][key],
+                        "statistics.{key}: checkpointctl {} vs gpu-ckpt {}",
+                        ts[key],
+                        o["statistics"][key]
+                    );
+                }
+            } else {
+                // gpu-ckpt keeps CRIU's statistics beside the images.
+                ensure!(
+                    o["statistics"]["frozen_time"].as_u64().unwrap_or(0) > 0,
+                    "no CRIU statistics: {o}"
+                );
+            }
+            cri.remove_pod(&pod).await?;
+        }
+        Ok(())
+    })
+}

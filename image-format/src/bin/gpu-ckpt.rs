@@ -431,6 +431,7 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
                 "root_fs_diff_size": info.sizes.root_fs_diff_size,
             },
             "metadata": {"pod_name": pod, "kubernetes_namespace": ns, "annotations": info.annotations()},
+            "statistics": info.statistics,
             "gpu": info.manifest,
             "compat": verdict,
             "files": entries_json,
@@ -471,6 +472,15 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
             "├── Root FS diff size: {}",
             human(info.sizes.root_fs_diff_size)
         );
+    }
+    if let Some(s) = &info.statistics {
+        println!("├── CRIU dump statistics");
+        println!("│   ├── Freezing time: {} us", s.freezing_time);
+        println!("│   ├── Frozen time: {} us", s.frozen_time);
+        println!("│   ├── Memdump time: {} us", s.memdump_time);
+        println!("│   ├── Memwrite time: {} us", s.memwrite_time);
+        println!("│   ├── Pages scanned: {}", s.pages_scanned);
+        println!("│   └── Pages written: {}", s.pages_written);
     }
     match &info.manifest {
         None => println!("└── GPU: no gpu-ckpt manifest (not taken by gpu-ckpt)"),

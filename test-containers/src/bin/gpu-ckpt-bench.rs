@@ -456,7 +456,7 @@ fn longest_gap(
 
 async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let cri = Cri::connect(node.socket()).await?;
-    println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | CRIU dump | rest of the freeze |");
+    println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | CRIU frozen time | rest of the freeze |");
     println!("| --- | --- | --- | --- | --- |");
     let mut frozen_by = Vec::new();
     for (handler, name) in [
@@ -517,79 +517,20 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     Ok(())
 }
 
-/// The CRIU dump time of an archive: CRIU's own statistics (`stats-dump`, runc-v2's archives)
-/// or the gpu-ckpt manifest's `criu-dump` step.
+/// How long CRIU kept the tasks frozen for the dump, from CRIU's own statistics (`stats-dump`:
+/// runc-v2's archives have it at the top level, gpu-ckpt's under `checkpoint/`); the gpu-ckpt
+/// manifest's `criu-dump` step when there are none.
 fn criu_dump_time(archive: &Path) -> Result<Duration> {
     let info = image_format::archive::read_info(archive, Default::default())?;
-    if let Some(m) = &info.manifest {
-        if let Some(t) = m.timings.iter().find(|t| t.step == "criu-dump") {
-            return Ok(Duration::from_secs_f64(t.millis / 1000.0));
-        }
+    if let Some(stats) = &info.statistics {
+        return Ok(Duration::from_micros(stats.frozen_time));
     }
-    // stats-dump: CRIU's own statistics (runc-v2 archives carry them).
-    let mut ar = tar::Archive::new(std::fs::File::open(archive)?);
-    for e in ar.entries()? {
-        let mut e = e?;
-        if e.path()?.to_string_lossy() == "stats-dump" {
-            let mut buf = Vec::new();
-            std::io::Read::read_to_end(&mut e, &mut buf)?;
-            if let Some(us) = criu_frozen_time_us(&buf) {
-                return Ok(Duration::from_micros(us));
-            }
-        }
+    if let Some(t) = info
+        .manifest
+        .as_ref()
+        .and_then(|m| m.timings.iter().find(|t| t.step == "criu-dump"))
+    {
+        return Ok(Duration::from_secs_f64(t.millis / 1000.0));
     }
     bail!("{}: no CRIU dump time recorded", archive.display())
-}
-
-/// CRIU's `stats-dump` image: magic words, then a size-prefixed `stats_entry` whose field 1
-/// is `dump_stats_entry` { freezing_time = 1, frozen_time = 2, memdump_time = 3, ... }.
-fn criu_frozen_time_us(buf: &[u8]) -> Option<u64> {
-    let body = buf.get(8..)?; // two magic u32s
-    let len = u32::from_le_bytes(body.get(..4)?.try_into().ok()?) as usize;
-    let entry = body.get(4..4 + len)?;
-    let dump = proto_field(entry, 1)?;
-    let mut i = 0;
-    while i < dump.len() {
-        let (key, n) = varint(&dump[i..])?;
-        i += n;
-        let (v, n) = varint(&dump[i..])?;
-        i += n;
-        if key >> 3 == 2 && key & 7 == 0 {
-            return Some(v);
-        }
-    }
-    None
-}
-
-fn proto_field(msg: &[u8], field: u64) -> Option<&[u8]> {
-    let mut i = 0;
-    while i < msg.len() {
-        let (key, n) = varint(&msg[i..])?;
-        i += n;
-        match key & 7 {
-            0 => i += varint(&msg[i..])?.1,
-            2 => {
-                let (len, n) = varint(&msg[i..])?;
-                i += n;
-                let data = msg.get(i..i + len as usize)?;
-                if key >> 3 == field {
-                    return Some(data);
-                }
-                i += len as usize;
-            }
-            _ => return None,
-        }
-    }
-    None
-}
-
-fn varint(b: &[u8]) -> Option<(u64, usize)> {
-    let mut v = 0u64;
-    for (i, byte) in b.iter().enumerate().take(10) {
-        v |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some((v, i + 1));
-        }
-    }
-    None
 }

@@ -1,0 +1,148 @@
+//! CRIU's dump statistics (`stats-dump`), as checkpointctl shows them.
+//!
+//! The file is a CRIU image: two magic words, then one size-prefixed protobuf `stats_entry`
+//! (`images/stats.proto`) whose field 1 is a `dump_stats_entry`.
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// What CRIU measured while dumping, in microseconds and pages.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct DumpStats {
+    pub freezing_time: u64,
+    pub frozen_time: u64,
+    pub memdump_time: u64,
+    pub memwrite_time: u64,
+    pub pages_scanned: u64,
+    pub pages_written: u64,
+}
+
+/// Parses a `stats-dump` file; `what` names it in errors.
+pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
+    let bad = |reason: &str| Error::InvalidField {
+        what: what.to_string(),
+        field: "stats-dump".into(),
+        reason: reason.to_string(),
+    };
+    let body = data.get(8..).ok_or_else(|| bad("shorter than its magic"))?;
+    let len = body
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or_else(|| bad("no entry size"))?;
+    let entry = body
+        .get(4..4 + len)
+        .ok_or_else(|| bad("entry shorter than its size"))?;
+    let dump = fields(entry)
+        .ok_or_else(|| bad("malformed stats entry"))?
+        .into_iter()
+        .find_map(|(n, v)| match (n, v) {
+            (1, Value::Bytes(b)) => Some(b),
+            _ => None,
+        })
+        .ok_or_else(|| bad("no dump statistics"))?;
+    let mut s = DumpStats::default();
+    for (n, v) in fields(dump).ok_or_else(|| bad("malformed dump statistics"))? {
+        if let Value::Varint(v) = v {
+            match n {
+                1 => s.freezing_time = v,
+                2 => s.frozen_time = v,
+                3 => s.memdump_time = v,
+                4 => s.memwrite_time = v,
+                5 => s.pages_scanned = v,
+                7 => s.pages_written = v,
+                _ => {}
+            }
+        }
+    }
+    Ok(s)
+}
+
+enum Value<'a> {
+    Varint(u64),
+    Bytes(&'a [u8]),
+}
+
+/// The fields of a protobuf message (varint and length-delimited ones; fixed-width skipped).
+fn fields(msg: &[u8]) -> Option<Vec<(u64, Value<'_>)>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < msg.len() {
+        let (key, n) = varint(&msg[i..])?;
+        i += n;
+        match key & 7 {
+            0 => {
+                let (v, n) = varint(&msg[i..])?;
+                i += n;
+                out.push((key >> 3, Value::Varint(v)));
+            }
+            1 => i += 8,
+            2 => {
+                let (len, n) = varint(&msg[i..])?;
+                i += n;
+                let end = i.checked_add(usize::try_from(len).ok()?)?;
+                out.push((key >> 3, Value::Bytes(msg.get(i..end)?)));
+                i = end;
+            }
+            5 => i += 4,
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
+fn varint(b: &[u8]) -> Option<(u64, usize)> {
+    let mut v = 0u64;
+    for (i, byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+        loop {
+            let b = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                out.push(b);
+                return;
+            }
+            out.push(b | 0x80);
+        }
+    }
+
+    #[test]
+    fn dump_statistics_are_read() {
+        let mut dump = Vec::new();
+        for (field, v) in [
+            (1u64, 120u64),
+            (2, 350_000),
+            (3, 2000),
+            (4, 90_000),
+            (5, 262_144),
+            (6, 0),
+            (7, 262_100),
+        ] {
+            put_varint(&mut dump, field << 3);
+            put_varint(&mut dump, v);
+        }
+        let mut entry = vec![0x0a];
+        put_varint(&mut entry, dump.len() as u64);
+        entry.extend_from_slice(&dump);
+        let mut file = vec![0u8; 8];
+        file.extend_from_slice(&(entry.len() as u32).to_le_bytes());
+        file.extend_from_slice(&entry);
+        let s = parse_dump_stats(&file, "stats-dump").unwrap();
+        assert_eq!(s.frozen_time, 350_000);
+        assert_eq!(s.pages_written, 262_100);
+        assert_eq!(s.freezing_time, 120);
+        assert!(parse_dump_stats(&file[..10], "stats-dump").is_err());
+    }
+}
