@@ -149,12 +149,9 @@ impl Wakeup {
                 let mut control = std::fs::OpenOptions::new()
                     .write(true)
                     .open(dir.join("cgroup.event_control"))?;
-                write!(
-                    control,
-                    "{} {}",
-                    efd.as_fd().as_raw_fd(),
-                    oom_control.as_raw_fd()
-                )?;
+                // One write: the kernel parses each write to event_control on its own.
+                let line = format!("{} {}", efd.as_fd().as_raw_fd(), oom_control.as_raw_fd());
+                control.write_all(line.as_bytes())?;
                 let fd: OwnedFd = efd.into();
                 Ok(Self {
                     fd: register(fd)?,

@@ -195,7 +195,14 @@ fn oom_kill_reports_task_oom_before_task_exit() -> Result<()> {
             "no TaskOOM before TaskExit; saw {:?}",
             before.iter().map(|e| &e.topic).collect::<Vec<_>>()
         );
-        let st = cri.container_status(&id).await?.status.context("status")?;
+        // As kubelet does: remove it once CRI reports it exited.
+        let st = cri
+            .wait_container_state(
+                &id,
+                cri::ContainerState::ContainerExited,
+                Duration::from_secs(10),
+            )
+            .await?;
         ensure!(st.reason == "OOMKilled", "CRI reason {:?}", st.reason);
         cri.remove_container(&id).await?;
         cri.remove_pod(&pod).await?;
@@ -446,4 +453,40 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
         "runc state left for bad1"
     );
     Ok(())
+}
+
+/// An OOM kill of a process other than init is reported as it happens, while the container
+/// runs on (the live watch on the memory cgroup, not the check at exit).
+#[test]
+fn oom_kill_of_a_child_is_reported_live() -> Result<()> {
+    let node = node("cri-oom-live")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let api = Containerd::connect(node.socket(), K8S_NAMESPACE).await?;
+        let mut events = api.subscribe_tasks().await?;
+        let pod = cri
+            .run_pod(&PodSpec::new("oomlive", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let spec = ContainerSpec::new("app", workloads())
+            .command(&[
+                "sh",
+                "-c",
+                "/bin/oom-eater --step-mib 8 & exec /bin/counter --interval-ms 100",
+            ])
+            .memory_limit(48 * 1024 * 1024);
+        let id = cri.run_container(&pod, &spec).await?;
+        let (oom, _) = events
+            .wait_for(Duration::from_secs(60), |e| {
+                e.container_id() == Some(id.as_str()) && matches!(e.event, TaskEvent::Oom(_))
+            })
+            .await?;
+        ensure!(oom.topic == "/tasks/oom", "topic {}", oom.topic);
+        let st = cri.container_state(&id).await?;
+        ensure!(
+            st == cri::ContainerState::ContainerRunning,
+            "the container stopped: {st:?}"
+        );
+        cri.remove_pod(&pod).await?;
+        Ok(())
+    })
 }
