@@ -2,7 +2,9 @@
 
 use gpu_ckpt_shim::service::{Service, RUNTIME_ID};
 
-#[tokio::main]
+// One thread: a shim serves one pod, waits on runc and CRIU most of the time, and hands the
+// heavy work (hashing, unpacking) to the blocking pool. It keeps the shim's memory small.
+#[tokio::main(flavor = "current_thread")]
 async fn main() {
     if std::env::args()
         .skip(1)

@@ -425,43 +425,40 @@ impl Tasks {
         })
     }
 
-    async fn do_pause(&self, id: &str) -> Result<()> {
+    /// Pauses (`pause`) or resumes the container's processes (cgroup freezer through runc).
+    async fn set_paused(&self, id: &str, pause: bool) -> Result<()> {
         let container = self.container(id).await?;
         let mut c = container.lock().await;
-        if c.init.status != Status::Running {
+        let (from, to, state) = if pause {
+            (Status::Running, Status::Paused, "running")
+        } else {
+            (Status::Paused, Status::Running, "paused")
+        };
+        if c.init.status != from {
             return Err(Error::FailedPrecondition(format!(
-                "container {id} is not running"
+                "container {id} is not {state}"
             )));
         }
-        c.runc.pause(id).await?;
-        c.init.status = Status::Paused;
-        self.events.send(
-            TASK_PAUSED_EVENT_TOPIC,
-            TaskPaused {
-                container_id: id.to_string(),
-                ..Default::default()
-            },
-        );
-        Ok(())
-    }
-
-    async fn do_resume(&self, id: &str) -> Result<()> {
-        let container = self.container(id).await?;
-        let mut c = container.lock().await;
-        if c.init.status != Status::Paused {
-            return Err(Error::FailedPrecondition(format!(
-                "container {id} is not paused"
-            )));
+        if pause {
+            c.runc.pause(id).await?;
+            self.events.send(
+                TASK_PAUSED_EVENT_TOPIC,
+                TaskPaused {
+                    container_id: id.to_string(),
+                    ..Default::default()
+                },
+            );
+        } else {
+            c.runc.resume(id).await?;
+            self.events.send(
+                TASK_RESUMED_EVENT_TOPIC,
+                TaskResumed {
+                    container_id: id.to_string(),
+                    ..Default::default()
+                },
+            );
         }
-        c.runc.resume(id).await?;
-        c.init.status = Status::Running;
-        self.events.send(
-            TASK_RESUMED_EVENT_TOPIC,
-            TaskResumed {
-                container_id: id.to_string(),
-                ..Default::default()
-            },
-        );
+        c.init.status = to;
         Ok(())
     }
 
@@ -612,13 +609,13 @@ impl Task for TaskService {
     }
 
     async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
-        serve("pause", &req.id, self.do_pause(&req.id))
+        serve("pause", &req.id, self.set_paused(&req.id, true))
             .await
             .map(|_| Empty::new())
     }
 
     async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
-        serve("resume", &req.id, self.do_resume(&req.id))
+        serve("resume", &req.id, self.set_paused(&req.id, false))
             .await
             .map(|_| Empty::new())
     }

@@ -20,13 +20,6 @@ use test_containers::{
 
 const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// A node with the restore RuntimeClass's handler next to gpu-ckpt's.
 fn restore_node(name: &str) -> Result<Node> {
     let mut options = BTreeMap::new();

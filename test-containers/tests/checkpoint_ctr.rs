@@ -9,18 +9,10 @@ use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{containerd::Containerd, stack::Node};
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
-    let out = ctr_run(
+    let pid = run_detached(
         node,
         &[
-            "-d",
             workloads(),
             id,
             "/bin/counter",
@@ -28,12 +20,6 @@ fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
             interval_ms,
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "ctr run: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(node, id)?;
     wait_until(Duration::from_secs(10), "the counter to reach 5", || {
         counter_value(pid).filter(|v| *v >= 5)
     })?;
@@ -166,10 +152,9 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
 #[test]
 fn one_gib_of_memory_survives() -> Result<()> {
     let node = node("ck-mem")?;
-    let out = ctr_run(
+    let pid = run_detached(
         &node,
         &[
-            "-d",
             workloads(),
             "m1",
             "/bin/memhog",
@@ -183,12 +168,6 @@ fn one_gib_of_memory_survives() -> Result<()> {
             "/status.txt",
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "m1")?;
     wait_until(
         Duration::from_secs(120),
         "memhog to fill 1 GiB and verify it",
@@ -271,19 +250,9 @@ fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
     let node = node("ck-fail")?;
     // An established TCP connection without tcp-established: CRIU refuses it mid-dump, after
     // it has frozen the tree.
-    let out = ctr_run(
-        &node,
-        &[
-            "-d", "--net-host", workloads(), "t1", "sh", "-c",
+    let pid = run_detached(&node, &["--net-host", workloads(), "t1", "sh", "-c",
             "/bin/echo-server --listen 127.0.0.1:17801 & sleep 0.3; exec /bin/echo-client --connect 127.0.0.1:17801 --interval-ms 100 > /client.log",
-        ],
-    )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "t1")?;
+        ])?;
     let echoes = || {
         rootfs_file(pid, "/client.log")
             .map(|s| s.lines().filter(|l| l.starts_with("echo ")).count())
@@ -322,10 +291,9 @@ fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
 #[test]
 fn full_disk_leaves_the_container_running() -> Result<()> {
     let node = node("ck-full")?;
-    let out = ctr_run(
+    let pid = run_detached(
         &node,
         &[
-            "-d",
             workloads(),
             "f1",
             "/bin/memhog",
@@ -337,12 +305,6 @@ fn full_disk_leaves_the_container_running() -> Result<()> {
             "/status.txt",
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "f1")?;
     wait_until(Duration::from_secs(30), "memhog to verify", || {
         rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
     })?;
@@ -380,10 +342,9 @@ fn full_disk_leaves_the_container_running() -> Result<()> {
 #[test]
 fn container_exiting_during_the_dump_fails_cleanly() -> Result<()> {
     let node = node("ck-gone")?;
-    let out = ctr_run(
+    let pid = run_detached(
         &node,
         &[
-            "-d",
             workloads(),
             "g1",
             "/bin/memhog",
@@ -393,12 +354,6 @@ fn container_exiting_during_the_dump_fails_cleanly() -> Result<()> {
             "/status.txt",
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "g1")?;
     wait_until(Duration::from_secs(60), "memhog to fill", || {
         rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
     })?;

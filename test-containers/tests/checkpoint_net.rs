@@ -14,13 +14,6 @@ use test_containers::{
     stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
 };
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 fn echoes(log: &str) -> usize {
     log.lines().filter(|l| l.starts_with("echo ")).count()
 }
@@ -29,10 +22,9 @@ fn echoes(log: &str) -> usize {
 fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
     let node = node("net-same")?;
     let port = "17901";
-    let out = ctr_run(
+    run_detached(
         &node,
         &[
-            "-d",
             "--net-host",
             workloads(),
             "srv",
@@ -41,16 +33,10 @@ fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
             &format!("127.0.0.1:{port}"),
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     std::thread::sleep(Duration::from_millis(300));
-    let out = ctr_run(
+    let pid = run_detached(
         &node,
         &[
-            "-d",
             "--net-host",
             "--annotation",
             "gpu-ckpt.io/tcp=established",
@@ -63,12 +49,6 @@ fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
             ),
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "cli")?;
     wait_until(Duration::from_secs(10), "echoes", || {
         rootfs_file(pid, "/client.log").filter(|s| echoes(s) >= 5)
     })?;

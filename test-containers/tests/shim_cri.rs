@@ -13,13 +13,6 @@ use test_containers::{
     stack::{Node, GPU_CKPT_HANDLER, K8S_NAMESPACE},
 };
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 #[test]
 fn pod_of_two_containers_runs_on_one_shim() -> Result<()> {
     let node = node("cri-pod")?;

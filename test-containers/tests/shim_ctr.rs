@@ -9,13 +9,6 @@ use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{containerd::Containerd, stack::Node};
 
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 #[test]
 fn stdout_reaches_ctr_and_exit_status_comes_back() -> Result<()> {
     let node = node("ctr-stdout")?;
@@ -58,10 +51,9 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
     let node = node("ctr-life")?;
     let log = node.paths().dir.join("counter.log");
     let log_uri = format!("file://{}", log.display());
-    let out = ctr_run(
+    let pid = run_detached(
         &node,
         &[
-            "-d",
             "--log-uri",
             &log_uri,
             workloads(),
@@ -71,12 +63,6 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
             "100",
         ],
     )?;
-    ensure!(
-        out.status.success(),
-        "ctr run -d: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "c1")?;
     wait_until(Duration::from_secs(10), "counter ticks in its log", || {
         std::fs::read_to_string(&log)
             .ok()
@@ -221,13 +207,7 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
 #[test]
 fn sigkill_gives_137() -> Result<()> {
     let node = node("ctr-kill")?;
-    let out = ctr_run(&node, &["-d", workloads(), "k1", "/bin/counter"])?;
-    ensure!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let pid = task_pid(&node, "k1")?;
+    let pid = run_detached(&node, &[workloads(), "k1", "/bin/counter"])?;
     node.ctr_ok(&["task", "kill", "-s", "SIGKILL", "k1"])?;
     let status = rt().block_on(async {
         let api = Containerd::connect(node.socket(), "default").await?;

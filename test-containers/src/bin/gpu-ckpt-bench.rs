@@ -333,8 +333,11 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
         });
         std::fs::write(base.join("config.json"), serde_json::to_vec(&spec)?)?;
         let root = base.join("runc-root").display().to_string();
+        // runc's errors go to a file: a detached container inherits runc's stdio, and a pipe
+        // would never see its end.
+        let errors = base.join("runc.err");
         let runc = |args: &[&str]| -> Result<()> {
-            let out = std::process::Command::new("/usr/sbin/runc")
+            let status = std::process::Command::new("/usr/sbin/runc")
                 .arg("--root")
                 .arg(&root)
                 .args(args)
@@ -342,13 +345,13 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
                 .env("PATH", node.stack().path_env())
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::piped())
-                .output()?;
-            if !out.status.success() {
+                .stderr(std::fs::File::create(&errors)?)
+                .status()?;
+            if !status.success() {
                 bail!(
                     "runc {}: {}",
                     args.join(" "),
-                    String::from_utf8_lossy(&out.stderr)
+                    std::fs::read_to_string(&errors).unwrap_or_default()
                 );
             }
             Ok(())

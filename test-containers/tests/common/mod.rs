@@ -214,3 +214,31 @@ pub async fn restore_from_image_path(
 ) -> Result<u32> {
     api.restore_from_image_path(id, image_path).await
 }
+
+/// A single-threaded runtime for a test's async part.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// `ctr run -d` on this runtime with `extra` (flags, image, id, command); returns the task's pid.
+pub fn run_detached(node: &Node, extra: &[&str]) -> Result<i32> {
+    let mut args = vec!["-d"];
+    args.extend_from_slice(extra);
+    let out = ctr_run(node, &args)?;
+    if !out.status.success() {
+        bail!(
+            "ctr run -d {}: {}",
+            extra.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let id = extra
+        .iter()
+        .skip_while(|a| **a != workloads())
+        .nth(1)
+        .context("no container id after the image")?;
+    task_pid(node, id)
+}
