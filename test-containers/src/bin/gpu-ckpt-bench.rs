@@ -333,48 +333,62 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
         });
         std::fs::write(base.join("config.json"), serde_json::to_vec(&spec)?)?;
         let root = base.join("runc-root").display().to_string();
-        // runc's errors go to a file: a detached container inherits runc's stdio, and a pipe
-        // would never see its end.
+        // runc's own errors go to a file. A detached container inherits runc's stdio, and CRIU
+        // can dump a container whose stdio are pipes (runc maps them again at restore), not a
+        // host file: `run` and `restore` get pipes, held open here until the round is over.
         let errors = base.join("runc.err");
-        let runc = |args: &[&str]| -> Result<()> {
-            let status = std::process::Command::new("/usr/sbin/runc")
-                .arg("--root")
+        let mut held: Vec<Box<dyn std::any::Any>> = Vec::new();
+        let mut runc = |args: &[&str], container_stdio: bool| -> Result<()> {
+            let mut cmd = std::process::Command::new("/usr/sbin/runc");
+            cmd.arg("--root")
                 .arg(&root)
                 .args(args)
                 .current_dir(&base)
                 .env("PATH", node.stack().path_env())
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .stderr(std::fs::File::create(&errors)?)
-                .status()?;
-            if !status.success() {
-                bail!(
-                    "runc {}: {}",
-                    args.join(" "),
-                    std::fs::read_to_string(&errors).unwrap_or_default()
-                );
+                .stdin(std::process::Stdio::null());
+            if container_stdio {
+                cmd.stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+            } else {
+                cmd.stdout(std::process::Stdio::null())
+                    .stderr(std::fs::File::create(&errors)?);
             }
+            let mut child = cmd.spawn()?;
+            let stdout = child.stdout.take();
+            let mut stderr = child.stderr.take();
+            let status = child.wait()?;
+            if !status.success() {
+                let mut msg = std::fs::read_to_string(&errors).unwrap_or_default();
+                if let Some(e) = stderr.as_mut() {
+                    let _ = std::io::Read::read_to_string(e, &mut msg);
+                }
+                bail!("runc {}: {msg}", args.join(" "));
+            }
+            held.push(Box::new((stdout, stderr)));
             Ok(())
         };
         let bundle = base.display().to_string();
-        runc(&["run", "-d", "--bundle", &bundle, id])?;
+        runc(&["run", "-d", "--bundle", &bundle, id], true)?;
         wait_filled(&rootfs.join("status.txt"))?;
         let dir = base.join("image").display().to_string();
         let t = Instant::now();
-        runc(&["checkpoint", "--image-path", &dir, id])?;
+        runc(&["checkpoint", "--image-path", &dir, id], false)?;
         let ckpt = t.elapsed();
         let t = Instant::now();
-        runc(&[
-            "restore",
-            "-d",
-            "--bundle",
-            &bundle,
-            "--image-path",
-            &dir,
-            id,
-        ])?;
+        runc(
+            &[
+                "restore",
+                "-d",
+                "--bundle",
+                &bundle,
+                "--image-path",
+                &dir,
+                id,
+            ],
+            true,
+        )?;
         let restore = t.elapsed();
-        runc(&["delete", "--force", id])?;
+        runc(&["delete", "--force", id], false)?;
         Ok((ckpt, restore))
     })();
     let _ = node.ctr(&["images", "unmount", &rootfs_s]);

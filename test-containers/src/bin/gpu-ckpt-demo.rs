@@ -7,7 +7,10 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{bail, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
-    stack::{read_images_json, Node, Registry, Stack, GPU_CKPT_HANDLER, WORKLOADS_IMAGE},
+    stack::{
+        read_images_json, ExtraRuntime, Node, OptValue, Registry, Stack, GPU_CKPT_HANDLER,
+        WORKLOADS_IMAGE,
+    },
 };
 
 const RUNTIME: &str = "io.containerd.gpu-ckpt.v1";
@@ -91,6 +94,8 @@ async fn main() -> Result<()> {
 
     say("Kubernetes-style: a pod on RuntimeClass gpu-ckpt on node A");
     let cri_a = Cri::connect(a.socket()).await?;
+    // Pulled through CRI (a RepoDigest): a restore pulls the base image by its digest.
+    cri_a.pull_image(WORKLOADS_IMAGE).await?;
     let pod_a = cri_a
         .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
         .await?;
@@ -120,17 +125,37 @@ async fn main() -> Result<()> {
     let at_checkpoint = wait_counter_above(&cri_a, &c_a, before).await?;
     println!("counter on node A after the checkpoint: {at_checkpoint}");
 
-    say("node B: a second, independent containerd; restore the archive into a new pod");
+    say("node B: a second, independent containerd; restore the archive into a new pod on the restore RuntimeClass");
+    let mut options = std::collections::BTreeMap::new();
+    options.insert("Mode".to_string(), OptValue::from("restore"));
+    options.insert(
+        "Root".to_string(),
+        OptValue::from("/run/gpu-ckpt-test/demo-b/gpu-ckpt-restore-runc"),
+    );
     let b = Node::builder_on(&stack, "demo-b")
         .log_level("info")
+        .extra_runtime(ExtraRuntime {
+            name: "gpu-ckpt-restore".into(),
+            runtime_type: "io.containerd.gpu-ckpt.v1".into(),
+            pod_annotations: vec!["gpu-ckpt.io/*".into()],
+            container_annotations: vec!["gpu-ckpt.io/*".into()],
+            options,
+        })
         .start()?;
     registry.push_images(&b)?;
     let cri_b = Cri::connect(b.socket()).await?;
     let pod_b = cri_b
-        .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
+        .run_pod(
+            &PodSpec::new("worker", b.pod_log_root())
+                .handler("gpu-ckpt-restore")
+                .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+        )
         .await?;
-    let restored_spec = ContainerSpec::new("counter", &archive.display().to_string());
-    let c_b = cri_b.run_container(&pod_b, &restored_spec).await?;
+    println!(
+        "pod annotation gpu-ckpt.io/restore-from: {}",
+        archive.display()
+    );
+    let c_b = cri_b.run_container(&pod_b, &spec).await?;
     let after = wait_counter_above(&cri_b, &c_b, 0).await?;
     println!("counter on node B right after the restore: {after} (it was {before}..{at_checkpoint} around the checkpoint)");
     let later = wait_counter_above(&cri_b, &c_b, after).await?;
