@@ -9,7 +9,6 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Seek, Write};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -310,10 +309,12 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
                 }
                 names::STATS_DUMP | "checkpoint/stats-dump" => {
                     let d = read_small(&mut ent, &e.path, e.size)?;
-                    let s = crate::criu_stats::parse_dump_stats(&d, &e.path)?;
+                    // Informational: statistics CRIU did not write are left out, not an error.
                     // The top-level file is what checkpointctl reads: it wins.
-                    if e.path == names::STATS_DUMP || info.statistics.is_none() {
-                        info.statistics = Some(s);
+                    if let Ok(s) = crate::criu_stats::parse_dump_stats(&d, &e.path) {
+                        if e.path == names::STATS_DUMP || info.statistics.is_none() {
+                            info.statistics = Some(s);
+                        }
                     }
                 }
                 _ => {}
@@ -657,36 +658,7 @@ pub struct ArchiveSpec {
 /// Write an archive at `out` (temp file then rename; mode 0600). Members are written in name order,
 /// as a directory walk would; files 0600, directories 0700, owner root.
 pub fn write_archive(spec: &ArchiveSpec, out: &Path) -> Result<()> {
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        out.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let res = (|| {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
-        let w = io::BufWriter::with_capacity(COPY_BUF, f);
-        let w = write_archive_to(spec, w)?;
-        let f = w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
-        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res
+    crate::safe::write_atomically(out, |w, _| write_archive_to(spec, w).map(drop))
 }
 
 fn header(kind: tar::EntryType, size: u64, mtime: u64) -> tar::Header {

@@ -474,26 +474,8 @@ pub fn build_tarball(
     opts: &BuildOptions,
     progress: Progress<'_>,
 ) -> Result<Built> {
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        out.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let res = (|| {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
-        let werr = |e: io::Error| Error::io("writing", &tmp, e);
-        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
+    crate::safe::write_atomically(out, |w, tmp| {
+        let werr = |e: io::Error| Error::io("writing", tmp, e);
         for (d, name) in [(true, "blobs/"), (true, "blobs/sha256/")] {
             w.write_all(tar_header(name, 0, d)?.as_bytes())
                 .map_err(werr)?;
@@ -505,7 +487,7 @@ pub fn build_tarball(
         let layer_header_at = w.stream_position().map_err(werr)?;
         w.write_all(tar_header(&placeholder, expected, false)?.as_bytes())
             .map_err(werr)?;
-        let (hexd, size, c) = stream_layer(src, &mut w, opts.limits, progress)?;
+        let (hexd, size, c) = stream_layer(src, w, opts.limits, progress)?;
         if size != expected {
             return Err(Error::io(
                 "reading",
@@ -515,7 +497,7 @@ pub fn build_tarball(
                 )),
             ));
         }
-        pad(&mut w, size).map_err(werr)?;
+        pad(w, size).map_err(werr)?;
         let built = assemble(&hexd, size, c, opts)?;
         let end = w.stream_position().map_err(werr)?;
         w.seek(SeekFrom::Start(layer_header_at)).map_err(werr)?;
@@ -538,18 +520,11 @@ pub fn build_tarball(
             w.write_all(tar_header(name, data.len() as u64, false)?.as_bytes())
                 .map_err(werr)?;
             w.write_all(data).map_err(werr)?;
-            pad(&mut w, data.len() as u64).map_err(werr)?;
+            pad(w, data.len() as u64).map_err(werr)?;
         }
         w.write_all(&[0u8; 1024]).map_err(werr)?;
-        let f = w.into_inner().map_err(|e| werr(e.into_error()))?;
-        f.sync_all().map_err(werr)?;
-        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
         Ok(built)
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res
+    })
 }
 
 /// Where an image lives: an OCI layout directory or a layout tarball.
@@ -656,37 +631,7 @@ pub fn image_profile(image: &Path) -> Result<Option<Profile>> {
 /// while copying. For our images (uncompressed layer) the result is byte-identical to the archive the
 /// image was built from.
 pub fn extract_archive_from_image(image: &Path, out: &Path, progress: Progress<'_>) -> Result<u64> {
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        out.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let res = (|| {
-        let f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| Error::io("creating", &tmp, e))?;
-        let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
-        let n = write_layer(image, &mut w, progress)?;
-        let f = w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
-        fs::rename(&tmp, out).map_err(|e| Error::io("renaming into place", out, e))?;
-        Ok(n)
-    })();
-    if res.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    res
+    crate::safe::write_atomically(out, |w, _| write_layer(image, w, progress))
 }
 
 /// Stream the checkpoint archive held in an image into `w`, verifying the layer digest (and size)

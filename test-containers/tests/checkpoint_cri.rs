@@ -387,6 +387,41 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
                     "{handler}: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
                 );
             }
+            if !runc {
+                // The same checkpoint as CRI-O writes it: CRI-O's annotations in spec.dump and a
+                // plain-tar rootfs diff.
+                let crio = node.paths().dir.join("inspect-crio.tar");
+                crio_variant(&archive, &crio)?;
+                let c = crio.display().to_string();
+                let theirs: serde_json::Value = serde_json::from_str(&checkpointctl(
+                    &node,
+                    &["inspect", "--format=json", &c],
+                )?)?;
+                let ours: serde_json::Value = serde_json::from_str(&run_ok(
+                    std::process::Command::new(gpu_ckpt_cli()).args(["inspect", "--json", &c]),
+                )?)?;
+                let (t, o) = (&theirs[0], &ours[0]);
+                ensure!(
+                    o["engine"] == "cri-o",
+                    "gpu-ckpt sees engine {}",
+                    o["engine"]
+                );
+                for key in ["container_name", "image"] {
+                    ensure!(
+                        t[key] == o[key],
+                        "CRI-O: {key}: checkpointctl {} vs gpu-ckpt {}",
+                        t[key],
+                        o[key]
+                    );
+                }
+                for key in ["total_size", "memory_pages_size", "root_fs_diff_size"] {
+                    let (tv, ov) = (&t["checkpoint_size"][key], &o["checkpoint_size"][key]);
+                    ensure!(
+                        tv == ov,
+                        "CRI-O: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
+                    );
+                }
+            }
             if runc {
                 let ts = &t["statistics"];
                 ensure!(
@@ -419,4 +454,55 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Rewrites a containerd archive as CRI-O lays it out: `io.container.manager: cri-o` and CRI-O's
+/// identity annotations in spec.dump, and the rootfs diff as a plain tar.
+fn crio_variant(src: &Path, dst: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
+    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
+    for e in ar.entries()? {
+        let mut e = e?;
+        let path = e.path()?.into_owned();
+        let mut header = e.header().clone();
+        let mut data = Vec::new();
+        e.read_to_end(&mut data)?;
+        let name = path.to_string_lossy().to_string();
+        if name == "spec.dump" {
+            let mut spec: serde_json::Value = serde_json::from_slice(&data)?;
+            let a = spec["annotations"]
+                .as_object_mut()
+                .context("spec.dump annotations")?;
+            let get = |k: &str| {
+                a.get(k)
+                    .and_then(|v| v.as_str())
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            let (cname, pod, ns) = (
+                get("io.kubernetes.cri.container-name"),
+                get("io.kubernetes.cri.sandbox-name"),
+                get("io.kubernetes.cri.sandbox-namespace"),
+            );
+            a.insert("io.container.manager".into(), "cri-o".into());
+            a.insert(
+                "io.kubernetes.cri-o.Metadata".into(),
+                serde_json::json!({"name": cname}).to_string().into(),
+            );
+            a.insert("io.kubernetes.container.name".into(), cname.into());
+            a.insert("io.kubernetes.pod.name".into(), pod.into());
+            a.insert("io.kubernetes.pod.namespace".into(), ns.into());
+            data = serde_json::to_vec(&spec)?;
+        } else if name == "rootfs-diff.tar" {
+            let mut plain = Vec::new();
+            flate2::read::GzDecoder::new(&data[..]).read_to_end(&mut plain)?;
+            data = plain;
+        }
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.append_data(&mut header, &path, &data[..])?;
+    }
+    out.finish()?;
+    Ok(())
 }
