@@ -402,7 +402,7 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
                 )?)?;
                 let (t, o) = (&theirs[0], &ours[0]);
                 ensure!(
-                    o["engine"] == "cri-o",
+                    o["engine"] == "CRI-O",
                     "gpu-ckpt sees engine {}",
                     o["engine"]
                 );
