@@ -98,10 +98,22 @@ impl OomMonitor {
                     return;
                 }
             };
+            // A kill between start and the registration above woke nobody: look once now.
+            if let Some(m) = watcher.upgrade() {
+                m.check();
+            }
             while wake.wait().await.is_ok() {
-                match watcher.upgrade() {
-                    Some(m) => m.check(),
-                    None => break,
+                // cgroup v1 signals when the cgroup enters OOM, before the kernel has killed
+                // anything and counted it: look again for a while.
+                for _ in 0..40 {
+                    let Some(m) = watcher.upgrade() else {
+                        return;
+                    };
+                    if m.check() {
+                        break;
+                    }
+                    drop(m);
+                    tokio::time::sleep(std::time::Duration::from_millis(25)).await;
                 }
             }
             debug!(?cgroup, "OOM watcher stopped");
@@ -109,10 +121,10 @@ impl OomMonitor {
         monitor
     }
 
-    /// Publishes TaskOOM if the kernel counted a kill since the last report.
-    pub fn check(&self) {
+    /// Publishes TaskOOM if the kernel counted a kill since the last report; says whether it did.
+    pub fn check(&self) -> bool {
         let Ok(mut reported) = self.reported.lock() else {
-            return;
+            return false;
         };
         if let Some(now) = self.cgroup.oom_kills() {
             if now > *reported {
@@ -125,8 +137,10 @@ impl OomMonitor {
                         ..Default::default()
                     },
                 );
+                return true;
             }
         }
+        false
     }
 }
 

@@ -449,7 +449,9 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
 }
 
 /// An OOM kill of a process other than init is reported as it happens, while the container
-/// runs on (the live watch on the memory cgroup, not the check at exit).
+/// runs on (the live watch on the memory cgroup, not the check at exit). One allocation larger
+/// than the limit makes the kill immediate: smaller steps can leave the cgroup thrashing on the
+/// binaries' page cache for a long time before the kernel gives up.
 #[test]
 fn oom_kill_of_a_child_is_reported_live() -> Result<()> {
     let node = node("cri-oom-live")?;
@@ -464,7 +466,7 @@ fn oom_kill_of_a_child_is_reported_live() -> Result<()> {
             .command(&[
                 "sh",
                 "-c",
-                "/bin/oom-eater --step-mib 8 & exec /bin/counter --interval-ms 100",
+                "/bin/oom-eater --step-mib 64 & exec /bin/counter --interval-ms 100",
             ])
             .memory_limit(48 * 1024 * 1024);
         let id = cri.run_container(&pod, &spec).await?;
