@@ -41,12 +41,19 @@ fn counter_spec() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
 }
 
+/// The counter's value, read in the container. The counter rewrites its file every tick, so a
+/// read can meet it empty: such reads are retried.
 async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
-    let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
-    r.stdout_str()
-        .trim()
-        .parse()
-        .with_context(|| format!("counter of {id}: {:?}", r.stdout_str()))
+    let mut last = String::new();
+    for _ in 0..50 {
+        let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
+        last = r.stdout_str();
+        if let Ok(v) = last.trim().parse() {
+            return Ok(v);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    anyhow::bail!("counter of {id}: {last:?}")
 }
 
 async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {

@@ -91,13 +91,17 @@ fn task_row(node: &Node, id: &str) -> Result<(String, String, String)> {
     bail!("task {id} not in `ctr task ls`:\n{out}")
 }
 
-/// The counter value a counter workload wrote to its file, read through its rootfs.
+/// The counter value a counter workload wrote to its file, read through its rootfs. The counter
+/// rewrites the file every tick, so a read can meet it empty: such reads are retried.
 pub fn counter_value(pid: i32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/root/counter.txt"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+    for _ in 0..50 {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/root/counter.txt")).ok()?;
+        if let Ok(v) = text.trim().parse() {
+            return Some(v);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
 }
 
 /// Lines of /proc/self/mountinfo that mention `needle`.
