@@ -123,7 +123,7 @@ pub struct Sizes {
 }
 
 /// Everything `inspect` needs, read in one pass over the headers (data skipped by seeking).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ArchiveInfo {
     pub entries: Vec<EntryInfo>,
     pub config_dump: Option<ConfigDump>,
@@ -268,15 +268,7 @@ pub fn read_info(path: &Path, limits: Limits) -> Result<ArchiveInfo> {
 pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInfo> {
     let mut ar = tar::Archive::new(r);
     let mut checker = Checker::new(limits);
-    let mut info = ArchiveInfo {
-        entries: Vec::new(),
-        config_dump: None,
-        spec_dump: None,
-        status_dump: None,
-        manifest: None,
-        sizes: Sizes::default(),
-        statistics: None,
-    };
+    let mut info = ArchiveInfo::default();
     let mut last: Option<String> = None;
     let entries = ar.entries_with_seek().map_err(|e| tar_err(None, e))?;
     for ent in entries {

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::archive::{names, ArchiveInfo, ConfigDump, Sizes, MAX_METADATA_BYTES};
+use crate::archive::{names, ArchiveInfo, ConfigDump, MAX_METADATA_BYTES};
 use crate::compat::{self, keys, Profile};
 use crate::digest::{sha256_hex, Progress, COPY_BUF};
 use crate::error::{Error, Result};
@@ -181,15 +181,7 @@ fn stream_layer(
     };
     let mut ar = tar::Archive::new(tee);
     let mut checker = Checker::new(limits);
-    let mut info = ArchiveInfo {
-        entries: Vec::new(),
-        config_dump: None,
-        spec_dump: None,
-        status_dump: None,
-        manifest: None,
-        sizes: Sizes::default(),
-        statistics: None,
-    };
+    let mut info = ArchiveInfo::default();
     {
         let entries = ar.entries().map_err(|e| Error::Tar {
             entry: None,
@@ -543,6 +535,27 @@ fn source_of(path: &Path) -> Result<Source> {
     })
 }
 
+/// Calls `f` with the member `name` of the OCI layout tarball `t`; "no NAME" when it has none.
+fn with_tarball_member<T>(
+    t: &Path,
+    name: &str,
+    f: impl FnOnce(tar::Entry<'_, File>) -> Result<T>,
+) -> Result<T> {
+    let tar_err = |e| Error::Tar {
+        entry: None,
+        source: e,
+    };
+    let file = File::open(t).map_err(|e| Error::io("opening", t, e))?;
+    let mut ar = tar::Archive::new(file);
+    for ent in ar.entries_with_seek().map_err(tar_err)? {
+        let ent = ent.map_err(tar_err)?;
+        if crate::safe::normalize_name(&ent.path_bytes())? == name {
+            return f(ent);
+        }
+    }
+    Err(Error::oci(t.display().to_string(), format!("no {name}")))
+}
+
 /// Read a small blob (JSON) by path inside the image.
 fn read_small_member(src: &Source, name: &str) -> Result<Vec<u8>> {
     match src {
@@ -554,38 +567,23 @@ fn read_small_member(src: &Source, name: &str) -> Result<Vec<u8>> {
             }
             fs::read(&p).map_err(|e| Error::io("reading", &p, e))
         }
-        Source::Tarball(t) => {
-            let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
-            let mut ar = tar::Archive::new(f);
-            for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
-                entry: None,
-                source: e,
-            })? {
-                let ent = ent.map_err(|e| Error::Tar {
-                    entry: None,
+        Source::Tarball(t) => with_tarball_member(t, name, |ent| {
+            if ent.size() > MAX_METADATA_BYTES {
+                return Err(Error::EntryTooLarge {
+                    entry: name.to_string(),
+                    size: ent.size(),
+                    limit: MAX_METADATA_BYTES,
+                });
+            }
+            let mut v = Vec::new();
+            ent.take(MAX_METADATA_BYTES)
+                .read_to_end(&mut v)
+                .map_err(|e| Error::Tar {
+                    entry: Some(name.to_string()),
                     source: e,
                 })?;
-                let p = crate::safe::normalize_name(&ent.path_bytes())?;
-                if p == name {
-                    if ent.size() > MAX_METADATA_BYTES {
-                        return Err(Error::EntryTooLarge {
-                            entry: p,
-                            size: ent.size(),
-                            limit: MAX_METADATA_BYTES,
-                        });
-                    }
-                    let mut v = Vec::new();
-                    ent.take(MAX_METADATA_BYTES)
-                        .read_to_end(&mut v)
-                        .map_err(|e| Error::Tar {
-                            entry: Some(p.clone()),
-                            source: e,
-                        })?;
-                    return Ok(v);
-                }
-            }
-            Err(Error::oci(t.display().to_string(), format!("no {name}")))
-        }
+            Ok(v)
+        }),
     }
 }
 
@@ -783,25 +781,9 @@ pub fn push(image: &Path, reference: &str, progress: Progress<'_>) -> Result<Str
                 let f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
                 send_blob(&agent, &put, f, b.size, &mut prog)
             }
-            Source::Tarball(t) => {
-                let f = File::open(t).map_err(|e| Error::io("opening", t, e))?;
-                let mut ar = tar::Archive::new(f);
-                let mut res = None;
-                for ent in ar.entries_with_seek().map_err(|e| Error::Tar {
-                    entry: None,
-                    source: e,
-                })? {
-                    let ent = ent.map_err(|e| Error::Tar {
-                        entry: None,
-                        source: e,
-                    })?;
-                    if crate::safe::normalize_name(&ent.path_bytes())? == name {
-                        res = Some(send_blob(&agent, &put, ent, b.size, &mut prog));
-                        break;
-                    }
-                }
-                res.ok_or_else(|| Error::oci(t.display().to_string(), format!("no {name}")))?
-            }
+            Source::Tarball(t) => with_tarball_member(t, &name, |ent| {
+                Ok(send_blob(&agent, &put, ent, b.size, &mut prog))
+            })?,
         };
         let status = resp.map_err(|e| reg(&put, e))?;
         if status != 201 {
