@@ -1412,6 +1412,18 @@ impl Registry {
     /// pushes it to the registry (`ctr images push --plain-http`), so that CRI can pull it and the
     /// image gets a RepoDigest (P8b). Returns the pushed references.
     pub fn push_images(&self, node: &Node) -> Result<Vec<String>> {
+        // One push at a time, across test threads and processes: two concurrent pushes of the
+        // same image to an empty registry race ("blob unknown to registry").
+        fs::create_dir_all(self.stack.prefix())?;
+        let lock_path = self.stack.prefix().join("registry-push.lock");
+        let lock_file = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .with_context(|| format!("open {}", lock_path.display()))?;
+        let _flock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| anyhow!("flock {}: {e}", lock_path.display()))?;
         let images = read_images_json(&self.stack.images_dir())?;
         let mut refs = Vec::new();
         for img in images {
