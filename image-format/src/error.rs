@@ -101,6 +101,10 @@ pub enum Error {
     #[error("file {name:?}: listed in the manifest but missing")]
     MissingFile { name: String },
 
+    /// A verification was stopped before it reached a verdict.
+    #[error("file {name:?}: verification cancelled")]
+    Cancelled { name: String },
+
     /// A file is present but not listed in the manifest.
     #[error("file {name:?}: present but not listed in the manifest")]
     UnlistedFile { name: String },

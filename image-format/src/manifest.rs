@@ -5,15 +5,17 @@
 //! of every file in the checkpoint directory (except itself). The schema is documented field by field in
 //! docs/image-format.md.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fs;
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
-use crate::digest::{hash_file, no_progress, Progress};
+use crate::digest::{hash_file, no_progress, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -444,6 +446,16 @@ pub fn hash_dir_flat_progress(
     dir: &Path,
     progress: Progress<'_>,
 ) -> Result<BTreeMap<String, FileDigest>> {
+    hash_dir_flat_with(dir, BTreeMap::new(), progress)
+}
+
+/// [`hash_dir_flat`], taking the digests in `known` (from an [`AppendHasher`] that followed the
+/// files as they were written) for files whose size still matches, and hashing the rest.
+pub fn hash_dir_flat_with(
+    dir: &Path,
+    mut known: BTreeMap<String, FileDigest>,
+    progress: Progress<'_>,
+) -> Result<BTreeMap<String, FileDigest>> {
     let mut names = Vec::new();
     let mut total = 0u64;
     for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
@@ -477,19 +489,144 @@ pub fn hash_dir_flat_progress(
                 reason: "hard links are not allowed",
             });
         }
-        total += meta.len();
+        if known.get(&name).is_some_and(|d| d.size != meta.len()) {
+            known.remove(&name);
+        }
+        if !known.contains_key(&name) {
+            total += meta.len();
+        }
         names.push(name);
     }
     names.sort();
     let mut out = BTreeMap::new();
     let mut base = 0u64;
     for name in names {
+        if let Some(d) = known.remove(&name) {
+            out.insert(name, d);
+            continue;
+        }
         let path = dir.join(&name);
         let (sha256, size) = hash_file(&path, &mut |d, _| progress(base + d, total))?;
         base += size;
         out.insert(name, FileDigest { size, sha256 });
     }
     Ok(out)
+}
+
+/// Hashes files of a directory while another process is still appending to them (CRIU writing
+/// its page images during a dump), so that little is left to hash once the writer is done.
+///
+/// Only files that `select` picks and that were not in the directory before (`skip`) are
+/// followed. A file is only ever read up to its current end, which is safe against a
+/// concurrent append. [`AppendHasher::finish`] returns a digest only for a file still of the
+/// size that was hashed and still at the same inode; anything else (a file truncated,
+/// rewritten or replaced) is left out, for [`hash_dir_flat_with`] to hash in full.
+pub struct AppendHasher {
+    dir: PathBuf,
+    select: fn(&str) -> bool,
+    skip: HashSet<String>,
+    files: BTreeMap<String, Followed>,
+    buf: Vec<u8>,
+}
+
+struct Followed {
+    file: fs::File,
+    hasher: Sha256,
+    done: u64,
+}
+
+impl AppendHasher {
+    pub fn new(dir: &Path, select: fn(&str) -> bool, skip: HashSet<String>) -> Self {
+        AppendHasher {
+            dir: dir.to_path_buf(),
+            select,
+            skip,
+            files: BTreeMap::new(),
+            buf: vec![0u8; COPY_BUF],
+        }
+    }
+
+    /// Picks up new files and hashes what was appended since the last call; returns the number
+    /// of bytes hashed (0: nothing new yet).
+    pub fn poll(&mut self) -> Result<u64> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(Error::io("listing", &self.dir, e)),
+        };
+        for ent in entries {
+            let ent = ent.map_err(|e| Error::io("listing", &self.dir, e))?;
+            let Ok(name) = ent.file_name().into_string() else {
+                continue;
+            };
+            if self.files.contains_key(&name) || self.skip.contains(&name) || !(self.select)(&name)
+            {
+                continue;
+            }
+            let path = self.dir.join(&name);
+            let file = match fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+            {
+                Ok(f) => f,
+                // Not there any more, or not a regular file: the full hash deals with it.
+                Err(_) => {
+                    self.skip.insert(name);
+                    continue;
+                }
+            };
+            self.files.insert(
+                name,
+                Followed {
+                    file,
+                    hasher: Sha256::new(),
+                    done: 0,
+                },
+            );
+        }
+        let mut hashed = 0u64;
+        for (name, f) in self.files.iter_mut() {
+            loop {
+                let n = f
+                    .file
+                    .read_at(&mut self.buf, f.done)
+                    .map_err(|e| Error::io("reading", self.dir.join(name), e))?;
+                if n == 0 {
+                    break;
+                }
+                f.hasher.update(&self.buf[..n]);
+                f.done += n as u64;
+                hashed += n as u64;
+            }
+        }
+        Ok(hashed)
+    }
+
+    /// The writer is done: hashes the rest of every followed file and returns the digests of
+    /// those still whole (same inode, same size as hashed).
+    pub fn finish(mut self) -> Result<BTreeMap<String, FileDigest>> {
+        self.poll()?;
+        let mut out = BTreeMap::new();
+        for (name, f) in self.files {
+            let held = f
+                .file
+                .metadata()
+                .map_err(|e| Error::io("reading", self.dir.join(&name), e))?;
+            let now = fs::symlink_metadata(self.dir.join(&name));
+            let same = now.is_ok_and(|m| m.ino() == held.ino() && m.dev() == held.dev());
+            if same && held.len() == f.done {
+                out.insert(
+                    name,
+                    FileDigest {
+                        size: f.done,
+                        sha256: hex::encode(f.hasher.finalize()),
+                    },
+                );
+            }
+        }
+        Ok(out)
+    }
 }
 
 fn is_manifest_or_temp(name: &str) -> bool {
@@ -504,9 +641,65 @@ pub fn verify_dir(dir: &Path) -> Result<Manifest> {
 
 /// [`verify_dir`] with a progress hook.
 pub fn verify_dir_progress(dir: &Path, progress: Progress<'_>) -> Result<Manifest> {
+    let (m, deferred) = verify_dir_staged(dir, &|_| false, progress)?;
+    debug_assert!(deferred.files.is_empty());
+    Ok(m)
+}
+
+/// CRIU's page images, `pages-<n>.img`: the one kind of file a restore may read before its
+/// digest is checked, because CRIU copies their bytes into the restored memory without parsing
+/// them, at the places the (already verified) pagemap images say. The restored tasks must not
+/// run until [`DeferredDigests::verify`] has passed.
+pub fn is_page_image(name: &str) -> bool {
+    name.strip_prefix("pages-")
+        .and_then(|r| r.strip_suffix(".img"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// What [`verify_dir_staged`] left for later: the digests of the deferred files, whose presence,
+/// type and size it did check.
+#[derive(Debug, Default)]
+pub struct DeferredDigests {
+    dir: PathBuf,
+    files: Vec<(String, FileDigest)>,
+}
+
+impl DeferredDigests {
+    /// Bytes still to hash.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|(_, d)| d.size).sum()
+    }
+
+    /// Hashes the deferred files and compares them with the manifest. Stops with
+    /// [`Error::Cancelled`] when `cancel` is set.
+    pub fn verify(&self, cancel: &AtomicBool) -> Result<()> {
+        for (name, want) in &self.files {
+            if cancel.load(Ordering::Relaxed) {
+                return Err(Error::Cancelled { name: name.clone() });
+            }
+            let mut cancelled = false;
+            let path = self.dir.join(name);
+            let got = hash_file(&path, &mut |_, _| {
+                cancelled |= cancel.load(Ordering::Relaxed);
+            });
+            if cancelled {
+                return Err(Error::Cancelled { name: name.clone() });
+            }
+            check_digest(name, want, got?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Verify a checkpoint directory in two stages: now, the manifest, the listing (no unlisted
+/// file), the type and size of every file, and the sha256 of every file but those `defer`
+/// picks; later, [`DeferredDigests::verify`] for those. `verify_dir` defers nothing.
+pub fn verify_dir_staged(
+    dir: &Path,
+    defer: &dyn Fn(&str) -> bool,
+    progress: Progress<'_>,
+) -> Result<(Manifest, DeferredDigests)> {
     let m = Manifest::read_from(dir)?;
-    let total: u64 = m.files.values().map(|f| f.size).sum();
-    let mut base = 0u64;
     // Unlisted files first: cheap, and a stray file is as much a mismatch as a bad digest.
     for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
         let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
@@ -515,6 +708,10 @@ pub fn verify_dir_progress(dir: &Path, progress: Progress<'_>) -> Result<Manifes
             return Err(Error::UnlistedFile { name });
         }
     }
+    let mut deferred = DeferredDigests {
+        dir: dir.to_path_buf(),
+        files: Vec::new(),
+    };
     for (name, want) in &m.files {
         let path = dir.join(name);
         let meta = match fs::symlink_metadata(&path) {
@@ -537,22 +734,35 @@ pub fn verify_dir_progress(dir: &Path, progress: Progress<'_>) -> Result<Manifes
                 actual: meta.len(),
             });
         }
-        let (sha, size) = hash_file(&path, &mut |d, _| progress(base + d, total))?;
-        base += size;
-        if size != want.size {
-            return Err(Error::SizeMismatch {
-                name: name.clone(),
-                expected: want.size,
-                actual: size,
-            });
-        }
-        if sha != want.sha256 {
-            return Err(Error::DigestMismatch {
-                name: name.clone(),
-                expected: want.sha256.clone(),
-                actual: sha,
-            });
+        if defer(name) {
+            deferred.files.push((name.clone(), want.clone()));
         }
     }
-    Ok(m)
+    let total: u64 = m.files.values().map(|f| f.size).sum::<u64>() - deferred.bytes();
+    let mut base = 0u64;
+    for (name, want) in m.files.iter().filter(|(n, _)| !defer(n)) {
+        let got = hash_file(&dir.join(name), &mut |d, _| progress(base + d, total))?;
+        base += got.1;
+        check_digest(name, want, got)?;
+    }
+    Ok((m, deferred))
+}
+
+/// Compares a file's (sha256, size) as read with what the manifest lists.
+fn check_digest(name: &str, want: &FileDigest, (sha, size): (String, u64)) -> Result<()> {
+    if size != want.size {
+        return Err(Error::SizeMismatch {
+            name: name.to_string(),
+            expected: want.size,
+            actual: size,
+        });
+    }
+    if sha != want.sha256 {
+        return Err(Error::DigestMismatch {
+            name: name.to_string(),
+            expected: want.sha256.clone(),
+            actual: sha,
+        });
+    }
+    Ok(())
 }

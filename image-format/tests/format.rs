@@ -414,3 +414,122 @@ fn references_split() {
     assert_eq!(oci::tag_of("localhost:5000/a/b:7"), "7");
     assert_eq!(oci::tag_of("localhost:5000/a/b"), "latest");
 }
+
+#[test]
+fn page_images_are_named_pages_n_img() {
+    for yes in ["pages-1.img", "pages-12.img"] {
+        assert!(manifest::is_page_image(yes), "{yes}");
+    }
+    for no in [
+        "pages-.img",
+        "pages-1.img.tmp",
+        "pagemap-1.img",
+        "pages-a.img",
+        "core-1.img",
+    ] {
+        assert!(!manifest::is_page_image(no), "{no}");
+    }
+}
+
+#[test]
+fn staged_verify_defers_page_digests_but_checks_sizes_first() {
+    use std::sync::atomic::AtomicBool;
+    let tmp = tempfile::tempdir().unwrap();
+    let m = make_checkpoint_dir(tmp.path());
+    let defer = |n: &str| manifest::is_page_image(n);
+    let (back, deferred) =
+        manifest::verify_dir_staged(tmp.path(), &defer, &mut no_progress).unwrap();
+    assert_eq!(back, m);
+    assert_eq!(deferred.bytes(), m.files["pages-1.img"].size);
+    deferred.verify(&AtomicBool::new(false)).unwrap();
+
+    // Same size, other bytes: the first stage passes, the deferred one names the file.
+    let pages = tmp.path().join("pages-1.img");
+    let size = std::fs::metadata(&pages).unwrap().len() as usize;
+    std::fs::write(&pages, vec![0x5au8; size]).unwrap();
+    let (_, deferred) = manifest::verify_dir_staged(tmp.path(), &defer, &mut no_progress).unwrap();
+    let e = deferred.verify(&AtomicBool::new(false)).unwrap_err();
+    assert!(
+        matches!(&e, Error::DigestMismatch { name, .. } if name == "pages-1.img"),
+        "{e}"
+    );
+    let e = deferred.verify(&AtomicBool::new(true)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "file \"pages-1.img\": verification cancelled"
+    );
+    // A truncated page image never gets past the first stage.
+    std::fs::write(&pages, vec![0x5au8; size - 1]).unwrap();
+    let e = manifest::verify_dir_staged(tmp.path(), &defer, &mut no_progress).unwrap_err();
+    assert!(
+        matches!(&e, Error::SizeMismatch { name, .. } if name == "pages-1.img"),
+        "{e}"
+    );
+    // Nor does a tampered file that is not deferred.
+    std::fs::write(&pages, vec![0x5au8; size]).unwrap();
+    let core = tmp.path().join("core-1.img");
+    let core_len = std::fs::metadata(&core).unwrap().len() as usize;
+    std::fs::write(&core, vec![1u8; core_len]).unwrap();
+    let e = manifest::verify_dir_staged(tmp.path(), &defer, &mut no_progress).unwrap_err();
+    assert!(
+        matches!(&e, Error::DigestMismatch { name, .. } if name == "core-1.img"),
+        "{e}"
+    );
+}
+
+#[test]
+fn append_hasher_follows_a_file_while_it_is_written() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    // Present before: never followed, even though it matches.
+    std::fs::write(dir.join("pages-9.img"), b"old").unwrap();
+    let skip = [String::from("pages-9.img")].into_iter().collect();
+    let mut h = manifest::AppendHasher::new(&dir, manifest::is_page_image, skip);
+    let writer = std::thread::spawn({
+        let dir = dir.clone();
+        move || {
+            let mut f = std::fs::File::create(dir.join("pages-1.img")).unwrap();
+            std::fs::write(dir.join("core-1.img"), b"not followed").unwrap();
+            for i in 0..64u32 {
+                f.write_all(&vec![(i % 251) as u8; 64 * 1024 + i as usize])
+                    .unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    });
+    let mut while_writing = 0;
+    while !writer.is_finished() {
+        while_writing += h.poll().unwrap();
+    }
+    writer.join().unwrap();
+    // A file that appears and is then truncated is not trusted.
+    std::fs::write(dir.join("pages-2.img"), vec![7u8; 1000]).unwrap();
+    h.poll().unwrap();
+    std::fs::write(dir.join("pages-2.img"), vec![7u8; 10]).unwrap();
+    let followed = h.finish().unwrap();
+    assert!(while_writing > 0, "nothing was hashed while the file grew");
+    assert_eq!(
+        followed.keys().collect::<Vec<_>>(),
+        vec!["pages-1.img"],
+        "only the grown page image is trusted"
+    );
+    let full = manifest::hash_dir_flat(&dir).unwrap();
+    assert_eq!(followed["pages-1.img"], full["pages-1.img"]);
+    let merged = manifest::hash_dir_flat_with(&dir, followed, &mut no_progress).unwrap();
+    assert_eq!(merged, full);
+    // A digest whose size no longer matches is hashed again.
+    let stale = [(
+        "core-1.img".to_string(),
+        manifest::FileDigest {
+            size: 1,
+            sha256: "00".repeat(32),
+        },
+    )]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        manifest::hash_dir_flat_with(&dir, stale, &mut no_progress).unwrap(),
+        full
+    );
+}
