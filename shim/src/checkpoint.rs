@@ -147,17 +147,31 @@ pub fn restore_args(criu: &CriuOptions, tcp_close: bool) -> Vec<String> {
 }
 
 /// Writes the container's CRIU configuration file: `tcp-close` when connections are to be
-/// closed rather than dumped (runc has no flag for it), nothing otherwise.
-pub fn write_criu_conf(bundle: &Path, tcp_close: bool) -> Result<()> {
+/// closed rather than dumped (runc has no flag for it), and for a restore the action script
+/// of its [`crate::verify_gate::VerifyGate`].
+pub fn write_criu_conf(bundle: &Path, tcp_close: bool, action_script: Option<&Path>) -> Result<()> {
     let path = bundle.join(CRIU_CONF_FILE);
-    let body = if tcp_close { "tcp-close\n" } else { "" };
+    let mut body = String::new();
+    if tcp_close {
+        body.push_str("tcp-close\n");
+    }
+    if let Some(script) = action_script {
+        let script = script.display().to_string();
+        if script.contains(['"', '\\', '\n']) {
+            return Err(Error::InvalidArgument(format!(
+                "bundle path {script:?} cannot be written into a CRIU configuration file"
+            )));
+        }
+        body.push_str(&format!("action-script \"{script}\"\n"));
+    }
     std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
 }
 
 /// Points runc at the shim's CRIU configuration file through `org.criu.config` in the bundle's
 /// config.json, unless the user set that annotation already. Edits the JSON as a tree so that
-/// nothing of the spec is lost. Must run before `runc create` or `runc restore`.
-pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<()> {
+/// nothing of the spec is lost. Must run before `runc create` or `runc restore`. Returns whether
+/// runc will read the shim's file (false: the spec names another one).
+pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<bool> {
     let path = bundle.join("config.json");
     let text =
         std::fs::read_to_string(&path).map_err(Error::io(format!("read {}", path.display())))?;
@@ -178,15 +192,14 @@ pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<()> {
             path.display()
         )));
     };
-    if annotations.contains_key(CRIU_CONFIG_ANNOTATION) {
-        return Ok(());
+    let ours = bundle.join(CRIU_CONF_FILE).display().to_string();
+    if let Some(named) = annotations.get(CRIU_CONFIG_ANNOTATION) {
+        return Ok(named.as_str() == Some(ours.as_str()));
     }
-    annotations.insert(
-        CRIU_CONFIG_ANNOTATION.into(),
-        bundle.join(CRIU_CONF_FILE).display().to_string().into(),
-    );
+    annotations.insert(CRIU_CONFIG_ANNOTATION.into(), ours.into());
     let out = serde_json::to_vec(&spec).map_err(Error::json("encode bundle config"))?;
-    std::fs::write(&path, out).map_err(Error::io(format!("write {}", path.display())))
+    std::fs::write(&path, out).map_err(Error::io(format!("write {}", path.display())))?;
+    Ok(true)
 }
 
 /// What an error message should carry of a CRIU log: its error lines (the cause is usually the
@@ -288,7 +301,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let spec = r#"{"ociVersion":"1.0.2","x-unknown":{"keep":1},"annotations":{"a":"b"}}"#;
         std::fs::write(dir.path().join("config.json"), spec).unwrap();
-        point_runc_at_criu_conf(dir.path()).unwrap();
+        assert!(point_runc_at_criu_conf(dir.path()).unwrap());
+        // Idempotent: the second call finds its own file named.
+        assert!(point_runc_at_criu_conf(dir.path()).unwrap());
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap())
                 .unwrap();
@@ -298,10 +313,29 @@ mod tests {
             .as_str()
             .unwrap()
             .ends_with(CRIU_CONF_FILE));
-        write_criu_conf(dir.path(), true).unwrap();
+        write_criu_conf(dir.path(), true, None).unwrap();
         assert_eq!(
             std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap(),
             "tcp-close\n"
+        );
+        write_criu_conf(dir.path(), false, Some(Path::new("/b/gate.sh"))).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap(),
+            "action-script \"/b/gate.sh\"\n"
+        );
+        let e = write_criu_conf(dir.path(), false, Some(Path::new("/b/\"x"))).unwrap_err();
+        assert!(e.to_string().contains("cannot be written"), "{e}");
+    }
+
+    #[test]
+    fn a_criu_config_named_by_the_user_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = r#"{"ociVersion":"1.0.2","annotations":{"org.criu.config":"/etc/mine.conf"}}"#;
+        std::fs::write(dir.path().join("config.json"), spec).unwrap();
+        assert!(!point_runc_at_criu_conf(dir.path()).unwrap());
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("config.json")).unwrap(),
+            spec
         );
     }
 

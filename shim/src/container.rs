@@ -2,12 +2,16 @@
 //! that create, start and delete it, each with its undo.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     ffi::OsString,
     os::unix::fs::PermissionsExt,
+    panic::AssertUnwindSafe,
     path::{Path, PathBuf},
-    sync::Arc,
-    time::Instant,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
 };
 
 use containerd_shim::{
@@ -17,9 +21,12 @@ use containerd_shim::{
     util::{mount_rootfs, read_pid_from_file},
 };
 use oci_spec::runtime::{LinuxNamespaceType, Spec};
-use tracing::{info_span, warn, Instrument};
+use tracing::{info, info_span, warn, Instrument};
 
-use image_format::manifest::{self, Manifest};
+use image_format::{
+    digest::no_progress,
+    manifest::{self, Manifest},
+};
 
 use crate::{
     annotations::{self, Annotations},
@@ -32,6 +39,7 @@ use crate::{
     restore,
     runc::{tool_output, CreateOpts, Runc},
     stdio,
+    verify_gate::VerifyGate,
 };
 
 const INIT_PID_FILE: &str = "init.pid";
@@ -53,8 +61,12 @@ pub struct Container {
     pub annotations: Annotations,
     /// Set when the container is to be restored from a checkpoint directory at start.
     restore_from: Option<PathBuf>,
+    /// runc hands CRIU the shim's configuration file (not one the spec names).
+    own_criu_conf: bool,
 }
 
+/// How often the dump's page images are looked at for new bytes to hash.
+const FOLLOW_INTERVAL: Duration = Duration::from_millis(10);
 /// Where the shim keeps CRIU's work files by default; removed after a checkpoint.
 const CRIU_WORK: &str = "criu-work";
 
@@ -113,6 +125,7 @@ impl Container {
             spec_annotations,
             annotations,
             restore_from,
+            own_criu_conf: false,
         };
 
         // Step 1: the rootfs. Undo: unmount.
@@ -125,11 +138,14 @@ impl Container {
             return Err(e);
         }
         // Step 2: the CRIU configuration file runc will use for this container's checkpoints.
-        if let Err(e) = checkpoint::write_criu_conf(&bundle, false)
+        match checkpoint::write_criu_conf(&bundle, false, None)
             .and_then(|_| checkpoint::point_runc_at_criu_conf(&bundle))
         {
-            container.unmount_rootfs();
-            return Err(e);
+            Ok(ours) => container.own_criu_conf = ours,
+            Err(e) => {
+                container.unmount_rootfs();
+                return Err(e);
+            }
         }
         // Step 3 (restore handler): the checkpoint the pod names for this container, fetched,
         // checked, unpacked and its rootfs diff applied. Undo: what it unpacked, the mount.
@@ -308,35 +324,114 @@ impl Container {
 
     /// Restores the container's process tree from the checkpoint directory `dir`.
     async fn restore(&mut self, dir: &Path) -> Result<()> {
-        let step = |step: &'static str| {
-            move |e: &dyn std::fmt::Display| Error::Step {
-                operation: "restore",
-                step,
-                message: e.to_string(),
-            }
-        };
-        // Step 1: verify every file against the manifest; refuse anything that does not match.
-        let manifest = tokio::task::spawn_blocking({
+        // Step 1: verify the checkpoint against its manifest: listing, sizes, and the digest of
+        // every file but the page images, before CRIU reads any of it. The page images are
+        // hashed while CRIU restores them (step 3) when the gate can hold the restored tasks;
+        // otherwise here too.
+        let overlap = self.own_criu_conf;
+        let t = Instant::now();
+        let (manifest, deferred) = tokio::task::spawn_blocking({
             let dir = dir.to_path_buf();
-            move || manifest::verify_dir(&dir)
+            move || {
+                let defer = |name: &str| overlap && manifest::is_page_image(name);
+                manifest::verify_dir_staged(&dir, &defer, &mut no_progress)
+            }
         })
         .await
-        .map_err(|e| step("verify")(&e))?
-        .map_err(|e| step("verify")(&e))?;
+        .map_err(|e| restore::step("verify")(e.to_string()))?
+        .map_err(|e| restore::step("verify")(e.to_string()))?;
+        let verified_first = t.elapsed();
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
-        // this container asks for it (a new address).
+        // this container asks for it (a new address). The gate holds the restored tasks until
+        // the page images are verified. Undo: the configuration goes back to the checkpoints'.
         let tcp_close = manifest.criu.tcp == "close"
             || self.annotations.get(annotations::TCP) == Some("close")
             || (self.annotations.get(annotations::TCP).is_none()
                 && self.options.tcp_mode == "close");
-        checkpoint::write_criu_conf(&self.bundle, tcp_close).map_err(|e| step("prepare")(&e))?;
-        // Step 3: runc restore. Undo: stop the copies, runc delete.
+        let gate = Arc::new(
+            VerifyGate::create(&self.bundle)
+                .map_err(|e| restore::step("prepare")(e.to_string()))?,
+        );
+        checkpoint::write_criu_conf(&self.bundle, tcp_close, Some(gate.script()))
+            .map_err(|e| restore::step("prepare")(e.to_string()))?;
+        // Step 3: the page images' digests, in parallel with runc restore; the verdict opens
+        // the gate. Undo: cancel the hashing.
+        let cancel = Arc::new(AtomicBool::new(false));
+        let verified = tokio::task::spawn_blocking({
+            let (cancel, gate) = (cancel.clone(), gate.clone());
+            move || -> Result<Duration> {
+                let t = Instant::now();
+                // A verdict whatever happens: CRIU waits for one.
+                let result =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| deferred.verify(&cancel)))
+                        .unwrap_or_else(|_| {
+                            Err(image_format::Error::Cancelled {
+                                name: "page images (the verification panicked)".into(),
+                            })
+                        });
+                gate.open(result.is_ok())?;
+                result?;
+                Ok(t.elapsed())
+            }
+        });
+        // Step 4: runc restore; CRIU waits at the gate. Undo (in `run_restore`): stop the
+        // copies, runc delete.
+        let t = Instant::now();
+        let restored = self.run_restore(dir, &manifest, tcp_close).await;
+        let runc_restore = t.elapsed();
+        if restored.is_err() {
+            cancel.store(true, Ordering::Relaxed);
+        }
+        let verified = verified
+            .await
+            .unwrap_or_else(|e| Err(Error::FailedPrecondition(format!("page verification: {e}"))));
+        drop(gate);
+        if let Err(e) = checkpoint::write_criu_conf(&self.bundle, false, None) {
+            warn!(id = %self.id, error = %e, "CRIU configuration after a restore");
+        }
+        match (restored, verified) {
+            (Ok(()), Ok(pages)) => {
+                info!(
+                    id = %self.id,
+                    verify_ms = verified_first.as_millis() as u64,
+                    page_verify_ms = pages.as_millis() as u64,
+                    runc_restore_ms = runc_restore.as_millis() as u64,
+                    "restored"
+                );
+                Ok(())
+            }
+            (Err(e), Err(Error::Image(image_format::Error::Cancelled { .. }))) => Err(e),
+            // The verdict is the cause: the gate made CRIU abort, or, were the gate bypassed
+            // (a CRIU configuration the spec names), the restored tasks are killed here.
+            (Err(_), Err(e)) => Err(restore::step("verify")(format!(
+                "{e}; CRIU aborted the restore before the restored tasks ran"
+            ))),
+            (Ok(()), Err(e)) => {
+                self.init.io.tasks.abort().await;
+                if let Err(de) = self.runc.delete(&self.id, true).await {
+                    warn!(id = %self.id, error = %de, "undo of a refused restore: runc delete");
+                }
+                Err(restore::step("verify")(format!(
+                    "{e}; the restored tasks were killed"
+                )))
+            }
+            (Err(e), Ok(_)) => Err(e),
+        }
+    }
+
+    /// `runc restore` of `dir` with the container's IO; reads the restored pid.
+    async fn run_restore(
+        &mut self,
+        dir: &Path,
+        manifest: &Manifest,
+        tcp_close: bool,
+    ) -> Result<()> {
         let work = if self.options.criu_work_path.is_empty() {
             self.bundle.join(CRIU_WORK)
         } else {
             PathBuf::from(&self.options.criu_work_path)
         };
-        std::fs::create_dir_all(&work).map_err(|e| step("prepare")(&e))?;
+        std::fs::create_dir_all(&work).map_err(|e| restore::step("prepare")(e.to_string()))?;
         let prepared = stdio::prepare(&self.init.stdio, self.options.io_uid, self.options.io_gid)?;
         let mut io = prepared.io;
         let console = prepared.console;
@@ -441,7 +536,7 @@ impl Container {
         if let Err(e) = std::fs::create_dir_all(&work)
             .map_err(|e| fail("prepare", format!("work directory {}: {e}", work.display())))
             .and_then(|_| {
-                checkpoint::write_criu_conf(&self.bundle, plan.criu.tcp == "close")
+                checkpoint::write_criu_conf(&self.bundle, plan.criu.tcp == "close", None)
                     .map_err(|e| fail("prepare", e.to_string()))
             })
         {
@@ -450,13 +545,45 @@ impl Container {
         }
         let mut timings = Vec::new();
 
-        // Step 2: CRIU dump through runc. Undo: remove what it wrote; CRIU resumes the tasks.
+        // Step 2: CRIU dump through runc, its page images hashed as CRIU writes them (and the
+        // versions for the manifest read meanwhile). Undo: remove what it wrote; CRIU resumes
+        // the tasks.
         let t = Instant::now();
-        let dumped = self
-            .runc
-            .checkpoint(&self.id, image, &work, &plan.runc_args())
-            .instrument(info_span!("criu_dump", id = %self.id))
-            .await;
+        let dumping = Arc::new(AtomicBool::new(true));
+        let follower = tokio::task::spawn_blocking({
+            let (image, dumping) = (image.clone(), dumping.clone());
+            let skip = before
+                .iter()
+                .filter_map(|n| n.to_str().map(str::to_string))
+                .collect();
+            move || -> image_format::Result<BTreeMap<String, manifest::FileDigest>> {
+                let mut hasher = manifest::AppendHasher::new(&image, manifest::is_page_image, skip);
+                while dumping.load(Ordering::Relaxed) {
+                    if hasher.poll()? == 0 {
+                        std::thread::sleep(FOLLOW_INTERVAL);
+                    }
+                }
+                hasher.finish()
+            }
+        });
+        let runc_args = plan.runc_args();
+        let (dumped, node) = tokio::join!(
+            self.runc
+                .checkpoint(&self.id, image, &work, &runc_args)
+                .instrument(info_span!("criu_dump", id = %self.id)),
+            node_info(&self.runc)
+        );
+        dumping.store(false, Ordering::Relaxed);
+        // What the follower hashed saves the manifest step that much; if it failed, the
+        // manifest step hashes everything itself.
+        let followed = follower
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .unwrap_or_else(|e| {
+                warn!(id = %self.id, error = %e, "hashing page images during the dump");
+                BTreeMap::new()
+            });
         if let Err(e) = dumped {
             let log = work.join("dump.log");
             let kept = self.bundle.join(checkpoint::DUMP_LOG_COPY);
@@ -481,7 +608,7 @@ impl Container {
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
         let t = Instant::now();
         let written = self
-            .write_manifest(plan, &mut timings, t)
+            .write_manifest(plan, node, followed, &mut timings, t)
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
@@ -499,6 +626,8 @@ impl Container {
     async fn write_manifest(
         &self,
         plan: &CheckpointPlan,
+        node: manifest::Node,
+        followed: BTreeMap<String, manifest::FileDigest>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
         started: Instant,
     ) -> Result<Manifest> {
@@ -517,7 +646,6 @@ impl Container {
             image: get("io.kubernetes.cri.image-name"),
             image_digest: String::new(),
         };
-        let node = node_info(&self.runc).await;
         let workload = manifest::Workload {
             engine_version: get(annotations::ENGINE_VERSION),
             model_version: get(annotations::MODEL_VERSION),
@@ -533,8 +661,7 @@ impl Container {
         let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
             let mut m = m;
             restrict_files(&image)?;
-            m.hash_dir(&image)
-                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            m.files = manifest::hash_dir_flat_with(&image, followed, &mut no_progress)?;
             Ok(m)
         })
         .await

@@ -44,6 +44,9 @@ pub enum Error {
     /// Protobuf encoding or decoding.
     #[error("protobuf: {0}")]
     Protobuf(#[from] containerd_shim::protos::protobuf::Error),
+    /// A checkpoint's files or manifest (hostile input, or I/O on them).
+    #[error("{0}")]
+    Image(#[from] image_format::Error),
     /// JSON encoding or decoding.
     #[error("{context}: {source}")]
     Json {
@@ -84,6 +87,15 @@ impl Error {
             Error::Shim(containerd_shim::Error::FailedPreconditionError(_)) => {
                 Code::FAILED_PRECONDITION
             }
+            Error::Image(image_format::Error::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::NotFound =>
+            {
+                Code::NOT_FOUND
+            }
+            Error::Image(
+                image_format::Error::Io { .. } | image_format::Error::Cancelled { .. },
+            ) => Code::UNKNOWN,
+            Error::Image(_) => Code::INVALID_ARGUMENT,
             Error::Runc { .. } | Error::Io { .. } | Error::Shim(_) | Error::Step { .. } => {
                 Code::UNKNOWN
             }
@@ -110,6 +122,12 @@ mod tests {
         );
         let missing = Error::io("open bundle")(std::io::Error::from(std::io::ErrorKind::NotFound));
         assert_eq!(missing.code(), Code::NOT_FOUND);
+        let tampered = Error::from(image_format::Error::DigestMismatch {
+            name: "pages-1.img".into(),
+            expected: "a".into(),
+            actual: "b".into(),
+        });
+        assert_eq!(tampered.code(), Code::INVALID_ARGUMENT);
         let runc = Error::Runc {
             command: "create".into(),
             message: "boom".into(),

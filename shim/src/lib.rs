@@ -9,6 +9,7 @@
 //! - [`container`]: one container's steps (create, start, exec, kill, delete, checkpoint,
 //!   restore) with their undo; [`checkpoint`]: CRIU options; [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
+//!   [`verify_gate`]: holds restored tasks until their page images are verified;
 //! - [`runc`]: every runc invocation;
 //! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
@@ -29,3 +30,4 @@ pub mod service;
 pub mod stats;
 pub mod stdio;
 pub mod task;
+pub mod verify_gate;

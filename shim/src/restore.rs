@@ -62,7 +62,8 @@ pub fn prepare(
     result
 }
 
-fn step(step: &'static str) -> impl Fn(String) -> Error {
+/// Wraps a message as the failure of one restore step.
+pub(crate) fn step(step: &'static str) -> impl Fn(String) -> Error {
     move |message| Error::Step {
         operation: "restore",
         step,

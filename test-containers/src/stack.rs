@@ -613,6 +613,40 @@ impl Node {
         self.ctr_ns_ok("default", args)
     }
 
+    /// The pid of task `id` (namespace "default"), from `ctr task ls`.
+    pub fn task_pid(&self, id: &str) -> Result<i32> {
+        self.task_row(id)?
+            .1
+            .parse()
+            .with_context(|| format!("pid of task {id}"))
+    }
+
+    /// The status of task `id` (RUNNING, PAUSED, STOPPED, …), from `ctr task ls`.
+    pub fn task_status(&self, id: &str) -> Result<String> {
+        Ok(self.task_row(id)?.2)
+    }
+
+    fn task_row(&self, id: &str) -> Result<(String, String, String)> {
+        let out = self.ctr_ok(&["task", "ls"])?;
+        for line in out.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            if cols.len() >= 3 && cols[0] == id {
+                return Ok((cols[0].into(), cols[1].into(), cols[2].into()));
+            }
+        }
+        bail!("task {id} not in `ctr task ls`:\n{out}")
+    }
+
+    /// The serving processes of shim `binary` for this node (not the short-lived `start`
+    /// invocations that spawn them).
+    pub fn shim_processes(&self, binary: &str) -> Vec<i32> {
+        let socket = self.socket().display().to_string();
+        processes_matching(&[binary, "-address", &socket])
+            .into_iter()
+            .filter(|pid| !cmdline(*pid).is_some_and(|c| c.ends_with(" start ")))
+            .collect()
+    }
+
     /// Like [`Node::ctr_ns`], but fails unless ctr exits 0; returns stdout.
     pub fn ctr_ns_ok(&self, ns: &str, args: &[&str]) -> Result<String> {
         let out = self.ctr_ns(ns, args)?;
@@ -1465,6 +1499,23 @@ pub fn registry_answers() -> bool {
     let n = s.read(&mut buf).unwrap_or(0);
     let head = String::from_utf8_lossy(&buf[..n]);
     head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")
+}
+
+/// A process's command line, arguments joined by spaces (None once it is gone).
+fn cmdline(pid: i32) -> Option<String> {
+    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(String::from_utf8_lossy(&raw).replace('\0', " "))
+}
+
+/// Processes whose command line contains every one of `needles`.
+pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| cmdline(*pid).is_some_and(|c| needles.iter().all(|n| c.contains(n))))
+        .collect()
 }
 
 #[cfg(test)]

@@ -7,7 +7,10 @@ use std::{path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use common::*;
-use test_containers::{containerd::Containerd, stack::Node};
+use test_containers::{
+    containerd::Containerd,
+    stack::{processes_matching, Node},
+};
 
 fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
     let pid = run_detached(
@@ -31,7 +34,7 @@ fn remove(node: &Node, id: &str) -> Result<()> {
     // It may have exited already (killed by the test).
     let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
     wait_until(Duration::from_secs(10), "the killed task to stop", || {
-        (task_status(node, id).ok().as_deref() == Some("STOPPED")).then_some(())
+        (node.task_status(id).ok().as_deref() == Some("STOPPED")).then_some(())
     })?;
     node.ctr_ok(&["task", "rm", id])?;
     node.ctr_ok(&["container", "rm", id])?;
@@ -86,7 +89,7 @@ fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
         "c1",
         "localhost/ckpt/c1:1",
     ])?;
-    let restored = task_pid(&node, "c1")?;
+    let restored = node.task_pid("c1")?;
     let seen = next_values(restored, 4)?;
     // It goes on from the checkpoint, not from zero: the file from the rootfs diff and the
     // value in memory agree, so consecutive values step by one.
@@ -114,7 +117,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     let dir_s = dir.display().to_string();
     node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, "c2"])?;
     wait_until(Duration::from_secs(10), "the task to stop", || {
-        (task_status(&node, "c2").ok().as_deref() == Some("STOPPED")).then_some(())
+        (node.task_status("c2").ok().as_deref() == Some("STOPPED")).then_some(())
     })?;
     ensure!(
         !Path::new(&format!("/proc/{pid}")).exists(),
@@ -272,7 +275,7 @@ fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
     );
     assert_no_complete_checkpoint(&dir)?;
     // Unharmed: still running, still echoing on the same connection.
-    ensure!(task_status(&node, "t1")? == "RUNNING");
+    ensure!(node.task_status("t1")? == "RUNNING");
     let n = echoes().unwrap_or(0);
     wait_until(
         Duration::from_secs(5),
@@ -326,7 +329,7 @@ fn full_disk_leaves_the_container_running() -> Result<()> {
             "the error does not name the full disk: {err}"
         );
         assert_no_complete_checkpoint(&dir)?;
-        ensure!(task_status(&node, "f1")? == "RUNNING");
+        ensure!(node.task_status("f1")? == "RUNNING");
         let s = rootfs_file(pid, "/status.txt").unwrap_or_default();
         wait_until(Duration::from_secs(10), "memhog to verify again", || {
             rootfs_file(pid, "/status.txt").filter(|t| t != &s && t.contains("verified pass"))
@@ -433,6 +436,13 @@ fn truncated_or_tampered_checkpoints_are_refused() -> Result<()> {
         ensure!(
             msg.contains("verify"),
             "{what}: the error does not name the verification: {msg}"
+        );
+        // The tampered file has the right size: CRIU restores it while the shim hashes it,
+        // and the shim's gate makes CRIU abort before the tasks run again.
+        ensure!(
+            what == "truncated"
+                || msg.contains("CRIU aborted the restore before the restored tasks ran"),
+            "{what}: the restore was not stopped at the gate: {msg}"
         );
         ensure!(
             msg.contains(

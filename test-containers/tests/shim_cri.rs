@@ -10,7 +10,7 @@ use common::*;
 use test_containers::{
     containerd::{Containerd, TaskEvent},
     cri::{v1 as cri, ContainerSpec, Cri, Network, PodSpec},
-    stack::{Node, GPU_CKPT_HANDLER, K8S_NAMESPACE},
+    stack::{processes_matching, Node, GPU_CKPT_HANDLER, K8S_NAMESPACE},
 };
 
 #[test]

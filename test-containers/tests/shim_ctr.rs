@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use common::*;
-use test_containers::{containerd::Containerd, stack::Node};
+use test_containers::{
+    containerd::Containerd,
+    stack::{processes_matching, Node},
+};
 
 #[test]
 fn stdout_reaches_ctr_and_exit_status_comes_back() -> Result<()> {
@@ -125,7 +128,7 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
 
     // pause stops the counter, resume restarts it.
     node.ctr_ok(&["task", "pause", "c1"])?;
-    ensure!(task_status(&node, "c1")? == "PAUSED");
+    ensure!(node.task_status("c1")? == "PAUSED");
     let frozen = counter_value(pid).context("counter file")?;
     std::thread::sleep(Duration::from_millis(600));
     ensure!(
@@ -133,7 +136,7 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
         "counter moved while paused"
     );
     node.ctr_ok(&["task", "resume", "c1"])?;
-    ensure!(task_status(&node, "c1")? == "RUNNING");
+    ensure!(node.task_status("c1")? == "RUNNING");
     wait_until(
         Duration::from_secs(5),
         "counter to move after resume",
@@ -187,7 +190,7 @@ fn lifecycle_exec_pause_metrics_update_kill_delete() -> Result<()> {
         "exit status after SIGTERM: {}",
         status.code
     );
-    ensure!(task_status(&node, "c1")? == "STOPPED");
+    ensure!(node.task_status("c1")? == "STOPPED");
     let rm = node.ctr(&["task", "rm", "c1"])?;
     let rm_text = format!(
         "{}{}",

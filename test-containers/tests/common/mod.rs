@@ -67,30 +67,6 @@ pub fn wait_until<T>(timeout: Duration, what: &str, mut f: impl FnMut() -> Optio
     }
 }
 
-/// The init pid of a task, from `ctr task ls`.
-pub fn task_pid(node: &Node, id: &str) -> Result<i32> {
-    task_row(node, id)?
-        .1
-        .parse()
-        .with_context(|| format!("pid of task {id}"))
-}
-
-/// The status of a task (RUNNING, PAUSED, STOPPED, …), from `ctr task ls`.
-pub fn task_status(node: &Node, id: &str) -> Result<String> {
-    Ok(task_row(node, id)?.2)
-}
-
-fn task_row(node: &Node, id: &str) -> Result<(String, String, String)> {
-    let out = node.ctr_ok(&["task", "ls"])?;
-    for line in out.lines().skip(1) {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        if cols.len() >= 3 && cols[0] == id {
-            return Ok((cols[0].into(), cols[1].into(), cols[2].into()));
-        }
-    }
-    bail!("task {id} not in `ctr task ls`:\n{out}")
-}
-
 /// The counter value a counter workload wrote to its file, read through its rootfs. The counter
 /// rewrites the file every tick, so a read can meet it empty: such reads are retried.
 pub fn counter_value(pid: i32) -> Option<u64> {
@@ -114,31 +90,9 @@ pub fn mounts_mentioning(needle: &str) -> Vec<String> {
         .collect()
 }
 
-/// Processes whose command line contains every one of `needles`.
-pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
-    let mut out = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for entry in dir.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if needles.iter().all(|n| cmdline.contains(n)) {
-            out.push(pid);
-        }
-    }
-    out
-}
-
 /// The shim processes serving `node`.
 pub fn shims_of(node: &Node) -> Vec<i32> {
-    let socket = node.socket().display().to_string();
-    processes_matching(&["containerd-shim-gpu-ckpt-v1", "-address", &socket])
+    node.shim_processes("containerd-shim-gpu-ckpt-v1")
 }
 
 /// Files below `dir` whose name contains `needle`.
@@ -244,5 +198,5 @@ pub fn run_detached(node: &Node, extra: &[&str]) -> Result<i32> {
         .skip_while(|a| **a != workloads())
         .nth(1)
         .context("no container id after the image")?;
-    task_pid(node, id)
+    node.task_pid(id)
 }
