@@ -5,6 +5,11 @@
 //!   N times per runtime, interleaved so both see the same machine; ratio of medians.
 //! - `memory`: N pods (sandbox plus one container) per handler through CRI; resident memory
 //!   (RSS and PSS) of the shim processes per pod.
+//! - `checkpoint`: checkpoint and restore of a memhog through gpu-ckpt, through runc-v2, and
+//!   with runc alone on a bundle over the same rootfs; the first path rotates per round, and
+//!   dirty pages are written back before each timed step.
+//! - `freeze`: how long a CRI CheckpointContainer keeps the application from running (the
+//!   longest gap between its log ticks), next to CRIU's own frozen time.
 
 use std::{
     path::Path,
@@ -161,23 +166,6 @@ fn rss_pss(pid: i32) -> Result<(u64, u64)> {
     Ok((field("Rss:"), field("Pss:")))
 }
 
-/// Shim servers (not `start` helpers) of `binary` that serve the containerd at `socket`.
-fn shims(binary: &str, socket: &Path) -> Vec<i32> {
-    let socket = socket.display().to_string();
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if cmd.contains(binary) && cmd.contains(&socket) && !cmd.ends_with(" start ") {
-            out.push(pid);
-        }
-    }
-    out
-}
-
 async fn memory(node: &Node, pods: usize) -> Result<()> {
     let cri = Cri::connect(node.socket()).await?;
     println!("| shim | pods | shim processes | RSS per pod | PSS per pod |");
@@ -202,7 +190,7 @@ async fn memory(node: &Node, pods: usize) -> Result<()> {
         }
         // Let the shims settle after their start-up allocations.
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let pids = shims(binary, node.socket());
+        let pids = node.shim_processes(binary);
         let (mut rss, mut pss) = (0, 0);
         for p in &pids {
             let (r, s) = rss_pss(*p)?;
@@ -237,6 +225,12 @@ fn med(v: &[Duration]) -> Duration {
     median(v.to_vec())
 }
 
+/// Writes back every dirty page before a timed step, so that no path pays for the writeback of
+/// what an earlier round wrote (each round writes its whole checkpoint into the page cache).
+fn settle() {
+    nix::unistd::sync();
+}
+
 /// Waits until a memhog has filled its memory and verified it once.
 fn wait_filled(status: &Path) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -249,19 +243,6 @@ fn wait_filled(status: &Path) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-fn task_pid(node: &Node, id: &str) -> Result<i32> {
-    let out = node.ctr_ok(&["task", "ls"])?;
-    out.lines()
-        .skip(1)
-        .find_map(|l| {
-            let c: Vec<&str> = l.split_whitespace().collect();
-            (c.first() == Some(&id))
-                .then(|| c.get(1)?.parse().ok())
-                .flatten()
-        })
-        .with_context(|| format!("pid of {id}"))
 }
 
 /// One checkpoint (exit) and restore of a memhog through a shim; returns both durations.
@@ -287,15 +268,30 @@ async fn shim_round(
         "/status.txt",
     ]);
     node.ctr_ok(&args)?;
-    let pid = task_pid(node, id)?;
+    let pid = node.task_pid(id)?;
     wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
     let dir = node.paths().dir.join(format!("bench-{id}"));
     let _ = std::fs::remove_dir_all(&dir);
     let dir_s = dir.display().to_string();
+    settle();
     let t = Instant::now();
     node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, id])?;
     let ckpt = t.elapsed();
+    // gpu-ckpt's manifest records its steps: printed per round, to stderr.
+    if let Ok(m) = image_format::manifest::Manifest::read_from(&dir) {
+        let steps: Vec<String> = m
+            .timings
+            .iter()
+            .map(|t| format!("{} {:.0} ms", t.step, t.millis))
+            .collect();
+        eprintln!(
+            "{id}: checkpoint {:.2} s ({})",
+            secs(ckpt),
+            steps.join(", ")
+        );
+    }
     node.ctr_ok(&["task", "rm", id])?;
+    settle();
     let t = Instant::now();
     api.restore_from_image_path(id, &dir).await?;
     let restore = t.elapsed();
@@ -371,9 +367,11 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
         runc(&["run", "-d", "--bundle", &bundle, id], true)?;
         wait_filled(&rootfs.join("status.txt"))?;
         let dir = base.join("image").display().to_string();
+        settle();
         let t = Instant::now();
         runc(&["checkpoint", "--image-path", &dir, id], false)?;
         let ckpt = t.elapsed();
+        settle();
         let t = Instant::now();
         runc(
             &[
@@ -406,12 +404,33 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
         "--fifo-dir".to_string(),
         node.paths().fifo_dir.display().to_string(),
     ];
-    let (mut g, mut r, mut raw) = (Vec::new(), Vec::new(), Vec::new());
-    for i in 0..runs {
-        g.push(shim_round(node, &api, &ours, &format!("g{i}"), mib).await?);
-        r.push(shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?);
-        raw.push(raw_round(node, &format!("w{i}"), mib)?);
+    // Per path: (checkpoint, restore) of every round. The path that goes first rotates from
+    // round to round, so that none always meets the machine in the same state.
+    // Round 0 warms every path up and is not counted: the first checkpoint after the node
+    // starts has measured up to twice as slow, whichever path takes it.
+    let mut times: [Vec<(Duration, Duration)>; 3] = Default::default();
+    let names = ["gpu-ckpt", "runc-v2", "raw runc"];
+    for i in 0..=runs {
+        for k in 0..3 {
+            let path = (i + k) % 3;
+            let round = match path {
+                0 => shim_round(node, &api, &ours, &format!("g{i}"), mib).await?,
+                1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?,
+                _ => raw_round(node, &format!("w{i}"), mib)?,
+            };
+            eprintln!(
+                "round {i}{} {}: checkpoint {:.2} s, restore {:.2} s",
+                if i == 0 { " (warm-up)" } else { "" },
+                names[path],
+                secs(round.0),
+                secs(round.1)
+            );
+            if i > 0 {
+                times[path].push(round);
+            }
+        }
     }
+    let [g, r, raw] = times;
     let split = |v: &[(Duration, Duration)]| -> (Duration, Duration) {
         (
             med(&v.iter().map(|x| x.0).collect::<Vec<_>>()),
@@ -473,51 +492,36 @@ fn longest_gap(
 
 async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let cri = Cri::connect(node.socket()).await?;
+    let shims = [
+        (RUNC_HANDLER, "containerd-shim-runc-v2"),
+        (GPU_CKPT_HANDLER, "containerd-shim-gpu-ckpt-v1"),
+    ];
+    // Per shim: (CheckpointContainer, app frozen, CRIU frozen) of every run. The shim that
+    // goes first alternates from run to run.
+    let mut times: [Vec<(Duration, Duration, Duration)>; 2] = Default::default();
+    for i in 0..runs {
+        for k in 0..2 {
+            let which = (i + k) % 2;
+            let (handler, name) = shims[which];
+            let run =
+                freeze_once(node, &cri, handler, &format!("freeze-{handler}-{i}"), mib).await?;
+            eprintln!(
+                "run {i} {name}: CheckpointContainer {:.2} s, app frozen {:.2} s, CRIU frozen {:.2} s",
+                secs(run.0),
+                secs(run.1),
+                secs(run.2)
+            );
+            times[which].push(run);
+        }
+    }
     println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | CRIU frozen time | rest of the freeze |");
     println!("| --- | --- | --- | --- | --- |");
     let mut frozen_by = Vec::new();
-    for (handler, name) in [
-        (RUNC_HANDLER, "containerd-shim-runc-v2"),
-        (GPU_CKPT_HANDLER, "containerd-shim-gpu-ckpt-v1"),
-    ] {
-        let (mut total, mut frozen, mut dump) = (Vec::new(), Vec::new(), Vec::new());
-        for i in 0..runs {
-            let pod = cri
-                .run_pod(
-                    &PodSpec::new(&format!("freeze-{handler}-{i}"), node.pod_log_root())
-                        .handler(handler),
-                )
-                .await?;
-            // A memhog that also ticks: sh runs both, the ticks go to the CRI log with timestamps.
-            let mib_s = mib.to_string();
-            let cmd = format!("/bin/memhog --mib {mib_s} --interval-ms 100000 --status-file /status.txt & exec /bin/counter --interval-ms 20");
-            let c = ContainerSpec::new("app", WORKLOADS_IMAGE).command(&["sh", "-c", &cmd]);
-            let id = cri.run_container(&pod, &c).await?;
-            let deadline = Instant::now() + Duration::from_secs(300);
-            loop {
-                let r = cri.exec_sync(&id, &["cat", "/status.txt"], 10).await?;
-                if r.stdout_str().contains("verified pass") {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    bail!("memhog did not fill");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            let archive = node.paths().dir.join(format!("freeze-{handler}-{i}.tar"));
-            let _ = std::fs::remove_file(&archive);
-            let from = std::time::SystemTime::now();
-            let t = Instant::now();
-            cri.checkpoint_container(&id, &archive, 600).await?;
-            total.push(t.elapsed());
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let to = std::time::SystemTime::now();
-            frozen.push(longest_gap(&log_times(&pod.container_log("app")), from, to));
-            dump.push(criu_dump_time(&archive)?);
-            cri.remove_pod(&pod).await?;
-            let _ = std::fs::remove_file(&archive);
-        }
-        let (t, f, d) = (med(&total), med(&frozen), med(&dump));
+    for (which, (_, name)) in shims.iter().enumerate() {
+        let v = &times[which];
+        let t = med(&v.iter().map(|x| x.0).collect::<Vec<_>>());
+        let f = med(&v.iter().map(|x| x.1).collect::<Vec<_>>());
+        let d = med(&v.iter().map(|x| x.2).collect::<Vec<_>>());
         println!(
             "| {name} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
             secs(t),
@@ -532,6 +536,53 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
         secs(frozen_by[1]) / secs(frozen_by[0])
     );
     Ok(())
+}
+
+/// One pod on `handler` whose container holds `mib` MiB and ticks every 20 ms into its CRI
+/// log; CRI CheckpointContainer. Returns the call's duration, the longest gap between ticks
+/// around it, and CRIU's frozen time.
+async fn freeze_once(
+    node: &Node,
+    cri: &Cri,
+    handler: &str,
+    name: &str,
+    mib: u64,
+) -> Result<(Duration, Duration, Duration)> {
+    let pod = cri
+        .run_pod(&PodSpec::new(name, node.pod_log_root()).handler(handler))
+        .await?;
+    // A memhog that also ticks: sh runs both, the ticks go to the CRI log with timestamps.
+    let cmd = format!("/bin/memhog --mib {mib} --interval-ms 100000 --status-file /status.txt & exec /bin/counter --interval-ms 20");
+    let c = ContainerSpec::new("app", WORKLOADS_IMAGE).command(&["sh", "-c", &cmd]);
+    let id = cri.run_container(&pod, &c).await?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        // Filled is enough: its first verification pass would come only after the interval.
+        let r = cri.exec_sync(&id, &["cat", "/status.txt"], 10).await?;
+        if r.stdout_str().contains("filled") {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("memhog did not fill");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let archive = node.paths().dir.join(format!("{name}.tar"));
+    let _ = std::fs::remove_file(&archive);
+    settle();
+    let from = std::time::SystemTime::now();
+    let t = Instant::now();
+    cri.checkpoint_container(&id, &archive, 600).await?;
+    let total = t.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let to = std::time::SystemTime::now();
+    let frozen = longest_gap(&log_times(&pod.container_log("app")), from, to);
+    let dump = criu_dump_time(&archive)?;
+    // The counter (pid 1) ignores SIGTERM: stop without a grace period.
+    cri.stop_container(&id, 0).await?;
+    cri.remove_pod(&pod).await?;
+    let _ = std::fs::remove_file(&archive);
+    Ok((total, frozen, dump))
 }
 
 /// How long CRIU kept the tasks frozen for the dump, from CRIU's own statistics (`stats-dump`:
