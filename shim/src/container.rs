@@ -61,6 +61,9 @@ pub struct Container {
     pub annotations: Annotations,
     /// Set when the container is to be restored from a checkpoint directory at start.
     restore_from: Option<PathBuf>,
+    /// The checkpoint directory was unpacked by this shim with every digest verified (the
+    /// restore handler): at Start its listing and sizes are checked again, not its digests.
+    restore_unpacked: bool,
     /// runc hands CRIU the shim's configuration file (not one the spec names).
     own_criu_conf: bool,
 }
@@ -125,6 +128,7 @@ impl Container {
             spec_annotations,
             annotations,
             restore_from,
+            restore_unpacked: false,
             own_criu_conf: false,
         };
 
@@ -216,6 +220,7 @@ impl Container {
         .map_err(|e| Error::FailedPrecondition(format!("prepare restore: {e}")))??;
         if let restore::Plan::Restore(dir) = plan {
             self.restore_from = Some(dir);
+            self.restore_unpacked = true;
         }
         Ok(())
     }
@@ -327,13 +332,15 @@ impl Container {
         // Step 1: verify the checkpoint against its manifest: listing, sizes, and the digest of
         // every file but the page images, before CRIU reads any of it. The page images are
         // hashed while CRIU restores them (step 3) when the gate can hold the restored tasks;
-        // otherwise here too.
+        // otherwise here too. A checkpoint this shim unpacked, verifying every digest as it
+        // wrote it into a directory only it writes, is not hashed a second time.
         let overlap = self.own_criu_conf;
+        let unpacked = self.restore_unpacked;
         let t = Instant::now();
         let (manifest, deferred) = tokio::task::spawn_blocking({
             let dir = dir.to_path_buf();
             move || {
-                let defer = |name: &str| overlap && manifest::is_page_image(name);
+                let defer = |name: &str| unpacked || (overlap && manifest::is_page_image(name));
                 manifest::verify_dir_staged(&dir, &defer, &mut no_progress)
             }
         })
@@ -362,13 +369,16 @@ impl Container {
             move || -> Result<Duration> {
                 let t = Instant::now();
                 // A verdict whatever happens: CRIU waits for one.
-                let result =
+                let result = if unpacked {
+                    Ok(())
+                } else {
                     std::panic::catch_unwind(AssertUnwindSafe(|| deferred.verify(&cancel)))
                         .unwrap_or_else(|_| {
                             Err(image_format::Error::Cancelled {
                                 name: "page images (the verification panicked)".into(),
                             })
-                        });
+                        })
+                };
                 gate.open(result.is_ok())?;
                 result?;
                 Ok(t.elapsed())
