@@ -464,6 +464,21 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
         secs(gc) / secs(rc),
         secs(gr) / secs(rr)
     );
+    // The same ratios taken within each round, then their median: a round's paths ran
+    // back to back, so drift of the machine between rounds cancels out.
+    let paired = |a: &[(Duration, Duration)], b: &[(Duration, Duration)], restore: bool| {
+        let pick = |x: &(Duration, Duration)| secs(if restore { x.1 } else { x.0 });
+        let mut v: Vec<f64> = a.iter().zip(b).map(|(x, y)| pick(x) / pick(y)).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    println!(
+        "median of per-round ratios: gpu-ckpt / raw runc: checkpoint {:.3}, restore {:.3}; gpu-ckpt / runc-v2: checkpoint {:.3}, restore {:.3}",
+        paired(&g, &raw, false),
+        paired(&g, &raw, true),
+        paired(&g, &r, false),
+        paired(&g, &r, true)
+    );
     Ok(())
 }
 
