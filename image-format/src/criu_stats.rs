@@ -6,6 +6,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+use crate::protowire::{bytes_field, fields, Value};
 
 /// What CRIU measured while dumping, in microseconds and pages.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -33,14 +34,8 @@ pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
     let entry = body
         .get(4..4 + len)
         .ok_or_else(|| bad("entry shorter than its size"))?;
-    let dump = fields(entry)
-        .ok_or_else(|| bad("malformed stats entry"))?
-        .into_iter()
-        .find_map(|(n, v)| match (n, v) {
-            (1, Value::Bytes(b)) => Some(b),
-            _ => None,
-        })
-        .ok_or_else(|| bad("no dump statistics"))?;
+    let entry = fields(entry).ok_or_else(|| bad("malformed stats entry"))?;
+    let dump = bytes_field(&entry, 1).ok_or_else(|| bad("no dump statistics"))?;
     let mut s = DumpStats::default();
     for (n, v) in fields(dump).ok_or_else(|| bad("malformed dump statistics"))? {
         if let Value::Varint(v) = v {
@@ -56,50 +51,6 @@ pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
         }
     }
     Ok(s)
-}
-
-enum Value<'a> {
-    Varint(u64),
-    Bytes(&'a [u8]),
-}
-
-/// The fields of a protobuf message (varint and length-delimited ones; fixed-width skipped).
-fn fields(msg: &[u8]) -> Option<Vec<(u64, Value<'_>)>> {
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < msg.len() {
-        let (key, n) = varint(&msg[i..])?;
-        i += n;
-        match key & 7 {
-            0 => {
-                let (v, n) = varint(&msg[i..])?;
-                i += n;
-                out.push((key >> 3, Value::Varint(v)));
-            }
-            1 => i += 8,
-            2 => {
-                let (len, n) = varint(&msg[i..])?;
-                i += n;
-                let end = i.checked_add(usize::try_from(len).ok()?)?;
-                out.push((key >> 3, Value::Bytes(msg.get(i..end)?)));
-                i = end;
-            }
-            5 => i += 4,
-            _ => return None,
-        }
-    }
-    Some(out)
-}
-
-fn varint(b: &[u8]) -> Option<(u64, usize)> {
-    let mut v = 0u64;
-    for (i, byte) in b.iter().enumerate().take(10) {
-        v |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some((v, i + 1));
-        }
-    }
-    None
 }
 
 #[cfg(test)]

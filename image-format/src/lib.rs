@@ -5,6 +5,7 @@
 //! - [`manifest`]: the versioned gpu-ckpt manifest the shim writes next to the CRIU images.
 //! - [`compat`]: can a checkpoint restore on a node, and which field differs if not.
 //! - [`oci`]: the archive as an OCI image (layout directory or tarball), and back; registry push.
+//! - [`protowire`]: a minimal protobuf reader for CRIU's statistics images.
 //! - [`safe`]: the checks every untrusted tar entry passes, and `openat`-style extraction.
 //!
 //! The format is specified in docs/image-format.md.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod manifest;
 pub mod oci;
+pub mod protowire;
 pub mod safe;
 
 pub use error::{Error, Result};

@@ -558,46 +558,51 @@ pub fn linux_resources_any(linux_resources: &serde_json::Value) -> Result<Any> {
 /// Decodes memory numbers from an `io.containerd.cgroups.v1.Metrics` or
 /// `io.containerd.cgroups.v2.Metrics` Any.
 pub fn decode_memory_metrics(any: &Any) -> Result<MemoryMetrics> {
+    use image_format::protowire::{bytes_field, varint_field, Value};
+    fn fields<'a>(b: &'a [u8], what: &str) -> Result<Vec<(u64, Value<'a>)>> {
+        image_format::protowire::fields(b).with_context(|| format!("malformed {what}"))
+    }
+    let varint = |f: &[(u64, Value<'_>)], n| varint_field(f, n).unwrap_or(0);
     let name = any.type_url.rsplit('/').next().unwrap_or_default();
     match name {
         "io.containerd.cgroups.v1.Metrics" => {
             // Metrics { memory = 4: MemoryStat { usage = 33: MemoryEntry { limit 1, usage 2,
             // max 3, failcnt 4 } }, memory_oom_control = 9: { oom_kill = 3 } }
-            let top = wire::fields(&any.value)?;
+            let top = fields(&any.value, &any.type_url)?;
             let mut out = MemoryMetrics {
                 cgroup_version: 1,
                 ..Default::default()
             };
-            if let Some(mem) = wire::message(&top, 4) {
-                let mem = wire::fields(mem)?;
-                if let Some(usage) = wire::message(&mem, 33) {
-                    let e = wire::fields(usage)?;
-                    out.limit = wire::varint(&e, 1);
-                    out.usage = wire::varint(&e, 2);
-                    out.max_usage = wire::varint(&e, 3);
+            if let Some(mem) = bytes_field(&top, 4) {
+                let mem = fields(mem, &any.type_url)?;
+                if let Some(usage) = bytes_field(&mem, 33) {
+                    let e = fields(usage, &any.type_url)?;
+                    out.limit = varint(&e, 1);
+                    out.usage = varint(&e, 2);
+                    out.max_usage = varint(&e, 3);
                 }
             }
-            if let Some(oom) = wire::message(&top, 9) {
-                out.oom_kill = wire::varint(&wire::fields(oom)?, 3);
+            if let Some(oom) = bytes_field(&top, 9) {
+                out.oom_kill = varint(&fields(oom, &any.type_url)?, 3);
             }
             Ok(out)
         }
         "io.containerd.cgroups.v2.Metrics" => {
             // Metrics { memory = 4: MemoryStat { usage 32, usage_limit 33, max_usage 36 },
             // memory_events = 8: { oom_kill = 5 } }
-            let top = wire::fields(&any.value)?;
+            let top = fields(&any.value, &any.type_url)?;
             let mut out = MemoryMetrics {
                 cgroup_version: 2,
                 ..Default::default()
             };
-            if let Some(mem) = wire::message(&top, 4) {
-                let mem = wire::fields(mem)?;
-                out.usage = wire::varint(&mem, 32);
-                out.limit = wire::varint(&mem, 33);
-                out.max_usage = wire::varint(&mem, 36);
+            if let Some(mem) = bytes_field(&top, 4) {
+                let mem = fields(mem, &any.type_url)?;
+                out.usage = varint(&mem, 32);
+                out.limit = varint(&mem, 33);
+                out.max_usage = varint(&mem, 36);
             }
-            if let Some(events) = wire::message(&top, 8) {
-                out.oom_kill = wire::varint(&wire::fields(events)?, 5);
+            if let Some(events) = bytes_field(&top, 8) {
+                out.oom_kill = varint(&fields(events, &any.type_url)?, 5);
             }
             Ok(out)
         }
@@ -605,104 +610,19 @@ pub fn decode_memory_metrics(any: &Any) -> Result<MemoryMetrics> {
     }
 }
 
-/// A minimal protobuf wire-format reader for the few metric fields above.
-mod wire {
-    use anyhow::{bail, Result};
-
-    pub enum Val<'a> {
-        Varint(u64),
-        Bytes(&'a [u8]),
-        Fixed,
-    }
-
-    fn read_varint(b: &[u8], i: &mut usize) -> Result<u64> {
-        let mut v: u64 = 0;
-        for shift in (0..64).step_by(7) {
-            let Some(&byte) = b.get(*i) else {
-                bail!("truncated varint");
-            };
-            *i += 1;
-            v |= u64::from(byte & 0x7f) << shift;
-            if byte & 0x80 == 0 {
-                return Ok(v);
-            }
-        }
-        bail!("varint too long")
-    }
-
-    pub fn fields(b: &[u8]) -> Result<Vec<(u32, Val<'_>)>> {
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < b.len() {
-            let key = read_varint(b, &mut i)?;
-            let field = (key >> 3) as u32;
-            match key & 7 {
-                0 => out.push((field, Val::Varint(read_varint(b, &mut i)?))),
-                1 => {
-                    i += 8;
-                    out.push((field, Val::Fixed));
-                }
-                2 => {
-                    let len = read_varint(b, &mut i)? as usize;
-                    let Some(s) = b.get(i..i + len) else {
-                        bail!("truncated length-delimited field {field}");
-                    };
-                    i += len;
-                    out.push((field, Val::Bytes(s)));
-                }
-                5 => {
-                    i += 4;
-                    out.push((field, Val::Fixed));
-                }
-                t => bail!("unsupported wire type {t} for field {field}"),
-            }
-        }
-        if i > b.len() {
-            bail!("truncated message");
-        }
-        Ok(out)
-    }
-
-    pub fn varint(f: &[(u32, Val<'_>)], n: u32) -> u64 {
-        f.iter()
-            .rev()
-            .find_map(|(k, v)| match v {
-                Val::Varint(x) if *k == n => Some(*x),
-                _ => None,
-            })
-            .unwrap_or(0)
-    }
-
-    pub fn message<'a>(f: &[(u32, Val<'a>)], n: u32) -> Option<&'a [u8]> {
-        f.iter().rev().find_map(|(k, v)| match v {
-            Val::Bytes(b) if *k == n => Some(*b),
-            _ => None,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn varint(mut v: u64, out: &mut Vec<u8>) {
-        loop {
-            let b = (v & 0x7f) as u8;
-            v >>= 7;
-            if v == 0 {
-                out.push(b);
-                return;
-            }
-            out.push(b | 0x80);
-        }
-    }
+    use prost::encoding::{encode_key, encode_varint, WireType};
+
     fn field_varint(n: u32, v: u64, out: &mut Vec<u8>) {
-        varint(u64::from(n) << 3, out);
-        varint(v, out);
+        encode_key(n, WireType::Varint, out);
+        encode_varint(v, out);
     }
     fn field_bytes(n: u32, b: &[u8], out: &mut Vec<u8>) {
-        varint((u64::from(n) << 3) | 2, out);
-        varint(b.len() as u64, out);
+        encode_key(n, WireType::LengthDelimited, out);
+        encode_varint(b.len() as u64, out);
         out.extend_from_slice(b);
     }
 
