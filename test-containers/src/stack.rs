@@ -1396,16 +1396,7 @@ impl Registry {
             });
         }
         // Serialise with other test processes too.
-        fs::create_dir_all(stack.prefix())?;
-        let lock_path = stack.prefix().join("registry.lock");
-        let lock_file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .with_context(|| format!("open {}", lock_path.display()))?;
-        let _flock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, e)| anyhow!("flock {}: {e}", lock_path.display()))?;
+        let _flock = lock_exclusive(&stack.prefix().join("registry.lock"))?;
         if !registry_answers() {
             let script = stack.repo().join("test-containers/stack/registry.sh");
             let out = Command::new("bash")
@@ -1448,16 +1439,7 @@ impl Registry {
     pub fn push_images(&self, node: &Node) -> Result<Vec<String>> {
         // One push at a time, across test threads and processes: two concurrent pushes of the
         // same image to an empty registry race ("blob unknown to registry").
-        fs::create_dir_all(self.stack.prefix())?;
-        let lock_path = self.stack.prefix().join("registry-push.lock");
-        let lock_file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .with_context(|| format!("open {}", lock_path.display()))?;
-        let _flock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusive)
-            .map_err(|(_, e)| anyhow!("flock {}: {e}", lock_path.display()))?;
+        let _flock = lock_exclusive(&self.stack.prefix().join("registry-push.lock"))?;
         let images = read_images_json(&self.stack.images_dir())?;
         let mut refs = Vec::new();
         for img in images {
@@ -1499,6 +1481,22 @@ pub fn registry_answers() -> bool {
     let n = s.read(&mut buf).unwrap_or(0);
     let head = String::from_utf8_lossy(&buf[..n]);
     head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200")
+}
+
+/// Takes an exclusive `flock` on `path` (created with its directory if missing), held until
+/// the returned guard is dropped: serialises work across test threads and processes.
+fn lock_exclusive(path: &Path) -> Result<nix::fcntl::Flock<fs::File>> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?;
+    }
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("open {}", path.display()))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+        .map_err(|(_, e)| anyhow!("flock {}: {e}", path.display()))
 }
 
 /// A process's command line, arguments joined by spaces (None once it is gone).
