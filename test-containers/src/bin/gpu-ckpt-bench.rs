@@ -101,22 +101,28 @@ fn run_once(node: &Node, flags: &[String], id: &str) -> Result<Duration> {
     Ok(took)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+fn median(v: impl IntoIterator<Item = Duration>) -> Duration {
+    let mut v: Vec<Duration> = v.into_iter().collect();
     v.sort();
     v[v.len() / 2]
 }
 
-fn lifecycle(node: &Node, n: usize) -> Result<()> {
-    // runc-v2 gets its private runc root and binary from ctr's runc flags (ctr sends them
-    // only to the runc shim); ours picks its defaults.
-    let mut runc_flags = vec!["--runtime".to_string(), "io.containerd.runc.v2".to_string()];
-    runc_flags.extend(node.ctr_run_flags());
+/// `ctr run` flags for runc-v2 and for gpu-ckpt. runc-v2 gets its private runc root and binary
+/// from ctr's runc flags (ctr sends them only to the runc shim); ours picks its defaults.
+fn runtime_flags(node: &Node) -> (Vec<String>, Vec<String>) {
+    let mut runc = vec!["--runtime".to_string(), "io.containerd.runc.v2".to_string()];
+    runc.extend(node.ctr_run_flags());
     let ours = vec![
         "--runtime".to_string(),
         "io.containerd.gpu-ckpt.v1".to_string(),
         "--fifo-dir".to_string(),
         node.paths().fifo_dir.display().to_string(),
     ];
+    (runc, ours)
+}
+
+fn lifecycle(node: &Node, n: usize) -> Result<()> {
+    let (runc_flags, ours) = runtime_flags(node);
     // One warm-up each: image unpack and page cache are then the same for both.
     run_once(node, &runc_flags, "warm-runc")?;
     run_once(node, &ours, "warm-ours")?;
@@ -131,7 +137,7 @@ fn lifecycle(node: &Node, n: usize) -> Result<()> {
             a.push(run_once(node, &runc_flags, &format!("r{i}"))?);
         }
     }
-    let (ma, mb) = (median(a.clone()), median(b.clone()));
+    let (ma, mb) = (median(a.iter().copied()), median(b.iter().copied()));
     println!("| runtime | median | min | max |");
     println!("| --- | --- | --- | --- |");
     for (name, v, m) in [
@@ -219,10 +225,6 @@ async fn memory(node: &Node, pods: usize) -> Result<()> {
 
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
-}
-
-fn med(v: &[Duration]) -> Duration {
-    median(v.to_vec())
 }
 
 /// Writes back every dirty page before a timed step, so that no path pays for the writeback of
@@ -396,14 +398,7 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
 
 async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let api = Containerd::connect(node.socket(), "default").await?;
-    let mut runc_flags = vec!["--runtime".to_string(), "io.containerd.runc.v2".to_string()];
-    runc_flags.extend(node.ctr_run_flags());
-    let ours = vec![
-        "--runtime".to_string(),
-        "io.containerd.gpu-ckpt.v1".to_string(),
-        "--fifo-dir".to_string(),
-        node.paths().fifo_dir.display().to_string(),
-    ];
+    let (runc_flags, ours) = runtime_flags(node);
     // Per path: (checkpoint, restore) of every round. The path that goes first rotates from
     // round to round, so that none always meets the machine in the same state.
     // Round 0 warms every path up and is not counted: the first checkpoint after the node
@@ -432,10 +427,7 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     }
     let [g, r, raw] = times;
     let split = |v: &[(Duration, Duration)]| -> (Duration, Duration) {
-        (
-            med(&v.iter().map(|x| x.0).collect::<Vec<_>>()),
-            med(&v.iter().map(|x| x.1).collect::<Vec<_>>()),
-        )
+        (median(v.iter().map(|x| x.0)), median(v.iter().map(|x| x.1)))
     };
     let (gc, gr) = split(&g);
     let (rc, rr) = split(&r);
@@ -534,9 +526,9 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let mut frozen_by = Vec::new();
     for (which, (_, name)) in shims.iter().enumerate() {
         let v = &times[which];
-        let t = med(&v.iter().map(|x| x.0).collect::<Vec<_>>());
-        let f = med(&v.iter().map(|x| x.1).collect::<Vec<_>>());
-        let d = med(&v.iter().map(|x| x.2).collect::<Vec<_>>());
+        let t = median(v.iter().map(|x| x.0));
+        let f = median(v.iter().map(|x| x.1));
+        let d = median(v.iter().map(|x| x.2));
         println!(
             "| {name} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
             secs(t),
