@@ -712,6 +712,7 @@ pub fn verify_dir_staged(
         dir: dir.to_path_buf(),
         files: Vec::new(),
     };
+    let mut now = Vec::new();
     for (name, want) in &m.files {
         let path = dir.join(name);
         let meta = match fs::symlink_metadata(&path) {
@@ -736,11 +737,13 @@ pub fn verify_dir_staged(
         }
         if defer(name) {
             deferred.files.push((name.clone(), want.clone()));
+        } else {
+            now.push((name, want));
         }
     }
-    let total: u64 = m.files.values().map(|f| f.size).sum::<u64>() - deferred.bytes();
+    let total: u64 = now.iter().map(|(_, f)| f.size).sum();
     let mut base = 0u64;
-    for (name, want) in m.files.iter().filter(|(n, _)| !defer(n)) {
+    for (name, want) in now {
         let got = hash_file(&dir.join(name), &mut |d, _| progress(base + d, total))?;
         base += got.1;
         check_digest(name, want, got)?;
