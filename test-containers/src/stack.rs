@@ -637,6 +637,15 @@ impl Node {
         bail!("task {id} not in `ctr task ls`:\n{out}")
     }
 
+    /// `ctr task checkpoint --exit` of task `id` (namespace "default") into `dir`, which is
+    /// removed first so that the checkpoint is the only thing in it.
+    pub fn checkpoint_task_exit(&self, id: &str, dir: &Path) -> Result<()> {
+        let _ = fs::remove_dir_all(dir);
+        let dir = dir.display().to_string();
+        self.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir, id])
+            .map(drop)
+    }
+
     /// The serving processes of shim `binary` for this node (not the short-lived `start`
     /// invocations that spawn them).
     pub fn shim_processes(&self, binary: &str) -> Vec<i32> {

@@ -89,6 +89,27 @@ async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64
     Ok((archive, before, after, pod, id))
 }
 
+/// Runs `spec` in a new pod `pod` on `cri` (a restore of the counter checkpointed between the
+/// values `before` and `after`) and checks that it continues: its first value lies in that
+/// range and it counts on. Removes the pod.
+async fn expect_restored_counter(
+    cri: &Cri,
+    pod: &PodSpec,
+    spec: &ContainerSpec,
+    (before, after): (u64, u64),
+    what: &str,
+) -> Result<()> {
+    let pod = cri.run_pod(pod).await?;
+    let id = cri.run_container(&pod, spec).await?;
+    let first = counter_of(cri, &id).await?;
+    ensure!(
+        first >= before && first <= after + 2,
+        "{what} started at {first}, checkpoint was between {before} and {after}"
+    );
+    wait_counter_above(cri, &id, first).await?;
+    cri.remove_pod(&pod).await
+}
+
 fn checkpointctl(node: &Node, args: &[&str]) -> Result<String> {
     run_ok(std::process::Command::new(node.stack().checkpointctl_bin()).args(args))
 }
@@ -161,37 +182,28 @@ fn restore_on_a_second_node_through_both_paths() -> Result<()> {
 
         // 1. containerd's own restore-via-create: the image is the archive path. The original
         //    still runs on node A (a fork).
-        let pod = cri_b
-            .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let spec = ContainerSpec::new("counter", &archive.display().to_string());
-        let id = cri_b.run_container(&pod, &spec).await?;
-        let first = counter_of(&cri_b, &id).await?;
-        ensure!(
-            first >= before && first <= after + 2,
-            "restore-via-create started at {first}, checkpoint was between {before} and {after}"
-        );
-        wait_counter_above(&cri_b, &id, first).await?;
-        cri_b.remove_pod(&pod).await?;
+        expect_restored_counter(
+            &cri_b,
+            &PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER),
+            &ContainerSpec::new("counter", &archive.display().to_string()),
+            (before, after),
+            "restore-via-create",
+        )
+        .await?;
 
         // 2. The gpu-ckpt-restore RuntimeClass: an ordinary container spec, the pod names the
         //    checkpoint; the original is gone by now.
         cri_a.remove_pod(&pod_a).await?;
-        let pod = cri_b
-            .run_pod(
-                &PodSpec::new("worker", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
-            )
-            .await?;
-        let id = cri_b.run_container(&pod, &counter_spec()).await?;
-        let first = counter_of(&cri_b, &id).await?;
-        ensure!(
-            first >= before && first <= after + 2,
-            "the restore handler started at {first}, checkpoint was between {before} and {after}"
-        );
-        wait_counter_above(&cri_b, &id, first).await?;
-        cri_b.remove_pod(&pod).await?;
+        expect_restored_counter(
+            &cri_b,
+            &PodSpec::new("worker", b.pod_log_root())
+                .handler(RESTORE_HANDLER)
+                .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+            &counter_spec(),
+            (before, after),
+            "the restore handler",
+        )
+        .await?;
         Ok(())
     })
 }
@@ -299,35 +311,27 @@ fn oci_checkpoint_image_round_trip_through_the_registry() -> Result<()> {
         )?;
 
         // The restore handler pulls it by reference.
-        let pod = cri_b
-            .run_pod(
-                &PodSpec::new("worker", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &reference),
-            )
-            .await?;
-        let id = cri_b.run_container(&pod, &counter_spec()).await?;
-        let first = counter_of(&cri_b, &id).await?;
-        ensure!(
-            first >= before && first <= after + 2,
-            "restored from the image at {first}"
-        );
-        cri_b.remove_pod(&pod).await?;
+        expect_restored_counter(
+            &cri_b,
+            &PodSpec::new("worker", b.pod_log_root())
+                .handler(RESTORE_HANDLER)
+                .annotation("gpu-ckpt.io/restore-from", &reference),
+            &counter_spec(),
+            (before, after),
+            "the restore handler, from the image,",
+        )
+        .await?;
 
         // containerd's restore-via-create from the same image, pulled onto node B.
         b.ctr_ns_ok("k8s.io", &["images", "pull", "--plain-http", &reference])?;
-        let pod = cri_b
-            .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri_b
-            .run_container(&pod, &ContainerSpec::new("counter", &reference))
-            .await?;
-        let first = counter_of(&cri_b, &id).await?;
-        ensure!(
-            first >= before && first <= after + 2,
-            "restore-via-create from the image at {first}"
-        );
-        cri_b.remove_pod(&pod).await?;
+        expect_restored_counter(
+            &cri_b,
+            &PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER),
+            &ContainerSpec::new("counter", &reference),
+            (before, after),
+            "restore-via-create from the image",
+        )
+        .await?;
         Ok(())
     })
 }

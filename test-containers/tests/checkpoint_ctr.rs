@@ -7,10 +7,7 @@ use std::{path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
 use common::*;
-use test_containers::{
-    containerd::Containerd,
-    stack::{processes_matching, Node},
-};
+use test_containers::stack::{processes_matching, Node};
 
 fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
     let pid = run_detached(
@@ -113,9 +110,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     let node = node("ck-exit")?;
     let pid = start_counter(&node, "c2", "100")?;
     let dir = node.paths().dir.join("c2-image");
-    let _ = std::fs::remove_dir_all(&dir);
-    let dir_s = dir.display().to_string();
-    node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, "c2"])?;
+    node.checkpoint_task_exit("c2", &dir)?;
     wait_until(Duration::from_secs(10), "the task to stop", || {
         (node.task_status("c2").ok().as_deref() == Some("STOPPED")).then_some(())
     })?;
@@ -142,10 +137,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     }
     node.ctr_ok(&["task", "rm", "c2"])?;
 
-    let restored = rt().block_on(async {
-        let api = Containerd::connect(node.socket(), "default").await?;
-        restore_from_image_path(&api, "c2", &dir).await
-    })? as i32;
+    let restored = restore_from_dir(&node, "c2", &dir)?;
     let seen = next_values(restored, 3)?;
     ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
     remove(&node, "c2")?;
@@ -177,15 +169,7 @@ fn one_gib_of_memory_survives() -> Result<()> {
         || rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass")),
     )?;
     let dir = node.paths().dir.join("m1-image");
-    let _ = std::fs::remove_dir_all(&dir);
-    node.ctr_ok(&[
-        "task",
-        "checkpoint",
-        "--exit",
-        "--image-path",
-        &dir.display().to_string(),
-        "m1",
-    ])?;
+    node.checkpoint_task_exit("m1", &dir)?;
     let pages: u64 = std::fs::read_dir(&dir)?
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
@@ -196,10 +180,7 @@ fn one_gib_of_memory_survives() -> Result<()> {
         "pages images hold {pages} bytes, less than 1 GiB"
     );
     node.ctr_ok(&["task", "rm", "m1"])?;
-    let restored = rt().block_on(async {
-        let api = Containerd::connect(node.socket(), "default").await?;
-        restore_from_image_path(&api, "m1", &dir).await
-    })? as i32;
+    let restored = restore_from_dir(&node, "m1", &dir)?;
     // The restored process re-verifies every page: a later pass means all 1 GiB matched.
     let first = rootfs_file(restored, "/status.txt").unwrap_or_default();
     wait_until(
@@ -396,15 +377,7 @@ fn truncated_or_tampered_checkpoints_are_refused() -> Result<()> {
     let node = node("ck-tamper")?;
     start_counter(&node, "x1", "100")?;
     let dir = node.paths().dir.join("x1-image");
-    let _ = std::fs::remove_dir_all(&dir);
-    node.ctr_ok(&[
-        "task",
-        "checkpoint",
-        "--exit",
-        "--image-path",
-        &dir.display().to_string(),
-        "x1",
-    ])?;
+    node.checkpoint_task_exit("x1", &dir)?;
     node.ctr_ok(&["task", "rm", "x1"])?;
     let pages = std::fs::read_dir(&dir)?
         .flatten()
@@ -425,11 +398,7 @@ fn truncated_or_tampered_checkpoints_are_refused() -> Result<()> {
     ];
     for (what, bytes) in cases {
         std::fs::write(&pages, &bytes)?;
-        let err = rt()
-            .block_on(async {
-                let api = Containerd::connect(node.socket(), "default").await?;
-                restore_from_image_path(&api, "x1", &dir).await
-            })
+        let err = restore_from_dir(&node, "x1", &dir)
             .err()
             .with_context(|| format!("a {what} checkpoint was restored"))?;
         let msg = format!("{err:#}");

@@ -9,7 +9,6 @@ use std::{collections::BTreeMap, time::Duration};
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
-    containerd::Containerd,
     cri::{ContainerSpec, Cri, Network, PodSpec},
     stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
 };
@@ -53,25 +52,14 @@ fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
         rootfs_file(pid, "/client.log").filter(|s| echoes(s) >= 5)
     })?;
     let dir = node.paths().dir.join("cli-image");
-    let _ = std::fs::remove_dir_all(&dir);
-    node.ctr_ok(&[
-        "task",
-        "checkpoint",
-        "--exit",
-        "--image-path",
-        &dir.display().to_string(),
-        "cli",
-    ])?;
+    node.checkpoint_task_exit("cli", &dir)?;
     let manifest = std::fs::read_to_string(dir.join("gpu-ckpt-manifest.json"))?;
     ensure!(
         manifest.contains("\"tcp\": \"established\""),
         "manifest: {manifest}"
     );
     node.ctr_ok(&["task", "rm", "cli"])?;
-    let restored = rt().block_on(async {
-        let api = Containerd::connect(node.socket(), "default").await?;
-        restore_from_image_path(&api, "cli", &dir).await
-    })? as i32;
+    let restored = restore_from_dir(&node, "cli", &dir)?;
     let before = echoes(&rootfs_file(restored, "/client.log").unwrap_or_default());
     let log = wait_until(Duration::from_secs(15), "echoes after the restore", || {
         rootfs_file(restored, "/client.log").filter(|s| echoes(s) >= before + 5)

@@ -272,12 +272,12 @@ async fn shim_round(
     node.ctr_ok(&args)?;
     let pid = node.task_pid(id)?;
     wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
+    // An earlier round's directory goes before the writeback, not inside the timed step.
     let dir = node.paths().dir.join(format!("bench-{id}"));
     let _ = std::fs::remove_dir_all(&dir);
-    let dir_s = dir.display().to_string();
     settle();
     let t = Instant::now();
-    node.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir_s, id])?;
+    node.checkpoint_task_exit(id, &dir)?;
     let ckpt = t.elapsed();
     // gpu-ckpt's manifest records its steps: printed per round, to stderr.
     if let Ok(m) = image_format::manifest::Manifest::read_from(&dir) {

@@ -164,13 +164,14 @@ pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Restores container `id` from a CRIU image directory through the containerd API.
-pub async fn restore_from_image_path(
-    api: &test_containers::containerd::Containerd,
-    id: &str,
-    image_path: &Path,
-) -> Result<u32> {
-    api.restore_from_image_path(id, image_path).await
+/// Restores task `id` from the CRIU image directory `dir` through the containerd API
+/// (Tasks.Create with `CriuImagePath`, then Start); returns the restored pid.
+pub fn restore_from_dir(node: &Node, id: &str, dir: &Path) -> Result<i32> {
+    rt().block_on(async {
+        let api =
+            test_containers::containerd::Containerd::connect(node.socket(), "default").await?;
+        Ok(api.restore_from_image_path(id, dir).await? as i32)
+    })
 }
 
 /// A single-threaded runtime for a test's async part.
