@@ -336,6 +336,45 @@ fn oci_checkpoint_image_round_trip_through_the_registry() -> Result<()> {
     })
 }
 
+/// checkpointctl's and gpu-ckpt's `inspect` of `archive`, as JSON (checkpointctl with
+/// `--stats` when asked).
+fn inspect_both(
+    node: &Node,
+    archive: &str,
+    stats: bool,
+) -> Result<(serde_json::Value, serde_json::Value)> {
+    let mut args = vec!["inspect", "--format=json"];
+    if stats {
+        args.push("--stats");
+    }
+    args.push(archive);
+    let theirs = serde_json::from_str(&checkpointctl(node, &args)?)?;
+    let ours = serde_json::from_str(&run_ok(
+        std::process::Command::new(gpu_ckpt_cli()).args(["inspect", "--json", archive]),
+    )?)?;
+    Ok((theirs, ours))
+}
+
+/// checkpointctl (`t`) and gpu-ckpt (`o`) show the same container, image and sizes.
+fn ensure_inspect_agrees(t: &serde_json::Value, o: &serde_json::Value, label: &str) -> Result<()> {
+    for key in ["container_name", "image"] {
+        ensure!(
+            t[key] == o[key],
+            "{label}: {key}: checkpointctl {} vs gpu-ckpt {}",
+            t[key],
+            o[key]
+        );
+    }
+    for key in ["total_size", "memory_pages_size", "root_fs_diff_size"] {
+        let (tv, ov) = (&t["checkpoint_size"][key], &o["checkpoint_size"][key]);
+        ensure!(
+            tv == ov,
+            "{label}: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
+        );
+    }
+    Ok(())
+}
+
 fn gpu_ckpt_cli() -> PathBuf {
     let dir = test_containers::stack::Stack::discover()
         .map(|s| s.shim_dir())
@@ -373,65 +412,21 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
             // for runc-v2 (gpu-ckpt's statistics are under checkpoint/, where CRI puts what the
             // shim writes).
             let runc = handler == test_containers::stack::RUNC_HANDLER;
-            let mut args = vec!["inspect", "--format=json"];
-            if runc {
-                args.push("--stats");
-            }
-            args.push(&a);
-            let theirs: serde_json::Value = serde_json::from_str(&checkpointctl(&node, &args)?)?;
-            let ours: serde_json::Value = serde_json::from_str(&run_ok(
-                std::process::Command::new(gpu_ckpt_cli()).args(["inspect", "--json", &a]),
-            )?)?;
+            let (theirs, ours) = inspect_both(&node, &a, runc)?;
             let (t, o) = (&theirs[0], &ours[0]);
-            for key in ["container_name", "image"] {
-                ensure!(
-                    t[key] == o[key],
-                    "{handler}: {key}: checkpointctl {} vs gpu-ckpt {}",
-                    t[key],
-                    o[key]
-                );
-            }
-            for key in ["total_size", "memory_pages_size", "root_fs_diff_size"] {
-                let (tv, ov) = (&t["checkpoint_size"][key], &o["checkpoint_size"][key]);
-                ensure!(
-                    tv == ov,
-                    "{handler}: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
-                );
-            }
+            ensure_inspect_agrees(t, o, handler)?;
             if !runc {
                 // The same checkpoint as CRI-O writes it: CRI-O's annotations in spec.dump and a
                 // plain-tar rootfs diff.
                 let crio = node.paths().dir.join("inspect-crio.tar");
                 crio_variant(&archive, &crio)?;
-                let c = crio.display().to_string();
-                let theirs: serde_json::Value = serde_json::from_str(&checkpointctl(
-                    &node,
-                    &["inspect", "--format=json", &c],
-                )?)?;
-                let ours: serde_json::Value = serde_json::from_str(&run_ok(
-                    std::process::Command::new(gpu_ckpt_cli()).args(["inspect", "--json", &c]),
-                )?)?;
-                let (t, o) = (&theirs[0], &ours[0]);
+                let (theirs, ours) = inspect_both(&node, &crio.display().to_string(), false)?;
                 ensure!(
-                    o["engine"] == "CRI-O",
+                    ours[0]["engine"] == "CRI-O",
                     "gpu-ckpt sees engine {}",
-                    o["engine"]
+                    ours[0]["engine"]
                 );
-                for key in ["container_name", "image"] {
-                    ensure!(
-                        t[key] == o[key],
-                        "CRI-O: {key}: checkpointctl {} vs gpu-ckpt {}",
-                        t[key],
-                        o[key]
-                    );
-                }
-                for key in ["total_size", "memory_pages_size", "root_fs_diff_size"] {
-                    let (tv, ov) = (&t["checkpoint_size"][key], &o["checkpoint_size"][key]);
-                    ensure!(
-                        tv == ov,
-                        "CRI-O: checkpoint_size.{key}: checkpointctl {tv} vs gpu-ckpt {ov}"
-                    );
-                }
+                ensure_inspect_agrees(&theirs[0], &ours[0], "CRI-O")?;
             }
             if runc {
                 let ts = &t["statistics"];
