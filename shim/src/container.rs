@@ -347,6 +347,11 @@ impl Container {
         .await
         .map_err(|e| restore::step("verify")(e.to_string()))?
         .map_err(|e| restore::step("verify")(e.to_string()))?;
+        let deferred = if unpacked {
+            manifest::DeferredDigests::default()
+        } else {
+            deferred
+        };
         let verified_first = t.elapsed();
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
         // this container asks for it (a new address). The gate holds the restored tasks until
@@ -369,16 +374,13 @@ impl Container {
             move || -> Result<Duration> {
                 let t = Instant::now();
                 // A verdict whatever happens: CRIU waits for one.
-                let result = if unpacked {
-                    Ok(())
-                } else {
+                let result =
                     std::panic::catch_unwind(AssertUnwindSafe(|| deferred.verify(&cancel)))
                         .unwrap_or_else(|_| {
                             Err(image_format::Error::Cancelled {
                                 name: "page images (the verification panicked)".into(),
                             })
-                        })
-                };
+                        });
                 gate.open(result.is_ok())?;
                 result?;
                 Ok(t.elapsed())
