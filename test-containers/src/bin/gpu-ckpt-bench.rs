@@ -6,8 +6,9 @@
 //! - `memory`: N pods (sandbox plus one container) per handler through CRI; resident memory
 //!   (RSS and PSS) of the shim processes per pod.
 //! - `checkpoint`: checkpoint and restore of a memhog through gpu-ckpt, through runc-v2, and
-//!   with runc alone on a bundle over the same rootfs; the first path rotates per round, and
-//!   dirty pages are written back before each timed step.
+//!   with runc alone on a bundle with containerd's spec for the same container (network
+//!   namespace included) over the same image; the first path rotates per round, and dirty
+//!   pages are written back before each timed step.
 //! - `freeze`: how long a CRI CheckpointContainer keeps the application from running (the
 //!   longest gap between its log ticks), next to CRIU's own frozen time.
 
@@ -255,20 +256,11 @@ async fn shim_round(
     id: &str,
     mib: u64,
 ) -> Result<(Duration, Duration)> {
-    let mib_s = mib.to_string();
+    let memhog = memhog_args(mib);
     let mut args: Vec<&str> = vec!["run", "-d"];
     args.extend(flags.iter().map(String::as_str));
-    args.extend([
-        WORKLOADS_IMAGE,
-        id,
-        "/bin/memhog",
-        "--mib",
-        &mib_s,
-        "--interval-ms",
-        "500",
-        "--status-file",
-        "/status.txt",
-    ]);
+    args.extend([WORKLOADS_IMAGE, id]);
+    args.extend(memhog.iter().map(String::as_str));
     node.ctr_ok(&args)?;
     let pid = node.task_pid(id)?;
     wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
@@ -305,30 +297,48 @@ async fn shim_round(
     Ok((ckpt, restore))
 }
 
-/// One checkpoint and restore of a memhog with runc alone, on a bundle over the image's rootfs.
+/// The memhog's arguments, the same for every path.
+fn memhog_args(mib: u64) -> Vec<String> {
+    let mib = mib.to_string();
+    [
+        "/bin/memhog",
+        "--mib",
+        &mib,
+        "--interval-ms",
+        "500",
+        "--status-file",
+        "/status.txt",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// The OCI spec containerd generates for the memhog container (`ctr container create`, then
+/// `ctr container info`): what both shims hand to runc, network namespace and all.
+fn containerd_spec(node: &Node, id: &str, mib: u64) -> Result<serde_json::Value> {
+    let mut args = vec!["container", "create", WORKLOADS_IMAGE, id];
+    let memhog = memhog_args(mib);
+    args.extend(memhog.iter().map(String::as_str));
+    node.ctr_ok(&args)?;
+    let info = node.ctr_ok(&["container", "info", id]);
+    node.ctr_ok(&["container", "rm", id])?;
+    let mut info: serde_json::Value = serde_json::from_str(&info?)?;
+    Ok(info["Spec"].take())
+}
+
+/// One checkpoint and restore of a memhog with runc alone, on a bundle with containerd's spec
+/// for the same container, over the image's rootfs.
 fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
     let base = node.paths().dir.join(format!("raw-{id}"));
     let _ = std::fs::remove_dir_all(&base);
     let rootfs = base.join("rootfs");
     std::fs::create_dir_all(&rootfs)?;
     let rootfs_s = rootfs.display().to_string();
+    let mut spec = containerd_spec(node, id, mib)?;
+    spec["root"]["path"] = rootfs_s.clone().into();
+    spec["linux"]["cgroupsPath"] = format!("/gpu-ckpt-bench/{id}").into();
     node.ctr_ok(&["images", "mount", "--rw", WORKLOADS_IMAGE, &rootfs_s])?;
     let result = (|| -> Result<(Duration, Duration)> {
-        let spec = serde_json::json!({
-            "ociVersion": "1.0.2",
-            "process": {
-                "terminal": false, "user": {"uid": 0, "gid": 0}, "cwd": "/",
-                "args": ["/bin/memhog", "--mib", mib.to_string(), "--interval-ms", "500", "--status-file", "/status.txt"],
-                "env": ["PATH=/bin"]
-            },
-            "root": {"path": rootfs_s},
-            "mounts": [
-                {"destination": "/proc", "type": "proc", "source": "proc"},
-                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}
-            ],
-            "linux": {"namespaces": [{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}],
-                      "cgroupsPath": format!("/gpu-ckpt-bench/{id}")}
-        });
         std::fs::write(base.join("config.json"), serde_json::to_vec(&spec)?)?;
         let root = base.join("runc-root").display().to_string();
         // runc's own errors go to a file. A detached container inherits runc's stdio, and CRIU
