@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::{no_progress, sha256_hex, Progress, COPY_BUF};
+use crate::digest::{no_progress, FileHasher, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::manifest::{FileDigest, Manifest, MANIFEST_FILE};
 use crate::safe::{Checker, EntryInfo, EntryKind, Limits, SafeRoot};
@@ -370,22 +370,17 @@ pub fn verify_stream<R: Read>(
                 manifest = Some(Manifest::from_json(&d, &e.path)?);
                 continue;
             }
-            let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
-            let mut n = 0u64;
+            let mut hasher = hasher_for(manifest.as_ref(), &e.path);
             loop {
                 let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
                 if k == 0 {
                     break;
                 }
-                sha2::Digest::update(&mut hasher, &buf[..k]);
-                n += k as u64;
+                hasher.update(&buf[..k]);
                 bytes += k as u64;
-                progress(ent_pos(&ent) + n, total);
+                progress(ent_pos(&ent) + hasher.size(), total);
             }
-            let d = FileDigest {
-                size: n,
-                sha256: hex::encode(sha2::Digest::finalize(hasher)),
-            };
+            let d = hasher.finish();
             match e.path.strip_prefix("checkpoint/") {
                 Some(name) if !name.contains('/') => {
                     found.insert(name.to_string(), d);
@@ -413,26 +408,22 @@ fn ent_pos<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
     e.raw_file_position()
 }
 
+/// How to hash archive member `path` as it streams by: against its manifest entry when the
+/// manifest came first (gpu-ckpt's archives and containerd's list it before the page images),
+/// else sha256, which every entry has.
+fn hasher_for(manifest: Option<&Manifest>, path: &str) -> FileHasher {
+    path.strip_prefix("checkpoint/")
+        .and_then(|name| manifest?.files.get(name))
+        .map_or_else(FileHasher::sha256, FileHasher::checking)
+}
+
 /// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.
 pub fn compare_files(m: &Manifest, found: &BTreeMap<String, FileDigest>) -> Result<()> {
     for (name, want) in &m.files {
         let Some(got) = found.get(name) else {
             return Err(Error::MissingFile { name: name.clone() });
         };
-        if got.size != want.size {
-            return Err(Error::SizeMismatch {
-                name: name.clone(),
-                expected: want.size,
-                actual: got.size,
-            });
-        }
-        if got.sha256 != want.sha256 {
-            return Err(Error::DigestMismatch {
-                name: name.clone(),
-                expected: want.sha256.clone(),
-                actual: got.sha256.clone(),
-            });
-        }
+        crate::manifest::check_digest(name, want, got)?;
     }
     for name in found.keys() {
         if !m.files.contains_key(name) {
@@ -561,7 +552,7 @@ fn extract_inner<R: Read>(
                 created.push(e.path.clone());
                 let is_manifest = e.path == names::MANIFEST_PATH;
                 let mut small = Vec::new();
-                let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
+                let mut hasher = hasher_for(manifest.as_ref(), &e.path);
                 let mut n = 0u64;
                 loop {
                     let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
@@ -569,7 +560,7 @@ fn extract_inner<R: Read>(
                         break;
                     }
                     if opts.verify {
-                        sha2::Digest::update(&mut hasher, &buf[..k]);
+                        hasher.update(&buf[..k]);
                     }
                     if is_manifest {
                         small.extend_from_slice(&buf[..k]);
@@ -582,13 +573,7 @@ fn extract_inner<R: Read>(
                     manifest = Some(Manifest::from_json(&small, &e.path)?);
                 } else if let Some(name) = e.path.strip_prefix("checkpoint/") {
                     if opts.verify && !name.contains('/') {
-                        found.insert(
-                            name.to_string(),
-                            FileDigest {
-                                size: n,
-                                sha256: hex::encode(sha2::Digest::finalize(hasher)),
-                            },
-                        );
+                        found.insert(name.to_string(), hasher.finish());
                     }
                 }
             }
@@ -766,12 +751,12 @@ mod erased {
     }
 }
 
-/// sha256 of an in-memory archive member, for callers building manifests of small files.
+/// The manifest entry of an in-memory archive member, for callers building manifests of small
+/// files.
 pub fn digest_bytes(d: &[u8]) -> FileDigest {
-    FileDigest {
-        size: d.len() as u64,
-        sha256: sha256_hex(d),
-    }
+    let mut h = FileHasher::recording();
+    h.update(d);
+    h.finish()
 }
 
 /// Convenience: list a whole archive without extracting it.

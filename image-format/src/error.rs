@@ -89,10 +89,12 @@ pub enum Error {
         actual: u64,
     },
 
-    /// The content of a file does not match the sha256 recorded in the manifest.
-    #[error("file {name:?}: sha256 mismatch: manifest says {expected}, found {actual}")]
+    /// The content of a file does not match the digest recorded for it (`algorithm`: "sha256"
+    /// or "blake3").
+    #[error("file {name:?}: {algorithm} mismatch: manifest says {expected}, found {actual}")]
     DigestMismatch {
         name: String,
+        algorithm: &'static str,
         expected: String,
         actual: String,
     },

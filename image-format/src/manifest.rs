@@ -1,8 +1,8 @@
 //! The gpu-ckpt manifest: a versioned JSON document, `gpu-ckpt-manifest.json`, that the shim writes next
 //! to the CRIU images (so it ends up as `checkpoint/gpu-ckpt-manifest.json` in the kubelet archive).
 //!
-//! It records who was checkpointed, on what node, with which GPUs and versions, and the size and sha256
-//! of every file in the checkpoint directory (except itself). The schema is documented field by field in
+//! It records who was checkpointed, on what node, with which GPUs and versions, and the size, sha256
+//! and BLAKE3 of every file in the checkpoint directory (except itself). The schema is documented field by field in
 //! docs/image-format.md.
 
 use std::collections::{BTreeMap, HashSet};
@@ -12,11 +12,9 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-
-use crate::digest::{hash_file, no_progress, Progress, COPY_BUF};
+use crate::digest::{digest_file, no_progress, FileHasher, Progress, COPY_BUF};
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
 
 /// File name of the manifest inside the checkpoint directory.
 pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
@@ -181,12 +179,16 @@ pub struct DeviceState {
     pub sha256: String,
 }
 
-/// Size and sha256 of one file.
+/// Size and digests of one file.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileDigest {
     pub size: u64,
     /// Lower-case hex, no prefix.
     pub sha256: String,
+    /// BLAKE3 (256 bits), lower-case hex, no prefix. Optional: when present, it is the digest
+    /// gpu-ckpt verifies the file with (see [`FileHasher`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub blake3: String,
 }
 
 /// How long one step took.
@@ -239,9 +241,8 @@ impl Manifest {
                 reason: "not a regular file",
             });
         }
-        let (sha256, size) = hash_file(&path, &mut no_progress)?;
-        self.files
-            .insert(name.to_string(), FileDigest { size, sha256 });
+        let d = digest_file(&path, FileHasher::recording(), &mut no_progress)?;
+        self.files.insert(name.to_string(), d);
         Ok(&self.files[name])
     }
 
@@ -338,12 +339,15 @@ impl Manifest {
             }
         }
         for (name, d) in &m.files {
-            if !is_sha256_hex(&d.sha256) {
-                return Err(Error::InvalidField {
-                    what: what.to_string(),
-                    field: format!("files.{name}.sha256"),
-                    reason: "not 64 lower-case hex digits".into(),
-                });
+            let blake3 = (!d.blake3.is_empty()).then_some(("blake3", &d.blake3));
+            for (field, hex) in std::iter::once(("sha256", &d.sha256)).chain(blake3) {
+                if !is_sha256_hex(hex) {
+                    return Err(Error::InvalidField {
+                        what: what.to_string(),
+                        field: format!("files.{name}.{field}"),
+                        reason: "not 64 lower-case hex digits".into(),
+                    });
+                }
             }
         }
         for (i, d) in m.device_state.iter().enumerate() {
@@ -409,7 +413,7 @@ impl Manifest {
     }
 }
 
-/// Is `s` 64 lower-case hex digits?
+/// Is `s` 64 lower-case hex digits (a 256-bit digest: sha256, or BLAKE3 in a manifest)?
 pub fn is_sha256_hex(s: &str) -> bool {
     s.len() == 64
         && s.bytes()
@@ -506,9 +510,11 @@ pub fn hash_dir_flat_with(
             continue;
         }
         let path = dir.join(&name);
-        let (sha256, size) = hash_file(&path, &mut |d, _| progress(base + d, total))?;
-        base += size;
-        out.insert(name, FileDigest { size, sha256 });
+        let d = digest_file(&path, FileHasher::recording(), &mut |d, _| {
+            progress(base + d, total)
+        })?;
+        base += d.size;
+        out.insert(name, d);
     }
     Ok(out)
 }
@@ -531,8 +537,7 @@ pub struct AppendHasher {
 
 struct Followed {
     file: fs::File,
-    hasher: Sha256,
-    done: u64,
+    hasher: FileHasher,
 }
 
 impl AppendHasher {
@@ -580,8 +585,7 @@ impl AppendHasher {
                 name,
                 Followed {
                     file,
-                    hasher: Sha256::new(),
-                    done: 0,
+                    hasher: FileHasher::recording(),
                 },
             );
         }
@@ -590,13 +594,12 @@ impl AppendHasher {
             loop {
                 let n = f
                     .file
-                    .read_at(&mut self.buf, f.done)
+                    .read_at(&mut self.buf, f.hasher.size())
                     .map_err(|e| Error::io("reading", self.dir.join(name), e))?;
                 if n == 0 {
                     break;
                 }
                 f.hasher.update(&self.buf[..n]);
-                f.done += n as u64;
                 hashed += n as u64;
             }
         }
@@ -615,14 +618,8 @@ impl AppendHasher {
                 .map_err(|e| Error::io("reading", self.dir.join(&name), e))?;
             let now = fs::symlink_metadata(self.dir.join(&name));
             let same = now.is_ok_and(|m| m.ino() == held.ino() && m.dev() == held.dev());
-            if same && held.len() == f.done {
-                out.insert(
-                    name,
-                    FileDigest {
-                        size: f.done,
-                        sha256: hex::encode(f.hasher.finalize()),
-                    },
-                );
+            if same && held.len() == f.hasher.size() {
+                out.insert(name, f.hasher.finish());
             }
         }
         Ok(out)
@@ -679,13 +676,13 @@ impl DeferredDigests {
             }
             let mut cancelled = false;
             let path = self.dir.join(name);
-            let got = hash_file(&path, &mut |_, _| {
+            let got = digest_file(&path, FileHasher::checking(want), &mut |_, _| {
                 cancelled |= cancel.load(Ordering::Relaxed);
             });
             if cancelled {
                 return Err(Error::Cancelled { name: name.clone() });
             }
-            check_digest(name, want, got?)?;
+            check_digest(name, want, &got?)?;
         }
         Ok(())
     }
@@ -744,27 +741,36 @@ pub fn verify_dir_staged(
     let total: u64 = now.iter().map(|(_, f)| f.size).sum();
     let mut base = 0u64;
     for (name, want) in now {
-        let got = hash_file(&dir.join(name), &mut |d, _| progress(base + d, total))?;
-        base += got.1;
-        check_digest(name, want, got)?;
+        let got = digest_file(&dir.join(name), FileHasher::checking(want), &mut |d, _| {
+            progress(base + d, total)
+        })?;
+        base += got.size;
+        check_digest(name, want, &got)?;
     }
     Ok((m, deferred))
 }
 
-/// Compares a file's (sha256, size) as read with what the manifest lists.
-fn check_digest(name: &str, want: &FileDigest, (sha, size): (String, u64)) -> Result<()> {
-    if size != want.size {
+/// Compares a file as read with its manifest entry: the size, then BLAKE3 where both have it,
+/// else sha256.
+pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> Result<()> {
+    if got.size != want.size {
         return Err(Error::SizeMismatch {
             name: name.to_string(),
             expected: want.size,
-            actual: size,
+            actual: got.size,
         });
     }
-    if sha != want.sha256 {
+    let (algorithm, expected, actual) = if !want.blake3.is_empty() && !got.blake3.is_empty() {
+        ("blake3", &want.blake3, &got.blake3)
+    } else {
+        ("sha256", &want.sha256, &got.sha256)
+    };
+    if actual != expected {
         return Err(Error::DigestMismatch {
             name: name.to_string(),
-            expected: want.sha256.clone(),
-            actual: sha,
+            algorithm,
+            expected: expected.clone(),
+            actual: actual.clone(),
         });
     }
     Ok(())

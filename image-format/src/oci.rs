@@ -610,6 +610,7 @@ pub fn read_image_manifest(image: &Path) -> Result<(ImageManifest, String)> {
     if got != d.digest {
         return Err(Error::DigestMismatch {
             name: blob_name(&d.digest)?,
+            algorithm: "sha256",
             expected: d.digest.clone(),
             actual: got,
         });
@@ -681,6 +682,7 @@ pub fn write_layer(image: &Path, w: &mut dyn Write, progress: Progress<'_>) -> R
         if got != layer.digest || size != layer.size {
             return Err(Error::DigestMismatch {
                 name: name.clone(),
+                algorithm: "sha256",
                 expected: format!("{} ({} bytes)", layer.digest, layer.size),
                 actual: format!("{got} ({size} bytes)"),
             });

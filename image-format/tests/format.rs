@@ -524,6 +524,7 @@ fn append_hasher_follows_a_file_while_it_is_written() {
         manifest::FileDigest {
             size: 1,
             sha256: "00".repeat(32),
+            blake3: "00".repeat(32),
         },
     )]
     .into_iter()
@@ -532,4 +533,62 @@ fn append_hasher_follows_a_file_while_it_is_written() {
         manifest::hash_dir_flat_with(&dir, stale, &mut no_progress).unwrap(),
         full
     );
+}
+
+#[test]
+fn files_are_recorded_with_sha256_and_blake3_and_verified_with_blake3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let m = make_checkpoint_dir(dir);
+    for (name, d) in &m.files {
+        let bytes = std::fs::read(dir.join(name)).unwrap();
+        assert_eq!(d.sha256, image_format::digest::sha256_hex(&bytes), "{name}");
+        assert_eq!(d.blake3, blake3::hash(&bytes).to_hex().as_str(), "{name}");
+    }
+    // A wrong BLAKE3 next to a right sha256 is refused: BLAKE3 is the digest checked, now and
+    // deferred.
+    let mut wrong = m.clone();
+    wrong.files.get_mut("pages-1.img").unwrap().blake3 = "ab".repeat(32);
+    wrong.files.get_mut("core-1.img").unwrap().blake3 = "cd".repeat(32);
+    wrong.write_to(dir).unwrap();
+    let e = manifest::verify_dir(dir).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"core-1.img\": blake3 mismatch: manifest says cdcd"),
+        "{e}"
+    );
+    wrong.files.get_mut("core-1.img").unwrap().blake3 = m.files["core-1.img"].blake3.clone();
+    wrong.write_to(dir).unwrap();
+    let (_, deferred) =
+        manifest::verify_dir_staged(dir, &manifest::is_page_image, &mut no_progress).unwrap();
+    let e = deferred
+        .verify(&std::sync::atomic::AtomicBool::new(false))
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"pages-1.img\": blake3 mismatch"),
+        "{e}"
+    );
+    // A manifest without BLAKE3 (as written before gpu-ckpt recorded it) is verified with
+    // sha256, and a changed byte is still found.
+    let mut old = m.clone();
+    old.files.values_mut().for_each(|d| d.blake3.clear());
+    old.write_to(dir).unwrap();
+    let text = std::fs::read_to_string(dir.join(MANIFEST_FILE)).unwrap();
+    assert!(!text.contains("blake3"), "{text}");
+    manifest::verify_dir(dir).unwrap();
+    let mut pages = std::fs::read(dir.join("pages-1.img")).unwrap();
+    pages[1000] ^= 1;
+    std::fs::write(dir.join("pages-1.img"), &pages).unwrap();
+    let e = manifest::verify_dir(dir).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"pages-1.img\": sha256 mismatch"),
+        "{e}"
+    );
+    // A BLAKE3 field that is not a digest is refused when the manifest is read.
+    let mut json: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+    json["files"]["pages-1.img"]["blake3"] = "XYZ".into();
+    let e = Manifest::from_json(&serde_json::to_vec(&json).unwrap(), "m.json").unwrap_err();
+    assert!(e.to_string().contains("files.pages-1.img.blake3"), "{e}");
 }

@@ -285,7 +285,8 @@ fn every_hostile_archive_is_refused_with_its_own_message() {
 fn wrong_digest_in_manifest_is_refused_and_cleaned_up() {
     let tmp = tempfile::tempdir().unwrap();
     let good = common::make_archive(tmp.path());
-    // Rewrite the archive with one CRIU image changed after the manifest was made.
+    // Rewrite the archive with one CRIU image changed after the manifest was made. core-1.img
+    // comes before the manifest in the archive: it is checked against its sha256.
     let ck = tmp.path().join("ckdir");
     std::fs::write(ck.join("core-1.img"), b"core of pid 2").unwrap();
     let bad = tmp.path().join("bad.tar");
@@ -319,6 +320,28 @@ fn wrong_digest_in_manifest_is_refused_and_cleaned_up() {
         "mismatching extraction left {:?}",
         tree(&target)
     );
+
+    // A page image, which comes after the manifest in the archive, is checked against its
+    // BLAKE3, by verify and by a verifying extraction alike.
+    std::fs::write(ck.join("core-1.img"), b"core of pid 1").unwrap();
+    let mut pages = std::fs::read(ck.join("pages-1.img")).unwrap();
+    pages[4096] ^= 0x80;
+    std::fs::write(ck.join("pages-1.img"), &pages).unwrap();
+    archive::write_archive(&spec, &bad).unwrap();
+    let e = archive::verify_archive(&bad, Limits::default(), &mut no_progress).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"pages-1.img\": blake3 mismatch"),
+        "{e}"
+    );
+    let e = archive::extract_archive(&bad, &target, opts, &mut no_progress).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"pages-1.img\": blake3 mismatch"),
+        "{e}"
+    );
+    pages[4096] ^= 0x80;
+    std::fs::write(ck.join("pages-1.img"), &pages).unwrap();
 
     // Size change is reported as such.
     std::fs::write(ck.join("core-1.img"), b"core of pid 1 and more").unwrap();

@@ -124,6 +124,7 @@ mod tests {
         assert_eq!(missing.code(), Code::NOT_FOUND);
         let tampered = Error::from(image_format::Error::DigestMismatch {
             name: "pages-1.img".into(),
+            algorithm: "sha256",
             expected: "a".into(),
             actual: "b".into(),
         });

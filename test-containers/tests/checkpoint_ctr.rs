@@ -413,6 +413,11 @@ fn truncated_or_tampered_checkpoints_are_refused() -> Result<()> {
                 || msg.contains("CRIU aborted the restore before the restored tasks ran"),
             "{what}: the restore was not stopped at the gate: {msg}"
         );
+        // The shim recorded the page image's BLAKE3 at checkpoint and verifies with it.
+        ensure!(
+            what == "truncated" || msg.contains("blake3 mismatch"),
+            "{what}: not refused on its BLAKE3: {msg}"
+        );
         ensure!(
             msg.contains(
                 &pages
