@@ -66,8 +66,21 @@ pub fn copy_hashing(
     total: u64,
     progress: Progress<'_>,
 ) -> io::Result<(String, u64)> {
-    let mut buf = vec![0u8; COPY_BUF];
     let mut hasher = Sha256::new();
+    let done = stream(r, w, total, progress, &mut |b| hasher.update(b))?;
+    Ok((hex::encode(hasher.finalize()), done))
+}
+
+/// Copy `r` to `w`, handing every chunk to `each` first; returns the bytes copied. Reports
+/// progress.
+fn stream(
+    r: &mut dyn Read,
+    w: &mut dyn Write,
+    total: u64,
+    progress: Progress<'_>,
+    each: &mut dyn FnMut(&[u8]),
+) -> io::Result<u64> {
+    let mut buf = vec![0u8; COPY_BUF];
     let mut done = 0u64;
     loop {
         let n = match r.read(&mut buf) {
@@ -76,12 +89,12 @@ pub fn copy_hashing(
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(e),
         };
-        hasher.update(&buf[..n]);
+        each(&buf[..n]);
         w.write_all(&buf[..n])?;
         done += n as u64;
         progress(done, total);
     }
-    Ok((hex::encode(hasher.finalize()), done))
+    Ok(done)
 }
 
 /// Hashes one file's bytes for its manifest entry. Recording computes every digest the manifest
@@ -166,24 +179,14 @@ pub fn digest_file(
 ) -> Result<FileDigest> {
     let mut f = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
     let total = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut buf = vec![0u8; COPY_BUF];
-    loop {
-        let n = match f.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Error::io("reading", path, e)),
-        };
-        hasher.update(&buf[..n]);
-        progress(hasher.size(), total);
-    }
+    stream(&mut f, &mut io::sink(), total, progress, &mut |b| {
+        hasher.update(b)
+    })
+    .map_err(|e| Error::io("reading", path, e))?;
     Ok(hasher.finish())
 }
 
 /// Hash a whole file, streaming. Returns (hex sha256, size).
 pub fn hash_file(path: &Path, progress: Progress<'_>) -> Result<(String, u64)> {
-    let mut f = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
-    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
-    copy_hashing(&mut f, &mut io::sink(), total, progress)
-        .map_err(|e| Error::io("reading", path, e))
+    digest_file(path, FileHasher::sha256(), progress).map(|d| (d.sha256, d.size))
 }

@@ -2,8 +2,8 @@
 //! to the CRIU images (so it ends up as `checkpoint/gpu-ckpt-manifest.json` in the kubelet archive).
 //!
 //! It records who was checkpointed, on what node, with which GPUs and versions, and the size, sha256
-//! and BLAKE3 of every file in the checkpoint directory (except itself). The schema is documented field by field in
-//! docs/image-format.md.
+//! and BLAKE3 of every file in the checkpoint directory (except itself). The schema is documented
+//! field by field in docs/image-format.md.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
@@ -12,9 +12,10 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use serde::{Deserialize, Serialize};
+
 use crate::digest::{digest_file, no_progress, FileHasher, Progress, COPY_BUF};
 use crate::error::{Error, Result};
-use serde::{Deserialize, Serialize};
 
 /// File name of the manifest inside the checkpoint directory.
 pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
