@@ -228,10 +228,35 @@ fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
 
-/// Writes back every dirty page before a timed step, so that no path pays for the writeback of
-/// what an earlier round wrote (each round writes its whole checkpoint into the page cache).
-fn settle() {
+/// Gets the machine into the same state before every timed step, whichever path takes it:
+/// - writes back every dirty page, so that no path pays for the writeback of what an earlier
+///   round wrote (each round writes its whole checkpoint into the page cache);
+/// - then fills `mib` MiB of page cache in `dir` and frees it at once, so that the step's own
+///   allocations (CRIU's images at a checkpoint, the process's memory at a restore) reuse
+///   memory that was just in use. On a VM whose balloon device reports free pages to the
+///   host, memory that has been free for a few seconds goes back to the host, and taking it
+///   again costs the guest kernel several times the work: 1 GiB written into the page cache
+///   took 1.3–2.8 s after 5–20 s idle on the benchmark machine, 0.18–0.20 s right after
+///   such a fill. Which path met cold memory was chance, and it moved single rounds by 2x.
+fn settle(dir: &Path, mib: u64) -> Result<()> {
     nix::unistd::sync();
+    let path = dir.join("bench-warm-memory");
+    let chunk = vec![0u8; 1 << 20];
+    let fill = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&path)?;
+        for _ in 0..mib {
+            std::io::Write::write_all(&mut f, &chunk)?;
+        }
+        Ok(())
+    })();
+    // Unlinked before writeback: the dirty pages are dropped, not written.
+    let _ = std::fs::remove_file(&path);
+    fill.with_context(|| format!("fill {}", path.display()))
+}
+
+/// How much memory to warm before a step that handles `mib` MiB of process memory.
+fn warm_mib(mib: u64) -> u64 {
+    mib + mib / 2
 }
 
 /// Waits until a memhog has filled its memory and verified it once.
@@ -267,7 +292,7 @@ async fn shim_round(
     // An earlier round's directory goes before the writeback, not inside the timed step.
     let dir = node.paths().dir.join(format!("bench-{id}"));
     let _ = std::fs::remove_dir_all(&dir);
-    settle();
+    settle(node.paths().dir.as_path(), warm_mib(mib))?;
     let t = Instant::now();
     node.checkpoint_task_exit(id, &dir)?;
     let ckpt = t.elapsed();
@@ -285,7 +310,7 @@ async fn shim_round(
         );
     }
     node.ctr_ok(&["task", "rm", id])?;
-    settle();
+    settle(node.paths().dir.as_path(), warm_mib(mib))?;
     let t = Instant::now();
     api.restore_from_image_path(id, &dir).await?;
     let restore = t.elapsed();
@@ -379,11 +404,11 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
         runc(&["run", "-d", "--bundle", &bundle, id], true)?;
         wait_filled(&rootfs.join("status.txt"))?;
         let dir = base.join("image").display().to_string();
-        settle();
+        settle(&base, warm_mib(mib))?;
         let t = Instant::now();
         runc(&["checkpoint", "--image-path", &dir, id], false)?;
         let ckpt = t.elapsed();
-        settle();
+        settle(&base, warm_mib(mib))?;
         let t = Instant::now();
         runc(
             &[
@@ -586,7 +611,8 @@ async fn freeze_once(
     }
     let archive = node.paths().dir.join(format!("{name}.tar"));
     let _ = std::fs::remove_file(&archive);
-    settle();
+    // The dump, containerd's copy into its content store and the archive: three copies.
+    settle(node.paths().dir.as_path(), 3 * mib)?;
     let from = std::time::SystemTime::now();
     let t = Instant::now();
     cri.checkpoint_container(&id, &archive, 600).await?;
