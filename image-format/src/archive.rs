@@ -410,11 +410,11 @@ fn ent_pos<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
 
 /// How to hash archive member `path` as it streams by: against its manifest entry when the
 /// manifest came first (gpu-ckpt's archives and containerd's list it before the page images),
-/// else sha256, which every entry has.
+/// else with both digests, since the entry may list either.
 fn hasher_for(manifest: Option<&Manifest>, path: &str) -> FileHasher {
     path.strip_prefix("checkpoint/")
         .and_then(|name| manifest?.files.get(name))
-        .map_or_else(FileHasher::sha256, FileHasher::checking)
+        .map_or_else(FileHasher::every, FileHasher::checking)
 }
 
 /// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.
@@ -754,7 +754,7 @@ mod erased {
 /// The manifest entry of an in-memory archive member, for callers building manifests of small
 /// files.
 pub fn digest_bytes(d: &[u8]) -> FileDigest {
-    let mut h = FileHasher::recording();
+    let mut h = FileHasher::every();
     h.update(d);
     h.finish()
 }

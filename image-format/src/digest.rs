@@ -7,7 +7,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::manifest::FileDigest;
+use crate::manifest::{is_page_image, FileDigest};
 
 /// Buffer size for streaming copies: large enough that syscalls are not the bottleneck.
 pub const COPY_BUF: usize = 1 << 20;
@@ -97,10 +97,9 @@ fn stream(
     Ok(done)
 }
 
-/// Hashes one file's bytes for its manifest entry. Recording computes every digest the manifest
-/// lists (sha256, which every reader knows, and BLAKE3, which gpu-ckpt verifies with: a third of
-/// sha256's CPU time on the page images that a restore waits for). Checking computes only the
-/// digest to compare: BLAKE3 when the manifest entry has one, else sha256.
+/// Hashes one file's bytes for its manifest entry. Recording computes the digests the manifest
+/// lists for the file (see [`FileHasher::recording`]); checking computes only the digest to
+/// compare: BLAKE3 when the manifest entry has one, else sha256.
 pub struct FileHasher {
     sha256: Option<Sha256>,
     blake3: Option<Box<blake3::Hasher>>,
@@ -108,8 +107,21 @@ pub struct FileHasher {
 }
 
 impl FileHasher {
-    /// Every digest, for writing a manifest.
-    pub fn recording() -> Self {
+    /// The digests a manifest lists for the file `name`. CRIU's page images (the bulk of a
+    /// checkpoint, hashed while CRIU writes them) get BLAKE3 only: sha256 of 1 GiB takes longer
+    /// than CRIU takes to dump it, BLAKE3 a third of that. Every other file gets both, so that
+    /// a reader that knows only sha256 can still check the small images CRIU parses.
+    pub fn recording(name: &str) -> Self {
+        FileHasher {
+            sha256: (!is_page_image(name)).then(Sha256::new),
+            blake3: Some(Box::default()),
+            size: 0,
+        }
+    }
+
+    /// Both digests: for a file read before its manifest entry is known (an archive whose
+    /// manifest comes later), which may list either.
+    pub fn every() -> Self {
         FileHasher {
             sha256: Some(Sha256::new()),
             blake3: Some(Box::default()),
@@ -130,8 +142,7 @@ impl FileHasher {
         }
     }
 
-    /// sha256 only: for a file read before it is known what its entry lists (an archive whose
-    /// manifest comes later); every manifest entry has a sha256 to compare it with.
+    /// sha256 only, for [`hash_file`].
     pub fn sha256() -> Self {
         FileHasher {
             sha256: Some(Sha256::new()),

@@ -116,11 +116,12 @@ pub enum Error {
     MissingEntry { name: String },
 
     /// The manifest names a schema version this build does not understand.
-    #[error("manifest {path}: unsupported schema_version {found} (this build reads major version {supported})")]
+    #[error("manifest {path}: unsupported schema_version {found} (this build reads major versions {oldest} to {newest})")]
     UnsupportedSchema {
         path: String,
         found: String,
-        supported: u32,
+        oldest: u32,
+        newest: u32,
     },
 
     /// The manifest is not one of ours (wrong or missing `kind`).

@@ -1,8 +1,9 @@
 //! The gpu-ckpt manifest: a versioned JSON document, `gpu-ckpt-manifest.json`, that the shim writes next
 //! to the CRIU images (so it ends up as `checkpoint/gpu-ckpt-manifest.json` in the kubelet archive).
 //!
-//! It records who was checkpointed, on what node, with which GPUs and versions, and the size, sha256
-//! and BLAKE3 of every file in the checkpoint directory (except itself). The schema is documented
+//! It records who was checkpointed, on what node, with which GPUs and versions, and the size and
+//! digests of every file in the checkpoint directory (except itself): BLAKE3 for CRIU's page
+//! images, sha256 and BLAKE3 for the rest. The schema is documented
 //! field by field in docs/image-format.md.
 
 use std::collections::{BTreeMap, HashSet};
@@ -21,10 +22,13 @@ use crate::error::{Error, Result};
 pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
 /// The value of the `kind` field.
 pub const MANIFEST_KIND: &str = "gpu-ckpt.io/CheckpointManifest";
-/// The value of the `$schema` field for schema major version 1.
-pub const MANIFEST_SCHEMA_ID: &str = "https://gpu-ckpt.io/schemas/checkpoint-manifest/v1.json";
-/// The schema major version this build writes and reads.
-pub const SCHEMA_VERSION: u32 = 1;
+/// The value of the `$schema` field for schema major version 2.
+pub const MANIFEST_SCHEMA_ID: &str = "https://gpu-ckpt.io/schemas/checkpoint-manifest/v2.json";
+/// The schema major version this build writes (and the newest it reads).
+pub const SCHEMA_VERSION: u32 = 2;
+/// The oldest schema major version this build reads. Version 1 lists a sha256 for every file;
+/// version 2 lets an entry carry BLAKE3 alone (CRIU's page images).
+pub const OLDEST_SCHEMA_VERSION: u32 = 1;
 /// Largest manifest we agree to parse (it is metadata; megabytes would be an attack).
 pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
 
@@ -55,7 +59,7 @@ pub struct Manifest {
     /// Device state blobs (files in the checkpoint directory that hold GPU state).
     #[serde(default)]
     pub device_state: Vec<DeviceState>,
-    /// Every file of the checkpoint directory except the manifest: name -> size and sha256.
+    /// Every file of the checkpoint directory except the manifest: name -> size and digests.
     #[serde(default)]
     pub files: BTreeMap<String, FileDigest>,
     /// Step timings in milliseconds, in the order the steps ran.
@@ -180,14 +184,17 @@ pub struct DeviceState {
     pub sha256: String,
 }
 
-/// Size and digests of one file.
+/// Size and digests of one file: at least one of the two (see [`FileHasher::recording`] for
+/// which a checkpoint lists).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileDigest {
     pub size: u64,
-    /// Lower-case hex, no prefix.
+    /// sha256, lower-case hex, no prefix. Empty (left out of the JSON) for CRIU's page images
+    /// from schema version 2 on.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sha256: String,
-    /// BLAKE3 (256 bits), lower-case hex, no prefix. Optional: when present, it is the digest
-    /// gpu-ckpt verifies the file with (see [`FileHasher`]).
+    /// BLAKE3 (256 bits), lower-case hex, no prefix. When present, it is the digest gpu-ckpt
+    /// verifies the file with. Empty in manifests from before it was recorded.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub blake3: String,
 }
@@ -242,7 +249,7 @@ impl Manifest {
                 reason: "not a regular file",
             });
         }
-        let d = digest_file(&path, FileHasher::recording(), &mut no_progress)?;
+        let d = digest_file(&path, FileHasher::recording(name), &mut no_progress)?;
         self.files.insert(name.to_string(), d);
         Ok(&self.files[name])
     }
@@ -255,6 +262,12 @@ impl Manifest {
         gpu_uuid: &str,
         pid: Option<u32>,
     ) -> Result<()> {
+        if is_page_image(name) {
+            return Err(Error::BadFileName {
+                name: name.to_string(),
+                reason: "the name of a CRIU page image",
+            });
+        }
         let d = self.add_file(dir, name)?.clone();
         self.device_state.push(DeviceState {
             name: name.to_string(),
@@ -274,7 +287,7 @@ impl Manifest {
         });
     }
 
-    /// Replace `files` with the size and sha256 of every regular file in `dir` except the manifest.
+    /// Replace `files` with the size and digests of every regular file in `dir` except the manifest.
     pub fn hash_dir(&mut self, dir: &Path) -> Result<()> {
         self.files = hash_dir_flat(dir)?;
         Ok(())
@@ -313,12 +326,16 @@ impl Manifest {
             });
         }
         match obj.get("schema_version") {
-            Some(serde_json::Value::Number(n)) if n.as_u64() == Some(SCHEMA_VERSION as u64) => {}
+            Some(serde_json::Value::Number(n))
+                if n.as_u64().is_some_and(|n| {
+                    (OLDEST_SCHEMA_VERSION as u64..=SCHEMA_VERSION as u64).contains(&n)
+                }) => {}
             Some(other) => {
                 return Err(Error::UnsupportedSchema {
                     path: what.to_string(),
                     found: other.to_string(),
-                    supported: SCHEMA_VERSION,
+                    oldest: OLDEST_SCHEMA_VERSION,
+                    newest: SCHEMA_VERSION,
                 })
             }
             None => {
@@ -340,13 +357,25 @@ impl Manifest {
             }
         }
         for (name, d) in &m.files {
-            let blake3 = (!d.blake3.is_empty()).then_some(("blake3", &d.blake3));
-            for (field, hex) in std::iter::once(("sha256", &d.sha256)).chain(blake3) {
+            // Version 1 lists a sha256 for every file; version 2 at least one digest.
+            let required = if m.schema_version == 1 || d.blake3.is_empty() {
+                "sha256"
+            } else {
+                "blake3"
+            };
+            for (field, hex) in [("sha256", &d.sha256), ("blake3", &d.blake3)] {
+                if hex.is_empty() && field != required {
+                    continue;
+                }
                 if !is_sha256_hex(hex) {
                     return Err(Error::InvalidField {
                         what: what.to_string(),
                         field: format!("files.{name}.{field}"),
-                        reason: "not 64 lower-case hex digits".into(),
+                        reason: if hex.is_empty() {
+                            "missing".into()
+                        } else {
+                            "not 64 lower-case hex digits".into()
+                        },
                     });
                 }
             }
@@ -440,7 +469,7 @@ pub fn check_flat_name(name: &str) -> Result<()> {
     })
 }
 
-/// Size and sha256 of every regular file in `dir` (flat: a subdirectory, symlink or other special file is
+/// Size and digests of every regular file in `dir` (flat: a subdirectory, symlink or other special file is
 /// an error naming it; so is a file with more than one link), except the manifest and its temp files.
 pub fn hash_dir_flat(dir: &Path) -> Result<BTreeMap<String, FileDigest>> {
     hash_dir_flat_progress(dir, &mut no_progress)
@@ -511,7 +540,7 @@ pub fn hash_dir_flat_with(
             continue;
         }
         let path = dir.join(&name);
-        let d = digest_file(&path, FileHasher::recording(), &mut |d, _| {
+        let d = digest_file(&path, FileHasher::recording(&name), &mut |d, _| {
             progress(base + d, total)
         })?;
         base += d.size;
@@ -582,13 +611,8 @@ impl AppendHasher {
                     continue;
                 }
             };
-            self.files.insert(
-                name,
-                Followed {
-                    file,
-                    hasher: FileHasher::recording(),
-                },
-            );
+            let hasher = FileHasher::recording(&name);
+            self.files.insert(name, Followed { file, hasher });
         }
         let mut hashed = 0u64;
         for (name, f) in self.files.iter_mut() {
@@ -632,7 +656,7 @@ fn is_manifest_or_temp(name: &str) -> bool {
 }
 
 /// Verify a checkpoint directory against its manifest: every listed file present with the recorded size
-/// and sha256, and no unlisted file. Returns the manifest, or the first mismatch (in name order).
+/// and digest, and no unlisted file. Returns the manifest, or the first mismatch (in name order).
 pub fn verify_dir(dir: &Path) -> Result<Manifest> {
     verify_dir_progress(dir, &mut no_progress)
 }
@@ -690,7 +714,7 @@ impl DeferredDigests {
 }
 
 /// Verify a checkpoint directory in two stages: now, the manifest, the listing (no unlisted
-/// file), the type and size of every file, and the sha256 of every file but those `defer`
+/// file), the type and size of every file, and the digest of every file but those `defer`
 /// picks; later, [`DeferredDigests::verify`] for those. `verify_dir` defers nothing.
 pub fn verify_dir_staged(
     dir: &Path,
@@ -751,8 +775,8 @@ pub fn verify_dir_staged(
     Ok((m, deferred))
 }
 
-/// Compares a file as read with its manifest entry: the size, then BLAKE3 where both have it,
-/// else sha256.
+/// Compares a file as read with its manifest entry: the size, then BLAKE3 where the entry has
+/// it, else sha256. A digest that the entry lacks never passes, nor one `got` did not compute.
 pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> Result<()> {
     if got.size != want.size {
         return Err(Error::SizeMismatch {
@@ -761,12 +785,12 @@ pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> R
             actual: got.size,
         });
     }
-    let (algorithm, expected, actual) = if !want.blake3.is_empty() && !got.blake3.is_empty() {
+    let (algorithm, expected, actual) = if !want.blake3.is_empty() {
         ("blake3", &want.blake3, &got.blake3)
     } else {
         ("sha256", &want.sha256, &got.sha256)
     };
-    if actual != expected {
+    if expected.is_empty() || actual != expected {
         return Err(Error::DigestMismatch {
             name: name.to_string(),
             algorithm,

@@ -158,7 +158,8 @@ fn manifest_round_trip_and_versions() {
     );
     let back = Manifest::read_from(tmp.path()).unwrap();
     assert_eq!(back, m);
-    assert_eq!(back.schema_version, 1);
+    assert_eq!(back.schema_version, manifest::SCHEMA_VERSION);
+    assert!(back.schema.ends_with("/v2.json"), "{}", back.schema);
     assert_eq!(back.kind, manifest::MANIFEST_KIND);
     assert_eq!(back.files.len(), 5);
     assert!(!back.files.contains_key(MANIFEST_FILE));
@@ -167,19 +168,28 @@ fn manifest_round_trip_and_versions() {
     assert_eq!(manifest::verify_dir(tmp.path()).unwrap(), m);
 
     let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
-    v["schema_version"] = 2.into();
+    v["schema_version"] = 3.into();
     let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err();
     assert!(matches!(e, Error::UnsupportedSchema { .. }));
     assert_eq!(
         e.to_string(),
-        "manifest m.json: unsupported schema_version 2 (this build reads major version 1)"
+        "manifest m.json: unsupported schema_version 3 (this build reads major versions 1 to 2)"
     );
-    v["schema_version"] = "1".into();
-    assert!(matches!(
-        Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err(),
-        Error::UnsupportedSchema { .. }
-    ));
-    v["schema_version"] = 1.into();
+    for bad in [
+        serde_json::json!(0),
+        serde_json::json!("2"),
+        serde_json::json!(2.5),
+    ] {
+        v["schema_version"] = bad.clone();
+        assert!(
+            matches!(
+                Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err(),
+                Error::UnsupportedSchema { .. }
+            ),
+            "{bad}"
+        );
+    }
+    v["schema_version"] = 2.into();
     v["kind"] = "something-else".into();
     let e = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "m.json").unwrap_err();
     assert!(e.to_string().contains("field \"kind\""), "{e}");
@@ -536,15 +546,30 @@ fn append_hasher_follows_a_file_while_it_is_written() {
 }
 
 #[test]
-fn files_are_recorded_with_sha256_and_blake3_and_verified_with_blake3() {
+fn files_are_recorded_with_blake3_and_sha256_but_page_images_with_blake3_only() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let m = make_checkpoint_dir(dir);
     for (name, d) in &m.files {
         let bytes = std::fs::read(dir.join(name)).unwrap();
-        assert_eq!(d.sha256, image_format::digest::sha256_hex(&bytes), "{name}");
         assert_eq!(d.blake3, blake3::hash(&bytes).to_hex().as_str(), "{name}");
+        if manifest::is_page_image(name) {
+            assert_eq!(d.sha256, "", "{name}");
+        } else {
+            assert_eq!(d.sha256, image_format::digest::sha256_hex(&bytes), "{name}");
+        }
     }
+    let text = String::from_utf8(m.to_json()).unwrap();
+    let pages: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        pages["files"]["pages-1.img"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect::<Vec<_>>(),
+        ["blake3", "size"],
+        "{text}"
+    );
     // A wrong BLAKE3 next to a right sha256 is refused: BLAKE3 is the digest checked, now and
     // deferred.
     let mut wrong = m.clone();
@@ -569,10 +594,14 @@ fn files_are_recorded_with_sha256_and_blake3_and_verified_with_blake3() {
             .starts_with("file \"pages-1.img\": blake3 mismatch"),
         "{e}"
     );
-    // A manifest without BLAKE3 (as written before gpu-ckpt recorded it) is verified with
-    // sha256, and a changed byte is still found.
+    // A version 1 manifest without BLAKE3 (as written before gpu-ckpt recorded it) is verified
+    // with sha256, and a changed byte is still found.
     let mut old = m.clone();
-    old.files.values_mut().for_each(|d| d.blake3.clear());
+    old.schema_version = 1;
+    for (name, d) in old.files.iter_mut() {
+        d.sha256 = image_format::digest::sha256_hex(&std::fs::read(dir.join(name)).unwrap());
+        d.blake3.clear();
+    }
     old.write_to(dir).unwrap();
     let text = std::fs::read_to_string(dir.join(MANIFEST_FILE)).unwrap();
     assert!(!text.contains("blake3"), "{text}");
@@ -591,4 +620,27 @@ fn files_are_recorded_with_sha256_and_blake3_and_verified_with_blake3() {
     json["files"]["pages-1.img"]["blake3"] = "XYZ".into();
     let e = Manifest::from_json(&serde_json::to_vec(&json).unwrap(), "m.json").unwrap_err();
     assert!(e.to_string().contains("files.pages-1.img.blake3"), "{e}");
+    // An entry with no digest at all is refused, and so is one without sha256 in version 1,
+    // which lists one for every file.
+    let obj = json["files"]["pages-1.img"].as_object_mut().unwrap();
+    obj.remove("blake3");
+    let e = Manifest::from_json(&serde_json::to_vec(&json).unwrap(), "m.json").unwrap_err();
+    assert!(
+        e.to_string().contains("files.pages-1.img.sha256") && e.to_string().contains("missing"),
+        "{e}"
+    );
+    json["files"]["pages-1.img"]["blake3"] = m.files["pages-1.img"].blake3.clone().into();
+    Manifest::from_json(&serde_json::to_vec(&json).unwrap(), "m.json").unwrap();
+    json["schema_version"] = 1.into();
+    let e = Manifest::from_json(&serde_json::to_vec(&json).unwrap(), "m.json").unwrap_err();
+    assert!(
+        e.to_string().contains("files.pages-1.img.sha256") && e.to_string().contains("missing"),
+        "{e}"
+    );
+    // A device state blob may not take a page image's name (it would have no sha256).
+    let mut m2 = m.clone();
+    let e = m2
+        .add_device_state(dir, "pages-1.img", "GPU-0", None)
+        .unwrap_err();
+    assert!(e.to_string().contains("CRIU page image"), "{e}");
 }

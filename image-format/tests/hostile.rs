@@ -286,7 +286,7 @@ fn wrong_digest_in_manifest_is_refused_and_cleaned_up() {
     let tmp = tempfile::tempdir().unwrap();
     let good = common::make_archive(tmp.path());
     // Rewrite the archive with one CRIU image changed after the manifest was made. core-1.img
-    // comes before the manifest in the archive: it is checked against its sha256.
+    // comes before the manifest in the archive: both digests are computed, BLAKE3 is checked.
     let ck = tmp.path().join("ckdir");
     std::fs::write(ck.join("core-1.img"), b"core of pid 2").unwrap();
     let bad = tmp.path().join("bad.tar");
@@ -304,7 +304,7 @@ fn wrong_digest_in_manifest_is_refused_and_cleaned_up() {
     }
     assert!(
         e.to_string()
-            .starts_with("file \"core-1.img\": sha256 mismatch"),
+            .starts_with("file \"core-1.img\": blake3 mismatch"),
         "{e}"
     );
 
@@ -412,4 +412,48 @@ fn a_planted_symlink_in_the_target_is_not_followed() {
         .unwrap_err();
     assert!(matches!(e, Error::Io { .. }), "{e}");
     assert!(tree(&outside).is_empty(), "wrote through a planted symlink");
+}
+
+/// An archive written by another tool may put the manifest last: the page images, listed with
+/// BLAKE3 only, are then hashed before their entry is known, and still checked.
+#[test]
+fn page_images_before_the_manifest_are_checked_against_blake3() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    common::make_checkpoint_dir(&ck);
+    let write = |pages: &[u8]| {
+        let mut t = common::RawTar::new();
+        t.entry(b"checkpoint/", tar::EntryType::Directory, b"", None);
+        t.file("checkpoint/pages-1.img", pages);
+        for name in [
+            "core-1.img",
+            "gpu-state-0.bin",
+            "inventory.img",
+            "pagemap-1.img",
+        ] {
+            t.file(
+                &format!("checkpoint/{name}"),
+                &std::fs::read(ck.join(name)).unwrap(),
+            );
+        }
+        t.file(
+            "checkpoint/gpu-ckpt-manifest.json",
+            &std::fs::read(ck.join("gpu-ckpt-manifest.json")).unwrap(),
+        );
+        let p = tmp.path().join("late-manifest.tar");
+        std::fs::write(&p, t.finish()).unwrap();
+        p
+    };
+    let mut pages = std::fs::read(ck.join("pages-1.img")).unwrap();
+    let good = write(&pages);
+    let report = archive::verify_archive(&good, Limits::default(), &mut no_progress).unwrap();
+    assert_eq!(report.files_verified, 5);
+    pages[12_345] ^= 1;
+    let bad = write(&pages);
+    let e = archive::verify_archive(&bad, Limits::default(), &mut no_progress).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("file \"pages-1.img\": blake3 mismatch"),
+        "{e}"
+    );
 }
