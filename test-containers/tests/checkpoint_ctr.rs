@@ -140,6 +140,18 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     let restored = restore_from_dir(&node, "c2", &dir)?;
     let seen = next_values(restored, 3)?;
     ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
+    // containerd logs at debug level here, so the shim logs how long each step took.
+    let log = node.log();
+    for step in [
+        "criu_dump{id=c2}: close time.busy=",
+        "restore{id=c2}: close time.busy=",
+    ] {
+        ensure!(
+            log.contains(step),
+            "no {step:?} in containerd's log:\n{}",
+            node.log_tail(40)
+        );
+    }
     remove(&node, "c2")?;
     Ok(())
 }
