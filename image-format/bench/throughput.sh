@@ -19,7 +19,9 @@ GPU_CKPT_BENCH_DIR="$work/ck" cargo test -q --release -p gpu-ckpt-image-format -
 echo '{"id":"bench","name":"bench","createdTime":"2026-09-01T00:00:00Z"}' > "$work/config.dump"
 echo '{"ociVersion":"1.2.0","annotations":{"io.kubernetes.cri.container-name":"bench"}}' > "$work/spec.dump"
 mv "$work/ck" "$work/checkpoint"
-( cd "$work" && tar --owner=0 --group=0 -cf archive.tar checkpoint config.dump spec.dump )
+# Members in name order, as containerd and `gpu-ckpt` write them: the manifest comes before the
+# page images, so they are checked against their entry as they stream by.
+( cd "$work" && tar --sort=name --owner=0 --group=0 -cf archive.tar checkpoint config.dump spec.dump )
 bytes=$(stat -c %s "$work/archive.tar")
 sync
 calc() { python3 -c "print($1)"; }
