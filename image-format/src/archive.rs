@@ -326,7 +326,7 @@ pub struct VerifyReport {
     /// Bytes hashed.
     pub bytes: u64,
     /// Archive members outside `checkpoint/` that the manifest does not cover (written by the
-    /// container engine after the shim): name -> size and sha256 as found.
+    /// container engine after the shim): name -> size and sha256 as found (no BLAKE3).
     pub uncovered: BTreeMap<String, FileDigest>,
 }
 
@@ -408,13 +408,17 @@ fn ent_pos<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
     e.raw_file_position()
 }
 
-/// How to hash archive member `path` as it streams by: against its manifest entry when the
-/// manifest came first (gpu-ckpt's archives and containerd's list it before the page images),
-/// else with both digests, since the entry may list either.
+/// How to hash archive member `path` as it streams by: a file of `checkpoint/` against its
+/// manifest entry when the manifest came first (gpu-ckpt's archives and containerd's list it
+/// before the page images), else with both digests, since the entry may list either; a member
+/// the manifest does not cover with sha256, for the report.
 fn hasher_for(manifest: Option<&Manifest>, path: &str) -> FileHasher {
-    path.strip_prefix("checkpoint/")
-        .and_then(|name| manifest?.files.get(name))
-        .map_or_else(FileHasher::every, FileHasher::checking)
+    match path.strip_prefix("checkpoint/") {
+        Some(name) if !name.contains('/') => manifest
+            .and_then(|m| m.files.get(name))
+            .map_or_else(FileHasher::every, FileHasher::checking),
+        _ => FileHasher::sha256(),
+    }
 }
 
 /// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.

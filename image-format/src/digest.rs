@@ -142,7 +142,7 @@ impl FileHasher {
         }
     }
 
-    /// sha256 only, for [`hash_file`].
+    /// sha256 only: for [`hash_file`], and for archive members no manifest covers.
     pub fn sha256() -> Self {
         FileHasher {
             sha256: Some(Sha256::new()),

@@ -88,7 +88,11 @@ fn archive_round_trip() {
     manifest::verify_dir(&t.join("checkpoint")).unwrap();
     let r = archive::verify_archive(&a, Limits::default(), &mut no_progress).unwrap();
     assert_eq!(r.files_verified, 5);
-    assert!(r.uncovered.contains_key("rootfs-diff.tar"));
+    // Members the manifest does not cover are reported with their sha256 only.
+    let diff = &r.uncovered["rootfs-diff.tar"];
+    let bytes = std::fs::read(tmp.path().join("rootfs-diff.tar")).unwrap();
+    assert_eq!(diff.sha256, image_format::digest::sha256_hex(&bytes));
+    assert_eq!((diff.size, diff.blake3.as_str()), (5000, ""));
 }
 
 #[test]
