@@ -177,9 +177,21 @@ fn manifest_corpus() -> Vec<Vec<u8>> {
     vec![
         m.to_json(),
         serde_json::to_vec(&common::sample_manifest()).unwrap(),
-        br#"{"kind":"gpu-ckpt.io/CheckpointManifest","schema_version":2}"#.to_vec(),
+        // A major version this build does not read, and a version 1 manifest.
+        br#"{"kind":"gpu-ckpt.io/CheckpointManifest","schema_version":3}"#.to_vec(),
+        version_1(&m),
         b"{}".to_vec(),
     ]
+}
+
+/// `m` as schema version 1 wrote it: a sha256 for every file.
+fn version_1(m: &image_format::manifest::Manifest) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+    v["schema_version"] = 1.into();
+    for entry in v["files"].as_object_mut().unwrap().values_mut() {
+        entry["sha256"] = "ab".repeat(32).into();
+    }
+    serde_json::to_vec(&v).unwrap()
 }
 
 fn run(name: &str, corpus: Vec<Vec<u8>>, target: &dyn Fn(&[u8])) -> u64 {
