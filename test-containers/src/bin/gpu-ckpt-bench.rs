@@ -7,7 +7,8 @@
 //!   (RSS and PSS) of the shim processes per pod.
 //! - `checkpoint`: checkpoint and restore of a memhog through gpu-ckpt, through runc-v2, and
 //!   with runc alone on a bundle with containerd's spec for the same container (network
-//!   namespace included) over the same image; the first path rotates per round, and dirty
+//!   namespace included) over the same image, and with runc alone plus the hashing gpu-ckpt
+//!   does (what integrity costs without the shim); the first path rotates per round, and dirty
 //!   pages are written back before each timed step.
 //! - `freeze`: how long a CRI CheckpointContainer keeps the application from running (the
 //!   longest gap between its log ticks), next to CRIU's own frozen time.
@@ -351,9 +352,49 @@ fn containerd_spec(node: &Node, id: &str, mib: u64) -> Result<serde_json::Value>
     Ok(info["Spec"].take())
 }
 
+/// Runs `step` with the hashing gpu-ckpt does around it, in another thread: at a checkpoint
+/// (`follow`), the page images followed as CRIU appends them; at a restore, the page images
+/// hashed while CRIU reads them. Returns when both are done.
+fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>) -> Result<()> {
+    use image_format::{digest, manifest};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let running = AtomicBool::new(true);
+    std::thread::scope(|scope| {
+        let hasher = scope.spawn(|| -> Result<()> {
+            if follow {
+                let mut h = manifest::AppendHasher::new(dir, manifest::is_page_image, [].into());
+                while running.load(Ordering::Relaxed) {
+                    if h.poll()? == 0 {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+                h.finish()?;
+                return Ok(());
+            }
+            for e in std::fs::read_dir(dir)? {
+                let name = e?.file_name();
+                let name = name.to_string_lossy();
+                if manifest::is_page_image(&name) {
+                    let hasher = digest::FileHasher::recording(&name);
+                    digest::digest_file(&dir.join(&*name), hasher, &mut digest::no_progress)?;
+                }
+            }
+            Ok(())
+        });
+        let stepped = step();
+        running.store(false, Ordering::Relaxed);
+        let hashed = hasher
+            .join()
+            .map_err(|_| anyhow::anyhow!("page hashing thread panicked"))?;
+        stepped?;
+        hashed.context("hashing the page images")
+    })
+}
+
 /// One checkpoint and restore of a memhog with runc alone, on a bundle with containerd's spec
-/// for the same container, over the image's rootfs.
-fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
+/// for the same container, over the image's rootfs; with `hashing`, around each step the
+/// hashing gpu-ckpt does ([`with_page_hashing`]).
+fn raw_round(node: &Node, id: &str, mib: u64, hashing: bool) -> Result<(Duration, Duration)> {
     let base = node.paths().dir.join(format!("raw-{id}"));
     let _ = std::fs::remove_dir_all(&base);
     let rootfs = base.join("rootfs");
@@ -403,14 +444,21 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
         let bundle = base.display().to_string();
         runc(&["run", "-d", "--bundle", &bundle, id], true)?;
         wait_filled(&rootfs.join("status.txt"))?;
-        let dir = base.join("image").display().to_string();
-        settle(&base, warm_mib(mib))?;
-        let t = Instant::now();
-        runc(&["checkpoint", "--image-path", &dir, id], false)?;
-        let ckpt = t.elapsed();
-        settle(&base, warm_mib(mib))?;
-        let t = Instant::now();
-        runc(
+        let image = base.join("image");
+        let dir = image.display().to_string();
+        let mut timed = |follow: bool, args: &[&str], container_stdio: bool| -> Result<Duration> {
+            settle(&base, warm_mib(mib))?;
+            let t = Instant::now();
+            if hashing {
+                with_page_hashing(&image, follow, || runc(args, container_stdio))?;
+            } else {
+                runc(args, container_stdio)?;
+            }
+            Ok(t.elapsed())
+        };
+        let ckpt = timed(true, &["checkpoint", "--image-path", &dir, id], false)?;
+        let restore = timed(
+            false,
             &[
                 "restore",
                 "-d",
@@ -422,7 +470,6 @@ fn raw_round(node: &Node, id: &str, mib: u64) -> Result<(Duration, Duration)> {
             ],
             true,
         )?;
-        let restore = t.elapsed();
         runc(&["delete", "--force", id], false)?;
         Ok((ckpt, restore))
     })();
@@ -438,15 +485,16 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     // round to round, so that none always meets the machine in the same state.
     // Round 0 warms every path up and is not counted: the first checkpoint after the node
     // starts has measured up to twice as slow, whichever path takes it.
-    let mut times: [Vec<(Duration, Duration)>; 3] = Default::default();
-    let names = ["gpu-ckpt", "runc-v2", "raw runc"];
+    let names = ["gpu-ckpt", "runc-v2", "raw runc", "raw runc + hashing"];
+    let mut times: [Vec<(Duration, Duration)>; 4] = Default::default();
     for i in 0..=runs {
-        for k in 0..3 {
-            let path = (i + k) % 3;
+        for k in 0..names.len() {
+            let path = (i + k) % names.len();
             let round = match path {
                 0 => shim_round(node, &api, &ours, &format!("g{i}"), mib).await?,
                 1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?,
-                _ => raw_round(node, &format!("w{i}"), mib)?,
+                2 => raw_round(node, &format!("w{i}"), mib, false)?,
+                _ => raw_round(node, &format!("h{i}"), mib, true)?,
             };
             eprintln!(
                 "round {i}{} {}: checkpoint {:.2} s, restore {:.2} s",
@@ -460,69 +508,55 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
             }
         }
     }
-    let [g, r, raw] = times;
-    let split = |v: &[(Duration, Duration)]| -> (Duration, Duration) {
-        (median(v.iter().map(|x| x.0)), median(v.iter().map(|x| x.1)))
+    // One figure per step: [checkpoint, restore].
+    type Rounds = [(Duration, Duration)];
+    let step = |v: &Rounds, restore: bool| -> Vec<f64> {
+        v.iter()
+            .map(|x| secs(if restore { x.1 } else { x.0 }))
+            .collect()
     };
-    let (gc, gr) = split(&g);
-    let (rc, rr) = split(&r);
-    let (wc, wr) = split(&raw);
-    println!("| path ({mib} MiB memhog, median of {runs}) | checkpoint | restore |");
-    println!("| --- | --- | --- |");
-    println!(
-        "| raw `runc checkpoint` / `runc restore` | {:.2} s | {:.2} s |",
-        secs(wc),
-        secs(wr)
-    );
-    println!(
-        "| containerd-shim-runc-v2 (ctr / API) | {:.2} s | {:.2} s |",
-        secs(rc),
-        secs(rr)
-    );
-    println!(
-        "| containerd-shim-gpu-ckpt-v1 (ctr / API) | {:.2} s | {:.2} s |",
-        secs(gc),
-        secs(gr)
-    );
-    println!(
-        "\nratios: gpu-ckpt / raw runc: checkpoint {:.3}, restore {:.3}; gpu-ckpt / runc-v2: checkpoint {:.3}, restore {:.3}",
-        secs(gc) / secs(wc),
-        secs(gr) / secs(wr),
-        secs(gc) / secs(rc),
-        secs(gr) / secs(rr)
-    );
-    // The same ratios taken within each round, then their median: a round's paths ran
-    // back to back, so drift of the machine between rounds cancels out.
-    let paired = |a: &[(Duration, Duration)], b: &[(Duration, Duration)], restore: bool| {
-        let pick = |x: &(Duration, Duration)| secs(if restore { x.1 } else { x.0 });
-        let mut v: Vec<f64> = a.iter().zip(b).map(|(x, y)| pick(x) / pick(y)).collect();
+    let med = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
+    let fastest = |v: Vec<f64>| v.into_iter().reduce(f64::min).unwrap_or(f64::NAN);
+    let both = |f: &dyn Fn(bool) -> f64| [f(false), f(true)];
+    let g = &times[0];
     println!(
-        "median of per-round ratios: gpu-ckpt / raw runc: checkpoint {:.3}, restore {:.3}; gpu-ckpt / runc-v2: checkpoint {:.3}, restore {:.3}",
-        paired(&g, &raw, false),
-        paired(&g, &raw, true),
-        paired(&g, &r, false),
-        paired(&g, &r, true)
+        "| path ({mib} MiB memhog, {runs} rounds) | checkpoint median | restore median | checkpoint fastest | restore fastest |"
     );
-    // Noise on a shared VM only ever adds time: each path's fastest round is the closest to
-    // its own cost.
-    let fastest = |v: &[(Duration, Duration)]| -> (f64, f64) {
-        let min =
-            |f: fn(&(Duration, Duration)) -> Duration| v.iter().map(f).min().map_or(f64::NAN, secs);
-        (min(|x| x.0), min(|x| x.1))
-    };
-    let (gc, gr) = fastest(&g);
-    let (rc, rr) = fastest(&r);
-    let (wc, wr) = fastest(&raw);
-    println!(
-        "fastest rounds (checkpoint / restore): raw runc {wc:.2} / {wr:.2} s, runc-v2 {rc:.2} / {rr:.2} s, gpu-ckpt {gc:.2} / {gr:.2} s; gpu-ckpt / raw runc: checkpoint {:.3}, restore {:.3}; gpu-ckpt / runc-v2: checkpoint {:.3}, restore {:.3}",
-        gc / wc,
-        gr / wr,
-        gc / rc,
-        gr / rr
-    );
+    println!("| --- | --- | --- | --- | --- |");
+    let rows = [
+        (2, "raw `runc checkpoint` / `runc restore`"),
+        (3, "raw runc + gpu-ckpt's page hashing"),
+        (1, "containerd-shim-runc-v2 (ctr / API)"),
+        (0, "containerd-shim-gpu-ckpt-v1 (ctr / API)"),
+    ];
+    for (p, label) in rows {
+        let [mc, mr] = both(&|r| med(step(&times[p], r)));
+        let [fc, fr] = both(&|r| fastest(step(&times[p], r)));
+        println!("| {label} | {mc:.2} s | {mr:.2} s | {fc:.2} s | {fr:.2} s |");
+    }
+    // Three views of each ratio: of the medians; the median of the ratios within each round
+    // (a round's paths ran back to back, so drift of the machine between rounds cancels out);
+    // of the fastest rounds (noise on a shared VM only ever adds time, so each path's fastest
+    // round is the closest to its own cost).
+    println!("\n| gpu-ckpt / baseline | checkpoint: medians, per round, fastest | restore: medians, per round, fastest |");
+    println!("| --- | --- | --- |");
+    for (p, label) in &rows[..3] {
+        let base = &times[*p];
+        let cell = |restore: bool| {
+            let (a, b) = (step(g, restore), step(base, restore));
+            let per_round = med(a.iter().zip(&b).map(|(x, y)| x / y).collect());
+            format!(
+                "{:.3}, {:.3}, {:.3}",
+                med(a.clone()) / med(b.clone()),
+                per_round,
+                fastest(a) / fastest(b)
+            )
+        };
+        println!("| {label} | {} | {} |", cell(false), cell(true));
+    }
     Ok(())
 }
 
