@@ -97,6 +97,17 @@ fn stream(
     Ok(done)
 }
 
+/// Which digests a manifest records for CRIU's page images (every other file gets both).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PageDigests {
+    /// BLAKE3 alone: fast enough to follow CRIU as it writes them.
+    #[default]
+    Blake3,
+    /// sha256 as well, for readers that know only sha256. Costs checkpoint time: sha256 of
+    /// 1 GiB takes longer than CRIU's dump of it on the development machine.
+    Sha256AndBlake3,
+}
+
 /// Hashes one file's bytes for its manifest entry. Recording computes the digests the manifest
 /// lists for the file (see [`FileHasher::recording`]); checking computes only the digest to
 /// compare: BLAKE3 when the manifest entry has one, else sha256.
@@ -108,12 +119,14 @@ pub struct FileHasher {
 
 impl FileHasher {
     /// The digests a manifest lists for the file `name`. CRIU's page images (the bulk of a
-    /// checkpoint, hashed while CRIU writes them) get BLAKE3 only: sha256 of 1 GiB takes longer
-    /// than CRIU takes to dump it, BLAKE3 a third of that. Every other file gets both, so that
-    /// a reader that knows only sha256 can still check the small images CRIU parses.
-    pub fn recording(name: &str) -> Self {
+    /// checkpoint, hashed while CRIU writes them) get what `pages` says, by default BLAKE3
+    /// only: sha256 of 1 GiB takes longer than CRIU takes to dump it, BLAKE3 a third of that.
+    /// Every other file gets both, so that a reader that knows only sha256 can still check the
+    /// small images CRIU parses.
+    pub fn recording(name: &str, pages: PageDigests) -> Self {
+        let sha256 = pages == PageDigests::Sha256AndBlake3 || !is_page_image(name);
         FileHasher {
-            sha256: (!is_page_image(name)).then(Sha256::new),
+            sha256: sha256.then(Sha256::new),
             blake3: Some(Box::default()),
             size: 0,
         }

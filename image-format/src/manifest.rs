@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::{digest_file, no_progress, FileHasher, Progress, COPY_BUF};
+use crate::digest::{digest_file, no_progress, FileHasher, PageDigests, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -249,7 +249,11 @@ impl Manifest {
                 reason: "not a regular file",
             });
         }
-        let d = digest_file(&path, FileHasher::recording(name), &mut no_progress)?;
+        let d = digest_file(
+            &path,
+            FileHasher::recording(name, PageDigests::default()),
+            &mut no_progress,
+        )?;
         self.files.insert(name.to_string(), d);
         Ok(&self.files[name])
     }
@@ -480,14 +484,16 @@ pub fn hash_dir_flat_progress(
     dir: &Path,
     progress: Progress<'_>,
 ) -> Result<BTreeMap<String, FileDigest>> {
-    hash_dir_flat_with(dir, BTreeMap::new(), progress)
+    hash_dir_flat_with(dir, BTreeMap::new(), PageDigests::default(), progress)
 }
 
 /// [`hash_dir_flat`], taking the digests in `known` (from an [`AppendHasher`] that followed the
-/// files as they were written) for files whose size still matches, and hashing the rest.
+/// files as they were written) for files whose size still matches, and hashing the rest, page
+/// images with the digests `pages` says.
 pub fn hash_dir_flat_with(
     dir: &Path,
     mut known: BTreeMap<String, FileDigest>,
+    pages: PageDigests,
     progress: Progress<'_>,
 ) -> Result<BTreeMap<String, FileDigest>> {
     let mut names = Vec::new();
@@ -540,7 +546,7 @@ pub fn hash_dir_flat_with(
             continue;
         }
         let path = dir.join(&name);
-        let d = digest_file(&path, FileHasher::recording(&name), &mut |d, _| {
+        let d = digest_file(&path, FileHasher::recording(&name, pages), &mut |d, _| {
             progress(base + d, total)
         })?;
         base += d.size;
@@ -561,6 +567,7 @@ pub struct AppendHasher {
     dir: PathBuf,
     select: fn(&str) -> bool,
     skip: HashSet<String>,
+    pages: PageDigests,
     files: BTreeMap<String, Followed>,
     buf: Vec<u8>,
 }
@@ -571,11 +578,19 @@ struct Followed {
 }
 
 impl AppendHasher {
-    pub fn new(dir: &Path, select: fn(&str) -> bool, skip: HashSet<String>) -> Self {
+    /// Follows the files of `dir` that `select` picks, except those in `skip`; page images are
+    /// hashed with the digests `pages` says.
+    pub fn new(
+        dir: &Path,
+        select: fn(&str) -> bool,
+        skip: HashSet<String>,
+        pages: PageDigests,
+    ) -> Self {
         AppendHasher {
             dir: dir.to_path_buf(),
             select,
             skip,
+            pages,
             files: BTreeMap::new(),
             buf: vec![0u8; COPY_BUF],
         }
@@ -611,7 +626,7 @@ impl AppendHasher {
                     continue;
                 }
             };
-            let hasher = FileHasher::recording(&name);
+            let hasher = FileHasher::recording(&name, self.pages);
             self.files.insert(name, Followed { file, hasher });
         }
         let mut hashed = 0u64;

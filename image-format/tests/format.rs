@@ -9,7 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use common::*;
 use image_format::archive::{self, Engine, ExtractOptions};
 use image_format::compat::{self, Profile};
-use image_format::digest::no_progress;
+use image_format::digest::{no_progress, PageDigests};
 use image_format::manifest::{self, Manifest, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
 use image_format::safe::Limits;
@@ -499,7 +499,8 @@ fn append_hasher_follows_a_file_while_it_is_written() {
     // Present before: never followed, even though it matches.
     std::fs::write(dir.join("pages-9.img"), b"old").unwrap();
     let skip = [String::from("pages-9.img")].into_iter().collect();
-    let mut h = manifest::AppendHasher::new(&dir, manifest::is_page_image, skip);
+    let mut h =
+        manifest::AppendHasher::new(&dir, manifest::is_page_image, skip, PageDigests::Blake3);
     let writer = std::thread::spawn({
         let dir = dir.clone();
         move || {
@@ -530,7 +531,9 @@ fn append_hasher_follows_a_file_while_it_is_written() {
     );
     let full = manifest::hash_dir_flat(&dir).unwrap();
     assert_eq!(followed["pages-1.img"], full["pages-1.img"]);
-    let merged = manifest::hash_dir_flat_with(&dir, followed, &mut no_progress).unwrap();
+    let merged =
+        manifest::hash_dir_flat_with(&dir, followed, PageDigests::Blake3, &mut no_progress)
+            .unwrap();
     assert_eq!(merged, full);
     // A digest whose size no longer matches is hashed again.
     let stale = [(
@@ -544,7 +547,7 @@ fn append_hasher_follows_a_file_while_it_is_written() {
     .into_iter()
     .collect();
     assert_eq!(
-        manifest::hash_dir_flat_with(&dir, stale, &mut no_progress).unwrap(),
+        manifest::hash_dir_flat_with(&dir, stale, PageDigests::Blake3, &mut no_progress).unwrap(),
         full
     );
 }
@@ -563,6 +566,19 @@ fn files_are_recorded_with_blake3_and_sha256_but_page_images_with_blake3_only() 
             assert_eq!(d.sha256, image_format::digest::sha256_hex(&bytes), "{name}");
         }
     }
+    // Asked for (the shim's Sha256PageImages), the page images get a sha256 as well, whether
+    // hashed in full or followed.
+    let pages = std::fs::read(dir.join("pages-1.img")).unwrap();
+    let both = PageDigests::Sha256AndBlake3;
+    let full = manifest::hash_dir_flat_with(dir, BTreeMap::new(), both, &mut no_progress).unwrap();
+    let mut follow = manifest::AppendHasher::new(dir, manifest::is_page_image, [].into(), both);
+    follow.poll().unwrap();
+    let followed = follow.finish().unwrap();
+    for d in [&full["pages-1.img"], &followed["pages-1.img"]] {
+        assert_eq!(d.sha256, image_format::digest::sha256_hex(&pages));
+        assert_eq!(d.blake3, m.files["pages-1.img"].blake3);
+    }
+    assert_eq!(full["core-1.img"], m.files["core-1.img"]);
     let text = String::from_utf8(m.to_json()).unwrap();
     let pages: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(

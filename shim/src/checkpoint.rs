@@ -10,7 +10,7 @@ use containerd_shim::protos::{
     protobuf::{well_known_types::any::Any, Message},
     shim::oci::CheckpointOptions,
 };
-use image_format::manifest::CriuOptions;
+use image_format::{digest::PageDigests, manifest::CriuOptions};
 
 use crate::{
     annotations::{self, Annotations},
@@ -34,6 +34,9 @@ pub struct CheckpointPlan {
     /// CRIU's work directory; `None` for the default `<bundle>/criu-work`, removed afterwards.
     pub work_path: Option<PathBuf>,
     pub criu: CriuOptions,
+    /// The digests the manifest records for CRIU's page images (runtime option
+    /// `Sha256PageImages`).
+    pub page_digests: PageDigests,
 }
 
 impl CheckpointPlan {
@@ -96,10 +99,16 @@ impl CheckpointPlan {
                 work_path = Some(PathBuf::from(o.work_path));
             }
         }
+        let page_digests = if runtime.sha256_page_images {
+            PageDigests::Sha256AndBlake3
+        } else {
+            PageDigests::Blake3
+        };
         Ok(Self {
             image_path,
             work_path,
             criu,
+            page_digests,
         })
     }
 

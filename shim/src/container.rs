@@ -563,13 +563,14 @@ impl Container {
         let t = Instant::now();
         let dumping = Arc::new(AtomicBool::new(true));
         let follower = tokio::task::spawn_blocking({
-            let (image, dumping) = (image.clone(), dumping.clone());
+            let (image, dumping, pages) = (image.clone(), dumping.clone(), plan.page_digests);
             let skip = before
                 .iter()
                 .filter_map(|n| n.to_str().map(str::to_string))
                 .collect();
             move || -> image_format::Result<BTreeMap<String, manifest::FileDigest>> {
-                let mut hasher = manifest::AppendHasher::new(&image, manifest::is_page_image, skip);
+                let mut hasher =
+                    manifest::AppendHasher::new(&image, manifest::is_page_image, skip, pages);
                 while dumping.load(Ordering::Relaxed) {
                     if hasher.poll()? == 0 {
                         std::thread::sleep(FOLLOW_INTERVAL);
@@ -670,10 +671,11 @@ impl Container {
             workload,
         );
         m.criu = plan.criu.clone();
+        let pages = plan.page_digests;
         let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
             let mut m = m;
             restrict_files(&image)?;
-            m.files = manifest::hash_dir_flat_with(&image, followed, &mut no_progress)?;
+            m.files = manifest::hash_dir_flat_with(&image, followed, pages, &mut no_progress)?;
             Ok(m)
         })
         .await

@@ -60,6 +60,10 @@ pub struct RuntimeOptions {
     pub external_unix_sockets: bool,
     /// Checkpoint default: CRIU's cgroups mode (soft, full, strict).
     pub cgroups_mode: String,
+    /// Record sha256 of CRIU's page images in the manifest too (by default they get BLAKE3
+    /// only, every other file both). For readers that know only sha256; it makes a checkpoint
+    /// slower, since sha256 cannot keep up with CRIU's dump.
+    pub sha256_page_images: bool,
     /// "restore" for the restore handler (`gpu-ckpt-restore`): containers whose pod names a
     /// checkpoint in `gpu-ckpt.io/restore-from` are restored from it at start.
     pub mode: String,

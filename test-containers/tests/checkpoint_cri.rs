@@ -165,6 +165,56 @@ fn cri_checkpoint_keeps_running_and_checkpointctl_reads_it() -> Result<()> {
             manifest.container
         );
         ensure!(manifest.criu.leave_running);
+        // By default the page images are recorded with BLAKE3 alone, the rest with both.
+        page_digests_are(&manifest, &archive, false)?;
+        image_format::archive::verify(&archive).context("verify the archive")?;
+        cri.remove_pod(&pod).await?;
+        Ok(())
+    })
+}
+
+/// Checks the manifest's digests of the page images against the archive's bytes: BLAKE3
+/// always, sha256 only when `sha256` (the handler's `Sha256PageImages`), and both for every
+/// other file.
+fn page_digests_are(
+    manifest: &image_format::manifest::Manifest,
+    archive: &Path,
+    sha256: bool,
+) -> Result<()> {
+    let out = tempfile::tempdir()?;
+    let opts = image_format::archive::ExtractOptions {
+        limits: Default::default(),
+        verify: true,
+    };
+    image_format::archive::extract_archive(archive, out.path(), opts, &mut |_, _| {})?;
+    let mut pages = 0;
+    for (name, d) in &manifest.files {
+        use image_format::digest::{digest_file, FileHasher};
+        let path = out.path().join("checkpoint").join(name);
+        let got = digest_file(&path, FileHasher::every(), &mut |_, _| {})?;
+        ensure!(d.blake3 == got.blake3, "{name}: {d:?}, bytes {got:?}");
+        let page = image_format::manifest::is_page_image(name);
+        pages += usize::from(page);
+        if page && !sha256 {
+            ensure!(d.sha256.is_empty(), "{name} has a sha256: {d:?}");
+        } else {
+            ensure!(d.sha256 == got.sha256, "{name}: {d:?}, bytes {got:?}");
+        }
+    }
+    ensure!(pages > 0, "no page images in {:?}", manifest.files.keys());
+    Ok(())
+}
+
+#[test]
+fn sha256_page_images_option_records_sha256_of_the_page_images() -> Result<()> {
+    let node = node_with(Node::builder("cri-sha")?.runtime_option("Sha256PageImages", true))?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let (archive, _, after, pod, id) = checkpoint_counter(&node, &cri).await?;
+        wait_counter_above(&cri, &id, after).await?;
+        let info = image_format::archive::read_info(&archive, Default::default())?;
+        let manifest = info.manifest.context("no gpu-ckpt manifest")?;
+        page_digests_are(&manifest, &archive, true)?;
         image_format::archive::verify(&archive).context("verify the archive")?;
         cri.remove_pod(&pod).await?;
         Ok(())

@@ -362,7 +362,12 @@ fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>
     std::thread::scope(|scope| {
         let hasher = scope.spawn(|| -> Result<()> {
             if follow {
-                let mut h = manifest::AppendHasher::new(dir, manifest::is_page_image, [].into());
+                let mut h = manifest::AppendHasher::new(
+                    dir,
+                    manifest::is_page_image,
+                    [].into(),
+                    digest::PageDigests::default(),
+                );
                 while running.load(Ordering::Relaxed) {
                     if h.poll()? == 0 {
                         std::thread::sleep(Duration::from_millis(10));
@@ -375,7 +380,7 @@ fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>
                 let name = e?.file_name();
                 let name = name.to_string_lossy();
                 if manifest::is_page_image(&name) {
-                    let hasher = digest::FileHasher::recording(&name);
+                    let hasher = digest::FileHasher::recording(&name, Default::default());
                     digest::digest_file(&dir.join(&*name), hasher, &mut digest::no_progress)?;
                 }
             }
