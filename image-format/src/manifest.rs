@@ -646,6 +646,21 @@ impl AppendHasher {
         Ok(hashed)
     }
 
+    /// Polls while `running` is set (sleeping `idle` whenever nothing new was written), then
+    /// [`AppendHasher::finish`]es: the whole follow, for a thread beside the writer.
+    pub fn follow_while(
+        mut self,
+        running: &AtomicBool,
+        idle: std::time::Duration,
+    ) -> Result<BTreeMap<String, FileDigest>> {
+        while running.load(Ordering::Relaxed) {
+            if self.poll()? == 0 {
+                std::thread::sleep(idle);
+            }
+        }
+        self.finish()
+    }
+
     /// The writer is done: hashes the rest of every followed file and returns the digests of
     /// those still whole (same inode, same size as hashed).
     pub fn finish(mut self) -> Result<BTreeMap<String, FileDigest>> {

@@ -569,14 +569,8 @@ impl Container {
                 .filter_map(|n| n.to_str().map(str::to_string))
                 .collect();
             move || -> image_format::Result<BTreeMap<String, manifest::FileDigest>> {
-                let mut hasher =
-                    manifest::AppendHasher::new(&image, manifest::is_page_image, skip, pages);
-                while dumping.load(Ordering::Relaxed) {
-                    if hasher.poll()? == 0 {
-                        std::thread::sleep(FOLLOW_INTERVAL);
-                    }
-                }
-                hasher.finish()
+                manifest::AppendHasher::new(&image, manifest::is_page_image, skip, pages)
+                    .follow_while(&dumping, FOLLOW_INTERVAL)
             }
         });
         let runc_args = plan.runc_args();

@@ -237,8 +237,8 @@ fn secs(d: Duration) -> f64 {
 ///   memory that was just in use. On a VM whose balloon device reports free pages to the
 ///   host, memory that has been free for a few seconds goes back to the host, and taking it
 ///   again costs the guest kernel several times the work: 1 GiB written into the page cache
-///   took 1.3–2.8 s after 5–20 s idle on the benchmark machine, 0.18–0.20 s right after
-///   such a fill. Which path met cold memory was chance, and it moved single rounds by 2x.
+///   took 0.96–2.8 s after 5–20 s idle on the benchmark machine, 0.18–0.26 s right
+///   after such a fill. Which path met cold memory was chance, and it moved single rounds by 2x.
 fn settle(dir: &Path, mib: u64) -> Result<()> {
     nix::unistd::sync();
     let path = dir.join("bench-warm-memory");
@@ -362,18 +362,9 @@ fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>
     std::thread::scope(|scope| {
         let hasher = scope.spawn(|| -> Result<()> {
             if follow {
-                let mut h = manifest::AppendHasher::new(
-                    dir,
-                    manifest::is_page_image,
-                    [].into(),
-                    digest::PageDigests::default(),
-                );
-                while running.load(Ordering::Relaxed) {
-                    if h.poll()? == 0 {
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-                h.finish()?;
+                let pages = digest::PageDigests::default();
+                manifest::AppendHasher::new(dir, manifest::is_page_image, [].into(), pages)
+                    .follow_while(&running, Duration::from_millis(10))?;
                 return Ok(());
             }
             for e in std::fs::read_dir(dir)? {
