@@ -12,6 +12,7 @@ use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -646,16 +647,17 @@ impl AppendHasher {
         Ok(hashed)
     }
 
-    /// Polls while `running` is set (sleeping `idle` whenever nothing new was written), then
-    /// [`AppendHasher::finish`]es: the whole follow, for a thread beside the writer.
-    pub fn follow_while(
+    /// Polls until `done` is set (waiting up to `idle` whenever nothing new was written), then
+    /// [`AppendHasher::finish`]es: the whole follow, for a thread beside the writer. Setting
+    /// `done` wakes the wait at once, so the follow ends as soon as the writer does.
+    pub fn follow_until(
         mut self,
-        running: &AtomicBool,
+        done: &WriterDone,
         idle: std::time::Duration,
     ) -> Result<BTreeMap<String, FileDigest>> {
-        while running.load(Ordering::Relaxed) {
+        while !done.is_set() {
             if self.poll()? == 0 {
-                std::thread::sleep(idle);
+                done.wait(idle);
             }
         }
         self.finish()
@@ -678,6 +680,38 @@ impl AppendHasher {
             }
         }
         Ok(out)
+    }
+}
+
+/// The writer's side of [`AppendHasher::follow_until`]: set once the writer is done.
+#[derive(Debug, Default)]
+pub struct WriterDone {
+    done: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl WriterDone {
+    /// The writer is done (or gone): wakes the follower.
+    pub fn set(&self) {
+        *self.lock() = true;
+        self.changed.notify_all();
+    }
+
+    pub fn is_set(&self) -> bool {
+        *self.lock()
+    }
+
+    /// Waits until set, at most `timeout`.
+    fn wait(&self, timeout: std::time::Duration) {
+        let guard = self.lock();
+        if !*guard {
+            // A poisoned lock still holds a valid bool.
+            let _ = self.changed.wait_timeout(guard, timeout);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, bool> {
+        self.done.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

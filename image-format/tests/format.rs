@@ -553,6 +553,45 @@ fn append_hasher_follows_a_file_while_it_is_written() {
 }
 
 #[test]
+fn follow_until_ends_when_the_writer_is_done_not_at_the_next_poll() {
+    use std::io::Write;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let done = std::sync::Arc::new(manifest::WriterDone::default());
+    // A poll interval far longer than the test: only the wake-up can end the follow in time.
+    let idle = std::time::Duration::from_secs(600);
+    let follower = std::thread::spawn({
+        let (dir, done) = (dir.clone(), done.clone());
+        move || {
+            manifest::AppendHasher::new(
+                &dir,
+                manifest::is_page_image,
+                [].into(),
+                Default::default(),
+            )
+            .follow_until(&done, idle)
+        }
+    });
+    let mut f = std::fs::File::create(dir.join("pages-1.img")).unwrap();
+    f.write_all(&[5u8; 100_000]).unwrap();
+    // Let the follower find nothing new and start waiting.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    f.write_all(&[6u8; 1000]).unwrap();
+    let t = std::time::Instant::now();
+    done.set();
+    let followed = follower.join().unwrap().unwrap();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(60),
+        "{:?}",
+        t.elapsed()
+    );
+    // What was written after the follower began waiting is hashed too.
+    let full = manifest::hash_dir_flat(&dir).unwrap();
+    assert_eq!(followed["pages-1.img"], full["pages-1.img"]);
+    assert_eq!(followed["pages-1.img"].size, 101_000);
+}
+
+#[test]
 fn files_are_recorded_with_blake3_and_sha256_but_page_images_with_blake3_only() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();

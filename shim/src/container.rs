@@ -68,7 +68,8 @@ pub struct Container {
     own_criu_conf: bool,
 }
 
-/// How often the dump's page images are looked at for new bytes to hash.
+/// How long the follower of the dump's page images waits for new bytes before it looks again
+/// (the end of the dump wakes it at once).
 const FOLLOW_INTERVAL: Duration = Duration::from_millis(10);
 /// Where the shim keeps CRIU's work files by default; removed after a checkpoint.
 const CRIU_WORK: &str = "criu-work";
@@ -561,16 +562,16 @@ impl Container {
         // versions for the manifest read meanwhile). Undo: remove what it wrote; CRIU resumes
         // the tasks.
         let t = Instant::now();
-        let dumping = Arc::new(AtomicBool::new(true));
+        let dumped_all = Arc::new(manifest::WriterDone::default());
         let follower = tokio::task::spawn_blocking({
-            let (image, dumping, pages) = (image.clone(), dumping.clone(), plan.page_digests);
+            let (image, dumped_all, pages) = (image.clone(), dumped_all.clone(), plan.page_digests);
             let skip = before
                 .iter()
                 .filter_map(|n| n.to_str().map(str::to_string))
                 .collect();
             move || -> image_format::Result<BTreeMap<String, manifest::FileDigest>> {
                 manifest::AppendHasher::new(&image, manifest::is_page_image, skip, pages)
-                    .follow_while(&dumping, FOLLOW_INTERVAL)
+                    .follow_until(&dumped_all, FOLLOW_INTERVAL)
             }
         });
         let runc_args = plan.runc_args();
@@ -580,7 +581,7 @@ impl Container {
                 .instrument(info_span!("criu_dump", id = %self.id)),
             node_info(&self.runc)
         );
-        dumping.store(false, Ordering::Relaxed);
+        dumped_all.set();
         // What the follower hashed saves the manifest step that much; if it failed, the
         // manifest step hashes everything itself.
         let followed = follower

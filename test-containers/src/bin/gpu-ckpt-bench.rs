@@ -357,14 +357,13 @@ fn containerd_spec(node: &Node, id: &str, mib: u64) -> Result<serde_json::Value>
 /// hashed while CRIU reads them. Returns when both are done.
 fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>) -> Result<()> {
     use image_format::{digest, manifest};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let running = AtomicBool::new(true);
+    let done = manifest::WriterDone::default();
     std::thread::scope(|scope| {
         let hasher = scope.spawn(|| -> Result<()> {
             if follow {
                 let pages = digest::PageDigests::default();
                 manifest::AppendHasher::new(dir, manifest::is_page_image, [].into(), pages)
-                    .follow_while(&running, Duration::from_millis(10))?;
+                    .follow_until(&done, Duration::from_millis(10))?;
                 return Ok(());
             }
             for e in std::fs::read_dir(dir)? {
@@ -378,7 +377,7 @@ fn with_page_hashing(dir: &Path, follow: bool, step: impl FnOnce() -> Result<()>
             Ok(())
         });
         let stepped = step();
-        running.store(false, Ordering::Relaxed);
+        done.set();
         let hashed = hasher
             .join()
             .map_err(|_| anyhow::anyhow!("page hashing thread panicked"))?;
