@@ -109,6 +109,45 @@ fn median(v: impl IntoIterator<Item = Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// The median of `v` (the upper one for an even count); NaN when empty.
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// A 95% interval for the median of `v`: the 2.5th and 97.5th percentiles of the medians of
+/// 4000 resamples of `v` with replacement (percentile bootstrap). The generator has a fixed
+/// seed, so the interval is a function of the figures alone.
+fn median_interval(v: &[f64]) -> (f64, f64) {
+    const RESAMPLES: usize = 4000;
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    // splitmix64: small, and good enough to pick indices.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut medians: Vec<f64> = (0..RESAMPLES)
+        .map(|_| {
+            median_f64(
+                (0..v.len())
+                    .map(|_| v[(next() % v.len() as u64) as usize])
+                    .collect(),
+            )
+        })
+        .collect();
+    medians.sort_by(f64::total_cmp);
+    (
+        medians[RESAMPLES * 25 / 1000],
+        medians[RESAMPLES * 975 / 1000 - 1],
+    )
+}
+
 /// `ctr run` flags for runc-v2 and for gpu-ckpt. runc-v2 gets its private runc root and binary
 /// from ctr's runc flags (ctr sends them only to the runc shim); ours picks its defaults.
 fn runtime_flags(node: &Node) -> (Vec<String>, Vec<String>) {
@@ -510,10 +549,7 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
             .map(|x| secs(if restore { x.1 } else { x.0 }))
             .collect()
     };
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
+    let med = median_f64;
     let fastest = |v: Vec<f64>| v.into_iter().reduce(f64::min).unwrap_or(f64::NAN);
     let both = |f: &dyn Fn(bool) -> f64| [f(false), f(true)];
     let g = &times[0];
@@ -533,20 +569,21 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
         println!("| {label} | {mc:.2} s | {mr:.2} s | {fc:.2} s | {fr:.2} s |");
     }
     // Three views of each ratio: of the medians; the median of the ratios within each round
-    // (a round's paths ran back to back, so drift of the machine between rounds cancels out);
-    // of the fastest rounds (noise on a shared VM only ever adds time, so each path's fastest
-    // round is the closest to its own cost).
-    println!("\n| gpu-ckpt / baseline | checkpoint: medians, per round, fastest | restore: medians, per round, fastest |");
+    // (a round's paths ran back to back, so drift of the machine between rounds cancels out),
+    // with its 95% interval; of the fastest rounds (noise on a shared VM only ever adds time,
+    // so each path's fastest round is the closest to its own cost).
+    println!("\n| gpu-ckpt / baseline | checkpoint: medians, per round [95% interval], fastest | restore: medians, per round [95% interval], fastest |");
     println!("| --- | --- | --- |");
     for (p, label) in &rows[..3] {
         let base = &times[*p];
         let cell = |restore: bool| {
             let (a, b) = (step(g, restore), step(base, restore));
-            let per_round = med(a.iter().zip(&b).map(|(x, y)| x / y).collect());
+            let ratios: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
+            let (lo, hi) = median_interval(&ratios);
             format!(
-                "{:.3}, {:.3}, {:.3}",
+                "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
                 med(a.clone()) / med(b.clone()),
-                per_round,
+                med(ratios),
                 fastest(a) / fastest(b)
             )
         };
@@ -619,9 +656,17 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
         );
         frozen_by.push(f);
     }
+    // Run i of each shim ran back to back: the per-run ratio cancels drift between runs.
+    let per_run: Vec<f64> = times[1]
+        .iter()
+        .zip(&times[0])
+        .map(|(g, r)| secs(g.1) / secs(r.1))
+        .collect();
+    let (lo, hi) = median_interval(&per_run);
     println!(
-        "\nfreeze ratio (gpu-ckpt / runc-v2): {:.3}",
-        secs(frozen_by[1]) / secs(frozen_by[0])
+        "\nfreeze ratio (gpu-ckpt / runc-v2): medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
+        secs(frozen_by[1]) / secs(frozen_by[0]),
+        median_f64(per_run.clone())
     );
     Ok(())
 }
@@ -690,4 +735,22 @@ fn criu_dump_time(archive: &Path) -> Result<Duration> {
         return Ok(Duration::from_secs_f64(t.millis / 1000.0));
     }
     bail!("{}: no CRIU dump time recorded", archive.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_interval_brackets_the_median_and_is_repeatable() {
+        assert_eq!(median_interval(&[1.02; 9]), (1.02, 1.02));
+        let v = [0.91, 0.97, 1.0, 1.01, 1.03, 1.04, 1.08, 1.12, 1.4];
+        let (lo, hi) = median_interval(&v);
+        let m = median_f64(v.to_vec());
+        assert!(lo < m && m < hi, "{lo} {m} {hi}");
+        // Within the sample's range, and not the whole of it for nine points.
+        assert!(lo > 0.91 && hi < 1.4, "{lo} {hi}");
+        assert_eq!(median_interval(&v), (lo, hi));
+        assert!(median_interval(&[]).0.is_nan());
+    }
 }
