@@ -155,25 +155,73 @@ pub fn restore_args(criu: &CriuOptions, tcp_close: bool) -> Vec<String> {
     common_args(criu, tcp_close)
 }
 
-/// Writes the container's CRIU configuration file: `tcp-close` when connections are to be
-/// closed rather than dumped (runc has no flag for it), and for a restore the action script
-/// of its [`crate::verify_gate::VerifyGate`].
-pub fn write_criu_conf(bundle: &Path, tcp_close: bool, action_script: Option<&Path>) -> Result<()> {
-    let path = bundle.join(CRIU_CONF_FILE);
-    let mut body = String::new();
-    if tcp_close {
-        body.push_str("tcp-close\n");
-    }
-    if let Some(script) = action_script {
-        let script = script.display().to_string();
-        if script.contains(['"', '\\', '\n']) {
-            return Err(Error::InvalidArgument(format!(
-                "bundle path {script:?} cannot be written into a CRIU configuration file"
-            )));
+/// The container's CRIU configuration file, which runc hands CRIU (`org.criu.config`) for
+/// what runc has no flag for. The default value is the empty file.
+#[derive(Debug, Default)]
+pub struct CriuConf<'a> {
+    /// `tcp-close`: connections are closed rather than dumped or restored.
+    pub tcp_close: bool,
+    /// `network-lock skip` (a dump; a restore follows what its dump recorded): see
+    /// [`nothing_to_lock`].
+    pub skip_network_lock: bool,
+    /// A restore's [`crate::verify_gate::VerifyGate`] script.
+    pub action_script: Option<&'a Path>,
+}
+
+impl CriuConf<'_> {
+    pub fn write(&self, bundle: &Path) -> Result<()> {
+        let path = bundle.join(CRIU_CONF_FILE);
+        let mut body = String::new();
+        if self.tcp_close {
+            body.push_str("tcp-close\n");
         }
-        body.push_str(&format!("action-script \"{script}\"\n"));
+        if self.skip_network_lock {
+            body.push_str("network-lock skip\n");
+        }
+        if let Some(script) = self.action_script {
+            let script = script.display().to_string();
+            if script.contains(['"', '\\', '\n']) {
+                return Err(Error::InvalidArgument(format!(
+                    "bundle path {script:?} cannot be written into a CRIU configuration file"
+                )));
+            }
+            body.push_str(&format!("action-script \"{script}\"\n"));
+        }
+        std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
     }
-    std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
+}
+
+/// Whether the network namespace of process `pid` gives CRIU's network lock nothing to hold:
+/// no interface but loopback (nothing from outside can reach it) and no TCP socket but
+/// listening ones (no conversation to keep still). Anything unreadable counts as something.
+pub fn nothing_to_lock(pid: i32) -> bool {
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/net/{f}"));
+    match (read("dev"), read("tcp"), read("tcp6")) {
+        (Ok(dev), Ok(tcp), Ok(tcp6)) => {
+            only_loopback(&dev) && only_listeners(&tcp) && only_listeners(&tcp6)
+        }
+        _ => false,
+    }
+}
+
+/// `/proc/<pid>/net/dev`: every interface is `lo`.
+fn only_loopback(net_dev: &str) -> bool {
+    // Two header lines, then "  name: counters".
+    net_dev
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':'))
+        .all(|(name, _)| name.trim() == "lo")
+}
+
+/// `/proc/<pid>/net/tcp` or `tcp6`: every socket is in state LISTEN (`0A`).
+fn only_listeners(net_tcp: &str) -> bool {
+    // A header line, then "sl local_address rem_address st ...".
+    net_tcp
+        .lines()
+        .skip(1)
+        .filter(|l| !l.trim().is_empty())
+        .all(|l| l.split_whitespace().nth(3) == Some("0A"))
 }
 
 /// Points runc at the shim's CRIU configuration file through `org.criu.config` in the bundle's
@@ -322,18 +370,52 @@ mod tests {
             .as_str()
             .unwrap()
             .ends_with(CRIU_CONF_FILE));
-        write_criu_conf(dir.path(), true, None).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap(),
-            "tcp-close\n"
-        );
-        write_criu_conf(dir.path(), false, Some(Path::new("/b/gate.sh"))).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap(),
-            "action-script \"/b/gate.sh\"\n"
-        );
-        let e = write_criu_conf(dir.path(), false, Some(Path::new("/b/\"x"))).unwrap_err();
+        let written = |conf: CriuConf<'_>| {
+            conf.write(dir.path()).unwrap();
+            std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap()
+        };
+        assert_eq!(written(CriuConf::default()), "");
+        let tcp_close = CriuConf {
+            tcp_close: true,
+            ..Default::default()
+        };
+        assert_eq!(written(tcp_close), "tcp-close\n");
+        let skip = CriuConf {
+            skip_network_lock: true,
+            ..Default::default()
+        };
+        assert_eq!(written(skip), "network-lock skip\n");
+        let gate = CriuConf {
+            action_script: Some(Path::new("/b/gate.sh")),
+            ..Default::default()
+        };
+        assert_eq!(written(gate), "action-script \"/b/gate.sh\"\n");
+        let bad = CriuConf {
+            action_script: Some(Path::new("/b/\"x")),
+            ..Default::default()
+        };
+        let e = bad.write(dir.path()).unwrap_err();
         assert!(e.to_string().contains("cannot be written"), "{e}");
+    }
+
+    #[test]
+    fn the_network_lock_is_skipped_only_with_nothing_to_hold() {
+        let dev = "Inter-|   Receive                            |  Transmit\n \
+                   face |bytes    packets errs drop fifo frame compressed multicast|bytes\n    \
+                   lo:       0       0    0    0    0     0          0         0        0\n";
+        assert!(only_loopback(dev));
+        let veth =
+            format!("{dev}  eth0: 1296      16    0    0    0     0          0         0      0\n");
+        assert!(!only_loopback(&veth));
+        let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
+        let listen = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000 100 0 0 10 0\n";
+        let established = "   1: 0100007F:1F90 0100007F:A1B2 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0000 20 4 30 10 -1\n";
+        assert!(only_listeners(header));
+        assert!(only_listeners(&format!("{header}{listen}")));
+        assert!(!only_listeners(&format!("{header}{listen}{established}")));
+        // The test process's own namespace: unreadable files or not, a pid that does not
+        // exist never skips the lock.
+        assert!(!nothing_to_lock(i32::MAX));
     }
 
     #[test]

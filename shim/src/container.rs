@@ -55,6 +55,9 @@ pub struct Container {
     /// The container has no PID namespace of its own: when init dies, its other processes
     /// do not die with it and must be killed.
     shares_pid_namespace: bool,
+    /// runc creates the container's network namespace, and CRIU dumps and restores it with
+    /// the processes (a pod's containers join the sandbox's instead).
+    own_network_namespace: bool,
     mounted_rootfs: bool,
     /// The spec's annotations (identity for the manifest) and the checked gpu-ckpt ones.
     spec_annotations: HashMap<String, String>,
@@ -98,14 +101,15 @@ impl Container {
         let options = RuntimeOptions::from_any(req.options.as_ref())?;
         options.write_to_bundle(&bundle)?;
         let runc = Runc::new(&options, namespace, &bundle);
-        let shares_pid_namespace = !spec
-            .linux()
-            .as_ref()
-            .and_then(|l| l.namespaces().as_ref())
-            .is_some_and(|ns| {
-                ns.iter()
-                    .any(|n| n.typ() == LinuxNamespaceType::Pid && n.path().is_none())
-            });
+        // Namespaces runc creates for the container (an entry without a path), not joined ones.
+        let creates = |typ: LinuxNamespaceType| {
+            spec.linux()
+                .as_ref()
+                .and_then(|l| l.namespaces().as_ref())
+                .is_some_and(|ns| ns.iter().any(|n| n.typ() == typ && n.path().is_none()))
+        };
+        let shares_pid_namespace = !creates(LinuxNamespaceType::Pid);
+        let own_network_namespace = creates(LinuxNamespaceType::Network);
 
         // A restore: containerd's checkpoint (ctr container restore, CRI restore-via-create), or
         // a CRIU image directory named in the runc options (the containerd API's CriuImagePath).
@@ -125,6 +129,7 @@ impl Container {
             execs: HashMap::new(),
             oom: None,
             shares_pid_namespace,
+            own_network_namespace,
             mounted_rootfs: false,
             spec_annotations,
             annotations,
@@ -143,7 +148,8 @@ impl Container {
             return Err(e);
         }
         // Step 2: the CRIU configuration file runc will use for this container's checkpoints.
-        match checkpoint::write_criu_conf(&bundle, false, None)
+        match checkpoint::CriuConf::default()
+            .write(&bundle)
             .and_then(|_| checkpoint::point_runc_at_criu_conf(&bundle))
         {
             Ok(ours) => container.own_criu_conf = ours,
@@ -365,7 +371,12 @@ impl Container {
             VerifyGate::create(&self.bundle)
                 .map_err(|e| restore::step("prepare")(e.to_string()))?,
         );
-        checkpoint::write_criu_conf(&self.bundle, tcp_close, Some(gate.script()))
+        let conf = checkpoint::CriuConf {
+            tcp_close,
+            action_script: Some(gate.script()),
+            ..Default::default()
+        };
+        conf.write(&self.bundle)
             .map_err(|e| restore::step("prepare")(e.to_string()))?;
         // Step 3: the page images' digests, in parallel with runc restore; the verdict opens
         // the gate. Undo: cancel the hashing.
@@ -399,7 +410,7 @@ impl Container {
             .await
             .unwrap_or_else(|e| Err(Error::FailedPrecondition(format!("page verification: {e}"))));
         drop(gate);
-        if let Err(e) = checkpoint::write_criu_conf(&self.bundle, false, None) {
+        if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
             warn!(id = %self.id, error = %e, "CRIU configuration after a restore");
         }
         match (restored, verified) {
@@ -546,10 +557,26 @@ impl Container {
             .work_path
             .clone()
             .unwrap_or_else(|| self.bundle.join(CRIU_WORK));
+        // CRIU's network lock (iptables rules in the container's own network namespace, put
+        // in at the dump and taken out at the end of the restore: about 60 ms of
+        // iptables-restore runs) holds TCP conversations still. A paused container whose own
+        // namespace has no TCP connection and no interface but loopback has none to hold, and
+        // none can start before CRIU freezes it.
+        let skip_network_lock = self.own_network_namespace
+            && self.init.status == Status::Paused
+            && checkpoint::nothing_to_lock(self.init.pid);
+        if skip_network_lock {
+            info!(id = %self.id, "network namespace of its own with no TCP connection and only loopback: CRIU's network lock skipped");
+        }
         if let Err(e) = std::fs::create_dir_all(&work)
             .map_err(|e| fail("prepare", format!("work directory {}: {e}", work.display())))
             .and_then(|_| {
-                checkpoint::write_criu_conf(&self.bundle, plan.criu.tcp == "close", None)
+                let conf = checkpoint::CriuConf {
+                    tcp_close: plan.criu.tcp == "close",
+                    skip_network_lock,
+                    action_script: None,
+                };
+                conf.write(&self.bundle)
                     .map_err(|e| fail("prepare", e.to_string()))
             })
         {
@@ -582,6 +609,12 @@ impl Container {
             node_info(&self.runc)
         );
         dumped_all.set();
+        // The lock decision held for this dump only.
+        if skip_network_lock {
+            if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
+                warn!(id = %self.id, error = %e, "CRIU configuration after a checkpoint");
+            }
+        }
         // What the follower hashed saves the manifest step that much; if it failed, the
         // manifest step hashes everything itself.
         let followed = follower

@@ -326,6 +326,34 @@ impl Containerd {
         Ok(Status::try_from(p.status).unwrap_or(Status::Unknown))
     }
 
+    /// Tasks.Checkpoint straight to the shim, into `image_path`, leaving the task running; unlike
+    /// `ctr task checkpoint` (containerd's client), without pausing the task first.
+    pub async fn checkpoint_unpaused(&self, id: &str, image_path: &Path) -> Result<()> {
+        use containerd_client::services::v1::CheckpointTaskRequest;
+        // containerd.runc.v1.CheckpointOptions, field 8: image_path.
+        let mut value = Vec::new();
+        prost::encoding::string::encode(8, &image_path.display().to_string(), &mut value);
+        TasksClient::new(self.channel())
+            .checkpoint(self.request(CheckpointTaskRequest {
+                container_id: id.to_string(),
+                options: Some(Any {
+                    type_url: "containerd.runc.v1.CheckpointOptions".into(),
+                    value,
+                }),
+                ..Default::default()
+            }))
+            .await
+            .map_err(|s| {
+                anyhow!(
+                    "Tasks.Checkpoint {id} into {}: {:?}: {}",
+                    image_path.display(),
+                    s.code(),
+                    s.message()
+                )
+            })?;
+        Ok(())
+    }
+
     /// Restores container `id` (its task deleted) from a CRIU image directory, the way the
     /// containerd API allows it: Tasks.Create with the container's rootfs mounts (from its
     /// snapshot, as containerd's client does) and runc options naming `CriuImagePath`, then

@@ -109,6 +109,20 @@ fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
 fn task_checkpoint_exit_then_restore() -> Result<()> {
     let node = node("ck-exit")?;
     let pid = start_counter(&node, "c2", "100")?;
+    // Checkpointed while running (not paused), it could open a connection any moment: CRIU's
+    // network lock stays, and the container runs on.
+    let running = node.paths().dir.join("c2-running");
+    let _ = std::fs::remove_dir_all(&running);
+    rt().block_on(async {
+        let api =
+            test_containers::containerd::Containerd::connect(node.socket(), "default").await?;
+        api.checkpoint_unpaused("c2", &running).await
+    })?;
+    ensure!(
+        inventory_network_lock(&running)? == 0,
+        "the dump of a running container skipped CRIU's network lock"
+    );
+    next_values(pid, 2)?;
     let dir = node.paths().dir.join("c2-image");
     node.checkpoint_task_exit("c2", &dir)?;
     wait_until(Duration::from_secs(10), "the task to stop", || {
@@ -135,11 +149,18 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
             e.path().display()
         );
     }
+    // containerd's client paused the counter for the dump, and its network namespace has only
+    // loopback and no TCP socket: CRIU's network lock had nothing to hold and was skipped.
+    ensure!(
+        inventory_network_lock(&dir)? == 2,
+        "the dump of a paused, unconnected container used CRIU's network lock"
+    );
     node.ctr_ok(&["task", "rm", "c2"])?;
 
     let restored = restore_from_dir(&node, "c2", &dir)?;
     let seen = next_values(restored, 3)?;
     ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
+
     // containerd logs at debug level here, so the shim logs how long each step took.
     let log = node.log();
     for step in [
