@@ -21,7 +21,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use test_containers::{
-    containerd::Containerd,
+    containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{
         read_images_json, Node, Registry, Stack, GPU_CKPT_HANDLER, RUNC_HANDLER, WORKLOADS_IMAGE,
@@ -617,50 +617,57 @@ fn longest_gap(
 
 async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let cri = Cri::connect(node.socket()).await?;
+    let api = Containerd::connect(node.socket(), "k8s.io").await?;
     let shims = [
         (RUNC_HANDLER, "containerd-shim-runc-v2"),
         (GPU_CKPT_HANDLER, "containerd-shim-gpu-ckpt-v1"),
     ];
-    // Per shim: (CheckpointContainer, app frozen, CRIU frozen) of every run. The shim that
-    // goes first alternates from run to run.
-    let mut times: [Vec<(Duration, Duration, Duration)>; 2] = Default::default();
+    // Per shim, every run's figures. The shim that goes first alternates from run to run.
+    let mut times: [Vec<Freeze>; 2] = Default::default();
     for i in 0..runs {
         for k in 0..2 {
             let which = (i + k) % 2;
             let (handler, name) = shims[which];
-            let run =
-                freeze_once(node, &cri, handler, &format!("freeze-{handler}-{i}"), mib).await?;
+            let run = freeze_once(
+                node,
+                &cri,
+                &api,
+                handler,
+                &format!("freeze-{handler}-{i}"),
+                mib,
+            )
+            .await?;
             eprintln!(
-                "run {i} {name}: CheckpointContainer {:.2} s, app frozen {:.2} s, CRIU frozen {:.2} s",
-                secs(run.0),
-                secs(run.1),
-                secs(run.2)
+                "run {i} {name}: CheckpointContainer {:.2} s, app frozen {:.2} s, task paused {:.2} s, CRIU frozen {:.2} s",
+                secs(run.call),
+                secs(run.frozen),
+                secs(run.paused),
+                secs(run.criu)
             );
             times[which].push(run);
         }
     }
-    println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | CRIU frozen time | rest of the freeze |");
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | task paused | … CRIU's dump | … the rest: runc, containerd's copy, rootfs diff |");
+    println!("| --- | --- | --- | --- | --- | --- |");
     let mut frozen_by = Vec::new();
     for (which, (_, name)) in shims.iter().enumerate() {
         let v = &times[which];
-        let t = median(v.iter().map(|x| x.0));
-        let f = median(v.iter().map(|x| x.1));
-        let d = median(v.iter().map(|x| x.2));
+        let m = |f: fn(&Freeze) -> Duration| secs(median(v.iter().map(f)));
         println!(
-            "| {name} | {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
-            secs(t),
-            secs(f),
-            secs(d),
-            secs(f.saturating_sub(d))
+            "| {name} | {:.2} s | {:.2} s | {:.2} s | {:.2} s | {:.2} s |",
+            m(|x| x.call),
+            m(|x| x.frozen),
+            m(|x| x.paused),
+            m(|x| x.criu),
+            m(|x| x.paused.saturating_sub(x.criu))
         );
-        frozen_by.push(f);
+        frozen_by.push(median(v.iter().map(|x| x.frozen)));
     }
     // Run i of each shim ran back to back: the per-run ratio cancels drift between runs.
     let per_run: Vec<f64> = times[1]
         .iter()
         .zip(&times[0])
-        .map(|(g, r)| secs(g.1) / secs(r.1))
+        .map(|(g, r)| secs(g.frozen) / secs(r.frozen))
         .collect();
     let (lo, hi) = median_interval(&per_run);
     println!(
@@ -671,16 +678,30 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     Ok(())
 }
 
+/// One CRI CheckpointContainer, timed.
+struct Freeze {
+    /// The whole call.
+    call: Duration,
+    /// The longest gap between the application's ticks around the call.
+    frozen: Duration,
+    /// From the task's `/tasks/paused` event to its `/tasks/resumed` (both from the shim): the
+    /// dump, containerd's copy of the checkpoint into its content store and the rootfs diff.
+    paused: Duration,
+    /// CRIU's own frozen time, from its statistics in the archive: the dump alone (the task
+    /// is paused already when CRIU starts).
+    criu: Duration,
+}
+
 /// One pod on `handler` whose container holds `mib` MiB and ticks every 20 ms into its CRI
-/// log; CRI CheckpointContainer. Returns the call's duration, the longest gap between ticks
-/// around it, and CRIU's frozen time.
+/// log; CRI CheckpointContainer, with the task events containerd sees around it.
 async fn freeze_once(
     node: &Node,
     cri: &Cri,
+    api: &Containerd,
     handler: &str,
     name: &str,
     mib: u64,
-) -> Result<(Duration, Duration, Duration)> {
+) -> Result<Freeze> {
     let pod = cri
         .run_pod(&PodSpec::new(name, node.pod_log_root()).handler(handler))
         .await?;
@@ -704,19 +725,56 @@ async fn freeze_once(
     let _ = std::fs::remove_file(&archive);
     // The dump, containerd's copy into its content store and the archive: three copies.
     settle(node.paths().dir.as_path(), 3 * mib)?;
+    let mut events = api.subscribe_tasks().await?;
     let from = std::time::SystemTime::now();
     let t = Instant::now();
     cri.checkpoint_container(&id, &archive, 600).await?;
-    let total = t.elapsed();
+    let call = t.elapsed();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let to = std::time::SystemTime::now();
     let frozen = longest_gap(&log_times(&pod.container_log("app")), from, to);
-    let dump = criu_dump_time(&archive)?;
+    let criu = criu_dump_time(&archive)?;
+    let [paused, resumed] =
+        event_times(&mut events, &id, ["/tasks/paused", "/tasks/resumed"]).await?;
     // The counter (pid 1) ignores SIGTERM: stop without a grace period.
     cri.stop_container(&id, 0).await?;
     cri.remove_pod(&pod).await?;
     let _ = std::fs::remove_file(&archive);
-    Ok((total, frozen, dump))
+    Ok(Freeze {
+        call,
+        frozen,
+        paused: resumed.saturating_sub(paused),
+        criu,
+    })
+}
+
+/// When the first event of each of `topics` about container `id` happened, as its publisher
+/// stamped it, since the epoch. A shim forwards its events on its own, so they may come in any
+/// order.
+async fn event_times<const N: usize>(
+    events: &mut EventStream,
+    id: &str,
+    topics: [&str; N],
+) -> Result<[Duration; N]> {
+    let mut found: [Option<Duration>; N] = [None; N];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while found.iter().any(Option::is_none) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(e) = events.next_timeout(left).await? else {
+            bail!("task events of {id}: {topics:?} did not all come, got {found:?}");
+        };
+        let Some(k) = topics.iter().position(|t| *t == e.topic) else {
+            continue;
+        };
+        if e.container_id() != Some(id) || found[k].is_some() {
+            continue;
+        }
+        let ts = e
+            .timestamp
+            .with_context(|| format!("{} event without a time", e.topic))?;
+        found[k] = Some(Duration::new(ts.seconds.try_into()?, ts.nanos.try_into()?));
+    }
+    Ok(found.map(Option::unwrap_or_default))
 }
 
 /// How long CRIU kept the tasks frozen for the dump, from CRIU's own statistics (`stats-dump`:
