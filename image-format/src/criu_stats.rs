@@ -19,6 +19,20 @@ pub struct DumpStats {
     pub pages_written: u64,
 }
 
+/// The first entry of a CRIU image file: after its magic words (two for `stats-dump` and the
+/// images CRIU writes with its common magic, one for `inventory.img`), a little-endian u32
+/// size and that many bytes of protobuf. On a short file, what is missing.
+pub fn first_entry(data: &[u8], magic_words: usize) -> std::result::Result<&[u8], &'static str> {
+    let body = data
+        .get(4 * magic_words..)
+        .ok_or("shorter than its magic")?;
+    let len = body
+        .get(..4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        .ok_or("no entry size")?;
+    body.get(4..4 + len).ok_or("entry shorter than its size")
+}
+
 /// Parses a `stats-dump` file; `what` names it in errors.
 pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
     let bad = |reason: &str| Error::InvalidField {
@@ -26,14 +40,7 @@ pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
         field: "stats-dump".into(),
         reason: reason.to_string(),
     };
-    let body = data.get(8..).ok_or_else(|| bad("shorter than its magic"))?;
-    let len = body
-        .get(..4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
-        .ok_or_else(|| bad("no entry size"))?;
-    let entry = body
-        .get(4..4 + len)
-        .ok_or_else(|| bad("entry shorter than its size"))?;
+    let entry = first_entry(data, 2).map_err(bad)?;
     let entry = fields(entry).ok_or_else(|| bad("malformed stats entry"))?;
     let dump = bytes_field(&entry, 1).ok_or_else(|| bad("no dump statistics"))?;
     let mut s = DumpStats::default();

@@ -205,26 +205,11 @@ pub fn run_detached(node: &Node, extra: &[&str]) -> Result<i32> {
 /// CRIU's network lock method as its dump recorded it in `inventory.img` (CRIU's own values:
 /// 0 iptables, 1 nftables, 2 skip); the restore uses the same.
 pub fn inventory_network_lock(dir: &Path) -> Result<u64> {
-    const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
-    const IMG_SERVICE_MAGIC: u32 = 0x5510_5940;
     let path = dir.join("inventory.img");
     let b = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
-    let u32_at = |o: usize| {
-        b.get(o..o + 4)
-            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
-    };
-    // The magic (after the common or service one), then one entry: its size, then the
-    // InventoryEntry message.
-    let first = u32_at(0).context("inventory.img is empty")?;
-    let at = if [IMG_COMMON_MAGIC, IMG_SERVICE_MAGIC].contains(&first) {
-        8
-    } else {
-        4
-    };
-    let size = u32_at(at).context("inventory.img has no entry")? as usize;
-    let entry = b
-        .get(at + 4..at + 4 + size)
-        .context("inventory.img is truncated")?;
+    // The inventory carries its own magic only, not CRIU's common one.
+    let entry = image_format::criu_stats::first_entry(&b, 1)
+        .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
     let fields = image_format::protowire::fields(entry).context("inventory entry")?;
     // InventoryEntry.network_lock_method = 11.
     image_format::protowire::varint_field(&fields, 11)
