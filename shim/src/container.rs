@@ -38,7 +38,7 @@ use crate::{
     process::{Process, Status},
     restore,
     runc::{tool_output, CreateOpts, Runc},
-    stdio,
+    stdio::{self, Absent},
     verify_gate::VerifyGate,
 };
 
@@ -278,7 +278,12 @@ impl Container {
     }
 
     async fn runc_create(&mut self) -> Result<()> {
-        let prepared = stdio::prepare(&self.init.stdio, self.options.io_uid, self.options.io_gid)?;
+        let prepared = stdio::prepare(
+            &self.init.stdio,
+            self.options.io_uid,
+            self.options.io_gid,
+            Absent::DevNull,
+        )?;
         self.init.io = prepared.io;
         let pid_file = self.bundle.join(INIT_PID_FILE);
         let console = prepared.console;
@@ -456,7 +461,12 @@ impl Container {
             PathBuf::from(&self.options.criu_work_path)
         };
         std::fs::create_dir_all(&work).map_err(|e| restore::step("prepare")(e.to_string()))?;
-        let prepared = stdio::prepare(&self.init.stdio, self.options.io_uid, self.options.io_gid)?;
+        let prepared = stdio::prepare(
+            &self.init.stdio,
+            self.options.io_uid,
+            self.options.io_gid,
+            Absent::Pipe,
+        )?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());
@@ -737,7 +747,12 @@ impl Container {
             .map_err(Error::io(format!("write {}", spec_path.display())))?;
         let pid_file = bundle.join(format!("exec-{exec_id}.pid"));
         let stdio = process.stdio.clone();
-        let prepared = stdio::prepare(&stdio, self.options.io_uid, self.options.io_gid)?;
+        let prepared = stdio::prepare(
+            &stdio,
+            self.options.io_uid,
+            self.options.io_gid,
+            Absent::DevNull,
+        )?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());

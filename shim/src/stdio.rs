@@ -40,9 +40,23 @@ pub struct PreparedIo {
     pub io: ProcessIo,
 }
 
+/// What a process gets for a stream containerd sent no fifo for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Absent {
+    /// The host's `/dev/null`, as runc-v2 gives it: `runc create` reopens it as the
+    /// container's own `/dev/null` before the process starts.
+    DevNull,
+    /// A pipe: input at end of file, output read and dropped by the shim. For `runc restore`,
+    /// which hands its own stdio to each stream that was a pipe at the dump. The host's
+    /// `/dev/null` would stay the host's there, on a mount outside the container, and CRIU
+    /// refuses to dump it again ("Can't lookup mount=.. for fd=0 path=/dev/null").
+    Pipe,
+}
+
 /// Connects `stdio` for a process about to be created. Output copies start at once and stay
 /// parked until the process writes; input copies start when containerd opens the fifo.
-pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
+/// Streams without a fifo get what `absent` says.
+pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32, absent: Absent) -> Result<PreparedIo> {
     let io = ProcessIo::default();
     if stdio.terminal {
         if log_file(&stdio.stdout)?.is_some() {
@@ -68,7 +82,15 @@ pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
         Ok(())
     };
     let stdin = if stdio.stdin.is_empty() {
-        None
+        match absent {
+            Absent::DevNull => None,
+            Absent::Pipe => {
+                // The write end closes here: the process reads end of file.
+                let (r, _) = new_pipe()?;
+                owner(&r)?;
+                Some(r)
+            }
+        }
     } else {
         let (r, w) = new_pipe()?;
         owner(&r)?;
@@ -78,7 +100,15 @@ pub fn prepare(stdio: &Stdio, io_uid: u32, io_gid: u32) -> Result<PreparedIo> {
     };
     let output = |path: &str| -> Result<Option<OwnedFd>> {
         if path.is_empty() {
-            return Ok(None);
+            return match absent {
+                Absent::DevNull => Ok(None),
+                Absent::Pipe => {
+                    let (r, w) = new_pipe()?;
+                    owner(&w)?;
+                    discard(r)?;
+                    Ok(Some(w))
+                }
+            };
         }
         if let Some(file) = log_file(path)? {
             // A file:// log URI: the process writes to the file itself, as with runc-v2.
@@ -130,6 +160,15 @@ fn log_file(uri: &str) -> Result<Option<OwnedFd>> {
             "unsupported stdio URI scheme {other:?} in {uri:?}: use a fifo path or file://"
         ))),
     }
+}
+
+/// Reads `pipe` and drops what comes, until its last writer closes it.
+fn discard(pipe: OwnedFd) -> Result<()> {
+    let mut receiver = pipe::Receiver::from_owned_fd(pipe).map_err(Error::io("output pipe"))?;
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut receiver, &mut tokio::io::sink()).await;
+    });
+    Ok(())
 }
 
 fn new_pipe() -> Result<(OwnedFd, OwnedFd)> {

@@ -157,9 +157,33 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     );
     node.ctr_ok(&["task", "rm", "c2"])?;
 
+    // Restored through the API with no stdio: the streams that were pipes at the dump must not
+    // become the host's /dev/null, which CRIU cannot dump again (its mount is not the
+    // container's), so the restored container can be checkpointed and restored once more.
     let restored = restore_from_dir(&node, "c2", &dir)?;
     let seen = next_values(restored, 3)?;
     ensure!(seen[0] >= 5, "the restored counter started over: {seen:?}");
+    for fd in 0..3 {
+        let target = std::fs::read_link(format!("/proc/{restored}/fd/{fd}"))?;
+        ensure!(
+            target.to_string_lossy().starts_with("pipe:"),
+            "the restored counter's fd {fd} is {}",
+            target.display()
+        );
+    }
+    let again = node.paths().dir.join("c2-again");
+    node.checkpoint_task_exit("c2", &again)
+        .context("a second checkpoint of the restored counter")?;
+    wait_until(Duration::from_secs(10), "the restored task to stop", || {
+        (node.task_status("c2").ok().as_deref() == Some("STOPPED")).then_some(())
+    })?;
+    node.ctr_ok(&["task", "rm", "c2"])?;
+    let twice = restore_from_dir(&node, "c2", &again)?;
+    let later = next_values(twice, 2)?;
+    ensure!(
+        later[0] > *seen.last().unwrap_or(&0),
+        "the counter restored twice went back: {later:?} after {seen:?}"
+    );
 
     // containerd logs at debug level here, so the shim logs how long each step took.
     let log = node.log();
