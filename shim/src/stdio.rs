@@ -283,6 +283,40 @@ pub fn resize(pty: &Pty, width: u32, height: u32) -> Result<()> {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn absent_streams_at_restore_are_pipes_at_eof_and_drained() {
+        use std::io::{Read, Write};
+        let none = Stdio::new("", "", "", false);
+        let streams = |absent| match prepare(&none, 0, 0, absent).unwrap().child {
+            ChildIo::PassThrough {
+                stdin,
+                stdout,
+                stderr,
+            } => [stdin, stdout, stderr],
+            ChildIo::Captured => panic!("no pass-through io"),
+        };
+        assert!(streams(Absent::DevNull).iter().all(Option::is_none));
+
+        let [stdin, stdout, stderr] = streams(Absent::Pipe);
+        let mut input = File::from(stdin.expect("a stdin pipe"));
+        let mut buf = [0u8; 8];
+        assert_eq!(input.read(&mut buf).unwrap(), 0, "stdin is not at EOF");
+        // More than a pipe holds: it only completes if the shim reads and drops the output.
+        let chunk = vec![b'x'; 1 << 20];
+        for out in [stdout, stderr] {
+            let mut out = File::from(out.expect("an output pipe"));
+            let chunk = chunk.clone();
+            tokio::time::timeout(
+                Duration::from_secs(10),
+                tokio::task::spawn_blocking(move || out.write_all(&chunk)),
+            )
+            .await
+            .expect("the output pipe is not drained")
+            .unwrap()
+            .unwrap();
+        }
+    }
+
     #[test]
     fn file_uris_open_the_file_and_others_are_refused() {
         let dir = tempfile::tempdir().unwrap();
