@@ -148,6 +148,27 @@ fn median_interval(v: &[f64]) -> (f64, f64) {
     )
 }
 
+/// The order in which `n` paths run in round `round`: the rows of a Williams design, a Latin
+/// square in which every path runs right after every other path equally often (for an even
+/// `n`, once in every `n` rounds; for an odd `n`, every `2n`, the second `n` reversed). Each
+/// path also takes each place in the round once. A rotation (path `(round + k) % n` in place
+/// `k`) gives every path the same predecessor in every round, and on the benchmark machine the
+/// step that ran just before moved the next one by more than the differences being measured.
+fn round_order(round: usize, n: usize) -> Vec<usize> {
+    let r = round % n;
+    let mut order: Vec<usize> = (0..n)
+        .map(|j| {
+            // Offsets 0, 1, n-1, 2, n-2, ...
+            let offset = if j % 2 == 1 { j.div_ceil(2) } else { n - j / 2 };
+            (r + offset) % n
+        })
+        .collect();
+    if n % 2 == 1 && (round / n) % 2 == 1 {
+        order.reverse();
+    }
+    order
+}
+
 /// `ctr run` flags for runc-v2 and for gpu-ckpt. runc-v2 gets its private runc root and binary
 /// from ctr's runc flags (ctr sends them only to the runc shim); ours picks its defaults.
 fn runtime_flags(node: &Node) -> (Vec<String>, Vec<String>) {
@@ -515,15 +536,15 @@ fn raw_round(node: &Node, id: &str, mib: u64, hashing: bool) -> Result<(Duration
 async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let api = Containerd::connect(node.socket(), "default").await?;
     let (runc_flags, ours) = runtime_flags(node);
-    // Per path: (checkpoint, restore) of every round. The path that goes first rotates from
-    // round to round, so that none always meets the machine in the same state.
+    // Per path: (checkpoint, restore) of every round. The order of the paths changes from
+    // round to round ([`round_order`]), so that none always meets the machine in the same
+    // state or right after the same other path; a multiple of 4 rounds balances it fully.
     // Round 0 warms every path up and is not counted: the first checkpoint after the node
     // starts has measured up to twice as slow, whichever path takes it.
     let names = ["gpu-ckpt", "runc-v2", "raw runc", "raw runc + hashing"];
     let mut times: [Vec<(Duration, Duration)>; 4] = Default::default();
     for i in 0..=runs {
-        for k in 0..names.len() {
-            let path = (i + k) % names.len();
+        for path in round_order(i.saturating_sub(1), names.len()) {
             let round = match path {
                 0 => shim_round(node, &api, &ours, &format!("g{i}"), mib).await?,
                 1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?,
@@ -798,6 +819,37 @@ fn criu_dump_time(archive: &Path) -> Result<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn round_order_balances_places_and_predecessors() {
+        for n in [2, 3, 4, 5] {
+            let cycle = if n % 2 == 0 { n } else { 2 * n };
+            let rounds: Vec<Vec<usize>> = (0..cycle).map(|r| round_order(r, n)).collect();
+            // After a whole cycle, every path came right after every other path equally often,
+            // and each took every place equally often.
+            let mut follows = std::collections::HashMap::new();
+            let mut places = std::collections::HashMap::new();
+            for order in &rounds {
+                let mut sorted = order.clone();
+                sorted.sort();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "{order:?}");
+                for w in order.windows(2) {
+                    *follows.entry((w[0], w[1])).or_insert(0) += 1;
+                }
+                for (place, path) in order.iter().enumerate() {
+                    *places.entry((place, *path)).or_insert(0) += 1;
+                }
+            }
+            assert_eq!(follows.len(), n * (n - 1), "n={n}: {follows:?}");
+            let once = cycle / n;
+            assert!(follows.values().all(|c| *c == once), "n={n}: {follows:?}");
+            assert_eq!(places.len(), n * n);
+            assert!(places.values().all(|c| *c == cycle / n), "n={n}");
+        }
+        assert_eq!(round_order(0, 4), [0, 1, 3, 2]);
+        // The next cycle repeats the first.
+        assert_eq!(round_order(4, 4), round_order(0, 4));
+    }
 
     #[test]
     fn median_interval_brackets_the_median_and_is_repeatable() {
