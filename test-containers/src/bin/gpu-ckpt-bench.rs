@@ -538,18 +538,28 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let (runc_flags, ours) = runtime_flags(node);
     // Per path: (checkpoint, restore) of every round. The order of the paths changes from
     // round to round ([`round_order`]), so that none always meets the machine in the same
-    // state or right after the same other path; a multiple of 4 rounds balances it fully.
+    // state or right after the same other path; a multiple of 10 rounds balances it fully.
     // Round 0 warms every path up and is not counted: the first checkpoint after the node
     // starts has measured up to twice as slow, whichever path takes it.
-    let names = ["gpu-ckpt", "runc-v2", "raw runc", "raw runc + hashing"];
-    let mut times: [Vec<(Duration, Duration)>; 4] = Default::default();
+    // The fifth path is raw runc once more, under other container names: the control. Its ratio
+    // to raw runc should be 1, and how far it is from 1 shows what this run's noise does to a
+    // ratio.
+    let names = [
+        "gpu-ckpt",
+        "runc-v2",
+        "raw runc",
+        "raw runc + hashing",
+        "raw runc (control)",
+    ];
+    let mut times: [Vec<(Duration, Duration)>; 5] = Default::default();
     for i in 0..=runs {
         for path in round_order(i.saturating_sub(1), names.len()) {
             let round = match path {
                 0 => shim_round(node, &api, &ours, &format!("g{i}"), mib).await?,
                 1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?,
                 2 => raw_round(node, &format!("w{i}"), mib, false)?,
-                _ => raw_round(node, &format!("h{i}"), mib, true)?,
+                3 => raw_round(node, &format!("h{i}"), mib, true)?,
+                _ => raw_round(node, &format!("c{i}"), mib, false)?,
             };
             eprintln!(
                 "round {i}{} {}: checkpoint {:.2} s, restore {:.2} s",
@@ -573,7 +583,6 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let med = median_f64;
     let fastest = |v: Vec<f64>| v.into_iter().reduce(f64::min).unwrap_or(f64::NAN);
     let both = |f: &dyn Fn(bool) -> f64| [f(false), f(true)];
-    let g = &times[0];
     println!(
         "| path ({mib} MiB memhog, {runs} rounds) | checkpoint median | restore median | checkpoint fastest | restore fastest |"
     );
@@ -583,6 +592,7 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
         (3, "raw runc + gpu-ckpt's page hashing"),
         (1, "containerd-shim-runc-v2 (ctr / API)"),
         (0, "containerd-shim-gpu-ckpt-v1 (ctr / API)"),
+        (4, "raw runc again (control)"),
     ];
     for (p, label) in rows {
         let [mc, mr] = both(&|r| med(step(&times[p], r)));
@@ -595,21 +605,29 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     // so each path's fastest round is the closest to its own cost).
     println!("\n| gpu-ckpt / baseline | checkpoint: medians, per round [95% interval], fastest | restore: medians, per round [95% interval], fastest |");
     println!("| --- | --- | --- |");
+    let cell = |path: usize, base: usize, restore: bool| {
+        let (a, b) = (step(&times[path], restore), step(&times[base], restore));
+        let ratios: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
+        let (lo, hi) = median_interval(&ratios);
+        format!(
+            "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
+            med(a.clone()) / med(b.clone()),
+            med(ratios),
+            fastest(a) / fastest(b)
+        )
+    };
     for (p, label) in &rows[..3] {
-        let base = &times[*p];
-        let cell = |restore: bool| {
-            let (a, b) = (step(g, restore), step(base, restore));
-            let ratios: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
-            let (lo, hi) = median_interval(&ratios);
-            format!(
-                "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
-                med(a.clone()) / med(b.clone()),
-                med(ratios),
-                fastest(a) / fastest(b)
-            )
-        };
-        println!("| {label} | {} | {} |", cell(false), cell(true));
+        println!(
+            "| {label} | {} | {} |",
+            cell(0, *p, false),
+            cell(0, *p, true)
+        );
     }
+    println!(
+        "| control: raw runc again / raw runc | {} | {} |",
+        cell(4, 2, false),
+        cell(4, 2, true)
+    );
     Ok(())
 }
 
