@@ -657,22 +657,25 @@ fn longest_gap(
 async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let cri = Cri::connect(node.socket()).await?;
     let api = Containerd::connect(node.socket(), "k8s.io").await?;
+    // The third is runc-v2 once more: the control, whose ratio to runc-v2 shows what this run's
+    // noise alone does to a ratio.
     let shims = [
         (RUNC_HANDLER, "containerd-shim-runc-v2"),
         (GPU_CKPT_HANDLER, "containerd-shim-gpu-ckpt-v1"),
+        (RUNC_HANDLER, "containerd-shim-runc-v2 again (control)"),
     ];
-    // Per shim, every run's figures. The shim that goes first alternates from run to run.
-    let mut times: [Vec<Freeze>; 2] = Default::default();
+    // Per shim, every run's figures. The order changes from run to run ([`round_order`]); a
+    // multiple of 6 runs balances it fully.
+    let mut times: [Vec<Freeze>; 3] = Default::default();
     for i in 0..runs {
-        for k in 0..2 {
-            let which = (i + k) % 2;
+        for which in round_order(i, shims.len()) {
             let (handler, name) = shims[which];
             let run = freeze_once(
                 node,
                 &cri,
                 &api,
                 handler,
-                &format!("freeze-{handler}-{i}"),
+                &format!("freeze-{which}-{i}"),
                 mib,
             )
             .await?;
@@ -688,7 +691,6 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     }
     println!("| shim ({mib} MiB, median of {runs}) | CheckpointContainer | app frozen | task paused | … CRIU's dump | … the rest: runc, containerd's copy, rootfs diff |");
     println!("| --- | --- | --- | --- | --- | --- |");
-    let mut frozen_by = Vec::new();
     for (which, (_, name)) in shims.iter().enumerate() {
         let v = &times[which];
         let m = |f: fn(&Freeze) -> Duration| secs(median(v.iter().map(f)));
@@ -700,20 +702,21 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
             m(|x| x.criu),
             m(|x| x.paused.saturating_sub(x.criu))
         );
-        frozen_by.push(median(v.iter().map(|x| x.frozen)));
     }
     // Run i of each shim ran back to back: the per-run ratio cancels drift between runs.
-    let per_run: Vec<f64> = times[1]
-        .iter()
-        .zip(&times[0])
-        .map(|(g, r)| secs(g.frozen) / secs(r.frozen))
-        .collect();
-    let (lo, hi) = median_interval(&per_run);
-    println!(
-        "\nfreeze ratio (gpu-ckpt / runc-v2): medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
-        secs(frozen_by[1]) / secs(frozen_by[0]),
-        median_f64(per_run.clone())
-    );
+    let ratio = |which: usize| {
+        let frozen = |w: usize| times[w].iter().map(|x| secs(x.frozen)).collect::<Vec<_>>();
+        let (a, b) = (frozen(which), frozen(0));
+        let per_run: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
+        let (lo, hi) = median_interval(&per_run);
+        format!(
+            "medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
+            median_f64(a) / median_f64(b),
+            median_f64(per_run)
+        )
+    };
+    println!("\nfreeze ratio (gpu-ckpt / runc-v2): {}", ratio(1));
+    println!("control (runc-v2 again / runc-v2): {}", ratio(2));
     Ok(())
 }
 
