@@ -150,10 +150,11 @@ fn median_interval(v: &[f64]) -> (f64, f64) {
 
 /// The order in which `n` paths run in round `round`: the rows of a Williams design, a Latin
 /// square in which every path runs right after every other path equally often (for an even
-/// `n`, once in every `n` rounds; for an odd `n`, every `2n`, the second `n` reversed). Each
-/// path also takes each place in the round once. A rotation (path `(round + k) % n` in place
-/// `k`) gives every path the same predecessor in every round, and on the benchmark machine the
-/// step that ran just before moved the next one by more than the differences being measured.
+/// `n`, once in every `n` rounds; for an odd `n`, twice in every `2n`, the second `n`
+/// reversed), and takes each place in the round equally often. A rotation (path
+/// `(round + k) % n` in place `k`) gives every path the same predecessor within every round;
+/// on the benchmark machine the place alone moved the CRI freeze by 0.08 s (the first of a
+/// pair against the second), more than the differences being measured.
 fn round_order(round: usize, n: usize) -> Vec<usize> {
     let r = round % n;
     let mut order: Vec<usize> = (0..n)
