@@ -26,13 +26,18 @@ fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
     Ok(pid)
 }
 
+/// Waits until containerd reports task `id` stopped; `what` names it in the timeout.
+fn wait_stopped(node: &Node, id: &str, what: &str) -> Result<()> {
+    wait_until(Duration::from_secs(10), what, || {
+        (node.task_status(id).ok().as_deref() == Some("STOPPED")).then_some(())
+    })
+}
+
 /// Kills and deletes a container; its exit must be seen (a restored task's too).
 fn remove(node: &Node, id: &str) -> Result<()> {
     // It may have exited already (killed by the test).
     let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
-    wait_until(Duration::from_secs(10), "the killed task to stop", || {
-        (node.task_status(id).ok().as_deref() == Some("STOPPED")).then_some(())
-    })?;
+    wait_stopped(node, id, "the killed task to stop")?;
     node.ctr_ok(&["task", "rm", id])?;
     node.ctr_ok(&["container", "rm", id])?;
     Ok(())
@@ -125,9 +130,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     next_values(pid, 2)?;
     let dir = node.paths().dir.join("c2-image");
     node.checkpoint_task_exit("c2", &dir)?;
-    wait_until(Duration::from_secs(10), "the task to stop", || {
-        (node.task_status("c2").ok().as_deref() == Some("STOPPED")).then_some(())
-    })?;
+    wait_stopped(&node, "c2", "the task to stop")?;
     ensure!(
         !Path::new(&format!("/proc/{pid}")).exists(),
         "the counter still runs after --exit"
@@ -174,9 +177,7 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     let again = node.paths().dir.join("c2-again");
     node.checkpoint_task_exit("c2", &again)
         .context("a second checkpoint of the restored counter")?;
-    wait_until(Duration::from_secs(10), "the restored task to stop", || {
-        (node.task_status("c2").ok().as_deref() == Some("STOPPED")).then_some(())
-    })?;
+    wait_stopped(&node, "c2", "the restored task to stop")?;
     node.ctr_ok(&["task", "rm", "c2"])?;
     let twice = restore_from_dir(&node, "c2", &again)?;
     let later = next_values(twice, 2)?;
