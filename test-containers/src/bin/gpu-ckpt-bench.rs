@@ -148,6 +148,24 @@ fn median_interval(v: &[f64]) -> (f64, f64) {
     )
 }
 
+/// How path `a` compares with path `b`, their figures paired by round (or run).
+struct Paired {
+    /// The ratio of the medians.
+    of_medians: f64,
+    /// The median of the per-round ratios a/b, and its 95% interval.
+    per_round: f64,
+    interval: (f64, f64),
+}
+
+fn paired(a: &[f64], b: &[f64]) -> Paired {
+    let ratios: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+    Paired {
+        of_medians: median_f64(a.to_vec()) / median_f64(b.to_vec()),
+        interval: median_interval(&ratios),
+        per_round: median_f64(ratios),
+    }
+}
+
 /// The order in which `n` paths run in round `round`: the rows of a Williams design, a Latin
 /// square in which every path runs right after every other path equally often (for an even
 /// `n`, once in every `n` rounds; for an odd `n`, twice in every `2n`, the second `n`
@@ -608,12 +626,12 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     println!("| --- | --- | --- |");
     let cell = |path: usize, base: usize, restore: bool| {
         let (a, b) = (step(&times[path], restore), step(&times[base], restore));
-        let ratios: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
-        let (lo, hi) = median_interval(&ratios);
+        let p = paired(&a, &b);
+        let (lo, hi) = p.interval;
         format!(
             "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
-            med(a.clone()) / med(b.clone()),
-            med(ratios),
+            p.of_medians,
+            p.per_round,
             fastest(a) / fastest(b)
         )
     };
@@ -705,19 +723,17 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
         );
     }
     // Run i of each shim ran back to back: the per-run ratio cancels drift between runs.
-    let ratio = |which: usize| {
-        let frozen = |w: usize| times[w].iter().map(|x| secs(x.frozen)).collect::<Vec<_>>();
-        let (a, b) = (frozen(which), frozen(0));
-        let per_run: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x / y).collect();
-        let (lo, hi) = median_interval(&per_run);
+    let frozen = |w: usize| times[w].iter().map(|x| secs(x.frozen)).collect::<Vec<_>>();
+    let line = |which: usize| {
+        let p = paired(&frozen(which), &frozen(0));
+        let (lo, hi) = p.interval;
         format!(
             "medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
-            median_f64(a) / median_f64(b),
-            median_f64(per_run)
+            p.of_medians, p.per_round
         )
     };
-    println!("\nfreeze ratio (gpu-ckpt / runc-v2): {}", ratio(1));
-    println!("control (runc-v2 again / runc-v2): {}", ratio(2));
+    println!("\nfreeze ratio (gpu-ckpt / runc-v2): {}", line(1));
+    println!("control (runc-v2 again / runc-v2): {}", line(2));
     Ok(())
 }
 
