@@ -639,11 +639,26 @@ impl Node {
 
     /// `ctr task checkpoint --exit` of task `id` (namespace "default") into `dir`, which is
     /// removed first so that the checkpoint is the only thing in it.
+    ///
+    /// Even with `--image-path`, ctr records an image named
+    /// `containerd.io/checkpoint/<id>:<time to the second>`, and refuses a second checkpoint of
+    /// the same container within that second ("already exists"). The CRIU images are in `dir`,
+    /// so that record is removed again.
     pub fn checkpoint_task_exit(&self, id: &str, dir: &Path) -> Result<()> {
         let _ = fs::remove_dir_all(dir);
         let dir = dir.display().to_string();
-        self.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir, id])
-            .map(drop)
+        self.ctr_ok(&["task", "checkpoint", "--exit", "--image-path", &dir, id])?;
+        let prefix = format!("containerd.io/checkpoint/{id}:");
+        let records = self.ctr_ok(&["image", "ls", "-q"])?;
+        let ours: Vec<&str> = records
+            .lines()
+            .map(str::trim)
+            .filter(|name| name.starts_with(&prefix))
+            .collect();
+        if !ours.is_empty() {
+            self.ctr_ok(&[&["image", "rm"][..], &ours].concat())?;
+        }
+        Ok(())
     }
 
     /// The serving processes of shim `binary` for this node (not the short-lived `start`
