@@ -1,0 +1,1117 @@
+//! The simulated `libcuda.so.1`: the CUDA driver API under its real symbol names and C ABI.
+//!
+//! Device memory lives in `gpu-ckpt-simgpu`; this library keeps what a real libcuda keeps in the
+//! process (contexts, streams, the allocation table, and at a checkpoint the device memory
+//! itself) and talks to the daemon over one Unix socket. Every entry point passes the process's
+//! gate, so a lock waits for calls in flight and holds new ones. The restore thread (created at
+//! cuInit, named `cuda-restore`) carries out the daemon's lock, checkpoint, restore and unlock.
+//! Operations on streams run synchronously; kernels are not run (CUDA_ERROR_NOT_SUPPORTED).
+#![allow(clippy::missing_safety_doc)] // C entry points; their contracts are NVIDIA's documentation.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock, RwLock};
+use std::time::{Duration, Instant};
+
+use simgpu::client::{CallError, Client};
+use simgpu::cuerr::{self, cu};
+use simgpu::mailbox::{self, Mailbox};
+use simgpu::node::{GpuDesc, NodeDesc};
+use simgpu::proto::{CkptCall, Pair, Reply, Request, Role, SavedAlloc};
+use simgpu::{STATE_CHECKPOINTED, STATE_LOCKED, STATE_RUNNING};
+
+type CUresult = c_uint;
+type CUdevice = c_int;
+type CUcontext = *mut c_void;
+type CUstream = *mut c_void;
+type CUevent = *mut c_void;
+type CUdeviceptr = u64;
+
+type R<T = ()> = Result<T, CUresult>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn map_err(e: CallError) -> CUresult {
+    e.code()
+}
+
+/// Writes through an out-pointer; NULL is CUDA_ERROR_INVALID_VALUE.
+fn out<T>(p: *mut T, v: T) -> R {
+    if p.is_null() {
+        return Err(cu::INVALID_VALUE);
+    }
+    // SAFETY: the caller passed a pointer to a T, as the API requires.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The process's driver state
+// ---------------------------------------------------------------------------------------------
+
+struct Gate {
+    state: u32,
+    /// A lock is waiting for calls in flight; new calls wait.
+    locking: bool,
+    inflight: u32,
+}
+
+struct Ctx {
+    dev: usize,
+}
+
+#[derive(Default)]
+struct Handles {
+    ctxs: HashMap<usize, Ctx>,
+    /// Per device: the primary context's handle and its retain count.
+    primary: HashMap<usize, (usize, u32)>,
+    streams: HashMap<usize, usize>,
+    events: HashMap<usize, Option<Instant>>,
+    host: HashSet<usize>,
+    next: usize,
+}
+
+impl Handles {
+    fn new_handle(&mut self) -> usize {
+        self.next += 1;
+        0x5100_0000 + self.next * 0x10
+    }
+}
+
+struct Driver {
+    socket: PathBuf,
+    conn: Mutex<Option<Client>>,
+    gate: Mutex<Gate>,
+    cv: Condvar,
+    node: RwLock<NodeDesc>,
+    mailbox: Mailbox,
+    /// Device pointer → (device ordinal, size).
+    allocs: Mutex<BTreeMap<u64, (usize, u64)>>,
+    /// Device memory held in this process while it is checkpointed.
+    saved: Mutex<Vec<(SavedAlloc, Vec<u8>)>>,
+    handles: Mutex<Handles>,
+}
+
+thread_local! {
+    /// This thread's context stack; the top is current.
+    static CTX_STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+static DRIVER: OnceLock<R<Driver>> = OnceLock::new();
+static RESTORE_THREAD: Once = Once::new();
+
+fn drv() -> R<&'static Driver> {
+    match DRIVER.get() {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(c)) => Err(*c),
+        None => Err(cu::NOT_INITIALIZED),
+    }
+}
+
+fn own_socket() -> PathBuf {
+    let lib = simgpu::library_file_of(cuInit as *const () as usize);
+    simgpu::socket_path(lib.as_deref())
+}
+
+fn fetch_node(c: &mut Client) -> R<NodeDesc> {
+    match c.call(&Request::Node).map_err(map_err)? {
+        Reply::Node(n) => Ok(n),
+        _ => Err(cu::UNKNOWN),
+    }
+}
+
+/// Only the GPUs this process may see.
+fn visible(mut node: NodeDesc) -> NodeDesc {
+    if let Some(v) = simgpu::visible_devices() {
+        node.gpus.retain(|g| v.contains(&g.uuid));
+    }
+    node
+}
+
+impl Driver {
+    fn init() -> R<Driver> {
+        let socket = own_socket();
+        // No daemon is what a node without a GPU driver looks like.
+        let mut c = Client::connect(&socket, Role::Cuda).map_err(|_| cu::NO_DEVICE)?;
+        let node = visible(fetch_node(&mut c)?);
+        let mailbox = Mailbox::create().map_err(|_| cu::OPERATING_SYSTEM)?;
+        mailbox.get().state.store(STATE_RUNNING, Ordering::Release);
+        Ok(Driver {
+            socket,
+            conn: Mutex::new(Some(c)),
+            gate: Mutex::new(Gate {
+                state: STATE_RUNNING,
+                locking: false,
+                inflight: 0,
+            }),
+            cv: Condvar::new(),
+            node: RwLock::new(node),
+            mailbox,
+            allocs: Mutex::new(BTreeMap::new()),
+            saved: Mutex::new(Vec::new()),
+            handles: Mutex::new(Handles::default()),
+        })
+    }
+
+    /// Passes the gate: waits while the process is locked or being locked.
+    fn enter(&self) -> InFlight<'_> {
+        let mut g = lock(&self.gate);
+        while g.state != STATE_RUNNING || g.locking {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g.inflight += 1;
+        InFlight(self)
+    }
+
+    /// Runs `f` on the daemon connection, inside the gate.
+    fn with_conn<T>(&self, f: impl FnOnce(&mut Client) -> Result<T, CallError>) -> R<T> {
+        let _g = self.enter();
+        let mut conn = lock(&self.conn);
+        let c = conn.as_mut().ok_or(cu::OPERATING_SYSTEM)?;
+        f(c).map_err(map_err)
+    }
+
+    fn device(&self, dev: CUdevice) -> R<GpuDesc> {
+        let node = self.node.read().unwrap_or_else(|p| p.into_inner());
+        usize::try_from(dev)
+            .ok()
+            .and_then(|i| node.gpus.get(i).cloned())
+            .ok_or(cu::INVALID_DEVICE)
+    }
+
+    fn current_dev(&self) -> R<usize> {
+        let top = CTX_STACK
+            .with(|s| s.borrow().last().copied())
+            .ok_or(cu::INVALID_CONTEXT)?;
+        lock(&self.handles)
+            .ctxs
+            .get(&top)
+            .map(|c| c.dev)
+            .ok_or(cu::INVALID_CONTEXT)
+    }
+
+    fn announce_context(&self, dev: usize) -> R {
+        let uuid = self.device(dev as CUdevice)?.uuid;
+        self.with_conn(|c| c.ok(&Request::Context { gpu: uuid }))
+    }
+
+    // ---- the restore thread's side of the checkpoint API ------------------------------------
+
+    fn set_state(&self, g: &mut Gate, state: u32) {
+        g.state = state;
+        self.mailbox.get().state.store(state, Ordering::Release);
+        self.cv.notify_all();
+    }
+
+    fn do_lock(&self, timeout_ms: u32, flags: u32) -> CUresult {
+        let mut g = lock(&self.gate);
+        if g.state != STATE_RUNNING || g.locking {
+            return cu::ILLEGAL_STATE;
+        }
+        g.locking = true;
+        let deadline =
+            (timeout_ms > 0).then(|| Instant::now() + Duration::from_millis(u64::from(timeout_ms)));
+        let stall = flags & mailbox::flags::STALL != 0;
+        while g.inflight > 0 || stall {
+            let wait = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(w) if !w.is_zero() => w,
+                    _ => {
+                        g.locking = false;
+                        self.cv.notify_all();
+                        return cu::TIMEOUT;
+                    }
+                },
+                None => Duration::from_secs(1),
+            };
+            g = self
+                .cv
+                .wait_timeout(g, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        g.locking = false;
+        self.set_state(&mut g, STATE_LOCKED);
+        cu::SUCCESS
+    }
+
+    fn do_unlock(&self) -> CUresult {
+        let mut g = lock(&self.gate);
+        if g.state != STATE_LOCKED {
+            return cu::ILLEGAL_STATE;
+        }
+        self.set_state(&mut g, STATE_RUNNING);
+        cu::SUCCESS
+    }
+
+    /// The GPUs this process holds state on: those with a context or an allocation.
+    fn used_devices(&self) -> BTreeSet<usize> {
+        let mut devs: BTreeSet<usize> = lock(&self.handles).ctxs.values().map(|c| c.dev).collect();
+        devs.extend(lock(&self.allocs).values().map(|a| a.0));
+        devs
+    }
+
+    fn do_checkpoint(&self) -> CUresult {
+        match self.checkpoint_inner() {
+            Ok(()) => cu::SUCCESS,
+            Err(c) => c,
+        }
+    }
+
+    fn checkpoint_inner(&self) -> R {
+        if lock(&self.gate).state != STATE_LOCKED {
+            return Err(cu::ILLEGAL_STATE);
+        }
+        let node = self.node.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut conn = lock(&self.conn);
+        let c = conn.as_mut().ok_or(cu::OPERATING_SYSTEM)?;
+        let allocs = lock(&self.allocs).clone();
+        let mut saved = Vec::with_capacity(allocs.len());
+        let mut bytes: BTreeMap<usize, u64> =
+            self.used_devices().into_iter().map(|d| (d, 0)).collect();
+        for (&ptr, &(dev, size)) in &allocs {
+            let gpu = node.gpus.get(dev).ok_or(cu::INVALID_DEVICE)?;
+            let mut data = vec![0u8; size as usize];
+            c.dtoh(&mut data, ptr).map_err(map_err)?;
+            *bytes.entry(dev).or_default() += size;
+            saved.push((
+                SavedAlloc {
+                    ptr,
+                    gpu: gpu.uuid,
+                    size,
+                },
+                data,
+            ));
+        }
+        if bytes.len() > mailbox::MAX_GPUS {
+            return Err(cu::NOT_SUPPORTED);
+        }
+        let page = self.mailbox.plain();
+        for (slot, (&dev, &b)) in page.gpus.iter_mut().zip(&bytes) {
+            let gpu = &node.gpus[dev];
+            slot.uuid = gpu.uuid;
+            slot.bytes = b;
+            mailbox::put_name(&mut slot.name, &gpu.name);
+        }
+        self.mailbox
+            .get()
+            .ngpus
+            .store(bytes.len() as u32, Ordering::Release);
+        c.ok(&Request::Release).map_err(map_err)?;
+        // Closing the connection is what lets CRIU dump the process.
+        *conn = None;
+        *lock(&self.saved) = saved;
+        let mut g = lock(&self.gate);
+        self.set_state(&mut g, STATE_CHECKPOINTED);
+        Ok(())
+    }
+
+    fn do_restore(&self) -> CUresult {
+        match self.restore_inner() {
+            Ok(()) => cu::SUCCESS,
+            Err(c) => c,
+        }
+    }
+
+    fn restore_inner(&self) -> R {
+        if lock(&self.gate).state != STATE_CHECKPOINTED {
+            return Err(cu::ILLEGAL_STATE);
+        }
+        // The daemon's own path first (a process restored on the host), then this library's
+        // (a container, where the CDI spec mounts the socket).
+        let mut candidates: Vec<PathBuf> = self
+            .mailbox
+            .socket()
+            .map(PathBuf::from)
+            .into_iter()
+            .collect();
+        candidates.push(self.socket.clone());
+        candidates.push(own_socket());
+        let mut c = candidates
+            .iter()
+            .find_map(|p| Client::connect(p, Role::Cuda).ok())
+            .ok_or(cu::OPERATING_SYSTEM)?;
+        let mut saved = lock(&self.saved);
+        let allocs: Vec<SavedAlloc> = saved.iter().map(|(a, _)| a.clone()).collect();
+        let map: Vec<Pair> = match c.call(&Request::Restore { allocs }).map_err(map_err)? {
+            Reply::RestoreMap(m) => m,
+            _ => return Err(cu::UNKNOWN),
+        };
+        for (a, data) in saved.iter() {
+            c.htod(a.ptr, data).map_err(map_err)?;
+        }
+        // The process's device ordinals now name the GPUs the map chose.
+        let fresh = fetch_node(&mut c)?;
+        let mut node = self.node.write().unwrap_or_else(|p| p.into_inner());
+        let old = std::mem::replace(
+            &mut *node,
+            NodeDesc {
+                gpus: Vec::new(),
+                ..fresh.clone()
+            },
+        );
+        for g in old.gpus {
+            let target = map
+                .iter()
+                .find(|p| p.0 == g.uuid)
+                .map(|p| p.1)
+                .unwrap_or(g.uuid);
+            if let Some(n) = fresh.gpus.iter().find(|n| n.uuid == target) {
+                node.gpus.push(n.clone());
+            }
+        }
+        let devs: Vec<[u8; 16]> = self
+            .used_devices()
+            .into_iter()
+            .filter_map(|d| node.gpus.get(d).map(|g| g.uuid))
+            .collect();
+        drop(node);
+        for gpu in devs {
+            c.ok(&Request::Context { gpu }).map_err(map_err)?;
+        }
+        *lock(&self.conn) = Some(c);
+        saved.clear();
+        saved.shrink_to_fit();
+        let mut g = lock(&self.gate);
+        self.set_state(&mut g, STATE_LOCKED);
+        Ok(())
+    }
+
+    fn restore_thread(&'static self) {
+        let mut seen = self.mailbox.get().cmd_seq.load(Ordering::Acquire);
+        loop {
+            let seq = self.mailbox.wait_command(seen);
+            seen = seq;
+            let l = self.mailbox.get();
+            let code = match l.cmd.load(Ordering::Acquire) {
+                mailbox::cmd::LOCK => self.do_lock(
+                    l.cmd_arg.load(Ordering::Acquire),
+                    l.cmd_flags.load(Ordering::Acquire),
+                ),
+                mailbox::cmd::CHECKPOINT => self.do_checkpoint(),
+                mailbox::cmd::RESTORE => self.do_restore(),
+                mailbox::cmd::UNLOCK => self.do_unlock(),
+                _ => cu::INVALID_VALUE,
+            };
+            self.mailbox.answer(seq, code);
+        }
+    }
+}
+
+struct InFlight<'a>(&'a Driver);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        let mut g = lock(&self.0.gate);
+        g.inflight -= 1;
+        if g.inflight == 0 {
+            self.0.cv.notify_all();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points
+// ---------------------------------------------------------------------------------------------
+
+/// Defines `extern "C"` entry points returning CUresult; a panic becomes CUDA_ERROR_UNKNOWN.
+macro_rules! entry {
+    ($( fn $name:ident ( $($arg:ident : $ty:ty),* $(,)? ) $body:block )*) => {$(
+        #[no_mangle]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            let run = std::panic::AssertUnwindSafe(|| -> R { $body });
+            match std::panic::catch_unwind(run) {
+                Ok(Ok(())) => cu::SUCCESS,
+                Ok(Err(code)) => code,
+                Err(_) => cu::UNKNOWN,
+            }
+        }
+    )*};
+}
+
+fn copy_cstr(dst: *mut c_char, len: c_int, s: &str) -> R {
+    if dst.is_null() || len <= 0 {
+        return Err(cu::INVALID_VALUE);
+    }
+    let bytes = s.as_bytes();
+    let n = bytes.len().min(len as usize - 1);
+    // SAFETY: the caller gave a buffer of len bytes; we write n + 1 <= len.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.cast::<u8>(), n);
+        *dst.add(n) = 0;
+    }
+    Ok(())
+}
+
+fn stream_ok(d: &Driver, s: CUstream) -> R {
+    if s.is_null() || s as usize == 1 || s as usize == 2 {
+        // NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+        return Ok(());
+    }
+    if lock(&d.handles).streams.contains_key(&(s as usize)) {
+        Ok(())
+    } else {
+        Err(cu::INVALID_HANDLE)
+    }
+}
+
+fn htod(dst: CUdeviceptr, src: *const c_void, n: usize) -> R {
+    let d = drv()?;
+    d.current_dev()?;
+    if n == 0 {
+        return Ok(());
+    }
+    if src.is_null() {
+        return Err(cu::INVALID_VALUE);
+    }
+    // SAFETY: the caller passed n readable bytes at src.
+    let bytes = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
+    d.with_conn(|c| c.htod(dst, bytes))
+}
+
+fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize) -> R {
+    let d = drv()?;
+    d.current_dev()?;
+    if n == 0 {
+        return Ok(());
+    }
+    if dst.is_null() {
+        return Err(cu::INVALID_VALUE);
+    }
+    // SAFETY: the caller passed n writable bytes at dst.
+    let bytes = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), n) };
+    d.with_conn(|c| c.dtoh(bytes, src))
+}
+
+fn dtod(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> R {
+    let d = drv()?;
+    d.current_dev()?;
+    if n == 0 {
+        return Ok(());
+    }
+    d.with_conn(|c| {
+        c.ok(&Request::DtoD {
+            dst,
+            src,
+            len: n as u64,
+        })
+    })
+}
+
+fn memset(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
+    let d = drv()?;
+    d.current_dev()?;
+    if count == 0 {
+        return Ok(());
+    }
+    d.with_conn(|c| {
+        c.ok(&Request::Memset {
+            dst,
+            value,
+            elem,
+            count: count as u64,
+        })
+    })
+}
+
+/// Logs once that the simulator runs no kernels.
+fn no_kernels(call: &str) -> R {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        eprintln!("gpu-ckpt simulated libcuda: {call}: kernels are not supported (no GPU); CUDA_ERROR_NOT_SUPPORTED");
+    });
+    Err(cu::NOT_SUPPORTED)
+}
+
+fn ckpt(call: CkptCall) -> R<Reply> {
+    let d = drv()?;
+    d.with_conn(|c| c.call(&Request::Ckpt(call)))
+}
+
+/// The 64 bytes of an argument struct (zeros for NULL, which the API allows).
+fn args64(p: *const c_void) -> Vec<u8> {
+    if p.is_null() {
+        return vec![0; 64];
+    }
+    // SAFETY: every checkpoint argument struct is 64 bytes.
+    unsafe { std::slice::from_raw_parts(p.cast::<u8>(), 64) }.to_vec()
+}
+
+/// The attributes of `cuDeviceGetAttribute` the simulator answers.
+fn attribute(g: &GpuDesc, attr: c_int) -> R<c_int> {
+    let bus = g
+        .pci_bus_id
+        .split(':')
+        .nth(1)
+        .and_then(|b| i32::from_str_radix(b, 16).ok())
+        .unwrap_or(0);
+    Ok(match attr {
+        1 => 1024,           // MAX_THREADS_PER_BLOCK
+        2 | 3 => 1024,       // MAX_BLOCK_DIM_X, _Y
+        4 => 64,             // MAX_BLOCK_DIM_Z
+        5 => 2_147_483_647,  // MAX_GRID_DIM_X
+        6 | 7 => 65535,      // MAX_GRID_DIM_Y, _Z
+        8 => 49152,          // MAX_SHARED_MEMORY_PER_BLOCK
+        9 => 65536,          // TOTAL_CONSTANT_MEMORY
+        10 => 32,            // WARP_SIZE
+        11 => 2_147_483_647, // MAX_PITCH
+        12 => 65536,         // MAX_REGISTERS_PER_BLOCK
+        13 => 1_980_000,     // CLOCK_RATE (kHz)
+        14 => 512,           // TEXTURE_ALIGNMENT
+        15 => 1,             // GPU_OVERLAP
+        16 => 132,           // MULTIPROCESSOR_COUNT
+        17 => 0,             // KERNEL_EXEC_TIMEOUT
+        18 => 0,             // INTEGRATED
+        19 => 1,             // CAN_MAP_HOST_MEMORY
+        20 => 0,             // COMPUTE_MODE (default)
+        31 => 1,             // CONCURRENT_KERNELS
+        32 => 1,             // ECC_ENABLED
+        33 => bus,           // PCI_BUS_ID
+        34 => 0,             // PCI_DEVICE_ID
+        35 => 0,             // TCC_DRIVER
+        36 => 2_619_000,     // MEMORY_CLOCK_RATE (kHz)
+        37 => 5120,          // GLOBAL_MEMORY_BUS_WIDTH
+        38 => 52_428_800,    // L2_CACHE_SIZE
+        39 => 2048,          // MAX_THREADS_PER_MULTIPROCESSOR
+        40 => 2,             // ASYNC_ENGINE_COUNT
+        41 => 1,             // UNIFIED_ADDRESSING
+        50 => 0,             // PCI_DOMAIN_ID
+        75 => g.cc.0,        // COMPUTE_CAPABILITY_MAJOR
+        76 => g.cc.1,        // COMPUTE_CAPABILITY_MINOR
+        81 => 228 * 1024,    // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+        82 => 65536,         // MAX_REGISTERS_PER_MULTIPROCESSOR
+        83 => 0,             // MANAGED_MEMORY: not simulated
+        84 => 0,             // MULTI_GPU_BOARD
+        89 => 0,             // CONCURRENT_MANAGED_ACCESS
+        97 => 227 * 1024,    // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        115 => 0,            // MEMORY_POOLS_SUPPORTED: no stream-ordered allocator
+        _ => return Err(cu::INVALID_VALUE),
+    })
+}
+
+entry! {
+    fn cuInit(flags: c_uint) {
+        if flags != 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        let d = match DRIVER.get_or_init(Driver::init) {
+            Ok(d) => d,
+            Err(c) => return Err(*c),
+        };
+        RESTORE_THREAD.call_once(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let spawned = std::thread::Builder::new().name("cuda-restore".into()).spawn(move || {
+                // SAFETY: gettid has no preconditions.
+                let tid = unsafe { libc::gettid() };
+                d.mailbox.get().restore_tid.store(tid, Ordering::Release);
+                let _ = tx.send(());
+                d.restore_thread();
+            });
+            if spawned.is_ok() {
+                let _ = rx.recv_timeout(Duration::from_secs(10));
+            }
+        });
+        Ok(())
+    }
+
+    fn cuDriverGetVersion(version: *mut c_int) {
+        let v = match drv() {
+            Ok(d) => d.node.read().unwrap_or_else(|p| p.into_inner()).cuda_version,
+            // Like the real call, this works before cuInit.
+            Err(_) => {
+                let mut c = Client::connect(&own_socket(), Role::Control).map_err(|_| cu::NO_DEVICE)?;
+                fetch_node(&mut c)?.cuda_version
+            }
+        };
+        out(version, v)
+    }
+
+    fn cuGetErrorName(error: CUresult, p_str: *mut *const c_char) {
+        let name = cuerr::cu_name(error).ok_or(cu::INVALID_VALUE)?;
+        out(p_str, static_cstr(name))
+    }
+
+    fn cuGetErrorString(error: CUresult, p_str: *mut *const c_char) {
+        let s = cuerr::cu_string(error).ok_or(cu::INVALID_VALUE)?;
+        out(p_str, static_cstr(s))
+    }
+
+    fn cuDeviceGetCount(count: *mut c_int) {
+        let d = drv()?;
+        out(count, d.node.read().unwrap_or_else(|p| p.into_inner()).gpus.len() as c_int)
+    }
+
+    fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) {
+        drv()?.device(ordinal)?;
+        out(device, ordinal)
+    }
+
+    fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) {
+        copy_cstr(name, len, &drv()?.device(dev)?.name)
+    }
+
+    fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) {
+        out(uuid, drv()?.device(dev)?.uuid)
+    }
+
+    fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) {
+        out(uuid, drv()?.device(dev)?.uuid)
+    }
+
+    fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) {
+        out(bytes, drv()?.device(dev)?.memory_bytes as usize)
+    }
+
+    fn cuDeviceGetPCIBusId(pci: *mut c_char, len: c_int, dev: CUdevice) {
+        // CUDA prints a 4-digit domain where NVML prints 8.
+        let id = drv()?.device(dev)?.pci_bus_id;
+        let short = id.get(4..).unwrap_or(&id).to_string();
+        copy_cstr(pci, len, &short)
+    }
+
+    fn cuDeviceGetAttribute(pi: *mut c_int, attrib: c_int, dev: CUdevice) {
+        let g = drv()?.device(dev)?;
+        out(pi, attribute(&g, attrib)?)
+    }
+
+    fn cuDeviceComputeCapability(major: *mut c_int, minor: *mut c_int, dev: CUdevice) {
+        let g = drv()?.device(dev)?;
+        out(major, g.cc.0)?;
+        out(minor, g.cc.1)
+    }
+
+    fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) {
+        let d = drv()?;
+        d.device(dev)?;
+        let i = dev as usize;
+        let (handle, first) = {
+            let mut h = lock(&d.handles);
+            match h.primary.get_mut(&i) {
+                Some(p) => {
+                    p.1 += 1;
+                    (p.0, false)
+                }
+                None => {
+                    let handle = h.new_handle();
+                    h.ctxs.insert(handle, Ctx { dev: i });
+                    h.primary.insert(i, (handle, 1));
+                    (handle, true)
+                }
+            }
+        };
+        if first {
+            d.announce_context(i)?;
+        }
+        out(pctx, handle as CUcontext)
+    }
+
+    fn cuDevicePrimaryCtxRelease(dev: CUdevice) {
+        primary_release(dev)
+    }
+
+    fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) {
+        primary_release(dev)
+    }
+
+    fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut c_uint, active: *mut c_int) {
+        let d = drv()?;
+        d.device(dev)?;
+        let on = lock(&d.handles).primary.get(&(dev as usize)).is_some_and(|p| p.1 > 0);
+        out(flags, 0)?;
+        out(active, c_int::from(on))
+    }
+
+    fn cuDevicePrimaryCtxSetFlags(dev: CUdevice, _flags: c_uint) {
+        drv()?.device(dev).map(|_| ())
+    }
+
+    fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, _flags: c_uint) {
+        drv()?.device(dev).map(|_| ())
+    }
+
+    fn cuCtxCreate_v2(pctx: *mut CUcontext, _flags: c_uint, dev: CUdevice) {
+        let d = drv()?;
+        d.device(dev)?;
+        let handle = {
+            let mut h = lock(&d.handles);
+            let handle = h.new_handle();
+            h.ctxs.insert(handle, Ctx { dev: dev as usize });
+            handle
+        };
+        d.announce_context(dev as usize)?;
+        CTX_STACK.with(|s| s.borrow_mut().push(handle));
+        out(pctx, handle as CUcontext)
+    }
+
+    fn cuCtxDestroy_v2(ctx: CUcontext) {
+        let d = drv()?;
+        let handle = ctx as usize;
+        let mut h = lock(&d.handles);
+        if h.primary.values().any(|p| p.0 == handle) || h.ctxs.remove(&handle).is_none() {
+            return Err(cu::INVALID_CONTEXT);
+        }
+        CTX_STACK.with(|s| s.borrow_mut().retain(|c| *c != handle));
+        Ok(())
+    }
+
+    fn cuCtxSetCurrent(ctx: CUcontext) {
+        let d = drv()?;
+        let handle = ctx as usize;
+        if handle != 0 && !lock(&d.handles).ctxs.contains_key(&handle) {
+            return Err(cu::INVALID_CONTEXT);
+        }
+        CTX_STACK.with(|s| {
+            let mut s = s.borrow_mut();
+            s.pop();
+            if handle != 0 {
+                s.push(handle);
+            }
+        });
+        Ok(())
+    }
+
+    fn cuCtxGetCurrent(pctx: *mut CUcontext) {
+        drv()?;
+        out(pctx, CTX_STACK.with(|s| s.borrow().last().copied().unwrap_or(0)) as CUcontext)
+    }
+
+    fn cuCtxPushCurrent_v2(ctx: CUcontext) {
+        let d = drv()?;
+        if !lock(&d.handles).ctxs.contains_key(&(ctx as usize)) {
+            return Err(cu::INVALID_CONTEXT);
+        }
+        CTX_STACK.with(|s| s.borrow_mut().push(ctx as usize));
+        Ok(())
+    }
+
+    fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) {
+        drv()?;
+        let top = CTX_STACK.with(|s| s.borrow_mut().pop()).ok_or(cu::INVALID_CONTEXT)?;
+        if !pctx.is_null() {
+            out(pctx, top as CUcontext)?;
+        }
+        Ok(())
+    }
+
+    fn cuCtxGetDevice(device: *mut CUdevice) {
+        out(device, drv()?.current_dev()? as CUdevice)
+    }
+
+    fn cuCtxSynchronize() {
+        let d = drv()?;
+        d.current_dev()?;
+        // Work is done when its call returns; pass the gate like any call.
+        let _g = d.enter();
+        Ok(())
+    }
+
+    fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) {
+        let d = drv()?;
+        let dev = d.current_dev()?;
+        if dptr.is_null() || bytesize == 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        let gpu = d.device(dev as CUdevice)?.uuid;
+        let ptr = d.with_conn(|c| match c.call(&Request::Alloc { gpu, size: bytesize as u64 })? {
+            Reply::Ptr(p) => Ok(p),
+            r => Err(CallError::Unexpected(format!("{r:?}"))),
+        })?;
+        lock(&d.allocs).insert(ptr, (dev, bytesize as u64));
+        out(dptr, ptr)
+    }
+
+    fn cuMemFree_v2(dptr: CUdeviceptr) {
+        let d = drv()?;
+        d.with_conn(|c| c.ok(&Request::Free { ptr: dptr }))?;
+        lock(&d.allocs).remove(&dptr);
+        Ok(())
+    }
+
+    fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) {
+        let d = drv()?;
+        let dev = d.current_dev()?;
+        let gpu = d.device(dev as CUdevice)?.uuid;
+        let (f, t) = d.with_conn(|c| match c.call(&Request::MemInfo { gpu })? {
+            Reply::MemInfo { free, total } => Ok((free, total)),
+            r => Err(CallError::Unexpected(format!("{r:?}"))),
+        })?;
+        out(free, f as usize)?;
+        out(total, t as usize)
+    }
+
+    fn cuMemHostAlloc(pp: *mut *mut c_void, bytesize: usize, _flags: c_uint) {
+        host_alloc(pp, bytesize)
+    }
+
+    fn cuMemAllocHost_v2(pp: *mut *mut c_void, bytesize: usize) {
+        host_alloc(pp, bytesize)
+    }
+
+    fn cuMemFreeHost(p: *mut c_void) {
+        let d = drv()?;
+        if !lock(&d.handles).host.remove(&(p as usize)) {
+            return Err(cu::INVALID_VALUE);
+        }
+        // SAFETY: p came from posix_memalign in host_alloc.
+        unsafe { libc::free(p) };
+        Ok(())
+    }
+
+    fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) {
+        htod(dst, src, n)
+    }
+
+    fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) {
+        dtoh(dst, src, n)
+    }
+
+    fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) {
+        dtod(dst, src, n)
+    }
+
+    fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream) {
+        stream_ok(drv()?, stream)?;
+        htod(dst, src, n)
+    }
+
+    fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
+        stream_ok(drv()?, stream)?;
+        dtoh(dst, src, n)
+    }
+
+    fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
+        stream_ok(drv()?, stream)?;
+        dtod(dst, src, n)
+    }
+
+    fn cuMemsetD8_v2(dst: CUdeviceptr, uc: u8, n: usize) {
+        memset(dst, u32::from(uc), 1, n)
+    }
+
+    fn cuMemsetD16_v2(dst: CUdeviceptr, us: u16, n: usize) {
+        memset(dst, u32::from(us), 2, n)
+    }
+
+    fn cuMemsetD32_v2(dst: CUdeviceptr, ui: c_uint, n: usize) {
+        memset(dst, ui, 4, n)
+    }
+
+    fn cuMemsetD8Async(dst: CUdeviceptr, uc: u8, n: usize, stream: CUstream) {
+        stream_ok(drv()?, stream)?;
+        memset(dst, u32::from(uc), 1, n)
+    }
+
+    fn cuMemsetD32Async(dst: CUdeviceptr, ui: c_uint, n: usize, stream: CUstream) {
+        stream_ok(drv()?, stream)?;
+        memset(dst, ui, 4, n)
+    }
+
+    fn cuStreamCreate(ph: *mut CUstream, _flags: c_uint) {
+        stream_create(ph)
+    }
+
+    fn cuStreamCreateWithPriority(ph: *mut CUstream, _flags: c_uint, _priority: c_int) {
+        stream_create(ph)
+    }
+
+    fn cuStreamDestroy_v2(stream: CUstream) {
+        let d = drv()?;
+        lock(&d.handles).streams.remove(&(stream as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+    }
+
+    fn cuStreamSynchronize(stream: CUstream) {
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        let _g = d.enter();
+        Ok(())
+    }
+
+    fn cuStreamQuery(stream: CUstream) {
+        stream_ok(drv()?, stream)
+    }
+
+    fn cuStreamWaitEvent(stream: CUstream, event: CUevent, _flags: c_uint) {
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+    }
+
+    fn cuEventCreate(ph: *mut CUevent, _flags: c_uint) {
+        let d = drv()?;
+        d.current_dev()?;
+        let mut h = lock(&d.handles);
+        let handle = h.new_handle();
+        h.events.insert(handle, None);
+        out(ph, handle as CUevent)
+    }
+
+    fn cuEventRecord(event: CUevent, stream: CUstream) {
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        let mut h = lock(&d.handles);
+        let e = h.events.get_mut(&(event as usize)).ok_or(cu::INVALID_HANDLE)?;
+        *e = Some(Instant::now());
+        Ok(())
+    }
+
+    fn cuEventSynchronize(event: CUevent) {
+        let d = drv()?;
+        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+    }
+
+    fn cuEventQuery(event: CUevent) {
+        let d = drv()?;
+        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+    }
+
+    fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) {
+        let d = drv()?;
+        let h = lock(&d.handles);
+        let s = h.events.get(&(start as usize)).ok_or(cu::INVALID_HANDLE)?.ok_or(cu::NOT_READY)?;
+        let e = h.events.get(&(end as usize)).ok_or(cu::INVALID_HANDLE)?.ok_or(cu::NOT_READY)?;
+        out(ms, e.saturating_duration_since(s).as_secs_f32() * 1000.0)
+    }
+
+    fn cuEventDestroy_v2(event: CUevent) {
+        let d = drv()?;
+        lock(&d.handles).events.remove(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+    }
+
+    fn cuModuleLoad(_module: *mut *mut c_void, _fname: *const c_char) {
+        no_kernels("cuModuleLoad")
+    }
+
+    fn cuModuleLoadData(_module: *mut *mut c_void, _image: *const c_void) {
+        no_kernels("cuModuleLoadData")
+    }
+
+    fn cuModuleLoadDataEx(_module: *mut *mut c_void, _image: *const c_void, _n: c_uint, _o: *mut c_void, _v: *mut *mut c_void) {
+        no_kernels("cuModuleLoadDataEx")
+    }
+
+    fn cuModuleGetFunction(_f: *mut *mut c_void, _module: *mut c_void, _name: *const c_char) {
+        no_kernels("cuModuleGetFunction")
+    }
+
+    fn cuModuleUnload(_module: *mut c_void) {
+        no_kernels("cuModuleUnload")
+    }
+
+    fn cuLaunchKernel(
+        _f: *mut c_void, _gx: c_uint, _gy: c_uint, _gz: c_uint, _bx: c_uint, _by: c_uint, _bz: c_uint,
+        _shared: c_uint, _stream: CUstream, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+    ) {
+        no_kernels("cuLaunchKernel")
+    }
+
+    fn cuCheckpointProcessLock(pid: c_int, args: *const c_void) {
+        ckpt(CkptCall::Lock { pid, args: args64(args) }).map(|_| ())
+    }
+
+    fn cuCheckpointProcessCheckpoint(pid: c_int, args: *const c_void) {
+        ckpt(CkptCall::Checkpoint { pid, args: args64(args) }).map(|_| ())
+    }
+
+    fn cuCheckpointProcessRestore(pid: c_int, args: *const c_void) {
+        let raw = args64(args);
+        let ptr = u64::from_le_bytes(raw[0..8].try_into().map_err(|_| cu::INVALID_VALUE)?);
+        let count = u32::from_le_bytes(raw[8..12].try_into().map_err(|_| cu::INVALID_VALUE)?);
+        let d = drv()?;
+        let remap = d.node.read().unwrap_or_else(|p| p.into_inner()).cuda_version >= 13000;
+        let mut pairs = Vec::new();
+        // Before CUDA 13.0 the struct has no pairs: those bytes are reserved (the daemon checks).
+        if remap && count > 0 {
+            if ptr == 0 || count as usize > mailbox::MAX_GPUS * 8 {
+                return Err(cu::INVALID_VALUE);
+            }
+            // SAFETY: gpuPairs points at gpuPairsCount CUcheckpointGpuPair {oldUuid, newUuid}.
+            let raw_pairs = unsafe { std::slice::from_raw_parts(ptr as *const [u8; 32], count as usize) };
+            for p in raw_pairs {
+                let mut old = [0u8; 16];
+                let mut new = [0u8; 16];
+                old.copy_from_slice(&p[..16]);
+                new.copy_from_slice(&p[16..]);
+                pairs.push((old, new));
+            }
+        } else if remap && ptr != 0 {
+            return Err(cu::INVALID_VALUE);
+        }
+        ckpt(CkptCall::Restore { pid, args: raw, pairs }).map(|_| ())
+    }
+
+    fn cuCheckpointProcessUnlock(pid: c_int, args: *const c_void) {
+        ckpt(CkptCall::Unlock { pid, args: args64(args) }).map(|_| ())
+    }
+
+    fn cuCheckpointProcessGetState(pid: c_int, state: *mut c_uint) {
+        if state.is_null() {
+            return Err(cu::INVALID_VALUE);
+        }
+        match ckpt(CkptCall::GetState { pid })? {
+            Reply::State(s) => out(state, s),
+            _ => Err(cu::UNKNOWN),
+        }
+    }
+
+    fn cuCheckpointProcessGetRestoreThreadId(pid: c_int, tid: *mut c_int) {
+        if tid.is_null() {
+            return Err(cu::INVALID_VALUE);
+        }
+        match ckpt(CkptCall::GetRestoreThreadId { pid })? {
+            Reply::Tid(t) => out(tid, t),
+            _ => Err(cu::UNKNOWN),
+        }
+    }
+}
+
+fn primary_release(dev: CUdevice) -> R {
+    let d = drv()?;
+    d.device(dev)?;
+    let mut h = lock(&d.handles);
+    match h.primary.get_mut(&(dev as usize)) {
+        Some(p) if p.1 > 0 => {
+            p.1 -= 1;
+            Ok(())
+        }
+        _ => Err(cu::INVALID_CONTEXT),
+    }
+}
+
+fn host_alloc(pp: *mut *mut c_void, bytesize: usize) -> R {
+    let d = drv()?;
+    if pp.is_null() || bytesize == 0 {
+        return Err(cu::INVALID_VALUE);
+    }
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: posix_memalign writes p on success.
+    if unsafe { libc::posix_memalign(&mut p, 4096, bytesize) } != 0 {
+        return Err(cu::OUT_OF_MEMORY);
+    }
+    lock(&d.handles).host.insert(p as usize);
+    out(pp, p)
+}
+
+fn stream_create(ph: *mut CUstream) -> R {
+    let d = drv()?;
+    let dev = d.current_dev()?;
+    let mut h = lock(&d.handles);
+    let handle = h.new_handle();
+    h.streams.insert(handle, dev);
+    out(ph, handle as CUstream)
+}
+
+/// A pointer to a NUL-terminated copy of `s` that lives for the process.
+fn static_cstr(s: &'static str) -> *const c_char {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, &'static std::ffi::CStr>>> = OnceLock::new();
+    let mut m = lock(CACHE.get_or_init(Default::default));
+    let c = m.entry(s).or_insert_with(|| {
+        let owned = std::ffi::CString::new(s).unwrap_or_default();
+        Box::leak(owned.into_boxed_c_str())
+    });
+    c.as_ptr()
+}

@@ -1,0 +1,78 @@
+//! A simulated NVIDIA driver for machines without a GPU, faithful at the ABI.
+//!
+//! `gpu-ckpt-simgpu serve` is the node's GPUs (the daemon owns device memory); the workspace's
+//! `libcuda.so.1` and `libnvidia-ml.so.1` (crates `gpu/sim/libcuda`, `gpu/sim/libnvml`) export the
+//! real driver symbols and speak [`proto`] to it. This library holds what the three share.
+
+pub mod cdi;
+pub mod client;
+pub mod cuerr;
+pub mod daemon;
+pub mod mailbox;
+pub mod node;
+pub mod proto;
+pub mod testing;
+
+/// `CUprocessState` values.
+pub const STATE_RUNNING: u32 = 0;
+pub const STATE_LOCKED: u32 = 1;
+pub const STATE_CHECKPOINTED: u32 = 2;
+pub const STATE_FAILED: u32 = 3;
+
+/// Where a library finds its daemon: `$GPU_CKPT_SIM_SOCKET`, else `simgpu.sock` in the directory
+/// above the library's own (a node directory's `lib/`), else the container path the CDI spec
+/// mounts.
+pub fn socket_path(library_file: Option<&std::path::Path>) -> std::path::PathBuf {
+    if let Some(s) = std::env::var_os(proto::ENV_SOCKET) {
+        if !s.is_empty() {
+            return s.into();
+        }
+    }
+    if let Some(lib) = library_file {
+        if let Some(node_dir) = lib.parent().and_then(|d| d.parent()) {
+            let cand = node_dir.join(proto::SOCKET_NAME);
+            if cand.exists() {
+                return cand;
+            }
+        }
+    }
+    proto::CONTAINER_SOCKET.into()
+}
+
+/// The file a function of the calling shared library was loaded from (dladdr). `addr` is only
+/// compared against the loader's map, never dereferenced.
+pub fn library_file_of(addr: usize) -> Option<std::path::PathBuf> {
+    let addr = addr as *const std::ffi::c_void;
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads addr and fills info.
+    if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader.
+    let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+    let path = std::path::PathBuf::from(std::ffi::OsStr::from_bytes_compat(name.to_bytes()));
+    std::fs::canonicalize(&path).ok().or(Some(path))
+}
+
+trait FromBytesCompat {
+    fn from_bytes_compat(b: &[u8]) -> &std::ffi::OsStr;
+}
+impl FromBytesCompat for std::ffi::OsStr {
+    fn from_bytes_compat(b: &[u8]) -> &std::ffi::OsStr {
+        std::os::unix::ffi::OsStrExt::from_bytes(b)
+    }
+}
+
+/// The UUIDs this process may use: `$GPU_CKPT_SIM_VISIBLE_DEVICES`, else the files in the CDI
+/// devices directory, else None (all).
+pub fn visible_devices() -> Option<Vec<[u8; 16]>> {
+    if let Ok(v) = std::env::var(proto::ENV_VISIBLE) {
+        return Some(v.split(',').filter_map(node::parse_uuid).collect());
+    }
+    let dir = std::fs::read_dir(proto::CONTAINER_DEVICES_DIR).ok()?;
+    Some(
+        dir.flatten()
+            .filter_map(|e| node::parse_uuid(&e.file_name().to_string_lossy()))
+            .collect(),
+    )
+}

@@ -1,0 +1,159 @@
+//! `gpu-ckpt-simgpu`: the simulated NVIDIA driver's node daemon and its control commands.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Context};
+use clap::{Parser, Subcommand, ValueEnum};
+
+use simgpu::client::Client;
+use simgpu::daemon::{self, Daemon};
+use simgpu::node::NodeConfig;
+use simgpu::proto::{FaultOp, Reply, Request, Role, SOCKET_NAME};
+
+#[derive(Parser)]
+#[command(
+    name = "gpu-ckpt-simgpu",
+    version,
+    about = "A simulated NVIDIA driver for machines without a GPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Be the node's GPUs: lay out DIR (socket, lib/, devices/) and serve until killed.
+    Serve {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        gpus: u32,
+        #[arg(long, default_value = simgpu::node::DEFAULT_MODEL)]
+        model: String,
+        #[arg(long, default_value_t = 4096)]
+        memory_mib: u64,
+        #[arg(long, default_value = "580.95.05")]
+        driver_version: String,
+        /// cuDriverGetVersion's answer: 1000 × major + 10 × minor (12080, 13000, 13040).
+        #[arg(long, default_value_t = 13000)]
+        cuda_version: i32,
+        #[arg(long, default_value = "gpu-ckpt-sim")]
+        uuid_seed: String,
+        /// Write the CDI spec (kind sim.gpu-ckpt.io/gpu) here.
+        #[arg(long)]
+        cdi_dir: Option<PathBuf>,
+        /// Where the built libcuda.so and libnvidia_ml.so are (default: next to this binary).
+        #[arg(long)]
+        lib_src: Option<PathBuf>,
+    },
+    /// Inject a fault into checkpoint steps (of one process, or of all).
+    Fault {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, value_enum)]
+        op: FaultArg,
+        #[arg(long)]
+        pid: Option<i32>,
+        /// Remove the fault instead.
+        #[arg(long)]
+        clear: bool,
+    },
+    /// Print the node and the processes using it, as JSON.
+    Status {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum FaultArg {
+    LockTimeout,
+    CheckpointFail,
+    RestoreFail,
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gpu-ckpt-simgpu: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Serve {
+            dir,
+            gpus,
+            model,
+            memory_mib,
+            driver_version,
+            cuda_version,
+            uuid_seed,
+            cdi_dir,
+            lib_src,
+        } => {
+            let cfg = NodeConfig {
+                gpus,
+                model,
+                memory_mib,
+                driver_version,
+                cuda_version,
+                uuid_seed,
+            };
+            let node = cfg.describe();
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let dir = std::fs::canonicalize(&dir)?;
+            let lib_src = match lib_src {
+                Some(p) => p,
+                None => std::env::current_exe()?
+                    .parent()
+                    .ok_or_else(|| anyhow!("no directory for this binary"))?
+                    .to_path_buf(),
+            };
+            daemon::prepare_dir(&dir, &lib_src, &node, cdi_dir.as_deref())?;
+            let d = Arc::new(Daemon::new(node, dir.join(SOCKET_NAME)));
+            println!(
+                "gpu-ckpt-simgpu: serving {} GPU(s) on {}",
+                gpus,
+                dir.join(SOCKET_NAME).display()
+            );
+            d.serve().context("serving")
+        }
+        Cmd::Fault {
+            dir,
+            op,
+            pid,
+            clear,
+        } => {
+            let op = match op {
+                FaultArg::LockTimeout => FaultOp::LockTimeout,
+                FaultArg::CheckpointFail => FaultOp::CheckpointFail,
+                FaultArg::RestoreFail => FaultOp::RestoreFail,
+            };
+            let mut c = Client::connect(&dir.join(SOCKET_NAME), Role::Control)?;
+            c.ok(&Request::Fault {
+                pid,
+                op,
+                set: !clear,
+            })?;
+            Ok(())
+        }
+        Cmd::Status { dir } => {
+            let mut c = Client::connect(&dir.join(SOCKET_NAME), Role::Control)?;
+            let node = c.call(&Request::Node)?;
+            let procs = c.call(&Request::Processes)?;
+            let (Reply::Node(node), Reply::Processes(procs)) = (node, procs) else {
+                return Err(anyhow!("unexpected reply"));
+            };
+            let out = serde_json::json!({ "node": node, "processes": procs });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            Ok(())
+        }
+    }
+}

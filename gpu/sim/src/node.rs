@@ -1,0 +1,178 @@
+//! What a simulated node's GPUs are: count, model, memory, UUIDs, PCI bus ids, versions.
+
+use serde::{Deserialize, Serialize};
+
+/// One simulated GPU as the daemon describes it to its libraries.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct GpuDesc {
+    pub index: u32,
+    pub uuid: [u8; 16],
+    pub name: String,
+    pub memory_bytes: u64,
+    pub pci_bus_id: String,
+    /// Compute capability (major, minor).
+    pub cc: (i32, i32),
+    /// NVML architecture number (nvmlDeviceArchitecture_t).
+    pub arch: u32,
+    pub persistence: bool,
+}
+
+/// The node: its GPUs and the versions its driver reports.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct NodeDesc {
+    /// `nvmlSystemGetDriverVersion`, e.g. "580.95.05".
+    pub driver_version: String,
+    /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
+    pub cuda_version: i32,
+    pub gpus: Vec<GpuDesc>,
+}
+
+/// How a node is configured (`gpu-ckpt-simgpu serve` flags).
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub gpus: u32,
+    pub model: String,
+    pub memory_mib: u64,
+    pub driver_version: String,
+    pub cuda_version: i32,
+    pub uuid_seed: String,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            gpus: 1,
+            model: DEFAULT_MODEL.to_string(),
+            memory_mib: 4096,
+            driver_version: "580.95.05".to_string(),
+            cuda_version: 13000,
+            uuid_seed: "gpu-ckpt-sim".to_string(),
+        }
+    }
+}
+
+pub const DEFAULT_MODEL: &str = "NVIDIA H100 80GB HBM3";
+
+/// Compute capability and NVML architecture (7 Ampere, 8 Ada, 9 Hopper, 10 Blackwell) of the
+/// models the simulator knows; anything else is reported as Hopper.
+pub fn model_traits(model: &str) -> ((i32, i32), u32) {
+    let m = model.to_ascii_uppercase();
+    if m.contains("B200") || m.contains("GB200") || m.contains("B100") {
+        ((10, 0), 10)
+    } else if m.contains("L4") || m.contains("L40") || m.contains("4090") {
+        ((8, 9), 8)
+    } else if m.contains("A100") || m.contains("A30") {
+        ((8, 0), 7)
+    } else if m.contains("A10") || m.contains("A40") || m.contains("3090") {
+        ((8, 6), 7)
+    } else {
+        ((9, 0), 9)
+    }
+}
+
+/// A GPU UUID as NVML and nvidia-smi print it: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
+pub fn format_uuid(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// Parses `GPU-…` (or the bare 32 hex digits with or without dashes).
+pub fn parse_uuid(s: &str) -> Option<[u8; 16]> {
+    let s = s.trim();
+    let s = s.strip_prefix("GPU-").unwrap_or(s);
+    let hex: String = s.chars().filter(|c| *c != '-').collect();
+    if hex.len() != 32 || !hex.chars().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// FNV-1a, then splitmix64: a stable UUID per (seed, index).
+fn uuid_for(seed: &str, index: u32) -> [u8; 16] {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in seed.bytes().chain(index.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    let mut next = || {
+        h = h.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = h;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut u = [0u8; 16];
+    u[..8].copy_from_slice(&next().to_be_bytes());
+    u[8..].copy_from_slice(&next().to_be_bytes());
+    // RFC 4122 version 4 / variant bits, as real GPU UUIDs are formed.
+    u[6] = (u[6] & 0x0f) | 0x40;
+    u[8] = (u[8] & 0x3f) | 0x80;
+    u
+}
+
+impl NodeConfig {
+    /// The node this configuration describes.
+    pub fn describe(&self) -> NodeDesc {
+        let (cc, arch) = model_traits(&self.model);
+        let gpus = (0..self.gpus)
+            .map(|i| GpuDesc {
+                index: i,
+                uuid: uuid_for(&self.uuid_seed, i),
+                name: self.model.clone(),
+                memory_bytes: self.memory_mib * 1024 * 1024,
+                pci_bus_id: format!("00000000:{:02X}:00.0", 0x18 + i * 0x10),
+                cc,
+                arch,
+                persistence: true,
+            })
+            .collect();
+        NodeDesc {
+            driver_version: self.driver_version.clone(),
+            cuda_version: self.cuda_version,
+            gpus,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuids_are_stable_distinct_and_round_trip() {
+        let a = NodeConfig {
+            gpus: 2,
+            ..Default::default()
+        }
+        .describe();
+        let b = NodeConfig {
+            gpus: 2,
+            ..Default::default()
+        }
+        .describe();
+        let c = NodeConfig {
+            gpus: 2,
+            uuid_seed: "other".into(),
+            ..Default::default()
+        }
+        .describe();
+        assert_eq!(a.gpus[0].uuid, b.gpus[0].uuid);
+        assert_ne!(a.gpus[0].uuid, a.gpus[1].uuid);
+        assert_ne!(a.gpus[0].uuid, c.gpus[0].uuid);
+        let s = format_uuid(&a.gpus[1].uuid);
+        assert!(s.starts_with("GPU-") && s.len() == 40, "{s}");
+        assert_eq!(parse_uuid(&s), Some(a.gpus[1].uuid));
+        assert_eq!(parse_uuid("GPU-xyz"), None);
+    }
+}
