@@ -1,6 +1,7 @@
 //! `gpu-ckpt`: inspect, verify, check compatibility of, build and extract gpu-ckpt checkpoints.
 //!
 //! Exit codes: 0 success (compat: compatible), 1 compat: not compatible, 2 any error.
+//! `device`: 0 success, 1 the driver or the process failed, 2 usage.
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -15,6 +16,8 @@ use image_format::compat::{self, Profile, Verdict};
 use image_format::manifest::{Devices, Gpu, Manifest, Workload, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
 use image_format::safe::Limits;
+
+use device::DeviceArgs;
 
 #[derive(Parser)]
 #[command(
@@ -89,6 +92,9 @@ enum Cmd {
         #[arg(long)]
         push: bool,
     },
+    /// Drive the CUDA driver's checkpoint API for one process, like NVIDIA's cuda-checkpoint, or
+    /// list the node's GPUs (--list). Exit 1 when the driver or the process fails, 2 on usage.
+    Device(DeviceArgs),
     /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
     /// archive (--archive).
     Extract {
@@ -192,6 +198,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             archive,
             no_verify,
         } => extract(&src, to, archive, no_verify),
+        Cmd::Device(args) => Ok(device::run(&args)),
     }
 }
 
@@ -691,4 +698,257 @@ fn extract(
     }
     res?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// `gpu-ckpt device`: cuda-checkpoint's options over the gpu crate's backends.
+mod device {
+    use std::path::PathBuf;
+    use std::process::ExitCode;
+    use std::time::Duration;
+
+    use clap::{ArgGroup, ValueEnum};
+    use gpu::{
+        CudaDriver, DeviceCheckpoint, GpuError, GpuPair, Inventory, NodeInventory, NvmlInventory,
+        ProcessState,
+    };
+
+    #[derive(clap::Args, Debug)]
+    #[command(group(
+        ArgGroup::new("op")
+            .required(true)
+            .args(["get_state", "get_restore_tid", "action", "toggle", "list"])
+    ))]
+    pub struct DeviceArgs {
+        /// The process to act on.
+        #[arg(short = 'p', long, value_name = "PID",
+              value_parser = clap::value_parser!(i32).range(1..),
+              required_unless_present = "list")]
+        pid: Option<i32>,
+        /// Print the process's state (running, locked, checkpointed, failed, ...).
+        #[arg(long)]
+        get_state: bool,
+        /// Print the tid of the driver's restore thread in the process.
+        #[arg(long)]
+        get_restore_tid: bool,
+        /// One step of the checkpoint API.
+        #[arg(long, value_enum, value_name = "ACTION")]
+        action: Option<Action>,
+        /// running → lock + checkpoint; checkpointed → restore + unlock.
+        #[arg(long)]
+        toggle: bool,
+        /// Lock timeout in milliseconds (0: none). With --action lock or --toggle.
+        #[arg(short = 't', long, value_name = "MS")]
+        timeout: Option<u32>,
+        /// Restore onto other GPUs: OLD=NEW,... (GPU-… UUIDs). With --action restore or --toggle.
+        #[arg(long, value_name = "OLD=NEW,...")]
+        device_map: Option<String>,
+        /// List the node's GPUs and driver versions (NVML).
+        #[arg(long)]
+        list: bool,
+        /// With --list: print JSON.
+        #[arg(long)]
+        json: bool,
+        /// The CUDA driver library (default: libcuda.so.1 from the loader's search path).
+        #[arg(long, value_name = "PATH")]
+        libcuda: Option<PathBuf>,
+        /// The NVML library (default: libnvidia-ml.so.1 from the loader's search path).
+        #[arg(long, value_name = "PATH")]
+        libnvml: Option<PathBuf>,
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+    enum Action {
+        Lock,
+        Checkpoint,
+        Restore,
+        Unlock,
+    }
+
+    /// A failed step: printed as one line, exit 1.
+    struct Failure {
+        step: &'static str,
+        pid: Option<i32>,
+        error: String,
+    }
+
+    fn fail(step: &'static str, pid: Option<i32>) -> impl FnOnce(GpuError) -> Failure {
+        move |e| Failure {
+            step,
+            pid,
+            error: e.to_string(),
+        }
+    }
+
+    fn usage(msg: &str) -> ExitCode {
+        eprintln!("gpu-ckpt device: {msg}");
+        ExitCode::from(2)
+    }
+
+    pub fn run(args: &DeviceArgs) -> ExitCode {
+        let toggles = args.toggle;
+        let action = args.action;
+        if args.json && !args.list {
+            return usage("--json applies to --list");
+        }
+        if args.timeout.is_some() && !(toggles || action == Some(Action::Lock)) {
+            return usage("--timeout applies to --action lock and --toggle");
+        }
+        let pairs = match &args.device_map {
+            None => Vec::new(),
+            Some(_) if !(toggles || action == Some(Action::Restore)) => {
+                return usage("--device-map applies to --action restore and --toggle")
+            }
+            Some(m) => match GpuPair::parse_map(m) {
+                Ok(p) => p,
+                Err(e) => return usage(&format!("--device-map: {e}")),
+            },
+        };
+        let result = if args.list {
+            list(args)
+        } else {
+            match args.pid {
+                Some(pid) => on_process(args, pid, &pairs),
+                None => return usage("--pid is required"),
+            }
+        };
+        match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(f) => {
+                let what = match f.pid {
+                    Some(pid) => format!("{} pid {pid}", f.step),
+                    None => f.step.to_string(),
+                };
+                let line = format!("gpu-ckpt device: {what} failed: {}", f.error);
+                eprintln!("{}", line.replace('\n', " "));
+                ExitCode::from(1)
+            }
+        }
+    }
+
+    fn on_process(args: &DeviceArgs, pid: i32, pairs: &[GpuPair]) -> Result<(), Failure> {
+        let driver = CudaDriver::open(args.libcuda.as_deref()).map_err(fail("load", Some(pid)))?;
+        let timeout = args
+            .timeout
+            .filter(|&ms| ms > 0)
+            .map(|ms| Duration::from_millis(u64::from(ms)));
+        if args.get_state {
+            let s = driver.state(pid).map_err(fail("get-state", Some(pid)))?;
+            println!("{s}");
+        } else if args.get_restore_tid {
+            let tid = driver
+                .restore_thread_id(pid)
+                .map_err(fail("get-restore-tid", Some(pid)))?;
+            println!("{tid}");
+        } else if let Some(a) = args.action {
+            match a {
+                Action::Lock => driver.lock(pid, timeout).map_err(fail("lock", Some(pid)))?,
+                Action::Checkpoint => driver
+                    .checkpoint(pid)
+                    .map_err(fail("checkpoint", Some(pid)))?,
+                Action::Restore => driver
+                    .restore(pid, pairs)
+                    .map_err(fail("restore", Some(pid)))?,
+                Action::Unlock => driver.unlock(pid).map_err(fail("unlock", Some(pid)))?,
+            }
+        } else if args.toggle {
+            toggle(&driver, pid, timeout, pairs)?;
+        }
+        Ok(())
+    }
+
+    /// running → lock + checkpoint (unlocked again if the checkpoint fails); checkpointed →
+    /// restore + unlock; anything else is an error.
+    fn toggle(
+        driver: &dyn DeviceCheckpoint,
+        pid: i32,
+        timeout: Option<Duration>,
+        pairs: &[GpuPair],
+    ) -> Result<(), Failure> {
+        let state = driver.state(pid).map_err(fail("get-state", Some(pid)))?;
+        match state {
+            ProcessState::RUNNING => {
+                driver.lock(pid, timeout).map_err(fail("lock", Some(pid)))?;
+                if let Err(e) = driver.checkpoint(pid) {
+                    let undo = match driver.unlock(pid) {
+                        Ok(()) => "the process was unlocked again".to_string(),
+                        Err(u) => format!("unlocking it again failed too: {u}"),
+                    };
+                    return Err(Failure {
+                        step: "checkpoint",
+                        pid: Some(pid),
+                        error: format!("{e}; {undo}"),
+                    });
+                }
+                Ok(())
+            }
+            ProcessState::CHECKPOINTED => {
+                driver
+                    .restore(pid, pairs)
+                    .map_err(fail("restore", Some(pid)))?;
+                driver.unlock(pid).map_err(fail("unlock", Some(pid)))
+            }
+            other => Err(Failure {
+                step: "toggle",
+                pid: Some(pid),
+                error: format!(
+                    "the process is {other}; --toggle acts on running or checkpointed processes \
+                     (use --action)"
+                ),
+            }),
+        }
+    }
+
+    fn list(args: &DeviceArgs) -> Result<(), Failure> {
+        let nvml = NvmlInventory::open(args.libnvml.as_deref()).map_err(fail("list", None))?;
+        let node = nvml.node().map_err(fail("list", None))?;
+        if args.json {
+            let j = serde_json::to_string_pretty(&node).map_err(|e| Failure {
+                step: "list",
+                pid: None,
+                error: e.to_string(),
+            })?;
+            println!("{j}");
+        } else {
+            print!("{}", list_text(&node));
+        }
+        Ok(())
+    }
+
+    fn list_text(node: &NodeInventory) -> String {
+        let v = node.cuda_driver_version;
+        let mut out = format!(
+            "driver {}  CUDA {}.{}  GPU remapping: {}\n",
+            node.driver_version,
+            v / 1000,
+            (v % 1000) / 10,
+            if v >= gpu::cuda::REMAP_MIN_VERSION {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+        for g in &node.gpus {
+            let cc = g
+                .compute_capability
+                .map(|(a, b)| format!("sm_{a}{b}"))
+                .unwrap_or_else(|| "sm_?".into());
+            let persistence = match g.persistence_mode {
+                Some(true) => "persistence on",
+                Some(false) => "persistence off",
+                None => "persistence ?",
+            };
+            out.push_str(&format!(
+                "{}  {}  {}  {}  {}  {:.1} GiB  {}  {}\n",
+                g.index,
+                g.uuid,
+                g.name,
+                g.architecture.as_deref().unwrap_or("?"),
+                cc,
+                g.memory_total_bytes as f64 / (1u64 << 30) as f64,
+                g.pci_bus_id,
+                persistence
+            ));
+        }
+        out
+    }
 }

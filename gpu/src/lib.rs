@@ -1,0 +1,89 @@
+//! Device backends for gpu-ckpt: the CUDA driver's checkpoint API ([`cuda::CudaDriver`]) and the
+//! node's GPU inventory through NVML ([`nvml::NvmlInventory`]), behind [`DeviceCheckpoint`] and
+//! [`Inventory`]. Both libraries are loaded at run time; nothing needs CUDA to build.
+
+pub mod cuda;
+pub mod error;
+pub mod nvml;
+pub mod state;
+pub mod uuid;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use cuda::CudaDriver;
+pub use error::GpuError;
+pub use nvml::NvmlInventory;
+pub use state::ProcessState;
+pub use uuid::{GpuPair, GpuUuid};
+
+/// The CUDA driver's checkpoint API for one process (`cuCheckpointProcess*`).
+///
+/// Every step reads the process state back and fails with [`GpuError::UnexpectedState`] when the
+/// driver reported success but the process is not where the step should have left it.
+pub trait DeviceCheckpoint: Send + Sync {
+    /// RUNNING → LOCKED: block further CUDA calls and wait for submitted work. `timeout`: `None`
+    /// (or zero) waits without limit; on expiry the driver returns an error and the process
+    /// stays RUNNING.
+    fn lock(&self, pid: i32, timeout: Option<Duration>) -> Result<(), GpuError>;
+    /// LOCKED → CHECKPOINTED: device memory is copied into the process's host memory and every
+    /// device reference is released.
+    fn checkpoint(&self, pid: i32) -> Result<(), GpuError>;
+    /// CHECKPOINTED → LOCKED, onto the GPUs that `pairs` name (empty: the same GPUs).
+    fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), GpuError>;
+    /// LOCKED → RUNNING.
+    fn unlock(&self, pid: i32) -> Result<(), GpuError>;
+    /// The process's checkpoint state.
+    fn state(&self, pid: i32) -> Result<ProcessState, GpuError>;
+    /// The tid of the driver's restore thread in the process; fails when it has no CUDA state.
+    fn restore_thread_id(&self, pid: i32) -> Result<i32, GpuError>;
+    /// `cuDriverGetVersion`: 1000 × major + 10 × minor, e.g. 12080, 13000.
+    fn driver_version(&self) -> Result<i32, GpuError>;
+}
+
+/// What the node's GPUs are, from the driver's management library.
+pub trait Inventory: Send + Sync {
+    /// Versions and every GPU.
+    fn node(&self) -> Result<NodeInventory, GpuError>;
+    /// The processes with a compute context on any GPU.
+    fn compute_processes(&self) -> Result<Vec<ComputeProcess>, GpuError>;
+}
+
+/// The node's driver and GPUs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInventory {
+    /// The NVIDIA driver version, e.g. "580.65.06".
+    pub driver_version: String,
+    /// The CUDA driver API version, as `cuDriverGetVersion` gives it (e.g. 13000).
+    pub cuda_driver_version: i32,
+    /// Every GPU, in NVML's index order.
+    pub gpus: Vec<GpuInfo>,
+}
+
+/// One GPU. A field the driver cannot report is `None`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// NVML index.
+    pub index: u32,
+    pub uuid: GpuUuid,
+    /// Model name, e.g. "NVIDIA H100 80GB HBM3".
+    pub name: String,
+    /// e.g. "Hopper".
+    pub architecture: Option<String>,
+    /// (major, minor), e.g. (9, 0).
+    pub compute_capability: Option<(i32, i32)>,
+    pub memory_total_bytes: u64,
+    /// e.g. "00000000:3B:00.0".
+    pub pci_bus_id: String,
+    pub persistence_mode: Option<bool>,
+}
+
+/// A process with a compute context on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComputeProcess {
+    pub gpu: GpuUuid,
+    pub pid: u32,
+    /// Device memory the process uses, when the driver reports it.
+    pub used_bytes: Option<u64>,
+}

@@ -1,0 +1,474 @@
+//! The CUDA and NVML backends against the simulated driver (`gpu/sim`): real processes that hold
+//! device memory (`gpu-fill`), driven through each node's own `libcuda.so.1` and
+//! `libnvidia-ml.so.1`.
+//!
+//! Needs the workspace built first (`cargo build --workspace`): the daemon `gpu-ckpt-simgpu`, the
+//! simulated libraries and `gpu-fill` are found next to the test executable (or through
+//! `$GPU_CKPT_SIMGPU_BIN` and `$GPU_CKPT_GPU_FILL`). A missing one fails the test.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use gpu::cuda::{CudaDriver, REMAP_MIN_VERSION};
+use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NvmlInventory, ProcessState};
+use simgpu::proto::FaultOp;
+use simgpu::testing::{SimConfig, SimNode};
+
+const CUDA_ERROR_ILLEGAL_STATE: u32 = 401;
+const CUDA_ERROR_TIMEOUT: u32 = 909;
+const CUDA_ERROR_OPERATING_SYSTEM: u32 = 304;
+
+fn node(cfg: SimConfig) -> SimNode {
+    SimNode::start(cfg).expect("start the simulated node (build the workspace first)")
+}
+
+fn uuids(n: &SimNode) -> Vec<GpuUuid> {
+    n.uuids()
+        .iter()
+        .map(|u| u.parse().expect("sim UUID"))
+        .collect()
+}
+
+/// `gpu-fill`: `$GPU_CKPT_GPU_FILL`, else next to the test executable or one level up.
+fn gpu_fill_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("GPU_CKPT_GPU_FILL") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent();
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        let cand = d.join("gpu-fill");
+        if cand.is_file() {
+            return cand;
+        }
+        dir = d.parent();
+    }
+    panic!(
+        "gpu-fill not found next to {}: build the workspace first (cargo build --workspace)",
+        exe.display()
+    )
+}
+
+/// A workload process on a node; killed when dropped.
+struct Workload {
+    child: Child,
+    lines: Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl Workload {
+    /// `gpu-fill --mib MIB [extra]` with the node's environment; waits until it has filled.
+    fn fill(n: &SimNode, mib: u64, extra: &[&str]) -> Workload {
+        let mut cmd = Command::new(gpu_fill_binary());
+        cmd.args(["--mib", &mib.to_string()])
+            .args(extra)
+            .envs(n.env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("spawn gpu-fill");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut w = Workload {
+            child,
+            lines,
+            seen: Vec::new(),
+        };
+        w.wait_for("filled ");
+        w
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// The next line starting with `prefix`; panics after 30 s or at end of output.
+    fn wait_for(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if l.starts_with(prefix) {
+                        return l;
+                    }
+                    assert!(!l.starts_with("MISMATCH"), "workload: {l}");
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    panic!(
+                        "no {prefix:?} from the workload in 30 s; it printed {:?}",
+                        self.seen
+                    )
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    panic!(
+                        "the workload ended before {prefix:?}; it printed {:?}",
+                        self.seen
+                    )
+                }
+            }
+        }
+    }
+
+    /// Asks the workload to check every byte it put on the device.
+    fn verify(&mut self) -> String {
+        signal(self.pid(), libc::SIGUSR1);
+        self.wait_for("verified ")
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a child this test started.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig})");
+}
+
+fn driver_code(e: &GpuError) -> u32 {
+    match e {
+        GpuError::Driver { code, .. } => *code,
+        other => panic!("expected a driver error, got {other}"),
+    }
+}
+
+#[test]
+fn states_after_each_step_and_memory_kept() {
+    let n = node(SimConfig::default());
+    let cuda = CudaDriver::load_from(n.libcuda()).expect("load the node's libcuda");
+    let nvml = NvmlInventory::load_from(n.libnvml()).expect("load the node's NVML");
+    let gpu0 = uuids(&n)[0];
+    let mut w = Workload::fill(&n, 8, &[]);
+    let pid = w.pid();
+
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::RUNNING);
+    assert!(cuda.restore_thread_id(pid).unwrap() > 0);
+    let using = |nvml: &NvmlInventory| {
+        nvml.compute_processes()
+            .unwrap()
+            .into_iter()
+            .find(|p| p.pid == pid as u32)
+    };
+    let p = using(&nvml).expect("NVML lists the workload");
+    assert_eq!(p.gpu, gpu0);
+    assert!(p.used_bytes.unwrap_or(0) >= 8 << 20, "{p:?}");
+
+    cuda.lock(pid, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    cuda.checkpoint(pid).unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+    // The device memory moved into the process: it holds nothing on the GPU any more.
+    assert!(
+        using(&nvml).is_none(),
+        "a checkpointed process still uses the GPU"
+    );
+    cuda.restore(pid, &[]).unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    cuda.unlock(pid).unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::RUNNING);
+    assert_eq!(using(&nvml).expect("back on the GPU").gpu, gpu0);
+    assert_eq!(w.verify(), "verified 8388608 bytes");
+}
+
+#[test]
+fn lock_timeout_and_wrong_states() {
+    let n = node(SimConfig::default());
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    let mut w = Workload::fill(&n, 4, &[]);
+    let pid = w.pid();
+
+    // Wrong state: every step but lock needs another state than RUNNING.
+    for (step, r) in [
+        ("checkpoint", cuda.checkpoint(pid)),
+        ("restore", cuda.restore(pid, &[])),
+        ("unlock", cuda.unlock(pid)),
+    ] {
+        let e = r.expect_err(step);
+        assert_eq!(driver_code(&e), CUDA_ERROR_ILLEGAL_STATE, "{step}: {e}");
+        assert!(
+            e.to_string().contains("CUDA_ERROR_ILLEGAL_STATE (401)"),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&format!("(pid {pid})")), "{e}");
+    }
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::RUNNING);
+
+    // A lock that cannot finish in time: CUDA_ERROR_TIMEOUT, and the process runs on.
+    n.fault(Some(pid), FaultOp::LockTimeout, true).unwrap();
+    let start = Instant::now();
+    let e = cuda
+        .lock(pid, Some(Duration::from_millis(300)))
+        .unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_TIMEOUT, "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!("cuCheckpointProcessLock(pid {pid}): CUDA_ERROR_TIMEOUT (909)")
+    );
+    assert!(
+        start.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::RUNNING);
+    n.fault(Some(pid), FaultOp::LockTimeout, false).unwrap();
+
+    // Locked: a second lock is in the wrong state too.
+    cuda.lock(pid, None).unwrap();
+    let e = cuda.lock(pid, None).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_ILLEGAL_STATE, "{e}");
+    let e = cuda.restore(pid, &[]).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_ILLEGAL_STATE, "{e}");
+
+    // A failing checkpoint leaves the process LOCKED; a failing restore leaves it CHECKPOINTED.
+    n.fault(Some(pid), FaultOp::CheckpointFail, true).unwrap();
+    let e = cuda.checkpoint(pid).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_OPERATING_SYSTEM, "{e}");
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    n.fault(Some(pid), FaultOp::CheckpointFail, false).unwrap();
+    cuda.checkpoint(pid).unwrap();
+    let e = cuda.unlock(pid).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_ILLEGAL_STATE, "{e}");
+    n.fault(Some(pid), FaultOp::RestoreFail, true).unwrap();
+    let e = cuda.restore(pid, &[]).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_OPERATING_SYSTEM, "{e}");
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+    n.fault(Some(pid), FaultOp::RestoreFail, false).unwrap();
+    cuda.restore(pid, &[]).unwrap();
+    cuda.unlock(pid).unwrap();
+    w.verify();
+
+    // A process that never used CUDA has no restore thread (CRIU's plugin relies on this).
+    let mut plain = Command::new("sleep").arg("30").spawn().unwrap();
+    let plain_pid = plain.id() as i32;
+    let e = cuda.restore_thread_id(plain_pid);
+    let _ = plain.kill();
+    let _ = plain.wait();
+    let e = e.expect_err("a process without CUDA has a restore thread");
+    assert!(matches!(e, GpuError::Driver { .. }), "{e}");
+}
+
+#[test]
+fn argument_bytes_the_driver_received() {
+    let n = node(SimConfig {
+        gpus: 2,
+        ..SimConfig::default()
+    });
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    assert!(cuda.version() >= REMAP_MIN_VERSION);
+    let u = uuids(&n);
+    let mut w = Workload::fill(&n, 4, &["--devices", "0"]);
+    let pid = w.pid();
+
+    cuda.lock(pid, Some(Duration::from_millis(60_000))).unwrap();
+    let lock = n.last_args("cuCheckpointProcessLock").unwrap();
+    assert_eq!(lock.len(), 64);
+    assert_eq!(&lock[..4], &60_000u32.to_le_bytes());
+    assert!(lock[4..].iter().all(|&b| b == 0), "{lock:?}");
+
+    cuda.checkpoint(pid).unwrap();
+    assert_eq!(
+        n.last_args("cuCheckpointProcessCheckpoint").unwrap(),
+        vec![0u8; 64]
+    );
+
+    // Move GPU 0's memory to GPU 1: one pair, pointer set, count 1, the rest zero.
+    cuda.restore(
+        pid,
+        &[GpuPair {
+            old: u[0],
+            new: u[1],
+        }],
+    )
+    .unwrap();
+    let restore = n.last_args("cuCheckpointProcessRestore").unwrap();
+    assert_eq!(restore.len(), 64);
+    assert_ne!(&restore[..8], &[0u8; 8], "gpuPairs is NULL");
+    assert_eq!(&restore[8..12], &1u32.to_le_bytes());
+    assert!(restore[12..].iter().all(|&b| b == 0), "{restore:?}");
+
+    cuda.unlock(pid).unwrap();
+    assert_eq!(
+        n.last_args("cuCheckpointProcessUnlock").unwrap(),
+        vec![0u8; 64]
+    );
+    w.verify();
+    let nvml = NvmlInventory::load_from(n.libnvml()).unwrap();
+    let procs = nvml.compute_processes().unwrap();
+    let p = procs.iter().find(|p| p.pid == pid as u32).expect("listed");
+    assert_eq!(p.gpu, u[1], "the process's memory is on GPU 1 now");
+
+    // Without pairs (and without a timeout) the structs are all zero.
+    cuda.lock(pid, None).unwrap();
+    assert_eq!(
+        n.last_args("cuCheckpointProcessLock").unwrap(),
+        vec![0u8; 64]
+    );
+    cuda.checkpoint(pid).unwrap();
+    cuda.restore(pid, &[]).unwrap();
+    assert_eq!(
+        n.last_args("cuCheckpointProcessRestore").unwrap(),
+        vec![0u8; 64]
+    );
+    cuda.unlock(pid).unwrap();
+    w.verify();
+}
+
+#[test]
+fn driver_without_remapping_refuses_before_any_call() {
+    let n = node(SimConfig {
+        gpus: 2,
+        driver_version: "570.86.10".into(),
+        cuda_version: 12080,
+        uuid_seed: "no-remap".into(),
+        ..SimConfig::default()
+    });
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    assert_eq!(cuda.driver_version().unwrap(), 12080);
+    assert!(!cuda.supports_remap());
+    let u = uuids(&n);
+    let mut w = Workload::fill(&n, 4, &["--devices", "0"]);
+    let pid = w.pid();
+    cuda.lock(pid, None).unwrap();
+    cuda.checkpoint(pid).unwrap();
+
+    let e = cuda
+        .restore(
+            pid,
+            &[GpuPair {
+                old: u[0],
+                new: u[1],
+            }],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            GpuError::NoRemap {
+                driver_version: 12080,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("12.8") && msg.contains("no GPU remapping"),
+        "{msg}"
+    );
+    // Refused before the driver saw anything.
+    assert!(
+        n.last_args("cuCheckpointProcessRestore").is_err(),
+        "the restore reached the driver"
+    );
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+
+    // Identity pairs are dropped: a plain restore, all-zero args.
+    cuda.restore(
+        pid,
+        &[GpuPair {
+            old: u[0],
+            new: u[0],
+        }],
+    )
+    .unwrap();
+    assert_eq!(
+        n.last_args("cuCheckpointProcessRestore").unwrap(),
+        vec![0u8; 64]
+    );
+    cuda.unlock(pid).unwrap();
+    w.verify();
+}
+
+#[test]
+fn nvml_inventory_fields() {
+    let n = node(SimConfig {
+        gpus: 2,
+        model: "NVIDIA A100-SXM4-80GB".into(),
+        memory_mib: 2048,
+        driver_version: "570.86.10".into(),
+        cuda_version: 12080,
+        uuid_seed: "inventory".into(),
+        ..SimConfig::default()
+    });
+    let nvml = NvmlInventory::load_from(n.libnvml()).unwrap();
+    let inv = nvml.node().unwrap();
+    assert_eq!(inv.driver_version, "570.86.10");
+    assert_eq!(inv.cuda_driver_version, 12080);
+    assert_eq!(inv.gpus.len(), 2);
+    let desc = n.node();
+    for (i, g) in inv.gpus.iter().enumerate() {
+        assert_eq!(g.index, i as u32);
+        assert_eq!(g.uuid.to_string(), n.uuids()[i]);
+        assert_eq!(g.name, "NVIDIA A100-SXM4-80GB");
+        assert_eq!(g.architecture.as_deref(), Some("Ampere"));
+        assert_eq!(g.compute_capability, Some((8, 0)));
+        assert_eq!(g.memory_total_bytes, 2048 << 20);
+        assert_eq!(g.pci_bus_id, desc.gpus[i].pci_bus_id);
+        assert_eq!(g.persistence_mode, Some(desc.gpus[i].persistence));
+    }
+    assert_ne!(inv.gpus[0].uuid, inv.gpus[1].uuid);
+    // JSON round trip with UUIDs as strings.
+    let j = serde_json::to_value(&inv).unwrap();
+    assert_eq!(j["gpus"][1]["uuid"], n.uuids()[1]);
+    assert_eq!(
+        serde_json::from_value::<gpu::NodeInventory>(j).unwrap(),
+        inv
+    );
+    assert!(nvml.compute_processes().unwrap().is_empty());
+}
+
+#[test]
+fn two_nodes_side_by_side_in_one_process() {
+    let a = node(SimConfig {
+        uuid_seed: "node-a".into(),
+        ..SimConfig::default()
+    });
+    let b = node(SimConfig {
+        uuid_seed: "node-b".into(),
+        driver_version: "575.57.08".into(),
+        cuda_version: 12090,
+        ..SimConfig::default()
+    });
+    let ca = CudaDriver::load_from(a.libcuda()).unwrap();
+    let cb = CudaDriver::load_from(b.libcuda()).unwrap();
+    assert_eq!(ca.version(), 13000);
+    assert_eq!(cb.version(), 12090);
+    // The cache hands out the same library again.
+    assert_eq!(CudaDriver::load_from(a.libcuda()).unwrap().version(), 13000);
+    let na = NvmlInventory::load_from(a.libnvml())
+        .unwrap()
+        .node()
+        .unwrap();
+    let nb = NvmlInventory::load_from(b.libnvml())
+        .unwrap()
+        .node()
+        .unwrap();
+    assert_eq!(na.gpus[0].uuid.to_string(), a.uuids()[0]);
+    assert_eq!(nb.gpus[0].uuid.to_string(), b.uuids()[0]);
+    assert_eq!(nb.driver_version, "575.57.08");
+
+    let mut w = Workload::fill(&a, 4, &[]);
+    let pid = w.pid();
+    ca.lock(pid, None).unwrap();
+    ca.checkpoint(pid).unwrap();
+    ca.restore(pid, &[]).unwrap();
+    ca.unlock(pid).unwrap();
+    w.verify();
+}
