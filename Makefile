@@ -58,6 +58,15 @@ demo: deps images release-tools
 bench: deps images release-tools
 	test-containers/stack/bench.sh
 
+# Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
+# driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.
+.PHONY: gpu-check gpu-check-bundle
+gpu-check-bundle:
+	CARGO="$(CARGO)" test-containers/gpu-workloads/gpu-check/bundle.sh $(CURDIR)/target/gpu-check
+
+gpu-check: gpu-check-bundle
+	target/gpu-check/run.sh
+
 # gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
 bench-image-format:
 	$(MAKE) -C image-format bench SIZE_GIB=4

@@ -1,0 +1,183 @@
+//! gpu-fill: puts a seeded pattern into device memory, then waits; verifies it on SIGUSR1.
+//!
+//! Prints `filled <bytes> bytes on <n> GPUs` (bytes summed over the GPUs), then on each SIGUSR1
+//! `verified <bytes> bytes` or `MISMATCH device <d> offset <o>` (and exits 1). SIGTERM and SIGINT
+//! exit 0. `--verify-and-exit` verifies once right after filling and exits.
+
+use std::time::Duration;
+
+use gpu_ckpt_gpu_workloads::cli::{FillOpts, FILL_USAGE};
+use gpu_ckpt_gpu_workloads::driver::{
+    format_uuid, u32_bytes, u32_bytes_mut, CuDevicePtr, CudaError, Driver, Gpu,
+};
+use gpu_ckpt_gpu_workloads::fill::{self, Kind, Plan};
+use gpu_ckpt_gpu_workloads::{emit, signals};
+
+struct Dev {
+    gpu: Gpu,
+    allocs: Vec<CuDevicePtr>,
+}
+
+enum Fail {
+    Cuda(CudaError),
+    Usage(String),
+    Other(String),
+}
+
+impl From<CudaError> for Fail {
+    fn from(e: CudaError) -> Fail {
+        Fail::Cuda(e)
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        emit(FILL_USAGE);
+        return;
+    }
+    let code = match run(&args) {
+        Ok(code) => code,
+        Err(Fail::Usage(m)) => {
+            eprintln!("gpu-fill: {m}\n{FILL_USAGE}");
+            2
+        }
+        Err(Fail::Cuda(e)) => {
+            emit(&format!("gpu-fill: {e}"));
+            1
+        }
+        Err(Fail::Other(m)) => {
+            emit(&format!("gpu-fill: {m}"));
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(args: &[String]) -> Result<i32, Fail> {
+    let o = FillOpts::parse(args).map_err(Fail::Usage)?;
+    if o.bytes % 4 != 0 {
+        return Err(Fail::Usage("size must be a multiple of 4 bytes".into()));
+    }
+    signals::install().map_err(|e| Fail::Other(format!("sigaction: {e}")))?;
+    let driver = Driver::load()?;
+    driver.init()?;
+    let ordinals = o
+        .devices
+        .resolve(driver.device_count()?)
+        .map_err(Fail::Usage)?;
+    let plan = Plan::new(o.bytes);
+    let chunk_words = (plan.chunk_bytes.min(plan.bytes) / 4) as usize;
+    let mut host = vec![0u32; chunk_words];
+    let mut want = vec![0u32; chunk_words];
+
+    let mut devs = Vec::new();
+    for &ord in &ordinals {
+        let gpu = Gpu::open(&driver, ord)?;
+        let mut allocs = Vec::new();
+        for size in plan.allocs() {
+            allocs.push(driver.mem_alloc(size as usize)?);
+        }
+        let dev = Dev { gpu, allocs };
+        fill_device(&driver, &dev, &plan, o.seed, &mut host)?;
+        devs.push(dev);
+    }
+    for d in &devs {
+        d.gpu.select(&driver)?;
+        driver.ctx_synchronize()?;
+    }
+    let total = plan.bytes * devs.len() as u64;
+    emit(&format!("filled {total} bytes on {} GPUs", devs.len()));
+    if o.show_uuids {
+        show_uuids(&driver, &devs)?;
+    }
+
+    if o.verify_and_exit {
+        return verify_all(&driver, &devs, &plan, o.seed, &mut host, &mut want);
+    }
+    loop {
+        if signals::stop_requested() {
+            return Ok(0);
+        }
+        if signals::take_verify() {
+            if o.show_uuids {
+                show_uuids(&driver, &devs)?;
+            }
+            let code = verify_all(&driver, &devs, &plan, o.seed, &mut host, &mut want)?;
+            if code != 0 {
+                return Ok(code);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn show_uuids(driver: &Driver, devs: &[Dev]) -> Result<(), Fail> {
+    for d in devs {
+        let u = driver.device_uuid(d.gpu.dev)?;
+        emit(&format!(
+            "device {} uuid {}",
+            d.gpu.ordinal,
+            format_uuid(&u)
+        ));
+    }
+    Ok(())
+}
+
+fn fill_device(
+    driver: &Driver,
+    d: &Dev,
+    plan: &Plan,
+    seed: u64,
+    host: &mut [u32],
+) -> Result<(), Fail> {
+    let ord = d.gpu.ordinal as u32;
+    d.gpu.select(driver)?;
+    for c in plan.chunks() {
+        let ptr = d.allocs[c.alloc] + c.alloc_offset;
+        let words = (c.bytes / 4) as usize;
+        match fill::kind(seed, ord, c.index) {
+            Kind::Memset(v) => driver.memset_d32(ptr, v, words)?,
+            Kind::Words => {
+                let buf = &mut host[..words];
+                fill::expected(seed, ord, &c, buf);
+                driver.memcpy_htod(ptr, u32_bytes(buf))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn verify_all(
+    driver: &Driver,
+    devs: &[Dev],
+    plan: &Plan,
+    seed: u64,
+    host: &mut [u32],
+    want: &mut [u32],
+) -> Result<i32, Fail> {
+    for d in devs {
+        let ord = d.gpu.ordinal as u32;
+        d.gpu.select(driver)?;
+        for c in plan.chunks() {
+            let words = (c.bytes / 4) as usize;
+            let (got, exp) = (&mut host[..words], &mut want[..words]);
+            got.fill(!0);
+            driver.memcpy_dtoh(u32_bytes_mut(got), d.allocs[c.alloc] + c.alloc_offset)?;
+            fill::expected(seed, ord, &c, exp);
+            if let Some(off) = fill::first_mismatch(got, exp) {
+                emit(&format!(
+                    "MISMATCH device {} offset {}",
+                    d.gpu.ordinal,
+                    c.offset + off
+                ));
+                return Ok(1);
+            }
+        }
+    }
+    emit(&format!(
+        "verified {} bytes",
+        plan.bytes * devs.len() as u64
+    ));
+    Ok(0)
+}

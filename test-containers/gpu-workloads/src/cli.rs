@@ -1,0 +1,266 @@
+//! Flag parsing for the workloads: `--flag value` or `--flag=value`, nothing else.
+
+/// Which GPUs a workload uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Devices {
+    All,
+    List(Vec<i32>),
+}
+
+impl Devices {
+    pub fn parse(s: &str) -> Result<Devices, String> {
+        if s == "all" {
+            return Ok(Devices::All);
+        }
+        let mut v = Vec::new();
+        for part in s.split(',') {
+            let d: i32 = part
+                .trim()
+                .parse()
+                .map_err(|_| format!("--devices: bad device ordinal {part:?} in {s:?}"))?;
+            if d < 0 {
+                return Err(format!("--devices: negative ordinal {d}"));
+            }
+            if v.contains(&d) {
+                return Err(format!("--devices: ordinal {d} given twice"));
+            }
+            v.push(d);
+        }
+        Ok(Devices::List(v))
+    }
+
+    /// The ordinals to use, given how many devices the driver reports.
+    pub fn resolve(&self, count: i32) -> Result<Vec<i32>, String> {
+        match self {
+            Devices::All if count == 0 => Err("no CUDA device".into()),
+            Devices::All => Ok((0..count).collect()),
+            Devices::List(v) => match v.iter().find(|&&d| d >= count) {
+                Some(d) => Err(format!(
+                    "--devices: device {d} does not exist ({count} visible)"
+                )),
+                None => Ok(v.clone()),
+            },
+        }
+    }
+}
+
+/// Splits `args` into (flag, value) pairs; `boolean` flags take no value, `valued` flags one.
+pub fn pairs(
+    args: &[String],
+    boolean: &[&str],
+    valued: &[&str],
+) -> Result<Vec<(String, Option<String>)>, String> {
+    let mut out = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        if !a.starts_with("--") {
+            return Err(format!("unexpected argument {a:?}"));
+        }
+        let name = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        if !boolean.contains(&name) && !valued.contains(&name) {
+            return Err(format!("unknown flag {name}"));
+        }
+        if let Some((f, v)) = a.split_once('=') {
+            out.push((f.to_string(), Some(v.to_string())));
+        } else if boolean.contains(&a.as_str()) {
+            out.push((a.clone(), None));
+        } else {
+            match it.next() {
+                Some(v) => out.push((a.clone(), Some(v.clone()))),
+                None => return Err(format!("{a} needs a value")),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The value of a flag that takes one.
+pub fn value<'a>(flag: &str, v: &'a Option<String>) -> Result<&'a str, String> {
+    v.as_deref()
+        .ok_or_else(|| format!("{flag} takes no value here"))
+}
+
+pub fn number<T: std::str::FromStr>(flag: &str, v: &Option<String>) -> Result<T, String> {
+    let s = value(flag, v)?;
+    let s2 = s.replace('_', "");
+    if let Some((base, shift)) = s2.split_once("<<") {
+        // Allows `1<<20`.
+        let b: u64 = base.trim().parse().map_err(|_| bad(flag, s))?;
+        let sh: u32 = shift.trim().parse().map_err(|_| bad(flag, s))?;
+        let n = b
+            .checked_shl(sh)
+            .filter(|n| n >> sh == b)
+            .ok_or_else(|| bad(flag, s))?;
+        return n.to_string().parse().map_err(|_| bad(flag, s));
+    }
+    s2.parse().map_err(|_| bad(flag, s))
+}
+
+fn bad(flag: &str, s: &str) -> String {
+    format!("{flag}: bad number {s:?}")
+}
+
+/// Options of `gpu-train`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TrainOpts {
+    pub devices: Devices,
+    pub elements: usize,
+    pub interval_ms: u64,
+    pub steps: Option<u64>,
+    pub seed: u64,
+}
+
+pub const TRAIN_USAGE: &str =
+    "usage: gpu-train [--devices all|0,1] [--elements N] [--interval-ms MS] [--steps N] [--seed S]";
+
+impl TrainOpts {
+    pub fn parse(args: &[String]) -> Result<TrainOpts, String> {
+        let mut o = TrainOpts {
+            devices: Devices::List(vec![0]),
+            elements: 1 << 20,
+            interval_ms: 100,
+            steps: None,
+            seed: 1,
+        };
+        let valued = [
+            "--devices",
+            "--elements",
+            "--interval-ms",
+            "--steps",
+            "--seed",
+        ];
+        for (f, v) in pairs(args, &[], &valued)? {
+            match f.as_str() {
+                "--devices" => o.devices = Devices::parse(value(&f, &v)?)?,
+                "--elements" => o.elements = number(&f, &v)?,
+                "--interval-ms" => o.interval_ms = number(&f, &v)?,
+                "--steps" => o.steps = Some(number(&f, &v)?),
+                "--seed" => o.seed = number(&f, &v)?,
+                _ => return Err(format!("unknown flag {f}")),
+            }
+        }
+        if o.elements == 0 {
+            return Err("--elements must be at least 1".into());
+        }
+        Ok(o)
+    }
+}
+
+/// Options of `gpu-fill`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FillOpts {
+    pub devices: Devices,
+    /// Bytes per device.
+    pub bytes: u64,
+    pub seed: u64,
+    pub verify_and_exit: bool,
+    pub show_uuids: bool,
+}
+
+pub const FILL_USAGE: &str = "usage: gpu-fill [--gib N | --mib M] [--devices all|0,1] [--seed S] [--verify-and-exit] [--show-uuids]";
+
+impl FillOpts {
+    pub fn parse(args: &[String]) -> Result<FillOpts, String> {
+        let mut o = FillOpts {
+            devices: Devices::All,
+            bytes: 1 << 30,
+            seed: 1,
+            verify_and_exit: false,
+            show_uuids: false,
+        };
+        let boolean = ["--verify-and-exit", "--show-uuids"];
+        let valued = ["--devices", "--gib", "--mib", "--seed"];
+        for (f, v) in pairs(args, &boolean, &valued)? {
+            match f.as_str() {
+                "--devices" => o.devices = Devices::parse(value(&f, &v)?)?,
+                "--gib" => o.bytes = mul(&f, number(&f, &v)?, 1 << 30)?,
+                "--mib" => o.bytes = mul(&f, number(&f, &v)?, 1 << 20)?,
+                "--seed" => o.seed = number(&f, &v)?,
+                "--verify-and-exit" => o.verify_and_exit = true,
+                "--show-uuids" => o.show_uuids = true,
+                _ => return Err(format!("unknown flag {f}")),
+            }
+        }
+        if o.bytes == 0 {
+            return Err("--gib/--mib must be at least 1".into());
+        }
+        Ok(o)
+    }
+}
+
+fn mul(flag: &str, n: u64, unit: u64) -> Result<u64, String> {
+    n.checked_mul(unit)
+        .ok_or_else(|| format!("{flag}: {n} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn devices() {
+        assert_eq!(Devices::parse("all"), Ok(Devices::All));
+        assert_eq!(Devices::parse("0,1"), Ok(Devices::List(vec![0, 1])));
+        assert!(Devices::parse("0,0").is_err());
+        assert!(Devices::parse("x").is_err());
+        assert!(Devices::parse("-1").is_err());
+        assert_eq!(Devices::All.resolve(2), Ok(vec![0, 1]));
+        assert!(Devices::All.resolve(0).is_err());
+        assert!(Devices::List(vec![2]).resolve(2).is_err());
+    }
+
+    #[test]
+    fn train_defaults_and_flags() {
+        let d = TrainOpts::parse(&[]).unwrap();
+        assert_eq!(d.devices, Devices::List(vec![0]));
+        assert_eq!((d.elements, d.interval_ms, d.steps), (1 << 20, 100, None));
+        let o = TrainOpts::parse(&s(&[
+            "--devices=all",
+            "--elements",
+            "1<<10",
+            "--interval-ms",
+            "0",
+            "--steps",
+            "5",
+            "--seed",
+            "42",
+        ]))
+        .unwrap();
+        assert_eq!(o.devices, Devices::All);
+        assert_eq!(
+            (o.elements, o.interval_ms, o.steps, o.seed),
+            (1024, 0, Some(5), 42)
+        );
+        assert!(TrainOpts::parse(&s(&["--elements", "0"])).is_err());
+        assert!(TrainOpts::parse(&s(&["--steps"])).is_err());
+        assert!(TrainOpts::parse(&s(&["--bogus", "1"])).is_err());
+        assert!(TrainOpts::parse(&s(&["stray"])).is_err());
+    }
+
+    #[test]
+    fn fill_sizes_and_flags() {
+        let d = FillOpts::parse(&[]).unwrap();
+        assert_eq!((d.devices, d.bytes), (Devices::All, 1 << 30));
+        let o =
+            FillOpts::parse(&s(&["--mib", "3", "--verify-and-exit", "--devices", "1"])).unwrap();
+        assert_eq!(o.bytes, 3 << 20);
+        assert!(o.verify_and_exit);
+        assert_eq!(o.devices, Devices::List(vec![1]));
+        assert_eq!(FillOpts::parse(&s(&["--gib=4"])).unwrap().bytes, 4 << 30);
+        assert!(FillOpts::parse(&s(&["--gib", "99999999999999"])).is_err());
+        assert!(FillOpts::parse(&s(&["--mib", "0"])).is_err());
+    }
+
+    #[test]
+    fn numbers() {
+        assert_eq!(number::<u64>("--n", &Some("1_000".into())), Ok(1000));
+        assert_eq!(number::<u64>("--n", &Some("1<<20".into())), Ok(1 << 20));
+        assert!(number::<u32>("--n", &Some("1<<40".into())).is_err());
+        assert!(number::<u64>("--n", &Some("1<<64".into())).is_err());
+        assert!(number::<u64>("--n", &None).is_err());
+    }
+}
