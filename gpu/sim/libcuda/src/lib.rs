@@ -1115,3 +1115,405 @@ fn static_cstr(s: &'static str) -> *const c_char {
     });
     c.as_ptr()
 }
+
+// ---------------------------------------------------------------------------------------------
+// Driver entry point access (cuGetProcAddress)
+// ---------------------------------------------------------------------------------------------
+
+/// One ABI of a driver symbol: from which CUDA version a request gets it, the exported name,
+/// and its per-thread-default-stream variant where the real driver has one.
+struct Abi {
+    since: i32,
+    export: &'static str,
+    per_thread: Option<&'static str>,
+}
+
+const fn abi(since: i32, export: &'static str) -> Abi {
+    Abi {
+        since,
+        export,
+        per_thread: None,
+    }
+}
+
+const fn abi_pt(since: i32, export: &'static str, per_thread: &'static str) -> Abi {
+    Abi {
+        since,
+        export,
+        per_thread: Some(per_thread),
+    }
+}
+
+/// Base name → its ABIs, oldest first. The ABIs the simulator does not implement are absent
+/// (a request that would get one finds nothing). Every exported entry point is listed.
+static ENTRY_POINTS: &[(&str, &[Abi])] = &[
+    ("cuInit", &[abi(2000, "cuInit")]),
+    ("cuDriverGetVersion", &[abi(2020, "cuDriverGetVersion")]),
+    ("cuGetErrorName", &[abi(6000, "cuGetErrorName")]),
+    ("cuGetErrorString", &[abi(6000, "cuGetErrorString")]),
+    (
+        "cuGetProcAddress",
+        &[
+            abi(11030, "cuGetProcAddress"),
+            abi(12000, "cuGetProcAddress_v2"),
+        ],
+    ),
+    ("cuDeviceGetCount", &[abi(2000, "cuDeviceGetCount")]),
+    ("cuDeviceGet", &[abi(2000, "cuDeviceGet")]),
+    ("cuDeviceGetName", &[abi(2000, "cuDeviceGetName")]),
+    (
+        "cuDeviceGetUuid",
+        &[
+            abi(9020, "cuDeviceGetUuid"),
+            abi(11040, "cuDeviceGetUuid_v2"),
+        ],
+    ),
+    ("cuDeviceTotalMem", &[abi(3020, "cuDeviceTotalMem_v2")]),
+    ("cuDeviceGetPCIBusId", &[abi(4010, "cuDeviceGetPCIBusId")]),
+    ("cuDeviceGetAttribute", &[abi(2000, "cuDeviceGetAttribute")]),
+    (
+        "cuDeviceComputeCapability",
+        &[abi(2000, "cuDeviceComputeCapability")],
+    ),
+    (
+        "cuDevicePrimaryCtxRetain",
+        &[abi(7000, "cuDevicePrimaryCtxRetain")],
+    ),
+    (
+        "cuDevicePrimaryCtxRelease",
+        &[
+            abi(7000, "cuDevicePrimaryCtxRelease"),
+            abi(11000, "cuDevicePrimaryCtxRelease_v2"),
+        ],
+    ),
+    (
+        "cuDevicePrimaryCtxGetState",
+        &[abi(7000, "cuDevicePrimaryCtxGetState")],
+    ),
+    (
+        "cuDevicePrimaryCtxSetFlags",
+        &[
+            abi(7000, "cuDevicePrimaryCtxSetFlags"),
+            abi(11000, "cuDevicePrimaryCtxSetFlags_v2"),
+        ],
+    ),
+    (
+        "cuCtxCreate",
+        &[
+            abi(3020, "cuCtxCreate_v2"),
+            abi(11040, "cuCtxCreate_v3"),
+            abi(12050, "cuCtxCreate_v4"),
+        ],
+    ),
+    ("cuCtxDestroy", &[abi(4000, "cuCtxDestroy_v2")]),
+    ("cuCtxSetCurrent", &[abi(4000, "cuCtxSetCurrent")]),
+    ("cuCtxGetCurrent", &[abi(4000, "cuCtxGetCurrent")]),
+    ("cuCtxPushCurrent", &[abi(4000, "cuCtxPushCurrent_v2")]),
+    ("cuCtxPopCurrent", &[abi(4000, "cuCtxPopCurrent_v2")]),
+    ("cuCtxGetDevice", &[abi(2000, "cuCtxGetDevice")]),
+    ("cuCtxSynchronize", &[abi(2000, "cuCtxSynchronize")]),
+    ("cuMemAlloc", &[abi(3020, "cuMemAlloc_v2")]),
+    ("cuMemFree", &[abi(3020, "cuMemFree_v2")]),
+    ("cuMemGetInfo", &[abi(3020, "cuMemGetInfo_v2")]),
+    ("cuMemHostAlloc", &[abi(2020, "cuMemHostAlloc")]),
+    ("cuMemAllocHost", &[abi(3020, "cuMemAllocHost_v2")]),
+    ("cuMemFreeHost", &[abi(2000, "cuMemFreeHost")]),
+    (
+        "cuMemcpyHtoD",
+        &[abi_pt(3020, "cuMemcpyHtoD_v2", "cuMemcpyHtoD_v2_ptds")],
+    ),
+    (
+        "cuMemcpyDtoH",
+        &[abi_pt(3020, "cuMemcpyDtoH_v2", "cuMemcpyDtoH_v2_ptds")],
+    ),
+    (
+        "cuMemcpyDtoD",
+        &[abi_pt(3020, "cuMemcpyDtoD_v2", "cuMemcpyDtoD_v2_ptds")],
+    ),
+    (
+        "cuMemcpyHtoDAsync",
+        &[abi_pt(
+            3020,
+            "cuMemcpyHtoDAsync_v2",
+            "cuMemcpyHtoDAsync_v2_ptsz",
+        )],
+    ),
+    (
+        "cuMemcpyDtoHAsync",
+        &[abi_pt(
+            3020,
+            "cuMemcpyDtoHAsync_v2",
+            "cuMemcpyDtoHAsync_v2_ptsz",
+        )],
+    ),
+    (
+        "cuMemcpyDtoDAsync",
+        &[abi_pt(
+            3020,
+            "cuMemcpyDtoDAsync_v2",
+            "cuMemcpyDtoDAsync_v2_ptsz",
+        )],
+    ),
+    (
+        "cuMemsetD8",
+        &[abi_pt(3020, "cuMemsetD8_v2", "cuMemsetD8_v2_ptds")],
+    ),
+    (
+        "cuMemsetD16",
+        &[abi_pt(3020, "cuMemsetD16_v2", "cuMemsetD16_v2_ptds")],
+    ),
+    (
+        "cuMemsetD32",
+        &[abi_pt(3020, "cuMemsetD32_v2", "cuMemsetD32_v2_ptds")],
+    ),
+    (
+        "cuMemsetD8Async",
+        &[abi_pt(3020, "cuMemsetD8Async", "cuMemsetD8Async_ptsz")],
+    ),
+    (
+        "cuMemsetD32Async",
+        &[abi_pt(3020, "cuMemsetD32Async", "cuMemsetD32Async_ptsz")],
+    ),
+    ("cuStreamCreate", &[abi(2000, "cuStreamCreate")]),
+    (
+        "cuStreamCreateWithPriority",
+        &[abi_pt(
+            5050,
+            "cuStreamCreateWithPriority",
+            "cuStreamCreateWithPriority",
+        )],
+    ),
+    ("cuStreamDestroy", &[abi(4000, "cuStreamDestroy_v2")]),
+    (
+        "cuStreamSynchronize",
+        &[abi_pt(
+            2000,
+            "cuStreamSynchronize",
+            "cuStreamSynchronize_ptsz",
+        )],
+    ),
+    (
+        "cuStreamQuery",
+        &[abi_pt(2000, "cuStreamQuery", "cuStreamQuery_ptsz")],
+    ),
+    (
+        "cuStreamWaitEvent",
+        &[abi_pt(3020, "cuStreamWaitEvent", "cuStreamWaitEvent_ptsz")],
+    ),
+    ("cuEventCreate", &[abi(2000, "cuEventCreate")]),
+    (
+        "cuEventRecord",
+        &[abi_pt(2000, "cuEventRecord", "cuEventRecord_ptsz")],
+    ),
+    ("cuEventSynchronize", &[abi(2000, "cuEventSynchronize")]),
+    ("cuEventQuery", &[abi(2000, "cuEventQuery")]),
+    ("cuEventElapsedTime", &[abi(2000, "cuEventElapsedTime")]),
+    ("cuEventDestroy", &[abi(4000, "cuEventDestroy_v2")]),
+    ("cuModuleLoad", &[abi(2000, "cuModuleLoad")]),
+    ("cuModuleLoadData", &[abi(2000, "cuModuleLoadData")]),
+    ("cuModuleLoadDataEx", &[abi(2010, "cuModuleLoadDataEx")]),
+    ("cuModuleGetFunction", &[abi(2000, "cuModuleGetFunction")]),
+    ("cuModuleUnload", &[abi(2000, "cuModuleUnload")]),
+    (
+        "cuLaunchKernel",
+        &[abi_pt(4000, "cuLaunchKernel", "cuLaunchKernel_ptsz")],
+    ),
+    (
+        "cuCheckpointProcessLock",
+        &[abi(12080, "cuCheckpointProcessLock")],
+    ),
+    (
+        "cuCheckpointProcessCheckpoint",
+        &[abi(12080, "cuCheckpointProcessCheckpoint")],
+    ),
+    (
+        "cuCheckpointProcessRestore",
+        &[abi(12080, "cuCheckpointProcessRestore")],
+    ),
+    (
+        "cuCheckpointProcessUnlock",
+        &[abi(12080, "cuCheckpointProcessUnlock")],
+    ),
+    (
+        "cuCheckpointProcessGetState",
+        &[abi(12080, "cuCheckpointProcessGetState")],
+    ),
+    (
+        "cuCheckpointProcessGetRestoreThreadId",
+        &[abi(12080, "cuCheckpointProcessGetRestoreThreadId")],
+    ),
+];
+
+/// `CUdriverProcAddressQueryResult`.
+const PROC_SUCCESS: c_int = 0;
+const PROC_SYMBOL_NOT_FOUND: c_int = 1;
+const PROC_VERSION_NOT_SUFFICIENT: c_int = 2;
+/// `CUdriverProcAddress_flags`.
+const PROC_PER_THREAD_DEFAULT_STREAM: u64 = 2;
+
+/// The address of one of this library's own exports, looked up in this very library (another
+/// libcuda.so.1 may be loaded beside it).
+fn own_symbol(name: &str) -> *mut c_void {
+    static SELF: OnceLock<usize> = OnceLock::new();
+    let handle = *SELF.get_or_init(|| {
+        let Some(path) = simgpu::library_file_of(cuInit as *const () as usize) else {
+            return 0;
+        };
+        let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+            return 0;
+        };
+        // SAFETY: RTLD_NOLOAD only returns the handle of an already loaded object (this one).
+        unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) as usize }
+    });
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return std::ptr::null_mut();
+    };
+    if handle == 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: a handle from dlopen and a NUL-terminated name.
+    unsafe { libc::dlsym(handle as *mut c_void, c.as_ptr()) }
+}
+
+/// Resolves `symbol` at `version`: Ok(address) or Err(status) with pfn NULL.
+fn proc_address(symbol: &str, version: i32, flags: u64) -> Result<*mut c_void, c_int> {
+    let abis = ENTRY_POINTS
+        .iter()
+        .find(|(name, _)| *name == symbol)
+        .map(|(_, a)| *a)
+        .ok_or(PROC_SYMBOL_NOT_FOUND)?;
+    let abi = abis
+        .iter()
+        .rev()
+        .find(|a| a.since <= version)
+        .ok_or(PROC_VERSION_NOT_SUFFICIENT)?;
+    let name = match (flags & PROC_PER_THREAD_DEFAULT_STREAM != 0, abi.per_thread) {
+        (true, Some(pt)) => pt,
+        _ => abi.export,
+    };
+    let p = own_symbol(name);
+    if p.is_null() {
+        Err(PROC_SYMBOL_NOT_FOUND)
+    } else {
+        Ok(p)
+    }
+}
+
+fn get_proc_address(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> R {
+    if symbol.is_null() || pfn.is_null() || flags > 2 {
+        return Err(cu::INVALID_VALUE);
+    }
+    // SAFETY: a NUL-terminated symbol name from the caller.
+    let name = unsafe { std::ffi::CStr::from_ptr(symbol) }
+        .to_string_lossy()
+        .into_owned();
+    let driver = match drv() {
+        Ok(d) => {
+            d.node
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .cuda_version
+        }
+        Err(_) => {
+            let mut c = Client::connect(&own_socket(), Role::Control).map_err(|_| cu::NO_DEVICE)?;
+            fetch_node(&mut c)?.cuda_version
+        }
+    };
+    let set_status = |s: c_int| {
+        if !status.is_null() {
+            // SAFETY: an optional out-pointer from the caller.
+            unsafe { status.write(s) };
+        }
+    };
+    out(pfn, std::ptr::null_mut())?;
+    // A version newer than the driver: CUDA_ERROR_INVALID_VALUE, as documented.
+    if version > driver {
+        set_status(PROC_VERSION_NOT_SUFFICIENT);
+        return Err(cu::INVALID_VALUE);
+    }
+    match proc_address(&name, version, flags) {
+        Ok(p) => {
+            set_status(PROC_SUCCESS);
+            out(pfn, p)
+        }
+        // Not found, or no ABI at that version: CUDA_SUCCESS with pfn NULL, as documented.
+        Err(s) => {
+            set_status(s);
+            Ok(())
+        }
+    }
+}
+
+entry! {
+    fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
+        get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
+    }
+
+    fn cuGetProcAddress_v2(
+        symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_int,
+    ) {
+        get_proc_address(symbol, pfn, version, flags, status)
+    }
+
+    fn cuCtxCreate_v3(pctx: *mut CUcontext, _params: *mut c_void, _n: c_int, flags: c_uint, dev: CUdevice) {
+        cuCtxCreate_v2(pctx, flags, dev).into_result()
+    }
+
+    fn cuCtxCreate_v4(pctx: *mut CUcontext, _params: *mut c_void, flags: c_uint, dev: CUdevice) {
+        cuCtxCreate_v2(pctx, flags, dev).into_result()
+    }
+
+    // Per-thread default stream variants: streams run synchronously here, so they are the same.
+    fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) { htod(dst, src, n) }
+    fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) { dtoh(dst, src, n) }
+    fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) { dtod(dst, src, n) }
+    fn cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, s: CUstream) {
+        cuMemcpyHtoDAsync_v2(dst, src, n, s).into_result()
+    }
+    fn cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, s: CUstream) {
+        cuMemcpyDtoHAsync_v2(dst, src, n, s).into_result()
+    }
+    fn cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) {
+        cuMemcpyDtoDAsync_v2(dst, src, n, s).into_result()
+    }
+    fn cuMemsetD8_v2_ptds(dst: CUdeviceptr, uc: u8, n: usize) { memset(dst, u32::from(uc), 1, n) }
+    fn cuMemsetD16_v2_ptds(dst: CUdeviceptr, us: u16, n: usize) { memset(dst, u32::from(us), 2, n) }
+    fn cuMemsetD32_v2_ptds(dst: CUdeviceptr, ui: c_uint, n: usize) { memset(dst, ui, 4, n) }
+    fn cuMemsetD8Async_ptsz(dst: CUdeviceptr, uc: u8, n: usize, s: CUstream) {
+        cuMemsetD8Async(dst, uc, n, s).into_result()
+    }
+    fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, ui: c_uint, n: usize, s: CUstream) {
+        cuMemsetD32Async(dst, ui, n, s).into_result()
+    }
+    fn cuStreamSynchronize_ptsz(s: CUstream) { cuStreamSynchronize(s).into_result() }
+    fn cuStreamQuery_ptsz(s: CUstream) { cuStreamQuery(s).into_result() }
+    fn cuStreamWaitEvent_ptsz(s: CUstream, e: CUevent, flags: c_uint) { cuStreamWaitEvent(s, e, flags).into_result() }
+    fn cuEventRecord_ptsz(e: CUevent, s: CUstream) { cuEventRecord(e, s).into_result() }
+    fn cuLaunchKernel_ptsz(
+        _f: *mut c_void, _gx: c_uint, _gy: c_uint, _gz: c_uint, _bx: c_uint, _by: c_uint, _bz: c_uint,
+        _shared: c_uint, _stream: CUstream, _params: *mut *mut c_void, _extra: *mut *mut c_void,
+    ) {
+        no_kernels("cuLaunchKernel")
+    }
+}
+
+/// A CUresult back into this file's Result.
+trait IntoResult {
+    fn into_result(self) -> R;
+}
+
+impl IntoResult for CUresult {
+    fn into_result(self) -> R {
+        if self == cu::SUCCESS {
+            Ok(())
+        } else {
+            Err(self)
+        }
+    }
+}
