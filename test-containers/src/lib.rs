@@ -1,5 +1,6 @@
 //! Test support for gpu-ckpt: OCI image builder, local test stack, kubelet-like clients.
 pub mod containerd;
 pub mod cri;
+pub mod gpuproc;
 pub mod image;
 pub mod stack;
