@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod container;
 pub mod error;
 pub mod events;
+pub mod features;
 pub mod logging;
 pub mod oom;
 pub mod options;

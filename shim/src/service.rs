@@ -15,7 +15,7 @@ use containerd_shim::{
 };
 use tracing::{info, warn};
 
-use crate::{container, events::EventSender, task::TaskService};
+use crate::{container, events::EventSender, features, options::RuntimeOptions, task::TaskService};
 
 /// The name containerd knows this runtime by.
 pub const RUNTIME_ID: &str = "io.containerd.gpu-ckpt.v1";
@@ -110,7 +110,7 @@ impl containerd_shim::asynchronous::Shim for Service {
 
     fn runtime_info(
         runtime_id: &str,
-        _options: Option<&Any>,
+        options: Option<&Any>,
     ) -> containerd_shim::Result<RuntimeInfo> {
         let mut info = RuntimeInfo {
             name: runtime_id.to_string(),
@@ -128,6 +128,22 @@ impl containerd_shim::asynchronous::Shim for Service {
                 ..Default::default()
             },
         );
+        // The OCI features of the runc this handler drives, as runc-v2 reports them.
+        let opts = RuntimeOptions::from_any(options).map_err(|e| {
+            containerd_shim::Error::InvalidArgument(format!("runtime options: {e}"))
+        })?;
+        if let Some(any) = options {
+            info.options = containerd_shim::protos::protobuf::MessageField::some(any.clone());
+        }
+        if let Some(json) =
+            features::runc_features(opts.runc_binary()).map_err(containerd_shim::Error::Other)?
+        {
+            info.features = containerd_shim::protos::protobuf::MessageField::some(Any {
+                type_url: features::FEATURES_TYPE_URL.to_string(),
+                value: json,
+                ..Default::default()
+            });
+        }
         Ok(info)
     }
 }
