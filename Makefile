@@ -11,6 +11,7 @@ export GPU_CKPT_STACK := $(STACK)
 CARGO ?= cargo
 HOST_TARGET := x86_64-unknown-linux-gnu
 WORKLOADS_DIR := $(CURDIR)/target/$(HOST_TARGET)/release
+GPU_WORKLOADS_DIR := $(CURDIR)/target/debug
 IMAGES_DIR := $(STACK)/images
 
 .PHONY: all deps build release release-tools workloads images lint unit-test integration-test test demo bench bench-image-format fuzz clean-stack
@@ -35,8 +36,10 @@ workloads:
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p gpu-ckpt-workloads --target $(HOST_TARGET)
 
 # Run from the workspace build, so that no second feature set of the dependencies is compiled.
+# The GPU workloads image takes gpu-train and gpu-fill from that build (dynamically linked: they
+# dlopen libcuda.so.1) and the host's glibc.
 images: workloads build
-	target/debug/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --out $(IMAGES_DIR)
+	target/debug/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(GPU_WORKLOADS_DIR) --out $(IMAGES_DIR)
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -57,6 +60,14 @@ demo: deps images release-tools
 
 bench: deps images release-tools
 	test-containers/stack/bench.sh
+
+# 1 GiB of device memory through the simulated driver's lock, checkpoint, restore and unlock,
+# next to a pipe carrying the same bytes out and back (docs/benchmarks.md). `--bins` leaves out
+# the simulated libcuda.so and libnvidia_ml.so (cdylibs), so they are built here.
+.PHONY: bench-gpu
+bench-gpu: deps release-tools
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	target/release/gpu-ckpt-bench gpu --gib 1 --rounds 12
 
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
 # driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.

@@ -16,7 +16,7 @@
 //! compactly with a fixed key order, and the layout tarball is built the same way. Building the
 //! same image twice gives the same manifest digest and byte-identical files.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -121,6 +121,31 @@ pub enum ImageError {
         /// The serde error.
         #[source]
         source: serde_json::Error,
+    },
+    /// An executable or library whose shared libraries were asked for could not be read.
+    #[error("reading the ELF file {path}: {source}")]
+    ElfRead {
+        /// The file on disk.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file whose shared libraries were asked for is not a 64-bit little-endian ELF file.
+    #[error("{path} is not a 64-bit little-endian ELF file (or its dynamic section is damaged)")]
+    NotElf {
+        /// The file on disk.
+        path: PathBuf,
+    },
+    /// A shared library is in none of the searched directories.
+    #[error("shared library {name} (needed by {needed_by}) is in none of {searched}")]
+    LibraryNotFound {
+        /// The library's name (`DT_NEEDED`).
+        name: String,
+        /// The file that needs it.
+        needed_by: String,
+        /// The directories searched, comma-separated.
+        searched: String,
     },
 }
 
@@ -799,6 +824,250 @@ pub fn elf_is_static_bytes(data: &[u8]) -> Option<bool> {
     Some(true)
 }
 
+/// What the dynamic loader needs to start an ELF file: its program interpreter (`PT_INTERP`) and
+/// the shared libraries it names (`DT_NEEDED`, in order).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ElfDynamic {
+    /// The program interpreter, for example `/lib64/ld-linux-x86-64.so.2`; `None` for shared
+    /// libraries and static executables.
+    pub interpreter: Option<String>,
+    /// The `DT_NEEDED` names, for example `libc.so.6`.
+    pub needed: Vec<String>,
+}
+
+/// [`ElfDynamic`] of the file at `path`.
+pub fn elf_dynamic(path: &Path) -> Result<ElfDynamic> {
+    let data = fs::read(path).map_err(|source| ImageError::ElfRead {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    elf_dynamic_bytes(&data).ok_or_else(|| ImageError::NotElf {
+        path: path.to_path_buf(),
+    })
+}
+
+/// [`elf_dynamic`] on bytes: `None` when they are not a 64-bit little-endian ELF file or its
+/// dynamic section points outside the file.
+pub fn elf_dynamic_bytes(data: &[u8]) -> Option<ElfDynamic> {
+    const PT_LOAD: u32 = 1;
+    const PT_DYNAMIC: u32 = 2;
+    const PT_INTERP: u32 = 3;
+    const DT_NULL: u64 = 0;
+    const DT_NEEDED: u64 = 1;
+    const DT_STRTAB: u64 = 5;
+    if data.len() < 64 || &data[..4] != b"\x7fELF" || data[4] != 2 || data[5] != 1 {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(data.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(data.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(data.get(o..o + 8)?.try_into().ok()?));
+    let to_usize = |v: u64| usize::try_from(v).ok();
+    let phoff = to_usize(u64_at(0x20)?)?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    if phentsize < 56 {
+        return None;
+    }
+    // (offset, vaddr, filesz) of the PT_LOAD segments; the dynamic section's file range.
+    let mut loads = Vec::new();
+    let mut dynamic = None;
+    let mut out = ElfDynamic::default();
+    for i in 0..phnum {
+        let ph = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        let (offset, vaddr, filesz) = (u64_at(ph + 8)?, u64_at(ph + 16)?, u64_at(ph + 32)?);
+        match u32_at(ph)? {
+            PT_LOAD => loads.push((offset, vaddr, filesz)),
+            PT_DYNAMIC => dynamic = Some((to_usize(offset)?, to_usize(filesz)?)),
+            PT_INTERP => {
+                let start = to_usize(offset)?;
+                let raw = data.get(start..start.checked_add(to_usize(filesz)?)?)?;
+                let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+                out.interpreter = Some(String::from_utf8_lossy(&raw[..end]).into_owned());
+            }
+            _ => {}
+        }
+    }
+    let Some((dyn_off, dyn_size)) = dynamic else {
+        return Some(out);
+    };
+    // The dynamic entries: (tag, value), up to DT_NULL.
+    let mut strtab = None;
+    let mut needed_offsets = Vec::new();
+    let mut o = dyn_off;
+    while o + 16 <= dyn_off.checked_add(dyn_size)? {
+        let (tag, val) = (u64_at(o)?, u64_at(o + 8)?);
+        match tag {
+            DT_NULL => break,
+            DT_NEEDED => needed_offsets.push(val),
+            DT_STRTAB => strtab = Some(val),
+            _ => {}
+        }
+        o += 16;
+    }
+    if needed_offsets.is_empty() {
+        return Some(out);
+    }
+    // DT_STRTAB is an address: map it to a file offset through the PT_LOAD segment holding it.
+    let addr = strtab?;
+    let (seg_off, seg_vaddr, _) = loads
+        .iter()
+        .find(|(_, vaddr, filesz)| addr >= *vaddr && addr - vaddr < *filesz)?;
+    let strtab_off = to_usize(seg_off.checked_add(addr - seg_vaddr)?)?;
+    for n in needed_offsets {
+        let start = strtab_off.checked_add(to_usize(n)?)?;
+        let rest = data.get(start..)?;
+        let end = rest.iter().position(|&b| b == 0)?;
+        out.needed
+            .push(String::from_utf8_lossy(&rest[..end]).into_owned());
+    }
+    Some(out)
+}
+
+/// The directories [`HostLibraries::resolve`] searches by default: the loader's system search
+/// path on Debian's multiarch layout, then the other usual places.
+pub const HOST_LIB_DIRS: &[&str] = &[
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib64",
+    "/lib",
+    "/usr/lib",
+];
+
+/// Where [`ImageBuilder::merged_usr_libraries`] puts shared libraries in an image (Debian's
+/// multiarch directory, which the loader searches without an `ld.so.cache`).
+pub const IMAGE_LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
+
+/// The host's shared libraries that some executables need, found by following `DT_NEEDED` from
+/// them (the way the loader does, without running anything).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostLibraries {
+    /// Library name (`DT_NEEDED`, for example `libc.so.6`) -> the file on the host.
+    pub libs: BTreeMap<String, PathBuf>,
+    /// The program interpreters of the executables (for example `/lib64/ld-linux-x86-64.so.2`).
+    pub interpreters: BTreeSet<String>,
+}
+
+impl HostLibraries {
+    /// The closure of `DT_NEEDED` over `elfs` (executables or libraries) and the library names in
+    /// `extra`, each name looked up in `dirs` in order (the first file of that name wins). The
+    /// interpreters of `elfs` are recorded, and each one's file is added under its file name.
+    pub fn resolve<P: AsRef<Path>>(
+        elfs: &[P],
+        extra: &[&str],
+        dirs: &[P],
+    ) -> Result<HostLibraries> {
+        let mut out = HostLibraries::default();
+        // (name, who needs it)
+        let mut todo: Vec<(String, String)> = Vec::new();
+        for elf in elfs {
+            let elf = elf.as_ref();
+            let d = elf_dynamic(elf)?;
+            if let Some(interp) = d.interpreter {
+                let name = Path::new(&interp)
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                if name.is_empty() || !Path::new(&interp).is_file() {
+                    return Err(ImageError::LibraryNotFound {
+                        name: interp,
+                        needed_by: format!("{} as its interpreter", elf.display()),
+                        searched: "the host".into(),
+                    });
+                }
+                out.libs
+                    .entry(name.clone())
+                    .or_insert_with(|| PathBuf::from(&interp));
+                todo.push((name, elf.display().to_string()));
+                out.interpreters.insert(interp);
+            }
+            todo.extend(d.needed.into_iter().map(|n| (n, elf.display().to_string())));
+        }
+        todo.extend(
+            extra
+                .iter()
+                .map(|n| (n.to_string(), "the image".to_string())),
+        );
+        let mut seen = BTreeSet::new();
+        while let Some((name, needed_by)) = todo.pop() {
+            if !seen.insert(name.clone()) {
+                continue;
+            }
+            let path = match out.libs.get(&name) {
+                Some(p) => p.clone(),
+                None => {
+                    let found = if name.contains('/') {
+                        Some(PathBuf::from(&name)).filter(|p| p.is_file())
+                    } else {
+                        dirs.iter()
+                            .map(|d| d.as_ref().join(&name))
+                            .find(|p| p.is_file())
+                    };
+                    let Some(p) = found else {
+                        return Err(ImageError::LibraryNotFound {
+                            name,
+                            needed_by,
+                            searched: dirs
+                                .iter()
+                                .map(|d| d.as_ref().display().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                        });
+                    };
+                    let key = if name.contains('/') {
+                        Path::new(&name)
+                            .file_name()
+                            .map(|n| n.to_string_lossy().into_owned())
+                            .unwrap_or_else(|| name.clone())
+                    } else {
+                        name.clone()
+                    };
+                    out.libs.insert(key, p.clone());
+                    p
+                }
+            };
+            let d = elf_dynamic(&path)?;
+            todo.extend(
+                d.needed
+                    .into_iter()
+                    .map(|n| (n, path.display().to_string())),
+            );
+        }
+        Ok(out)
+    }
+}
+
+impl ImageBuilder {
+    /// Adds `libs` in a merged-/usr layout like Debian 12's: every library as a regular file
+    /// `IMAGE_LIB_DIR/<name>` (mode 0755, the content of the host's file, symlinks followed),
+    /// `/lib -> usr/lib` and `/lib64 -> usr/lib64`, and each interpreter's path (below /usr, for
+    /// example `/usr/lib64/ld-linux-x86-64.so.2`) as a symlink to its file in `IMAGE_LIB_DIR`. The
+    /// loader finds the libraries there without an `ld.so.cache`, and so does `dlopen` of a
+    /// library mounted there at run time (the CDI spec mounts `libcuda.so.1` there).
+    pub fn merged_usr_libraries(mut self, libs: &HostLibraries) -> Self {
+        self = self
+            .symlink("/lib", "usr/lib")
+            .symlink("/lib64", "usr/lib64");
+        for (name, path) in &libs.libs {
+            self = self.file(format!("{IMAGE_LIB_DIR}/{name}"), path.as_path(), 0o755);
+        }
+        for interp in &libs.interpreters {
+            let Some(name) = Path::new(interp).file_name() else {
+                continue;
+            };
+            let target = format!("{IMAGE_LIB_DIR}/{}", name.to_string_lossy());
+            let at = match interp.strip_prefix("/usr/") {
+                Some(_) => interp.clone(),
+                None => format!("/usr{interp}"),
+            };
+            if at != target {
+                self = self.symlink(at, target);
+            }
+        }
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1066,6 +1335,138 @@ mod tests {
         for bad in ["", "x@sha256:00", "x:", "/x:1", "x y:1", "x:a+b"] {
             assert!(Reference::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// A minimal ELF64 file: one PT_LOAD at vaddr 0x400000 covering the file, a PT_INTERP, and a
+    /// PT_DYNAMIC with two DT_NEEDED entries and DT_STRTAB pointing into the load segment.
+    fn tiny_elf() -> Vec<u8> {
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        let phoff = 64u64;
+        let phnum = 3u16;
+        f[0x20..0x28].copy_from_slice(&phoff.to_le_bytes());
+        f[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        f[0x38..0x3a].copy_from_slice(&phnum.to_le_bytes());
+        let interp_off = 64 + 3 * 56;
+        let interp = b"/lib64/ld-test.so.2\0";
+        let strtab_off = interp_off + interp.len();
+        let strtab = b"\0libfoo.so.1\0libbar.so.2\0";
+        let dyn_off = strtab_off + strtab.len();
+        let vaddr = 0x40_0000u64;
+        let dyns: [(u64, u64); 4] = [(1, 1), (5, vaddr + strtab_off as u64), (1, 13), (0, 0)];
+        let total = dyn_off + dyns.len() * 16;
+        let ph = |t: u32, off: u64, va: u64, size: u64| {
+            let mut h = vec![0u8; 56];
+            h[..4].copy_from_slice(&t.to_le_bytes());
+            h[8..16].copy_from_slice(&off.to_le_bytes());
+            h[16..24].copy_from_slice(&va.to_le_bytes());
+            h[32..40].copy_from_slice(&size.to_le_bytes());
+            h
+        };
+        f.extend(ph(1, 0, vaddr, total as u64));
+        f.extend(ph(
+            3,
+            interp_off as u64,
+            vaddr + interp_off as u64,
+            interp.len() as u64,
+        ));
+        f.extend(ph(
+            2,
+            dyn_off as u64,
+            vaddr + dyn_off as u64,
+            (dyns.len() * 16) as u64,
+        ));
+        f.extend_from_slice(interp);
+        f.extend_from_slice(strtab);
+        for (t, v) in dyns {
+            f.extend_from_slice(&t.to_le_bytes());
+            f.extend_from_slice(&v.to_le_bytes());
+        }
+        f
+    }
+
+    #[test]
+    fn elf_dynamic_reads_interpreter_and_needed() {
+        let d = elf_dynamic_bytes(&tiny_elf()).unwrap();
+        assert_eq!(d.interpreter.as_deref(), Some("/lib64/ld-test.so.2"));
+        assert_eq!(d.needed, vec!["libfoo.so.1", "libbar.so.2"]);
+        assert_eq!(elf_dynamic_bytes(b"not an elf"), None);
+        // Truncated inside the dynamic section.
+        let t = tiny_elf();
+        assert_eq!(elf_dynamic_bytes(&t[..t.len() - 20]), None);
+
+        // This test binary is dynamically linked against libc, with an interpreter.
+        let me = std::env::current_exe().unwrap();
+        let d = elf_dynamic(&me).unwrap();
+        assert!(d.interpreter.is_some(), "{d:?}");
+        assert!(d.needed.iter().any(|n| n.starts_with("libc.so")), "{d:?}");
+    }
+
+    #[test]
+    fn host_libraries_follow_needed() {
+        let me = std::env::current_exe().unwrap();
+        let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
+        let libs = HostLibraries::resolve(std::slice::from_ref(&me), &[], &dirs).unwrap();
+        assert!(libs.libs.contains_key("libc.so.6"), "{libs:?}");
+        let interp = libs.interpreters.iter().next().unwrap();
+        let interp_name = Path::new(interp).file_name().unwrap().to_string_lossy();
+        assert!(libs.libs.contains_key(interp_name.as_ref()), "{libs:?}");
+        let e =
+            HostLibraries::resolve(&[me], &["libgpu-ckpt-nonexistent.so.9"], &dirs).unwrap_err();
+        assert!(
+            matches!(&e, ImageError::LibraryNotFound { name, .. }
+                if name == "libgpu-ckpt-nonexistent.so.9"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn merged_usr_layout() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lib = tmp.path().join("libx.so.1");
+        fs::write(&lib, b"lib").unwrap();
+        let ld = tmp.path().join("ld-test.so.2");
+        fs::write(&ld, b"ld").unwrap();
+        let libs = HostLibraries {
+            libs: [
+                ("libx.so.1".to_string(), lib),
+                ("ld-test.so.2".to_string(), ld),
+            ]
+            .into_iter()
+            .collect(),
+            interpreters: ["/lib64/ld-test.so.2".to_string()].into_iter().collect(),
+        };
+        let layer = ImageBuilder::new("x:1")
+            .merged_usr_libraries(&libs)
+            .layer()
+            .unwrap();
+        let mut ar = tar::Archive::new(&layer[..]);
+        let mut got = BTreeMap::new();
+        for e in ar.entries().unwrap() {
+            let e = e.unwrap();
+            let path = e
+                .path()
+                .unwrap()
+                .to_string_lossy()
+                .trim_end_matches('/')
+                .to_string();
+            let link = e
+                .link_name()
+                .unwrap()
+                .map(|l| l.to_string_lossy().into_owned());
+            got.insert(path, (e.header().entry_type(), link));
+        }
+        use tar::EntryType::{Regular as F, Symlink as L};
+        assert_eq!(got["lib"], (L, Some("usr/lib".into())));
+        assert_eq!(got["lib64"], (L, Some("usr/lib64".into())));
+        assert_eq!(got["usr/lib/x86_64-linux-gnu/libx.so.1"], (F, None));
+        assert_eq!(got["usr/lib/x86_64-linux-gnu/ld-test.so.2"], (F, None));
+        assert_eq!(
+            got["usr/lib64/ld-test.so.2"],
+            (L, Some("/usr/lib/x86_64-linux-gnu/ld-test.so.2".into()))
+        );
     }
 
     #[test]

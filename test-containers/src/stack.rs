@@ -38,6 +38,9 @@ pub const REGISTRY: &str = "localhost:5000";
 pub const PAUSE_IMAGE: &str = "localhost:5000/pause:1";
 /// The workloads image (busybox + counter, memhog, echo-server, echo-client, oom-eater).
 pub const WORKLOADS_IMAGE: &str = "localhost:5000/gpu-ckpt/workloads:1";
+/// The GPU workloads image (gpu-train, gpu-fill and glibc; the CDI spec of the simulated driver
+/// mounts libcuda.so.1 into it).
+pub const GPU_WORKLOADS_IMAGE: &str = "localhost:5000/gpu-ckpt/gpu-workloads:1";
 /// containerd namespace used by CRI.
 pub const K8S_NAMESPACE: &str = "k8s.io";
 /// Where per-node runtime state lives (short paths: unix socket limit).
@@ -240,9 +243,20 @@ pub struct NodeBuilder {
     extra_config: Vec<String>,
     env: Vec<(String, String)>,
     start_timeout: Duration,
+    cdi_spec_dirs: Option<Vec<PathBuf>>,
 }
 
 impl NodeBuilder {
+    /// Turns on CDI with these spec directories: CRI injects the devices that a container asks
+    /// for (`cdi.k8s.io/*` annotations, `CDI_devices`) from them (`enable_cdi = true`,
+    /// `cdi_spec_dirs = [...]` in `[plugins.'io.containerd.cri.v1.runtime']`), and
+    /// [`Node::ctr_cdi`] shows them to ctr, whose `run --device <kind>=<name>` reads only
+    /// /etc/cdi and /var/run/cdi. Without this call the node keeps containerd's defaults.
+    pub fn cdi<P: AsRef<Path>>(mut self, spec_dirs: &[P]) -> Self {
+        self.cdi_spec_dirs = Some(spec_dirs.iter().map(|d| d.as_ref().to_path_buf()).collect());
+        self
+    }
+
     /// Write a CNI bridge config for this node (default: on). Without it, only hostNetwork
     /// (NODE network namespace) pods work.
     pub fn cni(mut self, on: bool) -> Self {
@@ -394,6 +408,7 @@ pub struct Node {
     cni: Option<CniNet>,
     child: Option<Child>,
     extra_runc_roots: Vec<PathBuf>,
+    cdi_spec_dirs: Vec<PathBuf>,
     stopped: bool,
 }
 
@@ -415,6 +430,7 @@ impl Node {
             extra_config: Vec::new(),
             env: Vec::new(),
             start_timeout: Duration::from_secs(20),
+            cdi_spec_dirs: None,
         }
     }
 
@@ -504,6 +520,7 @@ impl Node {
             cni,
             child: Some(child),
             extra_runc_roots: extra_roots,
+            cdi_spec_dirs: b.cdi_spec_dirs.clone().unwrap_or_default(),
             stopped: false,
         };
         node.wait_ready(b.start_timeout)?;
@@ -686,6 +703,77 @@ impl Node {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// The CDI spec directories of this node ([`NodeBuilder::cdi`]); empty without CDI.
+    pub fn cdi_spec_dirs(&self) -> &[PathBuf] {
+        &self.cdi_spec_dirs
+    }
+
+    /// Runs `ctr --address <sock> -n <ns> <args>` so that it sees this node's CDI spec
+    /// directories ([`NodeBuilder::cdi`]) as /etc/cdi. ctr 2.x resolves `run --device
+    /// <vendor>/<class>=<name>` itself, from /etc/cdi and /var/run/cdi only (containerd 2.1's ctr
+    /// has no flag for other directories), so ctr runs in a mount namespace of its own (`unshare
+    /// --mount`, private propagation): /etc is an overlay of itself with a tmpfs on top, /etc/cdi
+    /// shows copies of the spec files, and a host /var/run/cdi is hidden. Nothing changes outside
+    /// that namespace, and the container itself is made by containerd as usual. The spec files
+    /// (`*.json`, `*.yaml`) are copied on each call into `/run/gpu-ckpt-test/<node>/cdi`; a later
+    /// directory's file replaces an earlier one's of the same name.
+    pub fn ctr_cdi(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        if self.cdi_spec_dirs.is_empty() {
+            bail!(
+                "node {} has no CDI spec directories: start it with NodeBuilder::cdi",
+                self.name
+            );
+        }
+        let specs = self.paths.run.join("cdi");
+        let _ = fs::remove_dir_all(&specs);
+        fs::create_dir_all(&specs).with_context(|| format!("create {}", specs.display()))?;
+        for dir in &self.cdi_spec_dirs {
+            let entries =
+                fs::read_dir(dir).with_context(|| format!("read CDI dir {}", dir.display()))?;
+            for e in entries {
+                let e = e?;
+                let path = e.path();
+                let is_spec = matches!(
+                    path.extension().and_then(|x| x.to_str()),
+                    Some("json" | "yaml" | "yml")
+                );
+                if is_spec && path.is_file() {
+                    fs::copy(&path, specs.join(e.file_name()))
+                        .with_context(|| format!("copy CDI spec {}", path.display()))?;
+                }
+            }
+        }
+        let scratch = self.paths.run.join("cdi-ns");
+        fs::create_dir_all(&scratch).with_context(|| format!("create {}", scratch.display()))?;
+        const SCRIPT: &str = r#"set -e
+t=$1 s=$2
+shift 2
+mount -t tmpfs -o mode=0700 gpu-ckpt-cdi "$t"
+mkdir "$t/upper" "$t/work"
+mount -t overlay -o "lowerdir=/etc,upperdir=$t/upper,workdir=$t/work" gpu-ckpt-cdi /etc
+mkdir -p /etc/cdi
+mount --bind "$s" /etc/cdi
+if [ -d /var/run/cdi ]; then mount -t tmpfs -o mode=0755 gpu-ckpt-cdi /var/run/cdi; fi
+exec "$@"
+"#;
+        let ctr = self.stack.ctr_bin();
+        Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "--"])
+            .args(["sh", "-c", SCRIPT, "sh"])
+            .arg(&scratch)
+            .arg(&specs)
+            .arg(&ctr)
+            .arg("--address")
+            .arg(&self.paths.socket)
+            .arg("-n")
+            .arg(ns)
+            .args(args)
+            .env("PATH", self.stack.path_env())
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("run {} {} with CDI", ctr.display(), args.join(" ")))
+    }
+
     /// The whole containerd log (lossy UTF-8).
     pub fn log(&self) -> String {
         fs::read(&self.paths.log)
@@ -861,6 +949,11 @@ fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Re
 
     writeln!(c, "[plugins.'io.containerd.cri.v1.runtime']")?;
     writeln!(c, "  restrict_oom_score_adj = true")?;
+    if let Some(dirs) = &b.cdi_spec_dirs {
+        let dirs: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        writeln!(c, "  enable_cdi = true")?;
+        writeln!(c, "  cdi_spec_dirs = {}", toml_list(&dirs))?;
+    }
     if has_key("enable_criu") {
         writeln!(c, "  enable_criu = true")?;
     }
@@ -1584,5 +1677,27 @@ mod tests {
     fn toml_strings_escape() {
         assert_eq!(toml_str("a\"b"), "\"a\\\"b\"");
         assert_eq!(OptValue::from(true).to_toml(), "true");
+    }
+
+    #[test]
+    fn cdi_keys_in_the_cri_runtime_table() {
+        let stack = Stack {
+            prefix: PathBuf::from("/nonexistent/gpu-ckpt-stack"),
+            repo: repo_root(),
+        };
+        let p = NodePaths::new(&stack, "cfg");
+        let b = Node::builder_on(&stack, "cfg").cdi(&["/x/cdi", "/y/cdi"]);
+        let c = render_config(&stack, &b, &p, false).unwrap();
+        let table = "[plugins.'io.containerd.cri.v1.runtime']\n";
+        let start = c.find(table).expect("runtime table") + table.len();
+        let end = start + c[start..].find("\n[").expect("next table") + 1;
+        let body = &c[start..end];
+        assert!(body.contains("  enable_cdi = true\n"), "{body}");
+        assert!(
+            body.contains("  cdi_spec_dirs = [\"/x/cdi\", \"/y/cdi\"]\n"),
+            "{body}"
+        );
+        let plain = render_config(&stack, &Node::builder_on(&stack, "cfg"), &p, false).unwrap();
+        assert!(!plain.contains("cdi"), "{plain}");
     }
 }

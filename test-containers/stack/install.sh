@@ -7,6 +7,9 @@
 #   $STACK/sidlibc                                                  libc6 from sid (never installed)
 #   $STACK/registry/usr/bin/docker-registry                         bookworm .deb (see registry.sh)
 #   $STACK/cni/usr/lib/cni                                          bookworm containernetworking-plugins
+#   $STACK/py                                                       Python venv (system python3) with the pinned
+#                                                                   CUDA/NVML client libraries the GPU simulator's
+#                                                                   tests run (test-containers/tests/gpu_python.rs)
 #   $STACK/env.sh, $STACK/versions.txt
 #
 # Host packages come from bookworm (the system's own apt sources). Packages from trixie and sid are only
@@ -38,6 +41,10 @@ CONTAINERD_PIN="2.1.9+ds1-5"       # sid; else newest containerd 2.x in sid
 CRIU_PIN="4.2.1-1"                 # sid source; else newest 4.x source in trixie/sid
 LIBC_PIN="2.43-7"                  # sid; else newest libc6 in sid
 CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
+# NVIDIA's Python clients, exact pins from PyPI (docs/gpu-sim-api.md): the driver bindings (13.5 has
+# the CUDA 13.4 custom-storage checkpoint API), the library finder they load libcuda.so.1 with, and
+# NVML's official bindings.
+PY_PINS=(cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 nvidia-ml-py==13.615.71)
 
 COMPONENT="setup"
 # Progress goes to stderr so that functions whose stdout is captured can log too.
@@ -102,6 +109,7 @@ HOST_PKGS=(
   build-essential pkg-config protobuf-c-compiler libprotobuf-dev libprotobuf-c-dev python3-protobuf
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   make xz-utils file procps util-linux psmisc hyperfine curl ca-certificates
+  python3 python3-venv
 )
 APT_WAIT=(-oDPkg::Lock::Timeout=600)
 sys_updated=0
@@ -503,6 +511,36 @@ install_cni() {
   log "containernetworking-plugins $ver -> $STACK/cni/usr/lib/cni"
 }
 
+install_pyvenv() {
+  COMPONENT="python venv"
+  local py="$STACK/py/bin/python" want="${PY_PINS[*]}"
+  if stamp_valid pyvenv "$py" && [ "$(stamp_get pyvenv)" = "$want" ] &&
+    "$py" -c 'import cuda.bindings.driver, pynvml' >/dev/null 2>&1; then
+    log "python venv ($want) -> $STACK/py (installed)"
+    return
+  fi
+  # The system's python3 (Debian 12: 3.11), not one a user put first on PATH.
+  local sys_py=/usr/bin/python3
+  [ -x "$sys_py" ] || die "$sys_py is missing although the python3 package is installed"
+  rm -f "$STACK/stamps/pyvenv"
+  rm -rf "$STACK/py"
+  log "python venv: $("$sys_py" --version 2>&1) -> $STACK/py; pip install $want"
+  "$sys_py" -m venv "$STACK/py" >"$STACK/build/pyvenv.log" 2>&1 ||
+    { tail -n 20 "$STACK/build/pyvenv.log" >&2; die "$sys_py -m venv $STACK/py failed (log: $STACK/build/pyvenv.log)"; }
+  mkdir -p "$CACHE/pip"
+  if ! PIP_CACHE_DIR="$CACHE/pip" "$py" -m pip install --no-input --disable-pip-version-check --only-binary=:all: \
+    "${PY_PINS[@]}" >>"$STACK/build/pyvenv.log" 2>&1; then
+    tail -n 30 "$STACK/build/pyvenv.log" >&2
+    die "pip install ${PY_PINS[*]} failed (log: $STACK/build/pyvenv.log)"
+  fi
+  local got
+  got=$("$py" -c 'import importlib.metadata as m, cuda.bindings.driver, pynvml; print(" ".join(f"{p}=={m.version(p)}" for p in ("cuda-bindings", "cuda-pathfinder", "nvidia-ml-py")))' 2>&1) ||
+    die "the venv's python cannot import cuda.bindings.driver and pynvml: $got"
+  [ "$got" = "$want" ] || die "the venv holds $got, expected $want"
+  stamp_set pyvenv "$want"
+  log "python venv ($want) -> $STACK/py"
+}
+
 write_env() {
   COMPONENT="env.sh"
   local q
@@ -527,6 +565,8 @@ EOF
     echo "patchelf $(host_version patchelf)"
     echo "protobuf-compiler $(host_version protobuf-compiler)"
     echo "hyperfine $(host_version hyperfine)"
+    echo "python3 $(host_version python3)"
+    echo "python-venv $(stamp_get pyvenv)"
   } >"$STACK/versions.txt.new"
   mv "$STACK/versions.txt.new" "$STACK/versions.txt"
   log "env -> $STACK/env.sh; versions -> $STACK/versions.txt"
@@ -542,6 +582,7 @@ install_sidlibc
 install_checkpointctl
 install_registry
 install_cni
+install_pyvenv
 write_env
 COMPONENT="done"
 log "stack ready in $STACK ($(($(date +%s) - started)) s)"

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use crate::cuerr::cu;
 use crate::mailbox::{self, Mailbox};
 use crate::node::{format_uuid, NodeDesc};
-use crate::proto::{self, CkptCall, FaultOp, Pair, ProcUse, Reply, Request, Role, SavedAlloc};
+use crate::proto::{
+    self, CkptCall, FaultOp, MappedRange, Pair, ProcUse, Reply, Request, Role, SavedAlloc,
+};
 
 /// Device allocations are placed and accounted in units of this size.
 const GRANULE: u64 = 2 << 20;
@@ -34,7 +36,36 @@ struct Alloc {
     gpu: usize,
     size: u64,
     data: Mutex<Vec<u8>>,
+    /// A range a custom-storage operation mapped into this process: another process's memory,
+    /// not counted against the GPU again, and not the holder's to free.
+    mapped: bool,
 }
+
+/// A custom-storage checkpoint or restore waiting for `cuCheckpointOperationComplete`.
+struct Op {
+    /// The calling connection, which holds the ranges.
+    caller: u64,
+    /// The target process.
+    pid: i32,
+    /// The ranges' addresses in the caller.
+    ranges: Vec<u64>,
+    kind: OpKind,
+}
+
+enum OpKind {
+    /// The target's memory moved into the ranges; its granules stay counted until completion.
+    Checkpoint { held: Vec<(usize, u64)> },
+    /// Where each range's bytes go: the restored target's allocations, in order.
+    Restore {
+        target_conn: u64,
+        layout: Vec<(u64, Vec<(u64, u64)>)>,
+    },
+}
+
+type CkptResult<T> = Result<T, (u32, String)>;
+
+/// A target's allocations (address, allocation) on their way to a custom-storage caller.
+type Handover = Vec<(u64, Arc<Alloc>)>;
 
 struct Conn {
     pid: i32,
@@ -62,6 +93,13 @@ pub struct Daemon {
     pid_locks: Mutex<HashMap<i32, Arc<Mutex<()>>>>,
     /// Restores waiting for their process to reconnect: pid → GPU map.
     pending: Mutex<HashMap<i32, Vec<Pair>>>,
+    /// The connection a restoring process came back on: pid → connection.
+    restored_conn: Mutex<HashMap<i32, u64>>,
+    /// Memory handed over by a target at a custom-storage checkpoint: pid → (address, allocation).
+    handover: Mutex<HashMap<i32, Handover>>,
+    /// Custom-storage operations by handle.
+    ops: Mutex<HashMap<u64, Op>>,
+    next_op: AtomicU64,
     next_conn: AtomicU64,
 }
 
@@ -107,6 +145,10 @@ impl Daemon {
             last_args: Mutex::new(HashMap::new()),
             pid_locks: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
+            restored_conn: Mutex::new(HashMap::new()),
+            handover: Mutex::new(HashMap::new()),
+            ops: Mutex::new(HashMap::new()),
+            next_op: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
         }
     }
@@ -166,11 +208,28 @@ impl Daemon {
         self.drop_conn(id);
     }
 
-    /// Frees everything a connection held.
+    /// Frees everything a connection held, and the custom-storage operations it left open (their
+    /// targets stay CHECKPOINTING or RESTORING).
     fn drop_conn(&self, id: u64) {
+        let abandoned: Vec<Op> = {
+            let mut ops = lock(&self.ops);
+            let keys: Vec<u64> = ops
+                .iter()
+                .filter(|(_, o)| o.caller == id)
+                .map(|(k, _)| *k)
+                .collect();
+            keys.iter().filter_map(|k| ops.remove(k)).collect()
+        };
         let mut reg = lock(&self.reg);
+        for op in abandoned {
+            if let OpKind::Checkpoint { held } = op.kind {
+                for (g, bytes) in held {
+                    reg.used[g] = reg.used[g].saturating_sub(bytes);
+                }
+            }
+        }
         if let Some(conn) = reg.conns.remove(&id) {
-            for a in conn.allocs.values() {
+            for a in conn.allocs.values().filter(|a| !a.mapped) {
                 reg.used[a.gpu] = reg.used[a.gpu].saturating_sub(align_up(a.size));
             }
         }
@@ -257,12 +316,36 @@ impl Daemon {
                     c.contexts.clear();
                     c.role = Role::Control;
                 }
-                for a in freed {
+                for a in freed.iter().filter(|a| !a.mapped) {
                     reg.used[a.gpu] = reg.used[a.gpu].saturating_sub(align_up(a.size));
                 }
                 Reply::Ok
             }
+            Request::Handover => {
+                let mut reg = lock(&self.reg);
+                match reg.conns.get_mut(&id) {
+                    Some(c) => {
+                        let moved: Handover = std::mem::take(&mut c.allocs)
+                            .into_iter()
+                            .filter(|(_, a)| !a.mapped)
+                            .collect();
+                        c.contexts.clear();
+                        c.role = Role::Control;
+                        let pid = c.pid;
+                        drop(reg);
+                        lock(&self.handover).insert(pid, moved);
+                        Reply::Ok
+                    }
+                    None => Reply::err(cu::NOT_INITIALIZED, "unknown connection"),
+                }
+            }
             Request::Restore { allocs } => self.restore_target(id, allocs),
+            Request::OperationComplete { handle } => match self.complete(id, handle) {
+                Ok(()) => Reply::Ok,
+                Err((code, msg)) => {
+                    Reply::err(code, format!("cuCheckpointOperationComplete: {msg}"))
+                }
+            },
             Request::Processes => Reply::Processes(self.processes()),
             Request::Fault { pid, op, set } => {
                 let mut f = lock(&self.faults);
@@ -304,6 +387,7 @@ impl Daemon {
                 gpu: i,
                 size,
                 data: Mutex::new(vec![0u8; size as usize]),
+                mapped: false,
             }),
         );
         conn.contexts.insert(i);
@@ -316,6 +400,12 @@ impl Daemon {
         let Some(conn) = reg.conns.get_mut(&id) else {
             return Reply::err(cu::NOT_INITIALIZED, "unknown connection");
         };
+        if conn.allocs.get(&ptr).is_some_and(|a| a.mapped) {
+            return Reply::err(
+                cu::INVALID_VALUE,
+                format!("{ptr:#x} is a custom-storage mapping, released by cuCheckpointOperationComplete"),
+            );
+        }
         match conn.allocs.remove(&ptr) {
             Some(a) => {
                 reg.used[a.gpu] = reg.used[a.gpu].saturating_sub(align_up(a.size));
@@ -384,7 +474,7 @@ impl Daemon {
                 let used = c
                     .allocs
                     .values()
-                    .filter(|a| a.gpu == g)
+                    .filter(|a| a.gpu == g && !a.mapped)
                     .map(|a| align_up(a.size))
                     .sum();
                 out.push(ProcUse {
@@ -517,47 +607,98 @@ impl Daemon {
                     "lock",
                 )
             }
-            CkptCall::Checkpoint { args, .. } => {
-                check_reserved(&args, 0)?;
+            CkptCall::Checkpoint {
+                args, primaries, ..
+            } => {
+                // CUDA 13.4 made the first 8 bytes customStorageInfo_out; before, they are reserved.
+                let custom = self.custom_storage(&args, 0);
+                check_reserved(&args, if custom { 8 } else { 0 })?;
                 want(crate::STATE_LOCKED, "locked")?;
+                if custom {
+                    self.check_primaries(&primaries, self.target_gpus(pid))?;
+                }
                 if self.fault(pid, FaultOp::CheckpointFail) {
                     return Err((cu::OPERATING_SYSTEM, "injected checkpoint failure".into()));
                 }
+                let flags = if custom { mailbox::flags::CUSTOM } else { 0 };
                 answer(
                     mb.call(
                         mailbox::cmd::CHECKPOINT,
                         0,
-                        0,
+                        flags,
                         Some(Instant::now() + STEP_LIMIT),
                     ),
                     "checkpoint",
-                )
-            }
-            CkptCall::Restore { args, pairs, .. } => {
-                // gpuPairs and gpuPairsCount exist from CUDA 13.0 on; before, all 64 bytes are reserved.
-                check_reserved(
-                    &args,
-                    if self.node.cuda_version >= 13000 {
-                        12
-                    } else {
-                        0
-                    },
                 )?;
+                if custom {
+                    self.custom_checkpoint(caller, pid, &mb)
+                } else {
+                    Ok(Reply::Ok)
+                }
+            }
+            CkptCall::Restore {
+                args,
+                pairs,
+                primaries,
+                ..
+            } => {
+                // gpuPairs and gpuPairsCount exist from CUDA 13.0 on; before, all 64 bytes are
+                // reserved. CUDA 13.4 adds customStorageInfo_out at byte 16 (after 4 bytes of
+                // padding).
+                let custom = self.custom_storage(&args, 16);
+                if custom {
+                    check_zero(&args, 12..16)?;
+                    check_reserved(&args, 24)?;
+                } else {
+                    check_reserved(
+                        &args,
+                        if self.node.cuda_version >= 13000 {
+                            12
+                        } else {
+                            0
+                        },
+                    )?;
+                }
                 want(crate::STATE_CHECKPOINTED, "checkpointed")?;
+                let was_custom = mb.get().custom.load(Ordering::Acquire) == 1;
+                if custom != was_custom {
+                    return Err((
+                        cu::INVALID_VALUE,
+                        if was_custom {
+                            format!("process {pid} was checkpointed to custom storage: its restore needs customStorageInfo_out")
+                        } else {
+                            format!("process {pid} was checkpointed to host memory: there is nothing to restore from custom storage")
+                        },
+                    ));
+                }
                 let map = self.restore_map(&mb, &pairs)?;
+                if custom {
+                    let targets = map.iter().filter_map(|p| self.gpu_index(&p.1)).collect();
+                    self.check_primaries(&primaries, targets)?;
+                }
                 if self.fault(pid, FaultOp::RestoreFail) {
                     return Err((cu::OPERATING_SYSTEM, "injected restore failure".into()));
                 }
-                lock(&self.pending).insert(pid, map);
+                lock(&self.pending).insert(pid, map.clone());
                 mb.set_socket(&self.socket);
+                let flags = if custom { mailbox::flags::CUSTOM } else { 0 };
                 let code = mb.call(
                     mailbox::cmd::RESTORE,
                     0,
-                    0,
+                    flags,
                     Some(Instant::now() + STEP_LIMIT),
                 );
                 lock(&self.pending).remove(&pid);
-                answer(code, "restore")
+                let target_conn = lock(&self.restored_conn).remove(&pid);
+                answer(code, "restore")?;
+                match (custom, target_conn) {
+                    (false, _) => Ok(Reply::Ok),
+                    (true, Some(conn)) => self.custom_restore(caller, pid, conn, &mb, &map),
+                    (true, None) => Err((
+                        cu::OPERATING_SYSTEM,
+                        format!("process {pid} did not reconnect"),
+                    )),
+                }
             }
             CkptCall::Unlock { args, .. } => {
                 check_reserved(&args, 0)?;
@@ -572,6 +713,309 @@ impl Daemon {
                     "unlock",
                 )
             }
+        }
+    }
+
+    /// Whether a checkpoint or restore argument struct asks for custom storage: a non-NULL
+    /// `customStorageInfo_out` at `offset`, on a CUDA version that has it.
+    fn custom_storage(&self, args: &[u8], offset: usize) -> bool {
+        self.node.cuda_version >= crate::CUSTOM_STORAGE_SINCE
+            && args
+                .get(offset..offset + 8)
+                .is_some_and(|b| b.iter().any(|x| *x != 0))
+    }
+
+    /// The GPUs (node indexes) process `pid` holds state on.
+    fn target_gpus(&self, pid: i32) -> BTreeSet<usize> {
+        let reg = lock(&self.reg);
+        reg.conns
+            .values()
+            .filter(|c| c.pid == pid && c.role == Role::Cuda)
+            .flat_map(|c| {
+                c.contexts
+                    .iter()
+                    .copied()
+                    .chain(c.allocs.values().map(|a| a.gpu))
+            })
+            .collect()
+    }
+
+    /// Custom storage maps memory onto the caller's GPUs: it needs a retained primary context on
+    /// each of them.
+    fn check_primaries(&self, primaries: &[[u8; 16]], gpus: BTreeSet<usize>) -> CkptResult<()> {
+        for i in gpus {
+            let uuid = self.node.gpus[i].uuid;
+            if !primaries.contains(&uuid) {
+                return Err((
+                    cu::INVALID_CONTEXT,
+                    format!(
+                        "custom storage needs a retained primary context on GPU {} in the caller",
+                        format_uuid(&uuid)
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts one contiguous range into the caller's address space.
+    fn map_range(&self, caller: u64, gpu: usize, data: Vec<u8>) -> CkptResult<u64> {
+        let mut reg = lock(&self.reg);
+        let conn = reg
+            .conns
+            .get_mut(&caller)
+            .ok_or((cu::NOT_INITIALIZED, "the caller is gone".to_string()))?;
+        let ptr = conn.next_va;
+        let size = data.len() as u64;
+        conn.next_va = align_up(ptr + size.max(1));
+        conn.allocs.insert(
+            ptr,
+            Arc::new(Alloc {
+                gpu,
+                size,
+                data: Mutex::new(data),
+                mapped: true,
+            }),
+        );
+        Ok(ptr)
+    }
+
+    /// The GPUs of a checkpoint in the order its mailbox lists them (the process's device
+    /// ordinals), as node indexes after `map` (old UUID → new UUID).
+    fn slot_order(&self, mb: &Mailbox, map: &[Pair]) -> Vec<usize> {
+        let l = mb.get();
+        let n = (l.ngpus.load(Ordering::Acquire) as usize).min(mailbox::MAX_GPUS);
+        l.gpus[..n]
+            .iter()
+            .map(|s| {
+                map.iter()
+                    .find(|p| p.0 == s.uuid)
+                    .map(|p| p.1)
+                    .unwrap_or(s.uuid)
+            })
+            .filter_map(|u| self.gpu_index(&u))
+            .collect()
+    }
+
+    /// After a custom-storage checkpoint step: the target's memory, handed over, becomes one
+    /// contiguous range per GPU in the caller (allocations in address order).
+    fn custom_checkpoint(&self, caller: u64, pid: i32, mb: &Mailbox) -> CkptResult<Reply> {
+        let moved = lock(&self.handover).remove(&pid).ok_or((
+            cu::OPERATING_SYSTEM,
+            format!("process {pid} handed over no memory"),
+        ))?;
+        let mut order = self.slot_order(mb, &[]);
+        for (_, a) in &moved {
+            if !order.contains(&a.gpu) {
+                order.push(a.gpu);
+            }
+        }
+        let mut held = Vec::new();
+        let mut ranges = Vec::new();
+        let mut ptrs = Vec::new();
+        let mut failed = None;
+        for gi in order {
+            let mut mine: Vec<&(u64, Arc<Alloc>)> =
+                moved.iter().filter(|(_, a)| a.gpu == gi).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            mine.sort_by_key(|(p, _)| *p);
+            let total: u64 = mine.iter().map(|(_, a)| a.size).sum();
+            let granules: u64 = mine.iter().map(|(_, a)| align_up(a.size)).sum();
+            held.push((gi, granules));
+            if failed.is_some() {
+                continue;
+            }
+            let mut data = Vec::with_capacity(total as usize);
+            for (_, a) in mine {
+                data.extend_from_slice(&std::mem::take(&mut *lock(&a.data)));
+            }
+            match self.map_range(caller, gi, data) {
+                Ok(ptr) => {
+                    ptrs.push(ptr);
+                    ranges.push(MappedRange {
+                        gpu: self.node.gpus[gi].uuid,
+                        ptr,
+                        size: total,
+                    });
+                }
+                Err(e) => failed = Some(e),
+            }
+        }
+        if let Some(e) = failed {
+            let mut reg = lock(&self.reg);
+            for (g, bytes) in held {
+                reg.used[g] = reg.used[g].saturating_sub(bytes);
+            }
+            return Err(e);
+        }
+        let handle = self.next_op.fetch_add(1, Ordering::Relaxed);
+        lock(&self.ops).insert(
+            handle,
+            Op {
+                caller,
+                pid,
+                ranges: ptrs,
+                kind: OpKind::Checkpoint { held },
+            },
+        );
+        Ok(Reply::Custom { handle, ranges })
+    }
+
+    /// After a custom-storage restore step: the target's restored (empty) allocations appear in
+    /// the caller as one contiguous range per GPU, in the same order as at the checkpoint.
+    fn custom_restore(
+        &self,
+        caller: u64,
+        pid: i32,
+        target_conn: u64,
+        mb: &Mailbox,
+        map: &[Pair],
+    ) -> CkptResult<Reply> {
+        let order = self.slot_order(mb, map);
+        let per_gpu: Vec<(usize, Vec<(u64, u64)>)> = {
+            let reg = lock(&self.reg);
+            let conn = reg
+                .conns
+                .get(&target_conn)
+                .ok_or((cu::OPERATING_SYSTEM, format!("process {pid} is gone")))?;
+            order
+                .iter()
+                .map(|&gi| {
+                    let parts = conn
+                        .allocs
+                        .iter()
+                        .filter(|(_, a)| a.gpu == gi && !a.mapped)
+                        .map(|(p, a)| (*p, a.size))
+                        .collect();
+                    (gi, parts)
+                })
+                .collect()
+        };
+        let mut layout = Vec::new();
+        let mut ranges = Vec::new();
+        for (gi, parts) in per_gpu {
+            if parts.is_empty() {
+                continue;
+            }
+            let total: u64 = parts.iter().map(|p| p.1).sum();
+            let ptr = self.map_range(caller, gi, vec![0u8; total as usize])?;
+            ranges.push(MappedRange {
+                gpu: self.node.gpus[gi].uuid,
+                ptr,
+                size: total,
+            });
+            layout.push((ptr, parts));
+        }
+        let handle = self.next_op.fetch_add(1, Ordering::Relaxed);
+        lock(&self.ops).insert(
+            handle,
+            Op {
+                caller,
+                pid,
+                ranges: layout.iter().map(|l| l.0).collect(),
+                kind: OpKind::Restore {
+                    target_conn,
+                    layout,
+                },
+            },
+        );
+        Ok(Reply::Custom { handle, ranges })
+    }
+
+    /// `cuCheckpointOperationComplete`: releases the ranges (a restore's bytes go to the target's
+    /// allocations first), then moves the target on: CHECKPOINTING → CHECKPOINTED, RESTORING →
+    /// LOCKED.
+    fn complete(&self, caller: u64, handle: u64) -> CkptResult<()> {
+        if self.node.cuda_version < crate::CUSTOM_STORAGE_SINCE {
+            return Err((
+                cu::NOT_SUPPORTED,
+                format!("CUDA {} has no custom storage", self.node.cuda_version),
+            ));
+        }
+        let op = {
+            let mut ops = lock(&self.ops);
+            match ops.get(&handle) {
+                Some(o) if o.caller == caller => ops.remove(&handle),
+                _ => None,
+            }
+        }
+        .ok_or((
+            cu::INVALID_HANDLE,
+            format!("no custom-storage operation {handle} of this process"),
+        ))?;
+        let pid = op.pid;
+        let pid_lock = Arc::clone(lock(&self.pid_locks).entry(pid).or_default());
+        let _serial = lock(&pid_lock);
+        let ranges: HashMap<u64, Arc<Alloc>> = {
+            let mut reg = lock(&self.reg);
+            match reg.conns.get_mut(&caller) {
+                Some(c) => op
+                    .ranges
+                    .iter()
+                    .filter_map(|p| c.allocs.remove(p).map(|a| (*p, a)))
+                    .collect(),
+                None => HashMap::new(),
+            }
+        };
+        match op.kind {
+            OpKind::Checkpoint { held } => {
+                let mut reg = lock(&self.reg);
+                for (g, bytes) in held {
+                    reg.used[g] = reg.used[g].saturating_sub(bytes);
+                }
+            }
+            OpKind::Restore {
+                target_conn,
+                layout,
+            } => {
+                let targets: HashMap<u64, Arc<Alloc>> = {
+                    let reg = lock(&self.reg);
+                    let conn = reg
+                        .conns
+                        .get(&target_conn)
+                        .ok_or((cu::OPERATING_SYSTEM, format!("process {pid} is gone")))?;
+                    conn.allocs
+                        .iter()
+                        .map(|(p, a)| (*p, Arc::clone(a)))
+                        .collect()
+                };
+                for (range_ptr, parts) in layout {
+                    let Some(range) = ranges.get(&range_ptr) else {
+                        continue;
+                    };
+                    let src = lock(&range.data);
+                    let mut off = 0usize;
+                    for (ptr, size) in parts {
+                        let n = size as usize;
+                        if let (Some(a), Some(bytes)) = (targets.get(&ptr), src.get(off..off + n)) {
+                            let mut dst = lock(&a.data);
+                            if let Some(d) = dst.get_mut(..n) {
+                                d.copy_from_slice(bytes);
+                            }
+                        }
+                        off += n;
+                    }
+                }
+            }
+        }
+        drop(ranges);
+        let mb = Mailbox::open_pid(pid)
+            .map_err(|e| (cu::INVALID_VALUE, format!("process {pid}: {e}")))?
+            .ok_or((
+                cu::NOT_INITIALIZED,
+                format!("process {pid} has no CUDA state"),
+            ))?;
+        match mb.call(
+            mailbox::cmd::COMPLETE,
+            0,
+            0,
+            Some(Instant::now() + STEP_LIMIT),
+        ) {
+            Some(cu::SUCCESS) => Ok(()),
+            Some(code) => Err((code, format!("process {pid} refused to complete"))),
+            None => Err((cu::TIMEOUT, format!("process {pid} did not answer"))),
         }
     }
 
@@ -688,12 +1132,35 @@ impl Daemon {
                     gpu: i,
                     size,
                     data: Mutex::new(vec![0u8; size as usize]),
+                    mapped: false,
                 }),
             );
             conn.contexts.insert(i);
             conn.next_va = conn.next_va.max(align_up(ptr + size));
         }
+        drop(reg);
+        lock(&self.restored_conn).insert(pid, id);
         Reply::RestoreMap(map)
+    }
+}
+
+/// Requires bytes `range` of a 64-byte argument struct (padding) to be zero.
+fn check_zero(args: &[u8], range: std::ops::Range<usize>) -> CkptResult<()> {
+    match args.get(range.clone()) {
+        Some(b) => match b.iter().position(|x| *x != 0) {
+            Some(i) => Err((
+                cu::INVALID_VALUE,
+                format!(
+                    "padding byte {} of the argument struct is not zero",
+                    range.start + i
+                ),
+            )),
+            None => Ok(()),
+        },
+        None => Err((
+            cu::INVALID_VALUE,
+            format!("argument struct of {} bytes, not 64", args.len()),
+        )),
     }
 }
 

@@ -18,6 +18,13 @@ pub const STATE_RUNNING: u32 = 0;
 pub const STATE_LOCKED: u32 = 1;
 pub const STATE_CHECKPOINTED: u32 = 2;
 pub const STATE_FAILED: u32 = 3;
+/// Custom storage (CUDA 13.4): the caller is copying the process's device memory out.
+pub const STATE_CHECKPOINTING: u32 = 4;
+/// Custom storage (CUDA 13.4): the caller is copying the process's device memory back in.
+pub const STATE_RESTORING: u32 = 5;
+/// The first CUDA version whose checkpoint API has custom storage (`customStorageInfo_out`,
+/// `cuCheckpointOperationComplete`).
+pub const CUSTOM_STORAGE_SINCE: i32 = 13040;
 
 /// Where a library finds its daemon: `$GPU_CKPT_SIM_SOCKET`, else `simgpu.sock` in the directory
 /// above the library's own (a node directory's `lib/`), else the container path the CDI spec

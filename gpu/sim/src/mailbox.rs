@@ -28,11 +28,17 @@ pub mod cmd {
     pub const CHECKPOINT: u32 = 2;
     pub const RESTORE: u32 = 3;
     pub const UNLOCK: u32 = 4;
+    /// Custom storage: the caller finished its copies (CHECKPOINTING → CHECKPOINTED, RESTORING →
+    /// LOCKED).
+    pub const COMPLETE: u32 = 5;
 }
 /// `cmd_flags` bits.
 pub mod flags {
     /// Lock: behave as if in-flight work never completes (fault injection).
     pub const STALL: u32 = 1;
+    /// Checkpoint or restore: to custom storage (the caller copies the device memory; the
+    /// process keeps only the layout of its allocations).
+    pub const CUSTOM: u32 = 2;
 }
 
 /// One checkpointed GPU: its UUID, name and how many bytes the process held on it.
@@ -61,7 +67,9 @@ pub struct Layout {
     pub resp_seq: AtomicU32,
     pub resp_code: AtomicU32,
     pub ngpus: AtomicU32,
-    pub _pad: u32,
+    /// 1 when the last checkpoint went to custom storage (the process holds no copy of its
+    /// device memory; only a custom-storage restore can bring it back). Written by the process.
+    pub custom: AtomicU32,
     pub gpus: [GpuSlot; MAX_GPUS],
     /// The daemon's socket as the daemon sees it (tried first at a restore).
     pub socket: [u8; 256],

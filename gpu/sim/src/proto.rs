@@ -56,11 +56,17 @@ pub enum CkptCall {
     Checkpoint {
         pid: i32,
         args: Vec<u8>,
+        /// The GPUs on which the caller holds a retained primary context (custom storage maps
+        /// the target's memory there).
+        #[serde(default)]
+        primaries: Vec<[u8; 16]>,
     },
     Restore {
         pid: i32,
         args: Vec<u8>,
         pairs: Vec<Pair>,
+        #[serde(default)]
+        primaries: Vec<[u8; 16]>,
     },
     Unlock {
         pid: i32,
@@ -144,9 +150,17 @@ pub enum Request {
     Ckpt(CkptCall),
     /// From a target at checkpoint: its memory is copied out; free it and forget the connection.
     Release,
+    /// From a target at a custom-storage checkpoint: its device memory moves to the caller's
+    /// mapping (nothing is freed); forget the connection.
+    Handover,
     /// From a target at restore: reconnecting, with the allocations to put back.
     Restore {
         allocs: Vec<SavedAlloc>,
+    },
+    /// `cuCheckpointOperationComplete`: the caller finished copying to or from the ranges of
+    /// custom-storage operation `handle`.
+    OperationComplete {
+        handle: u64,
     },
     Processes,
     Fault {
@@ -166,6 +180,15 @@ pub struct ProcUse {
     pub pid: u32,
     pub gpu: [u8; 16],
     pub used_bytes: u64,
+}
+
+/// One GPU's share of a custom-storage operation: a contiguous device range mapped into the
+/// caller (`CUcheckpointCustomStoragePerDeviceData`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct MappedRange {
+    pub gpu: [u8; 16],
+    pub ptr: u64,
+    pub size: u64,
 }
 
 /// The daemon's answer.
@@ -192,6 +215,11 @@ pub enum Reply {
     Args(Vec<u8>),
     /// To a target's `Restore`: old UUID → new UUID for each GPU.
     RestoreMap(Vec<Pair>),
+    /// A custom-storage checkpoint or restore: the operation's handle and one range per GPU.
+    Custom {
+        handle: u64,
+        ranges: Vec<MappedRange>,
+    },
 }
 
 impl Reply {

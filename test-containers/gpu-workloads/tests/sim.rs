@@ -223,3 +223,23 @@ fn gpu_check_passes_on_the_simulator() {
     }
     assert!(s.contains("# restore remaps "), "{s}");
 }
+
+/// cudarc's safe driver API (context, default stream, alloc, copies, memset, device facts) on
+/// the simulated driver.
+#[test]
+fn cudarc_runs() {
+    let sim = node();
+    let out = cmd(&sim, env!("CARGO_BIN_EXE_cudarc-smoke"))
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{s}{e}");
+    assert!(s.contains("devices 2\n"), "{s}");
+    assert!(
+        s.contains("device 0 NVIDIA H100 80GB HBM3 sm_90 1073741824 bytes\n"),
+        "{s}"
+    );
+    assert!(s.ends_with("cudarc ok\n"), "{s}");
+}

@@ -12,6 +12,9 @@
 //!   pages are written back before each timed step.
 //! - `freeze`: how long a CRI CheckpointContainer keeps the application from running (the
 //!   longest gap between its log ticks), next to CRIU's own frozen time.
+//! - `gpu`: lock + checkpoint + restore + unlock of a gpu-fill's device memory on a simulated
+//!   node (the gpu crate's `CudaDriver`, in this process), next to copying the same bytes out
+//!   and back through a pipe. Needs no containerd: it starts only the simulated node.
 
 use std::{
     path::Path,
@@ -61,10 +64,28 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Device memory through the simulated driver's checkpoint and restore vs a pipe.
+    Gpu {
+        #[arg(long, default_value_t = 1)]
+        gib: u64,
+        #[arg(long, default_value_t = 12)]
+        rounds: usize,
+        /// The pipe's capacity in KiB (F_SETPIPE_SZ); 0: the system's default (64 KiB).
+        #[arg(long, default_value_t = 0)]
+        pipe_kib: usize,
+    },
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if let What::Gpu {
+        gib,
+        rounds,
+        pipe_kib,
+    } = args.what
+    {
+        return device_bench::bench(gib, rounds, pipe_kib);
+    }
     let stack = Stack::discover()?;
     let registry = Registry::ensure_running(&stack)?;
     let node = Node::builder_on(&stack, "bench")
@@ -83,6 +104,7 @@ fn main() -> Result<()> {
         What::Freeze { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
+        What::Gpu { .. } => unreachable!("run before the node is started"),
     }
 }
 
@@ -852,6 +874,348 @@ fn criu_dump_time(archive: &Path) -> Result<Duration> {
         return Ok(Duration::from_secs_f64(t.millis / 1000.0));
     }
     bail!("{}: no CRIU dump time recorded", archive.display())
+}
+
+/// `gpu`: the simulated driver's checkpoint data path against a pipe carrying the same bytes.
+mod device_bench {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::sync::mpsc::{channel, Receiver};
+    use std::time::{Duration, Instant};
+
+    use anyhow::{anyhow, ensure, Context, Result};
+    use gpu::{CudaDriver, DeviceCheckpoint, ProcessState};
+    use simgpu::testing::{SimConfig, SimNode};
+
+    use super::{median, paired, round_order, secs};
+
+    const PATHS: [&str; 3] = [
+        "simulated driver (gpu crate → libcuda → gpu-ckpt-simgpu)",
+        "pipe: the same bytes out and back",
+        "pipe again (control)",
+    ];
+
+    /// One round of one path: the checkpoint side (device → process memory) and the restore
+    /// side (process memory → device).
+    #[derive(Clone, Copy)]
+    struct Round {
+        out: Duration,
+        back: Duration,
+    }
+
+    impl Round {
+        fn total(&self) -> Duration {
+            self.out + self.back
+        }
+    }
+
+    /// The simulated driver's four steps of one round.
+    #[derive(Clone, Copy)]
+    struct Steps {
+        lock: Duration,
+        checkpoint: Duration,
+        restore: Duration,
+        unlock: Duration,
+    }
+
+    /// A gpu-fill on the node, its stdout lines on a channel.
+    struct Fill {
+        child: Child,
+        lines: Receiver<String>,
+    }
+
+    impl Fill {
+        fn start(bin: &Path, sim: &SimNode, gib: u64) -> Result<Fill> {
+            let mut child = Command::new(bin)
+                .args(["--gib", &gib.to_string(), "--devices", "0", "--seed", "7"])
+                .envs(sim.env())
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .with_context(|| format!("starting {}", bin.display()))?;
+            let out = child.stdout.take().context("gpu-fill stdout")?;
+            let (tx, lines) = channel();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    if tx.send(l).is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(Fill { child, lines })
+        }
+
+        fn pid(&self) -> i32 {
+            self.child.id() as i32
+        }
+
+        fn wait_line(&self, prefix: &str, timeout: Duration) -> Result<String> {
+            let deadline = Instant::now() + timeout;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let l = self
+                    .lines
+                    .recv_timeout(left)
+                    .map_err(|e| anyhow!("gpu-fill: no {prefix:?} line: {e}"))?;
+                ensure!(!l.starts_with("MISMATCH"), "gpu-fill: {l}");
+                if l.starts_with(prefix) {
+                    return Ok(l);
+                }
+            }
+        }
+
+        /// Asks gpu-fill to check every byte (SIGUSR1) and waits for its verdict.
+        fn verify(&self) -> Result<String> {
+            // SAFETY: signalling our own child.
+            ensure!(
+                unsafe { libc::kill(self.pid(), libc::SIGUSR1) } == 0,
+                "kill: {}",
+                std::io::Error::last_os_error()
+            );
+            self.wait_line("verified ", Duration::from_secs(300))
+        }
+    }
+
+    impl Drop for Fill {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+
+    fn timed<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Duration)> {
+        let t = Instant::now();
+        let v = f()?;
+        Ok((v, t.elapsed()))
+    }
+
+    fn sim_round(driver: &CudaDriver, pid: i32) -> Result<(Round, Steps)> {
+        let ((), lock) = timed(|| Ok(driver.lock(pid, Some(Duration::from_secs(60)))?))?;
+        let ((), checkpoint) = timed(|| Ok(driver.checkpoint(pid)?))?;
+        let ((), restore) = timed(|| Ok(driver.restore(pid, &[])?))?;
+        let ((), unlock) = timed(|| Ok(driver.unlock(pid)?))?;
+        let steps = Steps {
+            lock,
+            checkpoint,
+            restore,
+            unlock,
+        };
+        Ok((
+            Round {
+                out: lock + checkpoint,
+                back: restore + unlock,
+            },
+            steps,
+        ))
+    }
+
+    /// Sets a pipe's capacity (F_SETPIPE_SZ); 0 leaves the system's default.
+    fn set_pipe_size(fd: &impl AsRawFd, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: fcntl on a descriptor we own.
+        let rc = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETPIPE_SZ, bytes as libc::c_int) };
+        ensure!(
+            rc >= 0,
+            "F_SETPIPE_SZ {bytes}: {}",
+            std::io::Error::last_os_error()
+        );
+        Ok(())
+    }
+
+    /// Moves `src` through a pipe into fresh memory, as the driver moves device memory into
+    /// the process at a checkpoint and back at a restore: a writer thread writes it and frees
+    /// it, this thread reads it into a new buffer.
+    fn through_pipe(src: Vec<u8>, pipe_bytes: usize) -> Result<Vec<u8>> {
+        let (mut r, mut w) = std::io::pipe()?;
+        set_pipe_size(&w, pipe_bytes)?;
+        let n = src.len();
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            w.write_all(&src)?;
+            drop(w);
+            drop(src);
+            Ok(())
+        });
+        let mut dst = vec![0u8; n];
+        r.read_exact(&mut dst)?;
+        writer
+            .join()
+            .map_err(|_| anyhow!("pipe writer panicked"))??;
+        Ok(dst)
+    }
+
+    fn pipe_round(held: &mut Option<Vec<u8>>, pipe_bytes: usize) -> Result<Round> {
+        let dev = held.take().context("no buffer")?;
+        let (host, out) = timed(|| through_pipe(dev, pipe_bytes))?;
+        let (dev, back) = timed(|| through_pipe(host, pipe_bytes))?;
+        *held = Some(dev);
+        Ok(Round { out, back })
+    }
+
+    /// `bytes` of a non-repeating pattern, every page written.
+    fn pattern(bytes: u64) -> Vec<u8> {
+        let mut v = vec![0u8; bytes as usize];
+        for (i, c) in v.chunks_exact_mut(8).enumerate() {
+            c.copy_from_slice(&(i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        }
+        v
+    }
+
+    fn exe_dir() -> Result<PathBuf> {
+        Ok(std::env::current_exe()?
+            .parent()
+            .context("no directory for this binary")?
+            .to_path_buf())
+    }
+
+    pub fn bench(gib: u64, rounds: usize, pipe_kib: usize) -> Result<()> {
+        ensure!(gib >= 1, "--gib must be at least 1");
+        ensure!(rounds >= 1, "--rounds must be at least 1");
+        let bytes = gib << 30;
+        let pipe_bytes = pipe_kib * 1024;
+        let fill_bin = exe_dir()?.join("gpu-fill");
+        ensure!(
+            fill_bin.is_file(),
+            "{} is not built: run `cargo build --release --workspace --bins`",
+            fill_bin.display()
+        );
+        let sim = SimNode::start(SimConfig {
+            gpus: 1,
+            memory_mib: (gib + 1) * 1024,
+            ..SimConfig::default()
+        })
+        .context("starting the simulated node (gpu-ckpt-simgpu and its libraries are built with the workspace's release binaries)")?;
+        let fill = Fill::start(&fill_bin, &sim, gib)?;
+        let filled = fill.wait_line("filled ", Duration::from_secs(300))?;
+        ensure!(
+            filled == format!("filled {bytes} bytes on 1 GPUs"),
+            "gpu-fill: {filled}"
+        );
+        let pid = fill.pid();
+        let driver = CudaDriver::load_from(sim.libcuda())?;
+        ensure!(
+            driver.state(pid)? == ProcessState::RUNNING,
+            "gpu-fill is not running"
+        );
+
+        // The pipe paths' "device memory": their own buffers, written through.
+        let mut held = [Some(pattern(bytes)), Some(pattern(bytes))];
+        let run =
+            |path: usize, held: &mut [Option<Vec<u8>>; 2]| -> Result<(Round, Option<Steps>)> {
+                match path {
+                    0 => sim_round(&driver, pid).map(|(r, s)| (r, Some(s))),
+                    p => pipe_round(&mut held[p - 1], pipe_bytes).map(|r| (r, None)),
+                }
+            };
+        // One warm-up round of each path, not counted.
+        for p in 0..PATHS.len() {
+            run(p, &mut held)?;
+        }
+        let mut times: [Vec<Round>; 3] = Default::default();
+        let mut steps = Vec::new();
+        for i in 0..rounds {
+            for p in round_order(i, PATHS.len()) {
+                let (r, s) = run(p, &mut held)?;
+                eprintln!(
+                    "round {i} {}: out {:.3} s, back {:.3} s, total {:.3} s",
+                    PATHS[p],
+                    secs(r.out),
+                    secs(r.back),
+                    secs(r.total())
+                );
+                if let Some(s) = s {
+                    steps.push(s);
+                }
+                times[p].push(r);
+            }
+        }
+        let verified = fill.verify()?;
+        ensure!(
+            verified == format!("verified {bytes} bytes"),
+            "gpu-fill: {verified}"
+        );
+        ensure!(
+            driver.state(pid)? == ProcessState::RUNNING,
+            "gpu-fill is not running after the rounds"
+        );
+
+        let pipe_size = if pipe_kib == 0 {
+            "the system's default capacity".to_string()
+        } else {
+            format!("capacity {pipe_kib} KiB")
+        };
+        println!(
+            "{gib} GiB of device memory (one gpu-fill allocation on a simulated GPU), {rounds} rounds \
+             in a Williams order, one warm-up round of each path not counted; pipe: {pipe_size}, \
+             fresh memory on the receiving side and the sender's copy freed, as at a checkpoint \
+             and a restore.\n"
+        );
+        println!("| path | out (checkpoint side) median | back (restore side) median | round trip median | round trip fastest | GiB/s each way (medians) |");
+        println!("| --- | --- | --- | --- | --- | --- |");
+        for (p, name) in PATHS.iter().enumerate() {
+            let v = &times[p];
+            let out = median(v.iter().map(|r| r.out));
+            let back = median(v.iter().map(|r| r.back));
+            let total = median(v.iter().map(Round::total));
+            let fastest = v.iter().map(Round::total).min().unwrap_or_default();
+            println!(
+                "| {name} | {:.3} s | {:.3} s | {:.3} s | {:.3} s | {:.2} / {:.2} |",
+                secs(out),
+                secs(back),
+                secs(total),
+                secs(fastest),
+                gib as f64 / secs(out),
+                gib as f64 / secs(back)
+            );
+        }
+        let ms = |f: fn(&Steps) -> Duration| secs(median(steps.iter().map(f))) * 1e3;
+        println!("\n| simulated driver, medians | lock | checkpoint | restore | unlock |");
+        println!("| --- | --- | --- | --- | --- |");
+        println!(
+            "| {gib} GiB | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            ms(|s| s.lock),
+            ms(|s| s.checkpoint),
+            ms(|s| s.restore),
+            ms(|s| s.unlock)
+        );
+
+        let col = |a: usize, b: usize, f: fn(&Round) -> Duration| {
+            let x: Vec<f64> = times[a].iter().map(|r| secs(f(r))).collect();
+            let y: Vec<f64> = times[b].iter().map(|r| secs(f(r))).collect();
+            let p = paired(&x, &y);
+            format!(
+                "{:.3}, {:.3} [{:.3}–{:.3}]",
+                p.of_medians, p.per_round, p.interval.0, p.interval.1
+            )
+        };
+        println!("\n| ratio | out: medians, per round [95% interval] | back: medians, per round [95% interval] | round trip: medians, per round [95% interval] |");
+        println!("| --- | --- | --- | --- |");
+        for (label, a, b) in [
+            ("simulated driver / pipe", 0, 1),
+            ("control: pipe again / pipe", 2, 1),
+        ] {
+            println!(
+                "| {label} | {} | {} | {} |",
+                col(a, b, |r| r.out),
+                col(a, b, |r| r.back),
+                col(a, b, Round::total)
+            );
+        }
+        let x: Vec<f64> = times[0].iter().map(|r| secs(r.total())).collect();
+        let y: Vec<f64> = times[1].iter().map(|r| secs(r.total())).collect();
+        let p = paired(&x, &y);
+        println!(
+            "\nround trip ratio (simulated driver / pipe, medians): {:.3} (goal ≤ 1.5: {}); gpu-fill after {} rounds: {verified}",
+            p.of_medians,
+            if p.of_medians <= 1.5 { "met" } else { "missed" },
+            rounds + 1
+        );
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -1,22 +1,52 @@
-//! `gpu-ckpt-images --workloads-dir DIR --out DIR`: builds the test images as OCI layout
-//! tarballs and lists them in `<out>/images.json`:
+//! `gpu-ckpt-images --workloads-dir DIR [--gpu-workloads-dir DIR] --out DIR`: builds the test
+//! images as OCI layout tarballs and lists them in `<out>/images.json`:
 //!
 //! - `localhost:5000/gpu-ckpt/workloads:1`: the static workloads in /bin, the host's static
 //!   busybox as /bin/busybox with its applet symlinks, /tmp, /etc/passwd and /etc/group with
 //!   root; default command `/bin/counter`;
-//! - `localhost:5000/pause:1`: only /pause; command `/pause`.
+//! - `localhost:5000/pause:1`: only /pause; command `/pause`;
+//! - `localhost:5000/gpu-ckpt/gpu-workloads:1`: the CUDA workloads `gpu-train` and `gpu-fill`
+//!   (dynamically linked, from the workspace build: `--gpu-workloads-dir`, by default the
+//!   directory of this program) in /usr/bin, the host's glibc as a CUDA base image has it (every
+//!   library the workloads and the simulated `libcuda.so.1`/`libnvidia-ml.so.1` need, found by
+//!   following `DT_NEEDED`, plus libm, libdl, libpthread and librt) in /usr/lib/x86_64-linux-gnu
+//!   with `/lib -> usr/lib`, `/lib64 -> usr/lib64` and the loader at its interpreter path, busybox
+//!   and its applets; default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the
+//!   CDI spec of the (simulated) driver mounts it at run time, as the NVIDIA toolkit does.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
-use test_containers::image::{elf_is_static, BuiltImage, ImageBuilder};
+use test_containers::image::{
+    elf_is_static, BuiltImage, HostLibraries, ImageBuilder, HOST_LIB_DIRS,
+};
 
 /// Reference of the workloads image.
 const WORKLOADS_REF: &str = "localhost:5000/gpu-ckpt/workloads:1";
 /// Reference of the pause image.
 const PAUSE_REF: &str = "localhost:5000/pause:1";
+/// Reference of the GPU workloads image.
+const GPU_WORKLOADS_REF: &str = "localhost:5000/gpu-ckpt/gpu-workloads:1";
+
+/// The CUDA workloads (test-containers/gpu-workloads), dynamically linked.
+const GPU_WORKLOADS: &[&str] = &["gpu-train", "gpu-fill"];
+
+/// The simulated driver's libraries in the workspace build. They are not put in the image (the
+/// CDI spec mounts them), but what they need is.
+const SIM_DRIVER_LIBS: &[&str] = &["libcuda.so", "libnvidia_ml.so"];
+
+/// glibc libraries a CUDA base image has besides what the workloads name (a real libcuda.so.1
+/// needs libm, libdl, libpthread and librt).
+const GLIBC_LIBS: &[&str] = &[
+    "libc.so.6",
+    "libm.so.6",
+    "libgcc_s.so.1",
+    "libdl.so.2",
+    "libpthread.so.0",
+    "librt.so.1",
+];
 
 /// The workload binaries (test-containers/workloads).
 const WORKLOADS: &[&str] = &[
@@ -34,6 +64,9 @@ const APPLETS: &[&str] = &[
     "rm", "id", "env", "head", "tail", "wc", "sync",
 ];
 
+const DYNAMIC_HINT: &str = "build them with `cargo build --workspace` (no crt-static: they \
+dlopen libcuda.so.1), then pass that build's directory with --gpu-workloads-dir";
+
 const STATIC_HINT: &str =
     "build them with `make workloads` (RUSTFLAGS=\"-C target-feature=+crt-static\" \
 cargo build --release -p gpu-ckpt-workloads --target x86_64-unknown-linux-gnu)";
@@ -48,6 +81,10 @@ struct Args {
     /// (target/x86_64-unknown-linux-gnu/release).
     #[arg(long, value_name = "DIR")]
     workloads_dir: PathBuf,
+    /// Directory with the dynamically linked GPU workloads (gpu-train, gpu-fill) of the workspace
+    /// build; by default the directory of this program (target/debug when run from there).
+    #[arg(long, value_name = "DIR")]
+    gpu_workloads_dir: Option<PathBuf>,
     /// Output directory for the tarballs and images.json.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
@@ -97,6 +134,61 @@ fn workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
     Ok(b)
 }
 
+fn gpu_workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
+    let mut elfs = Vec::new();
+    let mut b = ImageBuilder::new(GPU_WORKLOADS_REF)
+        .dir_mode("/tmp", 0o1777)
+        .dir_mode("/root", 0o700)
+        .dir("/run")
+        .file("/etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n", 0o644)
+        .file("/etc/group", b"root:x:0:\n", 0o644)
+        .file("/usr/bin/busybox", busybox, 0o755)
+        .symlink("/bin", "usr/bin")
+        .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+        .workdir("/")
+        .cmd(["/usr/bin/gpu-train"])
+        .label(
+            "org.opencontainers.image.title",
+            "gpu-ckpt GPU test workloads",
+        );
+    for name in GPU_WORKLOADS {
+        let path = dir.join(name);
+        match elf_is_static(&path) {
+            Ok(Some(false)) => {}
+            Ok(Some(true)) => bail!(
+                "GPU workload {} is statically linked: {DYNAMIC_HINT}",
+                path.display()
+            ),
+            Ok(None) => bail!(
+                "GPU workload {} is not an x86-64 ELF executable: {DYNAMIC_HINT}",
+                path.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                bail!("GPU workload {} is missing: {DYNAMIC_HINT}", path.display())
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("reading GPU workload {}", path.display()))
+            }
+        }
+        b = b.file(format!("/usr/bin/{name}"), path.as_path(), 0o755);
+        elfs.push(path);
+    }
+    elfs.extend(
+        SIM_DRIVER_LIBS
+            .iter()
+            .map(|l| dir.join(l))
+            .filter(|p| p.is_file()),
+    );
+    let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
+    let libs = HostLibraries::resolve(&elfs, GLIBC_LIBS, &dirs)
+        .context("finding the shared libraries of the GPU workloads")?;
+    b = b.merged_usr_libraries(&libs);
+    for applet in APPLETS {
+        b = b.symlink(format!("/usr/bin/{applet}"), "busybox");
+    }
+    Ok(b)
+}
+
 fn pause_image(dir: &Path) -> Result<ImageBuilder> {
     let path = dir.join("pause");
     check_static(&path, "workload", STATIC_HINT)?;
@@ -138,9 +230,18 @@ fn run(args: &Args) -> Result<()> {
         .canonicalize()
         .with_context(|| format!("resolving {}", args.out.display()))?;
 
+    let gpu_dir = match &args.gpu_workloads_dir {
+        Some(d) => d.clone(),
+        None => std::env::current_exe()
+            .context("locating this program")?
+            .parent()
+            .map(Path::to_path_buf)
+            .context("locating this program's directory")?,
+    };
     let images = [
         workloads_image(&args.workloads_dir, &args.busybox)?,
         pause_image(&args.workloads_dir)?,
+        gpu_workloads_image(&gpu_dir, &args.busybox)?,
     ];
     let mut listed = Vec::new();
     for img in &images {
@@ -186,5 +287,12 @@ mod tests {
     fn stems() {
         assert_eq!(file_stem(WORKLOADS_REF, "1"), "workloads-1");
         assert_eq!(file_stem(PAUSE_REF, "1"), "pause-1");
+        assert_eq!(file_stem(GPU_WORKLOADS_REF, "1"), "gpu-workloads-1");
+        assert_eq!(WORKLOADS_REF, test_containers::stack::WORKLOADS_IMAGE);
+        assert_eq!(PAUSE_REF, test_containers::stack::PAUSE_IMAGE);
+        assert_eq!(
+            GPU_WORKLOADS_REF,
+            test_containers::stack::GPU_WORKLOADS_IMAGE
+        );
     }
 }

@@ -20,8 +20,11 @@ use simgpu::client::{CallError, Client};
 use simgpu::cuerr::{self, cu};
 use simgpu::mailbox::{self, Mailbox};
 use simgpu::node::{GpuDesc, NodeDesc};
-use simgpu::proto::{CkptCall, Pair, Reply, Request, Role, SavedAlloc};
-use simgpu::{STATE_CHECKPOINTED, STATE_LOCKED, STATE_RUNNING};
+use simgpu::proto::{CkptCall, MappedRange, Pair, Reply, Request, Role, SavedAlloc};
+use simgpu::{
+    CUSTOM_STORAGE_SINCE, STATE_CHECKPOINTED, STATE_CHECKPOINTING, STATE_LOCKED, STATE_RESTORING,
+    STATE_RUNNING,
+};
 
 type CUresult = c_uint;
 type CUdevice = c_int;
@@ -95,7 +98,38 @@ struct Driver {
     /// Device memory held in this process while it is checkpointed.
     saved: Mutex<Vec<(SavedAlloc, Vec<u8>)>>,
     handles: Mutex<Handles>,
+    /// Custom-storage operations this process started, by the handle it gave out.
+    ops: Mutex<HashMap<usize, CustomOp>>,
 }
+
+/// `CUcheckpointCustomStoragePerDeviceData` (cuda.h 13.4): 24 bytes.
+#[repr(C)]
+struct PerDeviceData {
+    dev_ptr: CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+}
+
+/// `CUcheckpointCustomStorageInfo` (cuda.h 13.4): handle, perDeviceData, deviceCount.
+#[repr(C)]
+struct CustomStorageInfo {
+    handle: *mut c_void,
+    per_device_data: *mut PerDeviceData,
+    device_count: c_uint,
+}
+
+/// What this library allocated for one custom-storage operation (freed at its completion).
+struct CustomOp {
+    daemon_handle: u64,
+    /// Box<CustomStorageInfo> and Box<[PerDeviceData]> as raw addresses (and the array length).
+    info: usize,
+    per_device: usize,
+    count: usize,
+    streams: Vec<usize>,
+}
+
+const _: () = assert!(std::mem::size_of::<PerDeviceData>() == 24);
+const _: () = assert!(std::mem::size_of::<CustomStorageInfo>() == 24);
 
 thread_local! {
     /// This thread's context stack; the top is current.
@@ -155,6 +189,7 @@ impl Driver {
             allocs: Mutex::new(BTreeMap::new()),
             saved: Mutex::new(Vec::new()),
             handles: Mutex::new(Handles::default()),
+            ops: Mutex::new(HashMap::new()),
         })
     }
 
@@ -249,6 +284,17 @@ impl Driver {
         cu::SUCCESS
     }
 
+    /// The UUIDs of the GPUs on which this process holds a retained primary context.
+    fn primaries(&self) -> Vec<[u8; 16]> {
+        let node = self.node.read().unwrap_or_else(|p| p.into_inner());
+        lock(&self.handles)
+            .primary
+            .iter()
+            .filter(|(_, p)| p.1 > 0)
+            .filter_map(|(dev, _)| node.gpus.get(*dev).map(|g| g.uuid))
+            .collect()
+    }
+
     /// The GPUs this process holds state on: those with a context or an allocation.
     fn used_devices(&self) -> BTreeSet<usize> {
         let mut devs: BTreeSet<usize> = lock(&self.handles).ctxs.values().map(|c| c.dev).collect();
@@ -256,14 +302,33 @@ impl Driver {
         devs
     }
 
-    fn do_checkpoint(&self) -> CUresult {
-        match self.checkpoint_inner() {
+    fn do_checkpoint(&self, custom: bool) -> CUresult {
+        match self.checkpoint_inner(custom) {
             Ok(()) => cu::SUCCESS,
             Err(c) => c,
         }
     }
 
-    fn checkpoint_inner(&self) -> R {
+    /// Custom storage: the caller finished its copies.
+    fn do_complete(&self) -> CUresult {
+        let mut g = lock(&self.gate);
+        match g.state {
+            STATE_CHECKPOINTING => {
+                self.set_state(&mut g, STATE_CHECKPOINTED);
+                cu::SUCCESS
+            }
+            STATE_RESTORING => {
+                self.mailbox.get().custom.store(0, Ordering::Release);
+                self.set_state(&mut g, STATE_LOCKED);
+                cu::SUCCESS
+            }
+            _ => cu::ILLEGAL_STATE,
+        }
+    }
+
+    /// Releases the device: the memory comes into this process (or, with custom storage, goes
+    /// to the caller's mapping and only its layout stays here), the connection closes.
+    fn checkpoint_inner(&self, custom: bool) -> R {
         if lock(&self.gate).state != STATE_LOCKED {
             return Err(cu::ILLEGAL_STATE);
         }
@@ -276,8 +341,11 @@ impl Driver {
             self.used_devices().into_iter().map(|d| (d, 0)).collect();
         for (&ptr, &(dev, size)) in &allocs {
             let gpu = node.gpus.get(dev).ok_or(cu::INVALID_DEVICE)?;
-            let mut data = vec![0u8; size as usize];
-            c.dtoh(&mut data, ptr).map_err(map_err)?;
+            let mut data = Vec::new();
+            if !custom {
+                data = vec![0u8; size as usize];
+                c.dtoh(&mut data, ptr).map_err(map_err)?;
+            }
             *bytes.entry(dev).or_default() += size;
             saved.push((
                 SavedAlloc {
@@ -302,23 +370,39 @@ impl Driver {
             .get()
             .ngpus
             .store(bytes.len() as u32, Ordering::Release);
-        c.ok(&Request::Release).map_err(map_err)?;
+        let req = if custom {
+            Request::Handover
+        } else {
+            Request::Release
+        };
+        c.ok(&req).map_err(map_err)?;
         // Closing the connection is what lets CRIU dump the process.
         *conn = None;
         *lock(&self.saved) = saved;
+        self.mailbox
+            .get()
+            .custom
+            .store(u32::from(custom), Ordering::Release);
         let mut g = lock(&self.gate);
-        self.set_state(&mut g, STATE_CHECKPOINTED);
+        let state = if custom {
+            STATE_CHECKPOINTING
+        } else {
+            STATE_CHECKPOINTED
+        };
+        self.set_state(&mut g, state);
         Ok(())
     }
 
-    fn do_restore(&self) -> CUresult {
-        match self.restore_inner() {
+    fn do_restore(&self, custom: bool) -> CUresult {
+        match self.restore_inner(custom) {
             Ok(()) => cu::SUCCESS,
             Err(c) => c,
         }
     }
 
-    fn restore_inner(&self) -> R {
+    /// Reconnects and gets the allocations back at their addresses; their bytes come from this
+    /// process (or, with custom storage, from the caller, before the operation completes).
+    fn restore_inner(&self, custom: bool) -> R {
         if lock(&self.gate).state != STATE_CHECKPOINTED {
             return Err(cu::ILLEGAL_STATE);
         }
@@ -342,8 +426,10 @@ impl Driver {
             Reply::RestoreMap(m) => m,
             _ => return Err(cu::UNKNOWN),
         };
-        for (a, data) in saved.iter() {
-            c.htod(a.ptr, data).map_err(map_err)?;
+        if !custom {
+            for (a, data) in saved.iter() {
+                c.htod(a.ptr, data).map_err(map_err)?;
+            }
         }
         // The process's device ordinals now name the GPUs the map chose.
         let fresh = fetch_node(&mut c)?;
@@ -378,7 +464,12 @@ impl Driver {
         saved.clear();
         saved.shrink_to_fit();
         let mut g = lock(&self.gate);
-        self.set_state(&mut g, STATE_LOCKED);
+        let state = if custom {
+            STATE_RESTORING
+        } else {
+            STATE_LOCKED
+        };
+        self.set_state(&mut g, state);
         Ok(())
     }
 
@@ -388,14 +479,14 @@ impl Driver {
             let seq = self.mailbox.wait_command(seen);
             seen = seq;
             let l = self.mailbox.get();
+            let flags = l.cmd_flags.load(Ordering::Acquire);
+            let custom = flags & mailbox::flags::CUSTOM != 0;
             let code = match l.cmd.load(Ordering::Acquire) {
-                mailbox::cmd::LOCK => self.do_lock(
-                    l.cmd_arg.load(Ordering::Acquire),
-                    l.cmd_flags.load(Ordering::Acquire),
-                ),
-                mailbox::cmd::CHECKPOINT => self.do_checkpoint(),
-                mailbox::cmd::RESTORE => self.do_restore(),
+                mailbox::cmd::LOCK => self.do_lock(l.cmd_arg.load(Ordering::Acquire), flags),
+                mailbox::cmd::CHECKPOINT => self.do_checkpoint(custom),
+                mailbox::cmd::RESTORE => self.do_restore(custom),
                 mailbox::cmd::UNLOCK => self.do_unlock(),
+                mailbox::cmd::COMPLETE => self.do_complete(),
                 _ => cu::INVALID_VALUE,
             };
             self.mailbox.answer(seq, code);
@@ -531,6 +622,90 @@ fn no_kernels(call: &str) -> R {
 fn ckpt(call: CkptCall) -> R<Reply> {
     let d = drv()?;
     d.with_conn(|c| c.call(&Request::Ckpt(call)))
+}
+
+/// The `customStorageInfo_out` pointer at `offset` of an argument struct, where the node's CUDA
+/// version has custom storage (NULL otherwise, or when not set).
+fn custom_out(d: &Driver, raw: &[u8], offset: usize) -> R<*mut *mut CustomStorageInfo> {
+    if d.node
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .cuda_version
+        < CUSTOM_STORAGE_SINCE
+    {
+        return Ok(std::ptr::null_mut());
+    }
+    let bytes: [u8; 8] = raw
+        .get(offset..offset + 8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or(cu::INVALID_VALUE)?;
+    Ok(u64::from_le_bytes(bytes) as usize as *mut *mut CustomStorageInfo)
+}
+
+/// A custom-storage answer: the driver-owned CUcheckpointCustomStorageInfo, with a stream of the
+/// primary context of each range's GPU, stored through `out_pp`.
+fn custom_reply(d: &Driver, reply: Reply, out_pp: *mut *mut CustomStorageInfo) -> R {
+    let (daemon_handle, ranges) = match reply {
+        Reply::Ok if out_pp.is_null() => return Ok(()),
+        Reply::Custom { handle, ranges } if !out_pp.is_null() => (handle, ranges),
+        _ => return Err(cu::UNKNOWN),
+    };
+    let node = d.node.read().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut h = lock(&d.handles);
+    let mut streams = Vec::new();
+    let mut per: Vec<PerDeviceData> = Vec::with_capacity(ranges.len());
+    for MappedRange { gpu, ptr, size } in &ranges {
+        let dev = node.gpus.iter().position(|g| &g.uuid == gpu).unwrap_or(0);
+        let stream = h.new_handle();
+        h.streams.insert(stream, dev);
+        streams.push(stream);
+        per.push(PerDeviceData {
+            dev_ptr: *ptr,
+            size: *size as usize,
+            stream: stream as CUstream,
+        });
+    }
+    let handle = h.new_handle();
+    drop(h);
+    let count = per.len();
+    let per_device = Box::into_raw(per.into_boxed_slice()) as *mut PerDeviceData;
+    let info = Box::into_raw(Box::new(CustomStorageInfo {
+        handle: handle as *mut c_void,
+        per_device_data: if count == 0 {
+            std::ptr::null_mut()
+        } else {
+            per_device
+        },
+        device_count: count as c_uint,
+    }));
+    lock(&d.ops).insert(
+        handle,
+        CustomOp {
+            daemon_handle,
+            info: info as usize,
+            per_device: per_device as usize,
+            count,
+            streams,
+        },
+    );
+    out(out_pp, info)
+}
+
+/// Frees what `custom_reply` allocated for an operation.
+fn release_custom(d: &Driver, op: CustomOp) {
+    let mut h = lock(&d.handles);
+    for s in &op.streams {
+        h.streams.remove(s);
+    }
+    drop(h);
+    // SAFETY: both came from Box::into_raw in custom_reply and are freed only here, once.
+    unsafe {
+        drop(Box::from_raw(op.info as *mut CustomStorageInfo));
+        drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+            op.per_device as *mut PerDeviceData,
+            op.count,
+        )));
+    }
 }
 
 /// The 64 bytes of an argument struct (zeros for NULL, which the API allows).
@@ -1014,7 +1189,14 @@ entry! {
     }
 
     fn cuCheckpointProcessCheckpoint(pid: c_int, args: *const c_void) {
-        ckpt(CkptCall::Checkpoint { pid, args: args64(args) }).map(|_| ())
+        let raw = args64(args);
+        let d = drv()?;
+        // CUDA 13.4: bytes 0..8 are customStorageInfo_out; before, they are reserved (the daemon
+        // refuses them when not zero).
+        let out_pp = custom_out(d, &raw, 0)?;
+        let primaries = if out_pp.is_null() { Vec::new() } else { d.primaries() };
+        let reply = ckpt(CkptCall::Checkpoint { pid, args: raw, primaries })?;
+        custom_reply(d, reply, out_pp)
     }
 
     fn cuCheckpointProcessRestore(pid: c_int, args: *const c_void) {
@@ -1041,7 +1223,25 @@ entry! {
         } else if remap && ptr != 0 {
             return Err(cu::INVALID_VALUE);
         }
-        ckpt(CkptCall::Restore { pid, args: raw, pairs }).map(|_| ())
+        // CUDA 13.4: customStorageInfo_out at byte 16.
+        let out_pp = custom_out(d, &raw, 16)?;
+        let primaries = if out_pp.is_null() { Vec::new() } else { d.primaries() };
+        let reply = ckpt(CkptCall::Restore { pid, args: raw, pairs, primaries })?;
+        custom_reply(d, reply, out_pp)
+    }
+
+    fn cuCheckpointOperationComplete(handle: *mut c_void) {
+        let d = drv()?;
+        if d.node.read().unwrap_or_else(|p| p.into_inner()).cuda_version < CUSTOM_STORAGE_SINCE {
+            return Err(cu::NOT_SUPPORTED);
+        }
+        let key = handle as usize;
+        let daemon_handle = lock(&d.ops).get(&key).map(|o| o.daemon_handle).ok_or(cu::INVALID_HANDLE)?;
+        d.with_conn(|c| c.ok(&Request::OperationComplete { handle: daemon_handle }))?;
+        if let Some(op) = lock(&d.ops).remove(&key) {
+            release_custom(d, op);
+        }
+        Ok(())
     }
 
     fn cuCheckpointProcessUnlock(pid: c_int, args: *const c_void) {
@@ -1342,6 +1542,10 @@ static ENTRY_POINTS: &[(&str, &[Abi])] = &[
         "cuCheckpointProcessGetRestoreThreadId",
         &[abi(12080, "cuCheckpointProcessGetRestoreThreadId")],
     ),
+    (
+        "cuCheckpointOperationComplete",
+        &[abi(13040, "cuCheckpointOperationComplete")],
+    ),
 ];
 
 /// `CUdriverProcAddressQueryResult`.
@@ -1450,15 +1654,53 @@ fn get_proc_address(
     }
 }
 
+/// Environment: when set (non-empty), every cuGetProcAddress request is logged to stderr as
+/// `simgpu-procaddr <symbol> <version> <flags> <CUresult> <symbolStatus>` (what a client library
+/// asks for, and what it got).
+const ENV_TRACE_PROC: &str = "GPU_CKPT_SIM_TRACE_PROCADDR";
+
+fn trace_proc(symbol: *const c_char, version: c_int, flags: u64, r: &R, status: *mut c_int) {
+    static ON: OnceLock<bool> = OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os(ENV_TRACE_PROC).is_some_and(|v| !v.is_empty())) {
+        return;
+    }
+    let name = if symbol.is_null() {
+        "(null)".to_string()
+    } else {
+        // SAFETY: a NUL-terminated symbol name from the caller (checked non-null).
+        unsafe { std::ffi::CStr::from_ptr(symbol) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    let code = match r {
+        Ok(()) => cu::SUCCESS,
+        Err(c) => *c,
+    };
+    // SAFETY: status points at the caller's or our own c_int.
+    let st = if status.is_null() {
+        -1
+    } else {
+        unsafe { *status }
+    };
+    eprintln!("simgpu-procaddr {name} {version} {flags} {code} {st}");
+}
+
 entry! {
     fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
-        get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
+        let mut st: c_int = -1;
+        let r = get_proc_address(symbol, pfn, version, flags, &mut st);
+        trace_proc(symbol, version, flags, &r, &mut st);
+        r
     }
 
     fn cuGetProcAddress_v2(
         symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64, status: *mut c_int,
     ) {
-        get_proc_address(symbol, pfn, version, flags, status)
+        let mut own_status: c_int = -1;
+        let st = if status.is_null() { &mut own_status as *mut c_int } else { status };
+        let r = get_proc_address(symbol, pfn, version, flags, st);
+        trace_proc(symbol, version, flags, &r, st);
+        r
     }
 
     fn cuCtxCreate_v3(pctx: *mut CUcontext, _params: *mut c_void, _n: c_int, flags: c_uint, dev: CUdevice) {
