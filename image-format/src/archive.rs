@@ -130,6 +130,8 @@ pub struct ArchiveInfo {
     pub spec_dump: Option<serde_json::Value>,
     pub status_dump: Option<serde_json::Value>,
     pub manifest: Option<Manifest>,
+    /// The manifest's bytes as found, for its signature ([`crate::sign::verify_json`]).
+    pub manifest_json: Option<Vec<u8>>,
     pub sizes: Sizes,
     /// CRIU's dump statistics, from `stats-dump` (containerd's runc path) or
     /// `checkpoint/stats-dump` (what gpu-ckpt's shim keeps).
@@ -298,6 +300,7 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
                 names::MANIFEST_PATH => {
                     let d = read_small(&mut ent, &e.path, e.size)?;
                     info.manifest = Some(Manifest::from_json(&d, &e.path)?);
+                    info.manifest_json = Some(d);
                 }
                 names::STATS_DUMP | "checkpoint/stats-dump" => {
                     let d = read_small(&mut ent, &e.path, e.size)?;

@@ -167,6 +167,14 @@ pub enum Error {
     /// The target directory of an extraction already holds the named entry.
     #[error("entry {entry:?}: already exists in the target directory")]
     Exists { entry: String },
+
+    /// A manifest signature that is missing, malformed, or does not match.
+    #[error("signature: {reason}")]
+    Signature { reason: String },
+
+    /// A signing key that cannot be read, made or parsed.
+    #[error("signing key {path}: {reason}")]
+    Key { path: PathBuf, reason: String },
 }
 
 fn entry_suffix(e: &Option<String>) -> String {

@@ -6,12 +6,15 @@
 //! - [`compat`]: can a checkpoint restore on a node, and which field differs if not.
 //! - [`oci`]: the archive as an OCI image (layout directory or tarball), and back; registry push.
 //! - [`protowire`]: a minimal protobuf reader for CRIU's statistics images.
+//! - [`criu_creds`]: the credentials and seccomp state CRIU recorded for each task.
+//! - [`sign`]: Ed25519 signatures over the manifest, node keys, trusted keys.
 //! - [`safe`]: the checks every untrusted tar entry passes, and `openat`-style extraction.
 //!
 //! The format is specified in docs/image-format.md.
 
 pub mod archive;
 pub mod compat;
+pub mod criu_creds;
 pub mod criu_stats;
 pub mod digest;
 pub mod error;
@@ -20,6 +23,7 @@ pub mod manifest;
 pub mod oci;
 pub mod protowire;
 pub mod safe;
+pub mod sign;
 
 pub use error::{Error, Result};
 pub use manifest::{hash_dir_flat, verify_dir, Manifest, MANIFEST_FILE};

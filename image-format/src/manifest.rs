@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 
 /// File name of the manifest inside the checkpoint directory.
 pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
+/// The shim's own copy of the container's rootfs changes (a tar with OCI whiteouts), kept in the
+/// checkpoint directory so that the manifest, and so the signature, covers it.
+pub const ROOTFS_CHANGES_FILE: &str = "gpu-ckpt-rootfs-changes.tar";
 /// The value of the `kind` field.
 pub const MANIFEST_KIND: &str = "gpu-ckpt.io/CheckpointManifest";
 /// The value of the `$schema` field for schema major version 2.
@@ -66,6 +69,14 @@ pub struct Manifest {
     /// Step timings in milliseconds, in the order the steps ran.
     #[serde(default)]
     pub timings: Vec<StepTiming>,
+    /// The security context the checkpointed container ran under (what a restore holds the
+    /// new spec to). Absent in older manifests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub security: Option<SecurityRecord>,
+    /// The node key's Ed25519 signature over the rest of the manifest ([`crate::sign`]).
+    /// Absent in unsigned manifests (older ones, other tools').
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<crate::sign::Signature>,
 }
 
 /// The checkpointed container.
@@ -80,6 +91,9 @@ pub struct Container {
     pub pod_name: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub pod_namespace: String,
+    /// The pod's uid (Kubernetes `metadata.uid`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_uid: String,
     /// Base image reference as the container was created from it.
     #[serde(default)]
     pub image: String,
@@ -133,6 +147,70 @@ pub struct Gpu {
     /// PCI bus id, e.g. "00000000:3B:00.0".
     #[serde(default)]
     pub pci_address: String,
+}
+
+/// The security context of the checkpointed container, from its OCI spec.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecurityRecord {
+    /// `sha256:<hex>` of the spec's `linux.seccomp` in canonical JSON (keys sorted, no
+    /// whitespace); empty when the container ran without a seccomp profile.
+    #[serde(default)]
+    pub seccomp_profile: String,
+}
+
+impl SecurityRecord {
+    /// The record of an OCI spec (config.json as JSON).
+    pub fn from_spec(spec: &serde_json::Value) -> SecurityRecord {
+        SecurityRecord {
+            seccomp_profile: seccomp_profile_digest(spec),
+        }
+    }
+}
+
+/// `sha256:<hex>` of an OCI spec's `linux.seccomp` in canonical JSON (object keys sorted, no
+/// whitespace), or an empty string when the spec has no seccomp profile.
+pub fn seccomp_profile_digest(spec: &serde_json::Value) -> String {
+    match spec.pointer("/linux/seccomp") {
+        None | Some(serde_json::Value::Null) => String::new(),
+        Some(profile) => {
+            let mut text = String::new();
+            canonical_json(profile, &mut text);
+            format!(
+                "sha256:{}",
+                hex::encode(<sha2::Sha256 as sha2::Digest>::digest(text.as_bytes()))
+            )
+        }
+    }
+}
+
+fn canonical_json(v: &serde_json::Value, out: &mut String) {
+    match v {
+        serde_json::Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push(':');
+                canonical_json(&map[k], out);
+            }
+            out.push('}');
+        }
+        serde_json::Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical_json(item, out);
+            }
+            out.push(']');
+        }
+        scalar => out.push_str(&scalar.to_string()),
+    }
 }
 
 /// The versions that the pod declares through annotations.
@@ -230,6 +308,8 @@ impl Manifest {
             device_state: Vec::new(),
             files: BTreeMap::new(),
             timings: Vec::new(),
+            security: None,
+            signature: None,
         }
     }
 

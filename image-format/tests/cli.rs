@@ -143,7 +143,10 @@ fn inspect_verify_compat_build_extract() {
     let (rc, out, _) = run(&["verify", dir.join("checkpoint").to_str().unwrap()]);
     assert_eq!(
         (rc, out.trim()),
-        (0, "verify ok: 5 files match the manifest")
+        (
+            0,
+            "verify ok: 5 files match the manifest\nsigner: unsigned (restored only where AllowUnsigned = true)"
+        )
     );
 
     // Errors exit 2 and name the problem.

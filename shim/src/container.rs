@@ -38,6 +38,7 @@ use crate::{
     process::{Process, Status},
     restore,
     runc::{tool_output, CreateOpts, Runc},
+    spec_check,
     stdio::{self, Absent},
     verify_gate::VerifyGate,
 };
@@ -69,6 +70,9 @@ pub struct Container {
     restore_unpacked: bool,
     /// runc hands CRIU the shim's configuration file (not one the spec names).
     own_criu_conf: bool,
+    /// The overlay upper directory of the rootfs: the container's changes, of which a
+    /// checkpoint keeps a signed copy (`rootfs_changes`).
+    upperdir: Option<PathBuf>,
 }
 
 /// How long the follower of the dump's page images waits for new bytes before it looks again
@@ -136,6 +140,7 @@ impl Container {
             restore_from,
             restore_unpacked: false,
             own_criu_conf: false,
+            upperdir: None,
         };
 
         // Step 1: the rootfs. Undo: unmount.
@@ -214,14 +219,27 @@ impl Container {
             .get("io.kubernetes.cri.image-name")
             .cloned()
             .unwrap_or_default();
+        let namespace = a
+            .get(crate::trust::SANDBOX_NAMESPACE)
+            .cloned()
+            .unwrap_or_default();
         let bundle = self.bundle.clone();
         let ann = self.annotations.clone();
+        let options = self.options.clone();
         let plan = tokio::task::spawn_blocking(move || {
             let me = restore::Identity {
                 name: &name,
                 image: &image,
+                namespace: &namespace,
             };
-            restore::prepare(&bundle, &bundle.join("rootfs"), &source, &me, &ann)
+            restore::prepare(
+                &bundle,
+                &bundle.join("rootfs"),
+                &source,
+                &me,
+                &ann,
+                &options,
+            )
         })
         .await
         .map_err(|e| Error::FailedPrecondition(format!("prepare restore: {e}")))??;
@@ -247,6 +265,11 @@ impl Container {
             for m in &req.rootfs {
                 mount_rootfs(m, &rootfs).await?;
             }
+            self.upperdir = req
+                .rootfs
+                .iter()
+                .rev()
+                .find_map(|m| crate::rootfs_changes::upperdir_of(&m.type_, &m.options));
         }
         let root = spec
             .root()
@@ -349,6 +372,15 @@ impl Container {
         let overlap = self.own_criu_conf;
         let unpacked = self.restore_unpacked;
         let t = Instant::now();
+        // The signature and its signer, and the namespace, for every way a restore arrives
+        // (`trust::check_dir`); the restore handler checked them at Create already.
+        let namespace = self
+            .spec_annotations
+            .get(crate::trust::SANDBOX_NAMESPACE)
+            .cloned()
+            .unwrap_or_default();
+        let (verdict, signed_manifest) =
+            crate::trust::check_dir(dir, &self.options, &namespace, !unpacked)?;
         let (manifest, deferred) = tokio::task::spawn_blocking({
             let dir = dir.to_path_buf();
             move || {
@@ -359,12 +391,43 @@ impl Container {
         .await
         .map_err(|e| restore::step("verify")(e.to_string()))?
         .map_err(|e| restore::step("verify")(e.to_string()))?;
+        if manifest != signed_manifest {
+            return Err(restore::step("verify")(format!(
+                "the manifest in {} changed while it was verified",
+                dir.display()
+            )));
+        }
+        // containerd laid its rootfs-diff.tar (which no signature covers) over the rootfs:
+        // the signed copy of the container's changes goes over it again.
+        if !unpacked && matches!(verdict, crate::trust::Verdict::Signed { .. }) {
+            if let Some(copy) = crate::rootfs_changes::exists(dir) {
+                let rootfs = self.bundle.join("rootfs");
+                tokio::task::spawn_blocking(move || restore::apply_rootfs_diff(&copy, &rootfs))
+                    .await
+                    .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?
+                    .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?;
+            }
+        }
         let deferred = if unpacked {
             manifest::DeferredDigests::default()
         } else {
             deferred
         };
         let verified_first = t.elapsed();
+        // Step 1b: the checkpoint's own record of its tasks' credentials and seccomp state
+        // (CRIU's core and seccomp images, verified above) and of the seccomp profile it ran
+        // under (the manifest), held to this container's spec: the usual mismatch fails here,
+        // before CRIU starts (`spec_check.rs`).
+        let policy = Arc::new(spec_check::Policy::from_bundle(&self.bundle)?);
+        let expected = tokio::task::spawn_blocking({
+            let (dir, policy) = (dir.to_path_buf(), policy.clone());
+            let record = manifest.security.clone();
+            move || spec_check::check_checkpoint(&dir, &policy, record.as_ref())
+        })
+        .instrument(info_span!("spec_check", id = %self.id))
+        .await
+        .map_err(|e| restore::step("spec-check")(e.to_string()))??;
+        let expected = Arc::new(expected);
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
         // this container asks for it (a new address). The gate holds the restored tasks until
         // the page images are verified. Undo: the configuration goes back to the checkpoints'.
@@ -403,6 +466,17 @@ impl Container {
                 Ok(t.elapsed())
             }
         });
+        // Step 3b: the restored tree held to the spec at the gate's pre-resume, where CRIU has
+        // restored every task's credentials and seccomp filters and none has run; a refusal
+        // kills the tree there and CRIU fails the restore.
+        let held = tokio::task::spawn_blocking({
+            let (gate, policy, expected) = (gate.clone(), policy.clone(), expected.clone());
+            let span = info_span!("spec_check_restored", id = %self.id);
+            move || {
+                let _span = span.enter();
+                spec_check::hold_at_gate(&gate, &policy, &expected)
+            }
+        });
         // Step 4: runc restore; CRIU waits at the gate. Undo (in `run_restore`): stop the
         // copies, runc delete.
         let t = Instant::now();
@@ -414,12 +488,44 @@ impl Container {
         let verified = verified
             .await
             .unwrap_or_else(|e| Err(Error::FailedPrecondition(format!("page verification: {e}"))));
+        if let Err(e) = gate.no_root() {
+            warn!(id = %self.id, error = %e, "release the restore gate's spec check");
+        }
+        let held = held.await.unwrap_or_else(|e| {
+            Some(Err(Error::FailedPrecondition(format!(
+                "restore refused: the check of the restored tree failed: {e}"
+            ))))
+        });
+        let held = match (held, &restored) {
+            (Some(verdict), _) => verdict,
+            // The gate's pre-resume did not run (a CRIU configuration the spec names): the tree
+            // is checked now, after it has resumed, and killed if it is beyond the spec.
+            (None, Ok(())) => {
+                warn!(id = %self.id, "restored tasks were not held at pre-resume: checked after they resumed");
+                let (pid, policy, expected) = (self.init.pid, policy.clone(), expected.clone());
+                tokio::task::spawn_blocking(move || {
+                    let verdict = spec_check::check_tree(pid, &policy, &expected);
+                    if verdict.is_err() {
+                        spec_check::kill_restored(pid);
+                    }
+                    verdict
+                })
+                .instrument(info_span!("spec_check_restored", id = %self.id))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(Error::FailedPrecondition(format!(
+                        "restore refused: the check of the restored tree failed: {e}"
+                    )))
+                })
+            }
+            (None, Err(_)) => Ok(()),
+        };
         drop(gate);
         if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
             warn!(id = %self.id, error = %e, "CRIU configuration after a restore");
         }
-        match (restored, verified) {
-            (Ok(()), Ok(pages)) => {
+        match (restored, verified, held) {
+            (Ok(()), Ok(pages), Ok(())) => {
                 info!(
                     id = %self.id,
                     verify_ms = verified_first.as_millis() as u64,
@@ -429,13 +535,13 @@ impl Container {
                 );
                 Ok(())
             }
-            (Err(e), Err(Error::Image(image_format::Error::Cancelled { .. }))) => Err(e),
+            (Err(e), Err(Error::Image(image_format::Error::Cancelled { .. })), _) => Err(e),
             // The verdict is the cause: the gate made CRIU abort, or, were the gate bypassed
             // (a CRIU configuration the spec names), the restored tasks are killed here.
-            (Err(_), Err(e)) => Err(restore::step("verify")(format!(
+            (Err(_), Err(e), _) => Err(restore::step("verify")(format!(
                 "{e}; CRIU aborted the restore before the restored tasks ran"
             ))),
-            (Ok(()), Err(e)) => {
+            (Ok(()), Err(e), _) => {
                 self.init.io.tasks.abort().await;
                 if let Err(de) = self.runc.delete(&self.id, true).await {
                     warn!(id = %self.id, error = %de, "undo of a refused restore: runc delete");
@@ -444,7 +550,19 @@ impl Container {
                     "{e}; the restored tasks were killed"
                 )))
             }
-            (Err(e), Ok(_)) => Err(e),
+            // The restored tree was beyond the spec: killed at the gate, so CRIU failed.
+            (Err(_), Ok(_), Err(e)) => Err(spec_check::with_note(
+                e,
+                "the restored tasks were killed before they ran",
+            )),
+            (Ok(()), Ok(_), Err(e)) => {
+                self.init.io.tasks.abort().await;
+                if let Err(de) = self.runc.delete(&self.id, true).await {
+                    warn!(id = %self.id, error = %de, "undo of a refused restore: runc delete");
+                }
+                Err(spec_check::with_note(e, "the restored tasks were killed"))
+            }
+            (Err(e), Ok(_), Ok(())) => Err(e),
         }
     }
 
@@ -693,7 +811,8 @@ impl Container {
             id: self.id.clone(),
             name,
             pod_name: get("io.kubernetes.cri.sandbox-name"),
-            pod_namespace: get("io.kubernetes.cri.sandbox-namespace"),
+            pod_namespace: get(crate::trust::SANDBOX_NAMESPACE),
+            pod_uid: get(crate::trust::SANDBOX_UID),
             image: get("io.kubernetes.cri.image-name"),
             image_digest: String::new(),
         };
@@ -709,9 +828,25 @@ impl Container {
             workload,
         );
         m.criu = plan.criu.clone();
+        // The security context it ran under, for the restore's check against its new spec.
+        m.security = spec_check::security_record(&self.bundle);
         let pages = plan.page_digests;
+        // The node key (made on first use), and a copy of the container's rootfs changes in the
+        // image directory, so that the signature covers them (containerd's rootfs-diff.tar comes
+        // after the shim returns).
+        let key = if self.options.sign_checkpoints() {
+            Some(crate::trust::node_key(&self.options)?)
+        } else {
+            None
+        };
+        let upper = self.upperdir.clone();
         let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
             let mut m = m;
+            if let Some(upper) = upper.filter(|u| u.is_dir()) {
+                let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
+                let _ = std::fs::remove_file(&copy);
+                crate::rootfs_changes::write(&upper, &copy)?;
+            }
             restrict_files(&image)?;
             m.files = manifest::hash_dir_flat_with(&image, followed, pages, &mut no_progress)?;
             Ok(m)
@@ -721,6 +856,9 @@ impl Container {
         timings.push(("manifest-hash", started.elapsed()));
         for (step, d) in timings.iter() {
             m.add_timing(*step, d.as_secs_f64() * 1000.0);
+        }
+        if let Some(key) = &key {
+            key.sign_manifest(&mut m)?;
         }
         m.write_to(&plan.image_path)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;

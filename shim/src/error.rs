@@ -18,6 +18,9 @@ pub enum Error {
     /// The process is in a state where the request makes no sense.
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A checkpoint this node's policy refuses to restore (signature, trust, namespace, source).
+    #[error("{0}")]
+    PermissionDenied(String),
     /// The request is valid but this shim does not do it.
     #[error("{0}")]
     Unimplemented(String),
@@ -78,6 +81,7 @@ impl Error {
             Error::NotFound(_) => Code::NOT_FOUND,
             Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
             Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
+            Error::PermissionDenied(_) => Code::PERMISSION_DENIED,
             Error::Unimplemented(_) => Code::UNIMPLEMENTED,
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 Code::NOT_FOUND

@@ -13,6 +13,8 @@
 //! - [`runc`]: every runc invocation;
 //! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
+//! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
+//!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod annotations;
@@ -26,9 +28,12 @@ pub mod oom;
 pub mod options;
 pub mod process;
 pub mod restore;
+pub mod rootfs_changes;
 pub mod runc;
 pub mod service;
+pub mod spec_check;
 pub mod stats;
 pub mod stdio;
 pub mod task;
+pub mod trust;
 pub mod verify_gate;

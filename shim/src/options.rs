@@ -67,7 +67,30 @@ pub struct RuntimeOptions {
     /// "restore" for the restore handler (`gpu-ckpt-restore`): containers whose pod names a
     /// checkpoint in `gpu-ckpt.io/restore-from` are restored from it at start.
     pub mode: String,
+    /// The node's signing key (made on first use, root-only). Default: see
+    /// [`RuntimeOptions::signing_key_path`].
+    pub signing_key: String,
+    /// A directory of more trusted public keys (`*.pub`, 64 hex digits each): checkpoints
+    /// signed by them restore here as well as this node's own.
+    pub trusted_keys_dir: String,
+    /// Sign checkpoints with the node key (default true). Off only for measurement, or for
+    /// checkpoints that will be restored elsewhere under `AllowUnsigned`.
+    pub sign_checkpoints: Option<bool>,
+    /// Restore unsigned checkpoints too (another runtime's, or for development); every such
+    /// restore logs a warning.
+    pub allow_unsigned: bool,
+    /// Moves between namespaces that a restore may make, as `"from/to"` pairs. By default a
+    /// checkpoint restores only into the namespace it was taken in.
+    pub namespace_moves: Vec<String>,
+    /// Where `gpu-ckpt.io/restore-from` may read: directories (absolute, `/` at the end or not)
+    /// and registry prefixes. `None`: [`DEFAULT_RESTORE_SOURCES`].
+    pub restore_sources: Option<Vec<String>>,
 }
+
+/// The restore sources when the options name none: the kubelet's checkpoint directory.
+pub const DEFAULT_RESTORE_SOURCES: [&str; 1] = ["/var/lib/kubelet/checkpoints/"];
+/// The node key's directory for a containerd with the default state directory.
+pub const DEFAULT_KEY_DIR: &str = image_format::sign::DEFAULT_KEY_DIR;
 
 impl RuntimeOptions {
     /// Decodes the options Any of a Create request. `None` or an empty Any gives the defaults.
@@ -168,6 +191,39 @@ impl RuntimeOptions {
                 self.cgroups_mode
             )));
         }
+        for pair in &self.namespace_moves {
+            let ok = pair
+                .split_once('/')
+                .is_some_and(|(from, to)| !from.is_empty() && !to.is_empty() && !to.contains('/'));
+            if !ok {
+                return Err(Error::InvalidArgument(format!(
+                    "invalid NamespaceMoves entry {pair:?}: expected \"from/to\", two namespaces"
+                )));
+            }
+        }
+        for source in self.restore_sources.iter().flatten() {
+            let dir = source.starts_with('/');
+            if source.is_empty()
+                || source.split('/').any(|c| c == "..")
+                || (!dir && !source.contains('/'))
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "invalid RestoreSources entry {source:?}: expected an absolute directory or a registry prefix (host/path/)"
+                )));
+            }
+        }
+        if !self.signing_key.is_empty() && !self.signing_key.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "invalid SigningKey {:?}: expected an absolute path",
+                self.signing_key
+            )));
+        }
+        if !self.trusted_keys_dir.is_empty() && !self.trusted_keys_dir.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "invalid TrustedKeysDir {:?}: expected an absolute path",
+                self.trusted_keys_dir
+            )));
+        }
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {
             return Err(Error::InvalidArgument(format!(
                 "invalid Mode {:?}: expected \"run\" or \"restore\"",
@@ -175,6 +231,40 @@ impl RuntimeOptions {
             )));
         }
         Ok(self)
+    }
+
+    /// The node's signing key: `SigningKey`, else `/var/lib/gpu-ckpt/keys/node.key`, one key
+    /// for the machine, whichever containerd (or ctr, which sends no options) took the
+    /// checkpoint, so that one machine restores its own checkpoints with no configuration.
+    pub fn signing_key_path(&self) -> PathBuf {
+        if !self.signing_key.is_empty() {
+            return PathBuf::from(&self.signing_key);
+        }
+        Path::new(DEFAULT_KEY_DIR).join(image_format::sign::NODE_KEY_FILE)
+    }
+
+    /// Whether checkpoints are signed (`SignCheckpoints`, default true).
+    pub fn sign_checkpoints(&self) -> bool {
+        self.sign_checkpoints.unwrap_or(true)
+    }
+
+    /// `RestoreSources`, or its default.
+    pub fn restore_sources(&self) -> Vec<String> {
+        self.restore_sources.clone().unwrap_or_else(|| {
+            DEFAULT_RESTORE_SOURCES
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        })
+    }
+
+    /// Whether `NamespaceMoves` allows a checkpoint of namespace `from` into namespace `to`.
+    pub fn namespace_move_allowed(&self, from: &str, to: &str) -> bool {
+        from == to
+            || self
+                .namespace_moves
+                .iter()
+                .any(|p| p.split_once('/') == Some((from, to)))
     }
 
     /// Whether this is the restore handler.
@@ -329,6 +419,38 @@ mod tests {
         assert!(RuntimeOptions::from_toml("Mode = \"restore\"", "t")
             .unwrap()
             .restore_mode());
+    }
+
+    #[test]
+    fn trust_options_are_decoded_and_checked() {
+        let o = RuntimeOptions::from_toml(
+            "AllowUnsigned = true\nNamespaceMoves = [\"default/tenant-b\"]\nRestoreSources = [\"/ckpt/\", \"registry.example.com/ckpt/\"]\nTrustedKeysDir = \"/etc/gpu-ckpt/trusted\"\nSigningKey = \"/k/node.key\"\n",
+            "t",
+        )
+        .unwrap();
+        assert!(o.allow_unsigned);
+        assert!(o.namespace_move_allowed("default", "tenant-b"));
+        assert!(!o.namespace_move_allowed("tenant-b", "default"));
+        assert!(o.namespace_move_allowed("x", "x"));
+        assert_eq!(o.restore_sources().len(), 2);
+        assert_eq!(o.signing_key_path(), Path::new("/k/node.key"));
+        let d = RuntimeOptions::default();
+        assert_eq!(d.restore_sources(), vec!["/var/lib/kubelet/checkpoints/"]);
+        assert_eq!(
+            d.signing_key_path(),
+            Path::new("/var/lib/gpu-ckpt/keys/node.key")
+        );
+        for bad in [
+            "NamespaceMoves = [\"default\"]",
+            "NamespaceMoves = [\"a/b/c\"]",
+            "RestoreSources = [\"/a/../b\"]",
+            "RestoreSources = [\"relative\"]",
+            "SigningKey = \"key\"",
+        ] {
+            let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();
+            let key = bad.split(' ').next().unwrap();
+            assert!(err.contains(key), "{bad}: {err}");
+        }
     }
 
     #[test]

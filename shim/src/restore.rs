@@ -14,7 +14,8 @@ use std::{
 };
 
 use image_format::{
-    archive::{self, ExtractOptions},
+    archive::{self, ArchiveInfo, ExtractOptions},
+    manifest::{Manifest, ROOTFS_CHANGES_FILE},
     oci,
     safe::Limits,
 };
@@ -23,6 +24,8 @@ use tracing::{info, warn};
 use crate::{
     annotations::{self, Annotations},
     error::{Error, Result},
+    options::RuntimeOptions,
+    trust::{self, Verdict},
 };
 
 /// Where the checkpoint is unpacked, in the bundle.
@@ -33,6 +36,8 @@ const FETCHED_ARCHIVE: &str = "gpu-ckpt-restore.tar";
 pub struct Identity<'a> {
     pub name: &'a str,
     pub image: &'a str,
+    /// The namespace of the container's pod (empty outside Kubernetes).
+    pub namespace: &'a str,
 }
 
 /// What to do with the container.
@@ -53,8 +58,9 @@ pub fn prepare(
     source: &str,
     me: &Identity<'_>,
     ann: &Annotations,
+    options: &RuntimeOptions,
 ) -> Result<Plan> {
-    let result = prepare_inner(bundle, rootfs, source, me, ann);
+    let result = prepare_inner(bundle, rootfs, source, me, ann, options);
     let _ = std::fs::remove_file(bundle.join(FETCHED_ARCHIVE));
     if !matches!(result, Ok(Plan::Restore(_))) {
         let _ = std::fs::remove_dir_all(bundle.join(RESTORE_DIR));
@@ -77,39 +83,48 @@ fn prepare_inner(
     source: &str,
     me: &Identity<'_>,
     ann: &Annotations,
+    options: &RuntimeOptions,
 ) -> Result<Plan> {
     let limits = Limits::default();
-    // Step 1: fetch.
-    let archive = fetch(bundle, source, limits).map_err(step("fetch"))?;
+    // Step 1: fetch, from a source RestoreSources lists (checked before anything is opened).
+    let archive = fetch(bundle, source, limits, options)?;
     // Step 2: read every header (hostile entries are refused here) and the metadata.
     let info = archive::read_info(&archive, limits)
         .map_err(|e| step("check")(format!("{source}: {e}")))?;
-    let Some(manifest) = &info.manifest else {
+    let (Some(manifest), Some(json)) = (&info.manifest, &info.manifest_json) else {
         return Err(step("check")(format!(
             "{source} has no gpu-ckpt manifest: it is not a complete gpu-ckpt checkpoint"
         )));
     };
-    // Step 3: does it belong here?
+    // Step 3: who signed it, and does this node trust them (or allow unsigned ones)?
+    let verdict = trust::check_signature(json, options, source, true)?;
+    let signed = matches!(verdict, Verdict::Signed { .. });
+    // Step 4: may it move into this namespace? The signed record decides; an unsigned
+    // checkpoint's record is what it claims.
+    let (spec_name, spec_pod, spec_ns) = info.identity();
+    let from = if signed || !manifest.container.pod_namespace.is_empty() {
+        manifest.container.pod_namespace.clone()
+    } else {
+        spec_ns.clone()
+    };
+    trust::check_namespace(&from, me.namespace, options, source)?;
+    if signed {
+        check_engine_record(manifest, (&spec_name, &spec_pod, &spec_ns), source)?;
+    }
+    // Step 5: does it belong here?
     let mut differences = Vec::new();
-    let name = info.container_name();
+    let name = if signed {
+        manifest.container.name.clone()
+    } else {
+        info.container_name()
+    };
     if name != me.name {
         differences.push(format!(
             "container name: the checkpoint is of {name:?}, this container is {:?}",
             me.name
         ));
     }
-    let image = info
-        .config_dump
-        .as_ref()
-        .map(|c| {
-            if c.rootfs_image_name.is_empty() {
-                c.rootfs_image.clone()
-            } else {
-                c.rootfs_image_name.clone()
-            }
-        })
-        .filter(|i| !i.is_empty())
-        .unwrap_or_else(|| manifest.container.image.clone());
+    let image = checkpoint_image(&info, manifest, signed);
     if !image.is_empty() && !me.image.is_empty() && image != me.image {
         differences.push(format!(
             "image: the checkpoint was taken from {image:?}, this container runs {:?}",
@@ -148,7 +163,8 @@ fn prepare_inner(
             ))),
         };
     }
-    // Step 4: unpack, verifying the CRIU images against the manifest while writing.
+    // Step 6: unpack, verifying the CRIU images (and the rootfs changes' copy) against the
+    // manifest while writing.
     let dir = bundle.join(RESTORE_DIR);
     let _ = std::fs::remove_dir_all(&dir);
     archive::extract_archive(
@@ -161,42 +177,136 @@ fn prepare_inner(
         &mut |_, _| {},
     )
     .map_err(|e| step("unpack")(format!("{source}: {e}")))?;
-    // Step 5: the container's own changes to its filesystem.
-    let diff = dir.join(archive::names::ROOTFS_DIFF_TAR);
-    if diff.exists() {
+    let checkpoint = dir.join(archive::names::CHECKPOINT_DIRECTORY);
+    // Step 7: the container's own changes to its filesystem: the signed copy in checkpoint/,
+    // or, for an unsigned checkpoint without one, the engine's rootfs-diff.tar.
+    let own = checkpoint.join(ROOTFS_CHANGES_FILE);
+    let engine = dir.join(archive::names::ROOTFS_DIFF_TAR);
+    let diff = if own.exists() {
+        Some(own)
+    } else if engine.exists() {
+        if signed {
+            return Err(Error::PermissionDenied(format!(
+                "checkpoint {source}: its rootfs changes ({}) are not covered by the signature (the checkpoint has no {ROOTFS_CHANGES_FILE})",
+                archive::names::ROOTFS_DIFF_TAR
+            )));
+        }
+        Some(engine)
+    } else {
+        None
+    };
+    if let Some(diff) = diff {
         apply_rootfs_diff(&diff, rootfs).map_err(|e| step("rootfs-diff")(e.to_string()))?;
     }
-    info!(%source, "checkpoint unpacked for restore");
-    Ok(Plan::Restore(
-        dir.join(archive::names::CHECKPOINT_DIRECTORY),
-    ))
+    info!(%source, signed, "checkpoint unpacked for restore");
+    Ok(Plan::Restore(checkpoint))
 }
 
-/// The archive for `source`: an absolute path to an archive or an OCI checkpoint image on
-/// disk, or else an image reference pulled from its registry.
-fn fetch(bundle: &Path, source: &str, limits: Limits) -> std::result::Result<PathBuf, String> {
-    let path = Path::new(source);
-    if path.is_absolute() {
-        if !path.exists() {
-            return Err(format!("{source}: no such checkpoint archive or image"));
+/// The image the checkpoint was taken from: the signed manifest's for a signed checkpoint,
+/// else what the engine recorded.
+fn checkpoint_image(info: &ArchiveInfo, manifest: &Manifest, signed: bool) -> String {
+    if signed && !manifest.container.image.is_empty() {
+        return manifest.container.image.clone();
+    }
+    info.config_dump
+        .as_ref()
+        .map(|c| {
+            if c.rootfs_image_name.is_empty() {
+                c.rootfs_image.clone()
+            } else {
+                c.rootfs_image_name.clone()
+            }
+        })
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| manifest.container.image.clone())
+}
+
+/// The engine's own record (spec.dump), which the signature cannot cover, must agree with the
+/// signed manifest wherever both name the container, its pod and the pod's namespace.
+fn check_engine_record(
+    manifest: &Manifest,
+    (name, pod, namespace): (&str, &str, &str),
+    source: &str,
+) -> Result<()> {
+    let c = &manifest.container;
+    for (field, engine, signed) in [
+        ("container name", name, c.name.as_str()),
+        ("pod name", pod, c.pod_name.as_str()),
+        ("namespace", namespace, c.pod_namespace.as_str()),
+    ] {
+        if !engine.is_empty() && engine != signed {
+            return Err(Error::PermissionDenied(format!(
+                "checkpoint {source}: {} says {field} {engine:?}, the signed manifest says {signed:?}: the archive was changed after the checkpoint",
+                archive::names::SPEC_DUMP
+            )));
         }
-        if !oci::is_image(path) {
-            return Ok(path.to_path_buf());
+    }
+    Ok(())
+}
+
+/// The archive for `source`: a path to an archive or an OCI checkpoint image on disk under a
+/// `RestoreSources` directory, or else an image reference under one of its registry prefixes.
+/// Outside those, missing, forbidden or unreadable: one and the same error.
+fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) -> Result<PathBuf> {
+    let sources = options.restore_sources();
+    let refused = |why: String| {
+        warn!(%source, %why, "restore source refused");
+        trust::source_refused(source, &sources)
+    };
+    let allowed_dir = trust::check_source(source, &sources).inspect_err(|_| {
+        warn!(%source, "restore source refused: outside RestoreSources");
+    })?;
+    if let Some(dir) = allowed_dir {
+        let path = trust::resolve_source(source, &dir, &sources)?;
+        if !oci::is_image(&path) {
+            if !path.is_file() {
+                return Err(refused("a directory that is not an OCI image".into()));
+            }
+            File::open(&path).map_err(|e| refused(e.to_string()))?;
+            return Ok(path);
         }
         let out = bundle.join(FETCHED_ARCHIVE);
-        oci::extract_archive_from_image(path, &out, &mut |_, _| {})
-            .map_err(|e| format!("{source}: {e}"))?;
+        let _ = std::fs::remove_file(&out);
+        oci::extract_archive_from_image(&path, &out, &mut |_, _| {})
+            .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
         return Ok(out);
     }
     let out = bundle.join(FETCHED_ARCHIVE);
     let _ = std::fs::remove_file(&out);
-    oci::pull_archive(source, &out, limits).map_err(|e| format!("pull {source}: {e}"))?;
+    oci::pull_archive(source, &out, limits).map_err(|e| refused(format!("pull: {e}")))?;
     Ok(out)
 }
 
-/// Lays a container's filesystem changes (containerd's gzip tar or CRI-O's plain tar, with OCI
-/// whiteouts) over `rootfs`. Entries that would leave the rootfs, and device nodes, are refused.
+/// Why a whiteout entry is refused, if it is: one whose target is empty, `.` or `..`
+/// (`.wh.`, `.wh..`, `.wh...`), and special `.wh..wh.` names other than the opaque marker.
+pub fn bad_whiteout(name: &str) -> Option<&'static str> {
+    let hidden = name.strip_prefix(".wh.")?;
+    match hidden {
+        ".wh..opq" => None,
+        "" | "." | ".." => Some("whiteout of the rootfs itself or of its parent"),
+        h if h.starts_with(".wh.") => Some("unknown special whiteout"),
+        _ => None,
+    }
+}
+
+/// Lays a container's filesystem changes (the shim's own copy, containerd's gzip tar or CRI-O's
+/// plain tar, with OCI whiteouts) over `rootfs`. Every entry is checked before anything is
+/// changed: entries that would leave the rootfs, device nodes and fifos, and whiteouts of the
+/// rootfs itself or of anything above it are refused, naming the entry.
 pub fn apply_rootfs_diff(diff: &Path, rootfs: &Path) -> Result<()> {
+    let root = rootfs
+        .canonicalize()
+        .map_err(Error::io(format!("rootfs {}", rootfs.display())))?;
+    // First pass: every entry checked, nothing written.
+    for_each_entry(diff, &mut |path, e| {
+        check_entry(path, e)?;
+        Ok(())
+    })?;
+    // Second pass: applied.
+    for_each_entry(diff, &mut |path, e| apply_entry(path, e, &root))
+}
+
+fn open_diff(diff: &Path) -> Result<tar::Archive<Box<dyn Read>>> {
     let mut magic = [0u8; 2];
     let gzip = File::open(diff)
         .and_then(|mut f| f.read_exact(&mut magic))
@@ -211,15 +321,16 @@ pub fn apply_rootfs_diff(diff: &Path, rootfs: &Path) -> Result<()> {
     let mut ar = tar::Archive::new(reader);
     ar.set_preserve_permissions(true);
     ar.set_overwrite(true);
-    let root = rootfs
-        .canonicalize()
-        .map_err(Error::io(format!("rootfs {}", rootfs.display())))?;
-    let bad = |entry: &Path, why: &str| {
-        Error::InvalidArgument(format!(
-            "rootfs diff entry {:?}: {why}",
-            entry.display().to_string()
-        ))
-    };
+    Ok(ar)
+}
+
+type Entry<'a> = tar::Entry<'a, Box<dyn Read>>;
+
+fn for_each_entry(
+    diff: &Path,
+    f: &mut dyn FnMut(&Path, &mut Entry<'_>) -> Result<()>,
+) -> Result<()> {
+    let mut ar = open_diff(diff)?;
     let entries = ar
         .entries()
         .map_err(Error::io(format!("read {}", diff.display())))?;
@@ -229,54 +340,99 @@ pub fn apply_rootfs_diff(diff: &Path, rootfs: &Path) -> Result<()> {
             .path()
             .map_err(Error::io("rootfs diff entry name"))?
             .into_owned();
-        if path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
-            return Err(bad(&path, "leaves the rootfs"));
-        }
-        let kind = e.header().entry_type();
-        if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
-            return Err(bad(&path, "device nodes and fifos are not allowed"));
-        }
-        if kind.is_hard_link() {
-            let target = e
-                .link_name()
-                .map_err(Error::io("rootfs diff link"))?
-                .unwrap_or_default();
-            if target.is_absolute() || target.components().any(|c| c == Component::ParentDir) {
-                return Err(bad(&path, "hard link leaves the rootfs"));
-            }
-        }
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        if let Some(hidden) = name.strip_prefix(".wh.") {
-            let parent = root.join(path.parent().unwrap_or(Path::new("")));
-            // Never follow a symlink out of the rootfs to delete something.
-            match parent.canonicalize() {
-                Ok(p) if p.starts_with(&root) => {}
-                Ok(_) => return Err(bad(&path, "whiteout below a link that leaves the rootfs")),
-                Err(_) => continue,
-            }
-            if hidden == ".wh..opq" {
-                for child in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
-                    remove_any(&child.path())?;
-                }
-            } else {
-                remove_any(&parent.join(hidden))?;
-            }
-            continue;
-        }
-        let unpacked = e
-            .unpack_in(&root)
-            .map_err(|err| bad(&path, &err.to_string()))?;
-        if !unpacked {
-            return Err(bad(&path, "leaves the rootfs"));
-        }
+        f(&path, &mut e)?;
     }
     Ok(())
 }
 
-fn remove_any(path: &Path) -> Result<()> {
+fn bad(entry: &Path, why: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "rootfs diff entry {:?}: {why}",
+        entry.display().to_string()
+    ))
+}
+
+fn check_entry(path: &Path, e: &Entry<'_>) -> Result<()> {
+    if path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
+        return Err(bad(path, "leaves the rootfs"));
+    }
+    let kind = e.header().entry_type();
+    if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
+        return Err(bad(path, "device nodes and fifos are not allowed"));
+    }
+    if kind.is_hard_link() {
+        let target = e
+            .link_name()
+            .map_err(Error::io("rootfs diff link"))?
+            .unwrap_or_default();
+        if target.is_absolute() || target.components().any(|c| c == Component::ParentDir) {
+            return Err(bad(path, "hard link leaves the rootfs"));
+        }
+    }
+    // The name as written: `Path` drops a trailing `.`, so `.wh..` must be seen in the bytes.
+    let raw = e.path_bytes();
+    let raw = String::from_utf8_lossy(&raw);
+    let last = raw
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or_default();
+    if let Some(why) = bad_whiteout(last) {
+        return Err(bad(path, why));
+    }
+    let name = file_name(path);
+    if let Some(why) = bad_whiteout(&name) {
+        return Err(bad(path, why));
+    }
+    Ok(())
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+fn apply_entry(path: &Path, e: &mut Entry<'_>, root: &Path) -> Result<()> {
+    check_entry(path, e)?;
+    let name = file_name(path);
+    if let Some(hidden) = name.strip_prefix(".wh.") {
+        let parent = root.join(path.parent().unwrap_or(Path::new("")));
+        // Never follow a symlink out of the rootfs to delete something.
+        let parent = match parent.canonicalize() {
+            Ok(p) if p.starts_with(root) => p,
+            Ok(_) => return Err(bad(path, "whiteout below a link that leaves the rootfs")),
+            Err(_) => return Ok(()),
+        };
+        if hidden == ".wh..opq" {
+            for child in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
+                remove_any(&child.path(), root)?;
+            }
+        } else {
+            remove_any(&parent.join(hidden), root)?;
+        }
+        return Ok(());
+    }
+    let unpacked = e
+        .unpack_in(root)
+        .map_err(|err| bad(path, &err.to_string()))?;
+    if !unpacked {
+        return Err(bad(path, "leaves the rootfs"));
+    }
+    Ok(())
+}
+
+/// Removes `path`, which must lie strictly inside `root` (never the rootfs itself).
+fn remove_any(path: &Path, root: &Path) -> Result<()> {
+    if !path.starts_with(root)
+        || path == root
+        || path
+            .strip_prefix(root)
+            .map(|r| r.components().any(|c| !matches!(c, Component::Normal(_))))
+            .unwrap_or(true)
+    {
+        return Err(bad(path, "whiteout target outside the rootfs"));
+    }
     let result = match std::fs::symlink_metadata(path) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
         Ok(_) => std::fs::remove_file(path),
@@ -352,5 +508,47 @@ mod tests {
             .to_string();
         assert!(err.contains("../escape"), "{err}");
         assert!(!rootfs.path().parent().unwrap().join("escape").exists());
+    }
+
+    #[test]
+    fn whiteouts_of_the_rootfs_or_its_parent_are_refused_before_anything_changes() {
+        for bad_name in [
+            ".wh..",
+            ".wh...",
+            "sub/.wh..",
+            "sub/.wh...",
+            ".wh.",
+            ".wh..wh.x",
+        ] {
+            let bundle = tempfile::tempdir().unwrap();
+            let rootfs = bundle.path().join("rootfs");
+            std::fs::create_dir_all(rootfs.join("sub")).unwrap();
+            std::fs::write(rootfs.join("keep.txt"), "k").unwrap();
+            std::fs::write(bundle.path().join("config.json"), "{}").unwrap();
+            // A legitimate whiteout first: it must not run either.
+            let (_d, path) = diff(&[(".wh.keep.txt", b""), (bad_name, b"")], true);
+            let err = apply_rootfs_diff(&path, &rootfs).unwrap_err().to_string();
+            assert!(err.contains(bad_name), "{bad_name}: {err}");
+            assert!(rootfs.join("keep.txt").exists(), "{bad_name}");
+            assert!(rootfs.join("sub").exists(), "{bad_name}");
+            assert!(bundle.path().join("config.json").exists(), "{bad_name}");
+        }
+        assert_eq!(bad_whiteout(".wh..wh..opq"), None);
+        assert_eq!(bad_whiteout(".wh.x"), None);
+        assert!(bad_whiteout(".wh..").is_some());
+        assert!(bad_whiteout(".wh...").is_some());
+    }
+
+    #[test]
+    fn whiteouts_never_follow_links_out() {
+        let bundle = tempfile::tempdir().unwrap();
+        let rootfs = bundle.path().join("rootfs");
+        std::fs::create_dir_all(&rootfs).unwrap();
+        std::fs::write(bundle.path().join("outside"), "o").unwrap();
+        std::os::unix::fs::symlink("..", rootfs.join("up")).unwrap();
+        let (_d, path) = diff(&[("up/.wh.outside", b"")], false);
+        let err = apply_rootfs_diff(&path, &rootfs).unwrap_err().to_string();
+        assert!(err.contains("up/.wh.outside"), "{err}");
+        assert!(bundle.path().join("outside").exists());
     }
 }

@@ -9,10 +9,19 @@
 //! verdict when the page images have been hashed, so the hashing overlaps CRIU's restore and
 //! unverified memory never runs. If the shim dies first, the script reads end-of-file and the
 //! restore is aborted.
+//!
+//! The same script holds the restored tree to the new container's spec (`spec_check.rs`). At
+//! `pre-resume` CRIU has restored every task's credentials and seccomp filters and holds every
+//! thread ptrace-stopped before its final `rt_sigreturn`: no restored instruction has run. The
+//! script hands the tree's root (`CRTOOLS_INIT_PID`, a host pid) to the shim through a second
+//! FIFO and waits on a third for `allowed`. CRIU ignores a failed `pre-resume` script, so a
+//! refusal is enforced by killing: the shim SIGKILLs every process of the tree before it writes
+//! the refusal, the script kills the root again (also when the shim is gone), and CRIU, which
+//! cannot detach from dead tasks, fails the restore.
 
 use std::{
     fs::{File, OpenOptions},
-    io::Write,
+    io::{Read, Write},
     os::unix::fs::{OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
 };
@@ -24,8 +33,14 @@ use crate::error::{Error, Result};
 /// The script and the FIFO, in the bundle (outside the container's reach).
 const SCRIPT_FILE: &str = "gpu-ckpt-restore-gate.sh";
 const FIFO_FILE: &str = "gpu-ckpt-restore-gate.fifo";
+const ROOT_FIFO_FILE: &str = "gpu-ckpt-restore-gate-root.fifo";
+const SPEC_FIFO_FILE: &str = "gpu-ckpt-restore-gate-spec.fifo";
 /// The one line that lets the restored tasks run.
 const VERIFIED: &str = "verified";
+/// The one line that lets the restored tree, held to the spec, resume.
+const ALLOWED: &str = "allowed";
+/// What the shim writes to its own root FIFO to stop waiting for a root that will not come.
+const NO_ROOT: &str = "none";
 
 /// One restore's gate; removes its files when dropped.
 pub struct VerifyGate {
@@ -34,6 +49,30 @@ pub struct VerifyGate {
     /// Held open read-write: writing never blocks, and the script sees end-of-file only once
     /// the shim is gone.
     held: File,
+    root_fifo: PathBuf,
+    /// The script writes the restored tree's root pid here; held open read-write likewise.
+    root: File,
+    spec_fifo: PathBuf,
+    /// The verdict on the restored tree's credentials.
+    spec: File,
+}
+
+/// Makes a FIFO in the bundle and opens it read-write; removes it again on failure.
+fn open_fifo(path: &Path) -> Result<File> {
+    let _ = std::fs::remove_file(path);
+    mkfifo(path, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| Error::Io {
+        context: format!("create {}", path.display()),
+        source: e.into(),
+    })?;
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| {
+            let _ = std::fs::remove_file(path);
+            Error::io(format!("open {}", path.display()))(e)
+        })
 }
 
 impl VerifyGate {
@@ -57,15 +96,53 @@ impl VerifyGate {
                 return Err(Error::io(format!("open {}", fifo.display()))(e));
             }
         };
-        let gate = VerifyGate { script, fifo, held };
+        let root_fifo = bundle.join(ROOT_FIFO_FILE);
+        let spec_fifo = bundle.join(SPEC_FIFO_FILE);
+        let root = match open_fifo(&root_fifo) {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&fifo);
+                return Err(e);
+            }
+        };
+        let spec = match open_fifo(&spec_fifo) {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = std::fs::remove_file(&fifo);
+                let _ = std::fs::remove_file(&root_fifo);
+                return Err(e);
+            }
+        };
+        let gate = VerifyGate {
+            script,
+            fifo,
+            held,
+            root_fifo,
+            root,
+            spec_fifo,
+            spec,
+        };
         let body = format!(
             "#!/bin/sh\n\
              # gpu-ckpt: CRIU action script. At post-restore (tasks restored, none resumed) it\n\
              # waits for the shim's verdict on the page images; anything but \"{VERIFIED}\" aborts.\n\
-             [ \"$CRTOOLS_SCRIPT_ACTION\" = post-restore ] || exit 0\n\
-             read -r verdict < {fifo} || exit 1\n\
-             [ \"$verdict\" = {VERIFIED} ]\n",
+             # At pre-resume (credentials and seccomp restored, every thread still stopped) it\n\
+             # hands the tree's root to the shim and waits for \"{ALLOWED}\"; else it kills it.\n\
+             case \"$CRTOOLS_SCRIPT_ACTION\" in\n\
+             post-restore)\n\
+             \tread -r verdict < {fifo} || exit 1\n\
+             \t[ \"$verdict\" = {VERIFIED} ] ;;\n\
+             pre-resume)\n\
+             \tif [ -p {root} ] && [ -p {spec} ] && printf '%s\\n' \"${{CRTOOLS_INIT_PID:-}}\" > {root} &&\n\
+             \t\tread -r verdict < {spec} && [ \"$verdict\" = {ALLOWED} ]; then\n\
+             \t\texit 0\n\
+             \tfi\n\
+             \t[ -n \"${{CRTOOLS_INIT_PID:-}}\" ] && kill -KILL \"$CRTOOLS_INIT_PID\" 2>/dev/null\n\
+             \texit 1 ;;\n\
+             esac\n",
             fifo = shell_quote(&gate.fifo.display().to_string()),
+            root = shell_quote(&gate.root_fifo.display().to_string()),
+            spec = shell_quote(&gate.spec_fifo.display().to_string()),
         );
         std::fs::write(&gate.script, body)
             .and_then(|_| {
@@ -87,12 +164,56 @@ impl VerifyGate {
             .write_all(format!("{line}\n").as_bytes())
             .map_err(Error::io(format!("write {}", self.fifo.display())))
     }
+
+    /// Blocks until the script hands over the restored tree's root pid (`Some`) or
+    /// [`VerifyGate::no_root`] is called (`None`).
+    pub fn wait_root(&self) -> Result<Option<i32>> {
+        let mut line = Vec::new();
+        let mut byte = [0u8; 1];
+        // Byte by byte: nothing after the line is consumed.
+        loop {
+            let n = (&self.root)
+                .read(&mut byte)
+                .map_err(Error::io(format!("read {}", self.root_fifo.display())))?;
+            if n == 0 || byte[0] == b'\n' || line.len() > 64 {
+                break;
+            }
+            line.push(byte[0]);
+        }
+        let line = String::from_utf8_lossy(&line).trim().to_string();
+        if line == NO_ROOT {
+            return Ok(None);
+        }
+        match line.parse::<i32>() {
+            Ok(pid) if pid > 0 => Ok(Some(pid)),
+            _ => Err(Error::FailedPrecondition(format!(
+                "restore refused: CRIU named no restored root task ({line:?})"
+            ))),
+        }
+    }
+
+    /// Ends a [`VerifyGate::wait_root`] that no script will answer (the restore is over).
+    pub fn no_root(&self) -> Result<()> {
+        (&self.root)
+            .write_all(format!("{NO_ROOT}\n").as_bytes())
+            .map_err(Error::io(format!("write {}", self.root_fifo.display())))
+    }
+
+    /// Lets the restored tree resume (`true`) or has the script kill it (`false`).
+    pub fn allow(&self, allowed: bool) -> Result<()> {
+        let line = if allowed { ALLOWED } else { "refused" };
+        (&self.spec)
+            .write_all(format!("{line}\n").as_bytes())
+            .map_err(Error::io(format!("write {}", self.spec_fifo.display())))
+    }
 }
 
 impl Drop for VerifyGate {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.script);
         let _ = std::fs::remove_file(&self.fifo);
+        let _ = std::fs::remove_file(&self.root_fifo);
+        let _ = std::fs::remove_file(&self.spec_fifo);
     }
 }
 
@@ -129,6 +250,64 @@ mod tests {
         let (script, fifo) = (gate.script.clone(), gate.fifo.clone());
         drop(gate);
         assert!(!script.exists() && !fifo.exists());
+    }
+
+    /// Runs the script at pre-resume for the tree rooted at `root` in a thread.
+    fn pre_resume(gate: &VerifyGate, root: u32) -> std::thread::JoinHandle<bool> {
+        let script = gate.script().to_path_buf();
+        std::thread::spawn(move || {
+            Command::new(script)
+                .env("CRTOOLS_SCRIPT_ACTION", "pre-resume")
+                .env("CRTOOLS_INIT_PID", root.to_string())
+                .status()
+                .unwrap()
+                .success()
+        })
+    }
+
+    #[test]
+    fn pre_resume_hands_over_the_root_and_kills_it_when_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = VerifyGate::create(dir.path()).unwrap();
+        let mut tree = Command::new("sleep").arg("30").spawn().unwrap();
+        // Allowed: the script passes, the tree lives.
+        let script = pre_resume(&gate, tree.id());
+        assert_eq!(gate.wait_root().unwrap(), Some(tree.id() as i32));
+        gate.allow(true).unwrap();
+        assert!(script.join().unwrap());
+        assert!(tree.try_wait().unwrap().is_none());
+        // Refused: the script fails and kills the root.
+        let script = pre_resume(&gate, tree.id());
+        assert_eq!(gate.wait_root().unwrap(), Some(tree.id() as i32));
+        gate.allow(false).unwrap();
+        assert!(!script.join().unwrap());
+        let status = tree.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        // A restore that ends without pre-resume releases the waiter.
+        gate.no_root().unwrap();
+        assert_eq!(gate.wait_root().unwrap(), None);
+    }
+
+    #[test]
+    fn pre_resume_without_the_shim_kills_the_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let gate = VerifyGate::create(dir.path()).unwrap();
+        let body = std::fs::read_to_string(gate.script()).unwrap();
+        drop(gate);
+        let mut tree = Command::new("sleep").arg("30").spawn().unwrap();
+        let ok = Command::new("sh")
+            .arg("-c")
+            .arg(body)
+            .env("CRTOOLS_SCRIPT_ACTION", "pre-resume")
+            .env("CRTOOLS_INIT_PID", tree.id().to_string())
+            .status()
+            .unwrap()
+            .success();
+        assert!(!ok);
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(tree.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(!dir.path().join(ROOT_FIFO_FILE).exists());
     }
 
     #[test]

@@ -359,6 +359,18 @@ impl Containerd {
     /// snapshot, as containerd's client does) and runc options naming `CriuImagePath`, then
     /// Tasks.Start. Returns the pid. Works with gpu-ckpt and with containerd-shim-runc-v2.
     pub async fn restore_from_image_path(&self, id: &str, image_path: &Path) -> Result<u32> {
+        self.restore_from_image_path_with(id, Some(image_path))
+            .await
+    }
+
+    /// [`Self::restore_from_image_path`]; with `image_path` `None` the request carries no
+    /// options, so the shim gets the container's own runtime options (ctr run
+    /// `--runtime-config-path`: a TOML file, which can name `CriuImagePath` itself).
+    pub async fn restore_from_image_path_with(
+        &self,
+        id: &str,
+        image_path: Option<&Path>,
+    ) -> Result<u32> {
         use containerd_client::services::v1::{
             containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
             snapshots::MountsRequest, CreateTaskRequest, GetContainerRequest, StartRequest,
@@ -380,22 +392,24 @@ impl Containerd {
             .into_inner()
             .mounts;
         // containerd.runc.v1.Options, field 10: criu_image_path.
-        let mut value = Vec::new();
-        prost::encoding::string::encode(10, &image_path.display().to_string(), &mut value);
-        let options = Any {
-            type_url: "containerd.runc.v1.Options".into(),
-            value,
-        };
+        let options = image_path.map(|p| {
+            let mut value = Vec::new();
+            prost::encoding::string::encode(10, &p.display().to_string(), &mut value);
+            Any {
+                type_url: "containerd.runc.v1.Options".into(),
+                value,
+            }
+        });
         let mut tasks = TasksClient::new(self.channel());
         tasks
             .create(self.request(CreateTaskRequest {
                 container_id: id.to_string(),
                 rootfs: mounts,
-                options: Some(options),
+                options,
                 ..Default::default()
             }))
             .await
-            .with_context(|| format!("Tasks.Create {id} from {}", image_path.display()))?;
+            .with_context(|| format!("Tasks.Create {id} from {image_path:?}"))?;
         let r = tasks
             .start(self.request(StartRequest {
                 container_id: id.to_string(),

@@ -227,6 +227,16 @@ pub struct ContainerSpec {
     pub resources: Option<cri::LinuxContainerResources>,
     pub mounts: Vec<cri::Mount>,
     pub attempt: u32,
+    /// `securityContext.runAsUser` and `runAsGroup`.
+    pub run_as_user: Option<i64>,
+    pub run_as_group: Option<i64>,
+    /// `securityContext.capabilities.add` (`SYS_ADMIN`, ...).
+    pub add_capabilities: Vec<String>,
+    /// `securityContext.allowPrivilegeEscalation: false`.
+    pub no_new_privs: bool,
+    /// `securityContext.seccompProfile.type`; `None` sends no profile (containerd runs the
+    /// container unconfined).
+    pub seccomp: Option<cri::security_profile::ProfileType>,
 }
 
 impl ContainerSpec {
@@ -272,6 +282,31 @@ impl ContainerSpec {
 
     pub fn resources(mut self, resources: cri::LinuxContainerResources) -> Self {
         self.resources = Some(resources);
+        self
+    }
+
+    /// Runs as `uid`:`gid`.
+    pub fn run_as(mut self, uid: i64, gid: i64) -> Self {
+        self.run_as_user = Some(uid);
+        self.run_as_group = Some(gid);
+        self
+    }
+
+    /// Adds capabilities to the runtime's default set.
+    pub fn add_capabilities<S: AsRef<str>>(mut self, caps: &[S]) -> Self {
+        self.add_capabilities = caps.iter().map(|c| c.as_ref().to_string()).collect();
+        self
+    }
+
+    /// Sets `no_new_privs`.
+    pub fn no_new_privs(mut self) -> Self {
+        self.no_new_privs = true;
+        self
+    }
+
+    /// The seccomp profile type (RuntimeDefault, Unconfined).
+    pub fn seccomp(mut self, profile: cri::security_profile::ProfileType) -> Self {
+        self.seccomp = Some(profile);
         self
     }
 
@@ -333,6 +368,17 @@ impl ContainerSpec {
                         ipc: cri::NamespaceMode::Pod as i32,
                         target_id: String::new(),
                         userns_options: None,
+                    }),
+                    run_as_user: self.run_as_user.map(|value| cri::Int64Value { value }),
+                    run_as_group: self.run_as_group.map(|value| cri::Int64Value { value }),
+                    capabilities: (!self.add_capabilities.is_empty()).then(|| cri::Capability {
+                        add_capabilities: self.add_capabilities.clone(),
+                        ..Default::default()
+                    }),
+                    no_new_privs: self.no_new_privs,
+                    seccomp: self.seccomp.map(|t| cri::SecurityProfile {
+                        profile_type: t as i32,
+                        localhost_ref: String::new(),
                     }),
                     ..Default::default()
                 }),

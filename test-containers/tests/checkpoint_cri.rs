@@ -28,6 +28,20 @@ fn restore_node(name: &str) -> Result<Node> {
         "Root".to_string(),
         OptValue::from(format!("/run/gpu-ckpt-test/{name}/gpu-ckpt-restore-runc")),
     );
+    // The archives of the test nodes, and the test registry's checkpoint images.
+    options.insert(
+        "RestoreSources".to_string(),
+        OptValue::from(vec![
+            format!(
+                "{}/",
+                test_containers::stack::Stack::discover()?
+                    .prefix()
+                    .join("nodes")
+                    .display()
+            ),
+            "localhost:5000/ckpt/".to_string(),
+        ]),
+    );
     node_with(Node::builder(name)?.extra_runtime(ExtraRuntime {
         name: RESTORE_HANDLER.into(),
         runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),

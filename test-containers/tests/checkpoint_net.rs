@@ -81,6 +81,20 @@ fn new_address_with_tcp_close_reconnects() -> Result<()> {
         "Root".to_string(),
         OptValue::from("/run/gpu-ckpt-test/net-new/gpu-ckpt-restore-runc".to_string()),
     );
+    // The archives of the test nodes, and the test registry's checkpoint images.
+    options.insert(
+        "RestoreSources".to_string(),
+        OptValue::from(vec![
+            format!(
+                "{}/",
+                test_containers::stack::Stack::discover()?
+                    .prefix()
+                    .join("nodes")
+                    .display()
+            ),
+            "localhost:5000/ckpt/".to_string(),
+        ]),
+    );
     let node = node_with(Node::builder("net-new")?.extra_runtime(ExtraRuntime {
         name: "gpu-ckpt-restore".into(),
         runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),

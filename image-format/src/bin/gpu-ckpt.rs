@@ -44,6 +44,18 @@ struct NodeArgs {
     model_version: Option<String>,
 }
 
+/// Which keys this node trusts, for the signer lines of `inspect` and `verify`.
+#[derive(clap::Args, Clone, Default)]
+struct TrustArgs {
+    /// The node's key: its private key (node.key) or public key (node.pub). Default
+    /// /var/lib/gpu-ckpt/keys/node.pub (the shim's default SigningKey, beside it).
+    #[arg(long, value_name = "FILE")]
+    key: Option<PathBuf>,
+    /// A directory of more trusted public keys (the handler option TrustedKeysDir).
+    #[arg(long, value_name = "DIR")]
+    trusted_keys: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Show what a checkpoint archive or image holds (like `checkpointctl inspect`), with the GPU
@@ -59,6 +71,8 @@ enum Cmd {
         files: bool,
         #[command(flatten)]
         node: NodeArgs,
+        #[command(flatten)]
+        trust: TrustArgs,
     },
     /// Verify every digest: archive members against the manifest, image blobs against their digests,
     /// or a checkpoint directory against its manifest.
@@ -66,6 +80,8 @@ enum Cmd {
         path: PathBuf,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        trust: TrustArgs,
     },
     /// Can this checkpoint restore on this node? Exit 0 yes, 1 no (the differing fields are printed).
     Compat {
@@ -182,8 +198,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             json,
             files,
             node,
-        } => inspect(&path, json, files, &node),
-        Cmd::Verify { path, json } => verify(&path, json),
+            trust,
+        } => inspect(&path, json, files, &node, &trust),
+        Cmd::Verify { path, json, trust } => verify(&path, json, &trust),
         Cmd::Compat { path, json, node } => compat_cmd(&path, json, &node),
         Cmd::Build {
             archive,
@@ -370,7 +387,61 @@ fn human(b: u64) -> String {
     format!("{v:.1} {}", U[i])
 }
 
-fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<ExitCode> {
+/// Who signed the manifest document `json`, whether the signature holds, and whether this node
+/// trusts the signer.
+fn signer_report(json: Option<&[u8]>, trust: &TrustArgs) -> serde_json::Value {
+    use image_format::sign;
+    let Some(json) = json else {
+        return serde_json::json!({"signed": false, "summary": "no gpu-ckpt manifest"});
+    };
+    let signer = match sign::verify_json(json) {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            return serde_json::json!({"signed": false, "valid": false,
+                "summary": "unsigned (restored only where AllowUnsigned = true)"})
+        }
+        Err(e) => {
+            return serde_json::json!({"signed": true, "valid": false,
+                "summary": format!("INVALID: {e}")})
+        }
+    };
+    let mut keys = sign::TrustedKeys::default();
+    let mut problems = Vec::new();
+    let key_path = trust
+        .key
+        .clone()
+        .unwrap_or_else(|| Path::new(sign::DEFAULT_KEY_DIR).join(sign::NODE_PUB_FILE));
+    let own = if key_path.extension().is_some_and(|x| x == "pub") {
+        sign::read_public_key(&key_path)
+    } else {
+        sign::NodeKey::load(&key_path).map(|k| k.public_key())
+    };
+    match own {
+        Ok(k) => keys.add(k, format!("this node's key {}", key_path.display())),
+        Err(e) => problems.push(e.to_string()),
+    }
+    if let Some(dir) = &trust.trusted_keys {
+        if let Err(e) = keys.add_dir(dir) {
+            problems.push(e.to_string());
+        }
+    }
+    let trusted = keys.trusts(&signer).map(str::to_string);
+    let summary = match &trusted {
+        Some(how) => format!("{} (trusted: {how})", signer.key_id()),
+        None => format!("{} (NOT trusted by this node)", signer.key_id()),
+    };
+    serde_json::json!({"signed": true, "valid": true, "key_id": signer.key_id(),
+        "public_key": signer.public_key_hex(), "trusted": trusted.is_some(),
+        "trusted_as": trusted, "key_problems": problems, "summary": summary})
+}
+
+fn inspect(
+    path: &Path,
+    json: bool,
+    files: bool,
+    args: &NodeArgs,
+    trust: &TrustArgs,
+) -> Result<ExitCode> {
     let node = node_profile(args).unwrap_or(None);
     if oci::is_image(path) {
         let (m, digest) = oci::read_image_manifest(path)?;
@@ -409,6 +480,7 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
         return Ok(ExitCode::SUCCESS);
     }
     let info = archive::read_info(path, Limits::default())?;
+    let signer = signer_report(info.manifest_json.as_deref(), trust);
     let (name, pod, ns) = info.identity();
     let cfg = info.config_dump.clone().unwrap_or_default();
     let verdict = match (&info.manifest, &node) {
@@ -441,6 +513,7 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
             "statistics": info.statistics,
             "gpu": info.manifest,
             "compat": verdict,
+            "signer": signer,
             "files": entries_json,
         }]);
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -466,6 +539,10 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
         println!("├── Checkpointed: {}", cfg.checkpointed_time);
     }
     println!("├── Engine: {}", info.engine());
+    println!(
+        "├── Signer: {}",
+        signer["summary"].as_str().unwrap_or_default()
+    );
     if !pod.is_empty() {
         println!("├── Pod: {pod} (namespace {ns})");
     }
@@ -542,8 +619,24 @@ fn inspect(path: &Path, json: bool, files: bool, args: &NodeArgs) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
-fn verify(path: &Path, json: bool) -> Result<ExitCode> {
+fn verify(path: &Path, json: bool, trust: &TrustArgs) -> Result<ExitCode> {
     let start = Instant::now();
+    // The signature first: a manifest whose signature does not hold is not verified further.
+    let manifest_json = if path.is_dir() && path.join(MANIFEST_FILE).is_file() {
+        Some(std::fs::read(path.join(MANIFEST_FILE))?)
+    } else if oci::is_image(path) {
+        None
+    } else {
+        archive::read_info(path, Limits::default())?.manifest_json
+    };
+    let signer = if oci::is_image(path) {
+        serde_json::json!({"summary": "see the archive (gpu-ckpt extract IMAGE --archive OUT)"})
+    } else {
+        signer_report(manifest_json.as_deref(), trust)
+    };
+    if signer["signed"] == true && signer["valid"] == false {
+        bail!("{}", signer["summary"].as_str().unwrap_or_default());
+    }
     let mut bar = Bar::new("verify");
     let (summary, bytes) = if path.is_dir() && path.join(MANIFEST_FILE).is_file() {
         let m = image_format::manifest::verify_dir_progress(path, &mut |d, t| bar.update(d, t))?;
@@ -570,10 +663,11 @@ fn verify(path: &Path, json: bool) -> Result<ExitCode> {
     if json {
         println!(
             "{}",
-            serde_json::json!({"ok": true, "summary": summary, "bytes": bytes, "seconds": secs})
+            serde_json::json!({"ok": true, "summary": summary, "bytes": bytes, "seconds": secs, "signer": signer})
         );
     } else {
         println!("verify ok: {summary}");
+        println!("signer: {}", signer["summary"].as_str().unwrap_or_default());
     }
     Ok(ExitCode::SUCCESS)
 }

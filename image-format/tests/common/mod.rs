@@ -41,6 +41,7 @@ pub fn sample_manifest() -> Manifest {
             name: "counter".into(),
             pod_name: "counter-pod".into(),
             pod_namespace: "default".into(),
+            pod_uid: String::new(),
             image: "localhost:5000/counter:1".into(),
             image_digest: format!("sha256:{}", "ab".repeat(32)),
         },

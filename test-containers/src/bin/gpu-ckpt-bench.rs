@@ -57,6 +57,14 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// What signing and the restore checks cost: gpu-ckpt's checkpoint and restore signed and
+    /// checked vs unsigned (`SignCheckpoints = false`, `AllowUnsigned = true`), side by side.
+    Trust {
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// How long a CRI CheckpointContainer freezes the application, gpu-ckpt vs runc-v2.
     Freeze {
         #[arg(long, default_value_t = 512)]
@@ -100,6 +108,9 @@ fn main() -> Result<()> {
         What::Memory { pods } => tokio::runtime::Runtime::new()?.block_on(memory(&node, pods)),
         What::Checkpoint { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(checkpoint(&node, mib, runs))
+        }
+        What::Trust { mib, runs } => {
+            tokio::runtime::Runtime::new()?.block_on(trust(&node, mib, runs))
         }
         What::Freeze { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
@@ -422,6 +433,119 @@ async fn shim_round(
     node.ctr(&["container", "rm", id])?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok((ckpt, restore))
+}
+
+/// One checkpoint (`ctr task checkpoint --exit`) and restore (containerd API) of a memhog of
+/// `mib` MiB through gpu-ckpt, whose options are the TOML file `config` (ctr run
+/// `--runtime-config-path`): `options` at the checkpoint, then `options` and `CriuImagePath`
+/// at the restore.
+async fn trust_round(
+    node: &Node,
+    api: &Containerd,
+    config: &Path,
+    options: &str,
+    id: &str,
+    mib: u64,
+) -> Result<(Duration, Duration)> {
+    std::fs::write(config, format!("{options}\n"))?;
+    let (_, mut flags) = runtime_flags(node);
+    flags.extend(["--runtime-config-path".into(), config.display().to_string()]);
+    let memhog = memhog_args(mib);
+    let mut args: Vec<&str> = vec!["run", "-d"];
+    args.extend(flags.iter().map(String::as_str));
+    args.extend([WORKLOADS_IMAGE, id]);
+    args.extend(memhog.iter().map(String::as_str));
+    node.ctr_ok(&args)?;
+    let pid = node.task_pid(id)?;
+    wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
+    let dir = node.paths().dir.join(format!("bench-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    settle(node.paths().dir.as_path(), warm_mib(mib))?;
+    let t = Instant::now();
+    node.checkpoint_task_exit(id, &dir)?;
+    let ckpt = t.elapsed();
+    let signed = image_format::manifest::Manifest::read_from(&dir)
+        .map(|m| m.signature.is_some())
+        .unwrap_or(false);
+    anyhow::ensure!(
+        signed == options.is_empty(),
+        "{id}: signed is {signed} with options {options:?}: the options file did not reach the shim"
+    );
+    node.ctr_ok(&["task", "rm", id])?;
+    settle(node.paths().dir.as_path(), warm_mib(mib))?;
+    std::fs::write(
+        config,
+        format!(
+            "{options}\nCriuImagePath = {}\n",
+            serde_json::to_string(&dir.display().to_string())?
+        ),
+    )?;
+    let t = Instant::now();
+    api.restore_from_image_path_with(id, None).await?;
+    let restore = t.elapsed();
+    eprintln!(
+        "{id}: signed {signed}, checkpoint {:.2} s, restore {:.2} s",
+        secs(ckpt),
+        secs(restore)
+    );
+    node.ctr(&["task", "kill", "-s", "SIGKILL", id])?;
+    std::thread::sleep(Duration::from_millis(300));
+    node.ctr(&["task", "rm", id])?;
+    node.ctr(&["container", "rm", id])?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((ckpt, restore))
+}
+
+async fn trust(node: &Node, mib: u64, runs: usize) -> Result<()> {
+    let api = Containerd::connect(node.socket(), "default").await?;
+    let signed_conf = node.paths().dir.join("bench-signed.toml");
+    let unsigned_conf = node.paths().dir.join("bench-unsigned.toml");
+    // Each round writes its path's options into the path's file (trust_round).
+    let paths = [
+        ("signed + checked", signed_conf.as_path(), ""),
+        (
+            "unsigned (SignCheckpoints = false, AllowUnsigned = true)",
+            unsigned_conf.as_path(),
+            "SignCheckpoints = false\nAllowUnsigned = true",
+        ),
+    ];
+    let mut times: [Vec<(Duration, Duration)>; 2] = Default::default();
+    for i in 0..=runs {
+        // The order alternates from round to round; round 0 warms up and is not counted.
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for p in order {
+            let (_, conf, toml) = paths[p];
+            let round = trust_round(node, &api, conf, toml, &format!("t{p}-{i}"), mib).await?;
+            if i > 0 {
+                times[p].push(round);
+            }
+        }
+    }
+    let step = |v: &[(Duration, Duration)], restore: bool| -> Vec<f64> {
+        v.iter()
+            .map(|x| secs(if restore { x.1 } else { x.0 }))
+            .collect()
+    };
+    println!("| gpu-ckpt ({mib} MiB memhog, {runs} rounds) | checkpoint median | restore median |");
+    println!("| --- | --- | --- |");
+    for (p, (label, _, _)) in paths.iter().enumerate() {
+        println!(
+            "| {label} | {:.3} s | {:.3} s |",
+            median_f64(step(&times[p], false)),
+            median_f64(step(&times[p], true))
+        );
+    }
+    println!("\n| signed / unsigned | of medians | per round [95% interval] |");
+    println!("| --- | --- | --- |");
+    for (restore, what) in [(false, "checkpoint"), (true, "restore")] {
+        let p = paired(&step(&times[0], restore), &step(&times[1], restore));
+        let (lo, hi) = p.interval;
+        println!(
+            "| {what} | {:.3} | {:.3} [{lo:.3}–{hi:.3}] |",
+            p.of_medians, p.per_round
+        );
+    }
+    Ok(())
 }
 
 /// The memhog's arguments, the same for every path.

@@ -1,0 +1,309 @@
+//! Which checkpoints this node restores: signed by a key it trusts (or unsigned under
+//! `AllowUnsigned`), taken in the same namespace (or a move `NamespaceMoves` allows), and, for the
+//! restore handler, read from a source `RestoreSources` lists. The signing itself is
+//! `image_format::sign`; docs/security.md gives the threat model.
+
+use std::path::{Component, Path, PathBuf};
+
+use image_format::{
+    manifest::{self, Manifest},
+    sign::{self, NodeKey, TrustedKeys},
+};
+use tracing::{info, warn};
+
+use crate::{
+    error::{Error, Result},
+    options::RuntimeOptions,
+};
+
+/// The annotation with the namespace of a container's pod (CRI).
+pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
+pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
+
+/// What the signature check found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Signed by `key_id`, a key this node trusts (`trusted_as` says which).
+    Signed { key_id: String, trusted_as: String },
+    /// Unsigned, and `AllowUnsigned` lets it restore.
+    Unsigned,
+}
+
+/// The node's signing key, made on first use.
+pub fn node_key(options: &RuntimeOptions) -> Result<NodeKey> {
+    Ok(NodeKey::load_or_create(&options.signing_key_path())?)
+}
+
+/// The keys this node trusts: its own, and every key in `TrustedKeysDir`.
+pub fn trusted_keys(options: &RuntimeOptions) -> Result<TrustedKeys> {
+    let key = node_key(options)?;
+    let mut keys = TrustedKeys::default();
+    keys.add(
+        key.public_key(),
+        format!("this node's key {}", key.path().display()),
+    );
+    if !options.trusted_keys_dir.is_empty() {
+        keys.add_dir(Path::new(&options.trusted_keys_dir))?;
+    }
+    Ok(keys)
+}
+
+/// Checks the signature of the manifest document `json` of the checkpoint `source`, and that
+/// this node trusts its signer. An unsigned one is refused unless `AllowUnsigned`, and then a
+/// warning is logged when `log_unsigned`.
+pub fn check_signature(
+    json: &[u8],
+    options: &RuntimeOptions,
+    source: &str,
+    log_unsigned: bool,
+) -> Result<Verdict> {
+    let signer = sign::verify_json(json)
+        .map_err(|e| Error::PermissionDenied(format!("checkpoint {source}: {e}")))?;
+    let Some(signer) = signer else {
+        if options.allow_unsigned {
+            if log_unsigned {
+                warn!(%source, "restoring an UNSIGNED checkpoint (AllowUnsigned = true): its origin and content are not authenticated");
+            }
+            return Ok(Verdict::Unsigned);
+        }
+        return Err(Error::PermissionDenied(format!(
+            "checkpoint {source} is unsigned: this node restores only checkpoints signed by a key it trusts (set the handler option AllowUnsigned = true to allow unsigned ones)"
+        )));
+    };
+    let keys = trusted_keys(options)?;
+    match keys.trusts(&signer) {
+        Some(how) => {
+            info!(%source, key = %signer.key_id(), trusted_as = %how, "checkpoint signature verified");
+            Ok(Verdict::Signed {
+                key_id: signer.key_id(),
+                trusted_as: how.to_string(),
+            })
+        }
+        None => Err(Error::PermissionDenied(format!(
+            "checkpoint {source} is signed by key {}, which this node does not trust (put its public key, {}, in the directory named by the handler option TrustedKeysDir{})",
+            signer.key_id(),
+            signer.public_key_hex(),
+            if options.trusted_keys_dir.is_empty() {
+                String::new()
+            } else {
+                format!(", now {}", options.trusted_keys_dir)
+            }
+        ))),
+    }
+}
+
+/// Refuses a checkpoint of namespace `from` restored into namespace `to`, unless the pair is
+/// in `NamespaceMoves`. The error names both.
+pub fn check_namespace(from: &str, to: &str, options: &RuntimeOptions, source: &str) -> Result<()> {
+    if from == to {
+        return Ok(());
+    }
+    if options.namespace_move_allowed(from, to) {
+        info!(%source, %from, %to, "checkpoint moves between namespaces (NamespaceMoves)");
+        return Ok(());
+    }
+    Err(Error::PermissionDenied(format!(
+        "checkpoint {source} was taken in namespace {from:?} and may not be restored into namespace {to:?} (add \"{from}/{to}\" to the handler option NamespaceMoves to allow this move)"
+    )))
+}
+
+/// The checks at Start, for every way a restore arrives (the restore handler's own unpacked
+/// checkpoint, containerd's restore-via-create, ctr restore, `CriuImagePath`): the signature
+/// and its signer, and the namespace. Returns the manifest document that was checked, which
+/// the caller compares with the one it verifies the files against.
+pub fn check_dir(
+    dir: &Path,
+    options: &RuntimeOptions,
+    namespace: &str,
+    log_unsigned: bool,
+) -> Result<(Verdict, Manifest)> {
+    let path = dir.join(manifest::MANIFEST_FILE);
+    let json = std::fs::read(&path).map_err(|e| {
+        Error::FailedPrecondition(format!(
+            "{} has no readable gpu-ckpt manifest ({e}): it is not a complete gpu-ckpt checkpoint",
+            dir.display()
+        ))
+    })?;
+    let source = dir.display().to_string();
+    let verdict = check_signature(&json, options, &source, log_unsigned)?;
+    let m = Manifest::from_json(&json, &path.display().to_string())?;
+    check_namespace(&m.container.pod_namespace, namespace, options, &source)?;
+    Ok((verdict, m))
+}
+
+/// The one answer for a restore source that is outside `RestoreSources`, missing, forbidden or
+/// unreadable: the same words for all, so that the annotation tells nothing about the node's
+/// files.
+pub fn source_refused(source: &str, sources: &[String]) -> Error {
+    Error::PermissionDenied(format!(
+        "restore source {source:?} is not a readable checkpoint in the sources this handler allows (handler option RestoreSources: {sources:?})"
+    ))
+}
+
+/// Where `source` may be read from, checked against `RestoreSources` before anything is
+/// opened: a path lexically under one of the directories (no `.` or `..`), or a reference
+/// under one of the registry prefixes. `Ok(Some(dir))` for a path (the directory it must stay
+/// in once links are resolved), `Ok(None)` for a reference.
+pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>> {
+    let refused = || source_refused(source, sources);
+    if source.starts_with('/') {
+        let path = Path::new(source);
+        if path
+            .components()
+            .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+            || source.contains("/./")
+        {
+            return Err(refused());
+        }
+        for dir in sources.iter().filter(|s| s.starts_with('/')) {
+            let d = Path::new(dir);
+            if path.starts_with(d) && path != d {
+                return Ok(Some(d.to_path_buf()));
+            }
+        }
+        return Err(refused());
+    }
+    if source.contains("..") || source.contains("//") {
+        return Err(refused());
+    }
+    let allowed = sources.iter().filter(|s| !s.starts_with('/')).any(|p| {
+        let p = p.trim_end_matches('/');
+        source.strip_prefix(p).is_some_and(|rest| {
+            rest.starts_with('/') || rest.starts_with(':') || rest.starts_with('@')
+        })
+    });
+    if allowed {
+        Ok(None)
+    } else {
+        Err(refused())
+    }
+}
+
+/// Resolves the path `source`, allowed under `dir`, to what it names once links are followed;
+/// it must still be under `dir` (resolved too), and be a regular file or a directory.
+pub fn resolve_source(source: &str, dir: &Path, sources: &[String]) -> Result<PathBuf> {
+    let refused = || source_refused(source, sources);
+    let real = Path::new(source).canonicalize().map_err(|_| refused())?;
+    let real_dir = dir.canonicalize().map_err(|_| refused())?;
+    if !real.starts_with(&real_dir) {
+        return Err(refused());
+    }
+    let meta = std::fs::metadata(&real).map_err(|_| refused())?;
+    if !(meta.is_file() || meta.is_dir()) {
+        return Err(refused());
+    }
+    Ok(real)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sources() -> Vec<String> {
+        vec![
+            "/var/lib/kubelet/checkpoints/".into(),
+            "registry.example.com/ckpt/".into(),
+        ]
+    }
+
+    #[test]
+    fn sources_outside_the_list_are_refused_before_anything_is_opened() {
+        let s = sources();
+        assert!(check_source("/var/lib/kubelet/checkpoints/a.tar", &s)
+            .unwrap()
+            .is_some());
+        assert!(check_source("registry.example.com/ckpt/c:1", &s)
+            .unwrap()
+            .is_none());
+        for bad in [
+            "/etc/shadow",
+            "/var/lib/kubelet/checkpoints",
+            "/var/lib/kubelet/checkpoints/../../../etc/shadow",
+            "/var/lib/kubelet/checkpoints/./a.tar",
+            "/var/lib/kubelet/checkpointsX/a.tar",
+            "registry.example.com/ckptx/c:1",
+            "registry.example.com/ckpt/../other/c:1",
+            "evil.example.com/ckpt/c:1",
+        ] {
+            let err = check_source(bad, &s).unwrap_err();
+            assert!(matches!(err, Error::PermissionDenied(_)), "{bad}");
+            assert!(err.to_string().contains("RestoreSources"), "{err}");
+            assert!(err.to_string().contains(bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn links_out_of_a_source_directory_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("ckpt");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("a.tar"), "x").unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", d.join("l.tar")).unwrap();
+        let s = vec![format!("{}/", d.display())];
+        let ok = format!("{}/a.tar", d.display());
+        assert!(resolve_source(&ok, &d, &s).is_ok());
+        let msg = |src: &str| {
+            resolve_source(src, &d, &s)
+                .unwrap_err()
+                .to_string()
+                .replace(src, "SOURCE")
+        };
+        let link = format!("{}/l.tar", d.display());
+        let missing = format!("{}/missing.tar", d.display());
+        assert_eq!(msg(&link), msg(&missing));
+    }
+
+    #[test]
+    fn namespace_moves_need_the_pair() {
+        let mut o = RuntimeOptions::default();
+        let err = check_namespace("default", "tenant-b", &o, "x.tar")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"default\"") && err.contains("\"tenant-b\""),
+            "{err}"
+        );
+        assert!(err.contains("NamespaceMoves"), "{err}");
+        o.namespace_moves = vec!["default/tenant-b".into()];
+        assert!(check_namespace("default", "tenant-b", &o, "x.tar").is_ok());
+        assert!(check_namespace("tenant-b", "default", &o, "x.tar").is_err());
+    }
+
+    #[test]
+    fn unsigned_and_untrusted_are_refused_by_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = RuntimeOptions {
+            signing_key: dir.path().join("a/node.key").display().to_string(),
+            ..Default::default()
+        };
+        let mut m = Manifest::new(
+            "2025-01-01T00:00:00Z",
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        );
+        let unsigned = m.to_json();
+        let err = check_signature(&unsigned, &o, "s", true).unwrap_err();
+        assert!(err.to_string().contains("AllowUnsigned"), "{err}");
+        // Signed by this node's key.
+        node_key(&o).unwrap().sign_manifest(&mut m).unwrap();
+        assert!(matches!(
+            check_signature(&m.to_json(), &o, "s", true).unwrap(),
+            Verdict::Signed { .. }
+        ));
+        // Signed by another node's key: refused, then trusted through TrustedKeysDir.
+        let other = NodeKey::load_or_create(&dir.path().join("b/node.key")).unwrap();
+        other.sign_manifest(&mut m).unwrap();
+        let err = check_signature(&m.to_json(), &o, "s", true).unwrap_err();
+        assert!(err.to_string().contains("does not trust"), "{err}");
+        o.trusted_keys_dir = dir.path().join("b").display().to_string();
+        assert!(check_signature(&m.to_json(), &o, "s", true).is_ok());
+        o.allow_unsigned = true;
+        assert_eq!(
+            check_signature(&unsigned, &o, "s", true).unwrap(),
+            Verdict::Unsigned
+        );
+    }
+}

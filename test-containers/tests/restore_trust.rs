@@ -1,0 +1,615 @@
+//! Who may restore what (docs/security.md), on two real nodes: a checkpoint is bound to its
+//! namespace, signed by its node's key and refused when anything in it changed, unsigned or
+//! foreign checkpoints are refused unless the handler allows them, `gpu-ckpt.io/restore-from`
+//! reads only from `RestoreSources` (with one answer for outside, missing and unreadable), and
+//! whiteouts never climb out of the rootfs.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::Read,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    cri::{ContainerSpec, Cri, PodSpec},
+    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+};
+
+/// The handlers of the restoring node, each the restore handler with other options.
+const STRICT: &str = "restore-strict";
+const MOVES: &str = "restore-moves";
+const TRUSTING: &str = "restore-trusting";
+const UNSIGNED: &str = "restore-unsigned";
+
+fn key_dir(node: &str) -> PathBuf {
+    Path::new(test_containers::stack::RUN_BASE).join(format!("{node}-keys"))
+}
+
+fn nodes_dir() -> Result<String> {
+    Ok(format!(
+        "{}/",
+        Stack::discover()?.prefix().join("nodes").display()
+    ))
+}
+
+/// Node A: checkpoints with its own key.
+fn checkpoint_node(name: &str) -> Result<Node> {
+    let keys = key_dir(name);
+    let _ = std::fs::remove_dir_all(&keys);
+    node_with(
+        Node::builder(name)?
+            .runtime_option("SigningKey", keys.join("node.key").display().to_string()),
+    )
+}
+
+/// Node B: restores with a key of its own, through four restore handlers.
+fn restore_node(name: &str, trusted: &Path) -> Result<Node> {
+    let keys = key_dir(name);
+    let _ = std::fs::remove_dir_all(&keys);
+    let mut b = Node::builder(name)?
+        .runtime_option("SigningKey", keys.join("node.key").display().to_string());
+    for handler in [STRICT, MOVES, TRUSTING, UNSIGNED] {
+        let mut options = BTreeMap::new();
+        options.insert("Mode".to_string(), OptValue::from("restore"));
+        options.insert(
+            "Root".to_string(),
+            OptValue::from(format!("/run/gpu-ckpt-test/{name}/{handler}-runc")),
+        );
+        options.insert(
+            "SigningKey".to_string(),
+            OptValue::from(keys.join("node.key").display().to_string()),
+        );
+        options.insert(
+            "RestoreSources".to_string(),
+            OptValue::from(vec![nodes_dir()?]),
+        );
+        if handler != STRICT {
+            options.insert("TrustedKeysDir".to_string(), OptValue::from(trusted));
+        }
+        match handler {
+            MOVES => {
+                options.insert(
+                    "NamespaceMoves".to_string(),
+                    OptValue::from(vec!["default/tenant-b".to_string()]),
+                );
+            }
+            UNSIGNED => {
+                options.insert("AllowUnsigned".to_string(), OptValue::from(true));
+            }
+            _ => {}
+        }
+        b = b.extra_runtime(ExtraRuntime {
+            name: handler.into(),
+            runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
+            pod_annotations: vec!["gpu-ckpt.io/*".into()],
+            container_annotations: vec!["gpu-ckpt.io/*".into()],
+            options,
+        });
+    }
+    node_with(b)
+}
+
+fn counter_spec() -> ContainerSpec {
+    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
+}
+
+async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
+    let mut last = String::new();
+    for _ in 0..50 {
+        let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
+        last = r.stdout_str();
+        if let Ok(v) = last.trim().parse() {
+            return Ok(v);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    anyhow::bail!("counter of {id}: {last:?}")
+}
+
+async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
+    for _ in 0..200 {
+        if let Ok(v) = counter_of(cri, id).await {
+            if v > above {
+                return Ok(v);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("the counter of {id} did not pass {above}")
+}
+
+/// A restore of `source` in a pod of `namespace` through `handler` on `b`: `Ok(first counter
+/// value)` when it runs and counts on, `Err` with the error text when it is refused.
+async fn try_restore(
+    cri: &Cri,
+    b: &Node,
+    handler: &str,
+    namespace: &str,
+    source: &str,
+) -> Result<std::result::Result<u64, String>> {
+    let pod = cri
+        .run_pod(
+            &PodSpec::new("worker", b.pod_log_root())
+                .namespace(namespace)
+                .handler(handler)
+                .annotation("gpu-ckpt.io/restore-from", source),
+        )
+        .await?;
+    let result = match cri.run_container(&pod, &counter_spec()).await {
+        Ok(id) => {
+            let first = counter_of(cri, &id).await?;
+            wait_counter_above(cri, &id, first).await?;
+            Ok(first)
+        }
+        // tonic writes the status message with Debug escapes.
+        Err(e) => Err(format!("{e:#}").replace("\\\"", "\"")),
+    };
+    cri.remove_pod(&pod).await?;
+    Ok(result)
+}
+
+async fn expect_refused(
+    cri: &Cri,
+    b: &Node,
+    handler: &str,
+    namespace: &str,
+    source: &Path,
+    what: &str,
+    needles: &[&str],
+) -> Result<String> {
+    let msg = try_restore(cri, b, handler, namespace, &source.display().to_string())
+        .await?
+        .err()
+        .with_context(|| format!("{what}: restored"))?;
+    for n in needles {
+        ensure!(
+            msg.contains(n),
+            "{what}: the refusal does not say {n:?}: {msg}"
+        );
+    }
+    Ok(msg)
+}
+
+/// Copies the archive `src` to `dst`, passing every member through `edit` (name, bytes) ->
+/// new bytes, or `None` to leave the member out.
+fn rewrite(
+    src: &Path,
+    dst: &Path,
+    mut edit: impl FnMut(&str, Vec<u8>) -> Option<Vec<u8>>,
+) -> Result<()> {
+    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
+    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
+    for e in ar.entries()? {
+        let mut e = e?;
+        let path = e.path()?.into_owned();
+        let mut header = e.header().clone();
+        let mut data = Vec::new();
+        e.read_to_end(&mut data)?;
+        let Some(data) = edit(&path.to_string_lossy(), data) else {
+            continue;
+        };
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.append_data(&mut header, &path, &data[..])?;
+    }
+    out.finish()?;
+    Ok(())
+}
+
+/// An edit of one archive member (see [`rewrite`]).
+type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
+
+fn flip(mut data: Vec<u8>, at: usize) -> Vec<u8> {
+    let at = at.min(data.len().saturating_sub(1));
+    data[at] ^= 0x01;
+    data
+}
+
+fn replace(data: Vec<u8>, from: &str, to: &str) -> Vec<u8> {
+    String::from_utf8_lossy(&data)
+        .replace(from, to)
+        .into_bytes()
+}
+
+/// The manifest without its signature (and, with `drop_copy`, without the rootfs changes'
+/// copy): a checkpoint as an unsigning tool would write it.
+fn unsigned_manifest(data: Vec<u8>, drop_copy: bool) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_slice(&data).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("signature");
+        if drop_copy {
+            if let Some(files) = o.get_mut("files").and_then(|f| f.as_object_mut()) {
+                files.remove("gpu-ckpt-rootfs-changes.tar");
+            }
+        }
+    }
+    serde_json::to_vec_pretty(&v).unwrap_or_default()
+}
+
+/// A rootfs diff (gzip tar, as containerd writes it) of one empty file named `name`.
+fn whiteout_diff(name: &str) -> Result<Vec<u8>> {
+    let mut b = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    let mut h = tar::Header::new_gnu();
+    h.set_size(0);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.as_gnu_mut().context("gnu header")?.name[..name.len()].copy_from_slice(name.as_bytes());
+    h.set_cksum();
+    b.append(&h, std::io::empty())?;
+    Ok(b.into_inner()?.finish()?)
+}
+
+#[test]
+fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed() -> Result<()> {
+    let trusted = key_dir("trust-b").with_file_name("trust-b-trusted");
+    let _ = std::fs::remove_dir_all(&trusted);
+    std::fs::create_dir_all(&trusted)?;
+    let a = checkpoint_node("trust-a")?;
+    let b = restore_node("trust-b", &trusted)?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        cri_a.pull_image(workloads()).await?;
+        let pod = cri_a
+            .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let id = cri_a.run_container(&pod, &counter_spec()).await?;
+        let before = wait_counter_above(&cri_a, &id, 5).await?;
+        let archive = a.paths().dir.join("checkpoint-worker_default-counter.tar");
+        let _ = std::fs::remove_file(&archive);
+        cri_a.checkpoint_container(&id, &archive, 60).await?;
+        cri_a.remove_pod(&pod).await?;
+
+        // `gpu-ckpt verify` and `inspect` show the signer and whether a node trusts it.
+        let cli = gpu_ckpt_cli();
+        let a_key = key_dir("trust-a").join("node.key");
+        let b_key = key_dir("trust-b").join("node.key");
+        let out = run_ok(
+            std::process::Command::new(&cli)
+                .arg("verify")
+                .arg(&archive)
+                .arg("--key")
+                .arg(&a_key),
+        )?;
+        ensure!(
+            out.contains("signer: ed25519:") && out.contains("trusted: this node's key"),
+            "{out}"
+        );
+        let inspect = run_ok(
+            std::process::Command::new(&cli)
+                .args(["inspect", "--json"])
+                .arg(&archive)
+                .arg("--key")
+                .arg(key_dir("trust-a").join("node.pub")),
+        )?;
+        let v: serde_json::Value = serde_json::from_str(&inspect)?;
+        ensure!(v[0]["signer"]["trusted"] == true, "{inspect}");
+
+        // Signed by A, and B does not trust A: refused by the strict handler; B's key is
+        // made on first use.
+        let msg = expect_refused(
+            &cri_b,
+            &b,
+            STRICT,
+            "default",
+            &archive,
+            "A's checkpoint on B",
+            &["does not trust", "TrustedKeysDir"],
+        )
+        .await?;
+        println!("untrusted: {msg}");
+        ensure!(b_key.exists(), "node B made no key at {}", b_key.display());
+        let out = run_ok(
+            std::process::Command::new(&cli)
+                .arg("verify")
+                .arg(&archive)
+                .arg("--key")
+                .arg(&b_key),
+        )?;
+        ensure!(out.contains("NOT trusted"), "{out}");
+
+        // containerd's restore-via-create (the image is the archive) through B's gpu-ckpt
+        // handler: refused by the shim's verify step at Start.
+        let pod = cri_b
+            .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let err = cri_b
+            .run_container(
+                &pod,
+                &ContainerSpec::new("counter", &archive.display().to_string()),
+            )
+            .await
+            .err()
+            .context("restore-via-create of an untrusted checkpoint ran")?;
+        let msg = format!("{err:#}");
+        ensure!(msg.contains("does not trust"), "restore-via-create: {msg}");
+        cri_b.remove_pod(&pod).await?;
+
+        // With A's public key in TrustedKeysDir, it restores and counts on.
+        std::fs::copy(
+            key_dir("trust-a").join("node.pub"),
+            trusted.join("trust-a.pub"),
+        )?;
+        let first = try_restore(
+            &cri_b,
+            &b,
+            TRUSTING,
+            "default",
+            &archive.display().to_string(),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("A's checkpoint on B, A trusted")?;
+        ensure!(
+            first >= before,
+            "restored at {first}, checkpointed after {before}"
+        );
+
+        // Case 2: into another namespace, refused naming both, unless the pair is allowed.
+        let msg = expect_refused(
+            &cri_b,
+            &b,
+            TRUSTING,
+            "tenant-b",
+            &archive,
+            "a move to tenant-b",
+            &["\"default\"", "\"tenant-b\"", "NamespaceMoves"],
+        )
+        .await?;
+        println!("namespace: {msg}");
+        try_restore(
+            &cri_b,
+            &b,
+            MOVES,
+            "tenant-b",
+            &archive.display().to_string(),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("a move NamespaceMoves allows")?;
+        expect_refused(
+            &cri_b,
+            &b,
+            MOVES,
+            "tenant-c",
+            &archive,
+            "a move to tenant-c",
+            &["\"tenant-c\""],
+        )
+        .await?;
+
+        // Case 3 and every kind of change: each refused.
+        let dir = b.paths().dir.clone();
+        let page = |n: &str| n.starts_with("checkpoint/pages-");
+        let cases: Vec<(&str, Edit, &str, Vec<&str>)> = vec![
+            (
+                "page-image",
+                Box::new(move |n, d| Some(if page(n) { flip(d, 600) } else { d })),
+                "default",
+                vec!["pages-"],
+            ),
+            (
+                "inventory",
+                Box::new(|n, d| {
+                    Some(if n == "checkpoint/inventory.img" {
+                        flip(d, 8)
+                    } else {
+                        d
+                    })
+                }),
+                "default",
+                vec!["inventory.img"],
+            ),
+            (
+                "core-image",
+                Box::new(|n, d| {
+                    Some(if n.starts_with("checkpoint/core-") {
+                        flip(d, 20)
+                    } else {
+                        d
+                    })
+                }),
+                "default",
+                vec!["core-"],
+            ),
+            (
+                "manifest",
+                Box::new(|n, d| {
+                    Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
+                        replace(d, "\"default\"", "\"tenant-b\"")
+                    } else {
+                        d
+                    })
+                }),
+                "tenant-b",
+                vec!["does not match"],
+            ),
+            (
+                "origin-rewritten",
+                Box::new(|n, d| {
+                    Some(
+                        if matches!(
+                            n,
+                            "spec.dump" | "status.dump" | "checkpoint/gpu-ckpt-manifest.json"
+                        ) {
+                            replace(d, "default", "tenant-b")
+                        } else {
+                            d
+                        },
+                    )
+                }),
+                "tenant-b",
+                vec!["does not match"],
+            ),
+            (
+                "spec-dump",
+                Box::new(|n, d| {
+                    Some(if n == "spec.dump" {
+                        replace(d, "\"default\"", "\"tenant-b\"")
+                    } else {
+                        d
+                    })
+                }),
+                "default",
+                vec!["spec.dump", "namespace"],
+            ),
+            (
+                "rootfs-changes",
+                Box::new(|n, d| {
+                    Some(if n == "checkpoint/gpu-ckpt-rootfs-changes.tar" {
+                        flip(d, 0)
+                    } else {
+                        d
+                    })
+                }),
+                "default",
+                vec!["gpu-ckpt-rootfs-changes.tar"],
+            ),
+        ];
+        for (what, edit, ns, needles) in cases {
+            let out = dir.join(format!("tampered-{what}.tar"));
+            rewrite(&archive, &out, edit)?;
+            let msg = expect_refused(&cri_b, &b, TRUSTING, ns, &out, what, &needles).await?;
+            println!("{what}: {msg}");
+        }
+
+        // Unsigned: refused by default, restored under AllowUnsigned with a warning.
+        let unsigned = dir.join("unsigned.tar");
+        rewrite(&archive, &unsigned, |n, d| {
+            Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
+                unsigned_manifest(d, false)
+            } else {
+                d
+            })
+        })?;
+        expect_refused(
+            &cri_b,
+            &b,
+            TRUSTING,
+            "default",
+            &unsigned,
+            "unsigned",
+            &["unsigned", "AllowUnsigned"],
+        )
+        .await?;
+        try_restore(
+            &cri_b,
+            &b,
+            UNSIGNED,
+            "default",
+            &unsigned.display().to_string(),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("an unsigned checkpoint under AllowUnsigned")?;
+        ensure!(
+            b.log_contains("UNSIGNED checkpoint"),
+            "no warning in the shim log for an unsigned restore"
+        );
+
+        // Case 4: whiteouts of the rootfs or its parent in the engine's rootfs diff (an
+        // unsigned checkpoint without the shim's copy): refused, naming the entry.
+        for name in [".wh..", ".wh..."] {
+            let out = dir.join(format!("whiteout{}.tar", name.len()));
+            let diff = whiteout_diff(name)?;
+            rewrite(&archive, &out, |n, d| match n {
+                "checkpoint/gpu-ckpt-manifest.json" => Some(unsigned_manifest(d, true)),
+                "checkpoint/gpu-ckpt-rootfs-changes.tar" => None,
+                "rootfs-diff.tar" => Some(diff.clone()),
+                _ => Some(d),
+            })?;
+            let msg = expect_refused(
+                &cri_b,
+                &b,
+                UNSIGNED,
+                "default",
+                &out,
+                name,
+                &[name, "whiteout"],
+            )
+            .await?;
+            println!("{name}: {msg}");
+        }
+        // The node runs pods as before.
+        try_restore(
+            &cri_b,
+            &b,
+            TRUSTING,
+            "default",
+            &archive.display().to_string(),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("a restore after the refused ones")?;
+        Ok(())
+    })
+}
+
+#[test]
+fn restore_sources_outside_missing_and_unreadable_get_one_answer() -> Result<()> {
+    let trusted = key_dir("src-b").with_file_name("src-b-trusted");
+    std::fs::create_dir_all(&trusted)?;
+    let b = restore_node("src-b", &trusted)?;
+    rt().block_on(async {
+        let cri = Cri::connect(b.socket()).await?;
+        cri.pull_image(workloads()).await?;
+        let dir = b.paths().dir.clone();
+        let unreadable = dir.join("unreadable.tar");
+        std::fs::create_dir_all(&unreadable)?;
+        let link = dir.join("link.tar");
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("/etc/hostname", &link)?;
+        let sources = [
+            PathBuf::from("/etc/hostname"),
+            PathBuf::from("/etc/no-such-checkpoint.tar"),
+            dir.join("missing.tar"),
+            unreadable,
+            link,
+            dir.join("../../../../etc/hostname"),
+        ];
+        let mut answers = Vec::new();
+        for s in &sources {
+            let msg = expect_refused(
+                &cri,
+                &b,
+                STRICT,
+                "default",
+                s,
+                "a source",
+                &["RestoreSources"],
+            )
+            .await?;
+            let s = s.display().to_string();
+            let at = msg.find("restore source").context("no refusal text")?;
+            let answer = msg[at..].replace(&s, "SOURCE");
+            ensure!(msg.contains(&s), "the refusal does not name {s}: {msg}");
+            println!("{s}: {answer}");
+            answers.push(answer);
+        }
+        ensure!(
+            answers.iter().all(|a| a == &answers[0]),
+            "the answers differ: {answers:#?}"
+        );
+        Ok(())
+    })
+}
+
+fn gpu_ckpt_cli() -> PathBuf {
+    let dir = Stack::discover()
+        .map(|s| s.shim_dir())
+        .unwrap_or_else(|_| PathBuf::from("target/debug"));
+    let p = dir.join("gpu-ckpt");
+    if p.exists() {
+        p
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
+    }
+}
