@@ -55,33 +55,6 @@ fn counter_spec() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
 }
 
-/// The counter's value, read in the container. The counter rewrites its file every tick, so a
-/// read can meet it empty: such reads are retried.
-async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
-    let mut last = String::new();
-    for _ in 0..50 {
-        let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
-        last = r.stdout_str();
-        if let Ok(v) = last.trim().parse() {
-            return Ok(v);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    anyhow::bail!("counter of {id}: {last:?}")
-}
-
-async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
-    for _ in 0..200 {
-        if let Ok(v) = counter_of(cri, id).await {
-            if v > above {
-                return Ok(v);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("the counter of {id} did not pass {above}")
-}
-
 /// Checkpoints a running counter through CRI on `node`; returns the archive and the counter
 /// values read just before and just after the checkpoint.
 async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64, Pod, String)> {
@@ -92,14 +65,14 @@ async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64
         .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
         .await?;
     let id = cri.run_container(&pod, &counter_spec()).await?;
-    let before = wait_counter_above(cri, &id, 5).await?;
+    let before = common::cri_counter_above(cri, &id, "/counter.txt", 5).await?;
     let archive = node
         .paths()
         .dir
         .join("checkpoint-worker_default-counter.tar");
     let _ = std::fs::remove_file(&archive);
     cri.checkpoint_container(&id, &archive, 60).await?;
-    let after = counter_of(cri, &id).await?;
+    let after = common::cri_counter(cri, &id, "/counter.txt").await?;
     Ok((archive, before, after, pod, id))
 }
 
@@ -115,12 +88,12 @@ async fn expect_restored_counter(
 ) -> Result<()> {
     let pod = cri.run_pod(pod).await?;
     let id = cri.run_container(&pod, spec).await?;
-    let first = counter_of(cri, &id).await?;
+    let first = common::cri_counter(cri, &id, "/counter.txt").await?;
     ensure!(
         first >= before && first <= after + 2,
         "{what} started at {first}, checkpoint was between {before} and {after}"
     );
-    wait_counter_above(cri, &id, first).await?;
+    common::cri_counter_above(cri, &id, "/counter.txt", first).await?;
     cri.remove_pod(&pod).await
 }
 
@@ -135,7 +108,7 @@ fn cri_checkpoint_keeps_running_and_checkpointctl_reads_it() -> Result<()> {
         let cri = Cri::connect(node.socket()).await?;
         let (archive, _before, after, pod, id) = checkpoint_counter(&node, &cri).await?;
         // The container keeps running after the checkpoint.
-        wait_counter_above(&cri, &id, after).await?;
+        common::cri_counter_above(&cri, &id, "/counter.txt", after).await?;
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&archive)?.permissions().mode() & 0o777;
         ensure!(mode & 0o077 == 0, "archive mode {mode:o}");
@@ -225,7 +198,7 @@ fn sha256_page_images_option_records_sha256_of_the_page_images() -> Result<()> {
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
         let (archive, _, after, pod, id) = checkpoint_counter(&node, &cri).await?;
-        wait_counter_above(&cri, &id, after).await?;
+        common::cri_counter_above(&cri, &id, "/counter.txt", after).await?;
         let info = image_format::archive::read_info(&archive, Default::default())?;
         let manifest = info.manifest.context("no gpu-ckpt manifest")?;
         page_digests_are(&manifest, &archive, true)?;
@@ -316,7 +289,7 @@ fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
             .await?;
         let id = cri_b.run_container(&pod, &counter_spec()).await?;
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let v = counter_of(&cri_b, &id).await?;
+        let v = common::cri_counter(&cri_b, &id, "/counter.txt").await?;
         ensure!(v <= 5, "a cold start should count from zero, found {v}");
         cri_b.remove_pod(&pod).await?;
 
@@ -467,7 +440,7 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
                 )
                 .await?;
             let id = cri.run_container(&pod, &counter_spec()).await?;
-            wait_counter_above(&cri, &id, 3).await?;
+            common::cri_counter_above(&cri, &id, "/counter.txt", 3).await?;
             let archive = node.paths().dir.join(format!("inspect-{handler}.tar"));
             let _ = std::fs::remove_file(&archive);
             cri.checkpoint_container(&id, &archive, 60).await?;

@@ -73,31 +73,6 @@ fn attacker(spec: ContainerSpec) -> ContainerSpec {
         .add_capabilities(&["SYS_ADMIN", "SYS_MODULE"])
 }
 
-async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
-    let mut last = String::new();
-    for _ in 0..50 {
-        let r = cri.exec_sync(id, &["cat", COUNTER_FILE], 10).await?;
-        last = r.stdout_str();
-        if let Ok(v) = last.trim().parse() {
-            return Ok(v);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    anyhow::bail!("counter of {id}: {last:?}")
-}
-
-async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
-    for _ in 0..200 {
-        if let Ok(v) = counter_of(cri, id).await {
-            if v > above {
-                return Ok(v);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("the counter of {id} did not pass {above}")
-}
-
 /// Host pids of the counters running with `interval_ms`.
 fn counters(interval_ms: u32) -> Vec<i32> {
     let want = interval_ms.to_string();
@@ -174,7 +149,7 @@ async fn checkpoint(
         .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
         .await?;
     let id = cri.run_container(&pod, spec).await?;
-    let before = wait_counter_above(cri, &id, 3).await?;
+    let before = common::cri_counter_above(cri, &id, COUNTER_FILE, 3).await?;
     let (_, view) = the_counter(interval_ms)?;
     let archive = node
         .paths()
@@ -247,12 +222,12 @@ async fn expect_restored(
         .run_container(&pod, spec)
         .await
         .with_context(|| format!("{what}: restore"))?;
-    let first = counter_of(cri, &id).await?;
+    let first = common::cri_counter(cri, &id, COUNTER_FILE).await?;
     ensure!(
         first >= before,
         "{what}: restored at {first}, checkpointed after {before}"
     );
-    wait_counter_above(cri, &id, first).await?;
+    common::cri_counter_above(cri, &id, COUNTER_FILE, first).await?;
     let (_, view) = the_counter(interval_ms)?;
     cri.remove_pod(&pod).await?;
     Ok(view)

@@ -10,7 +10,6 @@ use std::{
     collections::BTreeMap,
     io::Read,
     path::{Path, PathBuf},
-    time::Duration,
 };
 
 use anyhow::{ensure, Context, Result};
@@ -98,31 +97,6 @@ fn counter_spec() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
 }
 
-async fn counter_of(cri: &Cri, id: &str) -> Result<u64> {
-    let mut last = String::new();
-    for _ in 0..50 {
-        let r = cri.exec_sync(id, &["cat", "/counter.txt"], 10).await?;
-        last = r.stdout_str();
-        if let Ok(v) = last.trim().parse() {
-            return Ok(v);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    anyhow::bail!("counter of {id}: {last:?}")
-}
-
-async fn wait_counter_above(cri: &Cri, id: &str, above: u64) -> Result<u64> {
-    for _ in 0..200 {
-        if let Ok(v) = counter_of(cri, id).await {
-            if v > above {
-                return Ok(v);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("the counter of {id} did not pass {above}")
-}
-
 /// A restore of `source` in a pod of `namespace` through `handler` on `b`: `Ok(first counter
 /// value)` when it runs and counts on, `Err` with the error text when it is refused.
 async fn try_restore(
@@ -142,8 +116,8 @@ async fn try_restore(
         .await?;
     let result = match cri.run_container(&pod, &counter_spec()).await {
         Ok(id) => {
-            let first = counter_of(cri, &id).await?;
-            wait_counter_above(cri, &id, first).await?;
+            let first = common::cri_counter(cri, &id, "/counter.txt").await?;
+            common::cri_counter_above(cri, &id, "/counter.txt", first).await?;
             Ok(first)
         }
         // tonic writes the status message with Debug escapes.
@@ -262,7 +236,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
             .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
             .await?;
         let id = cri_a.run_container(&pod, &counter_spec()).await?;
-        let before = wait_counter_above(&cri_a, &id, 5).await?;
+        let before = common::cri_counter_above(&cri_a, &id, "/counter.txt", 5).await?;
         let archive = a.paths().dir.join("checkpoint-worker_default-counter.tar");
         let _ = std::fs::remove_file(&archive);
         cri_a.checkpoint_container(&id, &archive, 60).await?;

@@ -41,6 +41,18 @@ struct Alloc {
     mapped: bool,
 }
 
+impl Alloc {
+    /// A new allocation of `size` zero bytes on GPU `gpu`, the process's own.
+    fn zeroed(gpu: usize, size: u64) -> Arc<Alloc> {
+        Arc::new(Alloc {
+            gpu,
+            size,
+            data: Mutex::new(vec![0u8; size as usize]),
+            mapped: false,
+        })
+    }
+}
+
 /// A custom-storage checkpoint or restore waiting for `cuCheckpointOperationComplete`.
 struct Op {
     /// The calling connection, which holds the ranges.
@@ -381,15 +393,7 @@ impl Daemon {
         };
         let ptr = conn.next_va;
         conn.next_va = align_up(ptr + size);
-        conn.allocs.insert(
-            ptr,
-            Arc::new(Alloc {
-                gpu: i,
-                size,
-                data: Mutex::new(vec![0u8; size as usize]),
-                mapped: false,
-            }),
-        );
+        conn.allocs.insert(ptr, Alloc::zeroed(i, size));
         conn.contexts.insert(i);
         reg.used[i] += need;
         Reply::Ptr(ptr)
@@ -1126,15 +1130,7 @@ impl Daemon {
             return Reply::err(cu::NOT_INITIALIZED, "unknown connection");
         };
         for (ptr, i, size) in placed {
-            conn.allocs.insert(
-                ptr,
-                Arc::new(Alloc {
-                    gpu: i,
-                    size,
-                    data: Mutex::new(vec![0u8; size as usize]),
-                    mapped: false,
-                }),
-            );
+            conn.allocs.insert(ptr, Alloc::zeroed(i, size));
             conn.contexts.insert(i);
             conn.next_va = conn.next_va.max(align_up(ptr + size));
         }

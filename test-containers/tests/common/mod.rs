@@ -215,3 +215,37 @@ pub fn inventory_network_lock(dir: &Path) -> Result<u64> {
     image_format::protowire::varint_field(&fields, 11)
         .context("inventory.img records no network lock method")
 }
+
+/// The counter workload's value, read in the container through CRI exec from `file` (the
+/// counter's `--file`). The counter rewrites its file every tick, so a read can meet it empty:
+/// such reads are retried.
+pub async fn cri_counter(cri: &test_containers::cri::Cri, id: &str, file: &str) -> Result<u64> {
+    let mut last = String::new();
+    for _ in 0..50 {
+        let r = cri.exec_sync(id, &["cat", file], 10).await?;
+        last = r.stdout_str();
+        if let Ok(v) = last.trim().parse() {
+            return Ok(v);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    bail!("counter of {id}: {last:?}")
+}
+
+/// Waits (20 s at most) until the counter read from `file` has passed `above`.
+pub async fn cri_counter_above(
+    cri: &test_containers::cri::Cri,
+    id: &str,
+    file: &str,
+    above: u64,
+) -> Result<u64> {
+    for _ in 0..200 {
+        if let Ok(v) = cri_counter(cri, id, file).await {
+            if v > above {
+                return Ok(v);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("the counter of {id} did not pass {above}")
+}
