@@ -87,34 +87,86 @@ pub struct RuntimeOptions {
     pub restore_sources: Option<Vec<String>>,
 }
 
+/// Environment: the handler options file, as the shim's `start` passes it on to the server it
+/// starts (which runs as the resolved binary, not by the path containerd used).
+pub const HANDLER_CONFIG_ENV: &str = "GPU_CKPT_HANDLER_CONFIG";
+
+/// The handler options file of this shim process: `$GPU_CKPT_HANDLER_CONFIG`, else
+/// `<the path containerd started this binary by>.toml` when that file exists. One binary serves
+/// several runc-typed handlers by several paths (links), each with its own file, for example
+/// `containerd-shim-gpu-ckpt-restore-v1` and `containerd-shim-gpu-ckpt-restore-v1.toml` holding
+/// `Mode = "restore"`.
+pub fn handler_config_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(HANDLER_CONFIG_ENV).filter(|p| !p.is_empty()) {
+        return Some(PathBuf::from(p));
+    }
+    let argv0 = PathBuf::from(std::env::args_os().next()?);
+    if !argv0.is_absolute() {
+        return None;
+    }
+    let mut file = argv0.into_os_string();
+    file.push(".toml");
+    let file = PathBuf::from(file);
+    file.is_file().then_some(file)
+}
+
 /// The restore sources when the options name none: the kubelet's checkpoint directory.
 pub const DEFAULT_RESTORE_SOURCES: [&str; 1] = ["/var/lib/kubelet/checkpoints/"];
 /// The node key's directory for a containerd with the default state directory.
 pub const DEFAULT_KEY_DIR: &str = image_format::sign::DEFAULT_KEY_DIR;
 
 impl RuntimeOptions {
-    /// Decodes the options Any of a Create request. `None` or an empty Any gives the defaults.
+    /// Decodes the options Any of a Create request (or of `-info`). `None` or an empty Any gives
+    /// the defaults, or the handler options file of a runc-typed registration when there is one
+    /// ([`handler_config_path`]).
     pub fn from_any(any: Option<&Any>) -> Result<Self> {
+        Self::from_any_with(any, handler_config_path().as_deref())
+    }
+
+    /// [`RuntimeOptions::from_any`] with an explicit handler options file. The file applies where
+    /// containerd sends no options table of ours: no options at all (ctr), or
+    /// `containerd.runc.v1.Options` (a handler registered as `io.containerd.runc.v2` with our
+    /// binary as `runtime_path`, the registration under which containerd's CRI reads a
+    /// runtime's features). The runc keys containerd sends go over the file's.
+    pub fn from_any_with(any: Option<&Any>, handler_file: Option<&Path>) -> Result<Self> {
+        let base = || -> Result<Self> {
+            let Some(path) = handler_file else {
+                return Ok(Self::default());
+            };
+            let body = std::fs::read_to_string(path).map_err(Error::io(format!(
+                "read handler options file {}",
+                path.display()
+            )))?;
+            Self::from_toml(&body, &format!("handler options file {}", path.display()))
+        };
         let Some(any) = any.filter(|a| !a.type_url.is_empty() || !a.value.is_empty()) else {
-            return Ok(Self::default());
+            return base();
         };
         let type_name = any.type_url.rsplit('/').next().unwrap_or_default();
         match type_name {
             RUNC_OPTIONS_TYPE => {
                 let o = RuncOptions::parse_from_bytes(&any.value)?;
-                Ok(Self {
-                    binary_name: o.binary_name,
-                    root: o.root,
-                    systemd_cgroup: o.systemd_cgroup,
-                    no_pivot_root: o.no_pivot_root,
-                    no_new_keyring: o.no_new_keyring,
-                    shim_cgroup: o.shim_cgroup,
-                    io_uid: o.io_uid,
-                    io_gid: o.io_gid,
-                    criu_image_path: o.criu_image_path,
-                    criu_work_path: o.criu_work_path,
-                    ..Default::default()
-                })
+                let mut s = base()?;
+                let set = |to: &mut String, from: String| {
+                    if !from.is_empty() {
+                        *to = from;
+                    }
+                };
+                set(&mut s.binary_name, o.binary_name);
+                set(&mut s.root, o.root);
+                set(&mut s.shim_cgroup, o.shim_cgroup);
+                set(&mut s.criu_image_path, o.criu_image_path);
+                set(&mut s.criu_work_path, o.criu_work_path);
+                s.systemd_cgroup |= o.systemd_cgroup;
+                s.no_pivot_root |= o.no_pivot_root;
+                s.no_new_keyring |= o.no_new_keyring;
+                if o.io_uid != 0 {
+                    s.io_uid = o.io_uid;
+                }
+                if o.io_gid != 0 {
+                    s.io_gid = o.io_gid;
+                }
+                Ok(s)
             }
             RUNTIME_OPTIONS_TYPE => {
                 let ro = decode_runtime_options(&any.value)?;
@@ -357,6 +409,50 @@ mod tests {
                 Path::new("/run/ctd-a/io.containerd.runtime.v2.task/default/c1")
             ),
             "/run/ctd-a/gpu-ckpt/default"
+        );
+    }
+
+    #[test]
+    fn a_handler_file_carries_our_options_under_runc_typed_registration() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("containerd-shim-gpu-ckpt-restore-v1.toml");
+        std::fs::write(
+            &file,
+            "Mode = \"restore\"\nBinaryName = \"/opt/runc\"\nRestoreSources = [\"/srv/ckpt/\"]\n",
+        )
+        .unwrap();
+        let runc = RuncOptions {
+            binary_name: "/usr/sbin/runc".into(),
+            root: "/run/x".into(),
+            ..Default::default()
+        };
+        let any = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value: runc.write_to_bytes().unwrap(),
+            ..Default::default()
+        };
+        // CRI's runc options go over the file's runc keys; the file gives the rest.
+        let o = RuntimeOptions::from_any_with(Some(&any), Some(&file)).unwrap();
+        assert!(o.restore_mode());
+        assert_eq!(o.binary_name, "/usr/sbin/runc");
+        assert_eq!(o.root, "/run/x");
+        assert_eq!(o.restore_sources, Some(vec!["/srv/ckpt/".to_string()]));
+        // No options at all (ctr): the file alone.
+        let o = RuntimeOptions::from_any_with(None, Some(&file)).unwrap();
+        assert_eq!(o.binary_name, "/opt/runc");
+        assert!(o.restore_mode());
+        // A handler's own options table (runtimeoptions) is the whole configuration.
+        let table = encode_runtime_options("", "BinaryName = \"/usr/sbin/runc\"\n");
+        let o = RuntimeOptions::from_any_with(Some(&table), Some(&file)).unwrap();
+        assert!(!o.restore_mode());
+        // An unknown key in the file is named, with the file.
+        std::fs::write(&file, "Frobnicate = 1\n").unwrap();
+        let err = RuntimeOptions::from_any_with(Some(&any), Some(&file))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Frobnicate") && err.contains("handler options file"),
+            "{err}"
         );
     }
 

@@ -68,7 +68,14 @@ impl containerd_shim::asynchronous::Shim for Service {
         let cwd = std::env::current_dir()
             .map_err(|e| containerd_shim::Error::Other(format!("bundle directory: {e}")))?;
         let group = grouping(&cwd, &opts.id);
-        let address = spawn(opts, &group, Vec::new()).await?;
+        // The server runs as the resolved binary: it learns the handler options file of the
+        // path containerd started us by from the environment.
+        let config = crate::options::handler_config_path().map(|p| p.display().to_string());
+        let vars: Vec<(&str, &str)> = config
+            .iter()
+            .map(|p| (crate::options::HANDLER_CONFIG_ENV, p.as_str()))
+            .collect();
+        let address = spawn(opts, &group, vars).await?;
         // containerd-shim-runc-v2 keeps the address in the bundle too; shutdown reads it.
         containerd_shim::util::write_str_to_file(cwd.join("address"), &address).await?;
         Ok(address)
