@@ -166,6 +166,10 @@ pub struct CriuConf<'a> {
     pub skip_network_lock: bool,
     /// A restore's [`crate::verify_gate::VerifyGate`] script.
     pub action_script: Option<&'a Path>,
+    /// `ext-mount-map <from>:<to>` lines, beside the spec mounts runc maps itself: at a dump
+    /// a sub-mount's mountpoint and its key, at a restore the key and its host path
+    /// ([`crate::sub_mounts`]).
+    pub ext_mount_map: &'a [(String, String)],
 }
 
 impl CriuConf<'_> {
@@ -186,6 +190,20 @@ impl CriuConf<'_> {
                 )));
             }
             body.push_str(&format!("action-script \"{script}\"\n"));
+        }
+        for (from, to) in self.ext_mount_map {
+            // CRIU splits the value at its first ':', cuts a line at any '#', and (4.2's
+            // parser) mangles values with white space even when quoted: such paths are refused.
+            if from.contains(':')
+                || [from, to].iter().any(|s| {
+                    s.is_empty() || s.contains(['"', '\\', '#']) || s.contains(char::is_whitespace)
+                })
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "external mount {from:?} -> {to:?} cannot be written into a CRIU configuration file"
+                )));
+            }
+            body.push_str(&format!("ext-mount-map {from}:{to}\n"));
         }
         std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
     }
@@ -390,6 +408,35 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(written(gate), "action-script \"/b/gate.sh\"\n");
+        let map = [
+            ("/data/sub".to_string(), "gpu-ckpt-sub-0".to_string()),
+            ("gpu-ckpt-sub-1".to_string(), "/host/d:1/sub".to_string()),
+        ];
+        let ext = CriuConf {
+            tcp_close: true,
+            ext_mount_map: &map,
+            ..Default::default()
+        };
+        assert_eq!(
+            written(ext),
+            "tcp-close\next-mount-map /data/sub:gpu-ckpt-sub-0\next-mount-map gpu-ckpt-sub-1:/host/d:1/sub\n"
+        );
+        for bad in [
+            ("/a:b", "k"),
+            ("/a#b", "k"),
+            ("/a b", "k"),
+            ("k", "/x\ty"),
+            ("/a", "/x\"y"),
+            ("/a", ""),
+        ] {
+            let map = [(bad.0.to_string(), bad.1.to_string())];
+            let conf = CriuConf {
+                ext_mount_map: &map,
+                ..Default::default()
+            };
+            let e = conf.write(dir.path()).unwrap_err();
+            assert!(e.to_string().contains("cannot be written"), "{bad:?}: {e}");
+        }
         let bad = CriuConf {
             action_script: Some(Path::new("/b/\"x")),
             ..Default::default()

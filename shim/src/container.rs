@@ -40,6 +40,7 @@ use crate::{
     runc::{tool_output, CreateOpts, Runc},
     spec_check,
     stdio::{self, Absent},
+    sub_mounts,
     verify_gate::VerifyGate,
 };
 
@@ -435,6 +436,24 @@ impl Container {
             || self.annotations.get(annotations::TCP) == Some("close")
             || (self.annotations.get(annotations::TCP).is_none()
                 && self.options.tcp_mode == "close");
+        // Sub-mounts of the checkpoint's bind mounts (its list, verified in step 1) go to the
+        // host paths below the new spec's mounts at the same destinations.
+        let ext_mount_map = {
+            let _span = info_span!("sub_mounts", id = %self.id).entered();
+            let list =
+                sub_mounts::read_list(dir).map_err(|e| restore::step("prepare")(e.to_string()))?;
+            if list.is_empty() {
+                Vec::new()
+            } else {
+                let map = sub_mounts::restore_map(&list, &load_spec(&self.bundle)?)
+                    .map_err(|e| restore::step("prepare")(e.to_string()))?;
+                info!(id = %self.id, count = map.len(), "sub-mounts of bind mounts mapped for CRIU");
+                if !self.own_criu_conf {
+                    warn!(id = %self.id, "the spec names its own CRIU configuration: the sub-mounts are not mapped");
+                }
+                map
+            }
+        };
         let gate = Arc::new(
             VerifyGate::create(&self.bundle)
                 .map_err(|e| restore::step("prepare")(e.to_string()))?,
@@ -442,6 +461,7 @@ impl Container {
         let conf = checkpoint::CriuConf {
             tcp_close,
             action_script: Some(gate.script()),
+            ext_mount_map: &ext_mount_map,
             ..Default::default()
         };
         conf.write(&self.bundle)
@@ -696,21 +716,52 @@ impl Container {
         if skip_network_lock {
             info!(id = %self.id, "network namespace of its own with no TCP connection and only loopback: CRIU's network lock skipped");
         }
-        if let Err(e) = std::fs::create_dir_all(&work)
+        // Mounts below the spec's bind mounts (an rbind's or a recursive read-only mount's
+        // sub-mounts), which runc does not map for CRIU: marked external under a key, and
+        // listed in the image directory for the restore to map to the new spec's host paths.
+        let found = {
+            let _span = info_span!("sub_mounts", id = %self.id).entered();
+            load_spec(&self.bundle).and_then(|spec| {
+                sub_mounts::of_process(self.init.pid, &spec)
+                    .map_err(|e| Error::FailedPrecondition(e.to_string()))
+            })
+        };
+        if let Ok(list) = &found {
+            if !list.is_empty() {
+                info!(id = %self.id, count = list.len(), "sub-mounts of bind mounts marked external for CRIU");
+                if !self.own_criu_conf {
+                    warn!(id = %self.id, "the spec names its own CRIU configuration: the sub-mounts are not mapped");
+                }
+            }
+        }
+        let mapped_sub_mounts = match std::fs::create_dir_all(&work)
             .map_err(|e| fail("prepare", format!("work directory {}: {e}", work.display())))
-            .and_then(|_| {
+            .and_then(|_| found.map_err(|e| fail("prepare", e.to_string())))
+            .and_then(|list| {
+                let map = sub_mounts::dump_map(&list);
                 let conf = checkpoint::CriuConf {
                     tcp_close: plan.criu.tcp == "close",
                     skip_network_lock,
                     action_script: None,
+                    ext_mount_map: &map,
                 };
                 conf.write(&self.bundle)
-                    .map_err(|e| fail("prepare", e.to_string()))
-            })
-        {
-            undo();
-            return Err(e);
-        }
+                    .map_err(|e| fail("prepare", e.to_string()))?;
+                if !list.is_empty() {
+                    sub_mounts::write_list(image, &list)
+                        .map_err(|e| fail("prepare", e.to_string()))?;
+                }
+                Ok(!list.is_empty())
+            }) {
+            Ok(mapped) => mapped,
+            Err(e) => {
+                undo();
+                if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
+                    warn!(id = %self.id, error = %e, "CRIU configuration after a checkpoint");
+                }
+                return Err(e);
+            }
+        };
         let mut timings = Vec::new();
 
         // Step 2: CRIU dump through runc, its page images hashed as CRIU writes them (and the
@@ -737,8 +788,8 @@ impl Container {
             node_info(&self.runc)
         );
         dumped_all.set();
-        // The lock decision held for this dump only.
-        if skip_network_lock {
+        // The lock decision and the sub-mounts' keys held for this dump only.
+        if skip_network_lock || mapped_sub_mounts {
             if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
                 warn!(id = %self.id, error = %e, "CRIU configuration after a checkpoint");
             }

@@ -15,6 +15,7 @@
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
 //! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
+//! - [`sub_mounts`]: mounts below the spec's bind mounts, mapped for CRIU across a restore;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod annotations;
@@ -34,6 +35,7 @@ pub mod service;
 pub mod spec_check;
 pub mod stats;
 pub mod stdio;
+pub mod sub_mounts;
 pub mod task;
 pub mod trust;
 pub mod verify_gate;

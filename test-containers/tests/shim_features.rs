@@ -12,7 +12,10 @@ use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
-use common::{node_with, workloads};
+use common::{
+    can_write, counter_with, expect_rro, mount, node_with, runc_typed_handler, workloads,
+    NestedMount, RUNC_TYPED,
+};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::Message;
 use containerd_shim_protos::shim::oci::Options as RuncOptions;
@@ -32,24 +35,6 @@ fn rt() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// The handler registered as containerd's CRI can introspect it: runtime type
-/// `io.containerd.runc.v2` with `runtime_path` naming the gpu-ckpt shim. containerd 2.1's CRI
-/// asks only runtimes of that type for their features.
-const RUNC_TYPED: &str = "gpu-ckpt-rt";
-
-fn runc_typed_handler(
-    builder: test_containers::stack::NodeBuilder,
-    node: &str,
-) -> Result<test_containers::stack::NodeBuilder> {
-    let stack = test_containers::stack::Stack::discover()?;
-    let shim = stack.shim_dir().join("containerd-shim-gpu-ckpt-v1");
-    let table = format!("plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{RUNC_TYPED}");
-    Ok(builder.extra_config(&format!(
-        "[{table}]\n  runtime_type = \"io.containerd.runc.v2\"\n  runtime_path = \"{}\"\n  pod_annotations = [\"gpu-ckpt.io/*\"]\n  container_annotations = [\"gpu-ckpt.io/*\"]\n[{table}.options]\n  BinaryName = \"/usr/sbin/runc\"\n  Root = \"/run/gpu-ckpt-test/{node}/{RUNC_TYPED}-runc\"\n",
-        shim.display()
-    )))
-}
-
 /// A node with the restore handler next to runc and gpu-ckpt.
 fn node_with_restore_handler(name: &str) -> Result<Node> {
     let mut options = BTreeMap::new();
@@ -67,84 +52,6 @@ fn node_with_restore_handler(name: &str) -> Result<Node> {
             options,
         }),
     )
-}
-
-/// A host directory with a tmpfs mounted below it (`sub`), so that "read-only all the way down"
-/// can be told from a plain read-only bind; unmounted when dropped.
-struct NestedMount {
-    dir: tempfile::TempDir,
-}
-
-impl NestedMount {
-    fn new() -> Result<NestedMount> {
-        let dir = tempfile::Builder::new().prefix("rro-").tempdir()?;
-        std::fs::create_dir(dir.path().join("sub"))?;
-        let st = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=1m", "rro-sub"])
-            .arg(dir.path().join("sub"))
-            .status()?;
-        ensure!(
-            st.success(),
-            "mounting a tmpfs below {}",
-            dir.path().display()
-        );
-        Ok(NestedMount { dir })
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-}
-
-impl Drop for NestedMount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(self.dir.path().join("sub"))
-            .status();
-    }
-}
-
-fn mount(
-    host: &Path,
-    readonly: bool,
-    recursive: bool,
-    propagation: cri::MountPropagation,
-) -> cri::Mount {
-    cri::Mount {
-        container_path: "/data".into(),
-        host_path: host.display().to_string(),
-        readonly,
-        recursive_read_only: recursive,
-        propagation: propagation as i32,
-        ..Default::default()
-    }
-}
-
-fn counter_with(m: cri::Mount) -> ContainerSpec {
-    let mut spec = ContainerSpec::new("counter", workloads()).command(&[
-        "/bin/counter",
-        "--interval-ms",
-        "100",
-    ]);
-    spec.mounts.push(m);
-    spec
-}
-
-/// Tries to write a file at `path` in the container: Ok(true) when it could.
-async fn can_write(cri: &Cri, id: &str, path: &str) -> Result<bool> {
-    let r = cri
-        .exec_sync(id, &["sh", "-c", &format!("echo x > {path}")], 10)
-        .await?;
-    let err = r.stderr_str();
-    if r.exit_code == 0 {
-        return Ok(true);
-    }
-    ensure!(
-        err.contains("Read-only file system"),
-        "writing {path}: {err}"
-    );
-    Ok(false)
 }
 
 /// The handler features CRI reports, by handler name.
@@ -278,17 +185,6 @@ async fn run_counter(
         .await?;
     let id = cri.run_container(&pod, spec).await?;
     Ok((pod, id))
-}
-
-/// Recursive read-only all the way down; a plain read-only bind leaves the sub-mount writable,
-/// which shows the test can tell them apart.
-async fn expect_rro(cri: &Cri, id: &str) -> Result<()> {
-    ensure!(!can_write(cri, id, "/data/top").await?, "/data is writable");
-    ensure!(
-        !can_write(cri, id, "/data/sub/below").await?,
-        "/data/sub is writable: not recursive"
-    );
-    Ok(())
 }
 
 #[test]

@@ -3,10 +3,13 @@
 
 use std::{
     path::{Path, PathBuf},
+    process::Command,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
+use k8s_cri::v1 as cri;
+use test_containers::cri::{ContainerSpec, Cri};
 use test_containers::stack::{
     read_images_json, Node, NodeBuilder, Registry, Stack, WORKLOADS_IMAGE,
 };
@@ -248,4 +251,111 @@ pub async fn cri_counter_above(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("the counter of {id} did not pass {above}")
+}
+
+/// The handler registered as containerd's CRI can introspect it: runtime type
+/// `io.containerd.runc.v2` with `runtime_path` naming the gpu-ckpt shim. containerd 2.1's CRI
+/// asks only runtimes of that type for their features.
+pub const RUNC_TYPED: &str = "gpu-ckpt-rt";
+
+pub fn runc_typed_handler(
+    builder: test_containers::stack::NodeBuilder,
+    node: &str,
+) -> Result<test_containers::stack::NodeBuilder> {
+    let stack = test_containers::stack::Stack::discover()?;
+    let shim = stack.shim_dir().join("containerd-shim-gpu-ckpt-v1");
+    let table = format!("plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{RUNC_TYPED}");
+    Ok(builder.extra_config(&format!(
+        "[{table}]\n  runtime_type = \"io.containerd.runc.v2\"\n  runtime_path = \"{}\"\n  pod_annotations = [\"gpu-ckpt.io/*\"]\n  container_annotations = [\"gpu-ckpt.io/*\"]\n[{table}.options]\n  BinaryName = \"/usr/sbin/runc\"\n  Root = \"/run/gpu-ckpt-test/{node}/{RUNC_TYPED}-runc\"\n",
+        shim.display()
+    )))
+}
+
+/// A host directory with a tmpfs mounted below it (`sub`), so that "read-only all the way down"
+/// can be told from a plain read-only bind; unmounted when dropped.
+pub struct NestedMount {
+    dir: tempfile::TempDir,
+}
+
+impl NestedMount {
+    pub fn new() -> Result<NestedMount> {
+        let dir = tempfile::Builder::new().prefix("rro-").tempdir()?;
+        std::fs::create_dir(dir.path().join("sub"))?;
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "rro-sub"])
+            .arg(dir.path().join("sub"))
+            .status()?;
+        ensure!(
+            st.success(),
+            "mounting a tmpfs below {}",
+            dir.path().display()
+        );
+        Ok(NestedMount { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for NestedMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path().join("sub"))
+            .status();
+    }
+}
+
+pub fn mount(
+    host: &Path,
+    readonly: bool,
+    recursive: bool,
+    propagation: cri::MountPropagation,
+) -> cri::Mount {
+    cri::Mount {
+        container_path: "/data".into(),
+        host_path: host.display().to_string(),
+        readonly,
+        recursive_read_only: recursive,
+        propagation: propagation as i32,
+        ..Default::default()
+    }
+}
+
+pub fn counter_with(m: cri::Mount) -> ContainerSpec {
+    let mut spec = ContainerSpec::new("counter", workloads()).command(&[
+        "/bin/counter",
+        "--interval-ms",
+        "100",
+    ]);
+    spec.mounts.push(m);
+    spec
+}
+
+/// Tries to write a file at `path` in the container: Ok(true) when it could.
+pub async fn can_write(cri: &Cri, id: &str, path: &str) -> Result<bool> {
+    let r = cri
+        .exec_sync(id, &["sh", "-c", &format!("echo x > {path}")], 10)
+        .await?;
+    let err = r.stderr_str();
+    if r.exit_code == 0 {
+        return Ok(true);
+    }
+    ensure!(
+        err.contains("Read-only file system"),
+        "writing {path}: {err}"
+    );
+    Ok(false)
+}
+
+/// Recursive read-only all the way down; a plain read-only bind leaves the sub-mount writable,
+/// which shows the test can tell them apart.
+pub async fn expect_rro(cri: &Cri, id: &str) -> Result<()> {
+    ensure!(!can_write(cri, id, "/data/top").await?, "/data is writable");
+    ensure!(
+        !can_write(cri, id, "/data/sub/below").await?,
+        "/data/sub is writable: not recursive"
+    );
+    Ok(())
 }
