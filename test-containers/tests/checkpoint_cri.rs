@@ -6,7 +6,6 @@
 mod common;
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -15,41 +14,8 @@ use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
-    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+    stack::{Node, GPU_CKPT_HANDLER},
 };
-
-const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
-
-/// A node with the restore RuntimeClass's handler next to gpu-ckpt's.
-fn restore_node(name: &str) -> Result<Node> {
-    let mut options = BTreeMap::new();
-    options.insert("Mode".to_string(), OptValue::from("restore"));
-    options.insert(
-        "Root".to_string(),
-        OptValue::from(format!("/run/gpu-ckpt-test/{name}/gpu-ckpt-restore-runc")),
-    );
-    // The archives of the test nodes, and the test registry's checkpoint images.
-    options.insert(
-        "RestoreSources".to_string(),
-        OptValue::from(vec![
-            format!(
-                "{}/",
-                test_containers::stack::Stack::discover()?
-                    .prefix()
-                    .join("nodes")
-                    .display()
-            ),
-            "localhost:5000/ckpt/".to_string(),
-        ]),
-    );
-    node_with(Node::builder(name)?.extra_runtime(ExtraRuntime {
-        name: RESTORE_HANDLER.into(),
-        runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-        pod_annotations: vec!["gpu-ckpt.io/*".into()],
-        container_annotations: vec!["gpu-ckpt.io/*".into()],
-        options,
-    }))
-}
 
 fn counter_spec() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])

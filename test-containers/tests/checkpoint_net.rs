@@ -4,13 +4,13 @@
 
 mod common;
 
-use std::{collections::BTreeMap, time::Duration};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Network, PodSpec},
-    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+    stack::GPU_CKPT_HANDLER,
 };
 
 fn echoes(log: &str) -> usize {
@@ -75,33 +75,7 @@ fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
 
 #[test]
 fn new_address_with_tcp_close_reconnects() -> Result<()> {
-    let mut options = BTreeMap::new();
-    options.insert("Mode".to_string(), OptValue::from("restore"));
-    options.insert(
-        "Root".to_string(),
-        OptValue::from("/run/gpu-ckpt-test/net-new/gpu-ckpt-restore-runc".to_string()),
-    );
-    // The archives of the test nodes, and the test registry's checkpoint images.
-    options.insert(
-        "RestoreSources".to_string(),
-        OptValue::from(vec![
-            format!(
-                "{}/",
-                test_containers::stack::Stack::discover()?
-                    .prefix()
-                    .join("nodes")
-                    .display()
-            ),
-            "localhost:5000/ckpt/".to_string(),
-        ]),
-    );
-    let node = node_with(Node::builder("net-new")?.extra_runtime(ExtraRuntime {
-        name: "gpu-ckpt-restore".into(),
-        runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-        pod_annotations: vec!["gpu-ckpt.io/*".into()],
-        container_annotations: vec!["gpu-ckpt.io/*".into()],
-        options,
-    }))?;
+    let node = restore_node("net-new")?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
         let server_pod = cri

@@ -13,40 +13,11 @@ use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
     cri::{v1::security_profile::ProfileType, ContainerSpec, Cri, Pod, PodSpec},
-    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+    stack::{Node, GPU_CKPT_HANDLER},
 };
 
-const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
 /// The counter's file, in a directory any uid may write.
 const COUNTER_FILE: &str = "/tmp/counter.txt";
-
-/// A node with the restore RuntimeClass's handler next to gpu-ckpt's.
-fn restore_node(name: &str) -> Result<Node> {
-    let mut options = BTreeMap::new();
-    options.insert("Mode".to_string(), OptValue::from("restore"));
-    options.insert(
-        "Root".to_string(),
-        OptValue::from(format!("/run/gpu-ckpt-test/{name}/gpu-ckpt-restore-runc")),
-    );
-    // The archives of the test nodes.
-    options.insert(
-        "RestoreSources".to_string(),
-        OptValue::from(vec![format!(
-            "{}/",
-            test_containers::stack::Stack::discover()?
-                .prefix()
-                .join("nodes")
-                .display()
-        )]),
-    );
-    node_with(Node::builder(name)?.extra_runtime(ExtraRuntime {
-        name: RESTORE_HANDLER.into(),
-        runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-        pod_annotations: vec!["gpu-ckpt.io/*".into()],
-        container_annotations: vec!["gpu-ckpt.io/*".into()],
-        options,
-    }))
-}
 
 /// The counter, told apart from every other test's by its interval.
 fn counter(interval_ms: u32) -> ContainerSpec {

@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
@@ -66,19 +65,6 @@ fn node(name: &str) -> Result<(Node, tempfile::TempDir)> {
     ))
 }
 
-/// The handler features CRI reports, by handler name.
-async fn handler_features(cri: &Cri) -> Result<BTreeMap<String, (bool, bool)>> {
-    let status = cri.status().await?;
-    Ok(status
-        .runtime_handlers
-        .into_iter()
-        .map(|h| {
-            let f = h.features.unwrap_or_default();
-            (h.name, (f.recursive_read_only_mounts, f.user_namespaces))
-        })
-        .collect())
-}
-
 fn counter() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
 }
@@ -98,7 +84,7 @@ fn both_handlers_advertise_runcs_features_and_restore_across_nodes() -> Result<(
     rt()?.block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
-        let features = handler_features(&cri_b).await?;
+        let features = common::handler_features(&cri_b).await?;
         let runc = *features
             .get(RUNC_HANDLER)
             .context("no runc handler in CRI's status")?;

@@ -7,14 +7,13 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
 use common::{
-    can_write, counter_with, expect_rro, mount, node_with, runc_typed_handler, workloads,
-    NestedMount, RUNC_TYPED,
+    can_write, counter_with, expect_rro, handler_features, mount, node_with, restore_node_with,
+    runc_typed_handler, workloads, NestedMount, RUNC_TYPED,
 };
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::Message;
@@ -22,49 +21,13 @@ use containerd_shim_protos::shim::oci::Options as RuncOptions;
 use containerd_shim_protos::types::introspection::RuntimeInfo;
 use k8s_cri::v1 as cri;
 use test_containers::cri::{ContainerSpec, Cri, Pod, PodSpec};
-use test_containers::stack::{
-    ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_RUNTIME_TYPE, RUNC_HANDLER,
-};
-
-const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
+use test_containers::stack::{Node, Stack, RUNC_HANDLER};
 
 fn rt() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?)
-}
-
-/// A node with the restore handler next to runc and gpu-ckpt.
-fn node_with_restore_handler(name: &str) -> Result<Node> {
-    let mut options = BTreeMap::new();
-    options.insert("Mode".to_string(), OptValue::from("restore"));
-    options.insert(
-        "Root".to_string(),
-        OptValue::from(format!("/run/gpu-ckpt-test/{name}/gpu-ckpt-restore-runc")),
-    );
-    node_with(
-        runc_typed_handler(Node::builder(name)?, name)?.extra_runtime(ExtraRuntime {
-            name: RESTORE_HANDLER.into(),
-            runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-            pod_annotations: vec!["gpu-ckpt.io/*".into()],
-            container_annotations: vec!["gpu-ckpt.io/*".into()],
-            options,
-        }),
-    )
-}
-
-/// The handler features CRI reports, by handler name.
-async fn handler_features(cri: &Cri) -> Result<BTreeMap<String, (bool, bool)>> {
-    let status = cri.status().await?;
-    Ok(status
-        .runtime_handlers
-        .into_iter()
-        .map(|h| {
-            let f = h.features.unwrap_or_default();
-            (h.name, (f.recursive_read_only_mounts, f.user_namespaces))
-        })
-        .collect())
 }
 
 /// `<shim> -info` with `options` (an encoded Any, or nothing) on stdin.
@@ -154,7 +117,10 @@ fn info_reports_the_features_runc_v2_reports() -> Result<()> {
 
 #[test]
 fn cri_reports_the_same_handler_features_as_for_runc() -> Result<()> {
-    let node = node_with_restore_handler("feat-list")?;
+    let node = restore_node_with(
+        runc_typed_handler(Node::builder("feat-list")?, "feat-list")?,
+        "feat-list",
+    )?;
     rt()?.block_on(async {
         let cri = Cri::connect(node.socket()).await?;
         let features = handler_features(&cri).await?;

@@ -359,3 +359,59 @@ pub async fn expect_rro(cri: &Cri, id: &str) -> Result<()> {
     );
     Ok(())
 }
+
+/// The restore RuntimeClass's handler `handler` for node `node`: `Mode = "restore"`, a runc
+/// root of its own, and the test nodes' archives and the test registry's checkpoint images as
+/// its restore sources. Callers add options (keys, trust) to `options` as they need.
+pub fn restore_handler(node: &str, handler: &str) -> Result<test_containers::stack::ExtraRuntime> {
+    use test_containers::stack::OptValue;
+    let mut options = std::collections::BTreeMap::new();
+    options.insert("Mode".to_string(), OptValue::from("restore"));
+    options.insert(
+        "Root".to_string(),
+        OptValue::from(format!("/run/gpu-ckpt-test/{node}/{handler}-runc")),
+    );
+    options.insert(
+        "RestoreSources".to_string(),
+        OptValue::from(vec![
+            format!("{}/", Stack::discover()?.prefix().join("nodes").display()),
+            "localhost:5000/ckpt/".to_string(),
+        ]),
+    );
+    Ok(test_containers::stack::ExtraRuntime {
+        name: handler.into(),
+        runtime_type: test_containers::stack::GPU_CKPT_RUNTIME_TYPE.into(),
+        pod_annotations: vec!["gpu-ckpt.io/*".into()],
+        container_annotations: vec!["gpu-ckpt.io/*".into()],
+        options,
+    })
+}
+
+/// The handler name of the restore RuntimeClass.
+pub const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
+
+/// A node with the restore RuntimeClass's handler ([`restore_handler`]) next to gpu-ckpt's.
+pub fn restore_node(name: &str) -> Result<Node> {
+    restore_node_with(Node::builder(name)?, name)
+}
+
+/// [`restore_node`] on a builder the caller has set up.
+pub fn restore_node_with(builder: NodeBuilder, name: &str) -> Result<Node> {
+    node_with(builder.extra_runtime(restore_handler(name, RESTORE_HANDLER)?))
+}
+
+/// The handler features CRI reports, by handler name: (recursive read-only mounts, user
+/// namespaces).
+pub async fn handler_features(
+    cri: &Cri,
+) -> Result<std::collections::BTreeMap<String, (bool, bool)>> {
+    let status = cri.status().await?;
+    Ok(status
+        .runtime_handlers
+        .into_iter()
+        .map(|h| {
+            let f = h.features.unwrap_or_default();
+            (h.name, (f.recursive_read_only_mounts, f.user_namespaces))
+        })
+        .collect())
+}
