@@ -47,13 +47,27 @@ pub fn look_path(binary: &str) -> Option<PathBuf> {
 pub fn runc_features(binary: &str) -> Result<Option<Vec<u8>>, String> {
     let abs = look_path(binary)
         .ok_or_else(|| format!("failed to look up the path of {binary:?}: not found on PATH"))?;
-    let mut child = match Command::new(&abs)
-        .arg("features")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-    {
+    let spawn = || {
+        Command::new(&abs)
+            .arg("features")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+    };
+    // A binary that was just written (an upgrade in progress, or a test's script) can be
+    // briefly busy: another process forked while its writer still held it open.
+    let mut attempt = spawn();
+    for _ in 0..20 {
+        match &attempt {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                std::thread::sleep(Duration::from_millis(10));
+                attempt = spawn();
+            }
+            _ => break,
+        }
+    }
+    let mut child = match attempt {
         Ok(c) => c,
         Err(e) => {
             debug!(binary = %abs.display(), error = %e, "cannot run `features`");

@@ -227,8 +227,11 @@ mod tests {
     use super::*;
     use std::process::Command;
 
+    // Through sh rather than exec'd: a script just written can be busy (ETXTBSY) while another
+    // test thread forks.
     fn run_script(gate: &VerifyGate, action: &str) -> bool {
-        Command::new(gate.script())
+        Command::new("sh")
+            .arg(gate.script())
             .env("CRTOOLS_SCRIPT_ACTION", action)
             .status()
             .unwrap()
@@ -256,7 +259,8 @@ mod tests {
     fn pre_resume(gate: &VerifyGate, root: u32) -> std::thread::JoinHandle<bool> {
         let script = gate.script().to_path_buf();
         std::thread::spawn(move || {
-            Command::new(script)
+            Command::new("sh")
+                .arg(script)
                 .env("CRTOOLS_SCRIPT_ACTION", "pre-resume")
                 .env("CRTOOLS_INIT_PID", root.to_string())
                 .status()
