@@ -22,7 +22,7 @@ use std::path::Path;
 
 use crate::criu_stats::first_entry;
 use crate::error::{Error, Result};
-use crate::protowire::{bytes_field, fields, varint_field, Value};
+use crate::protowire::{bytes_field, fields, varint, varint_field, Value};
 
 /// CRIU's magic words (`criu/include/magic.h`).
 const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
@@ -258,17 +258,6 @@ fn repeated_u32(f: &[(u64, Value<'_>)], n: u64) -> Option<Vec<u32>> {
     Some(out)
 }
 
-fn varint(b: &[u8]) -> Option<(u64, usize)> {
-    let mut v = 0u64;
-    for (i, byte) in b.iter().enumerate().take(10) {
-        v |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            return Some((v, i + 1));
-        }
-    }
-    None
-}
-
 /// Parses a `seccomp.img`.
 pub fn parse_seccomp(data: &[u8], name: &str) -> Result<SeccompFilters> {
     check_magic(data, name, SECCOMP_MAGIC)?;
@@ -295,18 +284,7 @@ pub fn parse_seccomp(data: &[u8], name: &str) -> Result<SeccompFilters> {
 #[doc(hidden)]
 pub mod test_images {
     use super::{CORE_MAGIC, IMG_COMMON_MAGIC, SECCOMP_MAGIC};
-
-    fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-        loop {
-            let b = (v & 0x7f) as u8;
-            v >>= 7;
-            if v == 0 {
-                out.push(b);
-                return;
-            }
-            out.push(b | 0x80);
-        }
-    }
+    use crate::protowire::put_varint;
 
     fn varint_f(out: &mut Vec<u8>, n: u64, v: u64) {
         put_varint(out, n << 3);

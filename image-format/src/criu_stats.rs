@@ -63,18 +63,7 @@ pub fn parse_dump_stats(data: &[u8], what: &str) -> Result<DumpStats> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-        loop {
-            let b = (v & 0x7f) as u8;
-            v >>= 7;
-            if v == 0 {
-                out.push(b);
-                return;
-            }
-            out.push(b | 0x80);
-        }
-    }
+    use crate::protowire::put_varint;
 
     #[test]
     fn dump_statistics_are_read() {

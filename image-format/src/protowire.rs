@@ -53,7 +53,8 @@ pub fn bytes_field<'a>(fields: &[(u64, Value<'a>)], n: u64) -> Option<&'a [u8]> 
     })
 }
 
-fn varint(b: &[u8]) -> Option<(u64, usize)> {
+/// A varint at the start of `b`: its value and its length in bytes.
+pub(crate) fn varint(b: &[u8]) -> Option<(u64, usize)> {
     let mut v = 0u64;
     for (i, byte) in b.iter().enumerate().take(10) {
         v |= u64::from(byte & 0x7f) << (7 * i);
@@ -62,6 +63,20 @@ fn varint(b: &[u8]) -> Option<(u64, usize)> {
         }
     }
     None
+}
+
+/// Appends `v` as a varint: the writing twin of [`varint`], for tests that build messages.
+#[doc(hidden)]
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    loop {
+        let b = (v & 0x7f) as u8;
+        v >>= 7;
+        if v == 0 {
+            out.push(b);
+            return;
+        }
+        out.push(b | 0x80);
+    }
 }
 
 #[cfg(test)]
