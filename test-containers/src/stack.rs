@@ -613,16 +613,22 @@ impl Node {
     /// Runs `ctr --address <sock> -n <ns> <args>`.
     pub fn ctr_ns(&self, ns: &str, args: &[&str]) -> Result<Output> {
         let ctr = self.stack.ctr_bin();
-        Command::new(&ctr)
-            .arg("--address")
+        let mut cmd = Command::new(&ctr);
+        self.ctr_args(&mut cmd, ns, args)
+            .output()
+            .with_context(|| format!("run {} {}", ctr.display(), args.join(" ")))
+    }
+
+    /// ctr's arguments for this node (`--address <sock> -n <ns> <args>`), its PATH and no
+    /// standard input, added to `cmd`.
+    fn ctr_args<'c>(&self, cmd: &'c mut Command, ns: &str, args: &[&str]) -> &'c mut Command {
+        cmd.arg("--address")
             .arg(&self.paths.socket)
             .arg("-n")
             .arg(ns)
             .args(args)
             .env("PATH", self.stack.path_env())
             .stdin(Stdio::null())
-            .output()
-            .with_context(|| format!("run {} {}", ctr.display(), args.join(" ")))
     }
 
     /// Like [`Node::ctr`], but fails unless ctr exits 0; returns stdout.
@@ -757,19 +763,13 @@ if [ -d /var/run/cdi ]; then mount -t tmpfs -o mode=0755 gpu-ckpt-cdi /var/run/c
 exec "$@"
 "#;
         let ctr = self.stack.ctr_bin();
-        Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "--"])
+        let mut cmd = Command::new("unshare");
+        cmd.args(["--mount", "--propagation", "private", "--"])
             .args(["sh", "-c", SCRIPT, "sh"])
             .arg(&scratch)
             .arg(&specs)
-            .arg(&ctr)
-            .arg("--address")
-            .arg(&self.paths.socket)
-            .arg("-n")
-            .arg(ns)
-            .args(args)
-            .env("PATH", self.stack.path_env())
-            .stdin(Stdio::null())
+            .arg(&ctr);
+        self.ctr_args(&mut cmd, ns, args)
             .output()
             .with_context(|| format!("run {} {} with CDI", ctr.display(), args.join(" ")))
     }
