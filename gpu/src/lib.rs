@@ -2,6 +2,7 @@
 //! node's GPU inventory through NVML ([`nvml::NvmlInventory`]), behind [`DeviceCheckpoint`] and
 //! [`Inventory`]. Both libraries are loaded at run time; nothing needs CUDA to build.
 
+pub mod assign;
 pub mod cuda;
 pub mod error;
 pub mod nvml;
@@ -74,6 +75,12 @@ pub struct GpuInfo {
     /// (major, minor), e.g. (9, 0).
     pub compute_capability: Option<(i32, i32)>,
     pub memory_total_bytes: u64,
+    /// Device memory not in use when the inventory was read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_free_bytes: Option<u64>,
+    /// The N of its device node `/dev/nvidiaN`, when the driver reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor_number: Option<u32>,
     /// e.g. "00000000:3B:00.0".
     pub pci_bus_id: String,
     pub persistence_mode: Option<bool>,

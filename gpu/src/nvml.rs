@@ -120,14 +120,14 @@ impl NvmlInventory {
             "nvmlDeviceGetCudaComputeCapability",
             d.cuda_compute_capability().map(|c| (c.major, c.minor)),
         )?;
-        let memory_total_bytes = d
+        let memory = d
             .memory_info()
-            .map_err(|e| nvml_error("nvmlDeviceGetMemoryInfo_v2", e))?
-            .total;
+            .map_err(|e| nvml_error("nvmlDeviceGetMemoryInfo_v2", e))?;
         let pci_bus_id = d
             .pci_info()
             .map_err(|e| nvml_error("nvmlDeviceGetPciInfo_v3", e))?
             .bus_id;
+        let minor_number = optional("nvmlDeviceGetMinorNumber", d.minor_number())?;
         let persistence_mode = optional("nvmlDeviceGetPersistenceMode", d.is_in_persistent_mode())?;
         Ok(GpuInfo {
             index,
@@ -135,7 +135,9 @@ impl NvmlInventory {
             name,
             architecture,
             compute_capability,
-            memory_total_bytes,
+            memory_total_bytes: memory.total,
+            memory_free_bytes: Some(memory.free),
+            minor_number,
             pci_bus_id,
             persistence_mode,
         })

@@ -1,7 +1,8 @@
-//! Can a checkpoint restore on this node? Same GPU model and count, same driver and CUDA driver
-//! versions, same engine and model versions are required; GPU UUIDs may differ and are remapped in
-//! order (checkpoint GPU i -> node GPU i). A node GPU with less memory than the checkpointed one is also
-//! refused (the driver needs room for the restored allocations).
+//! Can a checkpoint restore on this node? Same GPU model and count, the same driver branch (the
+//! `580` of `580.65.06`) and CUDA driver version, same engine and model versions are required;
+//! GPU UUIDs may differ and are remapped in order (checkpoint GPU i -> node GPU i). A node GPU
+//! with less memory than the checkpointed one, or with less free memory than the checkpoint's
+//! processes held on it, is also refused (the driver needs room for the restored allocations).
 
 use std::collections::BTreeMap;
 
@@ -24,6 +25,56 @@ impl Profile {
             workload: m.workload.clone(),
         }
     }
+
+    /// A node's profile: its driver, CUDA driver version and `gpus` (the GPUs a container is
+    /// given, in its order), with their free memory, from the node's inventory; the workload
+    /// versions are the restoring pod's.
+    pub fn from_inventory(
+        inv: &gpu::NodeInventory,
+        gpus: &[gpu::GpuUuid],
+        workload: Workload,
+    ) -> Profile {
+        let pick: Vec<&gpu::GpuInfo> = gpus
+            .iter()
+            .filter_map(|u| inv.gpus.iter().find(|g| g.uuid == *u))
+            .collect();
+        Profile {
+            devices: Devices {
+                driver_version: inv.driver_version.clone(),
+                cuda_driver_version: cuda_version_string(inv.cuda_driver_version),
+                gpus: pick.iter().map(|g| gpu_entry(g)).collect(),
+                processes: Vec::new(),
+                node_gpus: inv.gpus.iter().map(gpu_entry).collect(),
+            },
+            workload,
+        }
+    }
+}
+
+/// `cuDriverGetVersion`'s 13000 as "13.0", as the manifest records it.
+pub fn cuda_version_string(v: i32) -> String {
+    if v <= 0 {
+        String::new()
+    } else {
+        format!("{}.{}", v / 1000, (v % 1000) / 10)
+    }
+}
+
+/// One GPU of the inventory as the manifest records it (with its free memory).
+pub fn gpu_entry(g: &gpu::GpuInfo) -> Gpu {
+    Gpu {
+        uuid: g.uuid.to_string(),
+        model: g.name.clone(),
+        architecture: g.architecture.clone().unwrap_or_default(),
+        memory_bytes: g.memory_total_bytes,
+        pci_address: g.pci_bus_id.clone(),
+        free_bytes: g.memory_free_bytes,
+    }
+}
+
+/// The driver branch of a version: `580` of `580.65.06`.
+pub fn driver_branch(v: &str) -> &str {
+    v.split('.').next().unwrap_or(v)
 }
 
 /// One field that differs.
@@ -116,6 +167,7 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
         &c.gpus.len().to_string(),
         &n.gpus.len().to_string(),
     );
+    let needed = c.bytes_per_gpu();
     for (i, (cg, ng)) in c.gpus.iter().zip(n.gpus.iter()).enumerate() {
         diff(&mut d, "gpu_model", Some(i), &cg.model, &ng.model);
         if cg.memory_bytes > 0 && ng.memory_bytes > 0 && ng.memory_bytes < cg.memory_bytes {
@@ -126,14 +178,25 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
                 node: ng.memory_bytes.to_string(),
             });
         }
+        if let Some(free) = ng.free_bytes {
+            if needed[i] > free {
+                d.push(Difference {
+                    field: "gpu_free_memory".into(),
+                    gpu: Some(i),
+                    checkpoint: needed[i].to_string(),
+                    node: free.to_string(),
+                });
+            }
+        }
     }
-    diff(
-        &mut d,
-        "driver_version",
-        None,
-        &c.driver_version,
-        &n.driver_version,
-    );
+    if driver_branch(&c.driver_version) != driver_branch(&n.driver_version) {
+        d.push(Difference {
+            field: "driver_version".into(),
+            gpu: None,
+            checkpoint: c.driver_version.clone(),
+            node: n.driver_version.clone(),
+        });
+    }
     diff(
         &mut d,
         "cuda_driver_version",
@@ -188,6 +251,8 @@ pub mod keys {
     pub const CUDA_DRIVER_VERSION: &str = "gpu-ckpt.io/cuda-driver-version";
     pub const ENGINE_VERSION: &str = "gpu-ckpt.io/engine-version";
     pub const MODEL_VERSION: &str = "gpu-ckpt.io/model-version";
+    /// JSON array of the processes that held device state: {pid, gpus: [{uuid, bytes}]}.
+    pub const DEVICE_BYTES: &str = "gpu-ckpt.io/device-processes";
 }
 
 /// The `gpu-ckpt.io/` annotations for a profile.
@@ -213,6 +278,12 @@ pub fn profile_annotations(p: &Profile) -> BTreeMap<String, String> {
         p.workload.engine_version.clone(),
     );
     a.insert(keys::MODEL_VERSION.into(), p.workload.model_version.clone());
+    if !p.devices.processes.is_empty() {
+        a.insert(
+            keys::DEVICE_BYTES.into(),
+            serde_json::to_string(&p.devices.processes).unwrap_or_default(),
+        );
+    }
     a
 }
 
@@ -229,6 +300,11 @@ pub fn profile_from_annotations(a: &BTreeMap<String, String>) -> Option<Profile>
             driver_version: get(keys::DRIVER_VERSION),
             cuda_driver_version: get(keys::CUDA_DRIVER_VERSION),
             gpus,
+            processes: a
+                .get(keys::DEVICE_BYTES)
+                .and_then(|v| serde_json::from_str(v).ok())
+                .unwrap_or_default(),
+            node_gpus: Vec::new(),
         },
         workload: Workload {
             engine_version: get(keys::ENGINE_VERSION),

@@ -129,6 +129,55 @@ pub struct Devices {
     /// The container's GPUs, in the order the container saw them.
     #[serde(default)]
     pub gpus: Vec<Gpu>,
+    /// Every process of the container that held device state at the checkpoint, with the
+    /// device memory the driver staged into its host memory (inside CRIU's page images).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<DeviceProcess>,
+    /// Every GPU of the node the checkpoint was taken on, in NVML's order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub node_gpus: Vec<Gpu>,
+}
+
+impl Devices {
+    /// Device bytes the checkpoint's processes held on each of [`Devices::gpus`], in order.
+    pub fn bytes_per_gpu(&self) -> Vec<u64> {
+        self.gpus
+            .iter()
+            .map(|g| {
+                self.processes
+                    .iter()
+                    .flat_map(|p| &p.gpus)
+                    .filter(|pg| pg.uuid == g.uuid)
+                    .map(|pg| pg.bytes)
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// All device bytes the checkpoint's processes held.
+    pub fn device_bytes(&self) -> u64 {
+        self.processes
+            .iter()
+            .flat_map(|p| &p.gpus)
+            .map(|g| g.bytes)
+            .sum()
+    }
+}
+
+/// A process that held device state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceProcess {
+    /// Its pid inside the container's pid namespace (what CRIU restores).
+    pub pid: u32,
+    /// The GPUs it had a context on, and the device memory it held on each.
+    pub gpus: Vec<ProcessGpu>,
+}
+
+/// Device memory one process held on one GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessGpu {
+    pub uuid: String,
+    pub bytes: u64,
 }
 
 /// One GPU.
@@ -147,6 +196,9 @@ pub struct Gpu {
     /// PCI bus id, e.g. "00000000:3B:00.0".
     #[serde(default)]
     pub pci_address: String,
+    /// Device memory free on a restoring node (only in a node's profile, never in a manifest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub free_bytes: Option<u64>,
 }
 
 /// The security context of the checkpointed container, from its OCI spec.

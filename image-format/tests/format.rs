@@ -293,6 +293,27 @@ fn compat_identical_node_and_each_single_difference() {
     );
     one(&|n| n.workload.model_version.clear(), "model_version");
     one(&|n| n.devices.gpus[0].memory_bytes = 40 << 30, "gpu_memory");
+    // A patch release of the same driver branch is compatible.
+    let mut n = ck.clone();
+    n.devices.driver_version = "580.95.05".into();
+    assert!(compat::check(&ck, &n).compatible);
+    // The checkpoint's processes need room on the node's GPUs.
+    let mut held = ck.clone();
+    held.devices.processes = vec![image_format::manifest::DeviceProcess {
+        pid: 7,
+        gpus: vec![image_format::manifest::ProcessGpu {
+            uuid: held.devices.gpus[1].uuid.clone(),
+            bytes: 3 << 30,
+        }],
+    }];
+    let mut n = ck.clone();
+    n.devices.gpus[1].free_bytes = Some(2 << 30);
+    let v = compat::check(&held, &n);
+    let fields: Vec<&str> = v.differences.iter().map(|d| d.field.as_str()).collect();
+    assert_eq!(fields, vec!["gpu_free_memory"]);
+    assert_eq!(v.differences[0].gpu, Some(1));
+    n.devices.gpus[1].free_bytes = Some(4 << 30);
+    assert!(compat::check(&held, &n).compatible);
 
     // Different UUIDs (and PCI addresses) are fine and yield a remap.
     let mut n = ck.clone();

@@ -31,6 +31,7 @@ use image_format::{
 use crate::{
     annotations::{self, Annotations},
     checkpoint::{self, CheckpointPlan},
+    device::ContainerDevices,
     error::{Error, Result},
     events::EventSender,
     oom::{MemoryCgroup, OomMonitor},
@@ -74,6 +75,9 @@ pub struct Container {
     /// The overlay upper directory of the rootfs: the container's changes, of which a
     /// checkpoint keeps a signed copy (`rootfs_changes`).
     upperdir: Option<PathBuf>,
+    /// The device layer's view of this container: its GPU processes, quiesced by Pause or a
+    /// checkpoint until Resume or the checkpoint's end puts them back (`device.rs`).
+    devices: ContainerDevices,
 }
 
 /// How long the follower of the dump's page images waits for new bytes before it looks again
@@ -125,6 +129,11 @@ impl Container {
         let spec_annotations = spec.annotations().clone().unwrap_or_default();
         let annotations = Annotations::from_spec(&spec_annotations)?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
+        let devices = ContainerDevices::new(
+            &bundle,
+            &options,
+            annotations.get(annotations::LOCK_TIMEOUT),
+        );
         let mut container = Container {
             id: req.id.clone(),
             bundle: bundle.clone(),
@@ -142,6 +151,7 @@ impl Container {
             restore_unpacked: false,
             own_criu_conf: false,
             upperdir: None,
+            devices,
         };
 
         // Step 1: the rootfs. Undo: unmount.
@@ -429,6 +439,14 @@ impl Container {
         .await
         .map_err(|e| restore::step("spec-check")(e.to_string()))??;
         let expected = Arc::new(expected);
+        // Step 1c: the checkpoint's GPUs held to the ones this container was given on this
+        // node (model, count, memory, free memory, driver branch, CUDA version), and the pairs
+        // that map one onto the other, in order.
+        let device_plan = self
+            .devices
+            .plan_restore(&manifest.devices)
+            .instrument(info_span!("device_compat", id = %self.id))
+            .await?;
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
         // this container asks for it (a new address). The gate holds the restored tasks until
         // the page images are verified. Undo: the configuration goes back to the checkpoints'.
@@ -458,6 +476,11 @@ impl Container {
             VerifyGate::create(&self.bundle)
                 .map_err(|e| restore::step("prepare")(e.to_string()))?,
         );
+        // The simulated driver's per-GPU files of the checkpoint's GPUs are this node's files.
+        let ext_mount_map: Vec<(String, String)> = ext_mount_map
+            .into_iter()
+            .chain(device_plan.ext_mount_map.iter().cloned())
+            .collect();
         let conf = checkpoint::CriuConf {
             tcp_close,
             action_script: Some(gate.script()),
@@ -546,11 +569,32 @@ impl Container {
         }
         match (restored, verified, held) {
             (Ok(()), Ok(pages), Ok(())) => {
+                // Step 5: the device state back onto this container's GPUs, unlocked, every
+                // process confirmed RUNNING, before Start returns. Undo: kill what was
+                // restored.
+                let t = Instant::now();
+                let devices = match self.runc.ps(&self.id).await {
+                    Ok(pids) => {
+                        self.devices
+                            .restore(&manifest.devices.processes, pids, &device_plan)
+                            .instrument(info_span!("device_restore", id = %self.id))
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = devices {
+                    self.init.io.tasks.abort().await;
+                    if let Err(de) = self.runc.delete(&self.id, true).await {
+                        warn!(id = %self.id, error = %de, "undo of a failed device restore: runc delete");
+                    }
+                    return Err(e);
+                }
                 info!(
                     id = %self.id,
                     verify_ms = verified_first.as_millis() as u64,
                     page_verify_ms = pages.as_millis() as u64,
                     runc_restore_ms = runc_restore.as_millis() as u64,
+                    device_restore_ms = t.elapsed().as_millis() as u64,
                     "restored"
                 );
                 Ok(())
@@ -666,21 +710,102 @@ impl Container {
         }
     }
 
-    /// Checkpoints the container into `plan.image_path`: CRIU dump, then the manifest written
-    /// last, so a directory without a manifest is never a complete checkpoint. On failure every
-    /// file the checkpoint wrote is removed and the container runs on as before.
-    pub async fn checkpoint(&self, plan: &CheckpointPlan) -> Result<Manifest> {
-        let fail = |step: &'static str, message: String| Error::Step {
-            operation: "checkpoint",
-            step,
-            message,
-        };
+    /// Pause: the device state leaves the GPUs first (lock, then checkpoint, every process that
+    /// holds some), since the driver's restore thread cannot run in a frozen cgroup; then the
+    /// freeze. containerd pauses a task before it checkpoints it (ctr, the containerd client,
+    /// CRI), so this is where a checkpoint's device steps run. Undo: device resume.
+    pub async fn pause(&mut self) -> Result<()> {
+        let pids = self.runc.ps(&self.id).await?;
+        self.devices
+            .quiesce(pids)
+            .instrument(info_span!("device_quiesce", id = %self.id))
+            .await?;
+        if let Err(e) = self.runc.pause(&self.id).await {
+            if let Err(de) = self.devices.resume().await {
+                warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Resume: thaw, then the device state back onto the GPUs and unlocked (whether or not a
+    /// checkpoint came in between).
+    pub async fn resume(&mut self) -> Result<()> {
+        self.runc.resume(&self.id).await?;
+        self.devices
+            .resume()
+            .instrument(info_span!("device_resume", id = %self.id))
+            .await
+    }
+
+    /// Checkpoints the container, device state included, into `plan.image_path`:
+    ///
+    /// 0. device quiesce, for a running container (a paused one had it at Pause). Undo: device
+    ///    resume.
+    /// 1. to 3. image directory, CRIU dump, manifest ([`Container::checkpoint_files`]).
+    /// 4. leave-running: device resume of what step 0 quiesced (a paused container's waits for
+    ///    Resume); `--exit`: nothing is left to resume.
+    ///
+    /// On failure the container runs on as before, with its device memory back on its GPUs.
+    pub async fn checkpoint(&mut self, plan: &CheckpointPlan) -> Result<Manifest> {
         if !matches!(self.init.status, Status::Running | Status::Paused) {
             return Err(Error::FailedPrecondition(format!(
                 "container {} is not running",
                 self.id
             )));
         }
+        let here = self.init.status == Status::Running;
+        if here {
+            let pids = self.runc.ps(&self.id).await?;
+            self.devices
+                .quiesce(pids)
+                .instrument(info_span!("device_quiesce", id = %self.id))
+                .await?;
+        }
+        let result = match self.devices.record().await {
+            Ok(devices) => self.checkpoint_files(plan, devices).await,
+            Err(e) => Err(e),
+        };
+        let result = result.map_err(|e| match self.devices.left_alone() {
+            Some(why) => Error::Step {
+                operation: "checkpoint",
+                step: "criu-dump",
+                message: format!("{why}; {e}"),
+            },
+            None => e,
+        });
+        if result.is_ok() && !plan.criu.leave_running {
+            self.devices.forget();
+        } else if here {
+            let resumed = self
+                .devices
+                .resume()
+                .instrument(info_span!("device_resume", id = %self.id))
+                .await;
+            if let Err(de) = resumed {
+                return Err(match result {
+                    Ok(_) => de,
+                    Err(e) => Error::FailedPrecondition(format!("{e}; and its undo failed: {de}")),
+                });
+            }
+        }
+        result
+    }
+
+    /// Steps 1 to 3 of a checkpoint: CRIU dump, then the manifest (with `devices`) written
+    /// last, so a directory without a manifest is never a complete checkpoint. On failure
+    /// every file the checkpoint wrote is removed and the container runs on as before.
+    async fn checkpoint_files(
+        &self,
+        plan: &CheckpointPlan,
+        devices: manifest::Devices,
+    ) -> Result<Manifest> {
+        let fail = |step: &'static str, message: String| Error::Step {
+            operation: "checkpoint",
+            step,
+            message,
+        };
         // Step 1: the image directory, root-only (checkpoints hold process memory).
         let image = &plan.image_path;
         let created_dir = !image.exists();
@@ -828,7 +953,7 @@ impl Container {
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
         let t = Instant::now();
         let written = self
-            .write_manifest(plan, node, followed, &mut timings, t)
+            .write_manifest(plan, node, devices, followed, &mut timings, t)
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
@@ -847,6 +972,7 @@ impl Container {
         &self,
         plan: &CheckpointPlan,
         node: manifest::Node,
+        devices: manifest::Devices,
         followed: BTreeMap<String, manifest::FileDigest>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
         started: Instant,
@@ -871,13 +997,7 @@ impl Container {
             engine_version: get(annotations::ENGINE_VERSION),
             model_version: get(annotations::MODEL_VERSION),
         };
-        let mut m = Manifest::new(
-            now_rfc3339(),
-            container,
-            node,
-            manifest::Devices::default(),
-            workload,
-        );
+        let mut m = Manifest::new(now_rfc3339(), container, node, devices, workload);
         m.criu = plan.criu.clone();
         // The security context it ran under, for the restore's check against its new spec.
         m.security = spec_check::security_record(&self.bundle);

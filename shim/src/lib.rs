@@ -21,6 +21,7 @@
 pub mod annotations;
 pub mod checkpoint;
 pub mod container;
+pub mod device;
 pub mod error;
 pub mod events;
 pub mod features;

@@ -85,6 +85,31 @@ pub struct RuntimeOptions {
     /// Where `gpu-ckpt.io/restore-from` may read: directories (absolute, `/` at the end or not)
     /// and registry prefixes. `None`: [`DEFAULT_RESTORE_SOURCES`].
     pub restore_sources: Option<Vec<String>>,
+    /// The directory holding the NVIDIA driver's `libcuda.so.1` and `libnvidia-ml.so.1`. Empty:
+    /// the dynamic loader's search (where the driver installs them).
+    pub driver_library_dir: String,
+    /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
+    /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
+    pub device_lock_timeout: String,
+    /// The device steps of a checkpoint (default true). `false` only for tests: a checkpoint
+    /// then shows what happens without them (CRIU cannot dump a process that holds a GPU).
+    pub device_steps: Option<bool>,
+}
+
+/// The device lock timeout when neither the options nor the pod name one.
+pub const DEFAULT_DEVICE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Parses a lock timeout: a humantime duration ("30s", "1m30s", "500ms") or whole seconds.
+pub fn parse_timeout(v: &str, origin: &str) -> Result<std::time::Duration> {
+    let v = v.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Ok(std::time::Duration::from_secs(secs));
+    }
+    humantime::parse_duration(v).map_err(|e| {
+        Error::InvalidArgument(format!(
+            "{origin} is {v:?}: expected a duration such as \"30s\" or \"500ms\" ({e})"
+        ))
+    })
 }
 
 /// Environment: the handler options file, as the shim's `start` passes it on to the server it
@@ -276,6 +301,15 @@ impl RuntimeOptions {
                 self.trusted_keys_dir
             )));
         }
+        if !self.device_lock_timeout.is_empty() {
+            parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
+        }
+        if !self.driver_library_dir.is_empty() && !self.driver_library_dir.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "invalid DriverLibraryDir {:?}: expected an absolute path",
+                self.driver_library_dir
+            )));
+        }
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {
             return Err(Error::InvalidArgument(format!(
                 "invalid Mode {:?}: expected \"run\" or \"restore\"",
@@ -317,6 +351,11 @@ impl RuntimeOptions {
                 .namespace_moves
                 .iter()
                 .any(|p| p.split_once('/') == Some((from, to)))
+    }
+
+    /// Whether checkpoints run their device steps (`DeviceSteps`, default true).
+    pub fn device_steps(&self) -> bool {
+        self.device_steps.unwrap_or(true)
     }
 
     /// Whether this is the restore handler.

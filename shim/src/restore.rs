@@ -150,6 +150,12 @@ fn prepare_inner(
             ));
         }
     }
+    // The checkpoint's GPUs against the ones this container was given on this node.
+    if !manifest.devices.gpus.is_empty() {
+        let layer = crate::device::DeviceLayer::for_options(options)?;
+        let (gpus, _) = crate::device::compare(bundle, layer.as_deref(), &manifest.devices)?;
+        differences.extend(gpus);
+    }
     if !differences.is_empty() {
         let why = differences.join("; ");
         return match ann.get(annotations::ON_INCOMPATIBLE) {

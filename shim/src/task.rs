@@ -440,7 +440,7 @@ impl Tasks {
             )));
         }
         if pause {
-            c.runc.pause(id).await?;
+            c.pause().await?;
             self.events.send(
                 TASK_PAUSED_EVENT_TOPIC,
                 TaskPaused {
@@ -449,7 +449,7 @@ impl Tasks {
                 },
             );
         } else {
-            c.runc.resume(id).await?;
+            c.resume().await?;
             self.events.send(
                 TASK_RESUMED_EVENT_TOPIC,
                 TaskResumed {
@@ -521,7 +521,7 @@ impl Tasks {
 
     async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<()> {
         let container = self.container(&req.id).await?;
-        let c = container.lock().await;
+        let mut c = container.lock().await;
         let plan = CheckpointPlan::resolve(
             &req.path,
             req.options.as_ref(),

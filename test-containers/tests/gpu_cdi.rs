@@ -13,181 +13,23 @@
 
 mod common;
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, ensure, Context, Result};
-use common::*;
+use anyhow::{ensure, Result};
+use common::{gpu::*, *};
 use simgpu::testing::{SimConfig, SimNode};
 use test_containers::{
     cri::{v1 as cri, ContainerSpec, Cri, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
 };
 
-/// containerd's runc shim.
-const RUNC_V2: &str = "io.containerd.runc.v2";
-/// CDI kind of the simulated GPUs.
-const KIND: &str = simgpu::cdi::KIND;
-
 /// A simulated node with two GPUs and its CDI spec.
 fn sim() -> Result<SimNode> {
-    let sim = SimNode::start(SimConfig {
+    sim_node(SimConfig {
         gpus: 2,
         memory_mib: 512,
-        cdi: true,
         ..SimConfig::default()
-    })?;
-    let spec = sim.cdi_dir().join(simgpu::cdi::SPEC_FILE);
-    ensure!(spec.is_file(), "no CDI spec at {}", spec.display());
-    Ok(sim)
-}
-
-/// A node whose CRI reads the simulated node's CDI spec, with the test images.
-fn cdi_node(name: &str, sim: &SimNode) -> Result<Node> {
-    node_with(Node::builder(name)?.cni(false).cdi(&[sim.cdi_dir()]))
-}
-
-/// How `ctr run` picks the runtime.
-#[derive(Clone, Copy, Debug)]
-enum Runtime {
-    /// The project's shim (`io.containerd.gpu-ckpt.v1`).
-    GpuCkpt,
-    /// containerd's runc shim (`io.containerd.runc.v2`) with the node's runc and root.
-    RuncV2,
-}
-
-/// `ctr run -d` of the GPU workloads image with `--device <device>`, its output in `log`;
-/// returns the task's pid.
-fn run_gpu(
-    node: &Node,
-    runtime: Runtime,
-    device: &str,
-    id: &str,
-    log: &Path,
-    cmd: &[&str],
-) -> Result<i32> {
-    let _ = std::fs::remove_file(log);
-    let log_uri = format!("file://{}", log.display());
-    let (flags, runtime_name) = match runtime {
-        Runtime::GpuCkpt => (run_flags(node), RUNTIME),
-        Runtime::RuncV2 => {
-            let mut f = vec!["--runtime".to_string(), RUNC_V2.to_string()];
-            f.extend(node.ctr_run_flags());
-            (f, RUNC_V2)
-        }
-    };
-    let mut args: Vec<&str> = vec!["run", "-d", "--log-uri", &log_uri, "--device", device];
-    args.extend(flags.iter().map(String::as_str));
-    args.extend([GPU_WORKLOADS_IMAGE, id]);
-    args.extend_from_slice(cmd);
-    let out = node.ctr_cdi("default", &args)?;
-    if !out.status.success() {
-        bail!(
-            "ctr {} failed ({}): {}{}\ncontainerd log:\n{}",
-            args.join(" "),
-            out.status,
-            String::from_utf8_lossy(&out.stderr),
-            String::from_utf8_lossy(&out.stdout),
-            node.log_tail(30)
-        );
-    }
-    let info: serde_json::Value =
-        serde_json::from_str(&node.ctr_ok(&["container", "info", id])?)?;
-    ensure!(
-        info["Runtime"]["Name"] == runtime_name,
-        "container {id} runs on {}, not {runtime_name}",
-        info["Runtime"]["Name"]
-    );
-    node.task_pid(id)
-}
-
-/// Kills and deletes task and container `id`.
-fn remove(node: &Node, id: &str) {
-    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
-    for _ in 0..100 {
-        if node
-            .ctr(&["task", "delete", id])
-            .map(|o| o.status.success())
-            .unwrap_or(false)
-            || node.task_status(id).is_err()
-        {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let _ = node.ctr(&["container", "delete", id]);
-}
-
-/// Waits until `log` has a line that `pick` accepts; fails at once on a MISMATCH or a
-/// workload's error line (`gpu-train: …`, `gpu-fill: …`).
-fn wait_log_line(log: &Path, what: &str, pick: impl Fn(&str) -> bool) -> Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if text.lines().any(|l| {
-            l.contains("MISMATCH") || l.contains("gpu-train: ") || l.contains("gpu-fill: ")
-        }) {
-            bail!("workload failed while waiting for {what}; output:\n{text}");
-        }
-        if let Some(l) = text.lines().find(|l| pick(l)) {
-            return Ok(l.to_string());
-        }
-        if Instant::now() > deadline {
-            bail!("timed out waiting for {what}; output so far:\n{text}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// `step <k> checksum <16 hex>` lines of gpu-train's output.
-fn steps(text: &str) -> Vec<(u64, String)> {
-    text.lines()
-        .filter_map(|l| {
-            // CRI log lines carry a prefix: `<time> stdout F step ...`.
-            let l = &l[l.find("step ")?..];
-            let mut w = l.split_whitespace();
-            match (w.next(), w.next(), w.next(), w.next()) {
-                (Some("step"), Some(k), Some("checksum"), Some(sum))
-                    if sum.len() == 16 && sum.chars().all(|c| c.is_ascii_hexdigit()) =>
-                {
-                    Some((k.parse().ok()?, sum.to_string()))
-                }
-                _ => None,
-            }
-        })
-        .collect()
-}
-
-/// Waits until gpu-train in `log` has done `n` steps with checksums, in order from 1 (or 0).
-fn wait_steps(log: &Path, n: u64) -> Result<Vec<(u64, String)>> {
-    wait_log_line(log, &format!("gpu-train step {n}"), |l| {
-        steps(l).first().is_some_and(|(k, _)| *k >= n)
-    })?;
-    let all = steps(&std::fs::read_to_string(log)?);
-    for w in all.windows(2) {
-        ensure!(w[1].0 == w[0].0 + 1, "steps out of order: {all:?}");
-    }
-    Ok(all)
-}
-
-/// The UUIDs of the GPUs that the daemon lists for host process `pid`, waiting until it lists
-/// at least one.
-fn gpus_of(sim: &SimNode, pid: i32) -> Result<Vec<[u8; 16]>> {
-    let mut seen = Vec::new();
-    wait_until(
-        Duration::from_secs(20),
-        &format!("the simulated driver to list pid {pid}"),
-        || {
-            seen = sim.processes().ok()?;
-            let mine: Vec<[u8; 16]> = seen
-                .iter()
-                .filter(|p| p.pid == pid as u32)
-                .map(|p| p.gpu)
-                .collect();
-            (!mine.is_empty()).then_some(mine)
-        },
-    )
-    .with_context(|| format!("processes the daemon lists: {seen:?}"))
+    })
 }
 
 /// The `device <i> uuid <uuid>` lines of gpu-fill --show-uuids, as UUIDs.
@@ -335,17 +177,6 @@ fn ctr_device_unknown_without_spec() -> Result<()> {
         "unexpected error: {msg}"
     );
     Ok(())
-}
-
-/// The CRI container's host pid (from ContainerStatus's verbose info).
-async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
-    let st = cri.container_status(id).await?;
-    let info = st.info.get("info").cloned().unwrap_or_default();
-    let json: serde_json::Value = serde_json::from_str(&info).unwrap_or_default();
-    json.get("pid")
-        .and_then(|p| p.as_i64())
-        .map(|p| p as i32)
-        .with_context(|| format!("no pid in the status of {id}: {info}"))
 }
 
 #[test]

@@ -13,7 +13,7 @@ use clap::{Parser, Subcommand};
 
 use image_format::archive::{self, ExtractOptions};
 use image_format::compat::{self, Profile, Verdict};
-use image_format::manifest::{Devices, Gpu, Manifest, Workload, MANIFEST_FILE};
+use image_format::manifest::{Devices, Manifest, Workload, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
 use image_format::safe::Limits;
 
@@ -33,9 +33,16 @@ struct Cli {
 #[derive(clap::Args, Clone, Default)]
 struct NodeArgs {
     /// Node GPU inventory, JSON: {"driver_version","cuda_driver_version","gpus":[{uuid,model,...}]}
-    /// (or {"devices":{...},"workload":{...}}). Default: $GPU_CKPT_NODE_INVENTORY, else nvidia-smi.
+    /// (or {"devices":{...},"workload":{...}}). Default: $GPU_CKPT_NODE_INVENTORY, else NVML.
     #[arg(long, value_name = "FILE")]
     node: Option<PathBuf>,
+    /// The NVML library to read the node from (default libnvidia-ml.so.1).
+    #[arg(long, value_name = "PATH")]
+    libnvml: Option<PathBuf>,
+    /// The GPUs the restored container would get, in its order (default: the node's first
+    /// GPUs, as many as the checkpoint had).
+    #[arg(long, value_name = "UUID,...")]
+    gpus: Option<String>,
     /// Engine version the restoring pod declares (gpu-ckpt.io/engine-version).
     #[arg(long)]
     engine_version: Option<String>,
@@ -220,7 +227,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 /// The node's inventory plus the pod's declared versions, or None when no inventory can be had.
-fn node_profile(args: &NodeArgs) -> Result<Option<Profile>> {
+fn node_profile(args: &NodeArgs, count: usize) -> Result<Option<Profile>> {
     let path = args
         .node
         .clone()
@@ -240,11 +247,8 @@ fn node_profile(args: &NodeArgs) -> Result<Option<Profile>> {
             }
         }
     } else {
-        match nvidia_smi_inventory() {
-            Some(d) => Profile {
-                devices: d,
-                workload: Workload::default(),
-            },
+        match nvml_profile(args, count)? {
+            Some(p) => p,
             None => return Ok(None),
         }
     };
@@ -257,44 +261,36 @@ fn node_profile(args: &NodeArgs) -> Result<Option<Profile>> {
     Ok(Some(p))
 }
 
-/// Inventory from nvidia-smi, if it runs.
-fn nvidia_smi_inventory() -> Option<Devices> {
-    let out = std::process::Command::new("nvidia-smi")
-        .args([
-            "--query-gpu=uuid,name,memory.total,pci.bus_id,driver_version",
-            "--format=csv,noheader,nounits",
-        ])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut d = Devices::default();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let f: Vec<&str> = line.split(',').map(str::trim).collect();
-        if f.len() < 5 {
-            continue;
+/// The node's profile from NVML (`--libnvml`, else `libnvidia-ml.so.1`): the GPUs a restore
+/// would be given (`--gpus`, else the node's first `count`), with their free memory; `None`
+/// when there is no NVIDIA driver.
+fn nvml_profile(args: &NodeArgs, count: usize) -> Result<Option<Profile>> {
+    use gpu::Inventory;
+    let nvml = match gpu::NvmlInventory::open(args.libnvml.as_deref()) {
+        Ok(n) => n,
+        Err(gpu::GpuError::NoDriver { .. }) if args.libnvml.is_none() => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let inv = nvml.node()?;
+    let gpus: Vec<gpu::GpuUuid> = match &args.gpus {
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<gpu::GpuUuid>())
+            .collect::<Result<_, _>>()?,
+        None => inv.gpus.iter().take(count).map(|g| g.uuid).collect(),
+    };
+    for u in &gpus {
+        if !inv.gpus.iter().any(|g| g.uuid == *u) {
+            bail!("--gpus names {u}, which is not on this node");
         }
-        d.driver_version = f[4].to_string();
-        d.gpus.push(Gpu {
-            uuid: f[0].into(),
-            model: f[1].into(),
-            architecture: String::new(),
-            memory_bytes: f[2].parse::<u64>().unwrap_or(0) << 20,
-            pci_address: f[3].into(),
-        });
     }
-    let banner = std::process::Command::new("nvidia-smi").output().ok()?;
-    let banner = String::from_utf8_lossy(&banner.stdout);
-    if let Some(i) = banner.find("CUDA Version:") {
-        d.cuda_driver_version = banner[i + 13..]
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_string();
-    }
-    Some(d)
+    Ok(Some(Profile::from_inventory(
+        &inv,
+        &gpus,
+        Workload::default(),
+    )))
 }
 
 /// The checkpoint's profile (and manifest when there is one) from any kind of input.
@@ -357,8 +353,8 @@ fn print_verdict(v: &Verdict) {
 
 fn compat_cmd(path: &Path, json: bool, args: &NodeArgs) -> Result<ExitCode> {
     let (ckpt, _) = checkpoint_profile(path)?;
-    let Some(node) = node_profile(args)? else {
-        bail!("no node inventory: pass --node FILE, set GPU_CKPT_NODE_INVENTORY, or install nvidia-smi");
+    let Some(node) = node_profile(args, ckpt.devices.gpus.len())? else {
+        bail!("no node inventory: no NVIDIA driver here (libnvidia-ml.so.1); pass --libnvml, --node FILE, or set GPU_CKPT_NODE_INVENTORY");
     };
     let v = compat::check(&ckpt, &node);
     if json {
@@ -442,14 +438,13 @@ fn inspect(
     args: &NodeArgs,
     trust: &TrustArgs,
 ) -> Result<ExitCode> {
-    let node = node_profile(args).unwrap_or(None);
+    let node = |ckpt: &Profile| node_profile(args, ckpt.devices.gpus.len()).unwrap_or(None);
     if oci::is_image(path) {
         let (m, digest) = oci::read_image_manifest(path)?;
         let prof = compat::profile_from_annotations(&m.annotations);
-        let verdict = match (&prof, &node) {
-            (Some(c), Some(n)) => Some(compat::check(c, n)),
-            _ => None,
-        };
+        let verdict = prof
+            .as_ref()
+            .and_then(|c| Some(compat::check(c, &node(c)?)));
         if json {
             let v = serde_json::json!({
                 "image": path, "manifest_digest": digest, "annotations": m.annotations,
@@ -483,10 +478,10 @@ fn inspect(
     let signer = signer_report(info.manifest_json.as_deref(), trust);
     let (name, pod, ns) = info.identity();
     let cfg = info.config_dump.clone().unwrap_or_default();
-    let verdict = match (&info.manifest, &node) {
-        (Some(m), Some(n)) => Some(compat::check(&Profile::from_manifest(m), n)),
-        _ => None,
-    };
+    let verdict = info.manifest.as_ref().and_then(|m| {
+        let c = Profile::from_manifest(m);
+        Some(compat::check(&c, &node(&c)?))
+    });
     if json {
         let entries_json: Option<Vec<serde_json::Value>> = files.then(|| {
             info.entries
@@ -581,14 +576,30 @@ fn inspect(
                 "    ├── Driver {}, CUDA {}",
                 m.devices.driver_version, m.devices.cuda_driver_version
             );
+            let held = m.devices.bytes_per_gpu();
             for (i, g) in m.devices.gpus.iter().enumerate() {
                 println!(
-                    "    ├── GPU {i}: {} ({}, {}, {}) {}",
+                    "    ├── GPU {i}: {} ({}, {}, {}) {}, device memory held: {}",
                     g.model,
                     g.architecture,
                     human(g.memory_bytes),
                     g.pci_address,
-                    g.uuid
+                    g.uuid,
+                    human(held[i])
+                );
+            }
+            for p in &m.devices.processes {
+                let on: Vec<String> = p
+                    .gpus
+                    .iter()
+                    .map(|g| format!("{} on {}", human(g.bytes), g.uuid))
+                    .collect();
+                println!("    ├── Process {}: {}", p.pid, on.join(", "));
+            }
+            if !m.devices.processes.is_empty() {
+                println!(
+                    "    ├── Device bytes (staged in host memory): {}",
+                    human(m.devices.device_bytes())
                 );
             }
             println!(

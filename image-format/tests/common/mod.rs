@@ -15,6 +15,7 @@ pub fn gpu(i: u8, model: &str) -> Gpu {
         architecture: "hopper".into(),
         memory_bytes: 80 << 30,
         pci_address: format!("00000000:{:02X}:00.0", 0x10 + i),
+        free_bytes: None,
     }
 }
 
@@ -23,6 +24,7 @@ pub fn devices(n: u8) -> Devices {
         driver_version: "580.65.06".into(),
         cuda_driver_version: "13.0".into(),
         gpus: (0..n).map(|i| gpu(i, "NVIDIA H100 80GB HBM3")).collect(),
+        ..Devices::default()
     }
 }
 

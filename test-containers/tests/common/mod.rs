@@ -1,6 +1,8 @@
 //! Shared setup of the integration tests: a private containerd node with the test images.
 #![allow(dead_code)]
 
+pub mod gpu;
+
 use std::{
     path::{Path, PathBuf},
     process::Command,

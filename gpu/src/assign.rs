@@ -1,0 +1,243 @@
+//! Which GPUs a container was given, read from its OCI spec (the `config.json` after CDI
+//! injection) and resolved through the node's inventory, in the order the container sees them.
+//!
+//! Three ways a GPU reaches a container, tried in this order:
+//! 1. the simulated driver's CDI spec: one file per GPU bind-mounted at
+//!    `/run/gpu-ckpt-simgpu/devices/<UUID>`;
+//! 2. NVIDIA's CDI spec (nvidia-container-toolkit): a device node `/dev/nvidia<N>` per GPU, N
+//!    being the GPU's minor number;
+//! 3. the legacy `NVIDIA_VISIBLE_DEVICES` variable (`all`, `none`, `void`, or a comma-separated
+//!    list of indices and UUIDs), which nvidia-container-runtime's hook reads.
+//!
+//! The shim maps checkpointed GPUs onto this list at restore, and the OCI hooks record it.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{GpuError, GpuUuid, NodeInventory};
+
+/// Where the simulated driver's CDI spec puts one file per GPU in a container.
+pub const SIM_DEVICES_DIR: &str = "/run/gpu-ckpt-simgpu/devices";
+/// The variable nvidia-container-runtime reads.
+pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
+
+/// How the container was given its GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Source {
+    SimCdi,
+    DeviceNodes,
+    VisibleDevices,
+}
+
+/// A container's GPUs, in order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assigned {
+    pub source: Source,
+    pub gpus: Vec<GpuUuid>,
+    /// For [`Source::SimCdi`]: the container path of each GPU's file, in the same order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub container_paths: Vec<String>,
+}
+
+/// The GPUs the container whose spec is `spec` (a parsed `config.json`) was given. `None` when
+/// it was given none.
+pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, GpuError> {
+    // 1. The simulated driver's per-GPU files.
+    let mut gpus = Vec::new();
+    let mut paths = Vec::new();
+    for m in spec["mounts"].as_array().into_iter().flatten() {
+        let Some(dest) = m["destination"].as_str() else {
+            continue;
+        };
+        let Some(name) = dest
+            .strip_prefix(SIM_DEVICES_DIR)
+            .and_then(|r| r.strip_prefix('/'))
+        else {
+            continue;
+        };
+        let uuid: GpuUuid = name.parse()?;
+        if !gpus.contains(&uuid) {
+            known(inv, &uuid, dest)?;
+            gpus.push(uuid);
+            paths.push(dest.to_string());
+        }
+    }
+    if !gpus.is_empty() {
+        return Ok(Some(Assigned {
+            source: Source::SimCdi,
+            gpus,
+            container_paths: paths,
+        }));
+    }
+    // 2. NVIDIA device nodes, by minor number.
+    for d in spec["linux"]["devices"].as_array().into_iter().flatten() {
+        let Some(minor) = d["path"]
+            .as_str()
+            .and_then(|p| p.strip_prefix("/dev/nvidia"))
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let gpu = inv
+            .gpus
+            .iter()
+            .find(|g| g.minor_number.unwrap_or(g.index) == minor)
+            .ok_or_else(|| {
+                GpuError::InvalidArgument(format!(
+                    "the container has /dev/nvidia{minor}, but no GPU on this node has minor number {minor}"
+                ))
+            })?;
+        if !gpus.contains(&gpu.uuid) {
+            gpus.push(gpu.uuid);
+        }
+    }
+    if !gpus.is_empty() {
+        return Ok(Some(Assigned {
+            source: Source::DeviceNodes,
+            gpus,
+            container_paths: Vec::new(),
+        }));
+    }
+    // 3. NVIDIA_VISIBLE_DEVICES (the last one wins, as in a process environment).
+    let visible = spec["process"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
+        .next_back();
+    match visible.map(str::trim) {
+        None | Some("" | "none" | "void") => Ok(None),
+        Some("all") => Ok(Some(Assigned {
+            source: Source::VisibleDevices,
+            gpus: inv.gpus.iter().map(|g| g.uuid).collect(),
+            container_paths: Vec::new(),
+        })),
+        Some(list) => {
+            for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let uuid = if let Ok(i) = item.parse::<u32>() {
+                    inv.gpus
+                        .iter()
+                        .find(|g| g.index == i)
+                        .map(|g| g.uuid)
+                        .ok_or_else(|| {
+                            GpuError::InvalidArgument(format!(
+                                "{VISIBLE_DEVICES_ENV} names GPU {i}, but this node has {} GPUs",
+                                inv.gpus.len()
+                            ))
+                        })?
+                } else if item.starts_with("MIG-") || item.contains(':') {
+                    return Err(GpuError::InvalidArgument(format!(
+                        "{VISIBLE_DEVICES_ENV} names MIG device {item:?}: gpu-ckpt does not checkpoint MIG instances"
+                    )));
+                } else {
+                    let uuid: GpuUuid = item.parse()?;
+                    known(inv, &uuid, VISIBLE_DEVICES_ENV)?;
+                    uuid
+                };
+                if !gpus.contains(&uuid) {
+                    gpus.push(uuid);
+                }
+            }
+            Ok((!gpus.is_empty()).then_some(Assigned {
+                source: Source::VisibleDevices,
+                gpus,
+                container_paths: Vec::new(),
+            }))
+        }
+    }
+}
+
+fn known(inv: &NodeInventory, uuid: &GpuUuid, from: &str) -> Result<(), GpuError> {
+    if inv.gpus.iter().any(|g| g.uuid == *uuid) {
+        Ok(())
+    } else {
+        Err(GpuError::InvalidArgument(format!(
+            "the container is given GPU {uuid} ({from}), which is not on this node"
+        )))
+    }
+}
+
+/// The container path of the simulated driver's file for `uuid`.
+pub fn sim_device_path(uuid: &GpuUuid) -> String {
+    format!("{SIM_DEVICES_DIR}/{uuid}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GpuInfo;
+    use serde_json::json;
+
+    fn inv() -> NodeInventory {
+        let gpu = |i: u32, minor: u32| GpuInfo {
+            index: i,
+            uuid: GpuUuid([i as u8 + 1; 16]),
+            name: "Sim".into(),
+            architecture: None,
+            compute_capability: None,
+            memory_total_bytes: 1 << 30,
+            memory_free_bytes: None,
+            minor_number: Some(minor),
+            pci_bus_id: String::new(),
+            persistence_mode: None,
+        };
+        NodeInventory {
+            driver_version: "580.65.06".into(),
+            cuda_driver_version: 13000,
+            gpus: vec![gpu(0, 4), gpu(1, 5), gpu(2, 6)],
+        }
+    }
+
+    #[test]
+    fn sim_files_in_mount_order() {
+        let inv = inv();
+        let (a, b) = (inv.gpus[2].uuid, inv.gpus[0].uuid);
+        let spec = json!({"mounts": [
+            {"destination": "/proc"},
+            {"destination": sim_device_path(&a)},
+            {"destination": sim_device_path(&b)},
+        ]});
+        let got = from_spec(&spec, &inv).unwrap().unwrap();
+        assert_eq!(got.source, Source::SimCdi);
+        assert_eq!(got.gpus, vec![a, b]);
+        assert_eq!(got.container_paths[0], sim_device_path(&a));
+    }
+
+    #[test]
+    fn device_nodes_by_minor_number() {
+        let inv = inv();
+        let spec = json!({"linux": {"devices": [
+            {"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia6"}, {"path": "/dev/nvidia-uvm"},
+            {"path": "/dev/nvidia4"},
+        ]}});
+        let got = from_spec(&spec, &inv).unwrap().unwrap();
+        assert_eq!(got.gpus, vec![inv.gpus[2].uuid, inv.gpus[0].uuid]);
+        let spec = json!({"linux": {"devices": [{"path": "/dev/nvidia9"}]}});
+        let err = from_spec(&spec, &inv).unwrap_err().to_string();
+        assert!(err.contains("/dev/nvidia9"), "{err}");
+    }
+
+    #[test]
+    fn visible_devices_forms() {
+        let inv = inv();
+        let env = |v: &str| json!({"process": {"env": [format!("NVIDIA_VISIBLE_DEVICES={v}")]}});
+        assert_eq!(from_spec(&env("all"), &inv).unwrap().unwrap().gpus.len(), 3);
+        assert!(from_spec(&env("none"), &inv).unwrap().is_none());
+        assert!(from_spec(&json!({}), &inv).unwrap().is_none());
+        let u1 = inv.gpus[1].uuid;
+        let got = from_spec(&env(&format!("2,{u1}")), &inv).unwrap().unwrap();
+        assert_eq!(got.gpus, vec![inv.gpus[2].uuid, u1]);
+        let err = from_spec(&env("7"), &inv).unwrap_err().to_string();
+        assert!(err.contains("GPU 7"), "{err}");
+        let err = from_spec(&env("MIG-1234"), &inv).unwrap_err().to_string();
+        assert!(err.contains("MIG"), "{err}");
+        let other = GpuUuid([0xee; 16]);
+        let err = from_spec(&env(&other.to_string()), &inv)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not on this node"), "{err}");
+    }
+}

@@ -1,0 +1,843 @@
+//! The device layer the checkpoint and restore steps call: which of a container's processes hold
+//! GPU state, and the CUDA driver's checkpoint steps over all of them, each with its undo.
+//!
+//! It drives the `gpu` crate's two traits, [`DeviceCheckpoint`] (the driver's checkpoint API for
+//! one process) and [`Inventory`] (NVML), and knows nothing of runc or CRIU; `container.rs` and
+//! `task.rs` call it at their steps:
+//!
+//! - Pause (containerd pauses a task before it checkpoints it): [`DeviceLayer::quiesce`] (lock,
+//!   then checkpoint every holder) before the cgroup is frozen, since the driver's restore thread
+//!   must be able to run. Resume: thaw, then [`DeviceLayer::resume`] (restore, unlock).
+//! - Checkpoint of a running container: the same around the CRIU dump.
+//! - Restore: after `runc restore`, [`DeviceLayer::restore_onto`] with the GPU pairs of this
+//!   node, unlock, and RUNNING confirmed for every process.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NodeInventory, ProcessState};
+use image_format::compat::{self, Profile};
+use image_format::manifest::{DeviceProcess, Devices, ProcessGpu};
+use tracing::{info, info_span, warn};
+
+use crate::error::{Error, Result};
+use crate::options::RuntimeOptions;
+
+/// A process of the container that holds device state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Holder {
+    /// Host pid.
+    pub pid: i32,
+    /// Its pid in the container's pid namespace (what CRIU restores it as).
+    pub ns_pid: u32,
+    /// Its command name, for messages.
+    pub comm: String,
+    /// The GPUs it has a context on, and the device memory it holds on each.
+    pub gpus: Vec<(GpuUuid, u64)>,
+}
+
+impl Holder {
+    /// As the manifest records it.
+    pub fn record(&self) -> DeviceProcess {
+        DeviceProcess {
+            pid: self.ns_pid,
+            gpus: self
+                .gpus
+                .iter()
+                .map(|(u, b)| ProcessGpu {
+                    uuid: u.to_string(),
+                    bytes: *b,
+                })
+                .collect(),
+        }
+    }
+
+    /// `pid 1234 (gpu-train, pid 1 in the container) on GPU-…`, for messages.
+    pub fn describe(&self) -> String {
+        let gpus: Vec<String> = self.gpus.iter().map(|(u, _)| u.to_string()).collect();
+        format!(
+            "pid {} ({}, pid {} in the container) holding {}",
+            self.pid,
+            self.comm,
+            self.ns_pid,
+            gpus.join(", ")
+        )
+    }
+}
+
+/// The driver's checkpoint API and the node's inventory.
+pub struct DeviceLayer {
+    cuda: Box<dyn DeviceCheckpoint>,
+    nvml: Box<dyn Inventory>,
+}
+
+/// One layer per driver library directory, for the shim process's life: loading libcuda runs
+/// `cuInit`, which a restore needs in the calling process anyway.
+static LAYERS: OnceLock<Mutex<HashMap<PathBuf, Arc<DeviceLayer>>>> = OnceLock::new();
+
+impl DeviceLayer {
+    pub fn new(cuda: Box<dyn DeviceCheckpoint>, nvml: Box<dyn Inventory>) -> DeviceLayer {
+        DeviceLayer { cuda, nvml }
+    }
+
+    /// The layer for the driver the options name (`DriverLibraryDir`, else the loader's search);
+    /// `None` on a node without an NVIDIA driver, where no process can hold device state.
+    pub fn for_options(options: &RuntimeOptions) -> Result<Option<Arc<DeviceLayer>>> {
+        let dir = PathBuf::from(&options.driver_library_dir);
+        let layers = LAYERS.get_or_init(Default::default);
+        let mut layers = layers
+            .lock()
+            .map_err(|_| Error::FailedPrecondition("device layer lock poisoned".into()))?;
+        if let Some(l) = layers.get(&dir) {
+            return Ok(Some(l.clone()));
+        }
+        let lib = |name: &str| (!dir.as_os_str().is_empty()).then(|| dir.join(name));
+        let cuda = match gpu::CudaDriver::open(lib("libcuda.so.1").as_deref()) {
+            Ok(c) => c,
+            Err(GpuError::NoDriver { .. }) if dir.as_os_str().is_empty() => return Ok(None),
+            Err(e) => return Err(device_error("load", e.to_string())),
+        };
+        let nvml = gpu::NvmlInventory::open(lib("libnvidia-ml.so.1").as_deref())
+            .map_err(|e| device_error("load", e.to_string()))?;
+        info!(
+            cuda = cuda.library(),
+            version = cuda.version(),
+            "device layer loaded"
+        );
+        let layer = Arc::new(DeviceLayer::new(Box::new(cuda), Box::new(nvml)));
+        layers.insert(dir, layer.clone());
+        Ok(Some(layer))
+    }
+
+    pub fn inventory(&self) -> Result<NodeInventory> {
+        self.nvml
+            .node()
+            .map_err(|e| device_error("inventory", e.to_string()))
+    }
+
+    /// The processes among `pids` (host pids of the container) that hold device state: those
+    /// NVML lists with a compute context, confirmed by the driver's restore thread.
+    pub fn holders(&self, pids: &[i32]) -> Result<Vec<Holder>> {
+        let _span = info_span!("device_holders").entered();
+        let listed = self
+            .nvml
+            .compute_processes()
+            .map_err(|e| device_error("find", e.to_string()))?;
+        let mut out: Vec<Holder> = Vec::new();
+        for p in listed {
+            let pid = p.pid as i32;
+            if !pids.contains(&pid) {
+                continue;
+            }
+            let bytes = p.used_bytes.unwrap_or(0);
+            if let Some(h) = out.iter_mut().find(|h| h.pid == pid) {
+                h.gpus.push((p.gpu, bytes));
+                continue;
+            }
+            if let Err(e) = self.cuda.restore_thread_id(pid) {
+                // NVML lists it, but the driver has no checkpointable state for it (it exited,
+                // or its context is going away).
+                warn!(pid, error = %e, "listed by NVML but no CUDA restore thread: skipped");
+                continue;
+            }
+            out.push(Holder {
+                pid,
+                ns_pid: ns_pid(pid).unwrap_or(0),
+                comm: comm(pid),
+                gpus: vec![(p.gpu, bytes)],
+            });
+        }
+        out.sort_by_key(|h| h.pid);
+        Ok(out)
+    }
+
+    /// Lock every holder (with `timeout`), then checkpoint every holder: device memory moves
+    /// into each process's host memory. On failure, what was done is undone in reverse (restore
+    /// the checkpointed, unlock the locked) and the error names the step, the pid and the
+    /// driver's error.
+    pub fn quiesce(&self, holders: &[Holder], timeout: Duration) -> Result<()> {
+        let mut locked: Vec<&Holder> = Vec::new();
+        for h in holders {
+            let _span = info_span!("device_lock", pid = h.pid).entered();
+            if let Err(e) = self.cuda.lock(h.pid, Some(timeout)) {
+                let undo = self.undo(&locked, 0);
+                return Err(step_error("device-lock", h, &e, undo));
+            }
+            locked.push(h);
+        }
+        for (n, h) in holders.iter().enumerate() {
+            let _span = info_span!("device_checkpoint", pid = h.pid).entered();
+            if let Err(e) = self.cuda.checkpoint(h.pid) {
+                let undo = self.undo(&locked, n);
+                return Err(step_error("device-checkpoint", h, &e, undo));
+            }
+        }
+        Ok(())
+    }
+
+    /// Undo of [`DeviceLayer::quiesce`]: the first `checkpointed` of `locked` are restored onto
+    /// their own GPUs, and every one of `locked` is unlocked, in reverse order. Returns what
+    /// failed, for the error message.
+    fn undo(&self, locked: &[&Holder], checkpointed: usize) -> Vec<String> {
+        let mut failed = Vec::new();
+        for (i, h) in locked.iter().enumerate().rev() {
+            if i < checkpointed {
+                if let Err(e) = self.cuda.restore(h.pid, &[]) {
+                    failed.push(format!("restore: {e}"));
+                    continue;
+                }
+            }
+            if let Err(e) = self.cuda.unlock(h.pid) {
+                failed.push(format!("unlock: {e}"));
+            }
+        }
+        failed
+    }
+
+    /// After a checkpoint that leaves the container running (or a Resume): every holder back
+    /// onto its own GPUs and unlocked. Every holder is tried; the first error is returned.
+    pub fn resume(&self, holders: &[Holder]) -> Result<()> {
+        let mut first = None;
+        for h in holders.iter().rev() {
+            let _span = info_span!("device_resume", pid = h.pid).entered();
+            let r = self
+                .cuda
+                .restore(h.pid, &[])
+                .map_err(|e| step_error("device-restore", h, &e, Vec::new()))
+                .and_then(|_| {
+                    self.cuda
+                        .unlock(h.pid)
+                        .map_err(|e| step_error("device-unlock", h, &e, Vec::new()))
+                });
+            if let Err(e) = r {
+                warn!(pid = h.pid, error = %e, "device resume");
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// After `runc restore`: each process the checkpoint recorded (by its pid in the
+    /// container), found among `pids` (host pids of the restored container), restored onto the
+    /// GPUs `pairs` name, then unlocked, then confirmed RUNNING. The caller kills the container
+    /// on failure, so there is nothing to undo here.
+    pub fn restore_onto(
+        &self,
+        recorded: &[DeviceProcess],
+        pids: &[i32],
+        pairs: &[GpuPair],
+    ) -> Result<Vec<i32>> {
+        let by_ns: HashMap<u32, i32> = pids.iter().filter_map(|&p| Some((ns_pid(p)?, p))).collect();
+        let mut targets = Vec::new();
+        for r in recorded {
+            let pid = *by_ns.get(&r.pid).ok_or_else(|| {
+                device_error(
+                    "device-restore",
+                    format!(
+                        "the checkpoint's GPU process (pid {} in the container) is not among the restored processes",
+                        r.pid
+                    ),
+                )
+            })?;
+            let state = self
+                .cuda
+                .state(pid)
+                .map_err(|e| device_error("device-restore", format!("pid {pid}: {e}")))?;
+            if state != ProcessState::CHECKPOINTED {
+                return Err(device_error(
+                    "device-restore",
+                    format!(
+                        "pid {pid} (pid {} in the container) is {state}, not CHECKPOINTED",
+                        r.pid
+                    ),
+                ));
+            }
+            targets.push((pid, r.pid));
+        }
+        for &(pid, ns) in &targets {
+            let _span = info_span!("device_restore", pid).entered();
+            self.cuda.restore(pid, pairs).map_err(|e| {
+                device_error(
+                    "device-restore",
+                    format!("pid {pid} (pid {ns} in the container): {e}"),
+                )
+            })?;
+        }
+        for &(pid, ns) in &targets {
+            let _span = info_span!("device_unlock", pid).entered();
+            self.cuda.unlock(pid).map_err(|e| {
+                device_error(
+                    "device-unlock",
+                    format!("pid {pid} (pid {ns} in the container): {e}"),
+                )
+            })?;
+        }
+        for &(pid, ns) in &targets {
+            let state = self
+                .cuda
+                .state(pid)
+                .map_err(|e| device_error("device-confirm", format!("pid {pid}: {e}")))?;
+            if state != ProcessState::RUNNING {
+                return Err(device_error(
+                    "device-confirm",
+                    format!("pid {pid} (pid {ns} in the container) is {state}, not RUNNING"),
+                ));
+            }
+        }
+        Ok(targets.into_iter().map(|(p, _)| p).collect())
+    }
+}
+
+/// The device side of one container: the layer (loaded on first need), the processes a Pause or
+/// a checkpoint quiesced until Resume or the end of the checkpoint puts them back, and the
+/// settings that come from the handler and the pod.
+pub struct ContainerDevices {
+    bundle: PathBuf,
+    options: RuntimeOptions,
+    /// The pod's `gpu-ckpt.io/lock-timeout`.
+    lock_timeout: Option<String>,
+    layer: Option<Option<Arc<DeviceLayer>>>,
+    quiesced: Option<Quiesced>,
+}
+
+/// Processes found holding device state at a Pause or checkpoint.
+struct Quiesced {
+    holders: Vec<Holder>,
+    /// False when the device steps are switched off (`DeviceSteps = false`): found, not
+    /// checkpointed.
+    checkpointed: bool,
+}
+
+/// What a restore does on this node's GPUs, decided before CRIU runs.
+#[derive(Debug, Default)]
+pub struct RestorePlan {
+    /// Checkpointed GPU → this container's GPU, in order.
+    pub pairs: Vec<GpuPair>,
+    /// CRIU `ext-mount-map` entries for the per-GPU files of the simulated driver's CDI spec:
+    /// the checkpoint's file (its container path, runc's key) onto this node's file.
+    pub ext_mount_map: Vec<(String, String)>,
+}
+
+impl ContainerDevices {
+    pub fn new(bundle: &Path, options: &RuntimeOptions, lock_timeout: Option<&str>) -> Self {
+        ContainerDevices {
+            bundle: bundle.to_path_buf(),
+            options: options.clone(),
+            lock_timeout: lock_timeout.map(str::to_string),
+            layer: None,
+            quiesced: None,
+        }
+    }
+
+    /// The layer, loaded once (`cuInit` can take a while on a real driver, so off the
+    /// runtime's thread).
+    async fn layer(&mut self) -> Result<Option<Arc<DeviceLayer>>> {
+        if let Some(l) = &self.layer {
+            return Ok(l.clone());
+        }
+        let options = self.options.clone();
+        let l = tokio::task::spawn_blocking(move || DeviceLayer::for_options(&options))
+            .await
+            .map_err(|e| device_error("load", e.to_string()))??;
+        self.layer = Some(l.clone());
+        Ok(l)
+    }
+
+    /// Whether a Pause (or this checkpoint) has quiesced the container's device state.
+    pub fn is_quiesced(&self) -> bool {
+        self.quiesced.is_some()
+    }
+
+    /// Lock, then checkpoint, every process among `pids` that holds device state (nothing when
+    /// none does, or on a node without a driver). Undone on failure; see
+    /// [`DeviceLayer::quiesce`].
+    pub async fn quiesce(&mut self, pids: Vec<i32>) -> Result<()> {
+        if self.quiesced.is_some() {
+            return Ok(());
+        }
+        let Some(layer) = self.layer().await? else {
+            return Ok(());
+        };
+        let timeout = lock_timeout(self.lock_timeout.as_deref(), &self.options)?;
+        let steps = self.options.device_steps();
+        let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
+            let holders = layer.holders(&pids)?;
+            if steps && !holders.is_empty() {
+                layer.quiesce(&holders, timeout)?;
+            }
+            Ok(holders)
+        })
+        .await
+        .map_err(|e| device_error("device-lock", e.to_string()))??;
+        if holders.is_empty() {
+            return Ok(());
+        }
+        if steps {
+            info!(
+                count = holders.len(),
+                "device state checkpointed into host memory"
+            );
+        } else {
+            warn!(
+                count = holders.len(),
+                "DeviceSteps = false: GPU processes left as they are"
+            );
+        }
+        self.quiesced = Some(Quiesced {
+            holders,
+            checkpointed: steps,
+        });
+        Ok(())
+    }
+
+    /// Undo of [`ContainerDevices::quiesce`]: every quiesced process back on its GPUs, running.
+    pub async fn resume(&mut self) -> Result<()> {
+        let Some(q) = self.quiesced.take() else {
+            return Ok(());
+        };
+        let Some(Some(layer)) = self.layer.clone() else {
+            return Ok(());
+        };
+        if !q.checkpointed {
+            return Ok(());
+        }
+        tokio::task::spawn_blocking(move || layer.resume(&q.holders))
+            .await
+            .map_err(|e| device_error("device-restore", e.to_string()))?
+    }
+
+    /// After a checkpoint that ended the processes (`--exit`): nothing is left to resume.
+    pub fn forget(&mut self) {
+        self.quiesced = None;
+    }
+
+    /// The processes found holding device state but left alone (`DeviceSteps = false`), for
+    /// the error of the CRIU dump that then fails.
+    pub fn left_alone(&self) -> Option<String> {
+        let q = self.quiesced.as_ref().filter(|q| !q.checkpointed)?;
+        let who: Vec<String> = q.holders.iter().map(Holder::describe).collect();
+        Some(format!(
+            "the device steps are off (DeviceSteps = false), so the GPU state of {} was not checkpointed",
+            who.join("; ")
+        ))
+    }
+
+    /// What the manifest records: the node's driver and GPUs, the container's GPUs in its
+    /// order, and each quiesced process with its device bytes. Empty on a node without a
+    /// driver, or for a container given no GPU and holding none.
+    pub async fn record(&mut self) -> Result<Devices> {
+        let Some(layer) = self.layer().await? else {
+            return Ok(Devices::default());
+        };
+        let bundle = self.bundle.clone();
+        let holders: Vec<Holder> = self
+            .quiesced
+            .as_ref()
+            .map(|q| q.holders.clone())
+            .unwrap_or_default();
+        tokio::task::spawn_blocking(move || -> Result<Devices> {
+            let inv = layer.inventory()?;
+            let mut gpus: Vec<GpuUuid> =
+                assigned(&bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
+            // A GPU a process holds that the spec does not show (a privileged container that
+            // sees every device node): recorded too, in the node's order.
+            for g in &inv.gpus {
+                let held = holders
+                    .iter()
+                    .any(|h| h.gpus.iter().any(|(u, _)| *u == g.uuid));
+                if held && !gpus.contains(&g.uuid) {
+                    gpus.push(g.uuid);
+                }
+            }
+            if gpus.is_empty() {
+                return Ok(Devices::default());
+            }
+            let mut d = Profile::from_inventory(&inv, &gpus, Default::default()).devices;
+            for g in d.gpus.iter_mut().chain(d.node_gpus.iter_mut()) {
+                g.free_bytes = None;
+            }
+            d.processes = holders.iter().map(Holder::record).collect();
+            Ok(d)
+        })
+        .await
+        .map_err(|e| device_error("inventory", e.to_string()))?
+    }
+
+    /// Before CRIU restores: the checkpoint's GPUs held to this container's on this node
+    /// (model, count, memory, free memory, driver branch, CUDA version), and the pairs. A
+    /// difference is an error naming each field.
+    pub async fn plan_restore(&mut self, recorded: &Devices) -> Result<RestorePlan> {
+        if recorded.gpus.is_empty() {
+            return Ok(RestorePlan::default());
+        }
+        let bundle = self.bundle.clone();
+        let layer = self.layer().await?;
+        let recorded = recorded.clone();
+        tokio::task::spawn_blocking(move || plan_restore(&bundle, layer.as_deref(), &recorded))
+            .await
+            .map_err(|e| device_error("compat", e.to_string()))?
+    }
+
+    /// After `runc restore`: the recorded processes (found among `pids`) restored onto
+    /// `plan`'s GPUs, unlocked, and confirmed RUNNING.
+    pub async fn restore(
+        &mut self,
+        recorded: &[DeviceProcess],
+        pids: Vec<i32>,
+        plan: &RestorePlan,
+    ) -> Result<()> {
+        if recorded.is_empty() {
+            return Ok(());
+        }
+        let Some(layer) = self.layer().await? else {
+            return Err(device_error(
+                "device-restore",
+                "the checkpoint holds GPU state, and this node has no NVIDIA driver".into(),
+            ));
+        };
+        let (recorded, pairs) = (recorded.to_vec(), plan.pairs.clone());
+        let restored =
+            tokio::task::spawn_blocking(move || layer.restore_onto(&recorded, &pids, &pairs))
+                .await
+                .map_err(|e| device_error("device-restore", e.to_string()))??;
+        info!(processes = ?restored, "device state restored, processes running");
+        Ok(())
+    }
+}
+
+/// The differences between the checkpoint's GPUs and this container's on this node, one
+/// `field: checkpoint …, node …` each (empty when they fit), with the pairs when they do.
+pub fn compare(
+    bundle: &Path,
+    layer: Option<&DeviceLayer>,
+    recorded: &Devices,
+) -> Result<(Vec<String>, RestorePlan)> {
+    if recorded.gpus.is_empty() {
+        return Ok((Vec::new(), RestorePlan::default()));
+    }
+    let Some(layer) = layer else {
+        return Ok((
+            vec![format!(
+                "gpu_count: checkpoint {}, node 0 (no NVIDIA driver on this node)",
+                recorded.gpus.len()
+            )],
+            RestorePlan::default(),
+        ));
+    };
+    let inv = layer.inventory()?;
+    let given = assigned(bundle, &inv)?;
+    let gpus = given.as_ref().map(|a| a.gpus.clone()).unwrap_or_default();
+    let ckpt = Profile {
+        devices: recorded.clone(),
+        workload: Default::default(),
+    };
+    let node = Profile::from_inventory(&inv, &gpus, Default::default());
+    let verdict = compat::check(&ckpt, &node);
+    if !verdict.compatible {
+        return Ok((
+            verdict.differences.iter().map(|d| d.to_string()).collect(),
+            RestorePlan::default(),
+        ));
+    }
+    let mut plan = RestorePlan::default();
+    for p in &verdict.gpu_map {
+        let pair = GpuPair {
+            old: p.old_uuid.parse().map_err(|e: GpuError| {
+                device_error("compat", format!("the checkpoint's GPU: {e}"))
+            })?,
+            new: p
+                .new_uuid
+                .parse()
+                .map_err(|e: GpuError| device_error("compat", format!("this node's GPU: {e}")))?,
+        };
+        if let Some(a) = given
+            .as_ref()
+            .filter(|a| a.source == gpu::assign::Source::SimCdi)
+        {
+            if !pair.is_identity() {
+                let to = sim_file_source(bundle, a, &pair.new)?;
+                plan.ext_mount_map
+                    .push((gpu::assign::sim_device_path(&pair.old), to));
+            }
+        }
+        plan.pairs.push(pair);
+    }
+    Ok((Vec::new(), plan))
+}
+
+/// [`compare`], with a difference as an error.
+fn plan_restore(
+    bundle: &Path,
+    layer: Option<&DeviceLayer>,
+    recorded: &Devices,
+) -> Result<RestorePlan> {
+    let (differences, plan) = compare(bundle, layer, recorded)?;
+    if differences.is_empty() {
+        Ok(plan)
+    } else {
+        Err(device_error(
+            "compat",
+            format!(
+                "the checkpoint's GPUs do not fit this container's on this node: {}",
+                differences.join("; ")
+            ),
+        ))
+    }
+}
+
+/// The host file behind this container's per-GPU file for `uuid` (its spec mount's source).
+fn sim_file_source(bundle: &Path, a: &gpu::assign::Assigned, uuid: &GpuUuid) -> Result<String> {
+    let dest = a
+        .gpus
+        .iter()
+        .position(|g| g == uuid)
+        .and_then(|i| a.container_paths.get(i))
+        .cloned()
+        .unwrap_or_else(|| gpu::assign::sim_device_path(uuid));
+    let spec = crate::container::load_spec(bundle)?;
+    spec.mounts()
+        .iter()
+        .flatten()
+        .find(|m| m.destination().to_str() == Some(dest.as_str()))
+        .and_then(|m| m.source().as_ref())
+        .map(|s| s.display().to_string())
+        .ok_or_else(|| {
+            device_error(
+                "compat",
+                format!("no mount of {dest} in the container's spec"),
+            )
+        })
+}
+
+/// A device step's error: `checkpoint failed at step device-lock: pid …` for the steps that
+/// take device state out of the GPUs, `restore failed at step …` for those that put it back.
+fn device_error(step: &'static str, message: String) -> Error {
+    let operation = match step {
+        "device-lock" | "device-checkpoint" | "find" | "load" | "inventory" | "assign" => {
+            "checkpoint"
+        }
+        _ => "restore",
+    };
+    Error::Step {
+        operation,
+        step,
+        message,
+    }
+}
+
+fn step_error(step: &'static str, h: &Holder, e: &GpuError, undo_failed: Vec<String>) -> Error {
+    let mut message = format!("{}: {e}", h.describe());
+    if undo_failed.is_empty() {
+        message.push_str("; every process is back on its GPUs, running");
+    } else {
+        message.push_str(&format!("; undo failed: {}", undo_failed.join("; ")));
+    }
+    device_error(step, message)
+}
+
+/// The pid of host process `pid` in its own (innermost) pid namespace.
+pub fn ns_pid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+fn comm(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// The lock timeout for a container: its pod's `gpu-ckpt.io/lock-timeout`, else the handler's
+/// `DeviceLockTimeout`, else 30 s.
+pub fn lock_timeout(
+    annotation: Option<&str>,
+    options: &RuntimeOptions,
+) -> Result<std::time::Duration> {
+    if let Some(v) = annotation {
+        return crate::options::parse_timeout(v, "annotation gpu-ckpt.io/lock-timeout");
+    }
+    if !options.device_lock_timeout.is_empty() {
+        return crate::options::parse_timeout(&options.device_lock_timeout, "DeviceLockTimeout");
+    }
+    Ok(crate::options::DEFAULT_DEVICE_LOCK_TIMEOUT)
+}
+
+/// The GPUs the container of `bundle` was given, resolved through the node's inventory.
+pub fn assigned(bundle: &Path, inv: &NodeInventory) -> Result<Option<gpu::assign::Assigned>> {
+    let path = bundle.join("config.json");
+    let data = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
+    let spec: serde_json::Value =
+        serde_json::from_slice(&data).map_err(Error::json(format!("parse {}", path.display())))?;
+    gpu::assign::from_spec(&spec, inv).map_err(|e| device_error("assign", e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu::{ComputeProcess, GpuInfo};
+    use std::sync::Mutex as StdMutex;
+
+    /// A driver that records the calls and fails the ones it is told to.
+    #[derive(Default)]
+    struct Recorder {
+        calls: StdMutex<Vec<String>>,
+        fail: Vec<(&'static str, i32)>,
+    }
+
+    impl Recorder {
+        fn call(&self, what: &'static str, pid: i32) -> std::result::Result<(), GpuError> {
+            self.calls.lock().unwrap().push(format!("{what} {pid}"));
+            if self.fail.contains(&(what, pid)) {
+                return Err(GpuError::Driver {
+                    call: "cuCheckpointProcessLock",
+                    pid: Some(pid),
+                    code: 909,
+                    name: "CUDA_ERROR_TIMEOUT".into(),
+                });
+            }
+            Ok(())
+        }
+    }
+
+    struct Shared(Arc<Recorder>);
+
+    impl DeviceCheckpoint for Shared {
+        fn lock(&self, pid: i32, _: Option<Duration>) -> std::result::Result<(), GpuError> {
+            self.0.call("lock", pid)
+        }
+        fn checkpoint(&self, pid: i32) -> std::result::Result<(), GpuError> {
+            self.0.call("checkpoint", pid)
+        }
+        fn restore(&self, pid: i32, _: &[GpuPair]) -> std::result::Result<(), GpuError> {
+            self.0.call("restore", pid)
+        }
+        fn unlock(&self, pid: i32) -> std::result::Result<(), GpuError> {
+            self.0.call("unlock", pid)
+        }
+        fn state(&self, _: i32) -> std::result::Result<ProcessState, GpuError> {
+            Ok(ProcessState::RUNNING)
+        }
+        fn restore_thread_id(&self, pid: i32) -> std::result::Result<i32, GpuError> {
+            Ok(pid)
+        }
+        fn driver_version(&self) -> std::result::Result<i32, GpuError> {
+            Ok(13000)
+        }
+    }
+
+    struct NoGpus;
+    impl Inventory for NoGpus {
+        fn node(&self) -> std::result::Result<NodeInventory, GpuError> {
+            Ok(NodeInventory {
+                driver_version: String::new(),
+                cuda_driver_version: 0,
+                gpus: Vec::<GpuInfo>::new(),
+            })
+        }
+        fn compute_processes(&self) -> std::result::Result<Vec<ComputeProcess>, GpuError> {
+            Ok(Vec::new())
+        }
+    }
+
+    fn holder(pid: i32) -> Holder {
+        Holder {
+            pid,
+            ns_pid: pid as u32,
+            comm: "t".into(),
+            gpus: vec![(GpuUuid([1; 16]), 1)],
+        }
+    }
+
+    fn layer(fail: Vec<(&'static str, i32)>) -> (DeviceLayer, Arc<Recorder>) {
+        let rec = Arc::new(Recorder {
+            calls: Default::default(),
+            fail,
+        });
+        (
+            DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus)),
+            rec,
+        )
+    }
+
+    #[test]
+    fn quiesce_locks_all_then_checkpoints_all() {
+        let (l, rec) = layer(vec![]);
+        l.quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
+            .unwrap();
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            ["lock 1", "lock 2", "checkpoint 1", "checkpoint 2"]
+        );
+    }
+
+    #[test]
+    fn a_lock_failure_unlocks_what_was_locked() {
+        let (l, rec) = layer(vec![("lock", 3)]);
+        let err = l
+            .quiesce(&[holder(1), holder(2), holder(3)], Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("device-lock") && err.contains("pid 3"),
+            "{err}"
+        );
+        assert!(err.contains("CUDA_ERROR_TIMEOUT"), "{err}");
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            ["lock 1", "lock 2", "lock 3", "unlock 2", "unlock 1"]
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_failure_restores_and_unlocks_in_reverse() {
+        let (l, rec) = layer(vec![("checkpoint", 2)]);
+        let err = l
+            .quiesce(&[holder(1), holder(2), holder(3)], Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("device-checkpoint") && err.contains("pid 2"),
+            "{err}"
+        );
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            [
+                "lock 1",
+                "lock 2",
+                "lock 3",
+                "checkpoint 1",
+                "checkpoint 2",
+                "unlock 3",
+                "unlock 2",
+                "restore 1",
+                "unlock 1"
+            ]
+        );
+    }
+
+    #[test]
+    fn lock_timeout_sources() {
+        let mut o = RuntimeOptions::default();
+        assert_eq!(
+            lock_timeout(None, &o).unwrap(),
+            crate::options::DEFAULT_DEVICE_LOCK_TIMEOUT
+        );
+        o.device_lock_timeout = "2m".into();
+        assert_eq!(lock_timeout(None, &o).unwrap(), Duration::from_secs(120));
+        assert_eq!(
+            lock_timeout(Some("500ms"), &o).unwrap(),
+            Duration::from_millis(500)
+        );
+        assert_eq!(lock_timeout(Some("7"), &o).unwrap(), Duration::from_secs(7));
+        let err = lock_timeout(Some("soon"), &o).unwrap_err().to_string();
+        assert!(err.contains("gpu-ckpt.io/lock-timeout"), "{err}");
+    }
+}
