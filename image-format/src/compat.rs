@@ -120,6 +120,13 @@ impl std::fmt::Display for Difference {
     }
 }
 
+/// In a container's bundle: the GPUs it was given, as the createRuntime hook recorded them
+/// (`gpu::assign::Assigned`), which the shim prefers to resolving the spec itself.
+pub const BUNDLE_GPUS_FILE: &str = "gpu-ckpt-gpus.json";
+/// In a container's bundle during a restore: the checkpoint's [`Devices`], which the prestart
+/// hook holds to the container's GPUs before any restored process runs.
+pub const BUNDLE_RESTORE_DEVICES_FILE: &str = "gpu-ckpt-restore-devices.json";
+
 /// A UUID remapping pair.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuPair {

@@ -767,13 +767,21 @@ impl Container {
             Ok(devices) => self.checkpoint_files(plan, devices).await,
             Err(e) => Err(e),
         };
-        let result = result.map_err(|e| match self.devices.left_alone() {
-            Some(why) => Error::Step {
-                operation: "checkpoint",
-                step: "criu-dump",
-                message: format!("{why}; {e}"),
+        let result = result.map_err(|e| match (self.devices.left_alone(), e) {
+            (
+                Some(why),
+                Error::Step {
+                    operation,
+                    step,
+                    message,
+                },
+            ) => Error::Step {
+                operation,
+                step,
+                message: format!("{why}; {message}"),
             },
-            None => e,
+            (Some(why), e) => Error::FailedPrecondition(format!("{why}; {e}")),
+            (None, e) => e,
         });
         if result.is_ok() && !plan.criu.leave_running {
             self.devices.forget();

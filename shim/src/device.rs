@@ -473,6 +473,10 @@ impl ContainerDevices {
             return Ok(RestorePlan::default());
         }
         let bundle = self.bundle.clone();
+        // For the prestart hook, which runs inside `runc restore`.
+        let file = bundle.join(compat::BUNDLE_RESTORE_DEVICES_FILE);
+        let json = serde_json::to_vec(recorded).map_err(Error::json("encode devices"))?;
+        std::fs::write(&file, json).map_err(Error::io(format!("write {}", file.display())))?;
         let layer = self.layer().await?;
         let recorded = recorded.clone();
         tokio::task::spawn_blocking(move || plan_restore(&bundle, layer.as_deref(), &recorded))
@@ -670,8 +674,15 @@ pub fn lock_timeout(
     Ok(crate::options::DEFAULT_DEVICE_LOCK_TIMEOUT)
 }
 
-/// The GPUs the container of `bundle` was given, resolved through the node's inventory.
+/// The GPUs the container of `bundle` was given: the createRuntime hook's record when it left
+/// one, else resolved from the spec through the node's inventory.
 pub fn assigned(bundle: &Path, inv: &NodeInventory) -> Result<Option<gpu::assign::Assigned>> {
+    let recorded = bundle.join(compat::BUNDLE_GPUS_FILE);
+    if let Ok(data) = std::fs::read(&recorded) {
+        let a: gpu::assign::Assigned = serde_json::from_slice(&data)
+            .map_err(Error::json(format!("parse {}", recorded.display())))?;
+        return Ok((!a.gpus.is_empty()).then_some(a));
+    }
     let path = bundle.join("config.json");
     let data = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
     let spec: serde_json::Value =

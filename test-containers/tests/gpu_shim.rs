@@ -19,7 +19,7 @@ use common::{gpu::*, *};
 use image_format::manifest::Manifest;
 use test_containers::{
     cri::{v1 as cri, ContainerSpec, Cri, Pod, PodSpec},
-    stack::{Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
+    stack::{processes_matching, Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
 };
 
 /// A CRI container spec of gpu-train on the simulated GPU `device` (`0`, `1`, `all`), asked for
@@ -274,4 +274,336 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
         cri_b.remove_pod(&pod_r).await?;
         Ok(())
     })
+}
+
+/// Waits until the training of `log` (a CRI log) has gone `n` steps past where it is now.
+fn keeps_training(log: &Path, n: u64, what: &str) -> Result<()> {
+    let now = last_step(log).map(|s| s.0).unwrap_or_default();
+    wait_steps_after(log, now, n).with_context(|| format!("{what}: the training stopped"))?;
+    Ok(())
+}
+
+/// The error of a CRI checkpoint that must fail, checked to name every one of `needles`, and
+/// that no archive was left at `archive`.
+async fn checkpoint_fails(
+    cri: &Cri,
+    id: &str,
+    archive: &Path,
+    needles: &[&str],
+    what: &str,
+) -> Result<String> {
+    let _ = std::fs::remove_file(archive);
+    let err = match cri.checkpoint_container(id, archive, 60).await {
+        Ok(()) => anyhow::bail!("{what}: the checkpoint succeeded"),
+        Err(e) => format!("{e:#}"),
+    };
+    for n in needles {
+        ensure!(
+            err.contains(n),
+            "{what}: the error does not name {n:?}: {err}"
+        );
+    }
+    ensure!(
+        !archive.exists(),
+        "{what}: a failed checkpoint left {}",
+        archive.display()
+    );
+    println!("{what}: {err}");
+    Ok(err)
+}
+
+/// With the device steps switched off, CRIU meets a process that still holds the GPU (its
+/// connection to the driver), and the checkpoint fails naming it; the container runs on.
+#[test]
+fn without_the_device_steps_the_checkpoint_fails_naming_the_gpu_process() -> Result<()> {
+    let sim = sim_gpus(1, 256, "no-steps")?;
+    let node = gpu_node("gpu-nosteps", &sim, &[("DeviceSteps", "false")])?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let pod = cri
+            .run_pod(&PodSpec::new("nosteps", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let id = cri.run_container(&pod, &train_spec("train", "0")).await?;
+        let log = pod.container_log("train");
+        wait_steps(&log, 2)?;
+        let pid = cri_pid(&cri, &id).await?;
+        let archive = node.paths().dir.join("nosteps.tar");
+        checkpoint_fails(
+            &cri,
+            &id,
+            &archive,
+            &[
+                "DeviceSteps = false",
+                &format!("pid {pid} (gpu-train"),
+                &sim.uuids()[0],
+            ],
+            "device steps off",
+        )
+        .await?;
+        keeps_training(&log, 3, "after the failed checkpoint")?;
+        cri.remove_pod(&pod).await
+    })
+}
+
+/// Injected faults: a lock that times out, a device checkpoint that fails, a device restore
+/// that fails. The original runs on with correct results, a failed restore leaves nothing
+/// running, and each error names its step.
+#[test]
+fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Result<()> {
+    let sim_a = sim_gpus(1, 256, "fault-a")?;
+    let sim_b = sim_gpus(1, 256, "fault-b")?;
+    let a = gpu_node("gpu-fault-a", &sim_a, &[])?;
+    let b = gpu_node("gpu-fault-b", &sim_b, &[])?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        cri_a.pull_image(GPU_WORKLOADS_IMAGE).await?;
+        let pod = cri_a
+            .run_pod(
+                &PodSpec::new("faulty", a.pod_log_root())
+                    .handler(GPU_CKPT_HANDLER)
+                    .annotation("gpu-ckpt.io/lock-timeout", "1s"),
+            )
+            .await?;
+        let id = cri_a.run_container(&pod, &train_spec("train", "0")).await?;
+        let log = pod.container_log("train");
+        wait_steps(&log, 2)?;
+        let pid = cri_pid(&cri_a, &id).await?;
+        let archive = a.paths().dir.join("checkpoint-faulty-train.tar");
+
+        // 1. The lock waits for in-flight work that never ends: it times out after the pod's
+        //    1 s, and the process is left RUNNING.
+        sim_a.fault(Some(pid), simgpu::proto::FaultOp::LockTimeout, true)?;
+        checkpoint_fails(
+            &cri_a,
+            &id,
+            &archive,
+            &["device-lock", &format!("pid {pid}"), "CUDA_ERROR_TIMEOUT"],
+            "lock timeout",
+        )
+        .await?;
+        sim_a.fault(Some(pid), simgpu::proto::FaultOp::LockTimeout, false)?;
+        keeps_training(&log, 3, "after the lock timeout")?;
+
+        // 2. The device checkpoint fails: the locked process is unlocked again.
+        sim_a.fault(Some(pid), simgpu::proto::FaultOp::CheckpointFail, true)?;
+        checkpoint_fails(
+            &cri_a,
+            &id,
+            &archive,
+            &["device-checkpoint", &format!("pid {pid}")],
+            "device checkpoint failure",
+        )
+        .await?;
+        sim_a.fault(Some(pid), simgpu::proto::FaultOp::CheckpointFail, false)?;
+        keeps_training(&log, 3, "after the device checkpoint failure")?;
+
+        // 3. A good checkpoint, restored on node B whose driver fails every restore: Start
+        //    fails naming the step, and nothing restored runs there.
+        let before = last_step(&log).map(|s| s.0).unwrap_or_default();
+        cri_a.checkpoint_container(&id, &archive, 60).await?;
+        keeps_training(&log, 2, "after the checkpoint")?;
+        sim_b.fault(None, simgpu::proto::FaultOp::RestoreFail, true)?;
+        let pod_r = PodSpec::new("faulty", b.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string());
+        let running = cri_b.run_pod(&pod_r).await?;
+        let err = match cri_b
+            .run_container(&running, &train_spec("train", "0"))
+            .await
+        {
+            Ok(id) => anyhow::bail!("the restore on a failing driver started container {id}"),
+            Err(e) => format!("{e:#}"),
+        };
+        ensure!(
+            err.contains("device-restore"),
+            "the failed restore does not name its step: {err}"
+        );
+        println!("device restore failure: {err}");
+        let left = sim_b.processes()?;
+        ensure!(
+            left.is_empty(),
+            "a failed restore left GPU processes on node B: {left:?}"
+        );
+        let stray: Vec<i32> = pod_processes(&running.spec.uid)
+            .into_iter()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim() == "gpu-train")
+            })
+            .collect();
+        ensure!(
+            stray.is_empty(),
+            "a failed restore left gpu-train running in the pod: {stray:?}"
+        );
+        cri_b.remove_pod(&running).await?;
+
+        // Without the fault the same restore works: the failure was the driver's.
+        sim_b.fault(None, simgpu::proto::FaultOp::RestoreFail, false)?;
+        let since = std::time::SystemTime::now();
+        let ok = cri_b.run_pod(&pod_r).await?;
+        cri_b.run_container(&ok, &train_spec("train", "0")).await?;
+        expect_continues(
+            &ok.container_log("train"),
+            since,
+            before,
+            &log,
+            "restore after the fault is gone",
+        )?;
+        keeps_training(&log, 2, "the original, at the end")?;
+        cri_b.remove_pod(&ok).await?;
+        cri_a.remove_pod(&pod).await
+    })
+}
+
+/// The host processes in pod `uid`'s cgroup (`kubepods/besteffort/pod<uid>`).
+fn pod_processes(uid: &str) -> Vec<i32> {
+    let needle = format!("pod{uid}");
+    processes_matching(&[""])
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&needle))
+        })
+        .collect()
+}
+
+/// gpu-train under `sh`, logging into a tmpfs at /out (CRIU carries a tmpfs's files with the
+/// checkpoint, so the log goes wherever the process goes).
+const CTR_TRAIN: &str =
+    "exec /usr/bin/gpu-train --elements 4096 --interval-ms 100 > /out/train.log 2>&1";
+
+/// `ctr <verb> --device <device> … <image> <id> sh -c CTR_TRAIN` on `node`, `verb` being `run -d`
+/// or `container create`.
+fn ctr_train(node: &Node, verb: &[&str], device: &str, id: &str) -> Result<()> {
+    // `container create` has no --fifo-dir (that is `run`'s).
+    let flags: Vec<String> = if verb[0] == "run" {
+        run_flags(node)
+    } else {
+        vec!["--runtime".into(), RUNTIME.into()]
+    };
+    let mut args: Vec<&str> = verb.to_vec();
+    args.extend(["--device", device]);
+    args.extend([
+        "--mount",
+        "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m",
+    ]);
+    args.extend(flags.iter().map(String::as_str));
+    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", CTR_TRAIN]);
+    let out = node.ctr_cdi("default", &args)?;
+    ensure!(
+        out.status.success(),
+        "ctr {} failed: {}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
+}
+
+/// The log of a ctr training container whose init is host pid `pid`.
+fn ctr_log(pid: i32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/root/out/train.log"))
+}
+
+/// The steps in a ctr training log go on one by one to at least `at_least`, from before
+/// `before` (the log travelled with the process, so it holds the steps before the checkpoint
+/// too).
+fn ctr_continues(pid: i32, before: u64, what: &str) -> Result<()> {
+    let log = ctr_log(pid);
+    let all = wait_steps_after(&log, before, 3).with_context(|| format!("{what}"))?;
+    println!("{what}: pid {pid} goes on after step {before}: {all:?}");
+    Ok(())
+}
+
+/// Kills and removes ctr container `id`.
+fn ctr_remove(node: &Node, id: &str) {
+    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
+    let _ = wait_until(Duration::from_secs(10), "the task to stop", || {
+        node.ctr(&["task", "delete", id])
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|_| ())
+            .or_else(|| node.task_status(id).is_err().then_some(()))
+    });
+    let _ = node.ctr(&["container", "delete", id]);
+}
+
+#[test]
+fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> {
+    let sim_a = sim_gpus(2, 256, "ctr-a")?;
+    let sim_b = sim_gpus(2, 256, "ctr-b")?;
+    let a = gpu_node("gpu-ctr-a", &sim_a, &[])?;
+    let b = gpu_node("gpu-ctr-b", &sim_b, &[])?;
+
+    // 1. `ctr container checkpoint --task` (the task keeps running), then `ctr container
+    //    restore --live` of the checkpoint image in place of the original.
+    ctr_train(&a, &["run", "-d"], &format!("{KIND}=0"), "t1")?;
+    let pid = a.task_pid("t1")?;
+    wait_steps(&ctr_log(pid), 3)?;
+    let before = last_step(&ctr_log(pid)).map(|s| s.0).unwrap_or_default();
+    a.ctr_ok(&[
+        "container",
+        "checkpoint",
+        "--task",
+        "--rw",
+        "t1",
+        "localhost/ckpt/gpu-t1:1",
+    ])?;
+    ctr_continues(
+        pid,
+        last_step(&ctr_log(pid)).map(|s| s.0).unwrap_or(0),
+        "the original after ctr container checkpoint",
+    )?;
+    ctr_remove(&a, "t1");
+    a.ctr_ok(&[
+        "container",
+        "restore",
+        "--live",
+        "--rw",
+        "t1",
+        "localhost/ckpt/gpu-t1:1",
+    ])?;
+    let restored = a.task_pid("t1")?;
+    ctr_continues(restored, before, "ctr container restore --live")?;
+    ensure!(
+        gpus_of(&sim_a, restored)? == vec![sim_a.node().gpus[0].uuid],
+        "the live restore does not run on GPU 0"
+    );
+    ctr_remove(&a, "t1");
+
+    // 2. `ctr task checkpoint --exit --image-path` (the task stops), restored on node B onto
+    //    its GPU 1 through the containerd API (CriuImagePath).
+    ctr_train(&a, &["run", "-d"], &format!("{KIND}=0"), "t2")?;
+    let pid = a.task_pid("t2")?;
+    wait_steps(&ctr_log(pid), 3)?;
+    let dir = a.paths().dir.join("t2-exit");
+    a.checkpoint_task_exit("t2", &dir)?;
+    wait_until(
+        Duration::from_secs(10),
+        "the checkpointed task to stop",
+        || (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(()),
+    )?;
+    let m = Manifest::read_from(&dir)?;
+    ensure!(
+        m.devices.processes.len() == 1 && m.devices.gpus[0].uuid == sim_a.uuids()[0],
+        "the --exit checkpoint's manifest records {:?}",
+        m.devices
+    );
+    let at_exit = m.devices.processes[0].pid;
+    ensure!(at_exit > 0, "no pid recorded for the GPU process");
+    ctr_train(&b, &["container", "create"], &format!("{KIND}=1"), "t2")?;
+    let restored = restore_from_dir(&b, "t2", &dir)?;
+    let log = std::fs::read_to_string(ctr_log(restored)).unwrap_or_default();
+    let last = steps(&log).last().map(|s| s.0).unwrap_or(0);
+    ctr_continues(
+        restored,
+        last,
+        "ctr task checkpoint --exit, restored on node B",
+    )?;
+    ensure!(
+        gpus_of(&sim_b, restored)? == vec![sim_b.node().gpus[1].uuid],
+        "the restore on node B does not run on its GPU 1"
+    );
+    ctr_remove(&b, "t2");
+    Ok(())
 }

@@ -66,8 +66,8 @@ pub fn gpu_node_with(
         .cdi(&[sim.cdi_dir()])
         .env("GPU_CKPT_HANDLER_CONFIG", &file.display().to_string());
     for (k, v) in &all {
-        b = b.runtime_option(k, *v);
-        restore.options.insert(k.to_string(), (*v).into());
+        b = b.runtime_option(k, opt_value(v));
+        restore.options.insert(k.to_string(), opt_value(v));
     }
     node_with(b.extra_runtime(restore))
 }
@@ -83,6 +83,15 @@ fn handler_file(name: &str, options: &[(&str, &str)]) -> Result<PathBuf> {
         .collect();
     std::fs::write(&path, body)?;
     Ok(path)
+}
+
+/// `true`/`false` as TOML booleans, anything else as a string.
+fn opt_value(v: &str) -> test_containers::stack::OptValue {
+    match v {
+        "true" => true.into(),
+        "false" => false.into(),
+        _ => v.into(),
+    }
 }
 
 fn toml_quote(v: &str) -> String {
