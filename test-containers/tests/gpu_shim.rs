@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use common::{gpu::*, *};
-use image_format::manifest::Manifest;
+use image_format::compat::Profile;
+use image_format::manifest::{DeviceProcess, Manifest, ProcessGpu};
+use simgpu::testing::{SimConfig, SimNode};
 use test_containers::{
     cri::{v1 as cri, ContainerSpec, Cri, Pod, PodSpec},
     stack::{processes_matching, Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
@@ -34,11 +36,21 @@ fn train_spec(name: &str, device: &str) -> ContainerSpec {
         )
 }
 
-/// The steps of `log` as a map, step → checksum.
-fn step_map(log: &Path) -> BTreeMap<u64, String> {
-    std::fs::read_to_string(log)
-        .map(|t| steps(&t).into_iter().collect())
-        .unwrap_or_default()
+/// The lines of CRI log `log` of `stream` (`stdout`, `stderr`; empty: both).
+fn log_lines(log: &Path, stream: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    text.lines()
+        .filter(|l| stream.is_empty() || l.split_whitespace().nth(1) == Some(stream))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The steps of `log`'s `stream` as a map, step → checksum.
+fn step_map(log: &Path, stream: &str) -> BTreeMap<u64, String> {
+    log_lines(log, stream)
+        .iter()
+        .flat_map(|l| steps(l))
+        .collect()
 }
 
 /// The gpu-ckpt manifest inside a CRI checkpoint archive.
@@ -79,16 +91,16 @@ async fn checkpoint_train(
 
 /// The gpu-train steps of a CRI log written at or after `since` (containerd's restore-via-create
 /// starts the new log with a copy of the original's).
-fn steps_since(log: &Path, since: std::time::SystemTime) -> Vec<(u64, String)> {
-    let text = std::fs::read_to_string(log).unwrap_or_default();
-    text.lines()
+fn steps_since(log: &Path, stream: &str, since: std::time::SystemTime) -> Vec<(u64, String)> {
+    log_lines(log, stream)
+        .into_iter()
         .filter(|l| {
             l.split_whitespace()
                 .next()
                 .and_then(|t| humantime::parse_rfc3339(t).ok())
                 .is_some_and(|t| t >= since)
         })
-        .flat_map(steps)
+        .flat_map(|l| steps(&l))
         .collect()
 }
 
@@ -98,6 +110,18 @@ fn steps_since(log: &Path, since: std::time::SystemTime) -> Vec<(u64, String)> {
 /// printed (`original`) for the same steps.
 fn expect_continues(
     log: &Path,
+    since: std::time::SystemTime,
+    before: u64,
+    original: &Path,
+    what: &str,
+) -> Result<()> {
+    expect_stream_continues(log, "", since, before, original, what)
+}
+
+/// [`expect_continues`] for the lines of one stream of the logs (`stdout`, `stderr`).
+fn expect_stream_continues(
+    log: &Path,
+    stream: &str,
     since: std::time::SystemTime,
     before: u64,
     original: &Path,
@@ -113,7 +137,7 @@ fn expect_continues(
                     return Some(());
                 }
             }
-            seen = steps_since(log, since);
+            seen = steps_since(log, stream, since);
             (seen.len() >= 3).then_some(())
         },
     )
@@ -141,10 +165,16 @@ fn expect_continues(
     wait_until(
         Duration::from_secs(30),
         &format!("{what}: the original to reach step {last}"),
-        || (last_step(original)?.0 >= last).then_some(()),
+        || {
+            step_map(original, stream)
+                .keys()
+                .next_back()
+                .filter(|k| **k >= last)
+                .map(|_| ())
+        },
     )
     .ok();
-    let a = step_map(original);
+    let a = step_map(original, stream);
     let mut compared = 0;
     for (k, sum) in &seen {
         if let Some(want) = a.get(k) {
@@ -456,13 +486,16 @@ fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Resul
     })
 }
 
-/// The host processes in pod `uid`'s cgroup (`kubepods/besteffort/pod<uid>`).
+/// The host processes in pod `uid`'s cgroup (`kubepods/besteffort/pod<uid>`) but its
+/// sandbox's pause process.
 fn pod_processes(uid: &str) -> Vec<i32> {
     let needle = format!("pod{uid}");
+    let read = |p: i32, f: &str| std::fs::read_to_string(format!("/proc/{p}/{f}"));
     processes_matching(&[""])
         .into_iter()
         .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&needle))
+            read(*p, "cgroup").is_ok_and(|c| c.contains(&needle))
+                && read(*p, "comm").is_ok_and(|c| c.trim() != "pause")
         })
         .collect()
 }
@@ -606,4 +639,372 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
     );
     ctr_remove(&b, "t2");
     Ok(())
+}
+
+/// `gpu-ckpt compat --libnvml` of a checkpoint taken on a node like `base` (its GPU 0, holding
+/// `held` bytes) against simulated nodes that differ in one field each: the field is named.
+#[test]
+fn compat_names_each_field_that_differs_from_this_node() -> Result<()> {
+    use ::gpu::Inventory;
+    let base = sim_gpus(2, 256, "compat-base")?;
+    let inv = ::gpu::NvmlInventory::open(Some(&base.libnvml()))?.node()?;
+    let mut devices =
+        Profile::from_inventory(&inv, &[inv.gpus[0].uuid], Default::default()).devices;
+    for g in devices.gpus.iter_mut().chain(devices.node_gpus.iter_mut()) {
+        g.free_bytes = None;
+    }
+    devices.processes = vec![DeviceProcess {
+        pid: 1,
+        gpus: vec![ProcessGpu {
+            uuid: devices.gpus[0].uuid.clone(),
+            bytes: 96 << 20,
+        }],
+    }];
+    let dir = tempfile::tempdir()?;
+    let mut m = Manifest::new(
+        "2026-12-04T00:00:00Z",
+        Default::default(),
+        Default::default(),
+        devices,
+        Default::default(),
+    );
+    m.files.clear();
+    let manifest = dir.path().join("manifest.json");
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&m)?)?;
+    let cli =
+        test_containers::gpuproc::binary(&test_containers::stack::Stack::discover()?, "gpu-ckpt")?;
+    let compat = |sim: &SimNode, extra: &[&str]| -> Result<(bool, String)> {
+        let out = std::process::Command::new(&cli)
+            .arg("compat")
+            .arg("--libnvml")
+            .arg(sim.libnvml())
+            .args(extra)
+            .arg(&manifest)
+            .output()?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ensure!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "gpu-ckpt compat failed: {text}"
+        );
+        Ok((out.status.success(), text))
+    };
+    let refused = |sim: &SimNode, extra: &[&str], field: &str| -> Result<()> {
+        let (ok, text) = compat(sim, extra)?;
+        println!("{field}:\n{text}");
+        ensure!(
+            !ok,
+            "a node whose {field} differs was found compatible:\n{text}"
+        );
+        ensure!(
+            text.contains(field),
+            "the verdict does not name {field}:\n{text}"
+        );
+        Ok(())
+    };
+    // Same model, driver and memory, other UUIDs: compatible, with a remap.
+    let other = sim_gpus(2, 256, "compat-other")?;
+    let (ok, text) = compat(&other, &[])?;
+    ensure!(ok, "a node like the checkpoint's is refused:\n{text}");
+    ensure!(
+        text.contains(&other.uuids()[0]),
+        "the verdict does not show the remap onto {}:\n{text}",
+        other.uuids()[0]
+    );
+    // A patch release of the same driver branch is compatible; another branch is not.
+    let patch = sim_node(SimConfig {
+        gpus: 2,
+        memory_mib: 256,
+        driver_version: "580.105.08".into(),
+        ..SimConfig::default()
+    })?;
+    ensure!(
+        compat(&patch, &[])?.0,
+        "a patch release of driver 580 is refused"
+    );
+    let driver = sim_node(SimConfig {
+        gpus: 2,
+        memory_mib: 256,
+        driver_version: "575.57.08".into(),
+        ..SimConfig::default()
+    })?;
+    refused(&driver, &[], "driver_version")?;
+    let cuda = sim_node(SimConfig {
+        gpus: 2,
+        memory_mib: 256,
+        cuda_version: 13010,
+        ..SimConfig::default()
+    })?;
+    refused(&cuda, &[], "cuda_driver_version")?;
+    let model = sim_node(SimConfig {
+        gpus: 2,
+        memory_mib: 256,
+        model: "NVIDIA A100-SXM4-80GB".into(),
+        ..SimConfig::default()
+    })?;
+    refused(&model, &[], "gpu_model")?;
+    let small = sim_gpus(2, 128, "compat-small")?;
+    refused(&small, &[], "gpu_memory")?;
+    let both = format!("{},{}", other.uuids()[0], other.uuids()[1]);
+    refused(&other, &["--gpus", &both], "gpu_count")?;
+    // Free memory: another process holds 200 of the GPU's 256 MiB, the checkpoint needs 96.
+    let stack = test_containers::stack::Stack::discover()?;
+    let fill_out = dir.path().join("fill.log");
+    let mut env = other.env();
+    env.push((
+        "LD_LIBRARY_PATH".into(),
+        other.lib_dir().display().to_string(),
+    ));
+    let mut fill = test_containers::gpuproc::Workload::spawn(
+        &test_containers::gpuproc::binary(&stack, "gpu-fill")?,
+        &["--mib", "200", "--devices", "0"],
+        &env,
+        &fill_out,
+    )?;
+    fill.wait_line(Duration::from_secs(20), "gpu-fill filled", |l| {
+        l.contains("filled").then_some(())
+    })?;
+    refused(&other, &[], "gpu_free_memory")?;
+    drop(fill);
+    Ok(())
+}
+
+/// A restore onto GPUs that do not fit: refused naming the field, through the restore handler
+/// and through restore-via-create, with nothing left running; or a cold start where the pod
+/// asks for one.
+#[test]
+fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
+    let sim_a = sim_gpus(2, 256, "fit-a")?;
+    let sim_c = sim_node(SimConfig {
+        gpus: 2,
+        memory_mib: 256,
+        driver_version: "575.57.08".into(),
+        uuid_seed: "fit-c".into(),
+        ..SimConfig::default()
+    })?;
+    let a = gpu_node("gpu-fit-a", &sim_a, &[])?;
+    let c = gpu_node("gpu-fit-c", &sim_c, &[])?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_c = Cri::connect(c.socket()).await?;
+        let (archive, pod_a, _id, _before) = checkpoint_train(&a, &cri_a, "fit", "0").await?;
+        let source = archive.display().to_string();
+
+        // The restore handler on node A, the pod asking for both GPUs: gpu_count differs.
+        let pod = cri_a
+            .run_pod(
+                &PodSpec::new("fit", a.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &source),
+            )
+            .await?;
+        let err = match cri_a.run_container(&pod, &train_spec("train", "all")).await {
+            Ok(id) => anyhow::bail!("a restore onto two GPUs of a one-GPU checkpoint started {id}"),
+            Err(e) => format!("{e:#}"),
+        };
+        println!("gpu count: {err}");
+        ensure!(
+            err.contains("gpu_count") && err.contains("on-incompatible"),
+            "the refusal does not name gpu_count: {err}"
+        );
+        cri_a.remove_pod(&pod).await?;
+
+        // The same with gpu-ckpt.io/on-incompatible: cold-start: it starts fresh, at step 1.
+        let pod = cri_a
+            .run_pod(
+                &PodSpec::new("fit", a.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &source)
+                    .annotation("gpu-ckpt.io/on-incompatible", "cold-start"),
+            )
+            .await?;
+        cri_a
+            .run_container(&pod, &train_spec("train", "all"))
+            .await?;
+        let fresh = wait_steps(&pod.container_log("train"), 2)?;
+        ensure!(
+            fresh[0].0 == 1,
+            "the cold start did not start at step 1: {fresh:?}"
+        );
+        cri_a.remove_pod(&pod).await?;
+        cri_a.remove_pod(&pod_a).await?;
+
+        // restore-via-create on node C, whose driver is of another branch.
+        let pod_c = cri_c
+            .run_pod(&PodSpec::new("fit", c.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let mut config = train_spec("train", "0").to_config(&pod_c.spec);
+        config.image = Some(cri::ImageSpec {
+            image: source.clone(),
+            ..Default::default()
+        });
+        config.cdi_devices = vec![cri::CdiDevice {
+            name: format!("{KIND}=0"),
+        }];
+        std::fs::create_dir_all(pod_c.spec.log_directory().join("train"))?;
+        let id_c = cri_c
+            .create_container_raw(&pod_c.id, config, pod_c.config.clone())
+            .await?;
+        let err = match cri_c.start_container(&id_c).await {
+            Ok(()) => anyhow::bail!("a restore onto driver 575 of a driver 580 checkpoint started"),
+            Err(e) => format!("{e:#}"),
+        };
+        println!("driver branch: {err}");
+        ensure!(
+            err.contains("step compat") && err.contains("driver_version"),
+            "the refusal does not name driver_version: {err}"
+        );
+        let left: Vec<String> = pod_processes(&pod_c.spec.uid)
+            .into_iter()
+            .map(|p| {
+                let comm = std::fs::read_to_string(format!("/proc/{p}/comm")).unwrap_or_default();
+                format!("{p} ({})", comm.trim())
+            })
+            .collect();
+        ensure!(
+            left.is_empty(),
+            "the refused restore left processes: {left:?}"
+        );
+        cri_c.remove_pod(&pod_c).await
+    })
+}
+
+/// Two GPU processes in one container, one process on two GPUs, and a pod of two GPU
+/// containers: each container checkpointed through CRI and restored on another node through
+/// the restore handler (one checkpoint per container, `gpu-ckpt.io/restore-from.<name>`).
+#[test]
+fn several_gpu_processes_gpus_and_containers() -> Result<()> {
+    let sim_a = sim_gpus(2, 256, "multi-a")?;
+    let sim_b = sim_gpus(2, 256, "multi-b")?;
+    let a = gpu_node("gpu-multi-a", &sim_a, &[])?;
+    let b = gpu_node("gpu-multi-b", &sim_b, &[])?;
+    // "pair": two gpu-train processes on GPU 0 (the second logs to stderr); "both": one
+    // gpu-train on both GPUs.
+    let pair = |device: &str| {
+        train_spec("pair", device).command(&["/bin/sh"]).args(&[
+            "-c",
+            "/usr/bin/gpu-train --elements 2048 --interval-ms 100 --seed 2 1>&2 & \
+             exec /usr/bin/gpu-train --elements 4096 --interval-ms 100",
+        ])
+    };
+    let both = |device: &str| {
+        train_spec("both", device).args(&[
+            "--devices",
+            "all",
+            "--elements",
+            "4096",
+            "--interval-ms",
+            "100",
+        ])
+    };
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        let pod = cri_a
+            .run_pod(&PodSpec::new("multi", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let pair_id = cri_a.run_container(&pod, &pair("0")).await?;
+        let both_id = cri_a.run_container(&pod, &both("all")).await?;
+        let (pair_log, both_log) = (pod.container_log("pair"), pod.container_log("both"));
+        wait_steps(&both_log, 3)?;
+        wait_until(
+            Duration::from_secs(30),
+            "both processes of pair to step",
+            || {
+                (step_map(&pair_log, "stdout").len() >= 3
+                    && step_map(&pair_log, "stderr").len() >= 3)
+                    .then_some(())
+            },
+        )?;
+        let mut archives = Vec::new();
+        let mut befores = Vec::new();
+        for (name, id) in [("pair", &pair_id), ("both", &both_id)] {
+            let archive = a.paths().dir.join(format!("checkpoint-multi-{name}.tar"));
+            let _ = std::fs::remove_file(&archive);
+            let log = pod.container_log(name);
+            let before: Vec<u64> = ["stdout", "stderr"]
+                .iter()
+                .map(|s| step_map(&log, s).keys().next_back().copied().unwrap_or(0))
+                .collect();
+            cri_a.checkpoint_container(id, &archive, 60).await?;
+            let m = archive_manifest(&archive)?;
+            println!("{name}: manifest devices {:?}", m.devices.processes);
+            archives.push(archive);
+            befores.push(before);
+        }
+        let m_pair = archive_manifest(&archives[0])?;
+        ensure!(
+            m_pair.devices.processes.len() == 2,
+            "pair: the manifest records {} GPU processes, want 2",
+            m_pair.devices.processes.len()
+        );
+        let m_both = archive_manifest(&archives[1])?;
+        ensure!(
+            m_both.devices.processes.len() == 1
+                && m_both.devices.processes[0].gpus.len() == 2
+                && m_both.devices.gpus.len() == 2,
+            "both: the manifest records {:?}",
+            m_both.devices
+        );
+
+        let pod_r = cri_b
+            .run_pod(
+                &PodSpec::new("multi", b.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation(
+                        "gpu-ckpt.io/restore-from.pair",
+                        &archives[0].display().to_string(),
+                    )
+                    .annotation(
+                        "gpu-ckpt.io/restore-from.both",
+                        &archives[1].display().to_string(),
+                    ),
+            )
+            .await?;
+        let since = std::time::SystemTime::now();
+        let pair_r = cri_b.run_container(&pod_r, &pair("1")).await?;
+        let both_r = cri_b.run_container(&pod_r, &both("all")).await?;
+        let (rp, rb) = (pod_r.container_log("pair"), pod_r.container_log("both"));
+        expect_stream_continues(
+            &rp,
+            "stdout",
+            since,
+            befores[0][0],
+            &pair_log,
+            "pair, first process",
+        )?;
+        expect_stream_continues(
+            &rp,
+            "stderr",
+            since,
+            befores[0][1],
+            &pair_log,
+            "pair, second process",
+        )?;
+        expect_continues(&rb, since, befores[1][0], &both_log, "both")?;
+        let pid = cri_pid(&cri_b, &both_r).await?;
+        let mut on = gpus_of(&sim_b, pid)?;
+        on.sort();
+        let mut want: Vec<[u8; 16]> = sim_b.node().gpus.iter().map(|g| g.uuid).collect();
+        want.sort();
+        ensure!(
+            on == want,
+            "both: the restored process is on {on:?}, want node B's two GPUs"
+        );
+        let pair_pid = cri_pid(&cri_b, &pair_r).await?;
+        let on_gpu1 = sim_b
+            .processes()?
+            .into_iter()
+            .filter(|p| p.gpu == sim_b.node().gpus[1].uuid && p.pid != pid as u32)
+            .count();
+        ensure!(
+            on_gpu1 == 2,
+            "pair (init pid {pair_pid}): {on_gpu1} processes on node B's GPU 1, want 2"
+        );
+        cri_b.remove_pod(&pod_r).await?;
+        cri_a.remove_pod(&pod).await
+    })
 }
