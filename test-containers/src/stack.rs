@@ -244,6 +244,7 @@ pub struct NodeBuilder {
     env: Vec<(String, String)>,
     start_timeout: Duration,
     cdi_spec_dirs: Option<Vec<PathBuf>>,
+    base_runtime_spec: Option<PathBuf>,
 }
 
 impl NodeBuilder {
@@ -254,6 +255,13 @@ impl NodeBuilder {
     /// /etc/cdi and /var/run/cdi. Without this call the node keeps containerd's defaults.
     pub fn cdi<P: AsRef<Path>>(mut self, spec_dirs: &[P]) -> Self {
         self.cdi_spec_dirs = Some(spec_dirs.iter().map(|d| d.as_ref().to_path_buf()).collect());
+        self
+    }
+
+    /// containerd's `base_runtime_spec` for the gpu-ckpt handler and every extra runtime of
+    /// gpu-ckpt's type: the OCI spec every container of theirs starts from (its hooks kept).
+    pub fn base_runtime_spec(mut self, spec: &Path) -> Self {
+        self.base_runtime_spec = Some(spec.to_path_buf());
         self
     }
 
@@ -431,6 +439,7 @@ impl Node {
             env: Vec::new(),
             start_timeout: Duration::from_secs(20),
             cdi_spec_dirs: None,
+            base_runtime_spec: None,
         }
     }
 
@@ -977,6 +986,9 @@ fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Re
     writeln!(c, "  runtime_type = {}", toml_str(GPU_CKPT_RUNTIME_TYPE))?;
     writeln!(c, "  pod_annotations = {}", toml_list(&ann))?;
     writeln!(c, "  container_annotations = {}", toml_list(&ann))?;
+    if let Some(spec) = &b.base_runtime_spec {
+        writeln!(c, "  base_runtime_spec = {}", s(spec))?;
+    }
     let mut opts: BTreeMap<String, OptValue> = BTreeMap::new();
     opts.insert("BinaryName".into(), RUNC_BINARY.into());
     opts.insert("Root".into(), p.gpu_ckpt_runc_root.as_path().into());
@@ -998,6 +1010,13 @@ fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Re
                 "  container_annotations = {}",
                 toml_list(&r.container_annotations)
             )?;
+        }
+        if let Some(spec) = b
+            .base_runtime_spec
+            .as_ref()
+            .filter(|_| r.runtime_type == GPU_CKPT_RUNTIME_TYPE)
+        {
+            writeln!(c, "  base_runtime_spec = {}", s(spec))?;
         }
         if !r.options.is_empty() {
             writeln!(c, "[{rt}.{}.options]", toml_str(&r.name))?;

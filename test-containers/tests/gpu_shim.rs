@@ -543,7 +543,7 @@ fn ctr_log(pid: i32) -> PathBuf {
 /// too).
 fn ctr_continues(pid: i32, before: u64, what: &str) -> Result<()> {
     let log = ctr_log(pid);
-    let all = wait_steps_after(&log, before, 3).with_context(|| format!("{what}"))?;
+    let all = wait_steps_after(&log, before, 3).with_context(|| what.to_string())?;
     println!("{what}: pid {pid} goes on after step {before}: {all:?}");
     Ok(())
 }
