@@ -27,9 +27,11 @@ build:
 release:
 	$(CARGO) build --release -p gpu-ckpt-shim
 
-# The shim, the gpu-ckpt command and the demo/benchmark drivers, optimised.
+# The shim, the gpu-ckpt command and the demo/benchmark drivers, optimised, with the simulated
+# driver's libcuda.so and libnvidia_ml.so (cdylibs, which `--bins` leaves out) for the demo.
 release-tools:
 	$(CARGO) build --release --workspace --bins
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
 
 # Test workloads are fully static so that images need no libc.
 workloads:

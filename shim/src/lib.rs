@@ -1,5 +1,5 @@
-//! gpu-ckpt's containerd shim: the task service over runc, and (later) checkpoint and restore
-//! with device state.
+//! gpu-ckpt's containerd shim: the task service over runc, and checkpoint and restore with
+//! device state.
 //!
 //! The binary `containerd-shim-gpu-ckpt-v1` is [`service::Service`] run by the containerd-shim
 //! crate; each module is one role:
@@ -7,7 +7,9 @@
 //! - [`service`]: containerd's `start`/`delete` actions, grouping one shim per pod;
 //! - [`task`]: the Task API mapped onto containers, and the exit handler;
 //! - [`container`]: one container's steps (create, start, exec, kill, delete, checkpoint,
-//!   restore) with their undo; [`checkpoint`]: CRIU options; [`annotations`]: `gpu-ckpt.io/` keys;
+//!   restore) with their undo; [`device`]: the device steps they call (GPU processes, lock,
+//!   checkpoint, restore, unlock, GPU pairs); [`checkpoint`]: CRIU options; [`annotations`]:
+//!   `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
 //! - [`runc`]: every runc invocation;

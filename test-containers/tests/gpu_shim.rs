@@ -60,6 +60,22 @@ fn archive_manifest(archive: &Path) -> Result<Manifest> {
         .with_context(|| format!("{} has no gpu-ckpt manifest", archive.display()))
 }
 
+/// containerd's restore-via-create of `archive` as container `train` of `pod`, given the
+/// simulated GPU `device` through `CDI_devices`: the container is created, not started.
+async fn create_from_archive(cri: &Cri, pod: &Pod, archive: &Path, device: &str) -> Result<String> {
+    let mut config = train_spec("train", device).to_config(&pod.spec);
+    config.image = Some(cri::ImageSpec {
+        image: archive.display().to_string(),
+        ..Default::default()
+    });
+    config.cdi_devices = vec![cri::CdiDevice {
+        name: format!("{KIND}={device}"),
+    }];
+    std::fs::create_dir_all(pod.spec.log_directory().join("train"))?;
+    cri.create_container_raw(&pod.id, config, pod.config.clone())
+        .await
+}
+
 /// Runs a GPU training pod on `node` and checkpoints it through CRI (the kubelet path); returns
 /// the archive, the pod, its container id, and the last step logged before the checkpoint.
 async fn checkpoint_train(
@@ -194,14 +210,11 @@ fn expect_stream_continues(
 
 #[test]
 fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
-    let sim_a = sim_gpus(2, 256, "node-a")?;
-    let sim_b = sim_gpus(2, 256, "node-b")?;
+    let (sim_a, sim_b, a, b) = two_gpu_nodes("train", 2)?;
     ensure!(
         sim_a.uuids() != sim_b.uuids(),
         "the two nodes' GPUs must differ"
     );
-    let a = gpu_node("gpu-a", &sim_a, &[])?;
-    let b = gpu_node("gpu-b", &sim_b, &[])?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
@@ -240,25 +253,26 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
             "manifest node GPUs {:?}",
             m.devices.node_gpus
         );
+        // `gpu-ckpt inspect` shows the GPU, the process and its device bytes.
+        let cli = test_containers::gpuproc::binary(
+            &test_containers::stack::Stack::discover()?,
+            "gpu-ckpt",
+        )?;
+        let shown = run_ok(std::process::Command::new(&cli).arg("inspect").arg(&archive))?;
+        let bytes = m.devices.device_bytes();
+        ensure!(
+            shown.contains(&sim_a.uuids()[0])
+                && shown.contains("Process 1: ")
+                && shown.contains("Device bytes (staged in host memory)"),
+            "gpu-ckpt inspect does not show the GPU, the process and its {bytes} device bytes:\n{shown}"
+        );
 
         // 1. restore-via-create on node B, onto its GPU 1 (another UUID, another index); the
         //    original still runs on A.
         let pod_b = cri_b
             .run_pod(&PodSpec::new("trainer", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
             .await?;
-        let restored = train_spec("train", "1");
-        let mut config = restored.to_config(&pod_b.spec);
-        config.image = Some(cri::ImageSpec {
-            image: archive.display().to_string(),
-            ..Default::default()
-        });
-        config.cdi_devices = vec![cri::CdiDevice {
-            name: format!("{KIND}=1"),
-        }];
-        std::fs::create_dir_all(pod_b.spec.log_directory().join("train"))?;
-        let id_b = cri_b
-            .create_container_raw(&pod_b.id, config, pod_b.config.clone())
-            .await?;
+        let id_b = create_from_archive(&cri_b, &pod_b, &archive, "1").await?;
         let since = std::time::SystemTime::now();
         cri_b.start_container(&id_b).await?;
         expect_continues(
@@ -380,10 +394,7 @@ fn without_the_device_steps_the_checkpoint_fails_naming_the_gpu_process() -> Res
 /// running, and each error names its step.
 #[test]
 fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Result<()> {
-    let sim_a = sim_gpus(1, 256, "fault-a")?;
-    let sim_b = sim_gpus(1, 256, "fault-b")?;
-    let a = gpu_node("gpu-fault-a", &sim_a, &[])?;
-    let b = gpu_node("gpu-fault-b", &sim_b, &[])?;
+    let (sim_a, sim_b, a, b) = two_gpu_nodes("fault", 1)?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
@@ -563,10 +574,7 @@ fn ctr_remove(node: &Node, id: &str) {
 
 #[test]
 fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> {
-    let sim_a = sim_gpus(2, 256, "ctr-a")?;
-    let sim_b = sim_gpus(2, 256, "ctr-b")?;
-    let a = gpu_node("gpu-ctr-a", &sim_a, &[])?;
-    let b = gpu_node("gpu-ctr-b", &sim_b, &[])?;
+    let (sim_a, sim_b, a, b) = two_gpu_nodes("ctr", 2)?;
 
     // 1. `ctr container checkpoint --task` (the task keeps running), then `ctr container
     //    restore --live` of the checkpoint image in place of the original.
@@ -836,18 +844,7 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
         let pod_c = cri_c
             .run_pod(&PodSpec::new("fit", c.pod_log_root()).handler(GPU_CKPT_HANDLER))
             .await?;
-        let mut config = train_spec("train", "0").to_config(&pod_c.spec);
-        config.image = Some(cri::ImageSpec {
-            image: source.clone(),
-            ..Default::default()
-        });
-        config.cdi_devices = vec![cri::CdiDevice {
-            name: format!("{KIND}=0"),
-        }];
-        std::fs::create_dir_all(pod_c.spec.log_directory().join("train"))?;
-        let id_c = cri_c
-            .create_container_raw(&pod_c.id, config, pod_c.config.clone())
-            .await?;
+        let id_c = create_from_archive(&cri_c, &pod_c, &archive, "0").await?;
         let err = match cri_c.start_container(&id_c).await {
             Ok(()) => anyhow::bail!("a restore onto driver 575 of a driver 580 checkpoint started"),
             Err(e) => format!("{e:#}"),
@@ -877,10 +874,7 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
 /// the restore handler (one checkpoint per container, `gpu-ckpt.io/restore-from.<name>`).
 #[test]
 fn several_gpu_processes_gpus_and_containers() -> Result<()> {
-    let sim_a = sim_gpus(2, 256, "multi-a")?;
-    let sim_b = sim_gpus(2, 256, "multi-b")?;
-    let a = gpu_node("gpu-multi-a", &sim_a, &[])?;
-    let b = gpu_node("gpu-multi-b", &sim_b, &[])?;
+    let (_sim_a, sim_b, a, b) = two_gpu_nodes("multi", 2)?;
     // "pair": two gpu-train processes on GPU 0 (the second logs to stderr); "both": one
     // gpu-train on both GPUs.
     let pair = |device: &str| {

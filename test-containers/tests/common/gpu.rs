@@ -37,6 +37,16 @@ pub fn sim_gpus(gpus: u32, memory_mib: u64, seed: &str) -> Result<SimNode> {
     })
 }
 
+/// Two GPU nodes `gpu-<name>-a` and `gpu-<name>-b` ([`gpu_node`]), each with its own simulated
+/// driver of `gpus` GPUs (256 MiB each) and other UUIDs.
+pub fn two_gpu_nodes(name: &str, gpus: u32) -> Result<(SimNode, SimNode, Node, Node)> {
+    let sim_a = sim_gpus(gpus, 256, &format!("{name}-a"))?;
+    let sim_b = sim_gpus(gpus, 256, &format!("{name}-b"))?;
+    let a = gpu_node(&format!("gpu-{name}-a"), &sim_a, &[])?;
+    let b = gpu_node(&format!("gpu-{name}-b"), &sim_b, &[])?;
+    Ok((sim_a, sim_b, a, b))
+}
+
 /// A node whose CRI reads the simulated node's CDI spec, with the test images.
 pub fn cdi_node(name: &str, sim: &SimNode) -> Result<Node> {
     node_with(Node::builder(name)?.cni(false).cdi(&[sim.cdi_dir()]))
