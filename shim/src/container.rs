@@ -38,7 +38,7 @@ use crate::{
     options::RuntimeOptions,
     process::{Process, Status},
     restore,
-    runc::{tool_output, CreateOpts, Runc},
+    runc::{CreateOpts, Runc},
     spec_check,
     stdio::{self, Absent},
     sub_mounts,
@@ -375,6 +375,8 @@ impl Container {
 
     /// Restores the container's process tree from the checkpoint directory `dir`.
     async fn restore(&mut self, dir: &Path) -> Result<()> {
+        // A CRIU older than the minimum fails here, before anything is read.
+        crate::criu::version().await?;
         // Step 1: verify the checkpoint against its manifest: listing, sizes, and the digest of
         // every file but the page images, before CRIU reads any of it. The page images are
         // hashed while CRIU restores them (step 3) when the gate can hold the restored tasks;
@@ -755,6 +757,8 @@ impl Container {
                 self.id
             )));
         }
+        // A CRIU older than the minimum fails here, before anything is touched.
+        crate::criu::version().await?;
         let here = self.init.status == Status::Running;
         if here {
             let pids = self.runc.ps(&self.id).await?;
@@ -843,7 +847,11 @@ impl Container {
         // iptables-restore runs) holds TCP conversations still. A paused container whose own
         // namespace has no TCP connection and no interface but loopback has none to hold, and
         // none can start before CRIU freezes it.
-        let skip_network_lock = self.own_network_namespace
+        // `network-lock skip` from CRIU 4.2 on (4.1 crashes on it).
+        let skip_network_lock = crate::criu::version()
+            .await
+            .is_ok_and(|v| v.network_lock_skip())
+            && self.own_network_namespace
             && self.init.status == Status::Paused
             && checkpoint::nothing_to_lock(self.init.pid);
         if skip_network_lock {
@@ -1219,13 +1227,10 @@ fn restrict_files(dir: &Path) -> Result<()> {
 
 /// The versions a checkpoint was taken with.
 async fn node_info(runc: &Runc) -> manifest::Node {
-    let criu = tool_output("criu", &["--version"]).await;
-    let criu = criu
-        .lines()
-        .find_map(|l| l.strip_prefix("Version:"))
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let criu = crate::criu::version()
+        .await
+        .map(|v| v.to_string())
+        .unwrap_or_default();
     let uts = nix::sys::utsname::uname().ok();
     manifest::Node {
         hostname: uts

@@ -23,6 +23,7 @@
 pub mod annotations;
 pub mod checkpoint;
 pub mod container;
+pub mod criu;
 pub mod device;
 pub mod error;
 pub mod events;

@@ -1,0 +1,67 @@
+//! The CRIU the shim drives is checked once per shim process: one older than the minimum fails a
+//! checkpoint at once, with one line naming the CRIU found and the minimum, and the container
+//! runs on untouched.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use anyhow::{ensure, Result};
+use common::*;
+use test_containers::stack::{Node, Stack};
+
+#[test]
+fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
+    // A `criu` ahead of the stack's in the node's PATH that says it is 3.17.1 (Debian
+    // bookworm's release) and would fail anything else.
+    let fake = tempfile::tempdir()?;
+    let criu = fake.path().join("criu");
+    std::fs::write(
+        &criu,
+        "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Version: 3.17.1'; exit 0; }\necho \"fake criu: $*\" >&2\nexit 1\n",
+    )?;
+    std::fs::set_permissions(&criu, std::fs::Permissions::from_mode(0o755))?;
+    let path = format!("{}:{}", fake.path().display(), Stack::discover()?.path_env());
+    let node = node_with(Node::builder("criu-old")?.env("PATH", &path))?;
+    let pid = run_detached(
+        &node,
+        &[workloads(), "old", "/bin/counter", "--interval-ms", "100"],
+    )?;
+    wait_until(Duration::from_secs(10), "the counter to reach 3", || {
+        counter_value(pid).filter(|v| *v >= 3)
+    })?;
+    let dir = node.paths().dir.join("old-ckpt");
+    let out = node.ctr(&[
+        "task",
+        "checkpoint",
+        "--image-path",
+        &dir.display().to_string(),
+        "old",
+    ])?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    println!("{err}");
+    ensure!(!out.status.success(), "the checkpoint with CRIU 3.17.1 succeeded");
+    ensure!(
+        err.contains("CRIU 3.17.1 is older than the oldest gpu-ckpt supports, 4.1.0"),
+        "the error does not name the CRIU found and the minimum: {err}"
+    );
+    ensure!(
+        !err.contains("fake criu"),
+        "runc ran the old CRIU before the check: {err}"
+    );
+    ensure!(
+        !dir.join(image_format::manifest::MANIFEST_FILE).exists(),
+        "a failed checkpoint left a manifest"
+    );
+    let now = counter_value(pid).unwrap_or(0);
+    wait_until(Duration::from_secs(5), "the counter to go on", || {
+        counter_value(pid).filter(|v| *v > now)
+    })?;
+    ensure!(
+        node.task_status("old")? == "RUNNING",
+        "the container is {} after the refused checkpoint",
+        node.task_status("old")?
+    );
+    Ok(())
+}
