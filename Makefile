@@ -71,6 +71,15 @@ bench-gpu: deps release-tools
 	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
 	target/release/gpu-ckpt-bench gpu --gib 1 --rounds 12
 
+# A container holding 1 GiB of simulated device memory (gpu-fill) against one holding 1 GiB of host
+# memory (memhog), through the release shim: checkpoint, restore and the CRI freeze, next to
+# runc-v2's freeze (docs/benchmarks.md). The simulated libcuda.so and libnvidia_ml.so (cdylibs)
+# are built here as for bench-gpu.
+.PHONY: bench-gpu-container
+bench-gpu-container: deps images release-tools
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-container --gib 1 --runs 3
+
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
 # driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.
 .PHONY: gpu-check gpu-check-bundle

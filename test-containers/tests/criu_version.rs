@@ -22,7 +22,11 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
         "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Version: 3.17.1'; exit 0; }\necho \"fake criu: $*\" >&2\nexit 1\n",
     )?;
     std::fs::set_permissions(&criu, std::fs::Permissions::from_mode(0o755))?;
-    let path = format!("{}:{}", fake.path().display(), Stack::discover()?.path_env());
+    let path = format!(
+        "{}:{}",
+        fake.path().display(),
+        Stack::discover()?.path_env()
+    );
     let node = node_with(Node::builder("criu-old")?.env("PATH", &path))?;
     let pid = run_detached(
         &node,
@@ -41,7 +45,10 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
     ])?;
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     println!("{err}");
-    ensure!(!out.status.success(), "the checkpoint with CRIU 3.17.1 succeeded");
+    ensure!(
+        !out.status.success(),
+        "the checkpoint with CRIU 3.17.1 succeeded"
+    );
     ensure!(
         err.contains("CRIU 3.17.1 is older than the oldest gpu-ckpt supports, 4.1.0"),
         "the error does not name the CRIU found and the minimum: {err}"

@@ -155,9 +155,11 @@ pub struct FillOpts {
     pub seed: u64,
     pub verify_and_exit: bool,
     pub show_uuids: bool,
+    /// After filling, a `tick <n>` line every this many milliseconds, each after one driver call.
+    pub tick_ms: Option<u64>,
 }
 
-pub const FILL_USAGE: &str = "usage: gpu-fill [--gib N | --mib M] [--devices all|0,1] [--seed S] [--verify-and-exit] [--show-uuids]";
+pub const FILL_USAGE: &str = "usage: gpu-fill [--gib N | --mib M] [--devices all|0,1] [--seed S] [--verify-and-exit] [--show-uuids] [--tick-ms MS]";
 
 impl FillOpts {
     pub fn parse(args: &[String]) -> Result<FillOpts, String> {
@@ -167,9 +169,10 @@ impl FillOpts {
             seed: 1,
             verify_and_exit: false,
             show_uuids: false,
+            tick_ms: None,
         };
         let boolean = ["--verify-and-exit", "--show-uuids"];
-        let valued = ["--devices", "--gib", "--mib", "--seed"];
+        let valued = ["--devices", "--gib", "--mib", "--seed", "--tick-ms"];
         for (f, v) in pairs(args, &boolean, &valued)? {
             match f.as_str() {
                 "--devices" => o.devices = Devices::parse(value(&f, &v)?)?,
@@ -178,11 +181,15 @@ impl FillOpts {
                 "--seed" => o.seed = number(&f, &v)?,
                 "--verify-and-exit" => o.verify_and_exit = true,
                 "--show-uuids" => o.show_uuids = true,
+                "--tick-ms" => o.tick_ms = Some(number(&f, &v)?),
                 _ => return Err(format!("unknown flag {f}")),
             }
         }
         if o.bytes == 0 {
             return Err("--gib/--mib must be at least 1".into());
+        }
+        if o.tick_ms == Some(0) {
+            return Err("--tick-ms must be at least 1".into());
         }
         Ok(o)
     }
@@ -253,6 +260,12 @@ mod tests {
         assert_eq!(FillOpts::parse(&s(&["--gib=4"])).unwrap().bytes, 4 << 30);
         assert!(FillOpts::parse(&s(&["--gib", "99999999999999"])).is_err());
         assert!(FillOpts::parse(&s(&["--mib", "0"])).is_err());
+        assert_eq!(d.tick_ms, None);
+        assert_eq!(
+            FillOpts::parse(&s(&["--tick-ms", "10"])).unwrap().tick_ms,
+            Some(10)
+        );
+        assert!(FillOpts::parse(&s(&["--tick-ms", "0"])).is_err());
     }
 
     #[test]

@@ -15,6 +15,10 @@
 //! - `gpu`: lock + checkpoint + restore + unlock of a gpu-fill's device memory on a simulated
 //!   node (the gpu crate's `CudaDriver`, in this process), next to copying the same bytes out
 //!   and back through a pipe. Needs no containerd: it starts only the simulated node.
+//! - `device-container`: on a node with one simulated GPU, checkpoint and restore through the
+//!   shim (ctr and the containerd API) of a container holding N GiB of device memory (gpu-fill)
+//!   against one holding N GiB of host memory (memhog), and the CRI freeze of each, next to
+//!   runc-v2's freeze of the host-memory one; with where the time went, from the shim's spans.
 
 use std::{
     path::Path,
@@ -27,7 +31,8 @@ use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{
-        read_images_json, Node, Registry, Stack, GPU_CKPT_HANDLER, RUNC_HANDLER, WORKLOADS_IMAGE,
+        read_images_json, Node, NodeBuilder, Registry, Stack, GPU_CKPT_HANDLER,
+        GPU_WORKLOADS_IMAGE, RUNC_HANDLER, WORKLOADS_IMAGE,
     },
 };
 
@@ -82,27 +87,29 @@ enum What {
         #[arg(long, default_value_t = 0)]
         pipe_kib: usize,
     },
+    /// A container holding device memory (gpu-fill on a simulated GPU) against one holding as
+    /// much host memory (memhog), through gpu-ckpt: checkpoint, restore and CRI freeze.
+    DeviceContainer {
+        #[arg(long, default_value_t = 1)]
+        gib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let What::Gpu {
-        gib,
-        rounds,
-        pipe_kib,
-    } = args.what
-    {
-        return device_bench::bench(gib, rounds, pipe_kib);
+    match args.what {
+        What::Gpu {
+            gib,
+            rounds,
+            pipe_kib,
+        } => return device_bench::bench(gib, rounds, pipe_kib),
+        What::DeviceContainer { gib, runs } => return device_container(gib, runs),
+        _ => {}
     }
     let stack = Stack::discover()?;
-    let registry = Registry::ensure_running(&stack)?;
-    let node = Node::builder_on(&stack, "bench")
-        .log_level("info")
-        .start()?;
-    registry.push_images(&node)?;
-    for img in read_images_json(&stack.images_dir())? {
-        node.import_image(&img.tar, "default")?;
-    }
+    let node = start_node(&stack, Node::builder_on(&stack, "bench").log_level("info"))?;
     match args.what {
         What::Lifecycle { n } => lifecycle(&node, n),
         What::Memory { pods } => tokio::runtime::Runtime::new()?.block_on(memory(&node, pods)),
@@ -115,8 +122,22 @@ fn main() -> Result<()> {
         What::Freeze { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
-        What::Gpu { .. } => unreachable!("run before the node is started"),
+        What::Gpu { .. } | What::DeviceContainer { .. } => {
+            unreachable!("run before the node is started")
+        }
     }
+}
+
+/// Starts the node `builder` describes, with the registry running and the test images pushed
+/// and imported into the "default" namespace.
+fn start_node(stack: &Stack, builder: NodeBuilder) -> Result<Node> {
+    let registry = Registry::ensure_running(stack)?;
+    let node = builder.start()?;
+    registry.push_images(&node)?;
+    for img in read_images_json(&stack.images_dir())? {
+        node.import_image(&img.tar, "default")?;
+    }
+    Ok(node)
 }
 
 fn run_once(node: &Node, flags: &[String], id: &str) -> Result<Duration> {
@@ -386,26 +407,249 @@ fn wait_filled(status: &Path) -> Result<()> {
     }
 }
 
-/// One checkpoint (exit) and restore of a memhog through a shim; returns both durations.
+/// A workload of a ctr checkpoint and restore ([`shim_round`]): how ctr runs it, when it is
+/// ready for the checkpoint, and how a restored one shows that its memory is intact.
+struct CtrApp {
+    /// `ctr run` flags after the runtime's: devices, mounts.
+    flags: Vec<String>,
+    image: &'static str,
+    args: Vec<String>,
+    /// MiB of memory to warm before each timed step ([`settle`]).
+    warm_mib: u64,
+    kind: AppKind,
+    /// Whether a restored one is checked ([`CtrApp::check`]) before it is removed.
+    check_restored: bool,
+}
+
+#[derive(Clone, Copy)]
+enum AppKind {
+    /// A memhog with `--status-file /status.txt` ([`memhog_args`]).
+    Memhog,
+    /// A gpu-fill of `bytes` writing its output to [`APP_LOG`] (on [`OUT_TMPFS`]), its GPU a
+    /// CDI device: ctr runs through [`Node::ctr_cdi`].
+    GpuFill { bytes: u64 },
+}
+
+/// A tmpfs at /out for a ctr container's output: ctr's `--log-uri file://` does not survive a
+/// gpu-ckpt checkpoint, a tmpfs's files travel with the process (CRIU dumps them).
+const OUT_TMPFS: &str = "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m";
+/// Where a ctr container's workload logs, below its root.
+const APP_LOG: &str = "out/app.log";
+
+impl CtrApp {
+    /// The checkpoint bench's memhog of `mib` MiB.
+    fn memhog(mib: u64) -> CtrApp {
+        CtrApp {
+            flags: Vec::new(),
+            image: WORKLOADS_IMAGE,
+            args: memhog_args(mib),
+            warm_mib: warm_mib(mib),
+            kind: AppKind::Memhog,
+            check_restored: false,
+        }
+    }
+
+    /// A gpu-fill of `gib` GiB on simulated GPU 0, checked after the restore. Its steps put
+    /// twice its device memory into fresh host memory: at a checkpoint the staged copy in the
+    /// process and CRIU's images of it, at a restore the process's pages and the device's.
+    fn gpu_fill(gib: u64) -> CtrApp {
+        CtrApp {
+            flags: [
+                "--device",
+                &format!("{}=0", simgpu::cdi::KIND),
+                "--mount",
+                OUT_TMPFS,
+            ]
+            .map(String::from)
+            .to_vec(),
+            image: GPU_WORKLOADS_IMAGE,
+            args: [
+                "/bin/sh",
+                "-c",
+                &format!(
+                    "exec {} > /{APP_LOG} 2>&1",
+                    gpu_fill_args(gib, None).join(" ")
+                ),
+            ]
+            .map(String::from)
+            .to_vec(),
+            warm_mib: warm_mib(2 * gib * 1024),
+            kind: AppKind::GpuFill { bytes: gib << 30 },
+            check_restored: true,
+        }
+    }
+
+    /// `ctr <args>` on `node`, through [`Node::ctr_cdi`] when the workload has a CDI device.
+    fn ctr(&self, node: &Node, args: &[&str]) -> Result<()> {
+        if matches!(self.kind, AppKind::Memhog) {
+            return node.ctr_ok(args).map(drop);
+        }
+        let out = node.ctr_cdi("default", args)?;
+        if !out.status.success() {
+            bail!(
+                "ctr {}: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        Ok(())
+    }
+
+    /// Waits until the workload in host process `pid` has filled its memory (a memhog: and
+    /// verified it once).
+    fn ready(&self, pid: i32) -> Result<()> {
+        match self.kind {
+            AppKind::Memhog => wait_filled(&memhog_status(pid)),
+            AppKind::GpuFill { .. } => wait_text(&app_log(pid), "gpu-fill to fill", |log| {
+                gpu_fill_failed(log)?;
+                Ok(log.lines().any(|l| l.starts_with("filled ")).then_some(()))
+            }),
+        }
+    }
+
+    /// Where the workload is before the checkpoint: a memhog's last verification pass, the
+    /// number of gpu-fill's verifications.
+    fn mark(&self, pid: i32) -> Result<u64> {
+        match self.kind {
+            AppKind::Memhog => Ok(memhog_pass(&std::fs::read_to_string(memhog_status(pid))?)),
+            AppKind::GpuFill { .. } => {
+                Ok(gpu_fill_verified(&std::fs::read_to_string(app_log(pid))?).count() as u64)
+            }
+        }
+    }
+
+    /// Checks the restored workload in host process `pid` (`mark` from before the checkpoint):
+    /// a memhog verifies all its memory in a pass that began after the restore (the second
+    /// after `mark`: the first may have begun before the checkpoint); gpu-fill is asked
+    /// (SIGUSR1) and verifies every byte of its device memory. Returns its verdict.
+    fn check(&self, pid: i32, mark: u64) -> Result<String> {
+        match self.kind {
+            AppKind::Memhog => wait_text(&memhog_status(pid), "memhog to verify", |s| {
+                if s.contains("CORRUPT") {
+                    bail!("restored memhog: {}", s.trim());
+                }
+                Ok((memhog_pass(s) >= mark + 2).then(|| s.trim().to_string()))
+            }),
+            AppKind::GpuFill { bytes } => {
+                // SAFETY: a signal to the restored workload's process.
+                if unsafe { libc::kill(pid, libc::SIGUSR1) } != 0 {
+                    bail!("kill -USR1 {pid}: {}", std::io::Error::last_os_error());
+                }
+                let want = format!("verified {bytes} bytes");
+                wait_text(&app_log(pid), "gpu-fill to verify", |log| {
+                    gpu_fill_failed(log)?;
+                    let done: Vec<&str> = gpu_fill_verified(log).collect();
+                    match done.get(mark as usize) {
+                        Some(l) if *l == want => Ok(Some(l.to_string())),
+                        Some(l) => bail!("restored gpu-fill: {l}"),
+                        None => Ok(None),
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// gpu-fill's arguments: `gib` GiB on GPU 0, a fixed seed, ticks every `tick_ms`.
+fn gpu_fill_args(gib: u64, tick_ms: Option<u64>) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "/usr/bin/gpu-fill",
+        "--gib",
+        &gib.to_string(),
+        "--devices",
+        "0",
+        "--seed",
+        "7",
+    ]
+    .map(String::from)
+    .to_vec();
+    if let Some(ms) = tick_ms {
+        v.extend(["--tick-ms".to_string(), ms.to_string()]);
+    }
+    v
+}
+
+fn memhog_status(pid: i32) -> std::path::PathBuf {
+    format!("/proc/{pid}/root/status.txt").into()
+}
+
+fn app_log(pid: i32) -> std::path::PathBuf {
+    format!("/proc/{pid}/root/{APP_LOG}").into()
+}
+
+/// The pass number in a memhog's status (`verified pass <k> …`); 0 before the first.
+fn memhog_pass(status: &str) -> u64 {
+    status
+        .trim()
+        .strip_prefix("verified pass ")
+        .and_then(|r| r.split(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// gpu-fill's verdicts in its log, in order (`verified …` or `MISMATCH …`).
+fn gpu_fill_verified(log: &str) -> impl Iterator<Item = &str> {
+    log.lines()
+        .filter(|l| l.starts_with("verified ") || l.starts_with("MISMATCH"))
+}
+
+/// An error line of gpu-fill's (`gpu-fill: …`: a driver error, it exited).
+fn gpu_fill_failed(log: &str) -> Result<()> {
+    match log.lines().find(|l| l.starts_with("gpu-fill: ")) {
+        Some(l) => bail!("{l}"),
+        None => Ok(()),
+    }
+}
+
+/// Polls the file `path` until `done` says it holds what is awaited (or fails); 300 s at most.
+fn wait_text<T>(
+    path: &Path,
+    what: &str,
+    mut done: impl FnMut(&str) -> Result<Option<T>>,
+) -> Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        if let Some(v) = done(&text)? {
+            return Ok(v);
+        }
+        if Instant::now() > deadline {
+            bail!("timed out waiting for {what} ({}): {text}", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// One [`shim_round`].
+struct ShimRound {
+    checkpoint: Duration,
+    restore: Duration,
+    /// The restored workload's verdict ([`CtrApp::check`]), when checked.
+    intact: Option<String>,
+}
+
+/// One checkpoint (`ctr task checkpoint --exit --image-path`) and restore (containerd API,
+/// `CriuImagePath`) of `app` through a shim; both timed.
 async fn shim_round(
     node: &Node,
     api: &Containerd,
     flags: &[String],
     id: &str,
-    mib: u64,
-) -> Result<(Duration, Duration)> {
-    let memhog = memhog_args(mib);
+    app: &CtrApp,
+) -> Result<ShimRound> {
     let mut args: Vec<&str> = vec!["run", "-d"];
     args.extend(flags.iter().map(String::as_str));
-    args.extend([WORKLOADS_IMAGE, id]);
-    args.extend(memhog.iter().map(String::as_str));
-    node.ctr_ok(&args)?;
+    args.extend(app.flags.iter().map(String::as_str));
+    args.extend([app.image, id]);
+    args.extend(app.args.iter().map(String::as_str));
+    app.ctr(node, &args)?;
     let pid = node.task_pid(id)?;
-    wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
+    app.ready(pid)?;
     // An earlier round's directory goes before the writeback, not inside the timed step.
     let dir = node.paths().dir.join(format!("bench-{id}"));
     let _ = std::fs::remove_dir_all(&dir);
-    settle(node.paths().dir.as_path(), warm_mib(mib))?;
+    settle(node.paths().dir.as_path(), app.warm_mib)?;
+    let mark = app.mark(pid)?;
     let t = Instant::now();
     node.checkpoint_task_exit(id, &dir)?;
     let ckpt = t.elapsed();
@@ -423,16 +667,24 @@ async fn shim_round(
         );
     }
     node.ctr_ok(&["task", "rm", id])?;
-    settle(node.paths().dir.as_path(), warm_mib(mib))?;
+    settle(node.paths().dir.as_path(), app.warm_mib)?;
     let t = Instant::now();
-    api.restore_from_image_path(id, &dir).await?;
+    let restored = api.restore_from_image_path(id, &dir).await?;
     let restore = t.elapsed();
+    let intact = app
+        .check_restored
+        .then(|| app.check(restored as i32, mark))
+        .transpose();
     node.ctr(&["task", "kill", "-s", "SIGKILL", id])?;
     std::thread::sleep(Duration::from_millis(300));
     node.ctr(&["task", "rm", id])?;
     node.ctr(&["container", "rm", id])?;
     let _ = std::fs::remove_dir_all(&dir);
-    Ok((ckpt, restore))
+    Ok(ShimRound {
+        checkpoint: ckpt,
+        restore,
+        intact: intact.with_context(|| format!("{id}: the restored workload"))?,
+    })
 }
 
 /// One checkpoint (`ctr task checkpoint --exit`) and restore (containerd API) of a memhog of
@@ -719,9 +971,14 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     let mut times: [Vec<(Duration, Duration)>; 5] = Default::default();
     for i in 0..=runs {
         for path in round_order(i.saturating_sub(1), names.len()) {
+            let memhog = CtrApp::memhog(mib);
             let round = match path {
-                0 => shim_round(node, &api, &ours, &format!("g{i}"), mib).await?,
-                1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), mib).await?,
+                0 => shim_round(node, &api, &ours, &format!("g{i}"), &memhog)
+                    .await
+                    .map(|r| (r.checkpoint, r.restore))?,
+                1 => shim_round(node, &api, &runc_flags, &format!("r{i}"), &memhog)
+                    .await
+                    .map(|r| (r.checkpoint, r.restore))?,
                 2 => raw_round(node, &format!("w{i}"), mib, false)?,
                 3 => raw_round(node, &format!("h{i}"), mib, true)?,
                 _ => raw_round(node, &format!("c{i}"), mib, false)?,
@@ -746,7 +1003,6 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
             .collect()
     };
     let med = median_f64;
-    let fastest = |v: Vec<f64>| v.into_iter().reduce(f64::min).unwrap_or(f64::NAN);
     let both = |f: &dyn Fn(bool) -> f64| [f(false), f(true)];
     println!(
         "| path ({mib} MiB memhog, {runs} rounds) | checkpoint median | restore median | checkpoint fastest | restore fastest |"
@@ -761,7 +1017,7 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     ];
     for (p, label) in rows {
         let [mc, mr] = both(&|r| med(step(&times[p], r)));
-        let [fc, fr] = both(&|r| fastest(step(&times[p], r)));
+        let [fc, fr] = both(&|r| fastest(&step(&times[p], r)));
         println!("| {label} | {mc:.2} s | {mr:.2} s | {fc:.2} s | {fr:.2} s |");
     }
     // Three views of each ratio: of the medians; the median of the ratios within each round
@@ -771,15 +1027,7 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
     println!("\n| gpu-ckpt / baseline | checkpoint: medians, per round [95% interval], fastest | restore: medians, per round [95% interval], fastest |");
     println!("| --- | --- | --- |");
     let cell = |path: usize, base: usize, restore: bool| {
-        let (a, b) = (step(&times[path], restore), step(&times[base], restore));
-        let p = paired(&a, &b);
-        let (lo, hi) = p.interval;
-        format!(
-            "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
-            p.of_medians,
-            p.per_round,
-            fastest(a) / fastest(b)
-        )
+        ratio_cell(&step(&times[path], restore), &step(&times[base], restore))
     };
     for (p, label) in &rows[..3] {
         println!(
@@ -794,6 +1042,35 @@ async fn checkpoint(node: &Node, mib: u64, runs: usize) -> Result<()> {
         cell(4, 2, true)
     );
     Ok(())
+}
+
+/// The fastest of `v` (noise on a shared VM only ever adds time); NaN when empty.
+fn fastest(v: &[f64]) -> f64 {
+    v.iter().copied().reduce(f64::min).unwrap_or(f64::NAN)
+}
+
+/// `a` against `b`, paired by round: the ratio of the medians, the median of the per-round
+/// ratios with its 95% interval, and the ratio of the fastest rounds.
+fn ratio_cell(a: &[f64], b: &[f64]) -> String {
+    let p = paired(a, b);
+    let (lo, hi) = p.interval;
+    format!(
+        "{:.3}, {:.3} [{lo:.3}–{hi:.3}], {:.3}",
+        p.of_medians,
+        p.per_round,
+        fastest(a) / fastest(b)
+    )
+}
+
+/// `a` against `b`, paired by run: the ratio of the medians, the median of the per-run ratios
+/// with its 95% interval.
+fn ratio_line(a: &[f64], b: &[f64]) -> String {
+    let p = paired(a, b);
+    let (lo, hi) = p.interval;
+    format!(
+        "medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
+        p.of_medians, p.per_round
+    )
 }
 
 /// Timestamps of a CRI container log's lines.
@@ -841,7 +1118,9 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
                 &api,
                 handler,
                 &format!("freeze-{which}-{i}"),
-                mib,
+                &memhog_ticker(mib, 20),
+                // The dump, containerd's copy into its content store and the archive.
+                3 * mib,
             )
             .await?;
             eprintln!(
@@ -870,14 +1149,7 @@ async fn freeze(node: &Node, mib: u64, runs: usize) -> Result<()> {
     }
     // Run i of each shim ran back to back: the per-run ratio cancels drift between runs.
     let frozen = |w: usize| times[w].iter().map(|x| secs(x.frozen)).collect::<Vec<_>>();
-    let line = |which: usize| {
-        let p = paired(&frozen(which), &frozen(0));
-        let (lo, hi) = p.interval;
-        format!(
-            "medians {:.3}, per run {:.3} [95% interval {lo:.3}–{hi:.3}]",
-            p.of_medians, p.per_round
-        )
-    };
+    let line = |which: usize| ratio_line(&frozen(which), &frozen(0));
     println!("\nfreeze ratio (gpu-ckpt / runc-v2): {}", line(1));
     println!("control (runc-v2 again / runc-v2): {}", line(2));
     Ok(())
@@ -895,50 +1167,80 @@ struct Freeze {
     /// CRIU's own frozen time, from its statistics in the archive: the dump alone (the task
     /// is paused already when CRIU starts).
     criu: Duration,
+    /// gpu-ckpt's device steps (the shim's spans in the node's log; zero without debug logging,
+    /// or on runc-v2): Pause's lock and checkpoint of the device state, before the task is
+    /// paused …
+    device_pause: Duration,
+    /// … and Resume's restore and unlock, after it is thawed and before `/tasks/resumed`.
+    device_resume: Duration,
 }
 
-/// One pod on `handler` whose container holds `mib` MiB and ticks every 20 ms into its CRI
-/// log; CRI CheckpointContainer, with the task events containerd sees around it.
+/// A container (CRI name `app`) that holds `mib` MiB of host memory and ticks every `tick_ms`
+/// into its CRI log: a memhog and a counter, both run by sh.
+fn memhog_ticker(mib: u64, tick_ms: u64) -> ContainerSpec {
+    let cmd = format!("/bin/memhog --mib {mib} --interval-ms 100000 --status-file /status.txt & exec /bin/counter --interval-ms {tick_ms}");
+    ContainerSpec::new("app", WORKLOADS_IMAGE).command(&["sh", "-c", &cmd])
+}
+
+/// A container (CRI name `app`) that holds `gib` GiB of device memory on simulated GPU 0 (a
+/// CDI annotation) and ticks every `tick_ms`, each tick after a driver call.
+fn gpu_fill_ticker(gib: u64, tick_ms: u64) -> ContainerSpec {
+    ContainerSpec::new("app", GPU_WORKLOADS_IMAGE)
+        .command(&gpu_fill_args(gib, Some(tick_ms)))
+        .annotation(
+            "cdi.k8s.io/gpu-ckpt-bench",
+            &format!("{}=0", simgpu::cdi::KIND),
+        )
+}
+
+/// One pod on `handler` running `app` (a container called `app` that prints `filled …` once its
+/// memory is filled, and ticks into its CRI log); CRI CheckpointContainer, with the task events
+/// containerd sees around it. `warm_mib` MiB of memory are warmed before it ([`settle`]).
 async fn freeze_once(
     node: &Node,
     cri: &Cri,
     api: &Containerd,
     handler: &str,
     name: &str,
-    mib: u64,
+    app: &ContainerSpec,
+    warm_mib: u64,
 ) -> Result<Freeze> {
     let pod = cri
         .run_pod(&PodSpec::new(name, node.pod_log_root()).handler(handler))
         .await?;
-    // A memhog that also ticks: sh runs both, the ticks go to the CRI log with timestamps.
-    let cmd = format!("/bin/memhog --mib {mib} --interval-ms 100000 --status-file /status.txt & exec /bin/counter --interval-ms 20");
-    let c = ContainerSpec::new("app", WORKLOADS_IMAGE).command(&["sh", "-c", &cmd]);
-    let id = cri.run_container(&pod, &c).await?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        // Filled is enough: its first verification pass would come only after the interval.
-        let r = cri.exec_sync(&id, &["cat", "/status.txt"], 10).await?;
-        if r.stdout_str().contains("filled") {
-            break;
+    let id = cri.run_container(&pod, app).await?;
+    let log = pod.container_log("app");
+    // Filled is enough: a memhog's first verification pass would come only after its interval.
+    wait_text(&log, "the container to fill its memory", |text| {
+        let said = |word: &str| {
+            text.lines()
+                .any(|l| l.split(' ').nth(3).is_some_and(|w| w == word))
+        };
+        if said("gpu-fill:") {
+            bail!("{text}");
         }
-        if Instant::now() > deadline {
-            bail!("memhog did not fill");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        Ok(said("filled").then_some(()))
+    })?;
     let archive = node.paths().dir.join(format!("{name}.tar"));
     let _ = std::fs::remove_file(&archive);
-    // The dump, containerd's copy into its content store and the archive: three copies.
-    settle(node.paths().dir.as_path(), 3 * mib)?;
+    settle(node.paths().dir.as_path(), warm_mib)?;
     let mut events = api.subscribe_tasks().await?;
+    let log_from = log_len(node);
     let from = std::time::SystemTime::now();
     let t = Instant::now();
     cri.checkpoint_container(&id, &archive, 600).await?;
     let call = t.elapsed();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let to = std::time::SystemTime::now();
-    let frozen = longest_gap(&log_times(&pod.container_log("app")), from, to);
+    let frozen = longest_gap(&log_times(&log), from, to);
     let criu = criu_dump_time(&archive)?;
+    let shim_log = log_since(node, log_from);
+    let device_span = |rpc: &str, span: &str| {
+        let path = format!("task{{rpc=\"{rpc}\" id={id}}}:{span}{{id={id}}}");
+        span_time(&shim_log, |p| p == path)
+    };
+    let device_pause = device_span("pause", "device_quiesce");
+    let device_resume = device_span("resume", "device_resume");
     let [paused, resumed] =
         event_times(&mut events, &id, ["/tasks/paused", "/tasks/resumed"]).await?;
     // The counter (pid 1) ignores SIGTERM: stop without a grace period.
@@ -950,6 +1252,8 @@ async fn freeze_once(
         frozen,
         paused: resumed.saturating_sub(paused),
         criu,
+        device_pause,
+        device_resume,
     })
 }
 
@@ -998,6 +1302,420 @@ fn criu_dump_time(archive: &Path) -> Result<Duration> {
         return Ok(Duration::from_secs_f64(t.millis / 1000.0));
     }
     bail!("{}: no CRIU dump time recorded", archive.display())
+}
+
+/// The size of the node's log, where the next line will start.
+fn log_len(node: &Node) -> u64 {
+    std::fs::metadata(&node.paths().log).map_or(0, |m| m.len())
+}
+
+/// The node's log from byte `from` on (lossy UTF-8).
+fn log_since(node: &Node, from: u64) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut text = Vec::new();
+    if let Ok(mut f) = std::fs::File::open(&node.paths().log) {
+        let _ = f
+            .seek(SeekFrom::Start(from))
+            .and_then(|_| f.read_to_end(&mut text));
+    }
+    String::from_utf8_lossy(&text).into_owned()
+}
+
+/// A duration as `tracing` prints it (`523ns`, `6.44µs`, `1.17ms`, `1.15s`).
+fn parse_span_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let (num, scale) = [
+        ("ns", 1e-9),
+        ("µs", 1e-6),
+        ("us", 1e-6),
+        ("ms", 1e-3),
+        ("s", 1.0),
+    ]
+    .iter()
+    .find_map(|(unit, scale)| Some((s.strip_suffix(unit)?, *scale)))?;
+    Some(Duration::from_secs_f64(num.parse::<f64>().ok()? * scale))
+}
+
+/// The wall time (busy + idle) of the shim's spans in `log` whose path `matches` (`task{rpc="…"
+/// id=…}:criu_dump{id=…}`), summed. A gpu-ckpt shim logs every span's time when it closes
+/// (`<time> <LEVEL> <path>: close time.busy=… time.idle=…`) when containerd runs with debug
+/// logging.
+fn span_time(log: &str, matches: impl Fn(&str) -> bool) -> Duration {
+    let drop_word = |s: &str| -> String {
+        let s = s.trim_start();
+        s.find(' ').map_or("", |i| &s[i..]).trim_start().to_string()
+    };
+    log.lines()
+        .filter_map(|l| {
+            let (head, times) = l.split_once(": close time.busy=")?;
+            if !matches(&drop_word(&drop_word(head))) {
+                return None;
+            }
+            let (busy, idle) = times.split_once(" time.idle=")?;
+            let idle = idle.split_whitespace().next()?;
+            Some(parse_span_duration(busy)? + parse_span_duration(idle)?)
+        })
+        .sum()
+}
+
+/// The number in field `key=<n>` of a log line.
+fn log_field(line: &str, key: &str) -> Option<u64> {
+    let at = line.find(&format!(" {key}="))? + key.len() + 2;
+    let digits: String = line[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits.parse().ok()
+}
+
+/// The gpu-ckpt shim's own account of a ctr checkpoint and restore of container `id`, from its
+/// log ([`span_time`]; zero where the log has none).
+#[derive(Clone, Copy, Default)]
+struct ShimSteps {
+    /// Pause (containerd's client pauses the task before a checkpoint): the device lock and
+    /// checkpoint (device memory copied into the process), then `runc pause`.
+    pause: Duration,
+    device_lock: Duration,
+    device_checkpoint: Duration,
+    /// The Checkpoint call: CRIU's dump (`runc checkpoint`), then the manifest (hashing what
+    /// the dump's follower did not, signing).
+    checkpoint: Duration,
+    criu_dump: Duration,
+    manifest: Duration,
+    /// What the checkpoint wrote.
+    bytes: u64,
+    /// The restore's Start call: verify, `runc restore` (CRIU), the device restore and unlock.
+    start: Duration,
+    verify: Duration,
+    runc_restore: Duration,
+    device_restore: Duration,
+}
+
+fn shim_steps(log: &str, id: &str) -> ShimSteps {
+    let task = |rpc: &str| format!("task{{rpc=\"{rpc}\" id={id}}}");
+    let exact = |path: String| span_time(log, |p| p == path);
+    // The device layer's own spans are not below the RPC's.
+    let top = |name: &str| {
+        let open = format!("{name}{{");
+        span_time(log, |p| p.starts_with(&open) && !p.contains("}:"))
+    };
+    let line = |needle: String| log.lines().find(|l| l.contains(&needle));
+    let restored = line(format!(" restored id={id} "));
+    let ms =
+        |key: &str| Duration::from_millis(restored.and_then(|l| log_field(l, key)).unwrap_or(0));
+    ShimSteps {
+        pause: exact(task("pause")),
+        device_lock: top("device_lock"),
+        device_checkpoint: top("device_checkpoint"),
+        checkpoint: exact(task("checkpoint")),
+        criu_dump: exact(format!("{}:criu_dump{{id={id}}}", task("checkpoint"))),
+        manifest: exact(format!("{}:manifest{{id={id}}}", task("checkpoint"))),
+        bytes: line(format!("checkpoint written id={id} "))
+            .and_then(|l| log_field(l, "bytes"))
+            .unwrap_or(0),
+        start: exact(task("start")),
+        verify: ms("verify_ms"),
+        runc_restore: ms("runc_restore_ms"),
+        device_restore: ms("device_restore_ms"),
+    }
+}
+
+/// `device-container`: one node with one simulated GPU whose gpu-ckpt handlers load its driver
+/// (CRI: the handler's options; ctr: the handler options file), then the ctr rounds and the CRI
+/// freeze runs.
+fn device_container(gib: u64, runs: usize) -> Result<()> {
+    use simgpu::testing::{SimConfig, SimNode};
+    anyhow::ensure!(gib >= 1, "--gib must be at least 1");
+    anyhow::ensure!(runs >= 1, "--runs must be at least 1");
+    let stack = Stack::discover()?;
+    // Room for the filled memory and the driver's own, never for two fills at once.
+    let memory_mib = gib * 1024 + 512;
+    let sim = SimNode::start(SimConfig {
+        gpus: 1,
+        memory_mib,
+        uuid_seed: "bench-gpu".into(),
+        cdi: true,
+        ..SimConfig::default()
+    })
+    .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
+    let name = "bench-gpu";
+    let lib_dir = sim.lib_dir().display().to_string();
+    // ctr sends no runtime options: its containers' shims read this file.
+    let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
+    std::fs::create_dir_all(stack.node_dir(name))?;
+    std::fs::write(
+        &handler_file,
+        format!("DriverLibraryDir = {}\n", serde_json::to_string(&lib_dir)?),
+    )?;
+    // Debug logging: the shim then logs each step's time (its spans), which says where the
+    // time went.
+    let node = start_node(
+        &stack,
+        Node::builder_on(&stack, name)
+            .log_level("debug")
+            .cdi(&[sim.cdi_dir()])
+            .runtime_option("DriverLibraryDir", lib_dir.as_str())
+            .env(
+                "GPU_CKPT_HANDLER_CONFIG",
+                &handler_file.display().to_string(),
+            ),
+    )?;
+    println!(
+        "One containerd node (debug logging) with one simulated GPU of {memory_mib} MiB; \
+         gpu-ckpt loads the simulated driver (`DriverLibraryDir`). Device: gpu-fill of {gib} GiB \
+         on GPU 0 (`/usr/bin/gpu-fill --gib {gib} --devices 0`); host: memhog of {} MiB.\n",
+        gib * 1024
+    );
+    tokio::runtime::Runtime::new()?.block_on(async {
+        container_rounds(&node, &sim, gib, runs).await?;
+        container_freeze(&node, gib, runs).await
+    })
+}
+
+/// Waits until no process holds memory on the simulated GPU (the last round's is gone).
+fn wait_gpu_free(sim: &simgpu::testing::SimNode) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let left = sim.processes()?;
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("processes still hold the simulated GPU: {left:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// ctr checkpoint and restore of the device-memory container against the host-memory one,
+/// both through gpu-ckpt.
+async fn container_rounds(
+    node: &Node,
+    sim: &simgpu::testing::SimNode,
+    gib: u64,
+    runs: usize,
+) -> Result<()> {
+    let api = Containerd::connect(node.socket(), "default").await?;
+    let (_, ours) = runtime_flags(node);
+    let mib = gib * 1024;
+    // The same tmpfs in both (gpu-fill logs into it), and as much memory warmed before each
+    // step: the device one's needs.
+    let device = CtrApp::gpu_fill(gib);
+    let host = CtrApp {
+        flags: vec!["--mount".into(), OUT_TMPFS.into()],
+        check_restored: true,
+        warm_mib: device.warm_mib,
+        ..CtrApp::memhog(mib)
+    };
+    let apps = [device, host];
+    let labels = [
+        format!("device: gpu-fill, {gib} GiB on the simulated GPU"),
+        format!("host: memhog, {mib} MiB"),
+    ];
+    // Per container, every counted round: (round, the shim's steps). Round 0 warms up and is
+    // not counted; the order alternates ([`round_order`]).
+    let mut rounds: [Vec<(ShimRound, ShimSteps)>; 2] = Default::default();
+    for i in 0..=runs {
+        for p in round_order(i.saturating_sub(1), 2) {
+            let id = format!("{}{i}", ["dev", "host"][p]);
+            let from = log_len(node);
+            let r = shim_round(node, &api, &ours, &id, &apps[p]).await?;
+            wait_gpu_free(sim)?;
+            let s = shim_steps(&log_since(node, from), &id);
+            eprintln!(
+                "round {i}{} {}: checkpoint {:.2} s (pause {:.3} s: device lock {:.3} s, device checkpoint {:.3} s; CRIU dump {:.2} s; manifest {:.2} s; {:.0} MiB written), restore {:.2} s (verify {:.2} s, runc restore {:.2} s, device restore {:.3} s); {}",
+                if i == 0 { " (warm-up)" } else { "" },
+                labels[p],
+                secs(r.checkpoint),
+                secs(s.pause),
+                secs(s.device_lock),
+                secs(s.device_checkpoint),
+                secs(s.criu_dump),
+                secs(s.manifest),
+                s.bytes as f64 / (1 << 20) as f64,
+                secs(r.restore),
+                secs(s.verify),
+                secs(s.runc_restore),
+                secs(s.device_restore),
+                r.intact.as_deref().unwrap_or("not checked"),
+            );
+            if i > 0 {
+                rounds[p].push((r, s));
+            }
+        }
+    }
+    let step = |p: usize, restore: bool| -> Vec<f64> {
+        rounds[p]
+            .iter()
+            .map(|(r, _)| secs(if restore { r.restore } else { r.checkpoint }))
+            .collect()
+    };
+    println!(
+        "ctr and the containerd API, through gpu-ckpt: `ctr run -d`, `ctr task checkpoint --exit \
+         --image-path`, then Tasks.Create with `CriuImagePath` and Tasks.Start on the same \
+         container; {runs} rounds, the order alternating, one warm-up round not counted; dirty \
+         pages written back and memory warmed before each timed step. Each restored workload is \
+         checked before it is removed.\n"
+    );
+    println!("| container ({gib} GiB, {runs} rounds) | checkpoint median | restore median | checkpoint fastest | restore fastest | written by the checkpoint (median) |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (p, label) in labels.iter().enumerate() {
+        let written = median_f64(
+            rounds[p]
+                .iter()
+                .map(|(_, s)| s.bytes as f64 / (1u64 << 30) as f64)
+                .collect(),
+        );
+        println!(
+            "| {label} | {:.2} s | {:.2} s | {:.2} s | {:.2} s | {written:.2} GiB |",
+            median_f64(step(p, false)),
+            median_f64(step(p, true)),
+            fastest(&step(p, false)),
+            fastest(&step(p, true)),
+        );
+    }
+    println!("\n| device / host | checkpoint: medians, per round [95% interval], fastest | restore: medians, per round [95% interval], fastest |");
+    println!("| --- | --- | --- |");
+    println!(
+        "| gpu-fill / memhog | {} | {} |",
+        ratio_cell(&step(0, false), &step(1, false)),
+        ratio_cell(&step(0, true), &step(1, true))
+    );
+    let ms = |p: usize, f: fn(&ShimSteps) -> Duration| {
+        secs(median(rounds[p].iter().map(|(_, s)| f(s)))) * 1e3
+    };
+    println!("\n| where the time went (medians, the shim's spans) | Pause | … device lock | … device checkpoint | Checkpoint | … CRIU dump | … manifest | restore's Start | … verify | … runc restore (CRIU) | … device restore + unlock |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (p, label) in labels.iter().enumerate() {
+        println!(
+            "| {label} | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.0} ms | {:.0} ms | {:.0} ms |",
+            ms(p, |s| s.pause),
+            ms(p, |s| s.device_lock),
+            ms(p, |s| s.device_checkpoint),
+            ms(p, |s| s.checkpoint),
+            ms(p, |s| s.criu_dump),
+            ms(p, |s| s.manifest),
+            ms(p, |s| s.start),
+            ms(p, |s| s.verify),
+            ms(p, |s| s.runc_restore),
+            ms(p, |s| s.device_restore),
+        );
+    }
+    println!();
+    for (restore, what) in [(false, "checkpoint"), (true, "restore")] {
+        let r = median_f64(step(0, restore)) / median_f64(step(1, restore));
+        println!(
+            "{what} ratio (device / host, medians): {r:.3} (goal ≤ 1.5: {})",
+            if r <= 1.5 { "met" } else { "missed" }
+        );
+    }
+    for (p, label) in labels.iter().enumerate() {
+        let verdicts: Vec<&str> = rounds[p]
+            .iter()
+            .filter_map(|(r, _)| r.intact.as_deref())
+            .collect();
+        println!(
+            "restored {label}: intact after each of {} restores (last: `{}`)",
+            verdicts.len(),
+            verdicts.last().copied().unwrap_or("-")
+        );
+    }
+    Ok(())
+}
+
+/// CRI CheckpointContainer of (a) the device-memory ticker and (b) the host-memory ticker under
+/// gpu-ckpt, (c) the host-memory ticker under runc-v2: how long each keeps the application from
+/// running.
+async fn container_freeze(node: &Node, gib: u64, runs: usize) -> Result<()> {
+    const TICK_MS: u64 = 10;
+    let cri = Cri::connect(node.socket()).await?;
+    let api = Containerd::connect(node.socket(), "k8s.io").await?;
+    let mib = gib * 1024;
+    let paths = [
+        (
+            format!("(a) device: gpu-fill {gib} GiB, gpu-ckpt"),
+            GPU_CKPT_HANDLER,
+            gpu_fill_ticker(gib, TICK_MS),
+        ),
+        (
+            format!("(b) host: memhog {mib} MiB + counter, gpu-ckpt"),
+            GPU_CKPT_HANDLER,
+            memhog_ticker(mib, TICK_MS),
+        ),
+        (
+            format!("(c) host: memhog {mib} MiB + counter, runc-v2"),
+            RUNC_HANDLER,
+            memhog_ticker(mib, TICK_MS),
+        ),
+    ];
+    // Run 0 warms every path up and is not counted; the order follows [`round_order`].
+    let mut times: [Vec<Freeze>; 3] = Default::default();
+    for i in 0..=runs {
+        for w in round_order(i.saturating_sub(1), paths.len()) {
+            let (label, handler, app) = &paths[w];
+            let run = freeze_once(
+                node,
+                &cri,
+                &api,
+                handler,
+                &format!("dfreeze-{w}-{i}"),
+                app,
+                // The dump, containerd's copy into its content store and the archive, and the
+                // device memory's staged copy.
+                4 * mib,
+            )
+            .await?;
+            eprintln!(
+                "run {i}{} {label}: CheckpointContainer {:.2} s, app frozen {:.2} s, device lock + checkpoint {:.3} s, task paused {:.2} s, CRIU frozen {:.2} s, device restore + unlock {:.3} s",
+                if i == 0 { " (warm-up)" } else { "" },
+                secs(run.call),
+                secs(run.frozen),
+                secs(run.device_pause),
+                secs(run.paused),
+                secs(run.criu),
+                secs(run.device_resume)
+            );
+            if i > 0 {
+                times[w].push(run);
+            }
+        }
+    }
+    println!(
+        "\nCRI CheckpointContainer; the application ticks every {TICK_MS} ms into its CRI log \
+         (gpu-fill: `--tick-ms {TICK_MS}`, one driver call before each tick; memhog: \
+         `/bin/counter --interval-ms {TICK_MS}` beside it); frozen: the longest gap between \
+         ticks across the call. {runs} runs, one warm-up run not counted.\n"
+    );
+    println!("| container (median of {runs}) | CheckpointContainer | app frozen | device lock + checkpoint (Pause) | task paused | … CRIU's dump | … device restore + unlock (Resume) | … the rest: runc, containerd's copy, rootfs diff |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (w, (label, _, _)) in paths.iter().enumerate() {
+        let v = &times[w];
+        let m = |f: fn(&Freeze) -> Duration| secs(median(v.iter().map(f)));
+        println!(
+            "| {label} | {:.2} s | {:.2} s | {:.3} s | {:.2} s | {:.2} s | {:.3} s | {:.2} s |",
+            m(|x| x.call),
+            m(|x| x.frozen),
+            m(|x| x.device_pause),
+            m(|x| x.paused),
+            m(|x| x.criu),
+            m(|x| x.device_resume),
+            m(|x| x.paused.saturating_sub(x.criu + x.device_resume))
+        );
+    }
+    let frozen = |w: usize| times[w].iter().map(|x| secs(x.frozen)).collect::<Vec<_>>();
+    println!(
+        "\nfreeze ratio (a) device, gpu-ckpt / (c) host, runc-v2: {}",
+        ratio_line(&frozen(0), &frozen(2))
+    );
+    println!(
+        "freeze ratio (b) host, gpu-ckpt / (c) host, runc-v2: {}",
+        ratio_line(&frozen(1), &frozen(2))
+    );
+    println!(
+        "freeze ratio (a) device / (b) host, both gpu-ckpt: {}",
+        ratio_line(&frozen(0), &frozen(1))
+    );
+    Ok(())
 }
 
 /// `gpu`: the simulated driver's checkpoint data path against a pipe carrying the same bytes.
@@ -1375,6 +2093,41 @@ mod tests {
         assert_eq!(round_order(0, 4), [0, 1, 3, 2]);
         // The next cycle repeats the first.
         assert_eq!(round_order(4, 4), round_order(0, 4));
+    }
+
+    #[test]
+    fn shim_steps_from_span_lines() {
+        let log = r#"2026-12-04T10:24:10.107761Z  INFO device_lock{pid=11960}:cuda_lock{pid=11960 timeout_ms=30000}: close time.busy=822µs time.idle=38.7µs
+2026-12-04T10:24:10.107795Z  INFO device_lock{pid=11960}: close time.busy=907µs time.idle=93µs
+2026-12-04T10:24:10.109067Z  INFO device_checkpoint{pid=11960}: close time.busy=1.24s time.idle=5.05µs
+2026-12-04T10:24:10.118001Z  INFO task{rpc="pause" id=t1}: close time.busy=2.12ms time.idle=23.9ms
+2026-12-04T10:24:10.118001Z  INFO task{rpc="pause" id=t10}: close time.busy=9s time.idle=9s
+2026-12-04T10:24:10.320209Z  INFO task{rpc="checkpoint" id=t1}:criu_dump{id=t1}: close time.busy=651µs time.idle=165ms
+2026-12-04T10:24:10.329376Z  INFO task{rpc="checkpoint" id=t1}: checkpoint written id=t1 path=/x bytes=392355 leave_running=true
+2026-12-04T10:24:12.522334Z  INFO task{rpc="start" id=t1}:restore{id=t1}: restored id=t1 verify_ms=18 page_verify_ms=0 runc_restore_ms=144 device_restore_ms=16
+time="2026-12-04T10:24:06.780298931Z" level=debug msg="close time.busy=1s""#;
+        let s = shim_steps(log, "t1");
+        // Within a nanosecond: the figures pass through f64 seconds.
+        let close = |d: Duration, ns: u64| d.as_nanos().abs_diff(ns.into()) <= 1;
+        assert!(close(s.device_lock, 1_000_000), "{:?}", s.device_lock);
+        assert!(close(s.device_checkpoint, 1_240_005_050));
+        assert!(close(s.pause, 26_020_000), "{:?}", s.pause);
+        assert!(close(s.criu_dump, 165_651_000));
+        assert_eq!(s.bytes, 392_355);
+        assert_eq!(
+            (s.verify, s.runc_restore, s.device_restore),
+            (
+                Duration::from_millis(18),
+                Duration::from_millis(144),
+                Duration::from_millis(16)
+            )
+        );
+        assert_eq!(s.start, Duration::ZERO);
+        assert_eq!(
+            parse_span_duration("523ns"),
+            Some(Duration::from_nanos(523))
+        );
+        assert_eq!(parse_span_duration("1.5x"), None);
     }
 
     #[test]

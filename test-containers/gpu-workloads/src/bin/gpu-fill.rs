@@ -2,9 +2,12 @@
 //!
 //! Prints `filled <bytes> bytes on <n> GPUs` (bytes summed over the GPUs), then on each SIGUSR1
 //! `verified <bytes> bytes` or `MISMATCH device <d> offset <o>` (and exits 1). SIGTERM and SIGINT
-//! exit 0. `--verify-and-exit` verifies once right after filling and exits.
+//! exit 0. `--verify-and-exit` verifies once right after filling and exits. `--tick-ms MS`: after
+//! filling, every MS milliseconds one driver call (a 4-byte cuMemcpyDtoH from the first GPU's
+//! memory, which waits while the process is locked for a checkpoint) and then `tick <n>`, so the
+//! gaps between ticks show how long the process could not use its GPU.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gpu_ckpt_gpu_workloads::cli::{FillOpts, FILL_USAGE};
 use gpu_ckpt_gpu_workloads::driver::{
@@ -95,6 +98,12 @@ fn run(args: &[String]) -> Result<i32, Fail> {
     if o.verify_and_exit {
         return verify_all(&driver, &devs, &plan, o.seed, &mut host, &mut want);
     }
+    let idle = Duration::from_millis(20);
+    let tick = o.tick_ms.map(Duration::from_millis);
+    let mut ticks = 0u64;
+    let mut next_tick = Instant::now();
+    // The ticks read the first GPU's memory: its context is current between verifications.
+    devs[0].gpu.select(&driver)?;
     loop {
         if signals::stop_requested() {
             return Ok(0);
@@ -107,9 +116,37 @@ fn run(args: &[String]) -> Result<i32, Fail> {
             if code != 0 {
                 return Ok(code);
             }
+            devs[0].gpu.select(&driver)?;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        let Some(every) = tick else {
+            std::thread::sleep(idle);
+            continue;
+        };
+        if Instant::now() >= next_tick {
+            tick_once(&driver, &devs[0])?;
+            ticks += 1;
+            emit(&format!("tick {ticks}"));
+            // After a stall (a checkpoint held the call) the next tick comes one period on; the
+            // missed ones are not made up.
+            let after = Instant::now();
+            next_tick += every;
+            if next_tick <= after {
+                next_tick = after + every;
+            }
+        }
+        std::thread::sleep(
+            next_tick
+                .saturating_duration_since(Instant::now())
+                .min(idle),
+        );
     }
+}
+
+/// One driver call on device `d` (current): its first word copied to the host.
+fn tick_once(driver: &Driver, d: &Dev) -> Result<(), Fail> {
+    let mut word = [0u32; 1];
+    driver.memcpy_dtoh(u32_bytes_mut(&mut word), d.allocs[0])?;
+    Ok(())
 }
 
 fn show_uuids(driver: &Driver, devs: &[Dev]) -> Result<(), Fail> {
