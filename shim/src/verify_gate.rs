@@ -78,6 +78,10 @@ fn open_fifo(path: &Path) -> Result<File> {
 impl VerifyGate {
     pub fn create(bundle: &Path) -> Result<Self> {
         let script = bundle.join(SCRIPT_FILE);
+        // A previous restore's answers (a shim that died) must not answer this one.
+        for action in ["post-restore", "pre-resume"] {
+            let _ = std::fs::remove_file(done_file(&script, action));
+        }
         let fifo = bundle.join(FIFO_FILE);
         let _ = std::fs::remove_file(&fifo);
         mkfifo(&fifo, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| Error::Io {
@@ -128,21 +132,38 @@ impl VerifyGate {
              # waits for the shim's verdict on the page images; anything but \"{VERIFIED}\" aborts.\n\
              # At pre-resume (credentials and seccomp restored, every thread still stopped) it\n\
              # hands the tree's root to the shim and waits for \"{ALLOWED}\"; else it kills it.\n\
+             # CRIU 4.1 parses the configuration file runc names twice in RPC mode, and so runs\n\
+             # this script twice per action, one run after the other (criu #2727, fixed in 4.2\n\
+             # by #2728): a second run answers what the first did, without a second verdict.\n\
+             case \"$CRTOOLS_SCRIPT_ACTION\" in\n\
+             post-restore) done={post_done} ;;\n\
+             pre-resume) done={pre_done} ;;\n\
+             *) exit 0 ;;\n\
+             esac\n\
+             if [ -f \"$done\" ]; then exit \"$(cat \"$done\")\"; fi\n\
+             gate() {{\n\
              case \"$CRTOOLS_SCRIPT_ACTION\" in\n\
              post-restore)\n\
-             \tread -r verdict < {fifo} || exit 1\n\
+             \tread -r verdict < {fifo} || return 1\n\
              \t[ \"$verdict\" = {VERIFIED} ] ;;\n\
              pre-resume)\n\
              \tif [ -p {root} ] && [ -p {spec} ] && printf '%s\\n' \"${{CRTOOLS_INIT_PID:-}}\" > {root} &&\n\
              \t\tread -r verdict < {spec} && [ \"$verdict\" = {ALLOWED} ]; then\n\
-             \t\texit 0\n\
+             \t\treturn 0\n\
              \tfi\n\
              \t[ -n \"${{CRTOOLS_INIT_PID:-}}\" ] && kill -KILL \"$CRTOOLS_INIT_PID\" 2>/dev/null\n\
-             \texit 1 ;;\n\
-             esac\n",
+             \treturn 1 ;;\n\
+             esac\n\
+             }}\n\
+             gate\n\
+             status=$?\n\
+             printf '%s\\n' \"$status\" > \"$done\"\n\
+             exit \"$status\"\n",
             fifo = shell_quote(&gate.fifo.display().to_string()),
             root = shell_quote(&gate.root_fifo.display().to_string()),
             spec = shell_quote(&gate.spec_fifo.display().to_string()),
+            post_done = shell_quote(&done_file(&gate.script, "post-restore").display().to_string()),
+            pre_done = shell_quote(&done_file(&gate.script, "pre-resume").display().to_string()),
         );
         std::fs::write(&gate.script, body)
             .and_then(|_| {
@@ -210,11 +231,22 @@ impl VerifyGate {
 
 impl Drop for VerifyGate {
     fn drop(&mut self) {
+        for action in ["post-restore", "pre-resume"] {
+            let _ = std::fs::remove_file(done_file(&self.script, action));
+        }
         let _ = std::fs::remove_file(&self.script);
         let _ = std::fs::remove_file(&self.fifo);
         let _ = std::fs::remove_file(&self.root_fifo);
         let _ = std::fs::remove_file(&self.spec_fifo);
     }
+}
+
+/// Where the script records its answer for `action`, so that a second run for the same action
+/// (CRIU 4.1) gives the same answer.
+fn done_file(script: &Path, action: &str) -> PathBuf {
+    let mut name = script.as_os_str().to_owned();
+    name.push(format!(".{action}.status"));
+    PathBuf::from(name)
 }
 
 /// `s` in single quotes for sh.
@@ -248,11 +280,20 @@ mod tests {
         assert!(run_script(&gate, "pre-restore"));
         gate.open(true).unwrap();
         assert!(run_script(&gate, "post-restore"));
-        gate.open(false).unwrap();
-        assert!(!run_script(&gate, "post-restore"));
+        // CRIU 4.1 runs the script a second time: it answers the same, with no second verdict
+        // (it would wait forever for one).
+        assert!(run_script(&gate, "post-restore"));
         let (script, fifo) = (gate.script.clone(), gate.fifo.clone());
         drop(gate);
         assert!(!script.exists() && !fifo.exists());
+        assert!(!done_file(&script, "post-restore").exists());
+        let gate = VerifyGate::create(&bundle).unwrap();
+        gate.open(false).unwrap();
+        assert!(!run_script(&gate, "post-restore"));
+        assert!(
+            !run_script(&gate, "post-restore"),
+            "a second run must refuse too"
+        );
     }
 
     /// Runs the script at pre-resume for the tree rooted at `root` in a thread.
@@ -280,7 +321,11 @@ mod tests {
         gate.allow(true).unwrap();
         assert!(script.join().unwrap());
         assert!(tree.try_wait().unwrap().is_none());
-        // Refused: the script fails and kills the root.
+        // A second run (CRIU 4.1) answers the same at once.
+        assert!(pre_resume(&gate, tree.id()).join().unwrap());
+        // Refused, on the next restore: the script fails and kills the root.
+        drop(gate);
+        let gate = VerifyGate::create(dir.path()).unwrap();
         let script = pre_resume(&gate, tree.id());
         assert_eq!(gate.wait_root().unwrap(), Some(tree.id() as i32));
         gate.allow(false).unwrap();

@@ -104,6 +104,12 @@ impl Stack {
         self.bin_dir().join("criu")
     }
 
+    /// The directory of the oldest CRIU gpu-ckpt supports (4.1.1), built beside the newest by
+    /// the install script; [`NodeBuilder::oldest_criu`] puts it first in a node's PATH.
+    pub fn criu_oldest_dir(&self) -> PathBuf {
+        self.prefix.join("criu-oldest/bin")
+    }
+
     /// `$STACK/bin/checkpointctl`.
     pub fn checkpointctl_bin(&self) -> PathBuf {
         self.bin_dir().join("checkpointctl")
@@ -296,6 +302,17 @@ impl NodeBuilder {
     pub fn extra_config(mut self, toml: &str) -> Self {
         self.extra_config.push(toml.to_string());
         self
+    }
+
+    /// Runs the node's checkpoints and restores with the oldest CRIU gpu-ckpt supports
+    /// ([`Stack::criu_oldest_dir`] first in containerd's PATH, and so in its shims' and runc's).
+    pub fn oldest_criu(self) -> Self {
+        let path = format!(
+            "{}:{}",
+            self.stack.criu_oldest_dir().display(),
+            self.stack.path_env()
+        );
+        self.env("PATH", &path)
     }
 
     /// Sets an extra environment variable for containerd (and so for its shims).

@@ -3,6 +3,7 @@
 #
 #   $STACK/root/usr/bin/{containerd,ctr,containerd-shim-runc-v2}   containerd 2.x from sid (.deb, dpkg -x)
 #   $STACK/bin/criu                                                 CRIU 4.2.x built from sid's source
+#   $STACK/criu-oldest/bin/criu                                     CRIU 4.1.1 (the oldest supported) from trixie's
 #   $STACK/bin/checkpointctl                                        trixie/sid .deb, patched onto $STACK/sidlibc
 #   $STACK/sidlibc                                                  libc6 from sid (never installed)
 #   $STACK/registry/usr/bin/docker-registry                         bookworm .deb (see registry.sh)
@@ -39,6 +40,7 @@ CONTAINERD_PIN="2.1.9+ds1-5"       # sid; else newest containerd 2.x in sid
 # getsockopt(SO_PASSCRED/SO_PASSSEC) on them ("sockets: Can't get 1:16 opt: Operation not
 # supported"); 4.2 asks for those options on unix and netlink sockets only.
 CRIU_PIN="4.2.1-1"                 # sid source; else newest 4.x source in trixie/sid
+CRIU_OLDEST_PIN="4.1.1-1"          # trixie source: the oldest CRIU gpu-ckpt supports
 LIBC_PIN="2.43-7"                  # sid; else newest libc6 in sid
 CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
 # NVIDIA's Python clients, exact pins from PyPI (docs/gpu-sim-api.md): the driver bindings (13.5 has
@@ -355,29 +357,34 @@ install_containerd() {
   log "containerd $ver -> $STACK/root/usr/bin"
 }
 
-install_criu() {
+# build_criu PIN BIN STAMP: CRIU from the source package PIN (trixie/sid; else the newest 4.x when
+# PIN is the main build's) built and installed as BIN, checked with `criu check`.
+build_criu() {
+  local pin=$1 bin=$2 stamp=$3
   COMPONENT="criu"
   # An installed CRIU older than the pin is rebuilt (the pin moved for a reason).
-  if stamp_valid criu "$STACK/bin/criu" &&
-    [ "$(printf '%s\n%s\n' "$(stamp_get criu)" "${CRIU_PIN%-*}" | sort -V | head -n 1)" = "${CRIU_PIN%-*}" ]; then
-    log "criu $(stamp_get criu) -> $STACK/bin/criu (installed)"
+  if stamp_valid "$stamp" "$bin" &&
+    [ "$(printf '%s\n%s\n' "$(stamp_get "$stamp")" "${pin%-*}" | sort -V | head -n 1)" = "${pin%-*}" ]; then
+    log "criu $(stamp_get "$stamp") -> $bin (installed)"
     return
   fi
   local ver upstream orig
   # A cached orig tarball answers without the archive.
-  upstream=${CRIU_PIN%-*}
+  upstream=${pin%-*}
   orig="$CACHE/criu/criu_${upstream}.orig.tar.xz"
   if [ ! -s "$orig" ]; then
     papt_update
     local srcs
     srcs=$(apt-cache "${PAPT[@]}" showsrc criu 2>/dev/null | awk '/^Version:/ { print $2 }' | sort -u || true)
-    if grep -qxF "$CRIU_PIN" <<<"$srcs"; then
-      ver=$CRIU_PIN
+    if grep -qxF "$pin" <<<"$srcs"; then
+      ver=$pin
       log "criu: taking the pinned source $ver"
-    else
+    elif [ "$pin" = "$CRIU_PIN" ]; then
       ver=$({ grep -E '^([0-9]+:)?4\.' <<<"$srcs" || true; } | newest_of)
       [ -n "$ver" ] || die "neither trixie nor sid offers a criu 4.x source package (have: $(echo $srcs)); CRIU 3.x cannot initialise on this kernel (stack.md §1)"
-      log "criu: pinned source $CRIU_PIN is not available; taking $ver"
+      log "criu: pinned source $pin is not available; taking $ver"
+    else
+      die "neither trixie nor sid offers the criu source $pin (have: $(echo $srcs))"
     fi
     upstream=${ver#*:}
     upstream=${upstream%-*}
@@ -389,7 +396,7 @@ install_criu() {
       cat "$STACK/build/download-criu.log" >&2
       die "apt-get source --download-only criu=$ver did not deliver criu_${upstream}.orig.tar.* (log: $STACK/build/download-criu.log)"
     fi
-    # The partial .dsc/.debian.tar leftovers are useless; keep only the tarball.
+    # The partial .dsc/.debian.tar leftovers are useless; keep only the tarballs.
     find "$CACHE/criu" -maxdepth 1 -type f ! -name '*.orig.tar.*' -delete
   fi
   upstream=$(basename "$orig")
@@ -405,21 +412,29 @@ install_criu() {
   [ -f "$top/Makefile" ] || die "$orig has no top-level Makefile"
   mv "$top" "$bdir"
   rm -rf "$STACK/build/criu-src"
-  if ! make -C "$bdir" -j"$JOBS" criu >"$STACK/build/criu-build.log" 2>&1; then
-    tail -n 40 "$STACK/build/criu-build.log" >&2
-    die "make criu failed (log: $STACK/build/criu-build.log)"
+  if ! make -C "$bdir" -j"$JOBS" criu >"$STACK/build/criu-build-$upstream.log" 2>&1; then
+    tail -n 40 "$STACK/build/criu-build-$upstream.log" >&2
+    die "make criu failed (log: $STACK/build/criu-build-$upstream.log)"
   fi
-  install -m 0755 "$bdir/criu/criu" "$STACK/bin/criu.new"
-  mv "$STACK/bin/criu.new" "$STACK/bin/criu"
+  mkdir -p "$(dirname "$bin")"
+  install -m 0755 "$bdir/criu/criu" "$bin.new"
+  mv "$bin.new" "$bin"
   local out
-  out=$("$STACK/bin/criu" check 2>&1) || true
+  out=$("$bin" check 2>&1) || true
   printf '%s\n' "$out" | sed 's/^/[stack]   criu check: /' >&2
   if ! grep -q 'Looks good\.' <<<"$out"; then
-    rm -f "$STACK/stamps/criu"
-    die "$STACK/bin/criu check did not say 'Looks good.' (see its output above); checkpoint/restore will not work on this kernel/host"
+    rm -f "$STACK/stamps/$stamp"
+    die "$bin check did not say 'Looks good.' (see its output above); checkpoint/restore will not work on this kernel/host"
   fi
-  stamp_set criu "$upstream"
-  log "criu $upstream -> $STACK/bin/criu"
+  stamp_set "$stamp" "$upstream"
+  log "criu $upstream -> $bin"
+}
+
+# The newest CRIU (the one every node uses) and the oldest supported one, which tests put first
+# in a node's PATH ($STACK/criu-oldest/bin).
+install_criu() {
+  build_criu "$CRIU_PIN" "$STACK/bin/criu" criu
+  build_criu "$CRIU_OLDEST_PIN" "$STACK/criu-oldest/bin/criu" criu-oldest
 }
 
 install_sidlibc() {
@@ -556,6 +571,7 @@ EOF
     echo "containerd $(stamp_get containerd)"
     echo "runc $(host_version runc)"
     echo "criu $(stamp_get criu)"
+    echo "criu-oldest $(stamp_get criu-oldest)"
     echo "checkpointctl $(stamp_get checkpointctl)"
     echo "libc6-sid $(stamp_get sidlibc)"
     echo "docker-registry $(stamp_get docker-registry)"
