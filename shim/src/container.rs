@@ -43,6 +43,7 @@ use crate::{
     stdio::{self, Absent},
     sub_mounts,
     verify_gate::VerifyGate,
+    watchdog::{self, Watchdog},
 };
 
 const INIT_PID_FILE: &str = "init.pid";
@@ -523,7 +524,14 @@ impl Container {
             }
         });
         // Step 4: runc restore; CRIU waits at the gate. Undo (in `run_restore`): stop the
-        // copies, runc delete.
+        // copies, runc delete. Every wait of steps 3 and 4 is bounded (`watchdog.rs`).
+        let checkpoint_bytes: u64 = manifest.files.values().map(|f| f.size).sum();
+        let watchdog = Watchdog::start(
+            watchdog::bound(&self.options, checkpoint_bytes)?,
+            &self.bundle,
+            gate.clone(),
+            cancel.clone(),
+        );
         let t = Instant::now();
         let restored = self.run_restore(dir, &manifest, tcp_close).await;
         let runc_restore = t.elapsed();
@@ -568,6 +576,17 @@ impl Container {
         drop(gate);
         if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
             warn!(id = %self.id, error = %e, "CRIU configuration after a restore");
+        }
+        // Past the bound, whatever else happened, the restore fails, and nothing it restored
+        // may run on.
+        if let Err(e) = watchdog.stop("criu-restore") {
+            self.init.io.tasks.abort().await;
+            if let Err(de) = self.runc.delete(&self.id, true).await {
+                if !de.to_string().contains("does not exist") {
+                    warn!(id = %self.id, error = %de, "undo of a restore past its bound: runc delete");
+                }
+            }
+            return Err(e);
         }
         match (restored, verified, held) {
             (Ok(()), Ok(pages), Ok(())) => {

@@ -43,3 +43,4 @@ pub mod sub_mounts;
 pub mod task;
 pub mod trust;
 pub mod verify_gate;
+pub mod watchdog;

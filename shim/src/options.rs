@@ -91,6 +91,9 @@ pub struct RuntimeOptions {
     /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
     /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
     pub device_lock_timeout: String,
+    /// The bound on a restore's waits (CRIU, the gate's verdicts, page verification), e.g.
+    /// "5m". Empty: a minute plus 10 s per GiB of checkpoint. Past it the restore fails.
+    pub restore_timeout: String,
     /// The device steps of a checkpoint (default true). `false` only for tests: a checkpoint
     /// then shows what happens without them (CRIU cannot dump a process that holds a GPU).
     pub device_steps: Option<bool>,
@@ -300,6 +303,9 @@ impl RuntimeOptions {
                 "invalid TrustedKeysDir {:?}: expected an absolute path",
                 self.trusted_keys_dir
             )));
+        }
+        if !self.restore_timeout.is_empty() {
+            parse_timeout(&self.restore_timeout, "RestoreTimeout")?;
         }
         if !self.device_lock_timeout.is_empty() {
             parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;

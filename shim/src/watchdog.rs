@@ -1,0 +1,178 @@
+//! The bound on a restore's waits: CRIU's restore, the gate's verdicts, the page verification.
+//! Nothing in a restore may wait forever; past the bound the watchdog refuses at the gate (the
+//! script stops waiting and CRIU aborts, killing what it restored), stops the hashing, and
+//! after a short grace kills `runc restore` and everything under it (CRIU, its action script,
+//! restored tasks). The restore then fails, naming the step and the bound, and its undo (`runc
+//! delete --force`) removes what is left.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing::warn;
+
+use crate::error::{Error, Result};
+use crate::options::RuntimeOptions;
+use crate::verify_gate::VerifyGate;
+
+/// A restore's bound when the handler names none: a minute, plus 10 s per GiB of checkpoint
+/// (upstream CRIU restores about 1 GiB/s, and the page verification runs beside it).
+pub fn bound(options: &RuntimeOptions, checkpoint_bytes: u64) -> Result<Duration> {
+    if !options.restore_timeout.is_empty() {
+        return crate::options::parse_timeout(&options.restore_timeout, "RestoreTimeout");
+    }
+    let gib = checkpoint_bytes.div_ceil(1 << 30);
+    Ok(Duration::from_secs(60 + 10 * gib))
+}
+
+/// A running restore's watchdog; [`Watchdog::stop`] it when the restore is over.
+pub struct Watchdog {
+    expired: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+    bound: Duration,
+}
+
+/// After refusing at the gate, how long CRIU gets to abort by itself before it is killed.
+const GRACE: Duration = Duration::from_secs(3);
+
+impl Watchdog {
+    /// Starts the clock for the restore of the container in `bundle`, whose gate is `gate`
+    /// and whose page hashing stops when `cancel` is set.
+    pub fn start(
+        bound: Duration,
+        bundle: &Path,
+        gate: Arc<VerifyGate>,
+        cancel: Arc<AtomicBool>,
+    ) -> Watchdog {
+        let expired = Arc::new(AtomicBool::new(false));
+        let bundle = bundle.to_path_buf();
+        let task = tokio::spawn({
+            let expired = expired.clone();
+            async move {
+                tokio::time::sleep(bound).await;
+                expired.store(true, Ordering::SeqCst);
+                warn!(bundle = %bundle.display(), ?bound, "restore past its bound: refused at the gate");
+                cancel.store(true, Ordering::SeqCst);
+                let _ = gate.open(false);
+                let _ = gate.allow(false);
+                let _ = gate.no_root();
+                tokio::time::sleep(GRACE).await;
+                let killed = kill_restore(&bundle);
+                if !killed.is_empty() {
+                    warn!(bundle = %bundle.display(), ?killed, "restore past its bound: killed runc restore and its processes");
+                }
+            }
+        });
+        Watchdog {
+            expired,
+            task,
+            bound,
+        }
+    }
+
+    /// Stops the clock; `Err` when the bound had passed, naming `step` and the bound.
+    pub fn stop(self, step: &'static str) -> Result<()> {
+        self.task.abort();
+        if self.expired.load(Ordering::SeqCst) {
+            return Err(Error::Step {
+                operation: "restore",
+                step,
+                message: format!(
+                    "not done within {:?} (the handler option RestoreTimeout, by default a minute plus 10 s per GiB of checkpoint): the restored tasks were refused at the gate, and runc restore, CRIU and their processes killed if still there",
+                    self.bound
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// SIGKILLs every `runc restore` of `bundle` that this process started, and every process
+/// under it (CRIU, its action scripts, the tasks it restored), children first. Returns the pids.
+fn kill_restore(bundle: &Path) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let bundle = bundle.display().to_string();
+    let procs = processes();
+    let mut killed = Vec::new();
+    for &(pid, ppid) in &procs {
+        if ppid != me {
+            continue;
+        }
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let is_restore = args.iter().any(|a| *a == b"restore")
+            && args
+                .windows(2)
+                .any(|w| w[0] == b"--bundle" && w[1] == bundle.as_bytes());
+        if !is_restore {
+            continue;
+        }
+        let mut tree = descendants(&procs, pid);
+        tree.reverse();
+        tree.push(pid);
+        for p in tree {
+            // SAFETY: kill(2) with a pid we just read; a pid that exited meanwhile gets ESRCH.
+            if unsafe { libc::kill(p, libc::SIGKILL) } == 0 {
+                killed.push(p);
+            }
+        }
+    }
+    killed
+}
+
+/// (pid, parent pid) of every process.
+fn processes() -> Vec<(i32, i32)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat =
+                std::fs::read_to_string(PathBuf::from("/proc").join(pid.to_string()).join("stat"))
+                    .ok()?;
+            // The command name may hold spaces and parentheses: the fields after the last ')'.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect()
+}
+
+/// Every process under `root`, parents before their children.
+fn descendants(procs: &[(i32, i32)], root: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(child, parent) in procs {
+            if parent == p && !out.contains(&child) {
+                out.push(child);
+                frontier.push(child);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_scale_with_the_checkpoint_or_follow_the_option() {
+        let mut o = RuntimeOptions::default();
+        assert_eq!(bound(&o, 0).unwrap(), Duration::from_secs(60));
+        assert_eq!(bound(&o, 1).unwrap(), Duration::from_secs(70));
+        assert_eq!(bound(&o, 3 << 30).unwrap(), Duration::from_secs(90));
+        o.restore_timeout = "5s".into();
+        assert_eq!(bound(&o, 100 << 30).unwrap(), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn descendants_come_parents_first() {
+        let procs = [(10, 1), (11, 10), (12, 11), (13, 10), (20, 1)];
+        assert_eq!(descendants(&procs, 10), vec![11, 13, 12]);
+        assert!(descendants(&procs, 20).is_empty());
+    }
+}
