@@ -62,8 +62,23 @@ impl Client {
         }
     }
 
-    /// Host to device: the header, then the bytes.
+    /// Host to device: the daemon reads a large copy from this process's memory itself;
+    /// otherwise (or if it cannot) the header, then the bytes.
     pub fn htod(&mut self, dst: u64, src: &[u8]) -> Result<(), CallError> {
+        if src.len() >= proto::DIRECT_MIN {
+            let direct = Request::HtoDDirect {
+                dst,
+                len: src.len() as u64,
+                addr: src.as_ptr() as u64,
+            };
+            match self.call(&direct) {
+                Ok(Reply::Ok) => return Ok(()),
+                Err(CallError::Driver { code, .. })
+                    if code == crate::cuerr::cu::OPERATING_SYSTEM => {}
+                Ok(r) => return Err(CallError::Unexpected(format!("{r:?}"))),
+                Err(e) => return Err(e),
+            }
+        }
         proto::send(
             &mut self.stream,
             &Request::HtoD {
@@ -78,8 +93,23 @@ impl Client {
         }
     }
 
-    /// Device to host into `dst`.
+    /// Device to host into `dst`: a large copy written by the daemon straight into this
+    /// process's memory, else (or if it cannot) through the socket.
     pub fn dtoh(&mut self, dst: &mut [u8], src: u64) -> Result<(), CallError> {
+        if dst.len() >= proto::DIRECT_MIN {
+            let direct = Request::DtoHDirect {
+                src,
+                len: dst.len() as u64,
+                addr: dst.as_mut_ptr() as u64,
+            };
+            match self.call(&direct) {
+                Ok(Reply::Ok) => return Ok(()),
+                Err(CallError::Driver { code, .. })
+                    if code == crate::cuerr::cu::OPERATING_SYSTEM => {}
+                Ok(r) => return Err(CallError::Unexpected(format!("{r:?}"))),
+                Err(e) => return Err(e),
+            }
+        }
         match self.call(&Request::DtoH {
             src,
             len: dst.len() as u64,

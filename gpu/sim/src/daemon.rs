@@ -47,7 +47,7 @@ impl Alloc {
         Arc::new(Alloc {
             gpu,
             size,
-            data: Mutex::new(vec![0u8; size as usize]),
+            data: Mutex::new(crate::zeroed_buffer(size as usize)),
             mapped: false,
         })
     }
@@ -117,6 +117,45 @@ pub struct Daemon {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Copies `len` bytes between the daemon's `local` and process `pid`'s memory at `remote`:
+/// into the process (`to_remote`, `process_vm_writev`) or out of it (`process_vm_readv`), as a
+/// GPU's copy engine moves host memory. Needs the right to ptrace `pid` (the daemon runs as
+/// root); the caller falls back to the socket when this fails.
+fn vm_copy(pid: i32, local: *mut u8, len: usize, remote: u64, to_remote: bool) -> io::Result<()> {
+    if pid <= 0 {
+        return Err(io::Error::from_raw_os_error(libc::ESRCH));
+    }
+    let mut done = 0usize;
+    while done < len {
+        let l = libc::iovec {
+            // SAFETY (of the arithmetic): `done < len`, inside `local`'s `len` bytes.
+            iov_base: local.wrapping_add(done).cast(),
+            iov_len: len - done,
+        };
+        let r = libc::iovec {
+            iov_base: (remote as usize + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: `l` covers memory this process owns for `len - done` bytes; the kernel checks
+        // the remote range against the target's mappings.
+        let n = unsafe {
+            if to_remote {
+                libc::process_vm_writev(pid, &l, 1, &r, 1, 0)
+            } else {
+                libc::process_vm_readv(pid, &l, 1, &r, 1, 0)
+            }
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Err(io::Error::from_raw_os_error(libc::EFAULT));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 /// (pid, uid) of the peer, in the daemon's namespaces.
@@ -248,6 +287,11 @@ impl Daemon {
     }
 
     /// The allocation of connection `id` holding `[addr, addr + len)`, and the offset of addr.
+    /// The pid of connection `id`'s peer (0 when it is gone).
+    fn peer_pid(&self, id: u64) -> i32 {
+        lock(&self.reg).conns.get(&id).map_or(0, |c| c.pid)
+    }
+
     fn find(&self, id: u64, addr: u64, len: u64) -> Option<(Arc<Alloc>, usize)> {
         let reg = lock(&self.reg);
         let conn = reg.conns.get(&id)?;
@@ -295,6 +339,38 @@ impl Daemon {
                     let data = lock(&a.data);
                     proto::send(s, &Reply::Data { len })?;
                     return s.write_all(&data[off..off + len as usize]);
+                }
+                None => Reply::err(
+                    cu::INVALID_VALUE,
+                    format!("{src:#x}+{len} is not device memory of this process"),
+                ),
+            },
+            Request::HtoDDirect { dst, len, addr } => match self.find(id, dst, len) {
+                Some((a, off)) => {
+                    let mut data = lock(&a.data);
+                    let dst = &mut data[off..off + len as usize];
+                    match vm_copy(self.peer_pid(id), dst.as_mut_ptr(), dst.len(), addr, false) {
+                        Ok(()) => Reply::Ok,
+                        Err(e) => {
+                            Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_readv: {e}"))
+                        }
+                    }
+                }
+                None => Reply::err(
+                    cu::INVALID_VALUE,
+                    format!("{dst:#x}+{len} is not device memory of this process"),
+                ),
+            },
+            Request::DtoHDirect { src, len, addr } => match self.find(id, src, len) {
+                Some((a, off)) => {
+                    let mut data = lock(&a.data);
+                    let src = &mut data[off..off + len as usize];
+                    match vm_copy(self.peer_pid(id), src.as_mut_ptr(), src.len(), addr, true) {
+                        Ok(()) => Reply::Ok,
+                        Err(e) => {
+                            Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_writev: {e}"))
+                        }
+                    }
                 }
                 None => Reply::err(
                     cu::INVALID_VALUE,

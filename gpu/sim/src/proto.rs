@@ -172,7 +172,24 @@ pub enum Request {
     LastArgs {
         call: String,
     },
+    /// Host to device from the caller's own memory at `addr`, which the daemon reads itself
+    /// (`process_vm_readv`), as a copy engine reads host memory: one copy instead of two
+    /// through the socket. Answered `Ok`, or an error after which the caller sends `HtoD`.
+    HtoDDirect {
+        dst: u64,
+        len: u64,
+        addr: u64,
+    },
+    /// Device to host into the caller's own memory at `addr` (`process_vm_writev`).
+    DtoHDirect {
+        src: u64,
+        len: u64,
+        addr: u64,
+    },
 }
+
+/// Copies at least this large go straight between the daemon and the caller's memory.
+pub const DIRECT_MIN: usize = 1 << 20;
 
 /// A process that uses a GPU (NVML's running compute processes).
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]

@@ -343,7 +343,7 @@ impl Driver {
             let gpu = node.gpus.get(dev).ok_or(cu::INVALID_DEVICE)?;
             let mut data = Vec::new();
             if !custom {
-                data = vec![0u8; size as usize];
+                data = simgpu::zeroed_buffer(size as usize);
                 c.dtoh(&mut data, ptr).map_err(map_err)?;
             }
             *bytes.entry(dev).or_default() += size;
