@@ -315,10 +315,12 @@ impl Container {
     async fn runc_create(&mut self) -> Result<()> {
         let prepared = stdio::prepare(
             &self.init.stdio,
+            &self.id,
             self.options.io_uid,
             self.options.io_gid,
             Absent::DevNull,
-        )?;
+        )
+        .await?;
         self.init.io = prepared.io;
         let pid_file = self.bundle.join(INIT_PID_FILE);
         let console = prepared.console;
@@ -666,10 +668,12 @@ impl Container {
         std::fs::create_dir_all(&work).map_err(|e| restore::step("prepare")(e.to_string()))?;
         let prepared = stdio::prepare(
             &self.init.stdio,
+            &self.id,
             self.options.io_uid,
             self.options.io_gid,
             Absent::Pipe,
-        )?;
+        )
+        .await?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());
@@ -1091,12 +1095,15 @@ impl Container {
             .map_err(Error::io(format!("write {}", spec_path.display())))?;
         let pid_file = bundle.join(format!("exec-{exec_id}.pid"));
         let stdio = process.stdio.clone();
+        // A logging binary runs as the exec (its CONTAINER_ID), as runc-v2 starts it.
         let prepared = stdio::prepare(
             &stdio,
+            exec_id,
             self.options.io_uid,
             self.options.io_gid,
             Absent::DevNull,
-        )?;
+        )
+        .await?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());

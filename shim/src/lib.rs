@@ -13,7 +13,8 @@
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
 //! - [`runc`]: every runc invocation;
-//! - [`stdio`]: pipes and terminals between the container and containerd's fifos;
+//! - [`stdio`]: pipes and terminals between the container and containerd's fifos, a `file://`
+//!   log file or a `binary://` logging binary;
 //! - [`stats`]: cgroup v1/v2 metrics; [`oom`]: OOM-kill events; [`events`]: ordered event publishing;
 //! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
