@@ -56,8 +56,8 @@ fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
         took < Duration::from_secs(15),
         "the restore failed only after {took:?}"
     );
-    let bundle = format!("io.containerd.runtime.v2.task/default/b1");
-    let left: Vec<i32> = processes_matching(&[&bundle])
+    let bundle = "io.containerd.runtime.v2.task/default/b1";
+    let left: Vec<i32> = processes_matching(&[bundle])
         .into_iter()
         .chain(processes_matching(&[
             "criu",
