@@ -371,18 +371,40 @@ impl Containerd {
         id: &str,
         image_path: Option<&Path>,
     ) -> Result<u32> {
+        use containerd_client::services::v1::CreateTaskRequest;
+        let what = format!("from {image_path:?}");
+        self.create_and_start(
+            CreateTaskRequest {
+                container_id: id.to_string(),
+                options: image_path.map(criu_image_path_options),
+                ..Default::default()
+            },
+            &what,
+        )
+        .await
+    }
+
+    /// Tasks.Create of `req` on its container's rootfs (the mounts of the container's snapshot,
+    /// as containerd's client passes them), then Tasks.Start; returns the pid. `what` goes into
+    /// the errors.
+    pub async fn create_and_start(
+        &self,
+        mut req: containerd_client::services::v1::CreateTaskRequest,
+        what: &str,
+    ) -> Result<u32> {
         use containerd_client::services::v1::{
             containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
-            snapshots::MountsRequest, CreateTaskRequest, GetContainerRequest, StartRequest,
+            snapshots::MountsRequest, GetContainerRequest, StartRequest,
         };
+        let id = req.container_id.clone();
         let container = ContainersClient::new(self.channel())
-            .get(self.request(GetContainerRequest { id: id.to_string() }))
+            .get(self.request(GetContainerRequest { id: id.clone() }))
             .await
             .with_context(|| format!("Containers.Get {id}"))?
             .into_inner()
             .container
             .context("no container")?;
-        let mounts = SnapshotsClient::new(self.channel())
+        req.rootfs = SnapshotsClient::new(self.channel())
             .mounts(self.request(MountsRequest {
                 snapshotter: container.snapshotter.clone(),
                 key: container.snapshot_key.clone(),
@@ -391,28 +413,14 @@ impl Containerd {
             .with_context(|| format!("Snapshots.Mounts {}", container.snapshot_key))?
             .into_inner()
             .mounts;
-        // containerd.runc.v1.Options, field 10: criu_image_path.
-        let options = image_path.map(|p| {
-            let mut value = Vec::new();
-            prost::encoding::string::encode(10, &p.display().to_string(), &mut value);
-            Any {
-                type_url: "containerd.runc.v1.Options".into(),
-                value,
-            }
-        });
         let mut tasks = TasksClient::new(self.channel());
         tasks
-            .create(self.request(CreateTaskRequest {
-                container_id: id.to_string(),
-                rootfs: mounts,
-                options,
-                ..Default::default()
-            }))
+            .create(self.request(req))
             .await
-            .with_context(|| format!("Tasks.Create {id} from {image_path:?}"))?;
+            .with_context(|| format!("Tasks.Create {id} {what}"))?;
         let r = tasks
             .start(self.request(StartRequest {
-                container_id: id.to_string(),
+                container_id: id.clone(),
                 exec_id: String::new(),
             }))
             .await
@@ -649,6 +657,17 @@ pub fn decode_memory_metrics(any: &Any) -> Result<MemoryMetrics> {
             Ok(out)
         }
         other => bail!("unknown metrics type {other:?}"),
+    }
+}
+
+/// `containerd.runc.v1.Options` naming `dir` as `CriuImagePath` (field 10): the containerd API's
+/// way to restore a task from `ctr task checkpoint --image-path`.
+pub fn criu_image_path_options(dir: &Path) -> Any {
+    let mut value = Vec::new();
+    prost::encoding::string::encode(10, &dir.display().to_string(), &mut value);
+    Any {
+        type_url: "containerd.runc.v1.Options".into(),
+        value,
     }
 }
 

@@ -189,65 +189,30 @@ fn restore_logged(node: &Node, id: &str, source: Source, log: &Log) -> Result<i3
 /// Creates and starts task `id` of an existing container from `source`, with its output to
 /// `log` (on a terminal when `terminal`), as containerd's client does with `cio.LogURI`.
 fn create_task(node: &Node, id: &str, source: Source, log: &Log, terminal: bool) -> Result<i32> {
-    use containerd_client::services::v1::{
-        containers_client::ContainersClient, snapshots::snapshots_client::SnapshotsClient,
-        snapshots::MountsRequest, tasks_client::TasksClient, CreateTaskRequest,
-        GetContainerRequest, StartRequest,
-    };
+    use containerd_client::services::v1::CreateTaskRequest;
     rt().block_on(async {
         let api = Containerd::connect(node.socket(), "default").await?;
         let (checkpoint, options) = match source {
             Source::Fresh => (None, None),
             Source::Image(image) => (Some(checkpoint_descriptor(&api, image).await?), None),
-            Source::Dir(dir) => {
-                // containerd.runc.v1.Options, field 10: criu_image_path.
-                let mut value = Vec::new();
-                prost::encoding::string::encode(10, &dir.display().to_string(), &mut value);
-                let options = prost_types::Any {
-                    type_url: "containerd.runc.v1.Options".into(),
-                    value,
-                };
-                (None, Some(options))
-            }
+            Source::Dir(dir) => (
+                None,
+                Some(test_containers::containerd::criu_image_path_options(dir)),
+            ),
         };
-        let container = ContainersClient::new(api.channel())
-            .get(api.request(GetContainerRequest { id: id.to_string() }))
-            .await
-            .with_context(|| format!("Containers.Get {id}"))?
-            .into_inner()
-            .container
-            .context("no container")?;
-        let mounts = SnapshotsClient::new(api.channel())
-            .mounts(api.request(MountsRequest {
-                snapshotter: container.snapshotter.clone(),
-                key: container.snapshot_key.clone(),
-            }))
-            .await
-            .with_context(|| format!("Snapshots.Mounts {}", container.snapshot_key))?
-            .into_inner()
-            .mounts;
-        let mut tasks = TasksClient::new(api.channel());
-        tasks
-            .create(api.request(CreateTaskRequest {
-                container_id: id.to_string(),
-                rootfs: mounts,
-                stdout: log.uri.clone(),
-                stderr: log.uri.clone(),
-                terminal,
-                checkpoint,
-                options,
-                ..Default::default()
-            }))
-            .await
-            .with_context(|| format!("Tasks.Create {id}, logging to {}", log.uri))?;
-        let started = tasks
-            .start(api.request(StartRequest {
-                container_id: id.to_string(),
-                exec_id: String::new(),
-            }))
-            .await
-            .with_context(|| format!("Tasks.Start {id}"))?;
-        Ok(started.into_inner().pid as i32)
+        let req = CreateTaskRequest {
+            container_id: id.to_string(),
+            stdout: log.uri.clone(),
+            stderr: log.uri.clone(),
+            terminal,
+            checkpoint,
+            options,
+            ..Default::default()
+        };
+        let pid = api
+            .create_and_start(req, &format!("logging to {}", log.uri))
+            .await?;
+        Ok(pid as i32)
     })
 }
 
