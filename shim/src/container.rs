@@ -596,14 +596,19 @@ impl Container {
                 // process confirmed RUNNING, before Start returns. Undo: kill what was
                 // restored.
                 let t = Instant::now();
-                let devices = match self.runc.ps(&self.id).await {
-                    Ok(pids) => {
-                        self.devices
-                            .restore(&manifest.devices.processes, pids, &device_plan)
-                            .instrument(info_span!("device_restore", id = %self.id))
-                            .await
+                let recorded = &manifest.devices.processes;
+                let devices = if recorded.is_empty() {
+                    Ok(())
+                } else {
+                    match self.runc.ps(&self.id).await {
+                        Ok(pids) => {
+                            self.devices
+                                .restore(recorded, pids, &device_plan)
+                                .instrument(info_span!("device_restore", id = %self.id))
+                                .await
+                        }
+                        Err(e) => Err(e),
                     }
-                    Err(e) => Err(e),
                 };
                 if let Err(e) = devices {
                     self.init.io.tasks.abort().await;
@@ -740,11 +745,7 @@ impl Container {
     /// freeze. containerd pauses a task before it checkpoints it (ctr, the containerd client,
     /// CRI), so this is where a checkpoint's device steps run. Undo: device resume.
     pub async fn pause(&mut self) -> Result<()> {
-        let pids = self.runc.ps(&self.id).await?;
-        self.devices
-            .quiesce(pids)
-            .instrument(info_span!("device_quiesce", id = %self.id))
-            .await?;
+        self.quiesce_devices().await?;
         if let Err(e) = self.runc.pause(&self.id).await {
             if let Err(de) = self.devices.resume().await {
                 warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
@@ -752,6 +753,19 @@ impl Container {
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Device quiesce of the container's processes, on a node with a driver (no `runc ps`
+    /// elsewhere).
+    async fn quiesce_devices(&mut self) -> Result<()> {
+        if !self.devices.active().await? {
+            return Ok(());
+        }
+        let pids = self.runc.ps(&self.id).await?;
+        self.devices
+            .quiesce(pids)
+            .instrument(info_span!("device_quiesce", id = %self.id))
+            .await
     }
 
     /// Resume: thaw, then the device state back onto the GPUs and unlocked (whether or not a
@@ -784,11 +798,7 @@ impl Container {
         crate::criu::version().await?;
         let here = self.init.status == Status::Running;
         if here {
-            let pids = self.runc.ps(&self.id).await?;
-            self.devices
-                .quiesce(pids)
-                .instrument(info_span!("device_quiesce", id = %self.id))
-                .await?;
+            self.quiesce_devices().await?;
         }
         let result = match self.devices.record().await {
             Ok(devices) => self.checkpoint_files(plan, devices).await,

@@ -345,6 +345,12 @@ impl ContainerDevices {
         Ok(l)
     }
 
+    /// Whether this node has a driver, so that the container's processes may hold device
+    /// state (the device steps have nothing to do otherwise).
+    pub async fn active(&mut self) -> Result<bool> {
+        Ok(self.layer().await?.is_some())
+    }
+
     /// Whether a Pause (or this checkpoint) has quiesced the container's device state.
     pub fn is_quiesced(&self) -> bool {
         self.quiesced.is_some()

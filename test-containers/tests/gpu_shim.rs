@@ -820,6 +820,42 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
         );
         cri_a.remove_pod(&pod).await?;
 
+        // GPU 1 of node A with another process holding all but 2 MiB of it: less free memory
+        // than the checkpoint's process held, gpu_free_memory differs.
+        let stack = test_containers::stack::Stack::discover()?;
+        let mut env = sim_a.env();
+        env.push((
+            "LD_LIBRARY_PATH".into(),
+            sim_a.lib_dir().display().to_string(),
+        ));
+        let mut fill = test_containers::gpuproc::Workload::spawn(
+            &test_containers::gpuproc::binary(&stack, "gpu-fill")?,
+            &["--mib", "254", "--devices", "1"],
+            &env,
+            &a.paths().dir.join("fit-fill.log"),
+        )?;
+        fill.wait_line(Duration::from_secs(20), "gpu-fill filled", |l| {
+            l.contains("filled").then_some(())
+        })?;
+        let pod = cri_a
+            .run_pod(
+                &PodSpec::new("fit", a.pod_log_root())
+                    .handler(RESTORE_HANDLER)
+                    .annotation("gpu-ckpt.io/restore-from", &source),
+            )
+            .await?;
+        let err = match cri_a.run_container(&pod, &train_spec("train", "1")).await {
+            Ok(id) => anyhow::bail!("a restore onto a full GPU started {id}"),
+            Err(e) => format!("{e:#}"),
+        };
+        println!("free memory: {err}");
+        ensure!(
+            err.contains("gpu_free_memory"),
+            "the refusal does not name gpu_free_memory: {err}"
+        );
+        cri_a.remove_pod(&pod).await?;
+        drop(fill);
+
         // The same with gpu-ckpt.io/on-incompatible: cold-start: it starts fresh, at step 1.
         let pod = cri_a
             .run_pod(
