@@ -279,6 +279,39 @@ pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<bool> {
 
 /// What an error message should carry of a CRIU log: its error lines (the cause is usually the
 /// first of them, well before the end of the log) and its last `tail` lines.
+/// The error of a failed `runc checkpoint` or `runc restore` (`runc_error`), with CRIU's log:
+/// `log` as CRIU wrote it, `kept` where the shim keeps a copy. When runc lost its connection
+/// to CRIU (end of file on the RPC socket) and CRIU's log ends without CRIU's own failure, CRIU
+/// died (a crash, a kill, an early exit): the message says so first, with the log's last line,
+/// rather than runc's bare `read unixpacket …: EOF`.
+pub fn criu_failure(runc_error: &str, log: &Path, kept: &Path) -> String {
+    let tail = log_summary(log, 8);
+    let text = std::fs::read(log)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    let lost = ["EOF", "unixpacket", "connection reset", "broken pipe"]
+        .iter()
+        .any(|p| runc_error.contains(p));
+    let failed_itself = last.contains("FAILED") || last.contains("Error (");
+    if lost && !failed_itself {
+        let last = if last.is_empty() {
+            "(the log is empty)".to_string()
+        } else {
+            format!("{:?}", last.trim())
+        };
+        return format!(
+            "CRIU died before it answered runc (runc: {runc_error}); its log ends without an error, at {last}; CRIU log {}:\n{tail}",
+            kept.display()
+        );
+    }
+    format!("{runc_error}; CRIU log {}:\n{tail}", kept.display())
+}
+
 pub fn log_summary(path: &Path, tail: usize) -> String {
     let text = std::fs::read(path)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -474,6 +507,29 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(dir.path().join("config.json")).unwrap(),
             spec
+        );
+    }
+
+    #[test]
+    fn a_criu_that_died_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, kept) = (dir.path().join("dump.log"), dir.path().join("kept.log"));
+        std::fs::write(&log, "(00.1) Dumping pages\n(00.2) Writing image\n").unwrap();
+        let m = criu_failure("criu failed: read unixpacket @->@: EOF", &log, &kept);
+        assert!(m.starts_with("CRIU died before it answered runc"), "{m}");
+        assert!(m.contains("Writing image") && m.contains("kept.log"), "{m}");
+        // A CRIU that failed by itself says so in its log: runc's message stands.
+        std::fs::write(
+            &log,
+            "(00.1) Error (criu/sk-unix.c:874): unix: x\n(00.2) Dumping FAILED.\n",
+        )
+        .unwrap();
+        let m = criu_failure("criu failed: type NOTIFY errno 0", &log, &kept);
+        assert!(m.starts_with("criu failed: type NOTIFY"), "{m}");
+        let m = criu_failure("read unixpacket @->@: EOF", &dir.path().join("none"), &kept);
+        assert!(
+            m.contains("CRIU died") && m.contains("the log is empty"),
+            "{m}"
         );
     }
 

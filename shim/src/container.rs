@@ -725,7 +725,7 @@ impl Container {
                 let log = work.join("restore.log");
                 let kept = self.bundle.join(checkpoint::RESTORE_LOG_COPY);
                 let _ = std::fs::copy(&log, &kept);
-                let tail = checkpoint::log_summary(&log, 8);
+                let message = checkpoint::criu_failure(&e.to_string(), &log, &kept);
                 if let Err(de) = self.runc.delete(&self.id, true).await {
                     if !de.to_string().contains("does not exist") {
                         warn!(id = %self.id, error = %de, "undo of a failed restore: runc delete");
@@ -734,7 +734,7 @@ impl Container {
                 Err(Error::Step {
                     operation: "restore",
                     step: "criu-restore",
-                    message: format!("{e}; CRIU log {}:\n{tail}", kept.display()),
+                    message,
                 })
             }
         }
@@ -771,7 +771,14 @@ impl Container {
     /// Resume: thaw, then the device state back onto the GPUs and unlocked (whether or not a
     /// checkpoint came in between).
     pub async fn resume(&mut self) -> Result<()> {
-        self.runc.resume(&self.id).await?;
+        if let Err(e) = self.runc.resume(&self.id).await {
+            // A dump whose CRIU was killed leaves the cgroup thawed: runc finds the container
+            // running ("container not paused"), which is what Resume is for.
+            if !e.to_string().contains("container not paused") {
+                return Err(e);
+            }
+            warn!(id = %self.id, error = %e, "resume of a container that is no longer frozen");
+        }
         self.devices
             .resume()
             .instrument(info_span!("device_resume", id = %self.id))
@@ -982,12 +989,9 @@ impl Container {
             let log = work.join("dump.log");
             let kept = self.bundle.join(checkpoint::DUMP_LOG_COPY);
             let _ = std::fs::copy(&log, &kept);
-            let tail = checkpoint::log_summary(&log, 8);
+            let message = checkpoint::criu_failure(&e.to_string(), &log, &kept);
             undo();
-            return Err(fail(
-                "criu-dump",
-                format!("{e}; CRIU log {}:\n{tail}", kept.display()),
-            ));
+            return Err(fail("criu-dump", message));
         }
         timings.push(("criu-dump", t.elapsed()));
         // CRIU's own statistics travel with the images (checkpointctl and `gpu-ckpt inspect`

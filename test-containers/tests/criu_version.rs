@@ -72,3 +72,91 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
     );
     Ok(())
 }
+
+/// CRIU killed in the middle of a dump: the error says CRIU died (not runc's bare `read
+/// unixpacket …: EOF`) with its log's path, nothing looks complete, and the container runs on.
+#[test]
+fn a_criu_killed_mid_dump_is_named() -> Result<()> {
+    let node = node("criu-killed")?;
+    let pid = run_detached(
+        &node,
+        &[
+            workloads(),
+            "k1",
+            "/bin/memhog",
+            "--mib",
+            "1024",
+            "--interval-ms",
+            "200",
+            "--status-file",
+            "/status.txt",
+        ],
+    )?;
+    wait_until(Duration::from_secs(120), "memhog to fill 1 GiB", || {
+        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
+    })?;
+    let dir = node.paths().dir.join("k1-image");
+    let _ = std::fs::remove_dir_all(&dir);
+    let ctr = {
+        let dir = dir.display().to_string();
+        let socket = node.socket().to_path_buf();
+        let ctr = test_containers::stack::Stack::discover()?.ctr_bin();
+        std::thread::spawn(move || {
+            std::process::Command::new(ctr)
+                .args(["--address"])
+                .arg(socket)
+                .args([
+                    "-n",
+                    "default",
+                    "task",
+                    "checkpoint",
+                    "--image-path",
+                    &dir,
+                    "k1",
+                ])
+                .output()
+        })
+    };
+    // CRIU, once it writes pages: runc runs it as `criu swrk 3`, and CRIU retitles itself
+    // `criu: dump --rpc -t <the container's init>`.
+    let criu = wait_until(Duration::from_secs(30), "CRIU to dump pages", || {
+        let target = format!("-t {pid}");
+        let p = *test_containers::stack::processes_matching(&["criu: dump", &target]).first()?;
+        let pages: u64 = std::fs::read_dir(&dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+            .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+            .sum();
+        (pages > 0).then_some(p)
+    })?;
+    // SAFETY: kill(2) of the pid just found.
+    unsafe { libc::kill(criu, libc::SIGKILL) };
+    let out = ctr
+        .join()
+        .map_err(|_| anyhow::anyhow!("the ctr thread panicked"))??;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    println!("{err}");
+    ensure!(
+        !out.status.success(),
+        "the checkpoint succeeded although CRIU was killed"
+    );
+    ensure!(
+        err.contains("CRIU died before it answered runc") && err.contains("criu-dump.log"),
+        "the error does not say that CRIU died, with its log: {err}"
+    );
+    ensure!(
+        !dir.join(image_format::manifest::MANIFEST_FILE).exists(),
+        "a checkpoint whose CRIU was killed has a manifest"
+    );
+    let before = rootfs_file(pid, "/status.txt").unwrap_or_default();
+    let now = wait_until(Duration::from_secs(20), "memhog to verify again", || {
+        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass") && *s != before)
+    })?;
+    ensure!(
+        node.task_status("k1")? == "RUNNING",
+        "the container is {} after the failed checkpoint ({now})",
+        node.task_status("k1")?
+    );
+    Ok(())
+}
