@@ -780,6 +780,35 @@ fn compat_names_each_field_that_differs_from_this_node() -> Result<()> {
     Ok(())
 }
 
+/// The restore handler on `node` restoring `source` into a pod whose container asks for the
+/// simulated GPU `device`: it must be refused, naming `field`. Returns the error.
+async fn refused_restore(
+    cri: &Cri,
+    node: &Node,
+    source: &str,
+    device: &str,
+    field: &str,
+) -> Result<String> {
+    let pod = cri
+        .run_pod(
+            &PodSpec::new("fit", node.pod_log_root())
+                .handler(RESTORE_HANDLER)
+                .annotation("gpu-ckpt.io/restore-from", source),
+        )
+        .await?;
+    let err = match cri.run_container(&pod, &train_spec("train", device)).await {
+        Ok(id) => anyhow::bail!("a restore whose {field} differs started container {id}"),
+        Err(e) => format!("{e:#}"),
+    };
+    println!("{field}: {err}");
+    ensure!(
+        err.contains(field),
+        "the refusal does not name {field}: {err}"
+    );
+    cri.remove_pod(&pod).await?;
+    Ok(err)
+}
+
 /// A restore onto GPUs that do not fit: refused naming the field, through the restore handler
 /// and through restore-via-create, with nothing left running; or a cold start where the pod
 /// asks for one.
@@ -802,23 +831,11 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
         let source = archive.display().to_string();
 
         // The restore handler on node A, the pod asking for both GPUs: gpu_count differs.
-        let pod = cri_a
-            .run_pod(
-                &PodSpec::new("fit", a.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &source),
-            )
-            .await?;
-        let err = match cri_a.run_container(&pod, &train_spec("train", "all")).await {
-            Ok(id) => anyhow::bail!("a restore onto two GPUs of a one-GPU checkpoint started {id}"),
-            Err(e) => format!("{e:#}"),
-        };
-        println!("gpu count: {err}");
+        let err = refused_restore(&cri_a, &a, &source, "all", "gpu_count").await?;
         ensure!(
-            err.contains("gpu_count") && err.contains("on-incompatible"),
-            "the refusal does not name gpu_count: {err}"
+            err.contains("on-incompatible"),
+            "the refusal does not say how to cold-start instead: {err}"
         );
-        cri_a.remove_pod(&pod).await?;
 
         // GPU 1 of node A with another process holding all but 2 MiB of it: less free memory
         // than the checkpoint's process held, gpu_free_memory differs.
@@ -837,23 +854,7 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
         fill.wait_line(Duration::from_secs(20), "gpu-fill filled", |l| {
             l.contains("filled").then_some(())
         })?;
-        let pod = cri_a
-            .run_pod(
-                &PodSpec::new("fit", a.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &source),
-            )
-            .await?;
-        let err = match cri_a.run_container(&pod, &train_spec("train", "1")).await {
-            Ok(id) => anyhow::bail!("a restore onto a full GPU started {id}"),
-            Err(e) => format!("{e:#}"),
-        };
-        println!("free memory: {err}");
-        ensure!(
-            err.contains("gpu_free_memory"),
-            "the refusal does not name gpu_free_memory: {err}"
-        );
-        cri_a.remove_pod(&pod).await?;
+        refused_restore(&cri_a, &a, &source, "1", "gpu_free_memory").await?;
         drop(fill);
 
         // The same with gpu-ckpt.io/on-incompatible: cold-start: it starts fresh, at step 1.

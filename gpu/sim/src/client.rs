@@ -62,22 +62,30 @@ impl Client {
         }
     }
 
+    /// A copy the daemon makes straight from or into this process's memory: `true` when it did,
+    /// `false` when it cannot (the caller then sends the bytes through the socket).
+    fn direct(&mut self, req: &Request) -> Result<bool, CallError> {
+        match self.call(req) {
+            Ok(Reply::Ok) => Ok(true),
+            Err(CallError::Driver { code, .. }) if code == crate::cuerr::cu::OPERATING_SYSTEM => {
+                Ok(false)
+            }
+            Ok(r) => Err(CallError::Unexpected(format!("{r:?}"))),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Host to device: the daemon reads a large copy from this process's memory itself;
     /// otherwise (or if it cannot) the header, then the bytes.
     pub fn htod(&mut self, dst: u64, src: &[u8]) -> Result<(), CallError> {
-        if src.len() >= proto::DIRECT_MIN {
-            let direct = Request::HtoDDirect {
+        if src.len() >= proto::DIRECT_MIN
+            && self.direct(&Request::HtoDDirect {
                 dst,
                 len: src.len() as u64,
                 addr: src.as_ptr() as u64,
-            };
-            match self.call(&direct) {
-                Ok(Reply::Ok) => return Ok(()),
-                Err(CallError::Driver { code, .. })
-                    if code == crate::cuerr::cu::OPERATING_SYSTEM => {}
-                Ok(r) => return Err(CallError::Unexpected(format!("{r:?}"))),
-                Err(e) => return Err(e),
-            }
+            })?
+        {
+            return Ok(());
         }
         proto::send(
             &mut self.stream,
@@ -96,19 +104,14 @@ impl Client {
     /// Device to host into `dst`: a large copy written by the daemon straight into this
     /// process's memory, else (or if it cannot) through the socket.
     pub fn dtoh(&mut self, dst: &mut [u8], src: u64) -> Result<(), CallError> {
-        if dst.len() >= proto::DIRECT_MIN {
-            let direct = Request::DtoHDirect {
+        if dst.len() >= proto::DIRECT_MIN
+            && self.direct(&Request::DtoHDirect {
                 src,
                 len: dst.len() as u64,
                 addr: dst.as_mut_ptr() as u64,
-            };
-            match self.call(&direct) {
-                Ok(Reply::Ok) => return Ok(()),
-                Err(CallError::Driver { code, .. })
-                    if code == crate::cuerr::cu::OPERATING_SYSTEM => {}
-                Ok(r) => return Err(CallError::Unexpected(format!("{r:?}"))),
-                Err(e) => return Err(e),
-            }
+            })?
+        {
+            return Ok(());
         }
         match self.call(&Request::DtoH {
             src,
