@@ -333,6 +333,33 @@ impl NodeBuilder {
     }
 }
 
+/// containerd on the node's config, in a session of its own (a terminal's ^C reaches it only
+/// through us), its output to `log`.
+fn spawn_containerd(
+    stack: &Stack,
+    paths: &NodePaths,
+    env: &[(String, String)],
+    log: fs::File,
+    log2: fs::File,
+) -> Result<std::process::Child> {
+    let mut cmd = Command::new(stack.containerd_bin());
+    cmd.arg("--config")
+        .arg(&paths.config)
+        .env("PATH", stack.path_env())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2));
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    unsafe_setsid(&mut cmd);
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("spawn {}", stack.containerd_bin().display()))?;
+    let _ = fs::write(&paths.pid_file, child.id().to_string());
+    Ok(child)
+}
+
 /// Paths of one node.
 #[derive(Debug, Clone)]
 pub struct NodePaths {
@@ -434,6 +461,8 @@ pub struct Node {
     child: Option<Child>,
     extra_runc_roots: Vec<PathBuf>,
     cdi_spec_dirs: Vec<PathBuf>,
+    /// containerd's extra environment, for a restart.
+    env: Vec<(String, String)>,
     stopped: bool,
 }
 
@@ -522,22 +551,7 @@ impl Node {
             .with_context(|| format!("create {}", paths.log.display()))?;
         let log2 = log.try_clone()?;
 
-        let mut cmd = Command::new(stack.containerd_bin());
-        cmd.arg("--config")
-            .arg(&paths.config)
-            .env("PATH", stack.path_env())
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log2));
-        for (k, v) in &b.env {
-            cmd.env(k, v);
-        }
-        // A session of its own, so a terminal's ^C reaches it only through us.
-        unsafe_setsid(&mut cmd);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("spawn {}", stack.containerd_bin().display()))?;
-        let _ = fs::write(&paths.pid_file, child.id().to_string());
+        let child = spawn_containerd(&stack, &paths, &b.env, log, log2)?;
 
         let mut node = Node {
             stack,
@@ -547,10 +561,43 @@ impl Node {
             child: Some(child),
             extra_runc_roots: extra_roots,
             cdi_spec_dirs: b.cdi_spec_dirs.clone().unwrap_or_default(),
+            env: b.env.clone(),
             stopped: false,
         };
         node.wait_ready(b.start_timeout)?;
         Ok(node)
+    }
+
+    /// Restarts the node's containerd as an administrator would (SIGTERM, then the same
+    /// command), leaving the shims and their containers running; the new containerd loads its
+    /// tasks from its state and reconnects to their shims. Its log goes on in the same file.
+    pub fn restart_containerd(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while child.try_wait()?.is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let log = fs::OpenOptions::new()
+            .append(true)
+            .open(&self.paths.log)
+            .with_context(|| format!("open {}", self.paths.log.display()))?;
+        let log2 = log.try_clone()?;
+        self.child = Some(spawn_containerd(
+            &self.stack,
+            &self.paths,
+            &self.env,
+            log,
+            log2,
+        )?);
+        self.wait_ready(Duration::from_secs(20))
     }
 
     fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
