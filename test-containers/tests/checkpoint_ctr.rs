@@ -9,23 +9,6 @@ use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::stack::{processes_matching, Node};
 
-fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
-    let pid = run_detached(
-        node,
-        &[
-            workloads(),
-            id,
-            "/bin/counter",
-            "--interval-ms",
-            interval_ms,
-        ],
-    )?;
-    wait_until(Duration::from_secs(10), "the counter to reach 5", || {
-        counter_value(pid).filter(|v| *v >= 5)
-    })?;
-    Ok(pid)
-}
-
 /// Waits until containerd reports task `id` stopped; `what` names it in the timeout.
 fn wait_stopped(node: &Node, id: &str, what: &str) -> Result<()> {
     wait_until(Duration::from_secs(10), what, || {

@@ -25,13 +25,7 @@ fn criu_of(dir: &std::path::Path) -> Result<String> {
 #[test]
 fn ctr_checkpoint_and_restore_with_the_oldest_criu() -> Result<()> {
     let node = node_with(Node::builder("criu-old-ctr")?.oldest_criu())?;
-    let pid = run_detached(
-        &node,
-        &[workloads(), "c1", "/bin/counter", "--interval-ms", "100"],
-    )?;
-    wait_until(Duration::from_secs(10), "the counter to reach 5", || {
-        counter_value(pid).filter(|v| *v >= 5)
-    })?;
+    start_counter(&node, "c1", "100")?;
     // A paused container with a network namespace of its own and nothing to lock: with 4.2
     // the shim skips CRIU's network lock; 4.1.1 has no `skip` (it crashed on it), so the lock
     // stays.
@@ -50,11 +44,7 @@ fn ctr_checkpoint_and_restore_with_the_oldest_criu() -> Result<()> {
     let restored = restore_from_dir(&node, "c1", &dir)?;
     let first = counter_value(restored).unwrap_or(0);
     ensure!(first >= 5, "the restored counter started over: {first}");
-    wait_until(
-        Duration::from_secs(10),
-        "the restored counter to go on",
-        || counter_value(restored).filter(|v| *v > first),
-    )?;
+    counter_goes_on(restored, first)?;
     Ok(())
 }
 

@@ -28,13 +28,7 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
         Stack::discover()?.path_env()
     );
     let node = node_with(Node::builder("criu-old")?.env("PATH", &path))?;
-    let pid = run_detached(
-        &node,
-        &[workloads(), "old", "/bin/counter", "--interval-ms", "100"],
-    )?;
-    wait_until(Duration::from_secs(10), "the counter to reach 3", || {
-        counter_value(pid).filter(|v| *v >= 3)
-    })?;
+    let pid = start_counter(&node, "old", "100")?;
     let dir = node.paths().dir.join("old-ckpt");
     let out = node.ctr(&[
         "task",

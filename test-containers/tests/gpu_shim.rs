@@ -559,19 +559,6 @@ fn ctr_continues(pid: i32, before: u64, what: &str) -> Result<()> {
     Ok(())
 }
 
-/// Kills and removes ctr container `id`.
-fn ctr_remove(node: &Node, id: &str) {
-    let _ = node.ctr(&["task", "kill", "-s", "SIGKILL", id]);
-    let _ = wait_until(Duration::from_secs(10), "the task to stop", || {
-        node.ctr(&["task", "delete", id])
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|_| ())
-            .or_else(|| node.task_status(id).is_err().then_some(()))
-    });
-    let _ = node.ctr(&["container", "delete", id]);
-}
-
 #[test]
 fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> {
     let (sim_a, sim_b, a, b) = two_gpu_nodes("ctr", 2)?;
@@ -595,7 +582,7 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
         last_step(&ctr_log(pid)).map(|s| s.0).unwrap_or(0),
         "the original after ctr container checkpoint",
     )?;
-    ctr_remove(&a, "t1");
+    remove(&a, "t1");
     a.ctr_ok(&[
         "container",
         "restore",
@@ -610,7 +597,7 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
         gpus_of(&sim_a, restored)? == vec![sim_a.node().gpus[0].uuid],
         "the live restore does not run on GPU 0"
     );
-    ctr_remove(&a, "t1");
+    remove(&a, "t1");
 
     // 2. `ctr task checkpoint --exit --image-path` (the task stops), restored on node B onto
     //    its GPU 1 through the containerd API (CriuImagePath).
@@ -645,7 +632,7 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
         gpus_of(&sim_b, restored)? == vec![sim_b.node().gpus[1].uuid],
         "the restore on node B does not run on its GPU 1"
     );
-    ctr_remove(&b, "t2");
+    remove(&b, "t2");
     Ok(())
 }
 

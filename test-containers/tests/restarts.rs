@@ -10,21 +10,10 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use common::*;
 
-fn counter(node: &test_containers::stack::Node, id: &str) -> Result<i32> {
-    let pid = run_detached(
-        node,
-        &[workloads(), id, "/bin/counter", "--interval-ms", "100"],
-    )?;
-    wait_until(Duration::from_secs(10), "the counter to reach 3", || {
-        counter_value(pid).filter(|v| *v >= 3)
-    })?;
-    Ok(pid)
-}
-
 #[test]
 fn containers_survive_a_containerd_restart_and_checkpoint_after_it() -> Result<()> {
     let mut node = node("restart-ctd")?;
-    let pid = counter(&node, "r1")?;
+    let pid = start_counter(&node, "r1", "100")?;
     let shims = shims_of(&node);
     ensure!(!shims.is_empty(), "no gpu-ckpt shim serves r1");
 
@@ -32,9 +21,7 @@ fn containers_survive_a_containerd_restart_and_checkpoint_after_it() -> Result<(
 
     // The same process, counting on, under the same shim; containerd knows it again.
     let now = counter_value(pid).context("the counter is gone after the restart")?;
-    wait_until(Duration::from_secs(10), "the counter to go on", || {
-        counter_value(pid).filter(|v| *v > now)
-    })?;
+    counter_goes_on(pid, now)?;
     ensure!(
         node.task_pid("r1")? == pid,
         "containerd reports another pid for r1"
@@ -59,18 +46,14 @@ fn containers_survive_a_containerd_restart_and_checkpoint_after_it() -> Result<(
         first >= now,
         "the restore after the restart started over: {first}"
     );
-    wait_until(
-        Duration::from_secs(10),
-        "the restored counter to go on",
-        || counter_value(restored).filter(|v| *v > first),
-    )?;
+    counter_goes_on(restored, first)?;
     Ok(())
 }
 
 #[test]
 fn a_killed_shim_is_cleaned_up_by_containerd() -> Result<()> {
     let node = node("shim-kill")?;
-    let pid = counter(&node, "k1")?;
+    let pid = start_counter(&node, "k1", "100")?;
     let shims = shims_of(&node);
     ensure!(shims.len() == 1, "shims of k1: {shims:?}");
     // ctr sends no runtime options: runc's root is the shim's default, in containerd's state.
@@ -105,7 +88,7 @@ fn a_killed_shim_is_cleaned_up_by_containerd() -> Result<()> {
     // The container can be removed and its id used again.
     let _ = node.ctr(&["task", "rm", "k1"]);
     node.ctr_ok(&["container", "rm", "k1"])?;
-    let again = counter(&node, "k1")?;
+    let again = start_counter(&node, "k1", "100")?;
     ensure!(again != pid, "k1 did not start again");
     Ok(())
 }

@@ -111,17 +111,6 @@ fn toml_quote(v: &str) -> String {
     }
 }
 
-/// gpu-train's command line: `elements` per step, a step every `interval_ms`.
-pub fn train_cmd(elements: u32, interval_ms: u32) -> Vec<String> {
-    vec![
-        "/usr/bin/gpu-train".into(),
-        "--elements".into(),
-        elements.to_string(),
-        "--interval-ms".into(),
-        interval_ms.to_string(),
-    ]
-}
-
 /// The last step gpu-train logged in `log`.
 pub fn last_step(log: &Path) -> Option<(u64, String)> {
     steps(&std::fs::read_to_string(log).ok()?).last().cloned()

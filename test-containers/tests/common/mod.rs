@@ -169,6 +169,32 @@ pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// `ctr run -d` of the workloads image's counter as container `id` (a tick every
+/// `interval_ms`); returns its pid once it has counted to 5.
+pub fn start_counter(node: &Node, id: &str, interval_ms: &str) -> Result<i32> {
+    let pid = run_detached(
+        node,
+        &[
+            workloads(),
+            id,
+            "/bin/counter",
+            "--interval-ms",
+            interval_ms,
+        ],
+    )?;
+    wait_until(Duration::from_secs(10), "the counter to reach 5", || {
+        counter_value(pid).filter(|v| *v >= 5)
+    })?;
+    Ok(pid)
+}
+
+/// Waits until the counter of process `pid` passes `from` (it goes on counting).
+pub fn counter_goes_on(pid: i32, from: u64) -> Result<u64> {
+    wait_until(Duration::from_secs(10), "the counter to go on", || {
+        counter_value(pid).filter(|v| *v > from)
+    })
+}
+
 /// Restores task `id` from the CRIU image directory `dir` through the containerd API
 /// (Tasks.Create with `CriuImagePath`, then Start); returns the restored pid.
 pub fn restore_from_dir(node: &Node, id: &str, dir: &Path) -> Result<i32> {
