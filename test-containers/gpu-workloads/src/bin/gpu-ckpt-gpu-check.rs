@@ -197,16 +197,27 @@ fn run(o: &Opts) -> Result<Outcome, String> {
             ));
             for g in &node.gpus {
                 info(&format!(
-                    "gpu {} {} {:?} {} bytes cc {:?} arch {:?} pci {} persistence {:?}",
+                    "gpu {} {} {:?} {} bytes ({:?} free) cc {:?} arch {:?} pci {} persistence {:?} minor {:?}",
                     g.index,
                     g.uuid,
                     g.name,
                     g.memory_total_bytes,
+                    g.memory_free_bytes,
                     g.compute_capability,
                     g.architecture,
                     g.pci_bus_id,
-                    g.persistence_mode
+                    g.persistence_mode,
+                    g.minor_number
                 ));
+                // The shim finds a container's GPUs by the minor number of /dev/nvidiaN. The
+                // simulator has no device nodes (its CDI files stand for them).
+                match check_device_node(g.minor_number) {
+                    Err(e) if Path::new("/dev/nvidiactl").exists() => {
+                        failures.push(format!("gpu {}: {e}", g.index))
+                    }
+                    Err(e) => info(&format!("gpu {}: no device node: {e}", g.index)),
+                    Ok(()) => {}
+                }
             }
         }
         Err(e) => failures.push(format!("NVML inventory: {e}")),
@@ -326,10 +337,45 @@ fn run(o: &Opts) -> Result<Outcome, String> {
     figure("fill", ms(t.elapsed()), "ms");
     info(&format!("gpu-fill pid {pid}: {line}"));
 
+    // The shim finds the processes to quiesce through NVML's compute processes.
+    match gpu::NvmlInventory::load().and_then(|n| n.compute_processes()) {
+        Ok(procs) => {
+            let mine: Vec<_> = procs.iter().filter(|p| p.pid == pid as u32).collect();
+            info(&format!("nvml compute processes: {procs:?}"));
+            let held: u64 = mine.iter().filter_map(|p| p.used_bytes).sum();
+            if mine.len() != count as usize || held < total {
+                failures.push(format!(
+                    "NVML lists pid {pid} on {} of {count} GPUs holding {held} bytes (filled {total})",
+                    mine.len()
+                ));
+            }
+        }
+        Err(e) => failures.push(format!("NVML compute processes: {e}")),
+    }
     let cuda_ck = gpu::CudaDriver::load().map_err(|e| e.to_string())?;
     let tid = cuda_ck.restore_thread_id(pid).map_err(|e| e.to_string())?;
     info(&format!("restore thread of pid {pid}: {tid}"));
     expect_state(&cuda_ck, pid, ProcessState::RUNNING)?;
+    answers(
+        &cuda_ck,
+        pid,
+        "RUNNING",
+        &["checkpoint", "restore", "unlock"],
+    );
+    let plain = Command::new("sleep").arg("30").spawn();
+    if let Ok(mut p) = plain {
+        let ppid = p.id() as i32;
+        info(&format!(
+            "driver answer: restore_thread_id of a process without CUDA -> {:?}",
+            cuda_ck.restore_thread_id(ppid).map_err(|e| e.to_string())
+        ));
+        info(&format!(
+            "driver answer: state of a process without CUDA -> {:?}",
+            cuda_ck.state(ppid).map_err(|e| e.to_string())
+        ));
+        let _ = p.kill();
+        let _ = p.wait();
+    }
 
     let mut guard = Undo {
         ck: &cuda_ck,
@@ -342,11 +388,18 @@ fn run(o: &Opts) -> Result<Outcome, String> {
         .map_err(|e| e.to_string())?;
     let lock = t.elapsed();
     expect_state(&cuda_ck, pid, ProcessState::LOCKED)?;
+    answers(&cuda_ck, pid, "LOCKED", &["lock", "restore"]);
     let rss_before = rss(pid);
     let t = Instant::now();
     cuda_ck.checkpoint(pid).map_err(|e| e.to_string())?;
     let checkpoint = t.elapsed();
     expect_state(&cuda_ck, pid, ProcessState::CHECKPOINTED)?;
+    answers(
+        &cuda_ck,
+        pid,
+        "CHECKPOINTED",
+        &["lock", "checkpoint", "unlock"],
+    );
     if let (Some(a), Some(b)) = (rss_before, rss(pid)) {
         figure(
             "filler_rss_growth_at_checkpoint",
@@ -486,6 +539,43 @@ impl Drop for Undo<'_> {
                 info(&format!("undo: unlock: {e}"));
             }
         }
+    }
+}
+
+/// `/dev/nvidiaN` for the minor number NVML reports is a character device with that minor.
+fn check_device_node(minor: Option<u32>) -> Result<(), String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let minor = minor.ok_or("NVML reports no minor number")?;
+    let path = format!("/dev/nvidia{minor}");
+    let md = std::fs::metadata(&path).map_err(|e| format!("{path}: {e}"))?;
+    let got = libc::minor(md.rdev());
+    if !md.file_type().is_char_device() || got != minor {
+        return Err(format!(
+            "{path} is not the character device of minor {minor} (minor {got})"
+        ));
+    }
+    Ok(())
+}
+
+/// What the driver answers to each step called on `pid` in the wrong state, printed so that the
+/// simulator's answers (gpu/tests/sim.rs) can be held to the real driver's. The process's state
+/// must not change.
+fn answers(ck: &gpu::CudaDriver, pid: i32, state: &str, steps: &[&str]) {
+    for step in steps {
+        let r = match *step {
+            "lock" => ck.lock(pid, Some(Duration::from_millis(100))),
+            "checkpoint" => ck.checkpoint(pid),
+            "restore" => ck.restore(pid, &[]),
+            _ => ck.unlock(pid),
+        };
+        let after = ck
+            .state(pid)
+            .map(|s| s.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        info(&format!(
+            "driver answer: {step} on {state} -> {:?}; state after: {after}",
+            r.map_err(|e| e.to_string())
+        ));
     }
 }
 
