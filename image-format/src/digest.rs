@@ -3,6 +3,7 @@
 
 use std::io::{self, Read, Write};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use sha2::{Digest, Sha256};
 
@@ -208,6 +209,41 @@ pub fn digest_file(
     })
     .map_err(|e| Error::io("reading", path, e))?;
     Ok(hasher.finish())
+}
+
+/// Like [`digest_file`], but stops between reads (every [`COPY_BUF`] bytes) once `cancel` is
+/// set, with [`Error::Cancelled`] naming `name`.
+pub fn digest_file_cancellable(
+    path: &Path,
+    name: &str,
+    mut hasher: FileHasher,
+    cancel: &AtomicBool,
+) -> Result<FileDigest> {
+    struct Stoppable<'a> {
+        inner: std::fs::File,
+        cancel: &'a AtomicBool,
+    }
+    impl Read for Stoppable<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if self.cancel.load(Ordering::Relaxed) {
+                return Err(io::Error::other(CANCELLED));
+            }
+            self.inner.read(buf)
+        }
+    }
+    const CANCELLED: &str = "verification cancelled";
+    let inner = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let total = inner.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut r = Stoppable { inner, cancel };
+    match stream(&mut r, &mut io::sink(), total, &mut no_progress, &mut |b| {
+        hasher.update(b)
+    }) {
+        Ok(_) => Ok(hasher.finish()),
+        Err(_) if cancel.load(Ordering::Relaxed) => Err(Error::Cancelled {
+            name: name.to_string(),
+        }),
+        Err(e) => Err(Error::io("reading", path, e)),
+    }
 }
 
 /// Hash a whole file, streaming. Returns (hex sha256, size).

@@ -16,7 +16,9 @@ use std::sync::{Condvar, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
-use crate::digest::{digest_file, no_progress, FileHasher, PageDigests, Progress, COPY_BUF};
+use crate::digest::{
+    digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
+};
 use crate::error::{Error, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -895,15 +897,9 @@ impl DeferredDigests {
             if cancel.load(Ordering::Relaxed) {
                 return Err(Error::Cancelled { name: name.clone() });
             }
-            let mut cancelled = false;
             let path = self.dir.join(name);
-            let got = digest_file(&path, FileHasher::checking(want), &mut |_, _| {
-                cancelled |= cancel.load(Ordering::Relaxed);
-            });
-            if cancelled {
-                return Err(Error::Cancelled { name: name.clone() });
-            }
-            check_digest(name, want, &got?)?;
+            let got = digest_file_cancellable(&path, name, FileHasher::checking(want), cancel)?;
+            check_digest(name, want, &got)?;
         }
         Ok(())
     }

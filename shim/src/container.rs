@@ -581,7 +581,8 @@ impl Container {
         }
         // Past the bound, whatever else happened, the restore fails, and nothing it restored
         // may run on.
-        if let Err(e) = watchdog.stop("criu-restore") {
+        let (deadline, bound) = (watchdog.deadline(), watchdog.bound());
+        if let Err(e) = watchdog.stop() {
             self.init.io.tasks.abort().await;
             if let Err(de) = self.runc.delete(&self.id, true).await {
                 if !de.to_string().contains("does not exist") {
@@ -593,22 +594,28 @@ impl Container {
         match (restored, verified, held) {
             (Ok(()), Ok(pages), Ok(())) => {
                 // Step 5: the device state back onto this container's GPUs, unlocked, every
-                // process confirmed RUNNING, before Start returns. Undo: kill what was
-                // restored.
+                // process confirmed RUNNING, before Start returns, within what is left of the
+                // restore's bound. Undo: kill what was restored (which also ends a driver call
+                // still waiting on it).
                 let t = Instant::now();
                 let recorded = &manifest.devices.processes;
                 let devices = if recorded.is_empty() {
                     Ok(())
                 } else {
-                    match self.runc.ps(&self.id).await {
-                        Ok(pids) => {
-                            self.devices
-                                .restore(recorded, pids, &device_plan)
-                                .instrument(info_span!("device_restore", id = %self.id))
-                                .await
-                        }
-                        Err(e) => Err(e),
-                    }
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    let steps = async {
+                        let pids = self.runc.ps(&self.id).await?;
+                        self.devices
+                            .restore(recorded, pids, &device_plan)
+                            .instrument(info_span!("device_restore", id = %self.id))
+                            .await
+                    };
+                    tokio::time::timeout(left, steps).await.unwrap_or_else(|_| {
+                        Err(restore::step("device-restore")(format!(
+                            "not done within {}: the driver did not finish restoring the device state; the restored tasks were killed",
+                            watchdog::describe(bound)
+                        )))
+                    })
                 };
                 if let Err(e) = devices {
                     self.init.io.tasks.abort().await;

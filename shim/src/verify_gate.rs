@@ -24,6 +24,7 @@ use std::{
     io::{Read, Write},
     os::unix::fs::{OpenOptionsExt, PermissionsExt},
     path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
 };
 
 use nix::{sys::stat::Mode, unistd::mkfifo};
@@ -55,6 +56,8 @@ pub struct VerifyGate {
     spec_fifo: PathBuf,
     /// The verdict on the restored tree's credentials.
     spec: File,
+    /// Whether the page verification's verdict has been written.
+    verdict: AtomicBool,
 }
 
 /// Makes a FIFO in the bundle and opens it read-write; removes it again on failure.
@@ -125,6 +128,7 @@ impl VerifyGate {
             root,
             spec_fifo,
             spec,
+            verdict: AtomicBool::new(false),
         };
         let body = format!(
             "#!/bin/sh\n\
@@ -181,9 +185,15 @@ impl VerifyGate {
     /// Lets the restored tasks run (`true`) or makes CRIU abort the restore (`false`).
     pub fn open(&self, verified: bool) -> Result<()> {
         let line = if verified { VERIFIED } else { "refused" };
+        self.verdict.store(true, Ordering::SeqCst);
         (&self.held)
             .write_all(format!("{line}\n").as_bytes())
             .map_err(Error::io(format!("write {}", self.fifo.display())))
+    }
+
+    /// Whether [`VerifyGate::open`] has given the page verification's verdict.
+    pub fn has_verdict(&self) -> bool {
+        self.verdict.load(Ordering::SeqCst)
     }
 
     /// Blocks until the script hands over the restored tree's root pid (`Some`) or

@@ -7,8 +7,8 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
@@ -26,11 +26,40 @@ pub fn bound(options: &RuntimeOptions, checkpoint_bytes: u64) -> Result<Duration
     Ok(Duration::from_secs(60 + 10 * gib))
 }
 
-/// A running restore's watchdog; [`Watchdog::stop`] it when the restore is over.
+/// A running restore's watchdog; [`Watchdog::stop`] it when CRIU's part of the restore is over.
 pub struct Watchdog {
-    expired: Arc<AtomicBool>,
+    /// The wait the restore was stuck in when the bound passed (`None` while within it).
+    expired: Arc<Mutex<Option<Stalled>>>,
     task: tokio::task::JoinHandle<()>,
     bound: Duration,
+    deadline: Instant,
+}
+
+/// Which wait a restore was stuck in when its bound passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stalled {
+    /// CRIU waited at its post-restore gate for the page verification's verdict.
+    Verify,
+    /// CRIU itself: restoring, or in an action script with its verdict given.
+    Criu,
+}
+
+impl Stalled {
+    fn step(self) -> &'static str {
+        match self {
+            Stalled::Verify => "verify",
+            Stalled::Criu => "criu-restore",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Stalled::Verify => {
+                "the page verification gave no verdict, while CRIU waited for it at its post-restore gate"
+            }
+            Stalled::Criu => "CRIU did not finish restoring",
+        }
+    }
 }
 
 /// After refusing at the gate, how long CRIU gets to abort by itself before it is killed.
@@ -45,14 +74,17 @@ impl Watchdog {
         gate: Arc<VerifyGate>,
         cancel: Arc<AtomicBool>,
     ) -> Watchdog {
-        let expired = Arc::new(AtomicBool::new(false));
+        let expired = Arc::new(Mutex::new(None));
         let bundle = bundle.to_path_buf();
         let task = tokio::spawn({
             let expired = expired.clone();
             async move {
                 tokio::time::sleep(bound).await;
-                expired.store(true, Ordering::SeqCst);
-                warn!(bundle = %bundle.display(), ?bound, "restore past its bound: refused at the gate");
+                let stalled = stalled(&bundle, &gate);
+                if let Ok(mut e) = expired.lock() {
+                    *e = Some(stalled);
+                }
+                warn!(bundle = %bundle.display(), ?bound, ?stalled, "restore past its bound: refused at the gate");
                 cancel.store(true, Ordering::SeqCst);
                 let _ = gate.open(false);
                 let _ = gate.allow(false);
@@ -68,19 +100,33 @@ impl Watchdog {
             expired,
             task,
             bound,
+            deadline: Instant::now() + bound,
         }
     }
 
-    /// Stops the clock; `Err` when the bound had passed, naming `step` and the bound.
-    pub fn stop(self, step: &'static str) -> Result<()> {
+    /// When the bound passes; the device steps after CRIU's restore share it.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// The whole bound.
+    pub fn bound(&self) -> Duration {
+        self.bound
+    }
+
+    /// Stops the clock; `Err` when the bound had passed, naming the step that was waited for
+    /// and the bound.
+    pub fn stop(self) -> Result<()> {
         self.task.abort();
-        if self.expired.load(Ordering::SeqCst) {
+        let stalled = self.expired.lock().ok().and_then(|e| *e);
+        if let Some(stalled) = stalled {
             return Err(Error::Step {
                 operation: "restore",
-                step,
+                step: stalled.step(),
                 message: format!(
-                    "not done within {:?} (the handler option RestoreTimeout, by default a minute plus 10 s per GiB of checkpoint): the restored tasks were refused at the gate, and runc restore, CRIU and their processes killed if still there",
-                    self.bound
+                    "not done within {}: {}; the restored tasks were refused at the gate, and runc restore, CRIU and their processes killed if still there",
+                    describe(self.bound),
+                    stalled.what()
                 ),
             });
         }
@@ -88,26 +134,62 @@ impl Watchdog {
     }
 }
 
+/// The bound, and where it comes from, for an error message.
+pub fn describe(bound: Duration) -> String {
+    format!("{bound:?} (the handler option RestoreTimeout, by default a minute plus 10 s per GiB of checkpoint)")
+}
+
+/// What the restore of `bundle` is waiting for: the page verification when CRIU's action script
+/// sits at `post-restore` (in `runc restore`'s tree) and the gate has no verdict yet, else CRIU.
+fn stalled(bundle: &Path, gate: &VerifyGate) -> Stalled {
+    if gate.has_verdict() {
+        return Stalled::Criu;
+    }
+    let script = gate.script().as_os_str().as_encoded_bytes().to_vec();
+    let procs = processes();
+    let at_post_restore = restore_roots(&procs, bundle)
+        .into_iter()
+        .flat_map(|root| descendants(&procs, root))
+        .any(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            cmdline.split(|b| *b == 0).any(|a| a == script.as_slice())
+                && environ
+                    .split(|b| *b == 0)
+                    .any(|v| v == b"CRTOOLS_SCRIPT_ACTION=post-restore")
+        });
+    if at_post_restore {
+        Stalled::Verify
+    } else {
+        Stalled::Criu
+    }
+}
+
+/// The `runc restore` processes of `bundle` that this process started.
+fn restore_roots(procs: &[(i32, i32)], bundle: &Path) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let bundle = bundle.as_os_str().as_encoded_bytes();
+    procs
+        .iter()
+        .filter(|&&(_, ppid)| ppid == me)
+        .filter(|&&(pid, _)| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.iter().any(|a| *a == b"restore")
+                && args
+                    .windows(2)
+                    .any(|w| w[0] == b"--bundle" && w[1] == bundle)
+        })
+        .map(|&(pid, _)| pid)
+        .collect()
+}
+
 /// SIGKILLs every `runc restore` of `bundle` that this process started, and every process
 /// under it (CRIU, its action scripts, the tasks it restored), children first. Returns the pids.
 fn kill_restore(bundle: &Path) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let bundle = bundle.display().to_string();
     let procs = processes();
     let mut killed = Vec::new();
-    for &(pid, ppid) in &procs {
-        if ppid != me {
-            continue;
-        }
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let is_restore = args.iter().any(|a| *a == b"restore")
-            && args
-                .windows(2)
-                .any(|w| w[0] == b"--bundle" && w[1] == bundle.as_bytes());
-        if !is_restore {
-            continue;
-        }
+    for pid in restore_roots(&procs, bundle) {
         let mut tree = descendants(&procs, pid);
         tree.reverse();
         tree.push(pid);

@@ -497,6 +497,76 @@ fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Resul
     })
 }
 
+/// A driver whose device restore never returns: Start fails at the restore's bound naming step
+/// device-restore, the restored process is killed (which ends the driver's call), and nothing is
+/// left on the GPU or in the pod. Without the fault the same checkpoint restores.
+#[test]
+fn a_device_restore_that_never_returns_fails_at_the_bound() -> Result<()> {
+    let sim = sim_gpus(1, 256, "hang")?;
+    let node = gpu_node("gpu-hang", &sim, &[("RestoreTimeout", "20s")])?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let (archive, pod, id, before) = checkpoint_train(&node, &cri, "hang", "0").await?;
+        let original = pod.container_log("train");
+        let original_pid = cri_pid(&cri, &id).await?;
+        sim.fault(None, simgpu::proto::FaultOp::RestoreHang, true)?;
+        let pod_r = PodSpec::new("hang", node.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string());
+        let running = cri.run_pod(&pod_r).await?;
+        let t = std::time::Instant::now();
+        let err = match cri.run_container(&running, &train_spec("train", "0")).await {
+            Ok(id) => anyhow::bail!("a restore whose device step hangs started container {id}"),
+            Err(e) => format!("{e:#}"),
+        };
+        let took = t.elapsed();
+        println!("after {took:?}: {err}");
+        ensure!(
+            err.contains("step device-restore") && err.contains("not done within 20s"),
+            "the error does not name the device step and the bound: {err}"
+        );
+        ensure!(
+            took < Duration::from_secs(60),
+            "the restore failed only after {took:?}"
+        );
+        wait_until(
+            Duration::from_secs(15),
+            "the GPU to hold only the original",
+            || {
+                sim.processes()
+                    .ok()
+                    .filter(|p| p.iter().all(|p| p.pid as i32 == original_pid))
+            },
+        )?;
+        let stray: Vec<i32> = pod_processes(&running.spec.uid)
+            .into_iter()
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/comm"))
+                    .is_ok_and(|c| c.trim() == "gpu-train")
+            })
+            .collect();
+        ensure!(
+            stray.is_empty(),
+            "a restore past its bound left gpu-train running in the pod: {stray:?}"
+        );
+        cri.remove_pod(&running).await?;
+
+        sim.fault(None, simgpu::proto::FaultOp::RestoreHang, false)?;
+        let since = std::time::SystemTime::now();
+        let ok = cri.run_pod(&pod_r).await?;
+        cri.run_container(&ok, &train_spec("train", "0")).await?;
+        expect_continues(
+            &ok.container_log("train"),
+            since,
+            before,
+            &original,
+            "restore after the fault is gone",
+        )?;
+        cri.remove_pod(&ok).await?;
+        cri.remove_pod(&pod).await
+    })
+}
+
 /// The host processes in pod `uid`'s cgroup (`kubepods/besteffort/pod<uid>`) but its
 /// sandbox's pause process.
 fn pod_processes(uid: &str) -> Vec<i32> {

@@ -4,9 +4,10 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::stack::{processes_matching, Node, Stack};
 
@@ -56,22 +57,24 @@ fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
         took < Duration::from_secs(15),
         "the restore failed only after {took:?}"
     );
-    let bundle = "io.containerd.runtime.v2.task/default/b1";
-    let left: Vec<i32> = processes_matching(&[bundle])
+    nothing_left(&node, "b1", &image, "/bin/memhog")
+}
+
+/// After a restore past its bound: no runc, CRIU or action script of container `id`'s bundle
+/// and image, no `program` in its cgroup, and no running task.
+fn nothing_left(node: &Node, id: &str, image: &Path, program: &str) -> Result<()> {
+    let bundle = format!("io.containerd.runtime.v2.task/default/{id}");
+    let cgroup = format!("/default/{id}");
+    let left: Vec<i32> = processes_matching(&[&bundle])
         .into_iter()
         .chain(processes_matching(&[
             "criu",
             "restore",
             image.to_str().unwrap_or("?"),
         ]))
-        .chain(
-            processes_matching(&["/bin/memhog"])
-                .into_iter()
-                .filter(|p| {
-                    std::fs::read_to_string(format!("/proc/{p}/cgroup"))
-                        .is_ok_and(|c| c.contains("/default/b1"))
-                }),
-        )
+        .chain(processes_matching(&[program]).into_iter().filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cgroup")).is_ok_and(|c| c.contains(&cgroup))
+        }))
         .collect();
     ensure!(
         left.is_empty(),
@@ -83,8 +86,87 @@ fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
             .collect::<Vec<_>>()
     );
     ensure!(
-        node.task_status("b1").is_err() || node.task_status("b1")? != "RUNNING",
+        node.task_status(id).is_err() || node.task_status(id)? != "RUNNING",
         "the task runs after a refused restore"
     );
     Ok(())
+}
+
+/// The page verification stalls (a page image that takes far longer to hash than the bound):
+/// CRIU has restored the tasks and waits at its post-restore gate for a verdict that does not
+/// come in time. The restore fails at the bound naming step `verify`, the hashing stops, and
+/// nothing is left running.
+#[test]
+fn a_verdict_that_never_comes_fails_at_the_bound_naming_verify() -> Result<()> {
+    let dir = Stack::discover()?.node_dir("verify-bound");
+    std::fs::create_dir_all(&dir)?;
+    let options = dir.join("gpu-ckpt-handler.toml");
+    let key = dir.join("node.key");
+    std::fs::write(
+        &options,
+        format!(
+            "RestoreTimeout = \"5s\"\nSigningKey = \"{}\"\n",
+            key.display()
+        ),
+    )?;
+    let node = node_with(
+        Node::builder("verify-bound")?
+            .env("GPU_CKPT_HANDLER_CONFIG", &options.display().to_string()),
+    )?;
+    start_counter(&node, "v1", "100")?;
+    let image = node.paths().dir.join("v1-image");
+    node.checkpoint_task_exit("v1", &image)?;
+    node.ctr_ok(&["task", "rm", "v1"])?;
+
+    // The largest page image grows by a 64 GiB hole after its pages, and the manifest, signed
+    // again with the node's key, says so: CRIU reads only the pages its pagemap names, while
+    // the verification hashes every byte the manifest lists (and would then find the digest
+    // wrong).
+    let pages = std::fs::read_dir(&image)?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(image_format::manifest::is_page_image)
+        })
+        .max_by_key(|p| p.metadata().map(|m| m.len()).unwrap_or(0))
+        .context("no page image in the checkpoint")?;
+    let name = pages
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("?")
+        .to_string();
+    let grown = pages.metadata()?.len() + (64 << 30);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pages)?
+        .set_len(grown)?;
+    let mut manifest = image_format::Manifest::read_from(&image)?;
+    manifest
+        .files
+        .get_mut(&name)
+        .with_context(|| format!("{name} is not in the manifest"))?
+        .size = grown;
+    image_format::sign::NodeKey::load(&key)?.sign_manifest(&mut manifest)?;
+    manifest.write_to(&image)?;
+
+    let t = Instant::now();
+    let err = match restore_from_dir(&node, "v1", &image) {
+        Ok(pid) => anyhow::bail!("a restore whose page verification stalls started (pid {pid})"),
+        Err(e) => format!("{e:#}"),
+    };
+    let took = t.elapsed();
+    println!("after {took:?}: {err}");
+    ensure!(
+        err.contains("step verify")
+            && err.contains("not done within 5s")
+            && err.contains("no verdict"),
+        "the error does not name the verification and the bound: {err}"
+    );
+    ensure!(
+        took < Duration::from_secs(25),
+        "the restore failed only after {took:?}"
+    );
+    nothing_left(&node, "v1", &image, "/bin/counter")
 }

@@ -759,6 +759,24 @@ impl Daemon {
                 if self.fault(pid, FaultOp::RestoreFail) {
                     return Err((cu::OPERATING_SYSTEM, "injected restore failure".into()));
                 }
+                if self.fault(pid, FaultOp::RestoreHang) {
+                    // A driver that never finishes: the call returns only when the process is
+                    // gone, or after the step limit.
+                    let until = Instant::now() + STEP_LIMIT;
+                    while Instant::now() < until {
+                        if !Path::new(&format!("/proc/{pid}")).exists() {
+                            return Err((
+                                cu::OPERATING_SYSTEM,
+                                format!("process {pid} exited during the restore"),
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    return Err((
+                        cu::TIMEOUT,
+                        format!("process {pid} did not answer the restore"),
+                    ));
+                }
                 lock(&self.pending).insert(pid, map.clone());
                 mb.set_socket(&self.socket);
                 let flags = if custom { mailbox::flags::CUSTOM } else { 0 };

@@ -73,6 +73,7 @@ enum FaultArg {
     LockTimeout,
     CheckpointFail,
     RestoreFail,
+    RestoreHang,
 }
 
 fn main() -> ExitCode {
@@ -135,6 +136,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 FaultArg::LockTimeout => FaultOp::LockTimeout,
                 FaultArg::CheckpointFail => FaultOp::CheckpointFail,
                 FaultArg::RestoreFail => FaultOp::RestoreFail,
+                FaultArg::RestoreHang => FaultOp::RestoreHang,
             };
             let mut c = Client::connect(&dir.join(SOCKET_NAME), Role::Control)?;
             c.ok(&Request::Fault {

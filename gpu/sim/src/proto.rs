@@ -103,6 +103,9 @@ pub enum FaultOp {
     CheckpointFail,
     /// The restore fails (CUDA_ERROR_OPERATING_SYSTEM); the process stays CHECKPOINTED.
     RestoreFail,
+    /// The restore never finishes while the process lives (then CUDA_ERROR_OPERATING_SYSTEM);
+    /// the process stays CHECKPOINTED.
+    RestoreHang,
 }
 
 /// A request to the daemon.
