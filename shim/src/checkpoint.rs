@@ -297,6 +297,9 @@ pub fn criu_failure(runc_error: &str, log: &Path, kept: &Path) -> String {
     let lost = ["EOF", "unixpacket", "connection reset", "broken pipe"]
         .iter()
         .any(|p| runc_error.contains(p));
+    if let Some(why) = crate::criu::known_limit(crate::criu::found(), &text) {
+        return format!("{why}; CRIU log {}:\n{tail}", kept.display());
+    }
     let failed_itself = last.contains("FAILED") || last.contains("Error (");
     if lost && !failed_itself {
         let last = if last.is_empty() {

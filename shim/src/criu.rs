@@ -26,6 +26,35 @@ pub const MINIMUM: Version = Version(4, 1, 0);
 /// iptables and nftables and crashes on a configuration file naming `skip`.
 pub const NETWORK_LOCK_SKIP: Version = Version(4, 2, 0);
 
+/// Socket options on Linux 6.16 and later, which refuses `SO_PASSCRED` and `SO_PASSSEC` with
+/// EOPNOTSUPP on sockets other than Unix, netlink and Bluetooth ones: CRIU before 4.2 reads
+/// both for every socket, so it cannot dump a TCP socket there (criu issues #2705 and #2718,
+/// fixed in 4.2).
+pub const SOCKOPTS_LINUX_6_16: Version = Version(4, 2, 0);
+
+/// The one-line cause of a failed CRIU run, when its log shows a known limit of the release
+/// that ran (`version`): said instead of CRIU's bare error.
+pub fn known_limit(version: Option<Version>, log: &str) -> Option<String> {
+    let v = version?;
+    let refused_sockopt = ["Can't get 1:16 opt", "Can't get 1:34 opt"]
+        .iter()
+        .any(|m| log.contains(m) && log.contains("Operation not supported"));
+    if v < SOCKOPTS_LINUX_6_16 && refused_sockopt {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|r| r.trim().to_string())
+            .unwrap_or_else(|_| "?".into());
+        return Some(format!(
+            "CRIU {v} cannot dump TCP and other inet sockets on Linux {kernel}: from 6.16 the kernel refuses SO_PASSCRED and SO_PASSSEC on them, which CRIU before {SOCKOPTS_LINUX_6_16} reads for every socket (criu #2705); install CRIU {SOCKOPTS_LINUX_6_16} or newer, or checkpoint the container without open TCP connections"
+        ));
+    }
+    None
+}
+
+/// The CRIU version [`version`] found, if it has run in this process and found one.
+pub fn found() -> Option<Version> {
+    FOUND.get().and_then(|r| r.clone().ok())
+}
+
 impl Version {
     /// Parses the `Version:` line of `criu --version`.
     pub fn parse(output: &str) -> Option<Version> {
@@ -97,5 +126,18 @@ mod tests {
         assert!(!Version(4, 1, 1).network_lock_skip());
         assert!(Version(4, 2, 0).network_lock_skip());
         assert!(Version(5, 0, 0).network_lock_skip());
+    }
+
+    #[test]
+    fn refused_socket_options_are_named_for_criu_before_4_2_only() {
+        let log = "(00.038833) Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not supported\n";
+        let why = known_limit(Some(Version(4, 1, 1)), log).expect("4.1.1 is named");
+        assert!(
+            why.starts_with("CRIU 4.1.1 cannot dump TCP") && why.contains("4.2.0 or newer"),
+            "{why}"
+        );
+        assert_eq!(known_limit(Some(Version(4, 2, 1)), log), None);
+        assert_eq!(known_limit(None, log), None);
+        assert_eq!(known_limit(Some(Version(4, 1, 1)), "Error: other"), None);
     }
 }

@@ -28,4 +28,13 @@ trap cleanup EXIT
 export GPU_CKPT_SHIM_DIR="$repo/target/debug"
 cargo build --workspace --all-targets
 # Two test threads: each integration test runs its own containerd, on a 2-core machine.
-cargo test --workspace --no-fail-fast -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}"
+status=0
+cargo test --workspace --no-fail-fast -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}" || status=$?
+# The checkpoint, network and restore-bound tests once more with the oldest CRIU gpu-ckpt
+# supports (4.1.1, in $GPU_CKPT_STACK/criu-oldest): every node they start puts it first in PATH.
+echo "test.sh: the checkpoint tests again with the oldest supported CRIU ($(
+  "$GPU_CKPT_STACK/criu-oldest/bin/criu" --version | head -1))"
+GPU_CKPT_TEST_CRIU=oldest cargo test -p gpu-ckpt-test-containers --no-fail-fast \
+  --test checkpoint_ctr --test checkpoint_cri --test checkpoint_net --test restore_bound \
+  -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}" || status=$?
+exit "$status"

@@ -136,11 +136,17 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
         );
     }
     // containerd's client paused the counter for the dump, and its network namespace has only
-    // loopback and no TCP socket: CRIU's network lock had nothing to hold and was skipped.
-    ensure!(
-        inventory_network_lock(&dir)? == 2,
-        "the dump of a paused, unconnected container used CRIU's network lock"
-    );
+    // loopback and no TCP socket: CRIU's network lock had nothing to hold and was skipped. CRIU
+    // 4.1 has no `skip` (it crashed on it), so there the lock stays.
+    let lock = inventory_network_lock(&dir)?;
+    if oldest_criu() {
+        ensure!(lock != 2, "CRIU 4.1 was asked to skip its network lock");
+    } else {
+        ensure!(
+            lock == 2,
+            "the dump of a paused, unconnected container used CRIU's network lock"
+        );
+    }
     node.ctr_ok(&["task", "rm", "c2"])?;
 
     // Restored through the API with no stdio: the streams that were pipes at the dump must not

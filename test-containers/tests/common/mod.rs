@@ -24,7 +24,20 @@ pub fn node(name: &str) -> Result<Node> {
     node_with(Node::builder(name)?)
 }
 
+/// Whether the tests run with the oldest CRIU gpu-ckpt supports: `GPU_CKPT_TEST_CRIU=oldest`
+/// (the test command runs the checkpoint tests a second time so).
+pub fn oldest_criu() -> bool {
+    std::env::var("GPU_CKPT_TEST_CRIU").is_ok_and(|v| v == "oldest")
+}
+
+/// Starts the node `builder` describes (with the oldest CRIU when [`oldest_criu`]), with the
+/// test images imported and pushed.
 pub fn node_with(builder: NodeBuilder) -> Result<Node> {
+    let builder = if oldest_criu() {
+        builder.oldest_criu()
+    } else {
+        builder
+    };
     let stack = Stack::discover()?;
     let registry = Registry::ensure_running(&stack)?;
     let node = builder.start()?;
