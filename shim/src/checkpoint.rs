@@ -14,6 +14,7 @@ use image_format::{digest::PageDigests, manifest::CriuOptions};
 
 use crate::{
     annotations::{self, Annotations},
+    criu_exit::CriuExit,
     error::{Error, Result},
     options::RuntimeOptions,
 };
@@ -284,7 +285,7 @@ pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<bool> {
 /// to CRIU (end of file on the RPC socket) and CRIU's log ends without CRIU's own failure, CRIU
 /// died (a crash, a kill, an early exit): the message says so first, with the log's last line,
 /// rather than runc's bare `read unixpacket …: EOF`.
-pub fn criu_failure(runc_error: &str, log: &Path, kept: &Path) -> String {
+pub fn criu_failure(runc_error: &str, log: &Path, kept: &Path, ended: &[CriuExit]) -> String {
     let tail = log_summary(log, 8);
     let text = std::fs::read(log)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -307,12 +308,24 @@ pub fn criu_failure(runc_error: &str, log: &Path, kept: &Path) -> String {
         } else {
             format!("{:?}", last.trim())
         };
+        let how = ended.last().map_or_else(
+            || "its exit status is unknown".to_string(),
+            |e| format!("CRIU (pid {}) {}", e.pid, e.describe()),
+        );
         return format!(
-            "CRIU died before it answered runc (runc: {runc_error}); its log ends without an error, at {last}; CRIU log {}:\n{tail}",
+            "CRIU died before it answered runc: {how} (runc: {runc_error}); its log ends without an error, at {last}; CRIU log {}:\n{tail}",
             kept.display()
         );
     }
-    format!("{runc_error}; CRIU log {}:\n{tail}", kept.display())
+    match ended.last() {
+        Some(e) if libc::WIFSIGNALED(e.status) => format!(
+            "{runc_error}; CRIU (pid {}) {}; CRIU log {}:\n{tail}",
+            e.pid,
+            e.describe(),
+            kept.display()
+        ),
+        _ => format!("{runc_error}; CRIU log {}:\n{tail}", kept.display()),
+    }
 }
 
 pub fn log_summary(path: &Path, tail: usize) -> String {
@@ -518,7 +531,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (log, kept) = (dir.path().join("dump.log"), dir.path().join("kept.log"));
         std::fs::write(&log, "(00.1) Dumping pages\n(00.2) Writing image\n").unwrap();
-        let m = criu_failure("criu failed: read unixpacket @->@: EOF", &log, &kept);
+        let m = criu_failure("criu failed: read unixpacket @->@: EOF", &log, &kept, &[]);
         assert!(m.starts_with("CRIU died before it answered runc"), "{m}");
         assert!(m.contains("Writing image") && m.contains("kept.log"), "{m}");
         // A CRIU that failed by itself says so in its log: runc's message stands.
@@ -527,11 +540,21 @@ mod tests {
             "(00.1) Error (criu/sk-unix.c:874): unix: x\n(00.2) Dumping FAILED.\n",
         )
         .unwrap();
-        let m = criu_failure("criu failed: type NOTIFY errno 0", &log, &kept);
+        let m = criu_failure("criu failed: type NOTIFY errno 0", &log, &kept, &[]);
         assert!(m.starts_with("criu failed: type NOTIFY"), "{m}");
-        let m = criu_failure("read unixpacket @->@: EOF", &dir.path().join("none"), &kept);
+        let m = criu_failure(
+            "read unixpacket @->@: EOF",
+            &dir.path().join("none"),
+            &kept,
+            &[CriuExit {
+                pid: 7,
+                status: libc::SIGSEGV,
+            }],
+        );
         assert!(
-            m.contains("CRIU died") && m.contains("the log is empty"),
+            m.contains(
+                "CRIU died before it answered runc: CRIU (pid 7) was killed by signal 11 (SIGSEGV)"
+            ) && m.contains("the log is empty"),
             "{m}"
         );
     }

@@ -31,6 +31,7 @@ use image_format::{
 use crate::{
     annotations::{self, Annotations},
     checkpoint::{self, CheckpointPlan},
+    criu_exit::{CriuExit, ExitWatch},
     device::ContainerDevices,
     error::{Error, Result},
     events::EventSender,
@@ -706,6 +707,7 @@ impl Container {
             &args,
             prepared.child,
         );
+        let criu_exit = ExitWatch::for_container(&self.id);
         let result = match console {
             Some(console) => {
                 let stdio = self.init.stdio.clone();
@@ -714,6 +716,7 @@ impl Container {
             }
             None => restore.await,
         };
+        let criu_ended = finish_watch(criu_exit, result.is_err()).await;
         let result = match result {
             Ok(()) => read_pid_from_file(&pid_file).await.map_err(Error::from),
             Err(e) => Err(e),
@@ -732,7 +735,7 @@ impl Container {
                 let log = work.join("restore.log");
                 let kept = self.bundle.join(checkpoint::RESTORE_LOG_COPY);
                 let _ = std::fs::copy(&log, &kept);
-                let message = checkpoint::criu_failure(&e.to_string(), &log, &kept);
+                let message = checkpoint::criu_failure(&e.to_string(), &log, &kept, &criu_ended);
                 if let Err(de) = self.runc.delete(&self.id, true).await {
                     if !de.to_string().contains("does not exist") {
                         warn!(id = %self.id, error = %de, "undo of a failed restore: runc delete");
@@ -969,6 +972,7 @@ impl Container {
             }
         });
         let runc_args = plan.runc_args();
+        let criu_exit = ExitWatch::for_container(&self.id);
         let (dumped, node) = tokio::join!(
             self.runc
                 .checkpoint(&self.id, image, &work, &runc_args)
@@ -976,6 +980,7 @@ impl Container {
             node_info(&self.runc)
         );
         dumped_all.set();
+        let criu_ended = finish_watch(criu_exit, dumped.is_err()).await;
         // The lock decision and the sub-mounts' keys held for this dump only.
         if skip_network_lock || mapped_sub_mounts {
             if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
@@ -996,7 +1001,7 @@ impl Container {
             let log = work.join("dump.log");
             let kept = self.bundle.join(checkpoint::DUMP_LOG_COPY);
             let _ = std::fs::copy(&log, &kept);
-            let message = checkpoint::criu_failure(&e.to_string(), &log, &kept);
+            let message = checkpoint::criu_failure(&e.to_string(), &log, &kept, &criu_ended);
             undo();
             return Err(fail("criu-dump", message));
         }
@@ -1273,6 +1278,17 @@ fn restrict_files(dir: &Path) -> Result<()> {
 }
 
 /// The versions a checkpoint was taken with.
+/// The exits of the CRIU that a runc run started, when it `failed` (the watch is dropped
+/// otherwise); read off the blocking pool, since finishing waits for the last queued events.
+async fn finish_watch(watch: Option<ExitWatch>, failed: bool) -> Vec<CriuExit> {
+    match watch {
+        Some(w) if failed => tokio::task::spawn_blocking(move || w.finish())
+            .await
+            .unwrap_or_default(),
+        _ => Vec::new(),
+    }
+}
+
 async fn node_info(runc: &Runc) -> manifest::Node {
     let criu = crate::criu::version()
         .await

@@ -25,6 +25,7 @@ pub mod annotations;
 pub mod checkpoint;
 pub mod container;
 pub mod criu;
+pub mod criu_exit;
 pub mod device;
 pub mod error;
 pub mod events;

@@ -68,7 +68,8 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
 }
 
 /// CRIU killed in the middle of a dump: the error says CRIU died (not runc's bare `read
-/// unixpacket …: EOF`) with its log's path, nothing looks complete, and the container runs on.
+/// unixpacket …: EOF`) with its signal and its log's path, nothing looks complete, and the
+/// container runs on.
 #[test]
 fn a_criu_killed_mid_dump_is_named() -> Result<()> {
     let node = node("criu-killed")?;
@@ -136,8 +137,10 @@ fn a_criu_killed_mid_dump_is_named() -> Result<()> {
         "the checkpoint succeeded although CRIU was killed"
     );
     ensure!(
-        err.contains("CRIU died before it answered runc") && err.contains("criu-dump.log"),
-        "the error does not say that CRIU died, with its log: {err}"
+        err.contains(&format!(
+            "CRIU died before it answered runc: CRIU (pid {criu}) was killed by signal 9 (SIGKILL)"
+        )) && err.contains("criu-dump.log"),
+        "the error does not say that CRIU died, with its signal and log: {err}"
     );
     ensure!(
         !dir.join(image_format::manifest::MANIFEST_FILE).exists(),
