@@ -89,6 +89,16 @@ gpu-check-bundle:
 gpu-check: gpu-check-bundle
 	target/gpu-check/run.sh
 
+# The shim on a real GPU: one folder, target/gpu-check-shim (a private containerd, runc, CRIU,
+# the release shim, the gpu-workloads image), whose shim-run.sh runs a GPU container through
+# checkpoint and restore on an NVIDIA machine with nothing but the driver.
+.PHONY: gpu-check-shim gpu-check-shim-bundle
+gpu-check-shim-bundle: deps images release
+	test-containers/gpu-workloads/gpu-check/shim-bundle.sh $(CURDIR)/target/gpu-check-shim
+
+gpu-check-shim: gpu-check-shim-bundle
+	target/gpu-check-shim/shim-run.sh
+
 # gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
 bench-image-format:
 	$(MAKE) -C image-format bench SIZE_GIB=4

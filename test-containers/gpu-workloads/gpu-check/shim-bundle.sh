@@ -1,0 +1,38 @@
+#!/bin/sh
+# Builds the real-GPU check of the shim into one folder (default target/gpu-check-shim): a
+# private containerd and ctr (from the test stack), runc and CRIU with the shared libraries they
+# need beyond libc, the release shim, and the gpu-workloads image, big files xz-compressed so
+# that the folder stays small enough to copy onto a GPU machine; and shim-run.sh, which runs it
+# there (see test-containers/gpu-workloads/README.md). Needs `make deps images release` first.
+set -eu
+root=$(cd "$(dirname "$0")/../../.." && pwd)
+out=${1:-$root/target/gpu-check-shim}
+STACK=${GPU_CKPT_STACK:-$root/.stack}
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+pack() { xz -T0 -6 -c "$1" > "$out/$2.xz"; }
+pack "$STACK/root/usr/bin/containerd" containerd
+pack "$STACK/root/usr/bin/ctr" ctr
+pack "$(command -v runc)" runc.real
+pack "$STACK/bin/criu" criu.real
+pack "$root/target/release/containerd-shim-gpu-ckpt-v1" containerd-shim-gpu-ckpt-v1
+pack "$STACK/images/gpu-workloads-1.tar" gpu-workloads.tar
+# The libraries runc and CRIU load beyond libc, from this machine.
+for b in "$(command -v runc)" "$STACK/bin/criu"; do
+    ldd "$b" | awk '$3 ~ /^\// {print $3}' | while read -r l; do
+        case "$(basename "$l")" in
+        libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*) ;;
+        *) cp -L "$l" "$out/lib/" ;;
+        esac
+    done
+done
+for tool in runc criu; do
+    cat > "$out/bin/$tool" <<EOT
+#!/bin/sh
+here=\$(cd "\$(dirname "\$0")" && pwd)
+LD_LIBRARY_PATH="\$here/../lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}" exec "\$here/$tool.real" "\$@"
+EOT
+    chmod 0755 "$out/bin/$tool"
+done
+install -m 0755 "$root/test-containers/gpu-workloads/gpu-check/shim-run.sh" "$out/shim-run.sh"
+echo "bundle: $out ready ($(du -sh "$out" | cut -f1))"
