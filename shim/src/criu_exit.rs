@@ -13,7 +13,7 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -64,6 +64,8 @@ impl CriuExit {
 /// Watches for the exit of the CRIU that one runc run starts; [`ExitWatch::finish`] it.
 pub struct ExitWatch {
     stop: Arc<AtomicBool>,
+    /// The pids picked at their exec so far.
+    tracked: Arc<Mutex<Vec<i32>>>,
     thread: Option<JoinHandle<Vec<CriuExit>>>,
 }
 
@@ -86,17 +88,24 @@ impl ExitWatch {
             }
         };
         let stop = Arc::new(AtomicBool::new(false));
+        let tracked = Arc::new(Mutex::new(Vec::new()));
         let thread = std::thread::Builder::new()
             .name("criu-exit".into())
             .spawn({
-                let stop = stop.clone();
-                move || watch(sock, &stop, &ours)
+                let (stop, tracked) = (stop.clone(), tracked.clone());
+                move || watch(sock, &stop, &tracked, &ours)
             })
             .ok()?;
         Some(ExitWatch {
             stop,
+            tracked,
             thread: Some(thread),
         })
+    }
+
+    /// The processes picked so far (at their exec).
+    pub fn tracked(&self) -> Vec<i32> {
+        self.tracked.lock().map(|t| t.clone()).unwrap_or_default()
     }
 
     /// Stops watching; the exits seen, after the events already queued are read.
@@ -233,8 +242,12 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 
 /// Reads events until `stop` is set and the queue is empty: the exits of the processes `ours`
 /// picked at their exec.
-fn watch(sock: OwnedFd, stop: &AtomicBool, ours: &dyn Fn(i32) -> bool) -> Vec<CriuExit> {
-    let mut tracked = Vec::new();
+fn watch(
+    sock: OwnedFd,
+    stop: &AtomicBool,
+    tracked: &Mutex<Vec<i32>>,
+    ours: &dyn Fn(i32) -> bool,
+) -> Vec<CriuExit> {
     let mut exits = Vec::new();
     let mut buf = vec![0u8; 8192];
     loop {
@@ -265,9 +278,12 @@ fn watch(sock: OwnedFd, stop: &AtomicBool, ours: &dyn Fn(i32) -> bool) -> Vec<Cr
             continue;
         };
         let (pid, tgid) = (pid as i32, tgid as i32);
+        let is_tracked = |p| tracked.lock().is_ok_and(|t| t.contains(&p));
         if what == PROC_EVENT_EXEC && pid == tgid && ours(tgid) {
-            tracked.push(tgid);
-        } else if what == PROC_EVENT_EXIT && pid == tgid && tracked.contains(&tgid) {
+            if let Ok(mut t) = tracked.lock() {
+                t.push(tgid);
+            }
+        } else if what == PROC_EVENT_EXIT && pid == tgid && is_tracked(tgid) {
             if let Some(status) = u32_at(msg, ev + PROC_EVENT_HDR + 8) {
                 exits.push(CriuExit {
                     pid: tgid,
@@ -324,9 +340,14 @@ mod tests {
             );
             return;
         };
-        // The subscription is in place once `start` returns; the exec event comes after.
+        // The subscription is in place once `start` returns; the exec event comes after. Under
+        // load the watch can lag: the child is killed once the watch has picked it.
         let mut child = Command::new("sleep").arg("30").spawn().unwrap();
-        std::thread::sleep(Duration::from_millis(300));
+        let pid = child.id() as i32;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !watch.tracked().contains(&pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
         std::thread::sleep(Duration::from_millis(100));
