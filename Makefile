@@ -103,6 +103,21 @@ gpu-check-shim: gpu-check-shim-bundle
 bench-image-format:
 	$(MAKE) -C image-format bench SIZE_GIB=4
 
+# Push and pull of a 1 GiB checkpoint image through the stack's TLS registry (HTTPS, login), by
+# gpu-ckpt and by skopeo on the same image and registry, as ratios (docs/benchmarks.md).
+.PHONY: bench-registry
+bench-registry: deps
+	$(CARGO) build --release -p gpu-ckpt-image-format --bin gpu-ckpt
+	test-containers/stack/bench-registry.sh
+
+# The plain manifests (runtime-class/manifests/*.yaml) rendered again from the Helm chart
+# (runtime-class/chart/gpu-ckpt) with its default values, by Helm's engine in the stack's Python
+# venv (`make deps`); tests/k8s_manifests.rs fails while they differ from that rendering.
+.PHONY: manifests
+manifests:
+	@test -x $(STACK)/py/bin/python || { echo "make manifests: $(STACK)/py/bin/python is missing; run 'make deps'" >&2; exit 1; }
+	$(STACK)/py/bin/python runtime-class/tools/chart.py manifests runtime-class/chart/gpu-ckpt runtime-class/manifests
+
 # Longer fuzzing of the archive reader and manifest parser than the test command's bounded run.
 fuzz:
 	$(MAKE) -C image-format fuzz-long

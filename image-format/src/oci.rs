@@ -723,244 +723,49 @@ pub fn verify_image(image: &Path, progress: Progress<'_>) -> Result<u64> {
     write_layer(image, &mut io::sink(), progress)
 }
 
-/// Push an image (layout directory or tarball) to a registry over the OCI distribution API:
-/// `POST /v2/<name>/blobs/uploads/`, `PUT <location>?digest=`, `PUT /v2/<name>/manifests/<tag>`.
-/// `reference` is `host[:port]/name:tag`. Plain http (localhost registries); blobs already present
-/// (HEAD 200) are skipped. Returns the manifest digest.
-pub fn push(image: &Path, reference: &str, progress: Progress<'_>) -> Result<String> {
-    let (host, repo, tag) = split_reference(reference)?;
-    let base = format!("http://{host}");
+/// Reads the blob `digest` of an image (layout directory or tarball), at most `limit` bytes,
+/// and checks it against its digest.
+pub(crate) fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<Vec<u8>> {
     let src = source_of(image)?;
-    let (m, mdigest) = read_image_manifest(image)?;
-    let agent = ureq::AgentBuilder::new().build();
-    let reg = |url: &str, reason: String| Error::Registry {
-        url: url.to_string(),
-        reason,
-    };
-    let mut blobs: Vec<&Descriptor> = vec![&m.config];
-    blobs.extend(m.layers.iter());
-    let total: u64 = blobs.iter().map(|b| b.size).sum();
-    let mut done = 0u64;
-    for b in blobs {
-        let head = format!("{base}/v2/{repo}/blobs/{}", b.digest);
-        match agent.head(&head).call() {
-            Ok(r) if r.status() == 200 => {
-                done += b.size;
-                progress(done, total);
-                continue;
-            }
-            _ => {}
-        }
-        let start = format!("{base}/v2/{repo}/blobs/uploads/");
-        let r = agent
-            .post(&start)
-            .set("Content-Length", "0")
-            .call()
-            .map_err(|e| reg(&start, e.to_string()))?;
-        if r.status() != 202 {
-            return Err(reg(
-                &start,
-                format!("status {} starting upload", r.status()),
-            ));
-        }
-        let loc = r
-            .header("Location")
-            .ok_or_else(|| reg(&start, "no Location header".into()))?
-            .to_string();
-        let loc = if loc.starts_with("http://") || loc.starts_with("https://") {
-            loc
-        } else {
-            format!("{base}{loc}")
-        };
-        let sep = if loc.contains('?') { '&' } else { '?' };
-        let put = format!("{loc}{sep}digest={}", b.digest);
-        let name = blob_name(&b.digest)?;
-        let base_done = done;
-        let mut prog = |d: u64, _t: u64| progress(base_done + d, total);
-        let resp = match &src {
-            Source::Dir(d) => {
-                let p = d.join(&name);
-                let f = File::open(&p).map_err(|e| Error::io("opening", &p, e))?;
-                send_blob(&agent, &put, f, b.size, &mut prog)
-            }
-            Source::Tarball(t) => with_tarball_member(t, &name, |ent| {
-                Ok(send_blob(&agent, &put, ent, b.size, &mut prog))
-            })?,
-        };
-        let status = resp.map_err(|e| reg(&put, e))?;
-        if status != 201 {
-            return Err(reg(&put, format!("status {status} uploading {}", b.digest)));
-        }
-        done += b.size;
-        progress(done, total);
+    let name = blob_name(digest)?;
+    let data = read_small_member(&src, &name)?;
+    if data.len() as u64 > limit {
+        return Err(Error::EntryTooLarge {
+            entry: name,
+            size: data.len() as u64,
+            limit,
+        });
     }
-    let murl = format!("{base}/v2/{repo}/manifests/{tag}");
-    let data = read_small_member(&src, &blob_name(&mdigest)?)?;
-    let r = agent
-        .put(&murl)
-        .set("Content-Type", MEDIA_MANIFEST)
-        .send_bytes(&data)
-        .map_err(|e| reg(&murl, e.to_string()))?;
-    if r.status() != 201 && r.status() != 200 {
-        return Err(reg(
-            &murl,
-            format!("status {} putting manifest", r.status()),
-        ));
+    let got = format!("sha256:{}", sha256_hex(&data));
+    if got != digest {
+        return Err(Error::DigestMismatch {
+            name,
+            algorithm: "sha256",
+            expected: digest.to_string(),
+            actual: got,
+        });
     }
-    Ok(mdigest)
+    Ok(data)
 }
 
-/// Largest image manifest `pull_archive` reads.
-const MAX_MANIFEST_DOC: u64 = 4 << 20;
-
-/// Pulls a checkpoint image from a registry (plain http, like [`push`]) and writes its archive,
-/// the image's single layer, to `out` (created new, mode 0600). The layer is hashed while it
-/// streams and refused unless it matches its digest and size; a refused pull leaves no file.
-/// Returns the manifest digest.
-pub fn pull_archive(reference: &str, out: &Path, limits: Limits) -> Result<String> {
-    let (host, repo, tag) = split_reference(reference)?;
-    let base = format!("http://{host}");
-    let agent = ureq::AgentBuilder::new().build();
-    let reg = |url: &str, reason: String| Error::Registry {
-        url: url.to_string(),
-        reason,
-    };
-    let murl = format!("{base}/v2/{repo}/manifests/{tag}");
-    let r = agent
-        .get(&murl)
-        .set("Accept", MEDIA_MANIFEST)
-        .call()
-        .map_err(|e| reg(&murl, e.to_string()))?;
-    let mut doc = Vec::new();
-    r.into_reader()
-        .take(MAX_MANIFEST_DOC + 1)
-        .read_to_end(&mut doc)
-        .map_err(|e| reg(&murl, e.to_string()))?;
-    if doc.len() as u64 > MAX_MANIFEST_DOC {
-        return Err(reg(
-            &murl,
-            format!("manifest larger than {MAX_MANIFEST_DOC} bytes"),
-        ));
-    }
-    let mdigest = format!("sha256:{}", sha256_hex(&doc));
-    let m: ImageManifest = serde_json::from_slice(&doc)
-        .map_err(|e| reg(&murl, format!("not an OCI image manifest: {e}")))?;
-    let [layer] = m.layers.as_slice() else {
-        return Err(reg(
-            &murl,
-            format!(
-                "a checkpoint image has one layer, this one has {}",
-                m.layers.len()
-            ),
-        ));
-    };
-    if layer.media_type != MEDIA_LAYER_TAR {
-        return Err(reg(
-            &murl,
-            format!(
-                "layer media type {} is not {MEDIA_LAYER_TAR}",
-                layer.media_type
-            ),
-        ));
-    }
-    if layer.size > limits.max_total_bytes {
-        return Err(reg(
-            &murl,
-            format!(
-                "layer of {} bytes exceeds the limit of {} bytes",
-                layer.size, limits.max_total_bytes
-            ),
-        ));
-    }
-    let want = blob_name(&layer.digest)?;
-    let burl = format!("{base}/v2/{repo}/blobs/{}", layer.digest);
-    let r = agent
-        .get(&burl)
-        .call()
-        .map_err(|e| reg(&burl, e.to_string()))?;
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(out)
-        .map_err(|e| Error::io("creating", out, e))?;
-    let copied = (|| -> Result<()> {
-        let mut hasher = Sha256::new();
-        let mut reader = r.into_reader().take(layer.size + 1);
-        let mut buf = vec![0u8; COPY_BUF];
-        let mut n = 0u64;
-        loop {
-            let k = reader
-                .read(&mut buf)
-                .map_err(|e| reg(&burl, e.to_string()))?;
-            if k == 0 {
-                break;
+/// Where the blob `digest` of an image lies: a file and the offset of the blob in it (a layout
+/// directory's blob file at 0, or the member's data inside a layout tarball).
+pub(crate) fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)> {
+    let name = blob_name(digest)?;
+    match source_of(image)? {
+        Source::Dir(d) => {
+            let p = d.join(&name);
+            let m = fs::symlink_metadata(&p).map_err(|e| Error::io("reading", &p, e))?;
+            if !m.is_file() {
+                return Err(Error::oci(name, "not a regular file"));
             }
-            n += k as u64;
-            if n > layer.size {
-                return Err(reg(
-                    &burl,
-                    format!("blob is larger than its {} bytes", layer.size),
-                ));
-            }
-            hasher.update(&buf[..k]);
-            f.write_all(&buf[..k])
-                .map_err(|e| Error::io("writing", out, e))?;
+            Ok((p, 0))
         }
-        let got = hex::encode(hasher.finalize());
-        if n != layer.size || format!("blobs/sha256/{got}") != want {
-            return Err(reg(
-                &burl,
-                format!(
-                    "blob does not match its digest {} ({n} bytes read)",
-                    layer.digest
-                ),
-            ));
-        }
-        f.sync_all().map_err(|e| Error::io("syncing", out, e))
-    })();
-    if let Err(e) = copied {
-        let _ = fs::remove_file(out);
-        return Err(e);
-    }
-    Ok(mdigest)
-}
-
-fn send_blob<R: Read>(
-    agent: &ureq::Agent,
-    url: &str,
-    r: R,
-    size: u64,
-    progress: Progress<'_>,
-) -> std::result::Result<u16, String> {
-    struct P<'a, R> {
-        r: R,
-        n: u64,
-        total: u64,
-        progress: Progress<'a>,
-    }
-    impl<R: Read> Read for P<'_, R> {
-        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-            let k = self.r.read(buf)?;
-            self.n += k as u64;
-            (self.progress)(self.n, self.total);
-            Ok(k)
+        Source::Tarball(t) => {
+            let at = with_tarball_member(&t, &name, |ent| Ok(ent.raw_file_position()))?;
+            Ok((t, at))
         }
     }
-    let body = P {
-        r: r.take(size),
-        n: 0,
-        total: size,
-        progress,
-    };
-    agent
-        .put(url)
-        .set("Content-Type", "application/octet-stream")
-        .set("Content-Length", &size.to_string())
-        .send(body)
-        .map(|r| r.status())
-        .map_err(|e| e.to_string())
 }
 
 /// Split `host[:port]/name[:tag]` into (host, name, tag).

@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use crate::error::{Error, Result};
 
 pub const PREFIX: &str = "gpu-ckpt.io/";
-/// Archive path or image reference of the checkpoint to restore (restore handler).
+/// Archive path, image reference, or `mount:/PATH` (the container path of an image volume of
+/// the pod that holds the checkpoint image) of the checkpoint to restore (restore handler).
 pub const RESTORE_FROM: &str = "gpu-ckpt.io/restore-from";
 /// `fail` (default) or `cold-start` when a checkpoint cannot be used.
 pub const ON_INCOMPATIBLE: &str = "gpu-ckpt.io/on-incompatible";

@@ -236,6 +236,7 @@ impl Container {
             .get(crate::trust::SANDBOX_NAMESPACE)
             .cloned()
             .unwrap_or_default();
+        let sandbox_id = a.get(crate::trust::SANDBOX_ID).cloned().unwrap_or_default();
         let bundle = self.bundle.clone();
         let ann = self.annotations.clone();
         let options = self.options.clone();
@@ -244,6 +245,7 @@ impl Container {
                 name: &name,
                 image: &image,
                 namespace: &namespace,
+                sandbox_id: &sandbox_id,
             };
             restore::prepare(
                 &bundle,
@@ -256,9 +258,17 @@ impl Container {
         })
         .await
         .map_err(|e| Error::FailedPrecondition(format!("prepare restore: {e}")))??;
-        if let restore::Plan::Restore(dir) = plan {
-            self.restore_from = Some(dir);
-            self.restore_unpacked = true;
+        match plan {
+            restore::Plan::Restore(dir) => {
+                self.restore_from = Some(dir);
+                self.restore_unpacked = true;
+            }
+            // Read in place from an image volume: Start verifies all of it.
+            restore::Plan::RestoreInPlace(dir) => {
+                self.restore_from = Some(dir);
+                self.restore_unpacked = false;
+            }
+            restore::Plan::ColdStart(_) => {}
         }
         Ok(())
     }

@@ -85,6 +85,15 @@ pub struct RuntimeOptions {
     /// Where `gpu-ckpt.io/restore-from` may read: directories (absolute, `/` at the end or not)
     /// and registry prefixes. `None`: [`DEFAULT_RESTORE_SOURCES`].
     pub restore_sources: Option<Vec<String>>,
+    /// containerd's per-registry host directory (`certs.d` layout: `HOST[:PORT]/hosts.toml`,
+    /// `ca.crt`) for the restore handler's registry pulls. Empty:
+    /// [`image_format::registry::DEFAULT_HOSTS_DIR`], the directory a node's containerd
+    /// usually reads (`config_path`).
+    pub registry_hosts_dir: String,
+    /// The docker-style auth file (`config.json`: `auths`, `credHelpers`, `credsStore`) for the
+    /// restore handler's registry pulls. Empty: `$REGISTRY_AUTH_FILE`, `$DOCKER_CONFIG/config.json`
+    /// or `~/.docker/config.json` of the shim's environment, else anonymous pulls.
+    pub registry_auth_file: String,
     /// The directory holding the NVIDIA driver's `libcuda.so.1` and `libnvidia-ml.so.1`. Empty:
     /// the dynamic loader's search (where the driver installs them).
     pub driver_library_dir: String,
@@ -304,6 +313,16 @@ impl RuntimeOptions {
                 self.trusted_keys_dir
             )));
         }
+        for (key, value) in [
+            ("RegistryHostsDir", &self.registry_hosts_dir),
+            ("RegistryAuthFile", &self.registry_auth_file),
+        ] {
+            if !value.is_empty() && !value.starts_with('/') {
+                return Err(Error::InvalidArgument(format!(
+                    "invalid {key} {value:?}: expected an absolute path"
+                )));
+            }
+        }
         if !self.restore_timeout.is_empty() {
             parse_timeout(&self.restore_timeout, "RestoreTimeout")?;
         }
@@ -348,6 +367,21 @@ impl RuntimeOptions {
                 .map(|s| s.to_string())
                 .collect()
         })
+    }
+
+    /// Where the restore handler's registry pulls find TLS settings and logins
+    /// (`RegistryHostsDir`, `RegistryAuthFile`).
+    pub fn registry_options(&self) -> image_format::registry::RegistryOptions {
+        let hosts_dir = if self.registry_hosts_dir.is_empty() {
+            image_format::registry::DEFAULT_HOSTS_DIR
+        } else {
+            &self.registry_hosts_dir
+        };
+        image_format::registry::RegistryOptions {
+            hosts_dir: Some(PathBuf::from(hosts_dir)),
+            auth_file: (!self.registry_auth_file.is_empty())
+                .then(|| PathBuf::from(&self.registry_auth_file)),
+        }
     }
 
     /// Whether `NamespaceMoves` allows a checkpoint of namespace `from` into namespace `to`.
@@ -560,6 +594,38 @@ mod tests {
         assert!(RuntimeOptions::from_toml("Mode = \"restore\"", "t")
             .unwrap()
             .restore_mode());
+    }
+
+    #[test]
+    fn registry_options_are_decoded_and_checked() {
+        let o = RuntimeOptions::from_toml(
+            "RegistryHostsDir = \"/etc/gpu-ckpt/certs.d\"\nRegistryAuthFile = \"/etc/gpu-ckpt/auth.json\"\n",
+            "t",
+        )
+        .unwrap();
+        let r = o.registry_options();
+        assert_eq!(
+            r.hosts_dir.as_deref(),
+            Some(Path::new("/etc/gpu-ckpt/certs.d"))
+        );
+        assert_eq!(
+            r.auth_file.as_deref(),
+            Some(Path::new("/etc/gpu-ckpt/auth.json"))
+        );
+        let d = RuntimeOptions::default().registry_options();
+        assert_eq!(
+            d.hosts_dir.as_deref(),
+            Some(Path::new(image_format::registry::DEFAULT_HOSTS_DIR))
+        );
+        assert_eq!(d.auth_file, None);
+        for bad in [
+            "RegistryHostsDir = \"certs.d\"",
+            "RegistryAuthFile = \"auth.json\"",
+        ] {
+            let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();
+            let key = bad.split(' ').next().unwrap_or_default();
+            assert!(err.contains(key) && err.contains("absolute"), "{err}");
+        }
     }
 
     #[test]

@@ -6,6 +6,13 @@
 //! reference in a registry), check that it belongs to this container and can run here, unpack
 //! it (every entry checked, every digest verified), and lay its rootfs diff over the rootfs.
 //! Start then restores from the unpacked `checkpoint/` directory like any other restore.
+//!
+//! `mount:/PATH` names an image volume of the pod (Kubernetes `volumes[].image`, which the
+//! kubelet pulled with the pod's own credentials): the checkpoint image's layer, unpacked by
+//! containerd and mounted read-only. Nothing is copied: its files are checked where they lie
+//! (no links, no special files, limits), the metadata read, the same admission checks run, and
+//! Start verifies every digest in place before and while CRIU reads it. The mount is removed
+//! from the spec of the container that is started, so the restored processes never see it.
 
 use std::{
     fs::File,
@@ -38,13 +45,18 @@ pub struct Identity<'a> {
     pub image: &'a str,
     /// The namespace of the container's pod (empty outside Kubernetes).
     pub namespace: &'a str,
+    /// The id of the container's pod sandbox (CRI), which owns its image volumes.
+    pub sandbox_id: &'a str,
 }
 
 /// What to do with the container.
 #[derive(Debug, PartialEq)]
 pub enum Plan {
-    /// Restore from this CRIU image directory.
+    /// Restore from this CRIU image directory, unpacked and verified by the shim.
     Restore(PathBuf),
+    /// Restore from this CRIU image directory where it lies (an image volume), read-only;
+    /// Start verifies every file of it against its manifest.
+    RestoreInPlace(PathBuf),
     /// The checkpoint cannot be used and the pod asked for a cold start: why.
     ColdStart(String),
 }
@@ -62,7 +74,7 @@ pub fn prepare(
 ) -> Result<Plan> {
     let result = prepare_inner(bundle, rootfs, source, me, ann, options);
     let _ = std::fs::remove_file(bundle.join(FETCHED_ARCHIVE));
-    if !matches!(result, Ok(Plan::Restore(_))) {
+    if !matches!(result, Ok(Plan::Restore(_) | Plan::RestoreInPlace(_))) {
         let _ = std::fs::remove_dir_all(bundle.join(RESTORE_DIR));
     }
     result
@@ -86,11 +98,61 @@ fn prepare_inner(
     options: &RuntimeOptions,
 ) -> Result<Plan> {
     let limits = Limits::default();
+    if let Some(destination) = trust::mount_destination(source) {
+        return prepare_from_mount(bundle, rootfs, source, &destination?, me, ann, options);
+    }
     // Step 1: fetch, from a source RestoreSources lists (checked before anything is opened).
     let archive = fetch(bundle, source, limits, options)?;
     // Step 2: read every header (hostile entries are refused here) and the metadata.
     let info = archive::read_info(&archive, limits)
         .map_err(|e| step("check")(format!("{source}: {e}")))?;
+    let signed = match admit(bundle, &info, source, me, ann, options)? {
+        Admitted::Fits { signed } => signed,
+        Admitted::ColdStart(why) => return Ok(Plan::ColdStart(why)),
+    };
+    // Step 6: unpack, verifying the CRIU images (and the rootfs changes' copy) against the
+    // manifest while writing.
+    let dir = bundle.join(RESTORE_DIR);
+    let _ = std::fs::remove_dir_all(&dir);
+    archive::extract_archive(
+        &archive,
+        &dir,
+        ExtractOptions {
+            limits,
+            verify: true,
+        },
+        &mut |_, _| {},
+    )
+    .map_err(|e| step("unpack")(format!("{source}: {e}")))?;
+    let checkpoint = dir.join(archive::names::CHECKPOINT_DIRECTORY);
+    // Step 7: the container's own changes to its filesystem: the signed copy in checkpoint/,
+    // or, for an unsigned checkpoint without one, the engine's rootfs-diff.tar.
+    let own = checkpoint.join(ROOTFS_CHANGES_FILE);
+    let engine = dir.join(archive::names::ROOTFS_DIFF_TAR);
+    apply_changes(&own, &engine, rootfs, source, signed)?;
+    info!(%source, signed, "checkpoint unpacked for restore");
+    Ok(Plan::Restore(checkpoint))
+}
+
+/// What the admission checks decided.
+enum Admitted {
+    /// The checkpoint belongs here and may be restored; whether it is signed.
+    Fits { signed: bool },
+    /// It does not fit, and the pod asked for a cold start: why.
+    ColdStart(String),
+}
+
+/// The checks every source gets once its metadata is read: signature and signer, namespace,
+/// the engine's record against the signed one, and whether the checkpoint belongs to this
+/// container (name, image, declared versions, GPUs).
+fn admit(
+    bundle: &Path,
+    info: &ArchiveInfo,
+    source: &str,
+    me: &Identity<'_>,
+    ann: &Annotations,
+    options: &RuntimeOptions,
+) -> Result<Admitted> {
     let (Some(manifest), Some(json)) = (&info.manifest, &info.manifest_json) else {
         return Err(step("check")(format!(
             "{source} has no gpu-ckpt manifest: it is not a complete gpu-ckpt checkpoint"
@@ -124,7 +186,7 @@ fn prepare_inner(
             me.name
         ));
     }
-    let image = checkpoint_image(&info, manifest, signed);
+    let image = checkpoint_image(info, manifest, signed);
     if !image.is_empty() && !me.image.is_empty() && image != me.image {
         differences.push(format!(
             "image: the checkpoint was taken from {image:?}, this container runs {:?}",
@@ -161,7 +223,7 @@ fn prepare_inner(
         return match ann.get(annotations::ON_INCOMPATIBLE) {
             Some("cold-start") => {
                 warn!(%source, %why, "checkpoint cannot be used: cold start");
-                Ok(Plan::ColdStart(why))
+                Ok(Admitted::ColdStart(why))
             }
             _ => Err(Error::FailedPrecondition(format!(
                 "checkpoint {source} cannot be restored into this container: {why} (set {}: cold-start to start it fresh instead)",
@@ -169,25 +231,19 @@ fn prepare_inner(
             ))),
         };
     }
-    // Step 6: unpack, verifying the CRIU images (and the rootfs changes' copy) against the
-    // manifest while writing.
-    let dir = bundle.join(RESTORE_DIR);
-    let _ = std::fs::remove_dir_all(&dir);
-    archive::extract_archive(
-        &archive,
-        &dir,
-        ExtractOptions {
-            limits,
-            verify: true,
-        },
-        &mut |_, _| {},
-    )
-    .map_err(|e| step("unpack")(format!("{source}: {e}")))?;
-    let checkpoint = dir.join(archive::names::CHECKPOINT_DIRECTORY);
-    // Step 7: the container's own changes to its filesystem: the signed copy in checkpoint/,
-    // or, for an unsigned checkpoint without one, the engine's rootfs-diff.tar.
-    let own = checkpoint.join(ROOTFS_CHANGES_FILE);
-    let engine = dir.join(archive::names::ROOTFS_DIFF_TAR);
+    Ok(Admitted::Fits { signed })
+}
+
+/// Lays the container's own changes to its filesystem over `rootfs`: the signed copy `own`
+/// in checkpoint/ (already verified against the manifest), or, for an unsigned checkpoint
+/// without one, the engine's rootfs-diff.tar `engine`.
+fn apply_changes(
+    own: &Path,
+    engine: &Path,
+    rootfs: &Path,
+    source: &str,
+    signed: bool,
+) -> Result<()> {
     let diff = if own.exists() {
         Some(own)
     } else if engine.exists() {
@@ -202,10 +258,234 @@ fn prepare_inner(
         None
     };
     if let Some(diff) = diff {
-        apply_rootfs_diff(&diff, rootfs).map_err(|e| step("rootfs-diff")(e.to_string()))?;
+        apply_rootfs_diff(diff, rootfs).map_err(|e| step("rootfs-diff")(e.to_string()))?;
     }
-    info!(%source, signed, "checkpoint unpacked for restore");
-    Ok(Plan::Restore(checkpoint))
+    Ok(())
+}
+
+/// The restore from the image volume at `destination` (`mount:/PATH`): checked and read in
+/// place, the rootfs changes applied, and the mount removed from the container's spec.
+fn prepare_from_mount(
+    bundle: &Path,
+    rootfs: &Path,
+    source: &str,
+    destination: &str,
+    me: &Identity<'_>,
+    ann: &Annotations,
+    options: &RuntimeOptions,
+) -> Result<Plan> {
+    let limits = Limits::default();
+    // Step 1: the mount, which must be an image volume of this pod (trust::image_volume).
+    let spec = read_spec(bundle)?;
+    let root = trust::image_volume(bundle, &spec, destination, me.sandbox_id, source)?;
+    // Step 2: every entry checked where it lies (a hostile image's layer), the metadata read.
+    let info = read_dir_info(&root, limits).map_err(|e| step("check")(format!("{source}: {e}")))?;
+    // Steps 3 to 5: the same admission as any other source.
+    let signed = match admit(bundle, &info, source, me, ann, options)? {
+        Admitted::Fits { signed } => signed,
+        Admitted::ColdStart(why) => {
+            remove_mount(bundle, destination)?;
+            return Ok(Plan::ColdStart(why));
+        }
+    };
+    let manifest = info
+        .manifest
+        .as_ref()
+        .ok_or_else(|| step("check")(format!("{source} has no gpu-ckpt manifest")))?;
+    // Step 6: nothing is unpacked; the container's own changes are verified against the
+    // manifest before they touch the rootfs (Start verifies the rest).
+    let checkpoint = root.join(archive::names::CHECKPOINT_DIRECTORY);
+    let own = checkpoint.join(ROOTFS_CHANGES_FILE);
+    if own.exists() {
+        let want = manifest.files.get(ROOTFS_CHANGES_FILE).ok_or_else(|| {
+            step("verify")(format!(
+                "{source}: checkpoint/{ROOTFS_CHANGES_FILE} is not listed in the manifest"
+            ))
+        })?;
+        let got = image_format::digest::digest_file(
+            &own,
+            image_format::digest::FileHasher::checking(want),
+            &mut |_, _| {},
+        )
+        .map_err(|e| step("verify")(format!("{source}: {e}")))?;
+        let same = got.size == want.size
+            && if want.blake3.is_empty() {
+                got.sha256 == want.sha256
+            } else {
+                got.blake3 == want.blake3
+            };
+        if !same {
+            return Err(Error::PermissionDenied(format!(
+                "checkpoint {source}: checkpoint/{ROOTFS_CHANGES_FILE} does not match the manifest ({} bytes found, {} listed, or another digest): the image was changed after the checkpoint",
+                got.size, want.size
+            )));
+        }
+    }
+    let engine = root.join(archive::names::ROOTFS_DIFF_TAR);
+    apply_changes(&own, &engine, rootfs, source, signed)?;
+    // Step 7: the restored processes do not get their own checkpoint.
+    remove_mount(bundle, destination)?;
+    info!(%source, signed, host = %root.display(), "checkpoint read in place from an image volume");
+    Ok(Plan::RestoreInPlace(checkpoint))
+}
+
+fn read_spec(bundle: &Path) -> Result<serde_json::Value> {
+    let path = bundle.join("config.json");
+    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
+    serde_json::from_slice(&text).map_err(|e| {
+        Error::InvalidArgument(format!("malformed bundle config {}: {e}", path.display()))
+    })
+}
+
+/// Removes the mount at `destination` from the bundle's spec (written whole, then renamed).
+pub fn remove_mount(bundle: &Path, destination: &str) -> Result<()> {
+    let mut spec = read_spec(bundle)?;
+    if let Some(mounts) = spec.get_mut("mounts").and_then(|m| m.as_array_mut()) {
+        mounts.retain(|m| {
+            m.get("destination")
+                .and_then(|d| d.as_str())
+                .is_none_or(|d| d.trim_end_matches('/') != destination)
+        });
+    }
+    let path = bundle.join("config.json");
+    let tmp = bundle.join(".config.json.gpu-ckpt");
+    let data = serde_json::to_vec(&spec)
+        .map_err(|e| Error::InvalidArgument(format!("bundle config {}: {e}", path.display())))?;
+    let mode = std::fs::metadata(&path)
+        .map(|m| m.permissions())
+        .map_err(Error::io(format!("stat {}", path.display())))?;
+    std::fs::write(&tmp, data).map_err(Error::io(format!("write {}", tmp.display())))?;
+    std::fs::set_permissions(&tmp, mode).map_err(Error::io(format!("chmod {}", tmp.display())))?;
+    std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
+    info!(
+        destination,
+        "mount of the checkpoint removed from the container's spec"
+    );
+    Ok(())
+}
+
+/// The metadata of a checkpoint laid out as a directory (an image volume: the checkpoint
+/// image's layer, unpacked by containerd), checked like an archive's entries: only
+/// directories and regular files (no links, devices, fifos or sockets, nothing followed),
+/// within `limits`, `checkpoint/` flat, and the small JSON members read with the archive
+/// reader's size bound.
+pub fn read_dir_info(root: &Path, limits: Limits) -> image_format::Result<ArchiveInfo> {
+    use image_format::Error as E;
+    use std::os::unix::fs::FileTypeExt;
+    let io = |what: &'static str, p: &Path| {
+        let path = p.to_path_buf();
+        move |source| E::Io { what, path, source }
+    };
+    let json = |what: &str| {
+        let what = what.to_string();
+        move |source| E::Json { what, source }
+    };
+    let mut info = ArchiveInfo::default();
+    let (mut entries, mut total) = (0u64, 0u64);
+    let mut stack = vec![(root.to_path_buf(), String::new())];
+    while let Some((dir, rel)) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(io("reading", &dir))? {
+            let entry = entry.map_err(io("reading", &dir))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = if rel.is_empty() {
+                name.clone()
+            } else {
+                format!("{rel}/{name}")
+            };
+            entries += 1;
+            if entries > limits.max_entries {
+                return Err(E::TooManyEntries {
+                    entry: path,
+                    limit: limits.max_entries,
+                });
+            }
+            // lstat: a link is seen as a link, never followed.
+            let meta =
+                std::fs::symlink_metadata(entry.path()).map_err(io("reading", &entry.path()))?;
+            let kind = meta.file_type();
+            if kind.is_dir() {
+                if rel == archive::names::CHECKPOINT_DIRECTORY {
+                    return Err(E::ForbiddenType {
+                        entry: path,
+                        kind: "subdirectory (checkpoint/ holds only CRIU images)",
+                    });
+                }
+                stack.push((entry.path(), path));
+                continue;
+            }
+            if !kind.is_file() {
+                let kind = if kind.is_symlink() {
+                    "symbolic link"
+                } else if kind.is_block_device() || kind.is_char_device() {
+                    "device node"
+                } else if kind.is_fifo() {
+                    "fifo"
+                } else {
+                    "socket"
+                };
+                return Err(E::ForbiddenType { entry: path, kind });
+            }
+            let size = meta.len();
+            if size > limits.max_entry_bytes {
+                return Err(E::EntryTooLarge {
+                    entry: path,
+                    size,
+                    limit: limits.max_entry_bytes,
+                });
+            }
+            total += size;
+            if total > limits.max_total_bytes {
+                return Err(E::ArchiveTooLarge {
+                    entry: path,
+                    total,
+                    limit: limits.max_total_bytes,
+                });
+            }
+            let small = || -> image_format::Result<Vec<u8>> {
+                if size > archive::MAX_METADATA_BYTES {
+                    return Err(E::EntryTooLarge {
+                        entry: path.clone(),
+                        size,
+                        limit: archive::MAX_METADATA_BYTES,
+                    });
+                }
+                let f = open_no_follow(&entry.path()).map_err(io("opening", &entry.path()))?;
+                let mut v = Vec::new();
+                f.take(archive::MAX_METADATA_BYTES)
+                    .read_to_end(&mut v)
+                    .map_err(io("reading", &entry.path()))?;
+                Ok(v)
+            };
+            match path.as_str() {
+                archive::names::CONFIG_DUMP => {
+                    info.config_dump =
+                        Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
+                }
+                archive::names::SPEC_DUMP => {
+                    info.spec_dump = Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
+                }
+                archive::names::STATUS_DUMP => {
+                    info.status_dump =
+                        Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
+                }
+                archive::names::MANIFEST_PATH => {
+                    let d = small()?;
+                    info.manifest = Some(Manifest::from_json(&d, &path)?);
+                    info.manifest_json = Some(d);
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(info)
+}
+
+fn open_no_follow(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 /// The image the checkpoint was taken from: the signed manifest's for a signed checkpoint,
@@ -279,7 +559,16 @@ fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) 
     }
     let out = bundle.join(FETCHED_ARCHIVE);
     let _ = std::fs::remove_file(&out);
-    oci::pull_archive(source, &out, limits).map_err(|e| refused(format!("pull: {e}")))?;
+    // The reference passed RestoreSources above, so the cause (a certificate, a login, a
+    // missing reference) is told in full, as for an image on disk.
+    image_format::registry::pull_archive(
+        source,
+        &out,
+        limits,
+        &options.registry_options(),
+        &mut |_, _| {},
+    )
+    .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
     Ok(out)
 }
 
@@ -543,6 +832,103 @@ mod tests {
         assert_eq!(bad_whiteout(".wh.x"), None);
         assert!(bad_whiteout(".wh..").is_some());
         assert!(bad_whiteout(".wh...").is_some());
+    }
+
+    #[test]
+    fn mount_sources_name_an_absolute_clean_path() {
+        assert_eq!(
+            trust::mount_destination("mount:/ckpt/").unwrap().unwrap(),
+            "/ckpt"
+        );
+        assert!(trust::mount_destination("/var/ckpt.tar").is_none());
+        for bad in [
+            "mount:",
+            "mount:/",
+            "mount:ckpt",
+            "mount:/a/../b",
+            "mount:/a//b",
+        ] {
+            let err = trust::mount_destination(bad).unwrap().unwrap_err();
+            assert!(err.to_string().contains(bad), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_directory_with_links_or_special_files_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("checkpoint");
+        std::fs::create_dir(&ckpt).unwrap();
+        std::fs::write(ckpt.join("inventory.img"), b"x").unwrap();
+        std::fs::write(dir.path().join("spec.dump"), b"{}").unwrap();
+        let info = read_dir_info(dir.path(), Limits::default()).unwrap();
+        assert!(info.spec_dump.is_some());
+        assert!(info.manifest.is_none());
+
+        std::os::unix::fs::symlink("/etc/shadow", ckpt.join("pages-1.img")).unwrap();
+        let err = read_dir_info(dir.path(), Limits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("checkpoint/pages-1.img") && err.contains("symbolic link"),
+            "{err}"
+        );
+        std::fs::remove_file(ckpt.join("pages-1.img")).unwrap();
+
+        nix::unistd::mkfifo(&ckpt.join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let err = read_dir_info(dir.path(), Limits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("checkpoint/fifo") && err.contains("fifo"),
+            "{err}"
+        );
+        std::fs::remove_file(ckpt.join("fifo")).unwrap();
+
+        std::fs::create_dir(ckpt.join("sub")).unwrap();
+        let err = read_dir_info(dir.path(), Limits::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("checkpoint/sub"), "{err}");
+        std::fs::remove_dir(ckpt.join("sub")).unwrap();
+
+        let small = Limits {
+            max_entry_bytes: 1,
+            ..Limits::default()
+        };
+        let err = read_dir_info(dir.path(), small).unwrap_err().to_string();
+        assert!(err.contains("exceeds the limit"), "{err}");
+    }
+
+    #[test]
+    fn only_a_mount_point_in_the_pods_image_volume_directory_is_an_image_volume() {
+        let state = tempfile::tempdir().unwrap();
+        let bundle = state.path().join("io.containerd.runtime.v2.task/k8s.io/c1");
+        std::fs::create_dir_all(&bundle).unwrap();
+        let volumes = state.path().join(trust::IMAGE_VOLUMES);
+        let mine = volumes.join("sb1/img");
+        let theirs = volumes.join("sb2/img");
+        std::fs::create_dir_all(&mine).unwrap();
+        std::fs::create_dir_all(&theirs).unwrap();
+        let spec = |src: &Path, opts: &[&str]| {
+            serde_json::json!({"mounts": [{"destination": "/ckpt", "type": "bind",
+                "source": src, "options": opts}]})
+        };
+        let check = |spec: &serde_json::Value, dest: &str| {
+            trust::image_volume(&bundle, spec, dest, "sb1", "mount:/ckpt")
+                .unwrap_err()
+                .to_string()
+        };
+        let err = check(&spec(&mine, &["rbind", "ro"]), "/other");
+        assert!(err.contains("no mount at /other"), "{err}");
+        let err = check(&spec(&theirs, &["rbind", "ro"]), "/ckpt");
+        assert!(err.contains("not an image volume of this pod"), "{err}");
+        let err = check(&spec(&mine.join("../img"), &["rbind", "ro"]), "/ckpt");
+        assert!(err.contains("not an image volume of this pod"), "{err}");
+        let err = check(&spec(&mine, &["rbind", "rw"]), "/ckpt");
+        assert!(err.contains("not a read-only bind"), "{err}");
+        // In the right place, but a directory, not the image's mounted snapshot.
+        let err = check(&spec(&mine, &["rbind", "ro"]), "/ckpt");
+        assert!(err.contains("not a mount point"), "{err}");
     }
 
     #[test]

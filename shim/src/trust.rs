@@ -196,6 +196,155 @@ pub fn resolve_source(source: &str, dir: &Path, sources: &[String]) -> Result<Pa
     Ok(real)
 }
 
+/// The annotation with the id of a container's pod sandbox (CRI).
+pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+/// The prefix of a `gpu-ckpt.io/restore-from` source that names an image volume of the pod.
+pub const MOUNT_SOURCE: &str = "mount:";
+/// Where containerd's CRI (2.1+) mounts a pod's image volumes, below its state directory:
+/// `image-volumes/<sandbox id>/<one directory per image>`.
+pub const IMAGE_VOLUMES: &str = "io.containerd.grpc.v1.cri/image-volumes";
+/// The task directory below containerd's state directory that holds the bundles:
+/// `io.containerd.runtime.v2.task/<namespace>/<container id>`.
+const TASK_DIR: &str = "io.containerd.runtime.v2.task";
+
+/// The container path `mount:/PATH` names, checked: absolute, with no `.`, `..` or empty
+/// component. `None` when `source` is not a `mount:` source.
+pub fn mount_destination(source: &str) -> Option<Result<String>> {
+    let path = source.strip_prefix(MOUNT_SOURCE)?;
+    let clean = path.trim_end_matches('/');
+    let ok = path.starts_with('/')
+        && !clean.is_empty()
+        && clean[1..]
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
+    Some(if ok {
+        Ok(clean.to_string())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "restore source {source:?}: {MOUNT_SOURCE} takes the absolute container path of an image volume (mount:/PATH, the volumeMount's mountPath), without . or .. components"
+        )))
+    })
+}
+
+/// The host directory of the image volume that the container of `bundle` has at
+/// `destination` (its spec's mount there), checked to be an image volume of this very pod: a
+/// read-only bind of a mount point that containerd made in its own image-volume directory for
+/// the sandbox `sandbox_id`. A path not in the spec, a hostPath or any other volume, another
+/// pod's image volume, and a source reached through a link are refused, naming the mount.
+pub fn image_volume(
+    bundle: &Path,
+    spec: &serde_json::Value,
+    destination: &str,
+    sandbox_id: &str,
+    source: &str,
+) -> Result<PathBuf> {
+    let mounts: Vec<&serde_json::Value> = spec
+        .get("mounts")
+        .and_then(|m| m.as_array())
+        .map(|m| {
+            m.iter()
+                .filter(|m| {
+                    m.get("destination")
+                        .and_then(|d| d.as_str())
+                        .is_some_and(|d| d.trim_end_matches('/') == destination)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mount = match mounts.as_slice() {
+        [one] => *one,
+        [] => {
+            return Err(Error::InvalidArgument(format!(
+                "restore source {source:?}: the container has no mount at {destination} (give the mountPath of the pod's image volume that holds the checkpoint)"
+            )))
+        }
+        _ => {
+            return Err(Error::InvalidArgument(format!(
+                "restore source {source:?}: the container has {} mounts at {destination}; expected one image volume",
+                mounts.len()
+            )))
+        }
+    };
+    let host = mount
+        .get("source")
+        .and_then(|s| s.as_str())
+        .unwrap_or_default();
+    let not_image_volume = |why: String| {
+        warn!(%source, host, %why, "restore source refused: not an image volume of this pod");
+        Error::PermissionDenied(format!(
+            "restore source {source:?}: the mount at {destination} (host path {host:?}) is not an image volume of this pod: {why}; gpu-ckpt restores a mount: source only from an image volume (volumes[].image) that the kubelet pulled for this pod, never from a hostPath or any other volume"
+        ))
+    };
+    // containerd's state directory, from the bundle's place in it.
+    let tasks = bundle.parent().and_then(Path::parent);
+    let state = match tasks {
+        Some(t) if t.file_name().is_some_and(|n| n == TASK_DIR) => t.parent(),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        not_image_volume(format!(
+            "the bundle {} is not in containerd's {TASK_DIR} directory, so containerd's image-volume directory is unknown",
+            bundle.display()
+        ))
+    })?;
+    let valid_id = !sandbox_id.is_empty()
+        && sandbox_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !valid_id {
+        return Err(not_image_volume(format!(
+            "the container has no valid {SANDBOX_ID} annotation ({sandbox_id:?})"
+        )));
+    }
+    let expected = state.join(IMAGE_VOLUMES).join(sandbox_id);
+    let host_path = Path::new(host);
+    let lexical_ok = host_path.is_absolute()
+        && host_path
+            .components()
+            .skip(1)
+            .all(|c| matches!(c, Component::Normal(_)));
+    if !lexical_ok || host_path.parent() != Some(expected.as_path()) {
+        return Err(not_image_volume(format!(
+            "its source is not a directory of {}",
+            expected.display()
+        )));
+    }
+    let kind = mount.get("type").and_then(|t| t.as_str()).unwrap_or("bind");
+    let options: Vec<&str> = mount
+        .get("options")
+        .and_then(|o| o.as_array())
+        .map(|o| o.iter().filter_map(|v| v.as_str()).collect())
+        .unwrap_or_default();
+    if kind != "bind" || !options.contains(&"ro") {
+        return Err(not_image_volume(format!(
+            "it is a {kind} mount with options {options:?}, not a read-only bind"
+        )));
+    }
+    // No link anywhere on the way, and a mount point of its own (the image's snapshot), not a
+    // directory someone made there.
+    let real = host_path
+        .canonicalize()
+        .map_err(|e| not_image_volume(format!("its source cannot be resolved: {e}")))?;
+    if real != host_path {
+        return Err(not_image_volume(format!(
+            "its source resolves through a link to {}",
+            real.display()
+        )));
+    }
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(host_path)
+        .map_err(|e| not_image_volume(format!("its source cannot be read: {e}")))?;
+    let parent = std::fs::symlink_metadata(&expected)
+        .map_err(|e| not_image_volume(format!("{} cannot be read: {e}", expected.display())))?;
+    if !meta.is_dir() || meta.dev() == parent.dev() {
+        return Err(not_image_volume(
+            "its source is not a mount point of its own (containerd mounts each image volume's snapshot there)".into(),
+        ));
+    }
+    info!(%source, host, "restore source: image volume of this pod");
+    Ok(real)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

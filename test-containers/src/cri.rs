@@ -310,6 +310,33 @@ impl ContainerSpec {
         self
     }
 
+    /// An image volume (`volumes[].image` in a pod spec, KEP-4639): the image `image` (what
+    /// PullImage returned, as the kubelet passes it) mounted read-only at `container_path`.
+    pub fn image_volume(mut self, container_path: &str, image: &str) -> Self {
+        self.mounts.push(cri::Mount {
+            container_path: container_path.to_string(),
+            readonly: true,
+            image: Some(cri::ImageSpec {
+                image: image.to_string(),
+                user_specified_image: image.to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        self
+    }
+
+    /// A hostPath volume: `host_path` bind-mounted at `container_path`.
+    pub fn host_path(mut self, container_path: &str, host_path: &Path, readonly: bool) -> Self {
+        self.mounts.push(cri::Mount {
+            container_path: container_path.to_string(),
+            host_path: host_path.display().to_string(),
+            readonly,
+            ..Default::default()
+        });
+        self
+    }
+
     /// The kubelet-like `ContainerConfig` for a container of `pod`.
     pub fn to_config(&self, pod: &PodSpec) -> cri::ContainerConfig {
         let mut labels = self.labels.clone();
@@ -485,6 +512,37 @@ impl Cri {
             .await
             .context("CRI Status")?;
         Ok(r.into_inner())
+    }
+
+    /// PullImage with a login, as the kubelet sends a pod's imagePullSecrets; returns the image
+    /// ref (image id).
+    pub async fn pull_image_with_auth(
+        &self,
+        image: &str,
+        username: &str,
+        password: &str,
+    ) -> Result<String> {
+        // As a dockerconfigjson key: containerd parses it as a URL.
+        let server = format!("https://{}", image.split('/').next().unwrap_or_default());
+        let r = self
+            .images()
+            .pull_image(self.req(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.to_string(),
+                    user_specified_image: image.to_string(),
+                    ..Default::default()
+                }),
+                auth: Some(cri::AuthConfig {
+                    username: username.to_string(),
+                    password: password.to_string(),
+                    server_address: server,
+                    ..Default::default()
+                }),
+                sandbox_config: None,
+            }))
+            .await
+            .with_context(|| format!("PullImage {image} with a login"))?;
+        Ok(r.into_inner().image_ref)
     }
 
     /// PullImage; returns the image ref (image id).

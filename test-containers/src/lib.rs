@@ -3,4 +3,5 @@ pub mod containerd;
 pub mod cri;
 pub mod gpuproc;
 pub mod image;
+pub mod registry;
 pub mod stack;

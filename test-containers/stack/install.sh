@@ -112,7 +112,12 @@ HOST_PKGS=(
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   make xz-utils file procps util-linux psmisc hyperfine curl ca-certificates
   python3 python3-venv
+  openssl apache2-utils skopeo
+  strace
 )
+# openssl and apache2-utils (htpasswd -B): the TLS registry with logins that registry.sh runs beside
+# the plain one; skopeo: the reference client of `make bench-registry`.
+# strace: tests/crash_safety.rs watches the order of a checkpoint's syncs and renames.
 APT_WAIT=(-oDPkg::Lock::Timeout=600)
 sys_updated=0
 sys_update() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test: unit tests, then integration tests against private containerd nodes that the
-# tests start themselves, with the local registry running around them. Stops what it started.
+# tests start themselves, with the local registries running around them. Stops what it started.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 export GPU_CKPT_STACK="${GPU_CKPT_STACK:-$repo/.stack}"
@@ -24,6 +24,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# Both registries: the plain one on 127.0.0.1:5000 and the TLS one with logins on 127.0.0.1:5443
+# (tests/registry.rs); `stop` in cleanup stops both.
 "$registry" start
 export GPU_CKPT_SHIM_DIR="$repo/target/debug"
 cargo build --workspace --all-targets

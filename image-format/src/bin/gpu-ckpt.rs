@@ -15,6 +15,7 @@ use image_format::archive::{self, ExtractOptions};
 use image_format::compat::{self, Profile, Verdict};
 use image_format::manifest::{Devices, Manifest, Workload, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
+use image_format::registry::{self, RegistryOptions};
 use image_format::safe::Limits;
 
 use device::DeviceArgs;
@@ -61,6 +62,29 @@ struct TrustArgs {
     /// A directory of more trusted public keys (the handler option TrustedKeysDir).
     #[arg(long, value_name = "DIR")]
     trusted_keys: Option<PathBuf>,
+}
+
+/// Where the registry client finds TLS settings and logins.
+#[derive(clap::Args, Clone)]
+struct RegistryArgs {
+    /// containerd's per-registry host directory (certs.d layout: HOST[:PORT]/hosts.toml,
+    /// ca.crt). Plain HTTP only for localhost without a hosts.toml, or where hosts.toml says
+    /// http://.
+    #[arg(long, value_name = "DIR", default_value = image_format::registry::DEFAULT_HOSTS_DIR)]
+    hosts_dir: PathBuf,
+    /// Docker-style auth file (config.json / auth.json, credHelpers and credsStore included).
+    /// Default: $REGISTRY_AUTH_FILE, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json.
+    #[arg(long, value_name = "FILE")]
+    authfile: Option<PathBuf>,
+}
+
+impl RegistryArgs {
+    fn options(&self) -> RegistryOptions {
+        RegistryOptions {
+            hosts_dir: Some(self.hosts_dir.clone()),
+            auth_file: self.authfile.clone(),
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -111,9 +135,21 @@ enum Cmd {
         /// Write an OCI layout tarball here (for `ctr images import`).
         #[arg(long, value_name = "FILE")]
         tarball: Option<PathBuf>,
-        /// Push to the registry named in --ref (plain http).
+        /// Push to the registry named in --ref.
         #[arg(long)]
         push: bool,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Pull a checkpoint image from a registry and write its checkpoint archive (the image's
+    /// layer, verified against its digest) to ARCHIVE (a new file, mode 0600).
+    Pull {
+        /// Image reference, e.g. registry.example.com/ckpt/counter:1.
+        reference: String,
+        /// Where to write the archive.
+        archive: PathBuf,
+        #[command(flatten)]
+        registry: RegistryArgs,
     },
     /// Drive the CUDA driver's checkpoint API for one process, like NVIDIA's cuda-checkpoint, or
     /// list the node's GPUs (--list). Exit 1 when the driver or the process fails, 2 on usage.
@@ -215,7 +251,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
             layout,
             tarball,
             push,
-        } => build(&archive, &reference, layout, tarball, push),
+            registry,
+        } => build(&archive, &reference, layout, tarball, push, &registry),
+        Cmd::Pull {
+            reference,
+            archive,
+            registry,
+        } => pull(&reference, &archive, &registry),
         Cmd::Extract {
             src,
             to,
@@ -689,6 +731,7 @@ fn build(
     layout: Option<PathBuf>,
     tarball: Option<PathBuf>,
     push: bool,
+    registry: &RegistryArgs,
 ) -> Result<ExitCode> {
     if layout.is_none() && tarball.is_none() && !push {
         bail!("nothing to do: give --layout DIR, --tarball FILE and/or --push");
@@ -740,13 +783,34 @@ fn build(
     if push {
         let from = pushed_from.context("no image to push")?;
         let mut bar = Bar::new("push");
-        let d = oci::push(&from, reference, &mut |d, t| bar.update(d, t));
+        let d = registry::push_image(&from, reference, &registry.options(), &mut |d, t| {
+            bar.update(d, t)
+        });
         bar.finish();
         if layout.is_none() && tarball.is_none() {
             let _ = std::fs::remove_dir_all(&from);
         }
         println!("pushed {reference}@{}", d?);
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pull(reference: &str, archive: &Path, registry: &RegistryArgs) -> Result<ExitCode> {
+    let mut bar = Bar::new("pull");
+    let d = registry::pull_archive(
+        reference,
+        archive,
+        Limits::default(),
+        &registry.options(),
+        &mut |d, t| bar.update(d, t),
+    );
+    bar.finish();
+    let d = d?;
+    let size = std::fs::metadata(archive)
+        .with_context(|| format!("reading {}", archive.display()))?
+        .len();
+    println!("pulled {reference}@{d}");
+    println!("  archive {} ({})", archive.display(), human(size));
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,0 +1,323 @@
+//! Checkpoint images in a registry as users run theirs: the stack's TLS registry (HTTPS with a
+//! CA of its own, trusted through a containerd host directory, and htpasswd logins).
+//!
+//! - `gpu-ckpt build --push` with an auth file pushes there; without credentials, with a wrong
+//!   password and without the CA the push fails, naming the registry and the cause.
+//! - `gpu-ckpt pull` gets the archive back byte for byte; a missing reference is named.
+//! - The restore handler restores from it with `RegistryHostsDir` and `RegistryAuthFile`, and the
+//!   count goes on; a handler whose `RestoreSources` lack the registry refuses, and one without
+//!   the login says so.
+//!
+//! Needs root, the stack from `make deps` and `registry.sh start`; fails (never skips) when
+//! something is missing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    cri::{ContainerSpec, Cri, PodSpec},
+    registry::TlsRegistry,
+    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER},
+};
+
+/// Restores from the TLS registry with its CA and the login.
+const FROM_REGISTRY: &str = "restore-registry";
+/// Same CA and login, but RestoreSources without the TLS registry.
+const ELSEWHERE: &str = "restore-elsewhere";
+/// The CA, an auth file without a login for the registry.
+const NO_LOGIN: &str = "restore-nologin";
+
+const REPO: &str = "gpuckpt-test";
+
+fn gpu_ckpt_cli() -> PathBuf {
+    let dir = Stack::discover()
+        .map(|s| s.shim_dir())
+        .unwrap_or_else(|_| PathBuf::from("target/debug"));
+    let p = dir.join("gpu-ckpt");
+    if p.exists() {
+        p
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
+    }
+}
+
+/// Runs the CLI; `Ok(stdout)` on success, `Err(stderr)` on failure.
+fn cli(args: &[&str]) -> Result<std::result::Result<String, String>> {
+    let out = Command::new(gpu_ckpt_cli())
+        .args(args)
+        .output()
+        .context("run gpu-ckpt")?;
+    Ok(if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    })
+}
+
+fn handler(
+    node: &str,
+    name: &str,
+    sources: Vec<String>,
+    hosts: &Path,
+    auth: &Path,
+) -> Result<ExtraRuntime> {
+    let mut h = restore_handler(node, name)?;
+    h.options
+        .insert("RestoreSources".into(), OptValue::from(sources));
+    h.options.insert(
+        "RegistryHostsDir".into(),
+        OptValue::from(hosts.display().to_string()),
+    );
+    h.options.insert(
+        "RegistryAuthFile".into(),
+        OptValue::from(auth.display().to_string()),
+    );
+    Ok(h)
+}
+
+fn counter_spec() -> ContainerSpec {
+    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
+}
+
+/// A restore through `handler` from `source`: `Ok(first value)` when it counts on, `Err(text)`
+/// when refused.
+async fn try_restore(
+    cri: &Cri,
+    node: &Node,
+    handler: &str,
+    source: &str,
+) -> Result<std::result::Result<u64, String>> {
+    let pod = cri
+        .run_pod(
+            &PodSpec::new("worker", node.pod_log_root())
+                .handler(handler)
+                .annotation("gpu-ckpt.io/restore-from", source),
+        )
+        .await?;
+    let result = match cri.run_container(&pod, &counter_spec()).await {
+        Ok(id) => {
+            let first = cri_counter(cri, &id, "/counter.txt").await?;
+            cri_counter_above(cri, &id, "/counter.txt", first).await?;
+            Ok(first)
+        }
+        Err(e) => Err(format!("{e:#}").replace("\\\"", "\"")),
+    };
+    cri.remove_pod(&pod).await?;
+    Ok(result)
+}
+
+fn expect_failure(
+    what: &str,
+    r: std::result::Result<String, String>,
+    needles: &[&str],
+) -> Result<String> {
+    let msg = r
+        .err()
+        .with_context(|| format!("{what}: succeeded, expected a failure"))?;
+    for n in needles {
+        ensure!(
+            msg.contains(n),
+            "{what}: the error does not say {n:?}: {msg}"
+        );
+    }
+    println!("{what}: {}", msg.trim());
+    Ok(msg)
+}
+
+#[test]
+fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
+    let reg = TlsRegistry::discover()?;
+    let name = "registry-tls";
+    let work = Path::new(test_containers::stack::RUN_BASE).join(format!("{name}-files"));
+    let _ = std::fs::remove_dir_all(&work);
+    let hosts = reg.hosts_dir(&work.join("certs.d"), true)?;
+    let no_ca = reg.hosts_dir(&work.join("certs-no-ca.d"), false)?;
+    let auth = reg.auth_file(&work.join("auth.json"), Some(reg.password()))?;
+    let wrong = reg.auth_file(&work.join("wrong.json"), Some("not-the-password"))?;
+    let none = reg.auth_file(&work.join("none.json"), None)?;
+    let prefix = format!("{}/{REPO}/", reg.addr);
+
+    let node = node_with(
+        Node::builder(name)?
+            .extra_runtime(handler(
+                name,
+                FROM_REGISTRY,
+                vec![prefix.clone()],
+                &hosts,
+                &auth,
+            )?)
+            .extra_runtime(handler(
+                name,
+                ELSEWHERE,
+                vec!["localhost:5000/ckpt/".into()],
+                &hosts,
+                &auth,
+            )?)
+            .extra_runtime(handler(
+                name,
+                NO_LOGIN,
+                vec![prefix.clone()],
+                &hosts,
+                &none,
+            )?),
+    )?;
+    let tag = format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+    );
+    let reference = format!("{prefix}counter:{tag}");
+
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        cri.pull_image(workloads()).await?;
+        let pod = cri
+            .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let id = cri.run_container(&pod, &counter_spec()).await?;
+        let before = cri_counter_above(&cri, &id, "/counter.txt", 5).await?;
+        let archive = node
+            .paths()
+            .dir
+            .join("checkpoint-worker_default-counter.tar");
+        let _ = std::fs::remove_file(&archive);
+        cri.checkpoint_container(&id, &archive, 120).await?;
+        cri.remove_pod(&pod).await?;
+        let a = archive.display().to_string();
+        let h = hosts.display().to_string();
+
+        // Pushes that fail, each naming the registry and the cause; nothing is pushed.
+        let push = |hosts: &Path, auth: &Path| {
+            cli(&[
+                "build",
+                &a,
+                "--ref",
+                &reference,
+                "--push",
+                "--hosts-dir",
+                &hosts.display().to_string(),
+                "--authfile",
+                &auth.display().to_string(),
+            ])
+        };
+        let registry = format!("registry https://{}", reg.addr);
+        expect_failure(
+            "push without credentials",
+            push(&hosts, &none)?,
+            &[
+                &registry,
+                "asks for a login",
+                &format!("no credentials for {}", reg.addr),
+            ],
+        )?;
+        expect_failure(
+            "push with a wrong password",
+            push(&hosts, &wrong)?,
+            &[
+                &registry,
+                &format!("credentials refused for user \"{}\"", reg.user()),
+                "wrong.json",
+            ],
+        )?;
+        expect_failure(
+            "push without the CA",
+            push(&no_ca, &auth)?,
+            &[
+                &registry,
+                "certificate does not verify",
+                "UnknownIssuer: signed by a CA that is not trusted",
+                "no CA for this host",
+            ],
+        )?;
+        let missing = expect_failure(
+            "pull before the push",
+            cli(&[
+                "pull",
+                &reference,
+                &work.join("early.tar").display().to_string(),
+                "--hosts-dir",
+                &h,
+                "--authfile",
+                &auth.display().to_string(),
+            ])?,
+            &[&registry, "not found"],
+        )?;
+        ensure!(
+            !work.join("early.tar").exists(),
+            "a failed pull left a file: {missing}"
+        );
+
+        // The push with the login and the CA.
+        let out = push(&hosts, &auth)?
+            .map_err(anyhow::Error::msg)
+            .context("push with the login")?;
+        ensure!(
+            out.contains(&format!("pushed {reference}@sha256:")),
+            "{out}"
+        );
+
+        // Pulled back byte for byte, root-only.
+        let back = work.join("pulled.tar");
+        let out = cli(&[
+            "pull",
+            &reference,
+            &back.display().to_string(),
+            "--hosts-dir",
+            &h,
+            "--authfile",
+            &auth.display().to_string(),
+        ])?
+        .map_err(anyhow::Error::msg)
+        .context("pull")?;
+        ensure!(
+            out.contains(&format!("pulled {reference}@sha256:")),
+            "{out}"
+        );
+        ensure!(
+            std::fs::read(&back)? == std::fs::read(&archive)?,
+            "the pulled archive differs from the one pushed"
+        );
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&back)?.permissions().mode() & 0o777;
+        ensure!(mode == 0o600, "pulled archive mode {mode:o}");
+
+        // The restore handler pulls it with its options, and the count goes on.
+        let first = try_restore(&cri, &node, FROM_REGISTRY, &reference)
+            .await?
+            .map_err(anyhow::Error::msg)
+            .context("restore from the TLS registry")?;
+        ensure!(
+            first >= before,
+            "restored at {first}, checkpointed after {before}"
+        );
+
+        // Still subject to RestoreSources.
+        let msg = try_restore(&cri, &node, ELSEWHERE, &reference)
+            .await?
+            .err()
+            .context("a handler whose RestoreSources lack the registry restored from it")?;
+        ensure!(
+            msg.contains("RestoreSources"),
+            "outside RestoreSources: {msg}"
+        );
+        println!("outside RestoreSources: {msg}");
+
+        // Without the login the handler says so.
+        let msg = try_restore(&cri, &node, NO_LOGIN, &reference)
+            .await?
+            .err()
+            .context("a handler without the login restored")?;
+        ensure!(
+            msg.contains("no credentials for") && msg.contains(&reg.addr),
+            "restore without the login: {msg}"
+        );
+        println!("without the login: {msg}");
+        Ok(())
+    })
+}

@@ -1,0 +1,339 @@
+//! Restore from a Kubernetes image volume (`gpu-ckpt.io/restore-from: mount:/PATH`), on a real
+//! containerd through CRI: a checkpoint built into an OCI image with `gpu-ckpt build --push`
+//! to the stack's TLS registry (htpasswd login, private CA), pulled by CRI with the pod's
+//! credentials (as the kubelet sends imagePullSecrets), mounted with CRI `Mount.image`, and
+//! restored by the restore handler, which reads it in place and takes the mount out of the
+//! restored container. Paths that are not the pod's own image volume are refused.
+
+mod common;
+
+use std::{collections::BTreeMap, path::PathBuf};
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use test_containers::{
+    cri::{ContainerSpec, Cri, Pod, PodSpec},
+    registry::TlsRegistry,
+    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+};
+
+/// The restore handler, as docs/restore-from-registry.md registers it.
+const RESTORE: &str = "gpu-ckpt-restore";
+const SOURCE: &str = "gpu-ckpt.io/restore-from";
+
+fn key_file(node: &str) -> PathBuf {
+    PathBuf::from(test_containers::stack::RUN_BASE)
+        .join(format!("{node}-keys"))
+        .join("node.key")
+}
+
+/// A node with the gpu-ckpt handler (checkpoints) and the restore handler, sharing its key.
+fn mount_node(name: &str) -> Result<Node> {
+    let key = key_file(name);
+    let _ = std::fs::remove_dir_all(key.parent().context("key dir")?);
+    let mut options = BTreeMap::new();
+    options.insert("Mode".to_string(), OptValue::from("restore"));
+    options.insert(
+        "Root".to_string(),
+        OptValue::from(format!("/run/gpu-ckpt-test/{name}/{RESTORE}-runc")),
+    );
+    options.insert(
+        "SigningKey".to_string(),
+        OptValue::from(key.display().to_string()),
+    );
+    node_with(
+        Node::builder(name)?
+            .runtime_option("SigningKey", key.display().to_string())
+            .extra_runtime(ExtraRuntime {
+                name: RESTORE.into(),
+                runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
+                pod_annotations: vec!["gpu-ckpt.io/*".into()],
+                container_annotations: vec!["gpu-ckpt.io/*".into()],
+                options,
+            }),
+    )
+}
+
+fn counter_spec() -> ContainerSpec {
+    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
+}
+
+fn restore_pod(node: &Node, source: &str) -> PodSpec {
+    PodSpec::new("worker", node.pod_log_root())
+        .handler(RESTORE)
+        .annotation(SOURCE, source)
+}
+
+fn cli() -> PathBuf {
+    let dir = Stack::discover()
+        .map(|s| s.shim_dir())
+        .unwrap_or_else(|_| PathBuf::from("target/debug"));
+    let p = dir.join("gpu-ckpt");
+    if p.exists() {
+        p
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
+    }
+}
+
+/// Creates and starts `spec` in a new restore pod: `Ok((pod, id))` when it runs, `Err(text)`
+/// when it is refused (the pod removed).
+async fn try_start(
+    cri: &Cri,
+    pod_spec: &PodSpec,
+    spec: &ContainerSpec,
+) -> Result<std::result::Result<(Pod, String), String>> {
+    let pod = cri.run_pod(pod_spec).await?;
+    match cri.run_container(&pod, spec).await {
+        Ok(id) => Ok(Ok((pod, id))),
+        Err(e) => {
+            cri.remove_pod(&pod).await?;
+            Ok(Err(format!("{e:#}").replace("\\\"", "\"")))
+        }
+    }
+}
+
+/// The host pid of CRI container `id`, from containerd's task list.
+fn host_pid(node: &Node, id: &str) -> Result<i32> {
+    let out = node.ctr_ns_ok("k8s.io", &["task", "ls"])?;
+    out.lines()
+        .filter_map(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            (c.len() >= 2 && c[0] == id).then(|| c[1].parse().ok())?
+        })
+        .next()
+        .with_context(|| format!("task {id} not in `ctr task ls`:\n{out}"))
+}
+
+/// Checkpoints a counting pod of `node` through CRI; returns (archive, counter before).
+async fn checkpoint_counter(cri: &Cri, node: &Node) -> Result<(PathBuf, u64)> {
+    cri.pull_image(workloads()).await?;
+    let pod = cri
+        .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+        .await?;
+    let id = cri.run_container(&pod, &counter_spec()).await?;
+    let before = cri_counter_above(cri, &id, "/counter.txt", 5).await?;
+    let archive = node.paths().dir.join("checkpoint-worker-counter.tar");
+    let _ = std::fs::remove_file(&archive);
+    cri.checkpoint_container(&id, &archive, 120).await?;
+    cri.remove_pod(&pod).await?;
+    Ok((archive, before))
+}
+
+#[test]
+fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restored_container(
+) -> Result<()> {
+    let registry = TlsRegistry::discover()?;
+    let node = mount_node("rmount-a")?;
+    // containerd trusts the registry's CA through its hosts directory, as a node would.
+    registry.hosts_dir(&node.paths().certs_d, true)?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket())
+            .await?
+            .with_timeout(std::time::Duration::from_secs(300));
+        let (archive, before) = checkpoint_counter(&cri, &node).await?;
+
+        // `gpu-ckpt build --push` with an auth file and the CA in a hosts directory.
+        let files = node.paths().dir.join("registry-client");
+        let hosts = registry.hosts_dir(&files.join("certs.d"), true)?;
+        let auth = registry.auth_file(&files.join("auth.json"), Some(registry.password()))?;
+        let reference = format!(
+            "{}/ckpt/counter:{}",
+            registry.addr,
+            test_containers::cri::new_uid()
+        );
+        let out = run_ok(
+            std::process::Command::new(cli())
+                .arg("build")
+                .arg(&archive)
+                .args(["--ref", &reference, "--push"])
+                .arg("--hosts-dir")
+                .arg(&hosts)
+                .arg("--authfile")
+                .arg(&auth),
+        )?;
+        println!("{out}");
+
+        // Without the pod's login the pull fails; with it (an imagePullSecret), it works.
+        let denied = cri
+            .pull_image(&reference)
+            .await
+            .err()
+            .with_context(|| format!("the TLS registry served {reference} without a login"))?;
+        println!("without the pod's login: {denied:#}");
+        let image = cri
+            .pull_image_with_auth(&reference, registry.user(), registry.password())
+            .await?;
+        println!("pulled {reference} as {image}");
+
+        // The restore: the image volume at /ckpt, and the annotation naming it.
+        let spec = counter_spec().image_volume("/ckpt", &image);
+        let (pod, id) = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+            .await?
+            .map_err(anyhow::Error::msg)
+            .context("restore from the image volume")?;
+        let first = cri_counter(&cri, &id, "/counter.txt").await?;
+        ensure!(
+            first >= before,
+            "restored at {first}, checkpointed after {before}: not the checkpoint's count"
+        );
+        let later = cri_counter_above(&cri, &id, "/counter.txt", first).await?;
+        println!("checkpointed after {before}, restored at {first}, counting on: {later}");
+        ensure!(
+            node.log_contains("checkpoint read in place from an image volume"),
+            "the shim did not read the checkpoint from the image volume"
+        );
+
+        // The restored process has no mount at /ckpt, and cannot read its checkpoint.
+        let pid = host_pid(&node, &id)?;
+        let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+        let at_ckpt: Vec<&str> = mountinfo
+            .lines()
+            .filter(|l| l.split_whitespace().nth(4) == Some("/ckpt"))
+            .collect();
+        ensure!(
+            at_ckpt.is_empty(),
+            "the restored process {pid} has a mount at /ckpt: {at_ckpt:?}"
+        );
+        ensure!(
+            !mountinfo.contains("image-volumes"),
+            "the restored process {pid} sees an image volume:\n{mountinfo}"
+        );
+        let ls = cri.exec_sync(&id, &["ls", "/ckpt/checkpoint"], 10).await?;
+        ensure!(
+            ls.exit_code != 0,
+            "the restored container lists its checkpoint: {}",
+            ls.stdout_str()
+        );
+
+        // Another pod's image volume, named as a hostPath: refused, as is a plain hostPath
+        // directory holding the same checkpoint.
+        let other = mountinfo_sources(&node)?;
+        let unpacked = node.paths().dir.join("unpacked-checkpoint");
+        let _ = std::fs::remove_dir_all(&unpacked);
+        std::fs::create_dir_all(&unpacked)?;
+        run_ok(
+            std::process::Command::new("tar")
+                .arg("-xf")
+                .arg(&archive)
+                .arg("-C")
+                .arg(&unpacked),
+        )?;
+        for (what, host) in [
+            ("another pod's image volume", other),
+            ("a hostPath", unpacked),
+        ] {
+            let spec = counter_spec().host_path("/ckpt", &host, true);
+            let msg = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+                .await?
+                .err()
+                .with_context(|| format!("{what} at /ckpt was restored"))?;
+            println!("{what}: {msg}");
+            ensure!(
+                msg.contains("is not an image volume of this pod"),
+                "{what}: the refusal does not say why: {msg}"
+            );
+        }
+        cri.remove_pod(&pod).await?;
+
+        // The same checkpoint with one byte of a page image changed, as a registry or anyone
+        // on the way could serve it: pulled and mounted like the first, refused at Start.
+        let tampered = node.paths().dir.join("tampered.tar");
+        rewrite(&archive, &tampered, |name, mut data| {
+            if name.starts_with("checkpoint/pages-") && data.len() > 600 {
+                data[600] ^= 1;
+            }
+            data
+        })?;
+        let reference = format!(
+            "{}/ckpt/tampered:{}",
+            registry.addr,
+            test_containers::cri::new_uid()
+        );
+        run_ok(
+            std::process::Command::new(cli())
+                .arg("build")
+                .arg(&tampered)
+                .args(["--ref", &reference, "--push"])
+                .arg("--hosts-dir")
+                .arg(&hosts)
+                .arg("--authfile")
+                .arg(&auth),
+        )?;
+        let image = cri
+            .pull_image_with_auth(&reference, registry.user(), registry.password())
+            .await?;
+        let spec = counter_spec().image_volume("/ckpt", &image);
+        let msg = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+            .await?
+            .err()
+            .context("a tampered checkpoint image restored")?;
+        println!("tampered: {msg}");
+        ensure!(
+            msg.contains("pages-"),
+            "the refusal does not name the page image: {msg}"
+        );
+        Ok(())
+    })
+}
+
+/// Copies the archive `src` to `dst`, passing every member's bytes through `edit`.
+fn rewrite(
+    src: &std::path::Path,
+    dst: &std::path::Path,
+    mut edit: impl FnMut(&str, Vec<u8>) -> Vec<u8>,
+) -> Result<()> {
+    use std::io::Read;
+    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
+    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
+    for e in ar.entries()? {
+        let mut e = e?;
+        let path = e.path()?.into_owned();
+        let mut header = e.header().clone();
+        let mut data = Vec::new();
+        e.read_to_end(&mut data)?;
+        let data = edit(&path.to_string_lossy(), data);
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.append_data(&mut header, &path, &data[..])?;
+    }
+    out.finish()?;
+    Ok(())
+}
+
+/// The host directory of an image volume that containerd mounted for some pod of `node`.
+fn mountinfo_sources(node: &Node) -> Result<PathBuf> {
+    let state = node
+        .paths()
+        .state
+        .join("io.containerd.grpc.v1.cri/image-volumes");
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .find(|p| p.starts_with(&*state.to_string_lossy()))
+        .map(PathBuf::from)
+        .with_context(|| format!("no image volume mounted below {}", state.display()))
+}
+
+#[test]
+fn a_mount_path_not_in_the_spec_is_refused() -> Result<()> {
+    let node = mount_node("rmount-b")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        cri.pull_image(workloads()).await?;
+        for (source, needle) in [
+            ("mount:/ckpt", "the container has no mount at /ckpt"),
+            ("mount:ckpt", "absolute container path"),
+            ("mount:/ckpt/../etc", "without . or .."),
+        ] {
+            let msg = try_start(&cri, &restore_pod(&node, source), &counter_spec())
+                .await?
+                .err()
+                .with_context(|| format!("{source}: the container started"))?;
+            println!("{source}: {msg}");
+            ensure!(msg.contains(needle), "{source}: {msg}");
+        }
+        Ok(())
+    })
+}
