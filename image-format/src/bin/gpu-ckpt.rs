@@ -154,6 +154,9 @@ enum Cmd {
     /// Drive the CUDA driver's checkpoint API for one process, like NVIDIA's cuda-checkpoint, or
     /// list the node's GPUs (--list). Exit 1 when the driver or the process fails, 2 on usage.
     Device(DeviceArgs),
+    /// Plan a node's drain or a fleet's driver upgrade from `kubectl get pods/nodes -o json`:
+    /// the ordered steps and kubelet checkpoint calls. Exit 1 when a workload has nowhere to go.
+    DrainPlan(image_format::drain_plan::cli::DrainPlanArgs),
     /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
     /// archive (--archive).
     Extract {
@@ -265,6 +268,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             no_verify,
         } => extract(&src, to, archive, no_verify),
         Cmd::Device(args) => Ok(device::run(&args)),
+        Cmd::DrainPlan(args) => Ok(ExitCode::from(
+            match image_format::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
+                true => 0,
+                false => 1,
+            },
+        )),
     }
 }
 

@@ -1,0 +1,741 @@
+//! `gpu-ckpt drain-plan` on recorded `kubectl get pods -o json` / `kubectl get nodes -o json`
+//! lists (tests/fixtures/drain-plan/): a mixed node, a node whose workloads have nowhere to go, a
+//! driver upgrade across three node pools, and malformed input.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use image_format::drain_plan::{
+    self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
+};
+use serde_json::Value;
+
+const REGISTRY: &str = "registry.example.com/gpu-ckpt";
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/drain-plan")
+        .join(name)
+}
+
+fn load(pods: &str, nodes: &str) -> (Vec<kube::PodEntry>, Vec<kube::NodeEntry>) {
+    let p = std::fs::read(fixture(pods)).unwrap();
+    let n = std::fs::read(fixture(nodes)).unwrap();
+    (
+        kube::parse_pods(pods, &p).unwrap(),
+        kube::parse_nodes(nodes, &n).unwrap(),
+    )
+}
+
+fn plan_for(pods: &str, nodes: &str, opts: Options) -> Plan {
+    let (p, n) = load(pods, nodes);
+    drain_plan::plan(&p, &n, &opts).unwrap()
+}
+
+fn opts() -> Options {
+    Options {
+        registry: REGISTRY.into(),
+        ..Options::default()
+    }
+}
+
+fn upgrade(spec: &str) -> Option<Upgrade> {
+    let mut u = Upgrade::default();
+    u.add(spec).unwrap();
+    Some(u)
+}
+
+fn pod<'a>(n: &'a NodePlan, name: &str) -> &'a PodPlan {
+    n.pods
+        .iter()
+        .find(|p| p.name == name)
+        .unwrap_or_else(|| panic!("no pod {name} in the plan of {}", n.node))
+}
+
+fn kinds(n: &NodePlan) -> Vec<(StepKind, Option<String>, Option<String>)> {
+    n.steps
+        .iter()
+        .map(|s| (s.kind, s.pod.clone(), s.container.clone()))
+        .collect()
+}
+
+fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_mixed_node_gets_ordered_steps_and_every_pod_a_fate() {
+    let plan = plan_for(
+        "mixed-pods.json",
+        "mixed-nodes.json",
+        Options {
+            nodes: vec!["gpu-a".into()],
+            ..opts()
+        },
+    );
+    assert!(plan.complete, "{:?}", plan.without_destination);
+    assert_eq!(plan.groups.len(), 1);
+    let n = &plan.groups[0].nodes[0];
+    assert_eq!(n.node, "gpu-a");
+    assert_eq!(n.kubelet, "10.128.0.11");
+    assert_eq!(n.before, n.after);
+    // Only gpu-a's pods, in the list's order.
+    let names: Vec<&str> = n.pods.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "nvidia-device-plugin-daemonset-x7k2p",
+            "gpu-ckpt-node-installer-x7k2p",
+            "llm-server-7d9f8b6c5d-x2x4k",
+            "trainer-0",
+            "notebook-alice",
+            "render-job-29118400-q8wzd",
+            "frontend-5f7c9d8b6-lq4mn",
+            "report-29118340-7tq2c",
+        ]
+    );
+
+    // DaemonSet pods stay.
+    for ds in [
+        "nvidia-device-plugin-daemonset-x7k2p",
+        "gpu-ckpt-node-installer-x7k2p",
+    ] {
+        let p = pod(n, ds);
+        assert_eq!(p.class, PodClass::DaemonSet);
+        assert!(
+            matches!(&p.disposition, Disposition::Stays { why } if why.contains("--ignore-daemonsets"))
+        );
+    }
+    // gpu-ckpt pods move: the 2-GPU server to the fullest node that fits (gpu-d has 3 free,
+    // gpu-b 6), the 4-GPU trainer to the only node left with room. gpu-c (driver 580) never.
+    let llm = pod(n, "llm-server-7d9f8b6c5d-x2x4k");
+    assert_eq!(llm.class, PodClass::GpuCkpt);
+    assert_eq!(llm.gpus, 2);
+    assert_eq!(
+        llm.disposition,
+        Disposition::Migrate {
+            destination: "gpu-d".into(),
+            candidates: vec!["gpu-b".into(), "gpu-d".into()],
+        }
+    );
+    assert_eq!(
+        llm.images["server"],
+        "registry.example.com/gpu-ckpt/ml/llm-server-7d9f8b6c5d-x2x4k-server:drain-gpu-a"
+    );
+    let trainer = pod(n, "trainer-0");
+    assert_eq!(
+        trainer.disposition,
+        Disposition::Migrate {
+            destination: "gpu-b".into(),
+            candidates: vec!["gpu-b".into()],
+        }
+    );
+    assert!(trainer
+        .notes
+        .iter()
+        .any(|x| x.contains("\"scratch\" is an emptyDir")));
+    // A gpu-ckpt pod whose container crash-loops cannot be checkpointed.
+    let nb = pod(n, "notebook-alice");
+    match &nb.disposition {
+        Disposition::CannotCheckpoint { why, then } => {
+            assert_eq!(
+                why,
+                "container \"jupyter\" is not running: waiting (CrashLoopBackOff)"
+            );
+            assert!(then.contains("no controller"), "{then}");
+        }
+        other => panic!("notebook: {other:?}"),
+    }
+    // Plain pods are evicted; a GPU one is told it restarts from scratch.
+    let job = pod(n, "render-job-29118400-q8wzd");
+    assert_eq!(job.class, PodClass::Plain);
+    assert!(
+        matches!(&job.disposition, Disposition::Evicted { then } if then.contains("Job/render-job-29118400 starts a new pod"))
+    );
+    assert!(job
+        .notes
+        .iter()
+        .any(|x| x.contains("not on a gpu-ckpt RuntimeClass")));
+    assert_eq!(pod(n, "frontend-5f7c9d8b6-lq4mn").class, PodClass::Plain);
+    assert_eq!(
+        pod(n, "report-29118340-7tq2c").disposition,
+        Disposition::Finished
+    );
+
+    // The steps, in order.
+    let s = |k: StepKind, p: Option<&str>, c: Option<&str>| {
+        (k, p.map(String::from), c.map(String::from))
+    };
+    let llm_id = Some("ml/llm-server-7d9f8b6c5d-x2x4k");
+    let tr = Some("ml/trainer-0");
+    assert_eq!(
+        kinds(n),
+        [
+            s(StepKind::Cordon, None, None),
+            s(StepKind::Checkpoint, llm_id, Some("server")),
+            s(StepKind::BuildPush, llm_id, Some("server")),
+            s(StepKind::CreateRestorePod, llm_id, None),
+            s(StepKind::WaitReady, llm_id, None),
+            s(StepKind::Checkpoint, tr, Some("trainer")),
+            s(StepKind::BuildPush, tr, Some("trainer")),
+            s(StepKind::Checkpoint, tr, Some("metrics")),
+            s(StepKind::BuildPush, tr, Some("metrics")),
+            s(StepKind::CreateRestorePod, tr, None),
+            s(StepKind::WaitReady, tr, None),
+            s(StepKind::Drain, None, None),
+            s(StepKind::Maintenance, None, None),
+            s(StepKind::Uncordon, None, None),
+        ]
+    );
+    let call = n.steps[1].kubelet.as_ref().unwrap();
+    assert_eq!(call.method, "POST");
+    assert_eq!(
+        call.url,
+        "https://10.128.0.11:10250/checkpoint/ml/llm-server-7d9f8b6c5d-x2x4k/server?timeout=600"
+    );
+    assert_eq!(
+        n.steps[2].command.as_deref().unwrap(),
+        [
+            "gpu-ckpt",
+            "build",
+            "ARCHIVE",
+            "--ref",
+            "registry.example.com/gpu-ckpt/ml/llm-server-7d9f8b6c5d-x2x4k-server:drain-gpu-a",
+            "--push"
+        ]
+    );
+    // The drain: a bare pod needs --force, the trainer's emptyDir --delete-emptydir-data.
+    assert_eq!(
+        n.steps[11].command.as_deref().unwrap(),
+        [
+            "kubectl",
+            "drain",
+            "gpu-a",
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--force",
+            "--timeout=900s"
+        ]
+    );
+
+    // The restore pods.
+    let m = n.steps[3].manifest.as_ref().unwrap();
+    assert_eq!(m["metadata"]["name"], "llm-server-7d9f8b6c5d-x2x4k-restore");
+    assert_eq!(m["metadata"]["namespace"], "ml");
+    assert_eq!(m["spec"]["runtimeClassName"], "gpu-ckpt-restore");
+    assert_eq!(
+        m["metadata"]["annotations"]["gpu-ckpt.io/restore-from"],
+        "registry.example.com/gpu-ckpt/ml/llm-server-7d9f8b6c5d-x2x4k-server:drain-gpu-a"
+    );
+    // The pod's own declarations go with it; what the API server and controllers set does not.
+    assert_eq!(
+        m["metadata"]["annotations"]["gpu-ckpt.io/engine-version"],
+        "vllm 0.11.0"
+    );
+    assert_eq!(m["metadata"]["labels"]["app"], "llm-server");
+    assert!(m["metadata"]["labels"].get("pod-template-hash").is_none());
+    assert!(m["metadata"].get("ownerReferences").is_none());
+    assert!(m["metadata"].get("uid").is_none());
+    assert!(m["spec"].get("nodeName").is_none());
+    assert!(m.get("status").is_none());
+    assert_eq!(
+        m["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+        "2"
+    );
+    let term = &m["spec"]["affinity"]["nodeAffinity"]
+        ["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+        ["matchExpressions"][0];
+    assert_eq!(term["key"], "kubernetes.io/hostname");
+    assert_eq!(term["values"], serde_json::json!(["gpu-d"]));
+    // Two containers: one restore-from per container.
+    let m = n.steps[9].manifest.as_ref().unwrap();
+    let a = &m["metadata"]["annotations"];
+    assert_eq!(
+        a["gpu-ckpt.io/restore-from.trainer"],
+        "registry.example.com/gpu-ckpt/ml/trainer-0-trainer:drain-gpu-a"
+    );
+    assert_eq!(
+        a["gpu-ckpt.io/restore-from.metrics"],
+        "registry.example.com/gpu-ckpt/ml/trainer-0-metrics:drain-gpu-a"
+    );
+    assert!(a.get("gpu-ckpt.io/restore-from").is_none());
+    assert!(m["metadata"]["labels"]
+        .get("statefulset.kubernetes.io/pod-name")
+        .is_none());
+}
+
+#[test]
+fn workloads_without_a_compatible_destination_are_named_with_the_field_that_differs() {
+    let plan = plan_for(
+        "nodest-pods.json",
+        "nodest-nodes.json",
+        Options {
+            nodes: vec!["a100-1".into()],
+            upgrade: upgrade("driver=580.65.06,cuda=13.0"),
+            ..opts()
+        },
+    );
+    assert!(!plan.complete);
+    assert_eq!(
+        plan.without_destination,
+        [
+            "research/llm-finetune-0 on a100-1",
+            "research/sim-worker on a100-1"
+        ]
+    );
+    let n = &plan.groups[0].nodes[0];
+    for (name, gpus) in [("llm-finetune-0", 2), ("sim-worker", 1)] {
+        let p = pod(n, name);
+        let Disposition::NoDestination { rejected, then } = &p.disposition else {
+            panic!("{name}: {:?}", p.disposition)
+        };
+        assert!(
+            then.starts_with("not checkpointed: no node can restore it."),
+            "{then}"
+        );
+        let why = |node: &str| -> Vec<String> {
+            rejected
+                .iter()
+                .find(|r| r.node == node)
+                .unwrap_or_else(|| panic!("{name}: no rejection for {node}: {rejected:?}"))
+                .reasons
+                .clone()
+        };
+        assert_eq!(
+            why("h100-1"),
+            [r#"gpu_model: checkpoint "NVIDIA-A100-SXM4-80GB", node "NVIDIA-H100-80GB-HBM3""#]
+        );
+        assert_eq!(
+            why("a100-2"),
+            [
+                r#"driver_version: checkpoint "570.86.15", node "580.65.06""#,
+                r#"cuda_driver_version: checkpoint "12.8", node "13.0""#
+            ]
+        );
+        assert_eq!(
+            why("a100-3"),
+            [format!(
+                "free GPUs: the workload needs {gpus}, the node has 0 free"
+            )]
+        );
+        assert_eq!(why("a100-4"), ["cordoned (spec.unschedulable)"]);
+        assert_eq!(
+            why("a100-5"),
+            [r#"gpu-ckpt is not installed (label gpu-ckpt.io/runtime is not "installed")"#]
+        );
+        // The node itself after its upgrade does not fit either.
+        assert_eq!(
+            why("a100-1 (after the maintenance)"),
+            [
+                r#"driver_version: checkpoint "570.86.15", node "580.65.06""#,
+                r#"cuda_driver_version: checkpoint "12.8", node "13.0""#
+            ]
+        );
+        assert!(p.images.is_empty() && p.restore_pod.is_none());
+    }
+    // Nothing to checkpoint, nothing to restore: cordon, drain, upgrade, relabel, uncordon.
+    assert_eq!(
+        n.steps.iter().map(|s| s.kind).collect::<Vec<_>>(),
+        [
+            StepKind::Cordon,
+            StepKind::Drain,
+            StepKind::Maintenance,
+            StepKind::Relabel,
+            StepKind::Uncordon
+        ]
+    );
+    assert_eq!(
+        n.steps[3].command.as_deref().unwrap(),
+        [
+            "kubectl",
+            "label",
+            "node",
+            "a100-1",
+            "--overwrite",
+            "gpu-ckpt.io/driver-version=580.65.06",
+            "gpu-ckpt.io/cuda-version=13.0"
+        ]
+    );
+
+    // The text says so per workload, and the command exits 1.
+    let (code, out, err) = gpu_ckpt(&[
+        "drain-plan",
+        "--pods",
+        fixture("nodest-pods.json").to_str().unwrap(),
+        "--nodes",
+        fixture("nodest-nodes.json").to_str().unwrap(),
+        "--node",
+        "a100-1",
+        "--upgrade",
+        "driver=580.65.06,cuda=13.0",
+        "--registry",
+        REGISTRY,
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(out.contains("    research/llm-finetune-0 [gpu-ckpt, 2 GPU(s), StatefulSet/llm-finetune]\n      NO COMPATIBLE DESTINATION: "), "{out}");
+    assert!(out.contains(
+        "        h100-1: gpu_model: checkpoint \"NVIDIA-A100-SXM4-80GB\", node \"NVIDIA-H100-80GB-HBM3\"\n"
+    ));
+    assert!(out.contains("2 gpu-ckpt workload(s) have no compatible destination:\n  research/llm-finetune-0 on a100-1\n  research/sim-worker on a100-1\n"), "{out}");
+}
+
+#[test]
+fn a_kernel_patch_with_nowhere_else_to_go_restores_on_the_node_after_uncordon() {
+    // Same cluster, no upgrade: the node keeps its versions, so it takes its workloads back.
+    let plan = plan_for(
+        "nodest-pods.json",
+        "nodest-nodes.json",
+        Options {
+            nodes: vec!["a100-1".into()],
+            ..opts()
+        },
+    );
+    assert!(plan.complete);
+    let n = &plan.groups[0].nodes[0];
+    let p = pod(n, "llm-finetune-0");
+    assert!(
+        matches!(&p.disposition, Disposition::RestoreAfterMaintenance { rejected } if rejected.len() == 5)
+    );
+    let k: Vec<StepKind> = n.steps.iter().map(|s| s.kind).collect();
+    let uncordon = k.iter().position(|s| *s == StepKind::Uncordon).unwrap();
+    let create = k
+        .iter()
+        .position(|s| *s == StepKind::CreateRestorePod)
+        .unwrap();
+    assert!(create > uncordon, "restore pods before uncordon: {k:?}");
+    assert!(k[..uncordon].contains(&StepKind::Checkpoint));
+    let m = n.steps[create].manifest.as_ref().unwrap();
+    assert_eq!(m["metadata"]["name"], "llm-finetune-0-restore");
+    assert_eq!(
+        m["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchExpressions"][0]["values"],
+        serde_json::json!(["a100-1"])
+    );
+}
+
+#[test]
+fn a_driver_upgrade_across_three_node_groups() {
+    let plan = plan_for(
+        "fleet-pods.json",
+        "fleet-nodes.json",
+        Options {
+            upgrade: upgrade("driver=580.65.06,cuda=13.0"),
+            group_by: Some("cloud.google.com/gke-nodepool".into()),
+            ..opts()
+        },
+    );
+    // gpu-n1 already runs the target, cpu-1 is no gpu-ckpt node.
+    let skipped: Vec<(&str, &str)> = plan
+        .skipped_nodes
+        .iter()
+        .map(|s| (s.node.as_str(), s.why.as_str()))
+        .collect();
+    assert_eq!(
+        skipped,
+        [
+            ("gpu-n1", "already runs driver 580.65.06, CUDA 13.0"),
+            (
+                "cpu-1",
+                "not a gpu-ckpt node (label gpu-ckpt.io/runtime is not \"installed\")"
+            )
+        ]
+    );
+    // The groups, in order: pool-a first (4 GPUs to move, and pools b and c on 570 to take
+    // them), then pool-b, whose workloads still find 570 nodes in pool-c; pool-c last.
+    let groups: Vec<(String, Vec<&str>)> = plan
+        .groups
+        .iter()
+        .map(|g| {
+            (
+                g.label_value.clone().unwrap_or_default(),
+                g.nodes.iter().map(|n| n.node.as_str()).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        groups,
+        [
+            ("pool-a".to_string(), vec!["gpu-a1", "gpu-a2"]),
+            ("pool-b".to_string(), vec!["gpu-b1", "gpu-b2"]),
+            ("pool-c".to_string(), vec!["gpu-c1", "gpu-c2"]),
+        ]
+    );
+    let node = |g: usize, name: &str| -> &NodePlan {
+        plan.groups[g]
+            .nodes
+            .iter()
+            .find(|n| n.node == name)
+            .unwrap()
+    };
+    for g in &plan.groups {
+        for n in &g.nodes {
+            assert_eq!(n.before.driver_version, "570.86.15");
+            assert_eq!(n.after.driver_version, "580.65.06");
+            assert_eq!(n.after.cuda_version, "13.0");
+        }
+    }
+    // Group 1: chat-0 may go to any node still on 570 outside its group; the fullest that fits.
+    assert_eq!(
+        pod(node(0, "gpu-a1"), "chat-0").disposition,
+        Disposition::Migrate {
+            destination: "gpu-c1".into(),
+            candidates: vec![
+                "gpu-b1".into(),
+                "gpu-b2".into(),
+                "gpu-c1".into(),
+                "gpu-c2".into()
+            ],
+        }
+    );
+    // Group 2: pool-a runs 580 now, so only pool-c can take them; gpu-c1 is full.
+    for (n, p) in [("gpu-b1", "vision-0"), ("gpu-b2", "speech-0")] {
+        assert_eq!(
+            pod(node(1, n), p).disposition,
+            Disposition::Migrate {
+                destination: "gpu-c2".into(),
+                candidates: vec!["gpu-c2".into()],
+            }
+        );
+    }
+    // Group 3: no node on 570 is left; each workload, restored ones included, is named with
+    // the field that differs.
+    let last: Vec<(&str, &str)> = plan.groups[2]
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            n.pods
+                .iter()
+                .filter(|p| p.class == PodClass::GpuCkpt)
+                .map(move |p| (n.node.as_str(), p.name.as_str()))
+        })
+        .collect();
+    assert_eq!(
+        last,
+        [
+            ("gpu-c1", "chat-0-restore"),
+            ("gpu-c1", "train-0"),
+            ("gpu-c2", "vision-0-restore"),
+            ("gpu-c2", "speech-0-restore"),
+            ("gpu-c2", "search-0"),
+        ]
+    );
+    for n in &plan.groups[2].nodes {
+        for p in n.pods.iter().filter(|p| p.class == PodClass::GpuCkpt) {
+            let Disposition::NoDestination { rejected, .. } = &p.disposition else {
+                panic!("{}: {:?}", p.name, p.disposition)
+            };
+            let a1 = rejected.iter().find(|r| r.node == "gpu-a1").unwrap();
+            assert_eq!(
+                a1.reasons,
+                [
+                    r#"driver_version: checkpoint "570.86.15", node "580.65.06""#,
+                    r#"cuda_driver_version: checkpoint "12.8", node "13.0""#
+                ]
+            );
+        }
+    }
+    assert_eq!(plan.without_destination.len(), 5);
+    assert!(plan.notes[0].contains("driver branch from 570 to 580"));
+    // A restored pod is checkpointed under its new name, and its next restore counts up.
+    let chat = pod(node(2, "gpu-c1"), "chat-0-restore");
+    assert_eq!(chat.owner, None);
+
+    // Within the branch (570.86.15 -> 570.195.03) checkpoints restore on upgraded nodes too:
+    // every workload has a destination, and upgraded nodes are preferred.
+    let plan = plan_for(
+        "fleet-pods.json",
+        "fleet-nodes.json",
+        Options {
+            nodes: ["gpu-a1", "gpu-a2", "gpu-b1", "gpu-b2", "gpu-c1", "gpu-c2"]
+                .map(String::from)
+                .to_vec(),
+            upgrade: upgrade("driver=570.195.03"),
+            group_by: Some("cloud.google.com/gke-nodepool".into()),
+            ..opts()
+        },
+    );
+    assert!(plan.complete, "{:?}", plan.without_destination);
+    assert!(plan.notes.is_empty());
+    let order: Vec<String> = plan
+        .groups
+        .iter()
+        .map(|g| g.label_value.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(order, ["pool-a", "pool-b", "pool-c"]);
+    let b1 = plan.groups[1]
+        .nodes
+        .iter()
+        .find(|n| n.node == "gpu-b1")
+        .unwrap();
+    assert_eq!(b1.after.cuda_version, "12.8", "same branch keeps CUDA");
+    match &pod(b1, "vision-0").disposition {
+        Disposition::Migrate { destination, .. } => {
+            assert!(destination.starts_with("gpu-a"), "{destination}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // gpu-n1 (driver 580) takes nothing: another branch.
+    for g in &plan.groups {
+        for n in &g.nodes {
+            for p in &n.pods {
+                if let Disposition::Migrate { candidates, .. } = &p.disposition {
+                    assert!(!candidates.contains(&"gpu-n1".to_string()));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn group_size_forms_groups_without_a_label() {
+    let plan = plan_for(
+        "fleet-pods.json",
+        "fleet-nodes.json",
+        Options {
+            upgrade: upgrade("driver=580.65.06,cuda=13.0"),
+            group_size: 2,
+            ..opts()
+        },
+    );
+    assert!(plan.groups.iter().all(|g| g.nodes.len() <= 2));
+    let all: usize = plan.groups.iter().map(|g| g.nodes.len()).sum();
+    assert_eq!(all, 6);
+    // The empty node goes first: nothing to move.
+    assert!(plan.groups[0].nodes.iter().any(|n| n.node == "gpu-a2"));
+}
+
+#[test]
+fn malformed_input_gets_an_error_naming_the_field() {
+    let bytes = std::fs::read(fixture("malformed-pods.json")).unwrap();
+    let err = kube::parse_pods("pods.json", &bytes)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "pods.json: items[3].spec.containers: missing");
+
+    let bad = |doc: Value| {
+        kube::parse_pods("pods.json", doc.to_string().as_bytes())
+            .unwrap_err()
+            .to_string()
+    };
+    assert_eq!(
+        bad(serde_json::json!({"kind": "List", "items": [{"metadata": {"name": "x"}, "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "two"}}}]}}]})),
+        "pods.json: items[0].spec.containers[0].resources.limits[\"nvidia.com/gpu\"]: \"two\" is not a whole number of GPUs"
+    );
+    assert_eq!(
+        bad(
+            serde_json::json!({"kind": "List", "items": [{"metadata": {}, "spec": {"containers": []}}]})
+        ),
+        "pods.json: items[0].metadata.name: missing"
+    );
+    assert_eq!(
+        bad(
+            serde_json::json!({"kind": "List", "items": [{"metadata": {"name": "x"}, "spec": {"containers": "c"}}]})
+        ),
+        "pods.json: items[0].spec.containers: invalid type: string \"c\", expected a sequence"
+    );
+    assert_eq!(
+        bad(serde_json::json!({"kind": "NodeList", "items": []})),
+        "pods.json: kind: \"NodeList\": expected \"List\" or \"PodList\" (the output of `kubectl get pods -o json`)"
+    );
+    let err = kube::parse_pods("pods.json", b"{\"kind\": \"List\", \"items\": [").unwrap_err();
+    assert!(
+        err.to_string().starts_with("pods.json: not JSON: "),
+        "{err}"
+    );
+    let err = kube::parse_nodes(
+        "nodes.json",
+        br#"{"kind":"List","items":[{"metadata":{"name":"n"},"status":{"allocatable":{"nvidia.com/gpu":-1}}}]}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "nodes.json: items[0].status.allocatable[\"nvidia.com/gpu\"]: -1 is not a whole number of GPUs"
+    );
+
+    // The command: exit 2, the error on stderr, nothing on stdout.
+    let (code, out, err) = gpu_ckpt(&[
+        "drain-plan",
+        "--pods",
+        fixture("malformed-pods.json").to_str().unwrap(),
+        "--nodes",
+        fixture("mixed-nodes.json").to_str().unwrap(),
+        "--node",
+        "gpu-a",
+        "--registry",
+        REGISTRY,
+    ]);
+    assert_eq!(code, 2);
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains("malformed-pods.json: items[3].spec.containers: missing"),
+        "{err}"
+    );
+    // Flags: an unknown node, an unknown upgrade key.
+    let (code, _, err) = gpu_ckpt(&[
+        "drain-plan",
+        "--pods",
+        fixture("mixed-pods.json").to_str().unwrap(),
+        "--nodes",
+        fixture("mixed-nodes.json").to_str().unwrap(),
+        "--node",
+        "gpu-zz",
+        "--registry",
+        REGISTRY,
+    ]);
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("--node gpu-zz: no such node in the node list"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_json_output_is_the_plan() {
+    let (code, out, err) = gpu_ckpt(&[
+        "drain-plan",
+        "--pods",
+        fixture("mixed-pods.json").to_str().unwrap(),
+        "--nodes",
+        fixture("mixed-nodes.json").to_str().unwrap(),
+        "--node",
+        "gpu-a",
+        "--registry",
+        REGISTRY,
+        "--checkpoint-timeout",
+        "1200",
+        "--output",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["complete"], true);
+    let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
+    assert_eq!(steps[0]["kind"], "cordon");
+    assert_eq!(steps[1]["kind"], "checkpoint");
+    assert_eq!(steps[1]["kubelet"]["timeout_s"], 1200);
+    assert!(steps[1]["kubelet"]["url"]
+        .as_str()
+        .unwrap()
+        .ends_with("/checkpoint/ml/llm-server-7d9f8b6c5d-x2x4k/server?timeout=1200"));
+    assert_eq!(steps[3]["kind"], "create-restore-pod");
+    assert_eq!(
+        steps[3]["manifest"]["spec"]["runtimeClassName"],
+        "gpu-ckpt-restore"
+    );
+    let pods = v["groups"][0]["nodes"][0]["pods"].as_array().unwrap();
+    let llm = pods
+        .iter()
+        .find(|p| p["name"] == "llm-server-7d9f8b6c5d-x2x4k")
+        .unwrap();
+    assert_eq!(llm["action"], "migrate");
+    assert_eq!(llm["destination"], "gpu-d");
+    assert_eq!(llm["class"], "gpu-ckpt");
+}
