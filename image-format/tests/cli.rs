@@ -1,13 +1,8 @@
-//! The `gpu-ckpt` command end to end, and a registry push against an in-process mock registry that
-//! checks every blob digest.
+//! The `gpu-ckpt` command end to end.
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 
 use image_format::compat::Profile;
 
@@ -157,113 +152,5 @@ fn inspect_verify_compat_build_extract() {
     assert!(err.contains("entry \"../evil\": path traversal"), "{err}");
 }
 
-type Store = Arc<Mutex<BTreeMap<String, Vec<u8>>>>;
-
-/// A minimal OCI distribution registry: HEAD blob (404 unless stored), POST upload, PUT with digest
-/// (checked), PUT manifest.
-fn mock_registry() -> (String, Store) {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap().to_string();
-    let store: Store = Arc::default();
-    let st = store.clone();
-    std::thread::spawn(move || {
-        for conn in l.incoming() {
-            let Ok(mut s) = conn else { return };
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut line = String::new();
-            if r.read_line(&mut line).is_err() {
-                continue;
-            }
-            let parts: Vec<&str> = line.split_whitespace().collect();
-            let (method, path) = (parts[0].to_string(), parts[1].to_string());
-            let mut len = 0usize;
-            loop {
-                let mut h = String::new();
-                r.read_line(&mut h).unwrap();
-                if h == "\r\n" || h.is_empty() {
-                    break;
-                }
-                if let Some((k, v)) = h.split_once(':') {
-                    if k.eq_ignore_ascii_case("content-length") {
-                        len = v.trim().parse().unwrap();
-                    }
-                }
-            }
-            let mut body = vec![0u8; len];
-            r.read_exact(&mut body).unwrap();
-            let (status, extra) = match method.as_str() {
-                "HEAD" => {
-                    let key = path.rsplit('/').next().unwrap().to_string();
-                    if st.lock().unwrap().contains_key(&key) {
-                        ("200 OK", String::new())
-                    } else {
-                        ("404 Not Found", String::new())
-                    }
-                }
-                "POST" => (
-                    "202 Accepted",
-                    "Location: /v2/ckpt/counter/blobs/uploads/u1?state=x\r\n".into(),
-                ),
-                "PUT" if path.contains("/blobs/uploads/") => {
-                    let digest = path.split("digest=").nth(1).unwrap().to_string();
-                    let got = format!("sha256:{}", image_format::digest::sha256_hex(&body));
-                    if got == digest {
-                        st.lock().unwrap().insert(digest, body);
-                        ("201 Created", String::new())
-                    } else {
-                        ("400 Bad Request", String::new())
-                    }
-                }
-                "PUT" => {
-                    st.lock().unwrap().insert(path.clone(), body);
-                    ("201 Created", String::new())
-                }
-                _ => ("405 Method Not Allowed", String::new()),
-            };
-            let _ = write!(
-                s,
-                "HTTP/1.1 {status}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
-            );
-        }
-    });
-    (addr, store)
-}
-
-#[test]
-fn push_to_registry() {
-    let tmp = tempfile::tempdir().unwrap();
-    let a = common::make_archive(tmp.path());
-    let (addr, store) = mock_registry();
-    let reference = format!("{addr}/ckpt/counter:7");
-    let layout = tmp.path().join("layout");
-    let (rc, out, err) = run(&[
-        "build",
-        a.to_str().unwrap(),
-        "--ref",
-        &reference,
-        "--layout",
-        layout.to_str().unwrap(),
-        "--push",
-    ]);
-    assert_eq!(rc, 0, "{out}\n{err}");
-    assert!(
-        out.contains(&format!("pushed {reference}@sha256:")),
-        "{out}"
-    );
-    let s = store.lock().unwrap();
-    let archive_digest = format!(
-        "sha256:{}",
-        image_format::digest::sha256_hex(&std::fs::read(&a).unwrap())
-    );
-    assert_eq!(
-        s[&archive_digest],
-        std::fs::read(&a).unwrap(),
-        "layer pushed byte for byte"
-    );
-    let m: serde_json::Value = serde_json::from_slice(&s["/v2/ckpt/counter/manifests/7"]).unwrap();
-    assert_eq!(
-        m["annotations"]["org.criu.checkpoint.container.name"],
-        "counter"
-    );
-    assert!(s.contains_key(m["config"]["digest"].as_str().unwrap()));
-}
+// Pushes and pulls run against real registries (the test stack's plain and TLS docker-registry):
+// test-containers/tests/registry.rs and checkpoint_cri.rs.
