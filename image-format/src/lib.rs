@@ -11,6 +11,7 @@
 //! - [`criu_creds`]: the credentials and seccomp state CRIU recorded for each task.
 //! - [`sign`]: Ed25519 signatures over the manifest, node keys, trusted keys.
 //! - [`safe`]: the checks every untrusted tar entry passes, and `openat`-style extraction.
+//! - [`durable`]: crash safety; the syncs and renames every checkpoint writer goes through.
 //! - [`drain_plan`]: `gpu-ckpt drain-plan`, a node's or a fleet's maintenance plan from pod and
 //!   node lists, with the compatibility rules of [`compat`].
 //!
@@ -22,6 +23,7 @@ pub mod criu_creds;
 pub mod criu_stats;
 pub mod digest;
 pub mod drain_plan;
+pub mod durable;
 pub mod error;
 pub mod fuzzing;
 pub mod manifest;

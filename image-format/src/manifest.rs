@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
-use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::{
     digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
 };
+use crate::durable::{Durability, RealFs, SyncFs};
 use crate::error::{Error, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -532,27 +532,30 @@ impl Manifest {
         Ok(m)
     }
 
-    /// Write `dir/gpu-ckpt-manifest.json` atomically (temp file, fsync, rename), mode 0600.
+    /// Write `dir/gpu-ckpt-manifest.json` durably, mode 0600: every file the manifest lists is
+    /// synced, then the manifest goes to a temp file that is synced and renamed into place, then
+    /// the directory is synced ([`crate::durable`]). A checkpoint the manifest calls complete
+    /// survives a power cut.
     pub fn write_to(&self, dir: &Path) -> Result<()> {
-        let tmp = dir.join(format!(".{MANIFEST_FILE}.tmp-{}", std::process::id()));
-        let dst = dir.join(MANIFEST_FILE);
-        let res = (|| {
-            let mut f = fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&tmp)
-                .map_err(|e| Error::io("creating", &tmp, e))?;
-            f.write_all(&self.to_json())
-                .map_err(|e| Error::io("writing", &tmp, e))?;
-            f.sync_all().map_err(|e| Error::io("syncing", &tmp, e))?;
-            fs::rename(&tmp, &dst).map_err(|e| Error::io("renaming into place", &dst, e))
-        })();
-        if res.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        res
+        self.write_durable(dir, Durability::Sync)
+    }
+
+    /// [`Manifest::write_to`], syncing only with [`Durability::Sync`] (the rename stays atomic
+    /// either way).
+    pub fn write_durable(&self, dir: &Path, durability: Durability) -> Result<()> {
+        self.write_with(&RealFs, dir, durability)
+    }
+
+    /// [`Manifest::write_durable`] through a given file system (tests record the order).
+    pub fn write_with(&self, fs: &dyn SyncFs, dir: &Path, durability: Durability) -> Result<()> {
+        crate::durable::write_index(
+            fs,
+            dir,
+            self.files.keys().map(String::as_str),
+            MANIFEST_FILE,
+            &self.to_json(),
+            durability,
+        )
     }
 
     /// Read and parse `dir/gpu-ckpt-manifest.json`.
@@ -991,4 +994,48 @@ pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> R
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::durable::{Op, Recording};
+
+    #[test]
+    fn every_listed_file_is_synced_before_the_manifest_and_the_directory_after_its_rename() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        for (n, body) in [("core-1.img", "core"), ("pages-1.img", "pages")] {
+            fs::write(dir.join(n), body).unwrap();
+        }
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices::default(),
+            Workload::default(),
+        );
+        m.hash_dir(dir).unwrap();
+        let rec = Recording::default();
+        m.write_with(&rec, dir, Durability::Sync).unwrap();
+        let ops = rec.ops();
+        let pos = |want: &Op| ops.iter().position(|o| o == want);
+        let manifest = dir.join(MANIFEST_FILE);
+        let rename = ops
+            .iter()
+            .position(|o| matches!(o, Op::Rename(_, to) if to == &manifest))
+            .expect("the manifest is renamed into place");
+        let Op::Rename(tmp, _) = &ops[rename] else {
+            unreachable!()
+        };
+        for n in m.files.keys() {
+            let at = pos(&Op::SyncFile(dir.join(n))).unwrap_or_else(|| panic!("{n} not synced"));
+            assert!(at < rename, "{n} synced after the rename: {ops:?}");
+        }
+        let tmp_sync = pos(&Op::SyncFile(tmp.clone())).expect("temp manifest synced");
+        assert!(tmp_sync < rename, "{ops:?}");
+        let dir_sync = pos(&Op::SyncDir(dir.to_path_buf())).expect("directory synced");
+        assert!(dir_sync > rename, "{ops:?}");
+        assert_eq!(Manifest::read_from(dir).unwrap(), m);
+    }
 }

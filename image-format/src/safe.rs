@@ -464,43 +464,17 @@ fn split(rel: &str) -> (&str, &str) {
 }
 
 /// Writes `out` atomically and root-only (mode 0600): `body` fills a buffered temp file beside
-/// it (and may seek in it), which is synced and renamed into place. On any error the temp file
-/// is removed and `out` is untouched.
+/// it (and may seek in it), which is synced, renamed into place, and its directory synced
+/// ([`crate::durable::write_atomically`]). On any error the temp file is removed and `out` is
+/// untouched.
 pub fn write_atomically<T>(
     out: &std::path::Path,
     body: impl FnOnce(&mut std::io::BufWriter<std::fs::File>, &std::path::Path) -> crate::Result<T>,
 ) -> crate::Result<T> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let parent = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(std::path::Path::new("."));
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        out.file_name()
-            .map(|n| n.to_string_lossy())
-            .unwrap_or_default(),
-        std::process::id()
-    ));
-    let res = (|| {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| crate::Error::io("creating", &tmp, e))?;
-        let mut w = std::io::BufWriter::with_capacity(crate::digest::COPY_BUF, f);
-        let value = body(&mut w, &tmp)?;
-        let f = w
-            .into_inner()
-            .map_err(|e| crate::Error::io("writing", &tmp, e.into_error()))?;
-        f.sync_all()
-            .map_err(|e| crate::Error::io("syncing", &tmp, e))?;
-        std::fs::rename(&tmp, out).map_err(|e| crate::Error::io("renaming into place", out, e))?;
-        Ok(value)
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
+    crate::durable::write_atomically(
+        &crate::durable::RealFs,
+        out,
+        crate::durable::Durability::Sync,
+        body,
+    )
 }

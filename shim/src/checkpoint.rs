@@ -10,7 +10,7 @@ use containerd_shim::protos::{
     protobuf::{well_known_types::any::Any, Message},
     shim::oci::CheckpointOptions,
 };
-use image_format::{digest::PageDigests, manifest::CriuOptions};
+use image_format::{digest::PageDigests, durable::Durability, manifest::CriuOptions};
 
 use crate::{
     annotations::{self, Annotations},
@@ -38,6 +38,10 @@ pub struct CheckpointPlan {
     /// The digests the manifest records for CRIU's page images (runtime option
     /// `Sha256PageImages`).
     pub page_digests: PageDigests,
+    /// Whether the manifest step syncs the checkpoint (`Sync` for a directory the caller named,
+    /// with the runtime option `SyncCheckpoint` on; `None` for containerd's temporary directory,
+    /// which containerd copies into its content store and removes).
+    pub durability: Durability,
 }
 
 impl CheckpointPlan {
@@ -74,6 +78,7 @@ impl CheckpointPlan {
         }
         let mut image_path = PathBuf::from(path);
         let mut work_path = None;
+        let mut caller_named = false;
         if let Some(any) = options.filter(|a| !a.type_url.is_empty() || !a.value.is_empty()) {
             let name = any.type_url.rsplit('/').next().unwrap_or_default();
             if name != CHECKPOINT_OPTIONS_TYPE {
@@ -95,6 +100,7 @@ impl CheckpointPlan {
             }
             if !o.image_path.is_empty() {
                 image_path = PathBuf::from(o.image_path);
+                caller_named = true;
             }
             if !o.work_path.is_empty() {
                 work_path = Some(PathBuf::from(o.work_path));
@@ -110,6 +116,7 @@ impl CheckpointPlan {
             work_path,
             criu,
             page_digests,
+            durability: Durability::from_flag(caller_named && runtime.sync_checkpoint()),
         })
     }
 
@@ -400,6 +407,40 @@ mod tests {
             ["--tcp-established", "--shell-job", "--file-locks"]
         );
         assert_eq!(plan.work_path, Some(PathBuf::from("/w")));
+    }
+
+    #[test]
+    fn only_a_directory_the_caller_named_is_synced() {
+        let with_path = |p: &str| Any {
+            type_url: "containerd.runc.v1.CheckpointOptions".into(),
+            value: CheckpointOptions {
+                image_path: p.into(),
+                ..Default::default()
+            }
+            .write_to_bytes()
+            .unwrap(),
+            ..Default::default()
+        };
+        let plan = |any: Option<&Any>, runtime: &RuntimeOptions| {
+            CheckpointPlan::resolve("/run/ctrd-checkpoint1", any, runtime, &ann(&[]), false)
+                .unwrap()
+        };
+        let on = RuntimeOptions::default();
+        let off = RuntimeOptions {
+            sync_checkpoint: Some(false),
+            ..Default::default()
+        };
+        // ctr --image-path, the API's CheckpointOptions.image_path.
+        let named = plan(Some(&with_path("/ckpt/a")), &on);
+        assert_eq!(named.image_path, PathBuf::from("/ckpt/a"));
+        assert_eq!(named.durability, Durability::Sync);
+        assert_eq!(
+            plan(Some(&with_path("/ckpt/a")), &off).durability,
+            Durability::None
+        );
+        // containerd's temporary directory: CRI (no options) and ctr without --image-path.
+        assert_eq!(plan(None, &on).durability, Durability::None);
+        assert_eq!(plan(Some(&with_path("")), &on).durability, Durability::None);
     }
 
     #[test]

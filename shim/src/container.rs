@@ -1106,7 +1106,7 @@ impl Container {
         if let Some(key) = &key {
             key.sign_manifest(&mut m)?;
         }
-        m.write_to(&plan.image_path)
+        m.write_durable(&plan.image_path, plan.durability)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         Ok(m)
     }

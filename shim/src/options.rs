@@ -64,6 +64,12 @@ pub struct RuntimeOptions {
     /// only, every other file both). For readers that know only sha256; it makes a checkpoint
     /// slower, since sha256 cannot keep up with CRIU's dump.
     pub sha256_page_images: bool,
+    /// Make a checkpoint in a directory the caller named (`ctr task checkpoint --image-path`,
+    /// the API's `CheckpointOptions.image_path`) durable before it is called complete: every
+    /// file synced before the manifest, the directory after (default true). containerd's own
+    /// temporary directories (ctr without `--image-path`, CRI) are never synced: containerd
+    /// copies them and removes them (docs/architecture.md, "Crash safety").
+    pub sync_checkpoint: Option<bool>,
     /// "restore" for the restore handler (`gpu-ckpt-restore`): containers whose pod names a
     /// checkpoint in `gpu-ckpt.io/restore-from` are restored from it at start.
     pub mode: String,
@@ -357,6 +363,11 @@ impl RuntimeOptions {
     /// Whether checkpoints are signed (`SignCheckpoints`, default true).
     pub fn sign_checkpoints(&self) -> bool {
         self.sign_checkpoints.unwrap_or(true)
+    }
+
+    /// Whether caller-named checkpoint directories are synced (`SyncCheckpoint`, default true).
+    pub fn sync_checkpoint(&self) -> bool {
+        self.sync_checkpoint.unwrap_or(true)
     }
 
     /// `RestoreSources`, or its default.

@@ -46,11 +46,10 @@ pub fn write(upper: &Path, out: &Path) -> Result<u64> {
     let w = b
         .into_inner()
         .map_err(Error::io(format!("write {}", out.display())))?;
-    let f = w
-        .into_inner()
+    // Flushed here; synced with every other file the manifest lists, before the manifest is
+    // written (image-format's `durable`).
+    w.into_inner()
         .map_err(|e| Error::io(format!("write {}", out.display()))(e.into_error()))?;
-    f.sync_all()
-        .map_err(Error::io(format!("sync {}", out.display())))?;
     Ok(count)
 }
 

@@ -70,6 +70,14 @@ enum What {
         #[arg(long, default_value_t = 5)]
         runs: usize,
     },
+    /// What crash safety costs: gpu-ckpt's `--image-path` checkpoint synced (the default) vs
+    /// `SyncCheckpoint = false`, side by side.
+    Sync {
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// How long a CRI CheckpointContainer freezes the application, gpu-ckpt vs runc-v2.
     Freeze {
         #[arg(long, default_value_t = 512)]
@@ -122,6 +130,7 @@ fn main() -> Result<()> {
         What::Freeze { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
+        What::Sync { mib, runs } => sync_cost(&node, mib, runs),
         What::Gpu { .. } | What::DeviceContainer { .. } => {
             unreachable!("run before the node is started")
         }
@@ -797,6 +806,101 @@ async fn trust(node: &Node, mib: u64, runs: usize) -> Result<()> {
             p.of_medians, p.per_round
         );
     }
+    Ok(())
+}
+
+/// One `ctr task checkpoint --exit --image-path` of a memhog of `mib` MiB through gpu-ckpt,
+/// whose options are `options` (the TOML file `config`, ctr run `--runtime-config-path`).
+/// Returns the checkpoint's wall time and how many of the checkpoint's bytes were still dirty
+/// in the page cache right after it (`Dirty:` in /proc/meminfo, for the whole machine).
+fn sync_round(
+    node: &Node,
+    config: &Path,
+    options: &str,
+    id: &str,
+    mib: u64,
+) -> Result<(Duration, u64)> {
+    std::fs::write(config, format!("{options}\n"))?;
+    let (_, mut flags) = runtime_flags(node);
+    flags.extend(["--runtime-config-path".into(), config.display().to_string()]);
+    let memhog = memhog_args(mib);
+    let mut args: Vec<&str> = vec!["run", "-d"];
+    args.extend(flags.iter().map(String::as_str));
+    args.extend([WORKLOADS_IMAGE, id]);
+    args.extend(memhog.iter().map(String::as_str));
+    node.ctr_ok(&args)?;
+    let pid = node.task_pid(id)?;
+    wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
+    let dir = node.paths().dir.join(format!("bench-{id}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    // Writes back every dirty page first: each path pays for its own checkpoint only.
+    settle(node.paths().dir.as_path(), warm_mib(mib))?;
+    let t = Instant::now();
+    node.checkpoint_task_exit(id, &dir)?;
+    let ckpt = t.elapsed();
+    let dirty = meminfo_kib("Dirty:")? << 10;
+    eprintln!(
+        "{id}: {options:?}: checkpoint {:.2} s, {} MiB dirty after it",
+        secs(ckpt),
+        dirty >> 20
+    );
+    node.ctr_ok(&["task", "rm", id])?;
+    node.ctr(&["container", "rm", id])?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((ckpt, dirty))
+}
+
+/// A field of /proc/meminfo in KiB.
+fn meminfo_kib(field: &str) -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("no {field} in /proc/meminfo"))
+}
+
+/// The checkpoint with and without crash safety's syncs, side by side in one run; round 0
+/// warms up and is not counted, the order alternates from round to round.
+fn sync_cost(node: &Node, mib: u64, runs: usize) -> Result<()> {
+    let conf = [
+        node.paths().dir.join("bench-synced.toml"),
+        node.paths().dir.join("bench-unsynced.toml"),
+    ];
+    let paths = [
+        ("synced (default)", ""),
+        (
+            "not synced (SyncCheckpoint = false)",
+            "SyncCheckpoint = false",
+        ),
+    ];
+    let mut times: [Vec<f64>; 2] = Default::default();
+    let mut dirty: [Vec<f64>; 2] = Default::default();
+    for i in 0..=runs {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for p in order {
+            let (d, left) = sync_round(node, &conf[p], paths[p].1, &format!("s{p}-{i}"), mib)?;
+            if i > 0 {
+                times[p].push(secs(d));
+                dirty[p].push(left as f64 / (1 << 20) as f64);
+            }
+        }
+    }
+    println!(
+        "| gpu-ckpt `--image-path` checkpoint ({mib} MiB memhog, {runs} rounds) | median | fastest | dirty MiB after it (median) |"
+    );
+    println!("| --- | --- | --- | --- |");
+    for (p, (label, _)) in paths.iter().enumerate() {
+        println!(
+            "| {label} | {:.3} s | {:.3} s | {:.0} |",
+            median_f64(times[p].clone()),
+            fastest(&times[p]),
+            median_f64(dirty[p].clone())
+        );
+    }
+    println!("\n| synced / not synced | checkpoint: medians, per round [95% interval], fastest |");
+    println!("| --- | --- |");
+    println!("| ratio | {} |", ratio_cell(&times[0], &times[1]));
     Ok(())
 }
 
