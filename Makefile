@@ -43,6 +43,15 @@ workloads:
 images: workloads build
 	target/debug/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(GPU_WORKLOADS_DIR) --out $(IMAGES_DIR)
 
+# The node installer's image (runtime-class/installer/README.md): the release binaries and the
+# stack's CRIU with its libraries, as $(IMAGES_DIR)/gpu-ckpt-node-installer-<version>.tar, the Helm
+# chart's default image (not in images.json: the tests do not import it).
+.PHONY: installer-image
+installer-image: deps
+	$(CARGO) build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-image-format -p gpu-ckpt-oci-hooks
+	$(CARGO) build -p gpu-ckpt-test-containers --bin gpu-ckpt-images
+	target/debug/gpu-ckpt-images --node-installer-bins target/release --criu $(STACK)/bin/criu --out $(IMAGES_DIR)
+
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings

@@ -251,6 +251,8 @@ pub struct NodeBuilder {
     start_timeout: Duration,
     cdi_spec_dirs: Option<Vec<PathBuf>>,
     base_runtime_spec: Option<PathBuf>,
+    gpu_ckpt_handler: bool,
+    config_file: Option<PathBuf>,
 }
 
 impl NodeBuilder {
@@ -325,6 +327,27 @@ impl NodeBuilder {
     pub fn start_timeout(mut self, timeout: Duration) -> Self {
         self.start_timeout = timeout;
         self
+    }
+
+    /// Leaves the `gpu-ckpt` handler out of the generated config (for a node that gets its
+    /// handlers from elsewhere, such as the node installer's drop-ins).
+    pub fn without_gpu_ckpt_handler(mut self) -> Self {
+        self.gpu_ckpt_handler = false;
+        self
+    }
+
+    /// Runs containerd on this config file as it is, instead of writing one
+    /// (`$STACK/nodes/<name>/config.toml`); [`NodeBuilder::render_config`] gives what would have
+    /// been written.
+    pub fn config_file(mut self, path: &Path) -> Self {
+        self.config_file = Some(path.to_path_buf());
+        self
+    }
+
+    /// The config this builder would write for its node.
+    pub fn render_config(&self) -> Result<String> {
+        let paths = NodePaths::new(&self.stack, &self.name);
+        render_config(&self.stack, self, &paths, self.cni)
     }
 
     /// Starts the node.
@@ -486,6 +509,8 @@ impl Node {
             start_timeout: Duration::from_secs(20),
             cdi_spec_dirs: None,
             base_runtime_spec: None,
+            gpu_ckpt_handler: true,
+            config_file: None,
         }
     }
 
@@ -497,7 +522,10 @@ impl Node {
     fn start_with(b: NodeBuilder) -> Result<Node> {
         validate_name(&b.name)?;
         let stack = b.stack.clone();
-        let paths = NodePaths::new(&stack, &b.name);
+        let mut paths = NodePaths::new(&stack, &b.name);
+        if let Some(file) = &b.config_file {
+            paths.config = file.clone();
+        }
         let cni = b.cni.then(|| CniNet::for_node(&b.name));
 
         // Leftovers of an earlier instance of this node (crashed test, killed cargo).
@@ -540,9 +568,11 @@ impl Node {
             let _ = fs::remove_dir_all(&paths.cni_conf_dir);
         }
 
-        let config = render_config(&stack, &b, &paths, cni.is_some())?;
-        fs::write(&paths.config, config)
-            .with_context(|| format!("write {}", paths.config.display()))?;
+        if b.config_file.is_none() {
+            let config = render_config(&stack, &b, &paths, cni.is_some())?;
+            fs::write(&paths.config, config)
+                .with_context(|| format!("write {}", paths.config.display()))?;
+        }
 
         if paths.log.exists() {
             let _ = fs::rename(&paths.log, paths.dir.join("containerd.log.prev"));
@@ -1046,20 +1076,22 @@ fn render_config(stack: &Stack, b: &NodeBuilder, p: &NodePaths, cni: bool) -> Re
     writeln!(c, "  Root = {}", s(&p.runc_root))?;
 
     let ann = vec!["gpu-ckpt.io/*".to_string()];
-    writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}]")?;
-    writeln!(c, "  runtime_type = {}", toml_str(GPU_CKPT_RUNTIME_TYPE))?;
-    writeln!(c, "  pod_annotations = {}", toml_list(&ann))?;
-    writeln!(c, "  container_annotations = {}", toml_list(&ann))?;
-    if let Some(spec) = &b.base_runtime_spec {
-        writeln!(c, "  base_runtime_spec = {}", s(spec))?;
-    }
-    let mut opts: BTreeMap<String, OptValue> = BTreeMap::new();
-    opts.insert("BinaryName".into(), RUNC_BINARY.into());
-    opts.insert("Root".into(), p.gpu_ckpt_runc_root.as_path().into());
-    opts.extend(b.gpu_ckpt_options.clone());
-    writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}.options]")?;
-    for (k, v) in &opts {
-        writeln!(c, "  {k} = {}", v.to_toml())?;
+    if b.gpu_ckpt_handler {
+        writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}]")?;
+        writeln!(c, "  runtime_type = {}", toml_str(GPU_CKPT_RUNTIME_TYPE))?;
+        writeln!(c, "  pod_annotations = {}", toml_list(&ann))?;
+        writeln!(c, "  container_annotations = {}", toml_list(&ann))?;
+        if let Some(spec) = &b.base_runtime_spec {
+            writeln!(c, "  base_runtime_spec = {}", s(spec))?;
+        }
+        let mut opts: BTreeMap<String, OptValue> = BTreeMap::new();
+        opts.insert("BinaryName".into(), RUNC_BINARY.into());
+        opts.insert("Root".into(), p.gpu_ckpt_runc_root.as_path().into());
+        opts.extend(b.gpu_ckpt_options.clone());
+        writeln!(c, "[{rt}.{GPU_CKPT_HANDLER}.options]")?;
+        for (k, v) in &opts {
+            writeln!(c, "  {k} = {}", v.to_toml())?;
+        }
     }
 
     for r in &b.extra_runtimes {

@@ -47,6 +47,11 @@ CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
 # the CUDA 13.4 custom-storage checkpoint API), the library finder they load libcuda.so.1 with, and
 # NVML's official bindings.
 PY_PINS=(cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 nvidia-ml-py==13.615.71)
+# The Kubernetes packaging's checks (runtime-class/tools/chart.py, tests/k8s_manifests.rs): Helm v4's
+# Go SDK as a Python library (no helm binary), and the Kubernetes API's JSON schemas per version,
+# shipped inside the package (1.28 to 1.37 in 1.37.0), so validation needs no network.
+PY_PINS+=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0)
+PY_IMPORTS="cuda.bindings.driver, pynvml, helm_python, kubernetes_validate"
 
 COMPONENT="setup"
 # Progress goes to stderr so that functions whose stdout is captured can log too.
@@ -535,7 +540,7 @@ install_pyvenv() {
   COMPONENT="python venv"
   local py="$STACK/py/bin/python" want="${PY_PINS[*]}"
   if stamp_valid pyvenv "$py" && [ "$(stamp_get pyvenv)" = "$want" ] &&
-    "$py" -c 'import cuda.bindings.driver, pynvml' >/dev/null 2>&1; then
+    "$py" -c "import $PY_IMPORTS" >/dev/null 2>&1; then
     log "python venv ($want) -> $STACK/py (installed)"
     return
   fi
@@ -554,8 +559,8 @@ install_pyvenv() {
     die "pip install ${PY_PINS[*]} failed (log: $STACK/build/pyvenv.log)"
   fi
   local got
-  got=$("$py" -c 'import importlib.metadata as m, cuda.bindings.driver, pynvml; print(" ".join(f"{p}=={m.version(p)}" for p in ("cuda-bindings", "cuda-pathfinder", "nvidia-ml-py")))' 2>&1) ||
-    die "the venv's python cannot import cuda.bindings.driver and pynvml: $got"
+  got=$("$py" -c "import importlib.metadata as m, sys, $PY_IMPORTS; print(' '.join(f'{p}=={m.version(p)}' for p in (a.split('==')[0] for a in sys.argv[1:])))" "${PY_PINS[@]}" 2>&1) ||
+    die "the venv's python cannot import $PY_IMPORTS: $got"
   [ "$got" = "$want" ] || die "the venv holds $got, expected $want"
   stamp_set pyvenv "$want"
   log "python venv ($want) -> $STACK/py"

@@ -13,6 +13,16 @@
 //!   with `/lib -> usr/lib`, `/lib64 -> usr/lib64` and the loader at its interpreter path, busybox
 //!   and its applets; default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the
 //!   CDI spec of the (simulated) driver mounts it at run time, as the NVIDIA toolkit does.
+//!
+//! `gpu-ckpt-images --node-installer-bins DIR --criu PATH --out DIR` builds only the node
+//! installer's image instead, `localhost:5000/gpu-ckpt-node-installer:<version>` (the Helm
+//! chart's default image) in `<out>/gpu-ckpt-node-installer-<version>.tar` (not listed in
+//! `images.json`, which the tests import into every node): `gpu-ckpt-node-installer` as its
+//! entrypoint (default argument `install`) with the glibc it needs, busybox's `sh`, `sleep` and
+//! `nsenter` (the default restart command), and the payload in
+//! /payload: the shim, `gpu-ckpt` and `gpu-ckpt-hook` from DIR (a release build), and CRIU as
+//! `/payload/criu/criu` with every library it needs but glibc's in `/payload/criu/lib`, found
+//! through the RPATH `$ORIGIN/lib` that `patchelf` writes into the copy.
 
 use std::path::{Path, PathBuf};
 
@@ -79,8 +89,12 @@ cargo build --release -p gpu-ckpt-workloads --target x86_64-unknown-linux-gnu)";
 struct Args {
     /// Directory with the static workload binaries
     /// (target/x86_64-unknown-linux-gnu/release).
-    #[arg(long, value_name = "DIR")]
-    workloads_dir: PathBuf,
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "node_installer_bins"
+    )]
+    workloads_dir: Option<PathBuf>,
     /// Directory with the dynamically linked GPU workloads (gpu-train, gpu-fill) of the workspace
     /// build; by default the directory of this program (target/debug when run from there).
     #[arg(long, value_name = "DIR")]
@@ -94,6 +108,13 @@ struct Args {
     /// Also write each image as an OCI layout directory next to its tarball.
     #[arg(long)]
     layout_dirs: bool,
+    /// Build only the node installer's image, with gpu-ckpt-node-installer, the shim, gpu-ckpt
+    /// and gpu-ckpt-hook from this directory (target/release).
+    #[arg(long, value_name = "DIR", requires = "criu")]
+    node_installer_bins: Option<PathBuf>,
+    /// The CRIU for the node installer's payload ($GPU_CKPT_STACK/bin/criu).
+    #[arg(long, value_name = "PATH")]
+    criu: Option<PathBuf>,
 }
 
 fn check_static(path: &Path, what: &str, hint: &str) -> Result<()> {
@@ -189,6 +210,98 @@ fn gpu_workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
     Ok(b)
 }
 
+/// Reference of the node installer's image: the Helm chart's default `image.repository`, tagged
+/// with its `appVersion` (the workspace version).
+const NODE_INSTALLER_REF: &str = concat!(
+    "localhost:5000/gpu-ckpt-node-installer:",
+    env!("CARGO_PKG_VERSION")
+);
+const NODE_INSTALLER: &str = "gpu-ckpt-node-installer";
+/// What the installer copies onto a node from /payload (runtime-class/installer/README.md).
+const PAYLOAD_BINARIES: &[&str] = &["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"];
+/// glibc's own libraries: a node has them, so the payload's CRIU does not carry them.
+const GLIBC_OWN: &[&str] = &[
+    "libc.so.6",
+    "libm.so.6",
+    "libdl.so.2",
+    "libpthread.so.0",
+    "librt.so.1",
+    "libresolv.so.2",
+    "ld-linux-x86-64.so.2",
+];
+
+fn node_installer_image(
+    bins: &Path,
+    criu: &Path,
+    busybox: &Path,
+    scratch: &Path,
+) -> Result<ImageBuilder> {
+    let installer = bins.join(NODE_INSTALLER);
+    let hint = "build them with `cargo build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-image-format -p gpu-ckpt-oci-hooks`";
+    for p in std::iter::once(installer.clone()).chain(PAYLOAD_BINARIES.iter().map(|b| bins.join(b)))
+    {
+        if !p.is_file() {
+            bail!("{} is missing: {hint}", p.display());
+        }
+    }
+    let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
+    let libs = HostLibraries::resolve(std::slice::from_ref(&installer), &[], &dirs)
+        .context("finding the shared libraries of gpu-ckpt-node-installer")?;
+    let mut b = ImageBuilder::new(NODE_INSTALLER_REF)
+        .dir_mode("/tmp", 0o1777)
+        .file("/usr/bin/busybox", busybox, 0o755)
+        .symlink("/bin", "usr/bin")
+        .symlink("/usr/bin/sh", "busybox")
+        .symlink("/usr/bin/nsenter", "busybox")
+        .symlink("/usr/bin/sleep", "busybox")
+        .file(
+            format!("/usr/bin/{NODE_INSTALLER}"),
+            installer.as_path(),
+            0o755,
+        )
+        .merged_usr_libraries(&libs)
+        .env("PATH", "/usr/bin:/bin")
+        .workdir("/")
+        .entrypoint([format!("/usr/bin/{NODE_INSTALLER}")])
+        .cmd(["install"])
+        .label("org.opencontainers.image.title", "gpu-ckpt node installer");
+    for name in PAYLOAD_BINARIES {
+        b = b.file(format!("/payload/{name}"), bins.join(name), 0o755);
+    }
+    // CRIU with its libraries beside it, found through its RPATH.
+    if !criu.is_file() {
+        bail!(
+            "CRIU {} is missing: run test-containers/stack/install.sh",
+            criu.display()
+        );
+    }
+    std::fs::create_dir_all(scratch).with_context(|| format!("creating {}", scratch.display()))?;
+    let patched = scratch.join("criu");
+    std::fs::copy(criu, &patched)
+        .with_context(|| format!("copying {} to {}", criu.display(), patched.display()))?;
+    let status = std::process::Command::new("patchelf")
+        .args(["--force-rpath", "--set-rpath", "$ORIGIN/lib"])
+        .arg(&patched)
+        .status()
+        .context("running patchelf (apt-get install patchelf)")?;
+    if !status.success() {
+        bail!(
+            "patchelf --set-rpath on {} failed: {status}",
+            patched.display()
+        );
+    }
+    b = b.file("/payload/criu/criu", std::fs::read(&patched)?, 0o755);
+    let criu_libs = HostLibraries::resolve(&[criu.to_path_buf()], &[], &dirs)
+        .with_context(|| format!("finding the shared libraries of {}", criu.display()))?;
+    for (name, path) in &criu_libs.libs {
+        if GLIBC_OWN.contains(&name.as_str()) {
+            continue;
+        }
+        b = b.file(format!("/payload/criu/lib/{name}"), path.as_path(), 0o644);
+    }
+    Ok(b)
+}
+
 fn pause_image(dir: &Path) -> Result<ImageBuilder> {
     let path = dir.join("pause");
     check_static(&path, "workload", STATIC_HINT)?;
@@ -229,6 +342,31 @@ fn run(args: &Args) -> Result<()> {
         .out
         .canonicalize()
         .with_context(|| format!("resolving {}", args.out.display()))?;
+    if let Some(bins) = &args.node_installer_bins {
+        let criu = args.criu.as_deref().context("--criu is required")?;
+        let scratch = out.join(".node-installer");
+        let img = node_installer_image(bins, criu, &args.busybox, &scratch)?;
+        let blobs = img.build()?;
+        let _ = std::fs::remove_dir_all(&scratch);
+        let summary = blobs.summary();
+        let stem = file_stem(&summary.reference, &summary.tag);
+        let tar = out.join(format!("{stem}.tar"));
+        if args.layout_dirs {
+            blobs.write_layout(&out.join(&stem))?;
+        }
+        blobs.write_tarball(&tar)?;
+        println!(
+            "{} {} {}",
+            summary.reference,
+            summary.manifest_digest,
+            tar.display()
+        );
+        return Ok(());
+    }
+    let workloads_dir = args
+        .workloads_dir
+        .as_deref()
+        .context("--workloads-dir is required")?;
 
     let gpu_dir = match &args.gpu_workloads_dir {
         Some(d) => d.clone(),
@@ -239,8 +377,8 @@ fn run(args: &Args) -> Result<()> {
             .context("locating this program's directory")?,
     };
     let images = [
-        workloads_image(&args.workloads_dir, &args.busybox)?,
-        pause_image(&args.workloads_dir)?,
+        workloads_image(workloads_dir, &args.busybox)?,
+        pause_image(workloads_dir)?,
         gpu_workloads_image(&gpu_dir, &args.busybox)?,
     ];
     let mut listed = Vec::new();
@@ -288,6 +426,32 @@ mod tests {
         assert_eq!(file_stem(WORKLOADS_REF, "1"), "workloads-1");
         assert_eq!(file_stem(PAUSE_REF, "1"), "pause-1");
         assert_eq!(file_stem(GPU_WORKLOADS_REF, "1"), "gpu-workloads-1");
+        // The chart deploys this image by default.
+        let chart = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../runtime-class/chart/gpu-ckpt/Chart.yaml"
+        ))
+        .unwrap();
+        let version = env!("CARGO_PKG_VERSION");
+        assert!(
+            chart.contains(&format!("appVersion: \"{version}\"")),
+            "{chart}"
+        );
+        let values = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../runtime-class/chart/gpu-ckpt/values.yaml"
+        ))
+        .unwrap();
+        let (repo, tag) = NODE_INSTALLER_REF.rsplit_once(':').unwrap();
+        assert_eq!(tag, version);
+        assert!(
+            values.contains(&format!("repository: {repo}\n")),
+            "{values}"
+        );
+        assert_eq!(
+            file_stem(NODE_INSTALLER_REF, version),
+            format!("gpu-ckpt-node-installer-{version}")
+        );
         assert_eq!(WORKLOADS_REF, test_containers::stack::WORKLOADS_IMAGE);
         assert_eq!(PAUSE_REF, test_containers::stack::PAUSE_IMAGE);
         assert_eq!(

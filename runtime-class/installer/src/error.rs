@@ -1,0 +1,54 @@
+//! The installer's errors: each names what failed, on which file or object, and why.
+
+use std::path::{Path, PathBuf};
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A command-line path that cannot be used (not absolute, `..`).
+    #[error("{what} {path:?} is not usable: {why}")]
+    BadPath {
+        what: &'static str,
+        path: PathBuf,
+        why: &'static str,
+    },
+    /// A file the installer would write is there and is not one it installed.
+    #[error("refusing to overwrite {path}: the file is not one gpu-ckpt-node-installer installed (remove or move it, then run again)")]
+    Foreign { path: PathBuf },
+    /// The payload lacks something the node needs.
+    #[error("payload {payload} has no {name}: the image must carry it")]
+    PayloadMissing { payload: PathBuf, name: String },
+    /// containerd's configuration could not be read or changed.
+    #[error("containerd config {path}: {why}")]
+    Config { path: PathBuf, why: String },
+    /// A drop-in source from runtime-class/containerd/ that does not have the shape expected.
+    #[error("drop-in {name}: {why}")]
+    DropIn { name: String, why: String },
+    /// The install record is unreadable or of another version.
+    #[error("install record {path}: {why}")]
+    Record { path: PathBuf, why: String },
+    /// The restart command failed.
+    #[error("restarting containerd with `{command}` failed: {why}")]
+    Restart { command: String, why: String },
+    /// The API server was not reachable, refused the request, or is unknown.
+    #[error("labelling node {node}: {why}")]
+    Label { node: String, why: String },
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// A closure for `map_err` that wraps an I/O error with `what` done to `path`.
+    pub fn io(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
+        let context = format!("{what} {}", path.display());
+        move |source| Error::Io { context, source }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

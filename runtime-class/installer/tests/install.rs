@@ -1,0 +1,213 @@
+//! install and uninstall on a scratch root with a stand-in payload (no containerd: that is
+//! test-containers/tests/node_installer.rs): idempotence, refusals, and runs cut short.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use node_installer::install::{install, uninstall, Options};
+use node_installer::paths::HostFs;
+use node_installer::record::{Phase, Record};
+
+fn listing(root: &Path) -> BTreeMap<PathBuf, String> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for e in fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            let m = fs::symlink_metadata(&p).unwrap();
+            let what = if m.file_type().is_symlink() {
+                format!("link -> {}", fs::read_link(&p).unwrap().display())
+            } else if m.is_dir() {
+                todo.push(p.clone());
+                format!("dir {:o}", m.mode() & 0o7777)
+            } else {
+                format!("file {:o} {:?}", m.mode() & 0o7777, fs::read(&p).unwrap())
+            };
+            out.insert(p.strip_prefix(root).unwrap().to_path_buf(), what);
+        }
+    }
+    out
+}
+
+struct Scratch {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    restarts: PathBuf,
+    opts: Options,
+}
+
+fn scratch() -> Scratch {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("node");
+    let payload = dir.path().join("payload");
+    fs::create_dir_all(payload.join("criu/lib")).unwrap();
+    for b in [
+        "containerd-shim-gpu-ckpt-v1",
+        "gpu-ckpt",
+        "gpu-ckpt-hook",
+        "criu/criu",
+    ] {
+        fs::write(payload.join(b), format!("#!/bin/sh\n# {b}\n")).unwrap();
+        fs::set_permissions(payload.join(b), fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    fs::write(payload.join("criu/lib/libnet.so.1"), "lib").unwrap();
+    std::os::unix::fs::symlink("libnet.so.1", payload.join("criu/lib/libnet.so")).unwrap();
+    fs::create_dir_all(root.join("etc/containerd")).unwrap();
+    fs::write(
+        root.join("etc/containerd/config.toml"),
+        "# mine\nversion = 3\n\n[grpc]\n  address = '/run/containerd/containerd.sock' # keep\n",
+    )
+    .unwrap();
+    fs::create_dir_all(root.join("usr/local/bin")).unwrap();
+    // /var/run -> /run, an absolute link as hosts have it: it must resolve inside the root.
+    fs::create_dir_all(root.join("run")).unwrap();
+    fs::create_dir_all(root.join("var")).unwrap();
+    std::os::unix::fs::symlink("/run", root.join("var/run")).unwrap();
+    let restarts = dir.path().join("restarts");
+    let opts = Options {
+        fs: HostFs::new(&root, Path::new("/")).unwrap(),
+        containerd_config: "/etc/containerd/config.toml".into(),
+        dropin_dir: "/etc/containerd/conf.d".into(),
+        bin_dir: "/usr/local/bin".into(),
+        lib_dir: "/usr/local/lib/gpu-ckpt".into(),
+        payload,
+        restart_command: format!("echo x >> '{}'", restarts.display()),
+        label_node: None,
+        service_account_dir: "/nonexistent".into(),
+    };
+    Scratch {
+        _dir: dir,
+        root,
+        restarts,
+        opts,
+    }
+}
+
+fn restarts(s: &Scratch) -> usize {
+    fs::read_to_string(&s.restarts)
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn install_is_idempotent_and_uninstall_restores_every_byte() {
+    let s = scratch();
+    let before = listing(&s.root);
+    let out = install(&s.opts).unwrap();
+    assert!(out.config_changed && out.restarted);
+    assert_eq!(restarts(&s), 1);
+    let cfg = fs::read_to_string(s.root.join("etc/containerd/config.toml")).unwrap();
+    assert!(cfg.contains(
+        "imports = [\"/etc/containerd/conf.d/gpu-ckpt.toml\", \"/etc/containerd/conf.d/gpu-ckpt-restore.toml\"]"
+    ), "{cfg}");
+    assert!(cfg.contains("# keep"));
+    let dropin = fs::read_to_string(s.root.join("etc/containerd/conf.d/gpu-ckpt.toml")).unwrap();
+    assert!(dropin.contains("runtime_path = \"/usr/local/bin/containerd-shim-gpu-ckpt-v1\""));
+    assert_eq!(
+        fs::read_link(s.root.join("usr/local/bin/criu")).unwrap(),
+        PathBuf::from("../lib/gpu-ckpt/criu/criu")
+    );
+    assert!(
+        s.root.join("usr/local/bin/criu").is_file(),
+        "the link resolves"
+    );
+    assert_eq!(
+        fs::read_link(s.root.join("usr/local/lib/gpu-ckpt/criu/lib/libnet.so")).unwrap(),
+        PathBuf::from("libnet.so.1")
+    );
+    let rec = s.root.join("var/lib/gpu-ckpt/installed.json");
+    assert_eq!(fs::metadata(&rec).unwrap().mode() & 0o777, 0o600);
+    assert_eq!(Record::load(&rec).unwrap().unwrap().phase, Phase::Installed);
+
+    let installed = listing(&s.root);
+    let again = install(&s.opts).unwrap();
+    assert!(again.files_changed.is_empty() && !again.config_changed && !again.restarted);
+    assert_eq!(restarts(&s), 1);
+    assert_eq!(listing(&s.root), installed);
+
+    let out = uninstall(&s.opts).unwrap();
+    assert!(out.config_changed && out.restarted);
+    assert_eq!(restarts(&s), 2);
+    assert_eq!(listing(&s.root), before);
+    // Nothing left to do.
+    assert_eq!(uninstall(&s.opts).unwrap(), Default::default());
+}
+
+#[test]
+fn a_foreign_file_is_never_overwritten() {
+    let s = scratch();
+    fs::write(s.root.join("usr/local/bin/criu"), "theirs").unwrap();
+    let before = listing(&s.root);
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.starts_with("refusing to overwrite /usr/local/bin/criu: the file is not one gpu-ckpt-node-installer installed"),
+        "{err}"
+    );
+    assert_eq!(listing(&s.root), before, "nothing was written");
+    assert_eq!(restarts(&s), 0);
+}
+
+#[test]
+fn a_restart_that_failed_is_retried_by_the_next_run() {
+    let mut s = scratch();
+    let good = s.opts.restart_command.clone();
+    s.opts.restart_command = "echo containerd.service not found >&2; exit 5".into();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.contains("restarting containerd with `echo containerd.service not found >&2; exit 5` failed: exit status: 5: containerd.service not found"),
+        "{err}"
+    );
+    // The configuration is written, containerd not restarted: the next install restarts it
+    // although nothing changes any more.
+    s.opts.restart_command = good;
+    let out = install(&s.opts).unwrap();
+    assert!(out.files_changed.is_empty() && !out.config_changed && out.restarted);
+    assert_eq!(restarts(&s), 1);
+    assert!(!install(&s.opts).unwrap().restarted);
+}
+
+#[test]
+fn a_half_install_is_undone_by_uninstall() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    s.opts.restart_command = "exit 1".into();
+    install(&s.opts).unwrap_err();
+    let rec = s.root.join("var/lib/gpu-ckpt/installed.json");
+    assert_eq!(
+        Record::load(&rec).unwrap().unwrap().phase,
+        Phase::Installing
+    );
+    // A copy cut short leaves a temporary file; it goes too.
+    fs::write(s.root.join("usr/local/bin/.gpu-ckpt.gpu-ckpt-new"), "half").unwrap();
+    s.opts.restart_command = "true".into();
+    uninstall(&s.opts).unwrap();
+    assert_eq!(listing(&s.root), before);
+}
+
+#[test]
+fn a_payload_without_criu_is_named() {
+    let s = scratch();
+    fs::remove_file(s.opts.payload.join("criu/criu")).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.ends_with("has no criu/criu: the image must carry it"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_new_bin_dir_moves_the_files() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    install(&s.opts).unwrap();
+    s.opts.bin_dir = "/opt/gpu-ckpt/bin".into();
+    let out = install(&s.opts).unwrap();
+    // The drop-ins name the new shim path: containerd restarts.
+    assert!(out.config_changed && out.restarted);
+    assert!(!s.root.join("usr/local/bin/gpu-ckpt").exists());
+    assert!(s.root.join("opt/gpu-ckpt/bin/gpu-ckpt").is_file());
+    uninstall(&s.opts).unwrap();
+    assert_eq!(listing(&s.root), before);
+}

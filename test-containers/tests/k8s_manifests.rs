@@ -1,0 +1,1111 @@
+//! The Kubernetes packaging (runtime-class/): the Helm chart linted and rendered by Helm's own
+//! engine (helm-python-sdk: Helm v4's Go SDK, no helm binary) for its default values and for
+//! ci/all-values.yaml, which sets every value; every rendered document, every plain manifest in
+//! runtime-class/manifests/ and the admission policies validated against the Kubernetes 1.35 API
+//! schemas (kubernetes-validate, strict: unknown fields refused; its schemas ship in the package,
+//! so nothing is fetched); the plain manifests held equal to the chart's default rendering; and
+//! the RuntimeClasses' handlers held to the containerd drop-ins that register them.
+//!
+//! Needs the Python venv that `make deps` creates under the stack prefix ($GPU_CKPT_STACK/py,
+//! pinned versions in test-containers/stack/install.sh). A missing venv fails every test here;
+//! none is skipped. The work is done by runtime-class/tools/chart.py, which prints JSON; the
+//! assertions are here.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::{json, Value};
+
+/// The Kubernetes version whose schemas every manifest is validated against.
+const KUBE_VERSION: &str = "1.35";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repository root")
+        .to_path_buf()
+}
+
+fn chart() -> PathBuf {
+    repo().join("runtime-class/chart/gpu-ckpt")
+}
+
+fn all_values() -> PathBuf {
+    chart().join("ci/all-values.yaml")
+}
+
+/// The venv's python: `$GPU_CKPT_STACK/py/bin/python`, else `<repo>/.stack/py/bin/python`.
+fn python() -> PathBuf {
+    let stack = std::env::var_os("GPU_CKPT_STACK")
+        .filter(|s| !s.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo().join(".stack"));
+    let py = stack.join("py/bin/python");
+    assert!(
+        py.is_file(),
+        "{} is missing: the Python venv with helm-python-sdk and kubernetes-validate is not \
+         installed; run `make deps` (test-containers/stack/install.sh creates it)",
+        py.display()
+    );
+    py
+}
+
+/// Runs runtime-class/tools/chart.py; its JSON, and whether it succeeded.
+fn chart_py(args: &[&str]) -> Result<(bool, Value)> {
+    let script = repo().join("runtime-class/tools/chart.py");
+    let out = Command::new(python())
+        .arg(&script)
+        .args(args)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .current_dir(repo())
+        .output()
+        .with_context(|| format!("cannot run {}", script.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(stdout.trim()).with_context(|| {
+        format!(
+            "chart.py {args:?} printed no JSON (status {}):\nstdout: {stdout}\nstderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    Ok((out.status.success(), v))
+}
+
+/// chart.py that must succeed.
+fn chart_ok(args: &[&str]) -> Result<Value> {
+    let (ok, v) = chart_py(args)?;
+    ensure!(ok, "chart.py {args:?} failed: {}", v["error"]);
+    Ok(v)
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("repository paths are UTF-8")
+}
+
+/// A rendering's documents, each checked valid against KUBE_VERSION's schemas.
+fn valid_documents(rendered: &Value) -> Result<Vec<Value>> {
+    ensure!(
+        rendered["kube_version"] == KUBE_VERSION,
+        "validated against {}, not {KUBE_VERSION}",
+        rendered["kube_version"]
+    );
+    let docs = rendered["documents"]
+        .as_array()
+        .context("no documents in the rendering")?;
+    ensure!(!docs.is_empty(), "the rendering has no documents");
+    for d in docs {
+        ensure!(
+            d["valid"] == true,
+            "{} {} ({}) is not valid Kubernetes {KUBE_VERSION}: {}: {}",
+            d["kind"],
+            d["name"],
+            d["source"],
+            d["field"],
+            d["error"]
+        );
+        ensure!(d["schema_version"] == KUBE_VERSION, "{d}");
+    }
+    Ok(docs.iter().map(|d| d["object"].clone()).collect())
+}
+
+/// The one object of `kind` named `name`.
+fn object<'a>(docs: &'a [Value], kind: &str, name: &str) -> Result<&'a Value> {
+    let found: Vec<&Value> = docs
+        .iter()
+        .filter(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(one),
+        [] => bail!(
+            "no {kind} {name}; the rendering has {:?}",
+            docs.iter()
+                .map(|d| format!("{}/{}", d["kind"], d["metadata"]["name"]))
+                .collect::<Vec<_>>()
+        ),
+        _ => bail!("{} objects {kind} {name}", found.len()),
+    }
+}
+
+fn kinds(docs: &[Value]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for d in docs {
+        *m.entry(d["kind"].as_str().unwrap_or_default().to_string())
+            .or_insert(0) += 1;
+    }
+    m
+}
+
+fn yaml_file(p: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
+    serde_yaml::from_str(&text).with_context(|| format!("{} is not YAML", p.display()))
+}
+
+fn chart_app_version() -> Result<String> {
+    let c = yaml_file(&chart().join("Chart.yaml"))?;
+    c["appVersion"]
+        .as_str()
+        .map(str::to_string)
+        .context("Chart.yaml has no appVersion")
+}
+
+/// The DaemonSet's one container.
+fn installer_container(ds: &Value) -> Result<&Value> {
+    let cs = ds["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .context("DaemonSet without containers")?;
+    ensure!(cs.len() == 1, "the DaemonSet has {} containers", cs.len());
+    Ok(&cs[0])
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .map(|s| s.as_str().unwrap_or_default().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `flag`'s value in the installer's arguments.
+fn flag<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+#[test]
+fn the_chart_lints_with_helms_engine() -> Result<()> {
+    let kv = format!("{KUBE_VERSION}.0");
+    let chart = chart();
+    for values in [None, Some(all_values())] {
+        let mut args = vec!["lint", path_str(&chart), "--kube-version", kv.as_str()];
+        if let Some(v) = &values {
+            args.extend(["--values", path_str(v)]);
+        }
+        let out = chart_ok(&args)?;
+        let report = &out["lint"];
+        ensure!(report["total_charts_linted"] == 1, "{report}");
+        ensure!(
+            report["errors"].as_array().is_some_and(|e| e.is_empty()),
+            "helm lint ({values:?}): {report}"
+        );
+        // Severity 2 is a warning, 3 an error; 1 (info: "icon is recommended") is allowed.
+        for m in report["messages"].as_array().context("no lint messages")? {
+            ensure!(
+                m["severity"].as_i64().unwrap_or(3) < 2,
+                "helm lint ({values:?}): {m}"
+            );
+        }
+        ensure!(
+            out["helm_sdk"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("v4.")),
+            "not Helm v4's engine: {}",
+            out["helm_sdk"]
+        );
+    }
+    // Lint runs the values through the chart's schema: a wrong value is an error there.
+    let (_, out) = chart_py(&[
+        "lint",
+        path_str(&chart),
+        "--set-json",
+        r#"{"nodeInstaller":{"action":"reinstall"}}"#,
+    ])?;
+    let named = out["lint"]["messages"]
+        .as_array()
+        .context("no lint messages")?
+        .iter()
+        .any(|m| {
+            m["severity"] == 3
+                && m["error"]
+                    .as_str()
+                    .is_some_and(|e| e.contains("/nodeInstaller/action"))
+        });
+    ensure!(
+        named,
+        "helm lint did not report nodeInstaller.action=reinstall as an error: {out}"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer() -> Result<()> {
+    let rendered = chart_ok(&[
+        "render",
+        path_str(&chart()),
+        "--kube-version",
+        KUBE_VERSION,
+        "--release",
+        "gpu-ckpt",
+        "--namespace",
+        "gpu-ckpt-system",
+    ])?;
+    let docs = valid_documents(&rendered)?;
+    let want: BTreeMap<String, usize> = [
+        ("RuntimeClass", 2),
+        ("ServiceAccount", 1),
+        ("ClusterRole", 1),
+        ("ClusterRoleBinding", 1),
+        ("DaemonSet", 1),
+    ]
+    .into_iter()
+    .map(|(k, n)| (k.to_string(), n))
+    .collect();
+    ensure!(kinds(&docs) == want, "kinds: {:?}", kinds(&docs));
+
+    // The RuntimeClasses: names, the drop-ins' handlers, the installer's label.
+    for (name, handler) in [
+        ("gpu-ckpt", "gpu-ckpt"),
+        ("gpu-ckpt-restore", "gpu-ckpt-restore"),
+    ] {
+        let rc = object(&docs, "RuntimeClass", name)?;
+        ensure!(rc["apiVersion"] == "node.k8s.io/v1", "{rc}");
+        ensure!(
+            rc["handler"] == handler,
+            "{name}: handler {}",
+            rc["handler"]
+        );
+        ensure!(
+            rc["scheduling"]["nodeSelector"] == json!({"gpu-ckpt.io/runtime": "installed"}),
+            "{name}: {}",
+            rc["scheduling"]
+        );
+        ensure!(rc["scheduling"].get("tolerations").is_none(), "{rc}");
+    }
+
+    // The installer: privileged, the host's PID namespace and /, its flags, its identity.
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-node-installer")?;
+    ensure!(
+        ds["metadata"]["namespace"] == "gpu-ckpt-system",
+        "{}",
+        ds["metadata"]
+    );
+    let pod = &ds["spec"]["template"]["spec"];
+    ensure!(pod["hostPID"] == true, "hostPID: {}", pod["hostPID"]);
+    let c = installer_container(ds)?;
+    ensure!(
+        c["securityContext"]["privileged"] == true,
+        "{}",
+        c["securityContext"]
+    );
+    ensure!(
+        c["image"]
+            == format!(
+                "localhost:5000/gpu-ckpt-node-installer:{}",
+                chart_app_version()?
+            ),
+        "image {}",
+        c["image"]
+    );
+    ensure!(c["imagePullPolicy"] == "IfNotPresent");
+    let args = strings(&c["args"]);
+    for (f, v) in [
+        ("--root", "/host"),
+        ("--containerd-config", "/etc/containerd/config.toml"),
+        ("--dropin-dir", "/etc/containerd/conf.d"),
+        ("--bin-dir", "/usr/local/bin"),
+        ("--lib-dir", "/usr/local/lib/gpu-ckpt"),
+        ("--payload", "/payload"),
+        ("--label-node", "$(NODE_NAME)"),
+    ] {
+        ensure!(
+            flag(&args, f) == Some(v),
+            "{f}: {:?} in {args:?}",
+            flag(&args, f)
+        );
+    }
+    ensure!(flag(&args, "--restart-command").is_none(), "{args:?}");
+    ensure!(
+        c["env"]
+            == json!([{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]),
+        "env {}",
+        c["env"]
+    );
+    let command = strings(&c["command"]);
+    ensure!(
+        command.len() == 4 && command[..2] == ["/bin/sh", "-c"],
+        "{command:?}"
+    );
+    let script = &command[2];
+    ensure!(
+        script.contains(r#"gpu-ckpt-node-installer install "$@" || exit 1"#),
+        "the script does not install: {script}"
+    );
+    // Uninstall on SIGTERM, and the trap is set before the install starts.
+    let trap = script
+        .find(r#"trap 'gpu-ckpt-node-installer uninstall "$@"; exit $?' TERM"#)
+        .context(format!("no uninstall on SIGTERM: {script}"))?;
+    ensure!(
+        trap < script.find("install \"$@\"").unwrap_or(0),
+        "{script}"
+    );
+    ensure!(
+        pod["volumes"]
+            == json!([{"name": "host-root", "hostPath": {"path": "/", "type": "Directory"}}]),
+        "volumes {}",
+        pod["volumes"]
+    );
+    ensure!(
+        c["volumeMounts"] == json!([{"name": "host-root", "mountPath": "/host"}]),
+        "{}",
+        c["volumeMounts"]
+    );
+    ensure!(pod["terminationGracePeriodSeconds"] == 120);
+    ensure!(pod["priorityClassName"] == "system-node-critical");
+    ensure!(
+        pod["tolerations"]
+            == json!([{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+        "{}",
+        pod["tolerations"]
+    );
+    let sa = object(&docs, "ServiceAccount", "gpu-ckpt-node-installer")?;
+    ensure!(pod["serviceAccountName"] == sa["metadata"]["name"]);
+    let role = object(&docs, "ClusterRole", "gpu-ckpt-node-installer")?;
+    ensure!(
+        role["rules"]
+            == json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]),
+        "rules {}",
+        role["rules"]
+    );
+    let binding = object(&docs, "ClusterRoleBinding", "gpu-ckpt-node-installer")?;
+    ensure!(binding["roleRef"]["name"] == role["metadata"]["name"]);
+    ensure!(
+        binding["subjects"]
+            == json!([{"kind": "ServiceAccount", "name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"}]),
+        "{}",
+        binding["subjects"]
+    );
+    let selector = &ds["spec"]["selector"]["matchLabels"];
+    for (k, v) in selector.as_object().context("no selector")? {
+        ensure!(
+            ds["spec"]["template"]["metadata"]["labels"][k] == *v,
+            "selector {k}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn the_runtime_class_handlers_are_the_drop_ins_runtimes() -> Result<()> {
+    let dir = repo().join("runtime-class/containerd");
+    let files = [dir.join("gpu-ckpt.toml"), dir.join("gpu-ckpt-restore.toml")];
+    let out = chart_ok(&["toml", path_str(&files[0]), path_str(&files[1])])?;
+    let cri =
+        |f: &Path| out["files"][path_str(f)]["plugins"]["io.containerd.cri.v1.runtime"].clone();
+    let mut handlers = BTreeSet::new();
+    for f in &files {
+        let runtimes = cri(f)["containerd"]["runtimes"].clone();
+        for (name, rt) in runtimes.as_object().context("no runtimes")? {
+            handlers.insert(name.clone());
+            ensure!(
+                rt["runtime_type"] == "io.containerd.gpu-ckpt.v1",
+                "{name}: {rt}"
+            );
+            for key in ["pod_annotations", "container_annotations"] {
+                ensure!(
+                    rt[key] == json!(["gpu-ckpt.io/*", "cdi.k8s.io/*"]),
+                    "{name}: {key} {}",
+                    rt[key]
+                );
+            }
+            let mode = &rt["options"]["Mode"];
+            if name == "gpu-ckpt-restore" {
+                ensure!(*mode == "restore", "gpu-ckpt-restore: Mode {mode}");
+            } else {
+                ensure!(mode.is_null(), "{name}: Mode {mode}");
+            }
+        }
+    }
+    ensure!(
+        handlers == BTreeSet::from(["gpu-ckpt".to_string(), "gpu-ckpt-restore".to_string()]),
+        "{handlers:?}"
+    );
+    // CDI, once, CRI-wide.
+    let main = cri(&files[0]);
+    ensure!(main["enable_cdi"] == true, "{main}");
+    ensure!(
+        main["cdi_spec_dirs"] == json!(["/etc/cdi", "/var/run/cdi"]),
+        "{main}"
+    );
+    ensure!(cri(&files[1]).get("cdi_spec_dirs").is_none());
+
+    // The rendered RuntimeClasses name exactly these handlers.
+    let rendered = chart_ok(&["render", path_str(&chart()), "--kube-version", KUBE_VERSION])?;
+    let rendered_handlers: BTreeSet<String> = valid_documents(&rendered)?
+        .iter()
+        .filter(|d| d["kind"] == "RuntimeClass")
+        .map(|d| d["handler"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ensure!(
+        rendered_handlers == handlers,
+        "{rendered_handlers:?} vs {handlers:?}"
+    );
+    Ok(())
+}
+
+/// The chart's settings in `values`: the keys its values.schema.json declares, down to a value
+/// the schema does not split further (a string, a list, or a free-form map such as a node
+/// selector), each with its path.
+fn settings(
+    schema: &Value,
+    values: &Value,
+    path: &[String],
+    out: &mut Vec<(Vec<String>, Value)>,
+) -> Result<()> {
+    match (schema.get("properties"), values.as_object()) {
+        (Some(props), Some(m)) => {
+            for (k, v) in m {
+                let mut p = path.to_vec();
+                p.push(k.clone());
+                let sub = props.get(k).with_context(|| {
+                    format!(
+                        "values.yaml has {}, which values.schema.json does not declare",
+                        p.join(".")
+                    )
+                })?;
+                settings(sub, v, &p, out)?;
+            }
+        }
+        _ => out.push((path.to_vec(), values.clone())),
+    }
+    Ok(())
+}
+
+fn at<'a>(v: &'a Value, path: &[String]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(k))
+}
+
+#[test]
+fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result<()> {
+    let defaults = yaml_file(&chart().join("values.yaml"))?;
+    let schema: Value = serde_json::from_str(&std::fs::read_to_string(
+        chart().join("values.schema.json"),
+    )?)?;
+    let all = yaml_file(&all_values())?;
+    let mut d = Vec::new();
+    settings(&schema, &defaults, &[], &mut d)?;
+    ensure!(
+        d.len() > 20,
+        "only {} settings found in values.yaml",
+        d.len()
+    );
+    for (path, default) in &d {
+        let p = path.join(".");
+        let set = at(&all, path).with_context(|| format!("ci/all-values.yaml does not set {p}"))?;
+        ensure!(
+            set != default,
+            "ci/all-values.yaml sets {p} to its default {default}"
+        );
+    }
+
+    let rendered = chart_ok(&[
+        "render",
+        path_str(&chart()),
+        "--values",
+        path_str(&all_values()),
+        "--kube-version",
+        KUBE_VERSION,
+        "--release",
+        "gpu-ckpt-prod",
+        "--namespace",
+        "infra",
+    ])?;
+    let docs = valid_documents(&rendered)?;
+    let rc_sel = &all["runtimeClasses"]["nodeSelector"];
+    let rc_tol = &all["runtimeClasses"]["tolerations"];
+    for (name, handler) in [
+        ("gpu-ckpt-h100", "gpu-ckpt"),
+        ("gpu-ckpt-h100-restore", "gpu-ckpt-restore"),
+    ] {
+        let rc = object(&docs, "RuntimeClass", name)?;
+        // Renamed classes keep the handlers the drop-ins register.
+        ensure!(rc["handler"] == handler, "{name}: {}", rc["handler"]);
+        ensure!(
+            rc["scheduling"]["nodeSelector"] == *rc_sel,
+            "{name}: {}",
+            rc["scheduling"]
+        );
+        ensure!(
+            rc["scheduling"]["tolerations"] == *rc_tol,
+            "{name}: {}",
+            rc["scheduling"]
+        );
+    }
+    let ni = &all["nodeInstaller"];
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-node-installer")?;
+    ensure!(ds["metadata"]["namespace"] == "infra");
+    ensure!(
+        ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == ni["maxUnavailable"]
+    );
+    let tpl = &ds["spec"]["template"];
+    ensure!(
+        tpl["metadata"]["annotations"] == ni["podAnnotations"],
+        "{}",
+        tpl["metadata"]
+    );
+    let pod = &tpl["spec"];
+    for (field, value) in [
+        ("nodeSelector", &ni["nodeSelector"]),
+        ("affinity", &ni["affinity"]),
+        ("tolerations", &ni["tolerations"]),
+        ("priorityClassName", &ni["priorityClassName"]),
+        (
+            "terminationGracePeriodSeconds",
+            &ni["terminationGracePeriodSeconds"],
+        ),
+        ("imagePullSecrets", &all["imagePullSecrets"]),
+        ("serviceAccountName", &ni["serviceAccount"]["name"]),
+    ] {
+        ensure!(
+            pod[field] == *value,
+            "pod {field}: {} != {value}",
+            pod[field]
+        );
+    }
+    let c = installer_container(ds)?;
+    ensure!(
+        c["image"]
+            == format!(
+                "{}:{}",
+                all["image"]["repository"].as_str().unwrap_or_default(),
+                all["image"]["tag"].as_str().unwrap_or_default()
+            ),
+        "image {}",
+        c["image"]
+    );
+    ensure!(c["imagePullPolicy"] == all["image"]["pullPolicy"]);
+    ensure!(c["resources"] == ni["resources"], "{}", c["resources"]);
+    let args = strings(&c["args"]);
+    let paths = &all["paths"];
+    for (f, v) in [
+        ("--root", &paths["hostRoot"]),
+        ("--containerd-config", &paths["containerdConfig"]),
+        ("--dropin-dir", &paths["dropinDir"]),
+        ("--bin-dir", &paths["binDir"]),
+        ("--lib-dir", &paths["libDir"]),
+        ("--payload", &ni["payloadDir"]),
+        ("--restart-command", &ni["restartCommand"]),
+    ] {
+        ensure!(
+            flag(&args, f) == v.as_str(),
+            "{f}: {:?} in {args:?}",
+            flag(&args, f)
+        );
+    }
+    // labelNode: false.
+    ensure!(!args.iter().any(|a| a == "--label-node"), "{args:?}");
+    ensure!(c["volumeMounts"][0]["mountPath"] == paths["hostRoot"]);
+    // action: uninstall, uninstallOnStop: false.
+    let script = &strings(&c["command"])[2];
+    ensure!(
+        script.contains(r#"gpu-ckpt-node-installer uninstall "$@" || exit 1"#),
+        "{script}"
+    );
+    ensure!(
+        !script.contains("gpu-ckpt-node-installer install"),
+        "{script}"
+    );
+    ensure!(
+        !script.contains("trap 'gpu-ckpt-node-installer"),
+        "{script}"
+    );
+    let sa = object(&docs, "ServiceAccount", "gpu-ckpt-installer")?;
+    ensure!(sa["metadata"]["annotations"] == ni["serviceAccount"]["annotations"]);
+    let binding = object(&docs, "ClusterRoleBinding", "gpu-ckpt-prod-node-installer")?;
+    ensure!(
+        binding["subjects"]
+            == json!([{"kind": "ServiceAccount", "name": "gpu-ckpt-installer", "namespace": "infra"}])
+    );
+    Ok(())
+}
+
+#[test]
+fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() -> Result<()> {
+    let manifests = repo().join("runtime-class/manifests");
+    chart_ok(&[
+        "manifests",
+        path_str(&chart()),
+        path_str(&manifests),
+        "--check",
+    ])?;
+
+    // The check does catch a drift: a copy with one line changed fails, naming the file.
+    let tmp = tempfile::tempdir()?;
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(&manifests)? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "yaml") {
+            files.push(p);
+        }
+    }
+    files.sort();
+    ensure!(files.len() == 2, "runtime-class/manifests has {files:?}");
+    for p in &files {
+        std::fs::copy(p, tmp.path().join(p.file_name().context("name")?))?;
+    }
+    let edited = tmp.path().join("runtimeclasses.yaml");
+    let text = std::fs::read_to_string(&edited)?;
+    std::fs::write(
+        &edited,
+        text.replacen("handler: gpu-ckpt-restore", "handler: runc", 1),
+    )?;
+    let (ok, out) = chart_py(&[
+        "manifests",
+        path_str(&chart()),
+        path_str(tmp.path()),
+        "--check",
+    ])?;
+    ensure!(!ok, "an edited plain manifest passed the check");
+    let err = out["error"].as_str().unwrap_or_default();
+    ensure!(
+        err.contains("runtimeclasses.yaml") && err.contains("make manifests"),
+        "{err}"
+    );
+
+    // Every manifest of runtime-class/: the plain ones and the admission policies.
+    let mut all: Vec<PathBuf> = files.clone();
+    for e in std::fs::read_dir(repo().join("runtime-class/admission"))? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "yaml") {
+            all.push(p);
+        }
+    }
+    let mut args = vec!["validate", "--kube-version", KUBE_VERSION];
+    args.extend(all.iter().map(|p| path_str(p)));
+    let out = chart_ok(&args)?;
+    let docs = valid_documents(&out)?;
+    let k = kinds(&docs);
+    ensure!(k.get("RuntimeClass") == Some(&2), "{k:?}");
+    ensure!(k.get("DaemonSet") == Some(&1), "{k:?}");
+    ensure!(k.get("ValidatingAdmissionPolicy") == Some(&1), "{k:?}");
+    let sources: BTreeSet<String> = out["documents"]
+        .as_array()
+        .context("documents")?
+        .iter()
+        .map(|d| d["source"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ensure!(
+        sources.len() == all.len(),
+        "not every file had a document: {sources:?}"
+    );
+
+    // A Kubernetes version the validator has no schemas for is an error, not an older stand-in.
+    let (ok, out) = chart_py(&["validate", "--kube-version", "1.99", path_str(&files[0])])?;
+    ensure!(
+        !ok && out["error"].as_str().unwrap_or_default().contains("1.99"),
+        "{out}"
+    );
+    Ok(())
+}
+
+/// Renders with `set` (JSON values) on top of the defaults and validates; the one invalid
+/// document's (kind, field, error).
+fn first_invalid(set: &str) -> Result<(String, String, String)> {
+    let out = chart_ok(&[
+        "render",
+        path_str(&chart()),
+        "--set-json",
+        set,
+        "--kube-version",
+        KUBE_VERSION,
+    ])?;
+    let bad: Vec<&Value> = out["documents"]
+        .as_array()
+        .context("documents")?
+        .iter()
+        .filter(|d| d["valid"] != true)
+        .collect();
+    ensure!(!bad.is_empty(), "{set}: every document validated");
+    let s = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    Ok((s(&bad[0]["kind"]), s(&bad[0]["field"]), s(&bad[0]["error"])))
+}
+
+#[test]
+fn invalid_values_fail_with_the_field_named() -> Result<()> {
+    // A toleration whose tolerationSeconds is not a number: Helm renders it, the schema refuses
+    // it at that field.
+    let (kind, field, err) = first_invalid(
+        r#"{"nodeInstaller":{"tolerations":[{"key":"pool","operator":"Exists","effect":"NoExecute","tolerationSeconds":"soon"}]}}"#,
+    )?;
+    ensure!(kind == "DaemonSet", "{kind}");
+    ensure!(
+        field == "spec.template.spec.tolerations[0].tolerationSeconds",
+        "{field}"
+    );
+    ensure!(err.contains("'soon'") && err.contains("integer"), "{err}");
+
+    // A misspelt toleration key on a RuntimeClass: the strict schema refuses the unknown field.
+    let (kind, field, err) = first_invalid(
+        r#"{"runtimeClasses":{"tolerations":[{"keyy":"pool","operator":"Exists"}]}}"#,
+    )?;
+    ensure!(kind == "RuntimeClass", "{kind}");
+    ensure!(field == "scheduling.tolerations[0]", "{field}");
+    ensure!(err.contains("'keyy'"), "{err}");
+
+    // A resource quantity that is a list.
+    let (kind, field, _) =
+        first_invalid(r#"{"nodeInstaller":{"resources":{"limits":{"memory":[]}}}}"#)?;
+    ensure!(kind == "DaemonSet", "{kind}");
+    ensure!(
+        field == "spec.template.spec.containers[0].resources.limits.memory",
+        "{field}"
+    );
+
+    // What the chart's own schema refuses before anything renders, naming the value.
+    for (set, named) in [
+        (
+            r#"{"image":{"pullPolicy":"Sometimes"}}"#,
+            "/image/pullPolicy",
+        ),
+        (r#"{"imag":{"tag":"1"}}"#, "imag"),
+        (
+            r#"{"runtimeClasses":{"checkpoint":{"name":"GPU_Ckpt"}}}"#,
+            "/runtimeClasses/checkpoint/name",
+        ),
+        (r#"{"paths":{"binDir":"usr/local/bin"}}"#, "/paths/binDir"),
+        (
+            r#"{"runtimeClasses":{"nodeSelector":{"gpu-ckpt.io/runtime":true}}}"#,
+            "nodeSelector",
+        ),
+    ] {
+        let (ok, out) = chart_py(&["render", path_str(&chart()), "--set-json", set])?;
+        ensure!(!ok, "{set} rendered");
+        let err = out["error"].as_str().unwrap_or_default();
+        ensure!(
+            err.contains(named),
+            "{set}: the error does not name {named}: {err}"
+        );
+    }
+    Ok(())
+}
+
+/// The DaemonSet container's command and its arguments as the kubelet passes them
+/// (`$(NODE_NAME)` expanded).
+fn pod_command(rendered: &Value, node: &str) -> Result<(Vec<String>, Vec<String>)> {
+    let docs = valid_documents(rendered)?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
+    let c = installer_container(ds)?;
+    let command = strings(&c["command"]);
+    ensure!(
+        command.first().map(String::as_str) == Some("/bin/sh"),
+        "{command:?}"
+    );
+    let args = strings(&c["args"])
+        .into_iter()
+        .map(|a| a.replace("$(NODE_NAME)", node))
+        .collect();
+    Ok((command, args))
+}
+
+/// Runs the installer pod's command as the kubelet would, with `shell` in place of `/bin/sh`
+/// and `bin` first on PATH (where gpu-ckpt-node-installer is). Waits until it says it is done
+/// (or exits), calls `running` while it waits, sends SIGTERM, and returns its exit status, the
+/// expanded arguments and its standard error.
+fn run_pod(
+    rendered: &Value,
+    shell: &[&str],
+    bin: &Path,
+    running: impl FnOnce() -> Result<()>,
+) -> Result<(i32, Vec<String>, String)> {
+    use nix::sys::signal::{kill, killpg, Signal};
+    use nix::unistd::Pid;
+    use std::os::unix::process::CommandExt;
+    use std::time::{Duration, Instant};
+
+    let node = "node-a";
+    let (command, args) = pod_command(rendered, node)?;
+    let tmp = tempfile::tempdir()?;
+    let out = tmp.path().join("stdout");
+    let err = tmp.path().join("stderr");
+    let mut child = Command::new(shell[0])
+        .args(&shell[1..])
+        .args(&command[1..])
+        .args(&args)
+        .env_clear()
+        .env(
+            "PATH",
+            format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", bin.display()),
+        )
+        .env("NODE_NAME", node)
+        .stdout(std::fs::File::create(&out)?)
+        .stderr(std::fs::File::create(&err)?)
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("cannot run {shell:?}"))?;
+    let pid = Pid::from_raw(i32::try_from(child.id())?);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut status = None;
+    let mut done = false;
+    while Instant::now() < deadline {
+        if let Some(s) = child.try_wait()? {
+            status = Some(s);
+            break;
+        }
+        if std::fs::read_to_string(&out)?.contains(&format!("done on node {node}; waiting")) {
+            done = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let checked = if done { running() } else { Ok(()) };
+    if status.is_none() {
+        kill(pid, Signal::SIGTERM)?;
+        while Instant::now() < deadline && status.is_none() {
+            status = child.try_wait()?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    // The shell's `sleep` is left over once it exited; end the group.
+    let _ = killpg(pid, Signal::SIGKILL);
+    let status = match status {
+        Some(s) => s,
+        None => {
+            let _ = child.kill();
+            bail!("the installer pod's command did not exit within 60 s")
+        }
+    };
+    let stderr = std::fs::read_to_string(&err).unwrap_or_default();
+    checked.with_context(|| format!("while the pod ran; its stderr:\n{stderr}"))?;
+    Ok((status.code().unwrap_or(-1), args, stderr))
+}
+
+/// [`run_pod`] with a stub gpu-ckpt-node-installer that logs its arguments and exits with
+/// `stub_status`; the exit status, the stub's calls and the arguments.
+fn run_installer_pod(
+    rendered: &Value,
+    shell: &[&str],
+    stub_status: i32,
+) -> Result<(i32, Vec<String>, Vec<String>)> {
+    let tmp = tempfile::tempdir()?;
+    let log = tmp.path().join("calls.log");
+    let stub = tmp.path().join("gpu-ckpt-node-installer");
+    std::fs::write(
+        &stub,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> '{}'\nexit {stub_status}\n",
+            log.display()
+        ),
+    )?;
+    std::fs::set_permissions(&stub, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    let (code, args, _) = run_pod(rendered, shell, tmp.path(), || Ok(()))?;
+    let calls = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    Ok((code, calls, args))
+}
+
+#[test]
+fn the_installer_pod_installs_then_uninstalls_when_stopped() -> Result<()> {
+    // The image's shell is busybox's; the host's /bin/sh (dash) too. busybox-static is one of
+    // the stack's host packages (test-containers/stack/install.sh).
+    ensure!(
+        Path::new("/bin/busybox").is_file(),
+        "/bin/busybox is missing: run `make deps` (busybox-static)"
+    );
+    let shells: [&[&str]; 2] = [&["/bin/busybox", "sh"], &["/bin/sh"]];
+    let defaults = chart_ok(&["render", path_str(&chart()), "--kube-version", KUBE_VERSION])?;
+    for shell in shells {
+        // Default values: install, wait, uninstall with the same flags on SIGTERM, exit 0.
+        let (code, calls, args) = run_installer_pod(&defaults, shell, 0)?;
+        let joined = args.join(" ");
+        ensure!(joined.contains("--label-node node-a"), "{joined}");
+        ensure!(
+            calls == [format!("install {joined}"), format!("uninstall {joined}")],
+            "{shell:?}: {calls:?}"
+        );
+        ensure!(code == 0, "{shell:?}: exit status {code}");
+
+        // A failed install ends the container (the kubelet restarts it) without an uninstall.
+        let (code, calls, args) = run_installer_pod(&defaults, shell, 1)?;
+        ensure!(
+            calls == [format!("install {}", args.join(" "))],
+            "{shell:?}: {calls:?}"
+        );
+        ensure!(code == 1, "{shell:?}: exit status {code}");
+    }
+
+    // action: uninstall (ci/all-values.yaml): uninstall once, then nothing more on SIGTERM.
+    let all = chart_ok(&[
+        "render",
+        path_str(&chart()),
+        "--values",
+        path_str(&all_values()),
+        "--kube-version",
+        KUBE_VERSION,
+    ])?;
+    let (code, calls, args) = run_installer_pod(&all, &["/bin/busybox", "sh"], 0)?;
+    ensure!(
+        calls == [format!("uninstall {}", args.join(" "))],
+        "{calls:?}"
+    );
+    ensure!(code == 0, "exit status {code}");
+    Ok(())
+}
+
+/// A workspace binary next to the test executable's directory (target/<profile>/).
+fn workspace_bin(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent();
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        if d.join(name).is_file() {
+            return Ok(d.to_path_buf());
+        }
+        dir = d.parent();
+    }
+    bail!(
+        "{name} not found near {}: build the workspace first (cargo build --workspace, or \
+         cargo build -p gpu-ckpt-node-installer)",
+        exe.display()
+    )
+}
+
+/// Every entry under `root`: its kind, mode and content digest (or link target).
+fn listing(root: &Path) -> Result<BTreeMap<String, String>> {
+    use sha2::{Digest, Sha256};
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = BTreeMap::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for e in std::fs::read_dir(&dir)? {
+            let p = e?.path();
+            let rel = p.strip_prefix(root)?.display().to_string();
+            let m = std::fs::symlink_metadata(&p)?;
+            let mode = m.permissions().mode() & 0o7777;
+            let what = if m.file_type().is_symlink() {
+                format!("link -> {}", std::fs::read_link(&p)?.display())
+            } else if m.is_dir() {
+                todo.push(p.clone());
+                format!("dir {mode:o}")
+            } else {
+                let digest = hex::encode(Sha256::digest(std::fs::read(&p)?));
+                format!("file {mode:o} {digest}")
+            };
+            out.insert(rel, what);
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = workspace_bin("gpu-ckpt-node-installer")?;
+    let tmp = tempfile::tempdir()?;
+    // A node: containerd's configuration and the directories a node has.
+    let root = tmp.path().join("node");
+    std::fs::create_dir_all(root.join("etc/containerd"))?;
+    std::fs::create_dir_all(root.join("usr/local/bin"))?;
+    std::fs::create_dir_all(root.join("var/lib"))?;
+    std::fs::write(
+        root.join("etc/containerd/config.toml"),
+        "# the node's own configuration\nversion = 3\nroot = '/var/lib/containerd'\n\n\
+         [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n  \
+         runtime_type = 'io.containerd.runc.v2'\n",
+    )?;
+    // What the image carries.
+    let payload = tmp.path().join("payload");
+    std::fs::create_dir_all(payload.join("criu/lib"))?;
+    for f in [
+        "containerd-shim-gpu-ckpt-v1",
+        "gpu-ckpt",
+        "gpu-ckpt-hook",
+        "criu/criu",
+        "criu/lib/libnl-3.so.200",
+    ] {
+        let p = payload.join(f);
+        std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let restarts = tmp.path().join("restarts.log");
+    let before = listing(&root)?;
+
+    let set = json!({
+        "paths": {"hostRoot": path_str(&root)},
+        "nodeInstaller": {
+            "payloadDir": path_str(&payload),
+            "restartCommand": format!("echo restarted >> {}", restarts.display()),
+            "labelNode": false,
+        },
+    })
+    .to_string();
+    let rendered = chart_ok(&[
+        "render",
+        path_str(&chart()),
+        "--set-json",
+        &set,
+        "--kube-version",
+        KUBE_VERSION,
+    ])?;
+    let restarts_seen = || -> usize {
+        std::fs::read_to_string(&restarts)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let (code, _, stderr) = run_pod(&rendered, &["/bin/busybox", "sh"], &bin, || {
+        let dropin = std::fs::read_to_string(root.join("etc/containerd/conf.d/gpu-ckpt.toml"))
+            .context("the gpu-ckpt drop-in was not installed")?;
+        ensure!(
+            dropin.contains("/usr/local/bin/containerd-shim-gpu-ckpt-v1")
+                && dropin.contains("cdi.k8s.io/*"),
+            "{dropin}"
+        );
+        let restore =
+            std::fs::read_to_string(root.join("etc/containerd/conf.d/gpu-ckpt-restore.toml"))
+                .context("the gpu-ckpt-restore drop-in was not installed")?;
+        ensure!(restore.contains("Mode = 'restore'") || restore.contains("Mode = \"restore\""));
+        let config = std::fs::read_to_string(root.join("etc/containerd/config.toml"))?;
+        for d in ["gpu-ckpt.toml", "gpu-ckpt-restore.toml"] {
+            ensure!(
+                config.contains(&format!("/etc/containerd/conf.d/{d}")),
+                "{d} is not in containerd's imports:\n{config}"
+            );
+        }
+        ensure!(
+            config.contains("# the node's own configuration"),
+            "{config}"
+        );
+        for b in [
+            "containerd-shim-gpu-ckpt-v1",
+            "gpu-ckpt",
+            "gpu-ckpt-hook",
+            "criu",
+        ] {
+            ensure!(
+                root.join("usr/local/bin").join(b).exists(),
+                "{b} is not in the node's /usr/local/bin"
+            );
+        }
+        ensure!(
+            restarts_seen() == 1,
+            "containerd restarted {} times",
+            restarts_seen()
+        );
+        Ok(())
+    })?;
+    ensure!(
+        code == 0,
+        "the pod's command exited {code}; its stderr:\n{stderr}"
+    );
+    // SIGTERM: the uninstall left the node as it was, and restarted containerd once more.
+    let after = listing(&root)?;
+    ensure!(
+        after == before,
+        "the node is not back to where it started:\nbefore {before:#?}\nafter {after:#?}"
+    );
+    ensure!(
+        restarts_seen() == 2,
+        "containerd restarted {} times",
+        restarts_seen()
+    );
+    Ok(())
+}
