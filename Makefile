@@ -127,6 +127,17 @@ manifests:
 	@test -x $(STACK)/py/bin/python || { echo "make manifests: $(STACK)/py/bin/python is missing; run 'make deps'" >&2; exit 1; }
 	$(STACK)/py/bin/python runtime-class/tools/chart.py manifests runtime-class/chart/gpu-ckpt runtime-class/manifests
 
+# The full soak (docs/benchmarks.md, "Soak"): a counter checkpointed and restored 100 times in a
+# row under one shim, and 20 pods checkpointed at once, 5 times; the shims' fds and RSS with their
+# slopes (the debug shim, as the test command runs it). The tests start the plain registry if it
+# is not running. The test command runs a short soak (test-containers/tests/soak.rs).
+.PHONY: soak
+soak: deps images
+	$(CARGO) build -p gpu-ckpt-shim
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/debug GPU_CKPT_SOAK_CYCLES=100 GPU_CKPT_SOAK_PODS=20 \
+	  GPU_CKPT_SOAK_ROUNDS=5 $(CARGO) test -p gpu-ckpt-test-containers --test soak \
+	  -- --test-threads=1 --nocapture
+
 # Longer fuzzing of the archive reader and manifest parser than the test command's bounded run.
 fuzz:
 	$(MAKE) -C image-format fuzz-long

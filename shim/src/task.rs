@@ -49,6 +49,9 @@ type Shared = Arc<Mutex<Container>>;
 /// How long an exit nobody has claimed yet is kept: an exec can exit before its pid is known.
 const UNCLAIMED_EXIT_TTL: Duration = Duration::from_secs(60);
 
+/// How long Pids waits for a busy container before it answers from the container's cgroup.
+const PIDS_LOCK_WAIT: Duration = Duration::from_secs(1);
+
 /// Which process a pid belongs to, and exits that came before their pid was registered.
 #[derive(Default)]
 struct PidIndex {
@@ -425,6 +428,53 @@ impl Tasks {
         })
     }
 
+    /// A checkpoint whose caller went away before it ended (containerd restarted): whatever
+    /// it wrote must not look complete, as its caller was told it failed, so a written one
+    /// loses its manifest first and then CRIU's images. A container left paused is resumed: the
+    /// caller that paused it for the checkpoint (ctr, CRI) can no longer be relied on to.
+    async fn abandon_checkpoint(
+        &self,
+        c: &mut Container,
+        written: Option<(std::path::PathBuf, image_format::manifest::Manifest)>,
+        result: Result<()>,
+    ) {
+        let id = c.id.clone();
+        warn!(%id, ok = result.is_ok(), "checkpoint abandoned: its caller is gone");
+        if let Some((dir, m)) = written {
+            let manifest = dir.join(image_format::manifest::MANIFEST_FILE);
+            match std::fs::remove_file(&manifest) {
+                Ok(()) => {
+                    // CRIU's images (which it would have overwritten anyway); other files may
+                    // have been in the directory before.
+                    for name in m.files.keys().filter(|n| n.ends_with(".img")) {
+                        let _ = std::fs::remove_file(dir.join(name));
+                    }
+                    let _ = std::fs::remove_dir(&dir);
+                    info!(%id, path = %dir.display(), "abandoned checkpoint removed");
+                }
+                Err(e) => {
+                    warn!(%id, path = %manifest.display(), error = %e, "abandoned checkpoint: its manifest could not be removed")
+                }
+            }
+        }
+        if c.init.status == Status::Paused {
+            match c.resume().await {
+                Ok(()) => {
+                    c.init.status = Status::Running;
+                    self.events.send(
+                        TASK_RESUMED_EVENT_TOPIC,
+                        TaskResumed {
+                            container_id: id.clone(),
+                            ..Default::default()
+                        },
+                    );
+                    info!(%id, "resumed after its abandoned checkpoint");
+                }
+                Err(e) => warn!(%id, error = %e, "resume after an abandoned checkpoint"),
+            }
+        }
+    }
+
     /// Pauses (`pause`) or resumes the container's processes (cgroup freezer through runc).
     async fn set_paused(&self, id: &str, pause: bool) -> Result<()> {
         let container = self.container(id).await?;
@@ -462,9 +512,25 @@ impl Tasks {
         Ok(())
     }
 
+    /// The init pid of container `id`, from the pid index (without its lock).
+    fn init_pid_of(&self, id: &str) -> Option<i32> {
+        let index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
+        index
+            .owners
+            .iter()
+            .find(|(_, (c, exec))| c == id && exec.is_empty())
+            .map(|(pid, _)| *pid)
+    }
+
     async fn do_pids(&self, id: &str) -> Result<PidsResponse> {
         let container = self.container(id).await?;
-        let c = container.lock().await;
+        // A container busy for long (a checkpoint holds it until CRIU is done) answers from
+        // its cgroup, without exec details: containerd asks for the pids when it starts and
+        // takes a shim that does not answer for a dead one.
+        let c = match tokio::time::timeout(PIDS_LOCK_WAIT, container.lock()).await {
+            Ok(c) => c,
+            Err(_) => return self.pids_from_cgroup(id),
+        };
         let pids = c.runc.ps(id).await?;
         let mut processes = Vec::with_capacity(pids.len());
         for pid in pids {
@@ -483,6 +549,36 @@ impl Tasks {
         }
         Ok(PidsResponse {
             processes,
+            ..Default::default()
+        })
+    }
+
+    /// The processes of container `id` as its memory cgroup lists them (`cgroup.procs`).
+    fn pids_from_cgroup(&self, id: &str) -> Result<PidsResponse> {
+        let busy = |why: String| {
+            Error::FailedPrecondition(format!(
+                "pids of container {id}: it is busy (a checkpoint runs) and {why}"
+            ))
+        };
+        let init = self
+            .init_pid_of(id)
+            .ok_or_else(|| busy("its init process is not known".into()))?;
+        let dir = match crate::oom::MemoryCgroup::of_pid(init) {
+            Some(crate::oom::MemoryCgroup::V1(d) | crate::oom::MemoryCgroup::V2(d)) => d,
+            None => return Err(busy(format!("pid {init} has no memory cgroup"))),
+        };
+        let procs = dir.join("cgroup.procs");
+        let text = std::fs::read_to_string(&procs)
+            .map_err(|e| busy(format!("{} is unreadable: {e}", procs.display())))?;
+        Ok(PidsResponse {
+            processes: text
+                .lines()
+                .filter_map(|l| l.trim().parse::<u32>().ok())
+                .map(|pid| ProcessInfo {
+                    pid,
+                    ..Default::default()
+                })
+                .collect(),
             ..Default::default()
         })
     }
@@ -519,26 +615,56 @@ impl Tasks {
         c.runc.update(&req.id, &resources).await
     }
 
-    async fn do_checkpoint(&self, req: CheckpointTaskRequest) -> Result<()> {
+    /// Checkpoint of a container. The work runs in a task of its own, holding the container
+    /// until it ends: ttrpc drops a request's future when its connection closes (containerd
+    /// restarted), and a checkpoint cut off at an arbitrary step would skip its undo and free
+    /// the container for a Resume while CRIU still holds the cgroup frozen. A checkpoint whose
+    /// caller is gone when it ends is abandoned ([`Tasks::abandon_checkpoint`]).
+    async fn do_checkpoint(self: Arc<Self>, req: CheckpointTaskRequest) -> Result<()> {
         let container = self.container(&req.id).await?;
-        let mut c = container.lock().await;
-        let plan = CheckpointPlan::resolve(
-            &req.path,
-            req.options.as_ref(),
-            &c.options,
-            &c.annotations,
-            c.init.stdio.terminal,
-        )?;
-        let manifest = c.checkpoint(&plan).await?;
-        let total: u64 = manifest.files.values().map(|f| f.size).sum();
-        info!(
-            id = %req.id,
-            path = %plan.image_path.display(),
-            bytes = total,
-            leave_running = plan.criu.leave_running,
-            "checkpoint written"
+        let service = self.clone();
+        let id = req.id.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let span = info_span!("checkpoint_work", id = %req.id);
+        tokio::spawn(
+            async move {
+                let mut c = container.lock_owned().await;
+                let result = CheckpointPlan::resolve(
+                    &req.path,
+                    req.options.as_ref(),
+                    &c.options,
+                    &c.annotations,
+                    c.init.stdio.terminal,
+                );
+                let result = match result {
+                    Ok(plan) => c.checkpoint(&plan).await.map(|m| (plan, m)),
+                    Err(e) => Err(e),
+                };
+                if let Ok((plan, manifest)) = &result {
+                    let total: u64 = manifest.files.values().map(|f| f.size).sum();
+                    info!(
+                        id = %req.id,
+                        path = %plan.image_path.display(),
+                        bytes = total,
+                        leave_running = plan.criu.leave_running,
+                        "checkpoint written"
+                    );
+                }
+                let (answer, written) = match result {
+                    Ok((plan, m)) => (Ok(()), Some((plan.image_path, m))),
+                    Err(e) => (Err(e), None),
+                };
+                if let Err(unsent) = tx.send(answer) {
+                    service.abandon_checkpoint(&mut c, written, unsent).await;
+                }
+            }
+            .instrument(span),
         );
-        Ok(())
+        rx.await.map_err(|_| {
+            Error::FailedPrecondition(format!(
+                "checkpoint of {id}: its task ended without an answer (it panicked)"
+            ))
+        })?
     }
 
     async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
@@ -682,7 +808,7 @@ impl Task for TaskService {
         req: CheckpointTaskRequest,
     ) -> ttrpc::Result<Empty> {
         let id = req.id.clone();
-        serve("checkpoint", &id, self.do_checkpoint(req))
+        serve("checkpoint", &id, self.0.clone().do_checkpoint(req))
             .await
             .map(|_| Empty::new())
     }
@@ -698,7 +824,13 @@ impl Task for TaskService {
     ) -> ttrpc::Result<ConnectResponse> {
         let fut = async {
             let container = self.container(&req.id).await?;
-            let pid = container.lock().await.init.pid;
+            // From the pid index, not under the container's lock: containerd connects when it
+            // starts and gives up on a shim that does not answer in time (cleaning it up, its
+            // container killed), while a checkpoint holds the lock to its end.
+            let pid = match self.init_pid_of(&req.id) {
+                Some(pid) => pid,
+                None => container.lock().await.init.pid,
+            };
             Ok(ConnectResponse {
                 shim_pid: std::process::id(),
                 task_pid: pid as u32,

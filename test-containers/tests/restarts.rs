@@ -1,7 +1,9 @@
 //! containerd restarts under running gpu-ckpt containers, and a shim killed outright: the
-//! containers run on across a restart, containerd reconnects to their shim, and the next
-//! checkpoint and restore work; a killed shim is cleaned up by containerd through the shim's
-//! delete action, leaving no runc state or mount behind.
+//! containers run on across a restart (one of them restarted in the middle of a checkpoint),
+//! containerd reconnects to their shim, the shim's events reach the new containerd, and the next
+//! checkpoint and restore work; an interrupted checkpoint leaves nothing a restore accepts; a
+//! killed shim is cleaned up by containerd through the shim's delete action, leaving no runc
+//! state or mount behind.
 
 mod common;
 
@@ -90,5 +92,259 @@ fn a_killed_shim_is_cleaned_up_by_containerd() -> Result<()> {
     node.ctr_ok(&["container", "rm", "k1"])?;
     let again = start_counter(&node, "k1", "100")?;
     ensure!(again != pid, "k1 did not start again");
+    Ok(())
+}
+
+/// The pass number of a memhog status line (`verified pass <k> …`).
+fn memhog_pass(status: &str) -> Option<u64> {
+    status
+        .trim()
+        .strip_prefix("verified pass ")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The freezer state of process `pid`'s cgroup (v1 `freezer.state`, v2 `cgroup.freeze`) and
+/// its scheduler state, for a failure's message.
+fn frozen_state(pid: i32) -> String {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let freezer = cgroups.lines().find_map(|l| {
+        let parts: Vec<&str> = l.splitn(3, ':').collect();
+        match parts.as_slice() {
+            [_, c, p] if c.split(',').any(|c| c == "freezer") => {
+                std::fs::read_to_string(format!("/sys/fs/cgroup/freezer{p}/freezer.state")).ok()
+            }
+            ["0", "", p] => std::fs::read_to_string(format!("/sys/fs/cgroup{p}/cgroup.freeze"))
+                .ok()
+                .map(|v| format!("cgroup.freeze {v}")),
+            _ => None,
+        }
+    });
+    let state = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("State:"))
+        .unwrap_or_default()
+        .to_string();
+    format!(
+        "freezer {}, {state}",
+        freezer.as_deref().map(str::trim).unwrap_or("unknown")
+    )
+}
+
+/// Waits until memhog `pid` reports a verified pass after `after`; returns it.
+fn memhog_verifies_after(pid: i32, after: u64, timeout: Duration) -> Result<u64> {
+    let mut last = String::new();
+    wait_until(timeout, "memhog to verify its memory again", || {
+        let s = rootfs_file(pid, "/status.txt")?;
+        last.clone_from(&s);
+        memhog_pass(&s).filter(|p| *p > after)
+    })
+    .with_context(|| format!("memhog's last status: {last:?}"))
+}
+
+/// containerd restarted while CRIU dumps a container (`ctr task checkpoint --image-path`,
+/// leave-running) of a few hundred MiB: the checkpoint fails for its caller, the container runs
+/// on unfrozen under the same shim, the interrupted image directory holds nothing a restore
+/// accepts, and the next checkpoint and its restore work through the reconnected shim.
+#[test]
+fn a_containerd_restart_mid_checkpoint_leaves_the_container_running() -> Result<()> {
+    let mut node = node("restart-mid-ckpt")?;
+    let pid = run_detached(
+        &node,
+        &[
+            workloads(),
+            "m1",
+            "/bin/memhog",
+            "--mib",
+            "512",
+            "--interval-ms",
+            "200",
+            "--status-file",
+            "/status.txt",
+        ],
+    )?;
+    let pass = memhog_verifies_after(pid, 0, Duration::from_secs(180))?;
+    let shims = shims_of(&node);
+    ensure!(shims.len() == 1, "shims of m1: {shims:?}");
+
+    let dir = node.paths().dir.join("m1-interrupted");
+    let _ = std::fs::remove_dir_all(&dir);
+    let ctr = {
+        let dir = dir.display().to_string();
+        let socket = node.socket().to_path_buf();
+        let ctr = test_containers::stack::Stack::discover()?.ctr_bin();
+        std::thread::spawn(move || {
+            std::process::Command::new(ctr)
+                .arg("--address")
+                .arg(socket)
+                .args(["-n", "default", "task", "checkpoint", "--image-path", &dir])
+                .arg("m1")
+                .output()
+        })
+    };
+    // CRIU, once it writes pages (runc runs it as `criu swrk 3`, and CRIU retitles itself
+    // `criu: dump --rpc -t <the container's init>`).
+    let target = format!("-t {pid}");
+    let criu = wait_until(Duration::from_secs(60), "CRIU to dump pages", || {
+        let p = *test_containers::stack::processes_matching(&["criu: dump", &target]).first()?;
+        let pages: u64 = std::fs::read_dir(&dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+            .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+            .sum();
+        (pages > 0).then_some(p)
+    })?;
+    // CRIU is held stopped across the restart, so that containerd goes away in the middle of
+    // the dump however fast the dump would be.
+    let criu_pid = nix::unistd::Pid::from_raw(criu);
+    nix::sys::signal::kill(criu_pid, nix::sys::signal::Signal::SIGSTOP)?;
+    let restarted = node.restart_containerd();
+    let dumping = std::path::Path::new(&format!("/proc/{criu}")).exists();
+    nix::sys::signal::kill(criu_pid, nix::sys::signal::Signal::SIGCONT)?;
+    restarted?;
+    ensure!(dumping, "CRIU was gone before containerd restarted");
+    let out = ctr
+        .join()
+        .map_err(|_| anyhow::anyhow!("the ctr thread panicked"))??;
+    println!(
+        "ctr task checkpoint across the restart ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    ensure!(
+        !out.status.success(),
+        "the checkpoint finished before containerd went down: nothing was interrupted"
+    );
+
+    // The shim's side of the interrupted checkpoint ends (CRIU and runc are gone).
+    wait_until(
+        Duration::from_secs(120),
+        "the interrupted dump to end",
+        || {
+            let criu = test_containers::stack::processes_matching(&["criu: dump", &target]);
+            let runc = test_containers::stack::processes_matching(&["runc", "checkpoint", "m1"]);
+            (criu.is_empty() && runc.is_empty()).then_some(())
+        },
+    )?;
+    // The container runs on, unfrozen, under the same shim, and containerd knows it again
+    // (its state is read under the container's lock, which the checkpoint holds to its end) …
+    let status = wait_until(Duration::from_secs(30), "m1 to run again", || {
+        node.task_status("m1").ok().filter(|s| s == "RUNNING")
+    })
+    .with_context(|| {
+        format!(
+            "m1 is {:?} after containerd restarted during its checkpoint",
+            node.task_status("m1")
+        )
+    })?;
+    // … and the checkpoint leaves nothing that looks complete: no manifest anywhere below
+    // the directory.
+    let manifests = files_named(&dir, image_format::manifest::MANIFEST_FILE);
+    ensure!(
+        manifests.is_empty() && !dir.join(image_format::manifest::MANIFEST_FILE).exists(),
+        "the interrupted checkpoint left a manifest: {manifests:?}"
+    );
+
+    println!("m1 after the interrupted checkpoint: {status}");
+    for line in node.log().lines().filter(|l| l.contains("abandoned")) {
+        println!("shim: {line}");
+    }
+    let pass = memhog_verifies_after(pid, pass, Duration::from_secs(60)).with_context(|| {
+        format!(
+            "m1 is stuck after the interrupted checkpoint: {}; shim log:\n{}",
+            frozen_state(pid),
+            node.log_tail(40)
+        )
+    })?;
+    ensure!(
+        node.task_pid("m1")? == pid,
+        "containerd reports another pid for m1"
+    );
+    ensure!(
+        shims_of(&node) == shims,
+        "the shim changed across the restart: {shims:?} then {:?}",
+        shims_of(&node)
+    );
+
+    // The next checkpoint and restore work through the reconnected shim; the interrupted
+    // directory is refused by the restore.
+    let good = node.paths().dir.join("m1-after");
+    node.checkpoint_task_exit("m1", &good)?;
+    node.ctr_ok(&["task", "rm", "m1"])?;
+    let refused = restore_from_dir(&node, "m1", &dir);
+    ensure!(
+        refused.is_err(),
+        "a restore accepted the interrupted checkpoint"
+    );
+    println!(
+        "restore from the interrupted checkpoint: {:#}",
+        refused.err().map(|e| format!("{e:#}")).unwrap_or_default()
+    );
+    let _ = node.ctr(&["task", "rm", "-f", "m1"]);
+    let restored = restore_from_dir(&node, "m1", &good)?;
+    let again = memhog_verifies_after(restored, pass, Duration::from_secs(60))?;
+    println!("memhog restored: pass {again} after pass {pass} before the checkpoint");
+    let status = rootfs_file(restored, "/status.txt").unwrap_or_default();
+    ensure!(
+        !status.contains("CORRUPT"),
+        "the restored memhog found corrupt pages: {status}"
+    );
+    Ok(())
+}
+
+/// The shim's events reach the containerd that started after a restart: a container that
+/// exits after the restart shows up as `/tasks/exit` in containerd's event stream (CRI learns
+/// of exits this way only).
+#[test]
+fn events_reach_containerd_after_a_restart() -> Result<()> {
+    let mut node = node("restart-events")?;
+    let pid = start_counter(&node, "e1", "100")?;
+    node.restart_containerd()?;
+    counter_goes_on(pid, counter_value(pid).unwrap_or(0))?;
+    let mut events = std::process::Command::new(node.stack().ctr_bin())
+        .arg("--address")
+        .arg(node.socket())
+        .args(["events"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("ctr events")?;
+    let stdout = events.stdout.take().context("ctr events' stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    // ctr events subscribes before it prints anything; give it a moment.
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: kill(2) of the counter's pid, just read.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    let found = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.contains("/tasks/exit") && line.contains("e1") => break true,
+            Ok(line) => seen.push(line),
+            Err(_) => break false,
+        }
+    };
+    let _ = events.kill();
+    let _ = events.wait();
+    ensure!(
+        found,
+        "no /tasks/exit for e1 reached the restarted containerd within 30 s; events seen: {seen:?}"
+    );
     Ok(())
 }

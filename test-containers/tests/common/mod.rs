@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod gpu;
+pub mod soak;
 
 use std::{
     path::{Path, PathBuf},
