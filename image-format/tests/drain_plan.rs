@@ -59,6 +59,25 @@ fn kinds(n: &NodePlan) -> Vec<(StepKind, Option<String>, Option<String>)> {
         .collect()
 }
 
+/// `gpu-ckpt drain-plan --pods PODS --nodes NODES --node NODE --registry REGISTRY EXTRA…`, the
+/// lists being fixtures.
+fn drain_plan_cli(pods: &str, nodes: &str, node: &str, extra: &[&str]) -> (i32, String, String) {
+    let (pods, nodes) = (fixture(pods), fixture(nodes));
+    let mut args = vec![
+        "drain-plan",
+        "--pods",
+        pods.to_str().unwrap(),
+        "--nodes",
+        nodes.to_str().unwrap(),
+        "--node",
+        node,
+        "--registry",
+        REGISTRY,
+    ];
+    args.extend_from_slice(extra);
+    gpu_ckpt(&args)
+}
+
 fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
         .args(args)
@@ -366,19 +385,12 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
     );
 
     // The text says so per workload, and the command exits 1.
-    let (code, out, err) = gpu_ckpt(&[
-        "drain-plan",
-        "--pods",
-        fixture("nodest-pods.json").to_str().unwrap(),
-        "--nodes",
-        fixture("nodest-nodes.json").to_str().unwrap(),
-        "--node",
+    let (code, out, err) = drain_plan_cli(
+        "nodest-pods.json",
+        "nodest-nodes.json",
         "a100-1",
-        "--upgrade",
-        "driver=580.65.06,cuda=13.0",
-        "--registry",
-        REGISTRY,
-    ]);
+        &["--upgrade", "driver=580.65.06,cuda=13.0"],
+    );
     assert_eq!(code, 1, "{err}");
     assert!(out.contains("    research/llm-finetune-0 [gpu-ckpt, 2 GPU(s), StatefulSet/llm-finetune]\n      NO COMPATIBLE DESTINATION: "), "{out}");
     assert!(out.contains(
@@ -661,17 +673,7 @@ fn malformed_input_gets_an_error_naming_the_field() {
     );
 
     // The command: exit 2, the error on stderr, nothing on stdout.
-    let (code, out, err) = gpu_ckpt(&[
-        "drain-plan",
-        "--pods",
-        fixture("malformed-pods.json").to_str().unwrap(),
-        "--nodes",
-        fixture("mixed-nodes.json").to_str().unwrap(),
-        "--node",
-        "gpu-a",
-        "--registry",
-        REGISTRY,
-    ]);
+    let (code, out, err) = drain_plan_cli("malformed-pods.json", "mixed-nodes.json", "gpu-a", &[]);
     assert_eq!(code, 2);
     assert!(out.is_empty(), "{out}");
     assert!(
@@ -679,17 +681,7 @@ fn malformed_input_gets_an_error_naming_the_field() {
         "{err}"
     );
     // Flags: an unknown node, an unknown upgrade key.
-    let (code, _, err) = gpu_ckpt(&[
-        "drain-plan",
-        "--pods",
-        fixture("mixed-pods.json").to_str().unwrap(),
-        "--nodes",
-        fixture("mixed-nodes.json").to_str().unwrap(),
-        "--node",
-        "gpu-zz",
-        "--registry",
-        REGISTRY,
-    ]);
+    let (code, _, err) = drain_plan_cli("mixed-pods.json", "mixed-nodes.json", "gpu-zz", &[]);
     assert_eq!(code, 2);
     assert!(
         err.contains("--node gpu-zz: no such node in the node list"),
@@ -699,21 +691,12 @@ fn malformed_input_gets_an_error_naming_the_field() {
 
 #[test]
 fn the_json_output_is_the_plan() {
-    let (code, out, err) = gpu_ckpt(&[
-        "drain-plan",
-        "--pods",
-        fixture("mixed-pods.json").to_str().unwrap(),
-        "--nodes",
-        fixture("mixed-nodes.json").to_str().unwrap(),
-        "--node",
+    let (code, out, err) = drain_plan_cli(
+        "mixed-pods.json",
+        "mixed-nodes.json",
         "gpu-a",
-        "--registry",
-        REGISTRY,
-        "--checkpoint-timeout",
-        "1200",
-        "--output",
-        "json",
-    ]);
+        &["--checkpoint-timeout", "1200", "--output", "json"],
+    );
     assert_eq!(code, 0, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["complete"], true);

@@ -524,29 +524,30 @@ impl Cri {
     ) -> Result<String> {
         // As a dockerconfigjson key: containerd parses it as a URL.
         let server = format!("https://{}", image.split('/').next().unwrap_or_default());
-        let r = self
-            .images()
-            .pull_image(self.req(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: image.to_string(),
-                    user_specified_image: image.to_string(),
-                    ..Default::default()
-                }),
-                auth: Some(cri::AuthConfig {
-                    username: username.to_string(),
-                    password: password.to_string(),
-                    server_address: server,
-                    ..Default::default()
-                }),
-                sandbox_config: None,
-            }))
+        let auth = cri::AuthConfig {
+            username: username.to_string(),
+            password: password.to_string(),
+            server_address: server,
+            ..Default::default()
+        };
+        self.pull(image, Some(auth))
             .await
-            .with_context(|| format!("PullImage {image} with a login"))?;
-        Ok(r.into_inner().image_ref)
+            .with_context(|| format!("PullImage {image} with a login"))
     }
 
     /// PullImage; returns the image ref (image id).
     pub async fn pull_image(&self, image: &str) -> Result<String> {
+        self.pull(image, None)
+            .await
+            .with_context(|| format!("CRI PullImage {image}"))
+    }
+
+    /// PullImage of `image` with the login `auth`, if any; the image ref (image id).
+    async fn pull(
+        &self,
+        image: &str,
+        auth: Option<cri::AuthConfig>,
+    ) -> std::result::Result<String, tonic::Status> {
         let r = self
             .images()
             .pull_image(self.req(cri::PullImageRequest {
@@ -555,11 +556,10 @@ impl Cri {
                     user_specified_image: image.to_string(),
                     ..Default::default()
                 }),
-                auth: None,
+                auth,
                 sandbox_config: None,
             }))
-            .await
-            .with_context(|| format!("CRI PullImage {image}"))?;
+            .await?;
         Ok(r.into_inner().image_ref)
     }
 

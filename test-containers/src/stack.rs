@@ -22,7 +22,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 
 /// Runtime handler name of the project's shim in the node config.
 pub const GPU_CKPT_HANDLER: &str = "gpu-ckpt";
@@ -57,12 +57,10 @@ impl Stack {
     /// Finds the stack: env `GPU_CKPT_STACK`, else `<repo>/.stack`. Fails (never skips) when
     /// containerd is not installed there.
     pub fn discover() -> Result<Stack> {
-        let repo = repo_root();
-        let prefix = match std::env::var_os("GPU_CKPT_STACK") {
-            Some(p) if !p.is_empty() => PathBuf::from(p),
-            _ => repo.join(".stack"),
+        let stack = Stack {
+            prefix: stack_prefix(),
+            repo: repo_root(),
         };
-        let stack = Stack { prefix, repo };
         let containerd = stack.containerd_bin();
         if !containerd.is_file() {
             bail!(
@@ -164,6 +162,27 @@ impl Stack {
 pub fn repo_root() -> PathBuf {
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+/// The stack prefix (`$STACK`): env `GPU_CKPT_STACK`, else `<repo>/.stack`.
+pub fn stack_prefix() -> PathBuf {
+    match std::env::var_os("GPU_CKPT_STACK") {
+        Some(p) if !p.is_empty() => PathBuf::from(p),
+        _ => repo_root().join(".stack"),
+    }
+}
+
+/// The interpreter of the Python venv that `make deps` creates under the stack prefix
+/// (`$STACK/py/bin/python`), with `packages` in it; an error naming it when it is missing.
+pub fn venv_python(packages: &str) -> Result<PathBuf> {
+    let py = stack_prefix().join("py/bin/python");
+    ensure!(
+        py.is_file(),
+        "{} is missing: the Python venv with {packages} is not installed; run `make deps` \
+         (test-containers/stack/install.sh creates it)",
+        py.display()
+    );
+    Ok(py)
 }
 
 /// A value in a runtime's `options` table.

@@ -17,10 +17,6 @@ use test_containers::{
     stack::{Node, GPU_CKPT_HANDLER},
 };
 
-fn counter_spec() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
 /// Checkpoints a running counter through CRI on `node`; returns the archive and the counter
 /// values read just before and just after the checkpoint.
 async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64, Pod, String)> {
@@ -199,9 +195,7 @@ fn restore_on_a_second_node_through_both_paths() -> Result<()> {
         cri_a.remove_pod(&pod_a).await?;
         expect_restored_counter(
             &cri_b,
-            &PodSpec::new("worker", b.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+            &restore_pod("worker", &b, &archive.display().to_string()),
             &counter_spec(),
             (before, after),
             "the restore handler",
@@ -223,13 +217,7 @@ fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
         let archive_s = archive.display().to_string();
 
         // A container of another name: refused, naming the field.
-        let pod = cri_b
-            .run_pod(
-                &PodSpec::new("other", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &archive_s),
-            )
-            .await?;
+        let pod = cri_b.run_pod(&restore_pod("other", &b, &archive_s)).await?;
         let spec = ContainerSpec::new("sidecar", workloads()).command(&["/bin/counter"]);
         let err = cri_b
             .run_container(&pod, &spec)
@@ -246,9 +234,7 @@ fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
         // The same with on-incompatible: cold-start starts it fresh.
         let pod = cri_b
             .run_pod(
-                &PodSpec::new("cold", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &archive_s)
+                &restore_pod("cold", &b, &archive_s)
                     .annotation("gpu-ckpt.io/model-version", "other-model")
                     .annotation("gpu-ckpt.io/on-incompatible", "cold-start"),
             )
@@ -270,11 +256,7 @@ fn restore_handler_checks_the_checkpoint_belongs_here() -> Result<()> {
         bytes[at] ^= 0xff;
         std::fs::write(&tampered, &bytes)?;
         let pod = cri_b
-            .run_pod(
-                &PodSpec::new("worker", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &tampered.display().to_string()),
-            )
+            .run_pod(&restore_pod("worker", &b, &tampered.display().to_string()))
             .await?;
         let err = cri_b
             .run_container(&pod, &counter_spec())
@@ -316,9 +298,7 @@ fn oci_checkpoint_image_round_trip_through_the_registry() -> Result<()> {
         // The restore handler pulls it by reference.
         expect_restored_counter(
             &cri_b,
-            &PodSpec::new("worker", b.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", &reference),
+            &restore_pod("worker", &b, &reference),
             &counter_spec(),
             (before, after),
             "the restore handler, from the image,",
@@ -376,18 +356,6 @@ fn ensure_inspect_agrees(t: &serde_json::Value, o: &serde_json::Value, label: &s
         );
     }
     Ok(())
-}
-
-fn gpu_ckpt_cli() -> PathBuf {
-    let dir = test_containers::stack::Stack::discover()
-        .map(|s| s.shim_dir())
-        .unwrap_or_else(|_| PathBuf::from("target/debug"));
-    let p = dir.join("gpu-ckpt");
-    if p.exists() {
-        p
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
-    }
 }
 
 /// `gpu-ckpt inspect --json` against checkpointctl on real archives: gpu-ckpt's own, and
@@ -469,15 +437,7 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
 /// identity annotations in spec.dump, and the rootfs diff as a plain tar.
 fn crio_variant(src: &Path, dst: &Path) -> Result<()> {
     use std::io::Read;
-    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
-    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
-    for e in ar.entries()? {
-        let mut e = e?;
-        let path = e.path()?.into_owned();
-        let mut header = e.header().clone();
-        let mut data = Vec::new();
-        e.read_to_end(&mut data)?;
-        let name = path.to_string_lossy().to_string();
+    rewrite_archive(src, dst, |name, mut data| {
         if name == "spec.dump" {
             let mut spec: serde_json::Value = serde_json::from_slice(&data)?;
             let a = spec["annotations"]
@@ -508,10 +468,6 @@ fn crio_variant(src: &Path, dst: &Path) -> Result<()> {
             flate2::read::GzDecoder::new(&data[..]).read_to_end(&mut plain)?;
             data = plain;
         }
-        header.set_size(data.len() as u64);
-        header.set_cksum();
-        out.append_data(&mut header, &path, &data[..])?;
-    }
-    out.finish()?;
-    Ok(())
+        Ok(Some(data))
+    })
 }

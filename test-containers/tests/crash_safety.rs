@@ -17,7 +17,7 @@ use std::{
 use anyhow::{bail, ensure, Context, Result};
 use common::*;
 use test_containers::{
-    cri::{ContainerSpec, Cri, PodSpec},
+    cri::{Cri, PodSpec},
     stack::GPU_CKPT_HANDLER,
 };
 
@@ -345,11 +345,7 @@ fn a_page_image_cut_short_after_the_manifest_is_refused_naming_it() -> Result<()
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
         cri.pull_image(workloads()).await?;
-        let spec = ContainerSpec::new("counter", workloads()).command(&[
-            "/bin/counter",
-            "--interval-ms",
-            "100",
-        ]);
+        let spec = counter_spec();
         let pod = cri
             .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
             .await?;
@@ -362,25 +358,21 @@ fn a_page_image_cut_short_after_the_manifest_is_refused_naming_it() -> Result<()
 
         let cut = node.paths().dir.join("cut-worker-short.tar");
         let mut cut_member = None;
-        rewrite(&archive, &cut, |path, data| {
+        rewrite_archive(&archive, &cut, |path, data| {
             let short = path
                 .strip_prefix("checkpoint/")
                 .is_some_and(|n| n.starts_with("pages-"))
                 && cut_member.is_none();
             if short {
                 cut_member = Some((path.to_string(), data.len(), data.len() / 2));
-                return data[..data.len() / 2].to_vec();
+                return Ok(Some(data[..data.len() / 2].to_vec()));
             }
-            data
+            Ok(Some(data))
         })?;
         let (member, was, now) = cut_member.context("the archive holds no page image")?;
         let member = member.trim_start_matches("checkpoint/").to_string();
         let pod = cri
-            .run_pod(
-                &PodSpec::new("restored", node.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &cut.display().to_string()),
-            )
+            .run_pod(&restore_pod("restored", &node, &cut.display().to_string()))
             .await?;
         let res = cri.run_container(&pod, &spec).await;
         cri.remove_pod(&pod).await?;
@@ -402,23 +394,4 @@ fn a_page_image_cut_short_after_the_manifest_is_refused_naming_it() -> Result<()
 /// Processes whose command line mentions `dir` (a restore that went on would show CRIU there).
 fn processes_of_image(dir: &Path) -> Vec<i32> {
     test_containers::stack::processes_matching(&[&dir.display().to_string()])
-}
-
-/// Copies the archive `src` to `dst`, each member's bytes passed through `edit`.
-fn rewrite(src: &Path, dst: &Path, mut edit: impl FnMut(&str, Vec<u8>) -> Vec<u8>) -> Result<()> {
-    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
-    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
-    for e in ar.entries()? {
-        let mut e = e?;
-        let path = e.path()?.into_owned();
-        let mut header = e.header().clone();
-        let mut data = Vec::new();
-        e.read_to_end(&mut data)?;
-        let data = edit(&path.to_string_lossy(), data);
-        header.set_size(data.len() as u64);
-        header.set_cksum();
-        out.append_data(&mut header, &path, &data[..])?;
-    }
-    out.finish()?;
-    Ok(())
 }

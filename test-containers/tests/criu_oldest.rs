@@ -13,10 +13,6 @@ use test_containers::{
     stack::{Node, GPU_CKPT_HANDLER},
 };
 
-fn counter_spec() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
 /// The node's shim ran its checkpoints with CRIU 4.1.1: the manifest says so.
 fn criu_of(dir: &std::path::Path) -> Result<String> {
     Ok(image_format::manifest::Manifest::read_from(dir)?.node.criu)

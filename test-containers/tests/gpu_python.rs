@@ -16,10 +16,7 @@ use serde_json::Value;
 use simgpu::testing::{SimConfig, SimNode};
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("repository root")
-        .to_path_buf()
+    test_containers::stack::repo_root()
 }
 
 fn scripts() -> PathBuf {
@@ -28,18 +25,8 @@ fn scripts() -> PathBuf {
 
 /// The venv's python: `$GPU_CKPT_STACK/py/bin/python`, else `<repo>/.stack/py/bin/python`.
 fn python() -> PathBuf {
-    let stack = std::env::var_os("GPU_CKPT_STACK")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".stack"));
-    let py = stack.join("py/bin/python");
-    assert!(
-        py.is_file(),
-        "{} is missing: the Python venv with cuda-bindings and nvidia-ml-py is not installed; \
-         run `make deps` (test-containers/stack/install.sh creates it)",
-        py.display()
-    );
-    py
+    test_containers::stack::venv_python("cuda-bindings and nvidia-ml-py")
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A workspace binary next to the test executable's directory (target/<profile>/).

@@ -294,9 +294,7 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
         cri_a.remove_pod(&pod_a).await?;
         let pod_r = cri_b
             .run_pod(
-                &PodSpec::new("trainer", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+                &restore_pod("trainer", &b, &archive.display().to_string()),
             )
             .await?;
         let since = std::time::SystemTime::now();
@@ -445,9 +443,7 @@ fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Resul
         cri_a.checkpoint_container(&id, &archive, 60).await?;
         keeps_training(&log, 2, "after the checkpoint")?;
         sim_b.fault(None, simgpu::proto::FaultOp::RestoreFail, true)?;
-        let pod_r = PodSpec::new("faulty", b.pod_log_root())
-            .handler(RESTORE_HANDLER)
-            .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string());
+        let pod_r = restore_pod("faulty", &b, &archive.display().to_string());
         let running = cri_b.run_pod(&pod_r).await?;
         let err = match cri_b
             .run_container(&running, &train_spec("train", "0"))
@@ -466,13 +462,7 @@ fn device_faults_leave_the_original_running_and_nothing_half_restored() -> Resul
             left.is_empty(),
             "a failed restore left GPU processes on node B: {left:?}"
         );
-        let stray: Vec<i32> = pod_processes(&running.spec.uid)
-            .into_iter()
-            .filter(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .is_ok_and(|c| c.trim() == "gpu-train")
-            })
-            .collect();
+        let stray = pod_gpu_train(&running.spec.uid);
         ensure!(
             stray.is_empty(),
             "a failed restore left gpu-train running in the pod: {stray:?}"
@@ -510,9 +500,7 @@ fn a_device_restore_that_never_returns_fails_at_the_bound() -> Result<()> {
         let original = pod.container_log("train");
         let original_pid = cri_pid(&cri, &id).await?;
         sim.fault(None, simgpu::proto::FaultOp::RestoreHang, true)?;
-        let pod_r = PodSpec::new("hang", node.pod_log_root())
-            .handler(RESTORE_HANDLER)
-            .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string());
+        let pod_r = restore_pod("hang", &node, &archive.display().to_string());
         let running = cri.run_pod(&pod_r).await?;
         let t = std::time::Instant::now();
         let err = match cri.run_container(&running, &train_spec("train", "0")).await {
@@ -538,13 +526,7 @@ fn a_device_restore_that_never_returns_fails_at_the_bound() -> Result<()> {
                     .filter(|p| p.iter().all(|p| p.pid as i32 == original_pid))
             },
         )?;
-        let stray: Vec<i32> = pod_processes(&running.spec.uid)
-            .into_iter()
-            .filter(|p| {
-                std::fs::read_to_string(format!("/proc/{p}/comm"))
-                    .is_ok_and(|c| c.trim() == "gpu-train")
-            })
-            .collect();
+        let stray = pod_gpu_train(&running.spec.uid);
         ensure!(
             stray.is_empty(),
             "a restore past its bound left gpu-train running in the pod: {stray:?}"
@@ -577,6 +559,17 @@ fn pod_processes(uid: &str) -> Vec<i32> {
         .filter(|p| {
             read(*p, "cgroup").is_ok_and(|c| c.contains(&needle))
                 && read(*p, "comm").is_ok_and(|c| c.trim() != "pause")
+        })
+        .collect()
+}
+
+/// The gpu-train processes among [`pod_processes`] of pod `uid`.
+fn pod_gpu_train(uid: &str) -> Vec<i32> {
+    pod_processes(uid)
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "gpu-train")
         })
         .collect()
 }
@@ -846,13 +839,7 @@ async fn refused_restore(
     device: &str,
     field: &str,
 ) -> Result<String> {
-    let pod = cri
-        .run_pod(
-            &PodSpec::new("fit", node.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", source),
-        )
-        .await?;
+    let pod = cri.run_pod(&restore_pod("fit", node, source)).await?;
     let err = match cri.run_container(&pod, &train_spec("train", device)).await {
         Ok(id) => anyhow::bail!("a restore whose {field} differs started container {id}"),
         Err(e) => format!("{e:#}"),
@@ -917,9 +904,7 @@ fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
         // The same with gpu-ckpt.io/on-incompatible: cold-start: it starts fresh, at step 1.
         let pod = cri_a
             .run_pod(
-                &PodSpec::new("fit", a.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &source)
+                &restore_pod("fit", &a, &source)
                     .annotation("gpu-ckpt.io/on-incompatible", "cold-start"),
             )
             .await?;

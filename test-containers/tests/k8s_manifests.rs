@@ -22,10 +22,7 @@ use serde_json::{json, Value};
 const KUBE_VERSION: &str = "1.35";
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("repository root")
-        .to_path_buf()
+    test_containers::stack::repo_root()
 }
 
 fn chart() -> PathBuf {
@@ -38,18 +35,8 @@ fn all_values() -> PathBuf {
 
 /// The venv's python: `$GPU_CKPT_STACK/py/bin/python`, else `<repo>/.stack/py/bin/python`.
 fn python() -> PathBuf {
-    let stack = std::env::var_os("GPU_CKPT_STACK")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo().join(".stack"));
-    let py = stack.join("py/bin/python");
-    assert!(
-        py.is_file(),
-        "{} is missing: the Python venv with helm-python-sdk and kubernetes-validate is not \
-         installed; run `make deps` (test-containers/stack/install.sh creates it)",
-        py.display()
-    );
-    py
+    test_containers::stack::venv_python("helm-python-sdk and kubernetes-validate")
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Runs runtime-class/tools/chart.py; its JSON, and whether it succeeded.
@@ -78,6 +65,15 @@ fn chart_ok(args: &[&str]) -> Result<Value> {
     let (ok, v) = chart_py(args)?;
     ensure!(ok, "chart.py {args:?} failed: {}", v["error"]);
     Ok(v)
+}
+
+/// `chart.py render CHART ARGS… --kube-version KUBE_VERSION`, which must succeed.
+fn render(args: &[&str]) -> Result<Value> {
+    let chart = chart();
+    let mut all = vec!["render", path_str(&chart)];
+    all.extend_from_slice(args);
+    all.extend(["--kube-version", KUBE_VERSION]);
+    chart_ok(&all)
 }
 
 fn path_str(p: &Path) -> &str {
@@ -234,16 +230,7 @@ fn the_chart_lints_with_helms_engine() -> Result<()> {
 
 #[test]
 fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer() -> Result<()> {
-    let rendered = chart_ok(&[
-        "render",
-        path_str(&chart()),
-        "--kube-version",
-        KUBE_VERSION,
-        "--release",
-        "gpu-ckpt",
-        "--namespace",
-        "gpu-ckpt-system",
-    ])?;
+    let rendered = render(&["--release", "gpu-ckpt", "--namespace", "gpu-ckpt-system"])?;
     let docs = valid_documents(&rendered)?;
     let want: BTreeMap<String, usize> = [
         ("RuntimeClass", 2),
@@ -434,7 +421,7 @@ fn the_runtime_class_handlers_are_the_drop_ins_runtimes() -> Result<()> {
     ensure!(cri(&files[1]).get("cdi_spec_dirs").is_none());
 
     // The rendered RuntimeClasses name exactly these handlers.
-    let rendered = chart_ok(&["render", path_str(&chart()), "--kube-version", KUBE_VERSION])?;
+    let rendered = render(&[])?;
     let rendered_handlers: BTreeSet<String> = valid_documents(&rendered)?
         .iter()
         .filter(|d| d["kind"] == "RuntimeClass")
@@ -502,13 +489,9 @@ fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result
         );
     }
 
-    let rendered = chart_ok(&[
-        "render",
-        path_str(&chart()),
+    let rendered = render(&[
         "--values",
         path_str(&all_values()),
-        "--kube-version",
-        KUBE_VERSION,
         "--release",
         "gpu-ckpt-prod",
         "--namespace",
@@ -705,14 +688,7 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
 /// Renders with `set` (JSON values) on top of the defaults and validates; the one invalid
 /// document's (kind, field, error).
 fn first_invalid(set: &str) -> Result<(String, String, String)> {
-    let out = chart_ok(&[
-        "render",
-        path_str(&chart()),
-        "--set-json",
-        set,
-        "--kube-version",
-        KUBE_VERSION,
-    ])?;
+    let out = render(&["--set-json", set])?;
     let bad: Vec<&Value> = out["documents"]
         .as_array()
         .context("documents")?
@@ -912,7 +888,7 @@ fn the_installer_pod_installs_then_uninstalls_when_stopped() -> Result<()> {
         "/bin/busybox is missing: run `make deps` (busybox-static)"
     );
     let shells: [&[&str]; 2] = [&["/bin/busybox", "sh"], &["/bin/sh"]];
-    let defaults = chart_ok(&["render", path_str(&chart()), "--kube-version", KUBE_VERSION])?;
+    let defaults = render(&[])?;
     for shell in shells {
         // Default values: install, wait, uninstall with the same flags on SIGTERM, exit 0.
         let (code, calls, args) = run_installer_pod(&defaults, shell, 0)?;
@@ -934,14 +910,7 @@ fn the_installer_pod_installs_then_uninstalls_when_stopped() -> Result<()> {
     }
 
     // action: uninstall (ci/all-values.yaml): uninstall once, then nothing more on SIGTERM.
-    let all = chart_ok(&[
-        "render",
-        path_str(&chart()),
-        "--values",
-        path_str(&all_values()),
-        "--kube-version",
-        KUBE_VERSION,
-    ])?;
+    let all = render(&["--values", path_str(&all_values())])?;
     let (code, calls, args) = run_installer_pod(&all, &["/bin/busybox", "sh"], 0)?;
     ensure!(
         calls == [format!("uninstall {}", args.join(" "))],
@@ -1038,14 +1007,7 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
         },
     })
     .to_string();
-    let rendered = chart_ok(&[
-        "render",
-        path_str(&chart()),
-        "--set-json",
-        &set,
-        "--kube-version",
-        KUBE_VERSION,
-    ])?;
+    let rendered = render(&["--set-json", &set])?;
     let restarts_seen = || -> usize {
         std::fs::read_to_string(&restarts)
             .map(|s| s.lines().count())

@@ -140,6 +140,21 @@ struct Installer {
 }
 
 impl Installer {
+    /// The installer of the workspace for an empty node root `<scratch>/node`, with a payload
+    /// made at `<scratch>/payload` and its restarts counted in `<scratch>/restarts`.
+    fn on_scratch(stack: &Stack, scratch: &Path) -> Result<Installer> {
+        let root = scratch.join("node");
+        fs::create_dir(&root)?;
+        let payload = scratch.join("payload");
+        make_payload(stack, &payload)?;
+        Ok(Installer {
+            bin: installer_bin(stack)?,
+            root,
+            payload,
+            restarts: scratch.join("restarts"),
+        })
+    }
+
     fn cmd(&self, action: &str) -> Command {
         let mut c = Command::new(&self.bin);
         c.arg(action)
@@ -223,16 +238,8 @@ fn installer_bin(stack: &Stack) -> Result<PathBuf> {
 fn install_run_checkpoint_restore_uninstall_leaves_the_node_as_it_was() -> Result<()> {
     let stack = Stack::discover()?;
     let scratch = tempfile::tempdir()?;
-    let root = scratch.path().join("node");
-    fs::create_dir(&root)?;
-    let payload = scratch.path().join("payload");
-    make_payload(&stack, &payload)?;
-    let inst = Installer {
-        bin: installer_bin(&stack)?,
-        root: root.clone(),
-        payload,
-        restarts: scratch.path().join("restarts"),
-    };
+    let inst = Installer::on_scratch(&stack, scratch.path())?;
+    let root = inst.root.clone();
 
     // containerd's PATH: the installed bin dir, the stack's containerd, the system's; not the
     // stack's CRIU directory nor the workspace's shim directory, so only the installed shim
@@ -355,9 +362,7 @@ fn install_run_checkpoint_restore_uninstall_leaves_the_node_as_it_was() -> Resul
         // Restore through the restore handler.
         let pod = cri
             .run_pod(
-                &PodSpec::new("ni-worker", node.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
+                &restore_pod("ni-worker", &node, &archive.display().to_string()),
             )
             .await?;
         let id = cri.run_container(&pod, &spec).await?;
@@ -402,16 +407,8 @@ fn install_run_checkpoint_restore_uninstall_leaves_the_node_as_it_was() -> Resul
 fn uninstall_keeps_an_administrators_edit_of_the_configuration() -> Result<()> {
     let stack = Stack::discover()?;
     let scratch = tempfile::tempdir()?;
-    let root = scratch.path().join("node");
-    fs::create_dir(&root)?;
-    let payload = scratch.path().join("payload");
-    make_payload(&stack, &payload)?;
-    let inst = Installer {
-        bin: installer_bin(&stack)?,
-        root: root.clone(),
-        payload,
-        restarts: scratch.path().join("restarts"),
-    };
+    let inst = Installer::on_scratch(&stack, scratch.path())?;
+    let root = inst.root.clone();
     let builder = Node::builder_on(&stack, "ni-edit").without_gpu_ckpt_handler();
     let config = scratch_root(&builder, &root)?;
     let original = fs::read_to_string(&config)?;

@@ -13,15 +13,15 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
-    cri::{ContainerSpec, Cri, PodSpec},
+    cri::{Cri, PodSpec},
     registry::TlsRegistry,
-    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER},
+    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER},
 };
 
 /// Restores from the TLS registry with its CA and the login.
@@ -32,18 +32,6 @@ const ELSEWHERE: &str = "restore-elsewhere";
 const NO_LOGIN: &str = "restore-nologin";
 
 const REPO: &str = "gpuckpt-test";
-
-fn gpu_ckpt_cli() -> PathBuf {
-    let dir = Stack::discover()
-        .map(|s| s.shim_dir())
-        .unwrap_or_else(|_| PathBuf::from("target/debug"));
-    let p = dir.join("gpu-ckpt");
-    if p.exists() {
-        p
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
-    }
-}
 
 /// Runs the CLI; `Ok(stdout)` on success, `Err(stderr)` on failure.
 fn cli(args: &[&str]) -> Result<std::result::Result<String, String>> {
@@ -77,37 +65,6 @@ fn handler(
         OptValue::from(auth.display().to_string()),
     );
     Ok(h)
-}
-
-fn counter_spec() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
-/// A restore through `handler` from `source`: `Ok(first value)` when it counts on, `Err(text)`
-/// when refused.
-async fn try_restore(
-    cri: &Cri,
-    node: &Node,
-    handler: &str,
-    source: &str,
-) -> Result<std::result::Result<u64, String>> {
-    let pod = cri
-        .run_pod(
-            &PodSpec::new("worker", node.pod_log_root())
-                .handler(handler)
-                .annotation("gpu-ckpt.io/restore-from", source),
-        )
-        .await?;
-    let result = match cri.run_container(&pod, &counter_spec()).await {
-        Ok(id) => {
-            let first = cri_counter(cri, &id, "/counter.txt").await?;
-            cri_counter_above(cri, &id, "/counter.txt", first).await?;
-            Ok(first)
-        }
-        Err(e) => Err(format!("{e:#}").replace("\\\"", "\"")),
-    };
-    cri.remove_pod(&pod).await?;
-    Ok(result)
 }
 
 fn expect_failure(
@@ -288,7 +245,7 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         ensure!(mode == 0o600, "pulled archive mode {mode:o}");
 
         // The restore handler pulls it with its options, and the count goes on.
-        let first = try_restore(&cri, &node, FROM_REGISTRY, &reference)
+        let first = try_restore(&cri, &node, FROM_REGISTRY, "default", &reference)
             .await?
             .map_err(anyhow::Error::msg)
             .context("restore from the TLS registry")?;
@@ -298,7 +255,7 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         );
 
         // Still subject to RestoreSources.
-        let msg = try_restore(&cri, &node, ELSEWHERE, &reference)
+        let msg = try_restore(&cri, &node, ELSEWHERE, "default", &reference)
             .await?
             .err()
             .context("a handler whose RestoreSources lack the registry restored from it")?;
@@ -309,7 +266,7 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         println!("outside RestoreSources: {msg}");
 
         // Without the login the handler says so.
-        let msg = try_restore(&cri, &node, NO_LOGIN, &reference)
+        let msg = try_restore(&cri, &node, NO_LOGIN, "default", &reference)
             .await?
             .err()
             .context("a handler without the login restored")?;

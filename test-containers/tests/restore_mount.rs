@@ -7,19 +7,15 @@
 
 mod common;
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     registry::TlsRegistry,
-    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+    stack::{Node, OptValue, GPU_CKPT_HANDLER},
 };
-
-/// The restore handler, as docs/restore-from-registry.md registers it.
-const RESTORE: &str = "gpu-ckpt-restore";
-const SOURCE: &str = "gpu-ckpt.io/restore-from";
 
 fn key_file(node: &str) -> PathBuf {
     PathBuf::from(test_containers::stack::RUN_BASE)
@@ -27,53 +23,38 @@ fn key_file(node: &str) -> PathBuf {
         .join("node.key")
 }
 
-/// A node with the gpu-ckpt handler (checkpoints) and the restore handler, sharing its key.
+/// A node with the gpu-ckpt handler (checkpoints) and the restore handler (named as
+/// docs/restore-from-registry.md registers it), sharing its key.
 fn mount_node(name: &str) -> Result<Node> {
     let key = key_file(name);
     let _ = std::fs::remove_dir_all(key.parent().context("key dir")?);
-    let mut options = BTreeMap::new();
-    options.insert("Mode".to_string(), OptValue::from("restore"));
-    options.insert(
-        "Root".to_string(),
-        OptValue::from(format!("/run/gpu-ckpt-test/{name}/{RESTORE}-runc")),
-    );
-    options.insert(
+    // The restore handler with the node's key and no RestoreSources.
+    let mut restore = restore_handler(name, RESTORE_HANDLER)?;
+    restore.options.remove("RestoreSources");
+    restore.options.insert(
         "SigningKey".to_string(),
         OptValue::from(key.display().to_string()),
     );
     node_with(
         Node::builder(name)?
             .runtime_option("SigningKey", key.display().to_string())
-            .extra_runtime(ExtraRuntime {
-                name: RESTORE.into(),
-                runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-                pod_annotations: vec!["gpu-ckpt.io/*".into()],
-                container_annotations: vec!["gpu-ckpt.io/*".into()],
-                options,
-            }),
+            .extra_runtime(restore),
     )
 }
 
-fn counter_spec() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
-fn restore_pod(node: &Node, source: &str) -> PodSpec {
-    PodSpec::new("worker", node.pod_log_root())
-        .handler(RESTORE)
-        .annotation(SOURCE, source)
-}
-
-fn cli() -> PathBuf {
-    let dir = Stack::discover()
-        .map(|s| s.shim_dir())
-        .unwrap_or_else(|_| PathBuf::from("target/debug"));
-    let p = dir.join("gpu-ckpt");
-    if p.exists() {
-        p
-    } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
-    }
+/// `gpu-ckpt build ARCHIVE --ref REFERENCE --push` with the registry's CA in the hosts
+/// directory `hosts` and its login in the auth file `auth`; its output.
+fn build_push(archive: &Path, reference: &str, hosts: &Path, auth: &Path) -> Result<String> {
+    run_ok(
+        std::process::Command::new(gpu_ckpt_cli())
+            .arg("build")
+            .arg(archive)
+            .args(["--ref", reference, "--push"])
+            .arg("--hosts-dir")
+            .arg(hosts)
+            .arg("--authfile")
+            .arg(auth),
+    )
 }
 
 /// Creates and starts `spec` in a new restore pod: `Ok((pod, id))` when it runs, `Err(text)`
@@ -142,16 +123,7 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             registry.addr,
             test_containers::cri::new_uid()
         );
-        let out = run_ok(
-            std::process::Command::new(cli())
-                .arg("build")
-                .arg(&archive)
-                .args(["--ref", &reference, "--push"])
-                .arg("--hosts-dir")
-                .arg(&hosts)
-                .arg("--authfile")
-                .arg(&auth),
-        )?;
+        let out = build_push(&archive, &reference, &hosts, &auth)?;
         println!("{out}");
 
         // Without the pod's login the pull fails; with it (an imagePullSecret), it works.
@@ -168,7 +140,7 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
 
         // The restore: the image volume at /ckpt, and the annotation naming it.
         let spec = counter_spec().image_volume("/ckpt", &image);
-        let (pod, id) = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+        let (pod, id) = try_start(&cri, &restore_pod("worker", &node, "mount:/ckpt"), &spec)
             .await?
             .map_err(anyhow::Error::msg)
             .context("restore from the image volume")?;
@@ -224,7 +196,7 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             ("a hostPath", unpacked),
         ] {
             let spec = counter_spec().host_path("/ckpt", &host, true);
-            let msg = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+            let msg = try_start(&cri, &restore_pod("worker", &node, "mount:/ckpt"), &spec)
                 .await?
                 .err()
                 .with_context(|| format!("{what} at /ckpt was restored"))?;
@@ -239,32 +211,23 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
         // The same checkpoint with one byte of a page image changed, as a registry or anyone
         // on the way could serve it: pulled and mounted like the first, refused at Start.
         let tampered = node.paths().dir.join("tampered.tar");
-        rewrite(&archive, &tampered, |name, mut data| {
+        rewrite_archive(&archive, &tampered, |name, mut data| {
             if name.starts_with("checkpoint/pages-") && data.len() > 600 {
                 data[600] ^= 1;
             }
-            data
+            Ok(Some(data))
         })?;
         let reference = format!(
             "{}/ckpt/tampered:{}",
             registry.addr,
             test_containers::cri::new_uid()
         );
-        run_ok(
-            std::process::Command::new(cli())
-                .arg("build")
-                .arg(&tampered)
-                .args(["--ref", &reference, "--push"])
-                .arg("--hosts-dir")
-                .arg(&hosts)
-                .arg("--authfile")
-                .arg(&auth),
-        )?;
+        build_push(&tampered, &reference, &hosts, &auth)?;
         let image = cri
             .pull_image_with_auth(&reference, registry.user(), registry.password())
             .await?;
         let spec = counter_spec().image_volume("/ckpt", &image);
-        let msg = try_start(&cri, &restore_pod(&node, "mount:/ckpt"), &spec)
+        let msg = try_start(&cri, &restore_pod("worker", &node, "mount:/ckpt"), &spec)
             .await?
             .err()
             .context("a tampered checkpoint image restored")?;
@@ -275,30 +238,6 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
         );
         Ok(())
     })
-}
-
-/// Copies the archive `src` to `dst`, passing every member's bytes through `edit`.
-fn rewrite(
-    src: &std::path::Path,
-    dst: &std::path::Path,
-    mut edit: impl FnMut(&str, Vec<u8>) -> Vec<u8>,
-) -> Result<()> {
-    use std::io::Read;
-    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
-    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
-    for e in ar.entries()? {
-        let mut e = e?;
-        let path = e.path()?.into_owned();
-        let mut header = e.header().clone();
-        let mut data = Vec::new();
-        e.read_to_end(&mut data)?;
-        let data = edit(&path.to_string_lossy(), data);
-        header.set_size(data.len() as u64);
-        header.set_cksum();
-        out.append_data(&mut header, &path, &data[..])?;
-    }
-    out.finish()?;
-    Ok(())
 }
 
 /// The host directory of an image volume that containerd mounted for some pod of `node`.
@@ -327,7 +266,7 @@ fn a_mount_path_not_in_the_spec_is_refused() -> Result<()> {
             ("mount:ckpt", "absolute container path"),
             ("mount:/ckpt/../etc", "without . or .."),
         ] {
-            let msg = try_start(&cri, &restore_pod(&node, source), &counter_spec())
+            let msg = try_start(&cri, &restore_pod("worker", &node, source), &counter_spec())
                 .await?
                 .err()
                 .with_context(|| format!("{source}: the container started"))?;

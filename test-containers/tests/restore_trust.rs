@@ -6,17 +6,13 @@
 
 mod common;
 
-use std::{
-    collections::BTreeMap,
-    io::Read,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
-    stack::{ExtraRuntime, Node, OptValue, Stack, GPU_CKPT_HANDLER, GPU_CKPT_RUNTIME_TYPE},
+    stack::{Node, OptValue, Stack, GPU_CKPT_HANDLER},
 };
 
 /// The handlers of the restoring node, each the restore handler with other options.
@@ -53,12 +49,8 @@ fn restore_node(name: &str, trusted: &Path) -> Result<Node> {
     let mut b = Node::builder(name)?
         .runtime_option("SigningKey", keys.join("node.key").display().to_string());
     for handler in [STRICT, MOVES, TRUSTING, UNSIGNED] {
-        let mut options = BTreeMap::new();
-        options.insert("Mode".to_string(), OptValue::from("restore"));
-        options.insert(
-            "Root".to_string(),
-            OptValue::from(format!("/run/gpu-ckpt-test/{name}/{handler}-runc")),
-        );
+        let mut h = restore_handler(name, handler)?;
+        let options = &mut h.options;
         options.insert(
             "SigningKey".to_string(),
             OptValue::from(keys.join("node.key").display().to_string()),
@@ -82,49 +74,9 @@ fn restore_node(name: &str, trusted: &Path) -> Result<Node> {
             }
             _ => {}
         }
-        b = b.extra_runtime(ExtraRuntime {
-            name: handler.into(),
-            runtime_type: GPU_CKPT_RUNTIME_TYPE.into(),
-            pod_annotations: vec!["gpu-ckpt.io/*".into()],
-            container_annotations: vec!["gpu-ckpt.io/*".into()],
-            options,
-        });
+        b = b.extra_runtime(h);
     }
     node_with(b)
-}
-
-fn counter_spec() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
-/// A restore of `source` in a pod of `namespace` through `handler` on `b`: `Ok(first counter
-/// value)` when it runs and counts on, `Err` with the error text when it is refused.
-async fn try_restore(
-    cri: &Cri,
-    b: &Node,
-    handler: &str,
-    namespace: &str,
-    source: &str,
-) -> Result<std::result::Result<u64, String>> {
-    let pod = cri
-        .run_pod(
-            &PodSpec::new("worker", b.pod_log_root())
-                .namespace(namespace)
-                .handler(handler)
-                .annotation("gpu-ckpt.io/restore-from", source),
-        )
-        .await?;
-    let result = match cri.run_container(&pod, &counter_spec()).await {
-        Ok(id) => {
-            let first = common::cri_counter(cri, &id, "/counter.txt").await?;
-            common::cri_counter_above(cri, &id, "/counter.txt", first).await?;
-            Ok(first)
-        }
-        // tonic writes the status message with Debug escapes.
-        Err(e) => Err(format!("{e:#}").replace("\\\"", "\"")),
-    };
-    cri.remove_pod(&pod).await?;
-    Ok(result)
 }
 
 async fn expect_refused(
@@ -149,33 +101,7 @@ async fn expect_refused(
     Ok(msg)
 }
 
-/// Copies the archive `src` to `dst`, passing every member through `edit` (name, bytes) ->
-/// new bytes, or `None` to leave the member out.
-fn rewrite(
-    src: &Path,
-    dst: &Path,
-    mut edit: impl FnMut(&str, Vec<u8>) -> Option<Vec<u8>>,
-) -> Result<()> {
-    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
-    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
-    for e in ar.entries()? {
-        let mut e = e?;
-        let path = e.path()?.into_owned();
-        let mut header = e.header().clone();
-        let mut data = Vec::new();
-        e.read_to_end(&mut data)?;
-        let Some(data) = edit(&path.to_string_lossy(), data) else {
-            continue;
-        };
-        header.set_size(data.len() as u64);
-        header.set_cksum();
-        out.append_data(&mut header, &path, &data[..])?;
-    }
-    out.finish()?;
-    Ok(())
-}
-
-/// An edit of one archive member (see [`rewrite`]).
+/// An edit of one archive member (see [`rewrite_archive`]).
 type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
 
 fn flip(mut data: Vec<u8>, at: usize) -> Vec<u8> {
@@ -450,19 +376,19 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         ];
         for (what, edit, ns, needles) in cases {
             let out = dir.join(format!("tampered-{what}.tar"));
-            rewrite(&archive, &out, edit)?;
+            rewrite_archive(&archive, &out, |n, d| Ok(edit(n, d)))?;
             let msg = expect_refused(&cri_b, &b, TRUSTING, ns, &out, what, &needles).await?;
             println!("{what}: {msg}");
         }
 
         // Unsigned: refused by default, restored under AllowUnsigned with a warning.
         let unsigned = dir.join("unsigned.tar");
-        rewrite(&archive, &unsigned, |n, d| {
-            Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
+        rewrite_archive(&archive, &unsigned, |n, d| {
+            Ok(Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
                 unsigned_manifest(d, false)
             } else {
                 d
-            })
+            }))
         })?;
         expect_refused(
             &cri_b,
@@ -494,11 +420,13 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         for name in [".wh..", ".wh..."] {
             let out = dir.join(format!("whiteout{}.tar", name.len()));
             let diff = whiteout_diff(name)?;
-            rewrite(&archive, &out, |n, d| match n {
-                "checkpoint/gpu-ckpt-manifest.json" => Some(unsigned_manifest(d, true)),
-                "checkpoint/gpu-ckpt-rootfs-changes.tar" => None,
-                "rootfs-diff.tar" => Some(diff.clone()),
-                _ => Some(d),
+            rewrite_archive(&archive, &out, |n, d| {
+                Ok(match n {
+                    "checkpoint/gpu-ckpt-manifest.json" => Some(unsigned_manifest(d, true)),
+                    "checkpoint/gpu-ckpt-rootfs-changes.tar" => None,
+                    "rootfs-diff.tar" => Some(diff.clone()),
+                    _ => Some(d),
+                })
             })?;
             let msg = expect_refused(
                 &cri_b,
@@ -574,16 +502,4 @@ fn restore_sources_outside_missing_and_unreadable_get_one_answer() -> Result<()>
         );
         Ok(())
     })
-}
-
-fn gpu_ckpt_cli() -> PathBuf {
-    let dir = Stack::discover()
-        .map(|s| s.shim_dir())
-        .unwrap_or_else(|_| PathBuf::from("target/debug"));
-    let p = dir.join("gpu-ckpt");
-    if p.exists() {
-        p
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
-    }
 }

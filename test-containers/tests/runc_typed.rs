@@ -12,8 +12,8 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
-use common::{node_with, workloads};
-use test_containers::cri::{ContainerSpec, Cri, PodSpec};
+use common::{counter_spec, node_with, workloads};
+use test_containers::cri::{Cri, PodSpec};
 use test_containers::stack::{Node, Stack, RUNC_HANDLER};
 
 const HANDLER: &str = "gpu-ckpt-rt";
@@ -65,10 +65,6 @@ fn node(name: &str) -> Result<(Node, tempfile::TempDir)> {
     ))
 }
 
-fn counter() -> ContainerSpec {
-    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
-}
-
 fn served_by_gpu_ckpt(node: &Node) -> Result<()> {
     ensure!(
         !node.shim_processes("containerd-shim-gpu-ckpt").is_empty(),
@@ -104,7 +100,7 @@ fn both_handlers_advertise_runcs_features_and_restore_across_nodes() -> Result<(
         let pod = cri_a
             .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(HANDLER))
             .await?;
-        let id = cri_a.run_container(&pod, &counter()).await?;
+        let id = cri_a.run_container(&pod, &counter_spec()).await?;
         served_by_gpu_ckpt(&a)?;
         let before = common::cri_counter_above(&cri_a, &id, "/counter.txt", 3).await?;
         let archive: PathBuf = a.paths().dir.join("checkpoint-runc-typed.tar");
@@ -127,7 +123,7 @@ fn both_handlers_advertise_runcs_features_and_restore_across_nodes() -> Result<(
                     .annotation("gpu-ckpt.io/restore-from", &archive.display().to_string()),
             )
             .await?;
-        let id = cri_b.run_container(&pod, &counter()).await?;
+        let id = cri_b.run_container(&pod, &counter_spec()).await?;
         served_by_gpu_ckpt(&b)?;
         let first = common::cri_counter(&cri_b, &id, "/counter.txt").await?;
         ensure!(

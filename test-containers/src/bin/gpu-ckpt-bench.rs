@@ -21,7 +21,7 @@
 //!   runc-v2's freeze of the host-memory one; with where the time went, from the shim's spans.
 
 use std::{
-    path::Path,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
@@ -696,18 +696,18 @@ async fn shim_round(
     })
 }
 
-/// One checkpoint (`ctr task checkpoint --exit`) and restore (containerd API) of a memhog of
-/// `mib` MiB through gpu-ckpt, whose options are the TOML file `config` (ctr run
-/// `--runtime-config-path`): `options` at the checkpoint, then `options` and `CriuImagePath`
-/// at the restore.
-async fn trust_round(
+/// Runs a memhog of `mib` MiB as container `id` through gpu-ckpt, whose options are `options`
+/// (written to the TOML file `config`, ctr run `--runtime-config-path`), waits until it has
+/// filled its memory, and times one `ctr task checkpoint --exit --image-path` of it into
+/// `bench-<id>` below the node's directory. Every dirty page is written back first ([`settle`]),
+/// so that each path pays for its own checkpoint only. Returns the directory and the time.
+fn configured_checkpoint(
     node: &Node,
-    api: &Containerd,
     config: &Path,
     options: &str,
     id: &str,
     mib: u64,
-) -> Result<(Duration, Duration)> {
+) -> Result<(PathBuf, Duration)> {
     std::fs::write(config, format!("{options}\n"))?;
     let (_, mut flags) = runtime_flags(node);
     flags.extend(["--runtime-config-path".into(), config.display().to_string()]);
@@ -724,7 +724,22 @@ async fn trust_round(
     settle(node.paths().dir.as_path(), warm_mib(mib))?;
     let t = Instant::now();
     node.checkpoint_task_exit(id, &dir)?;
-    let ckpt = t.elapsed();
+    Ok((dir, t.elapsed()))
+}
+
+/// One checkpoint (`ctr task checkpoint --exit`) and restore (containerd API) of a memhog of
+/// `mib` MiB through gpu-ckpt, whose options are the TOML file `config` (ctr run
+/// `--runtime-config-path`): `options` at the checkpoint, then `options` and `CriuImagePath`
+/// at the restore.
+async fn trust_round(
+    node: &Node,
+    api: &Containerd,
+    config: &Path,
+    options: &str,
+    id: &str,
+    mib: u64,
+) -> Result<(Duration, Duration)> {
+    let (dir, ckpt) = configured_checkpoint(node, config, options, id, mib)?;
     let signed = image_format::manifest::Manifest::read_from(&dir)
         .map(|m| m.signature.is_some())
         .unwrap_or(false);
@@ -820,24 +835,7 @@ fn sync_round(
     id: &str,
     mib: u64,
 ) -> Result<(Duration, u64)> {
-    std::fs::write(config, format!("{options}\n"))?;
-    let (_, mut flags) = runtime_flags(node);
-    flags.extend(["--runtime-config-path".into(), config.display().to_string()]);
-    let memhog = memhog_args(mib);
-    let mut args: Vec<&str> = vec!["run", "-d"];
-    args.extend(flags.iter().map(String::as_str));
-    args.extend([WORKLOADS_IMAGE, id]);
-    args.extend(memhog.iter().map(String::as_str));
-    node.ctr_ok(&args)?;
-    let pid = node.task_pid(id)?;
-    wait_filled(Path::new(&format!("/proc/{pid}/root/status.txt")))?;
-    let dir = node.paths().dir.join(format!("bench-{id}"));
-    let _ = std::fs::remove_dir_all(&dir);
-    // Writes back every dirty page first: each path pays for its own checkpoint only.
-    settle(node.paths().dir.as_path(), warm_mib(mib))?;
-    let t = Instant::now();
-    node.checkpoint_task_exit(id, &dir)?;
-    let ckpt = t.elapsed();
+    let (dir, ckpt) = configured_checkpoint(node, config, options, id, mib)?;
     let dirty = meminfo_kib("Dirty:")? << 10;
     eprintln!(
         "{id}: {options:?}: checkpoint {:.2} s, {} MiB dirty after it",

@@ -30,7 +30,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use serde_json::json;
 use test_containers::image::{
-    elf_is_static, BuiltImage, HostLibraries, ImageBuilder, HOST_LIB_DIRS,
+    elf_is_static, BuiltImage, HostLibraries, ImageBlobs, ImageBuilder, HOST_LIB_DIRS,
 };
 
 /// Reference of the workloads image.
@@ -330,6 +330,30 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// Writes `blobs` into `out` as the OCI layout tarball `<stem>.tar` (and the layout directory
+/// `<stem>` with `layout_dirs`) and prints its reference, digest and tarball; returns what was
+/// written and the stem.
+fn write_image(blobs: &ImageBlobs, out: &Path, layout_dirs: bool) -> Result<(BuiltImage, String)> {
+    let summary = blobs.summary();
+    let stem = file_stem(&summary.reference, &summary.tag);
+    let tar = out.join(format!("{stem}.tar"));
+    if layout_dirs {
+        blobs.write_layout(&out.join(&stem))?;
+    }
+    blobs.write_tarball(&tar)?;
+    println!(
+        "{} {} {}",
+        summary.reference,
+        summary.manifest_digest,
+        tar.display()
+    );
+    let built = BuiltImage {
+        tarball: Some(tar),
+        ..summary
+    };
+    Ok((built, stem))
+}
+
 fn run(args: &Args) -> Result<()> {
     check_static(
         &args.busybox,
@@ -348,19 +372,7 @@ fn run(args: &Args) -> Result<()> {
         let img = node_installer_image(bins, criu, &args.busybox, &scratch)?;
         let blobs = img.build()?;
         let _ = std::fs::remove_dir_all(&scratch);
-        let summary = blobs.summary();
-        let stem = file_stem(&summary.reference, &summary.tag);
-        let tar = out.join(format!("{stem}.tar"));
-        if args.layout_dirs {
-            blobs.write_layout(&out.join(&stem))?;
-        }
-        blobs.write_tarball(&tar)?;
-        println!(
-            "{} {} {}",
-            summary.reference,
-            summary.manifest_digest,
-            tar.display()
-        );
+        write_image(&blobs, &out, args.layout_dirs)?;
         return Ok(());
     }
     let workloads_dir = args
@@ -383,24 +395,7 @@ fn run(args: &Args) -> Result<()> {
     ];
     let mut listed = Vec::new();
     for img in &images {
-        let blobs = img.build()?;
-        let summary = blobs.summary();
-        let stem = file_stem(&summary.reference, &summary.tag);
-        let tar = out.join(format!("{stem}.tar"));
-        if args.layout_dirs {
-            blobs.write_layout(&out.join(&stem))?;
-        }
-        blobs.write_tarball(&tar)?;
-        let built = BuiltImage {
-            tarball: Some(tar.clone()),
-            ..summary
-        };
-        println!(
-            "{} {} {}",
-            built.reference,
-            built.manifest_digest,
-            tar.display()
-        );
+        let (built, stem) = write_image(&img.build()?, &out, args.layout_dirs)?;
         listed.push(json!({
             "reference": built.reference,
             "digest": built.manifest_digest,

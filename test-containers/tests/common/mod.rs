@@ -457,3 +457,88 @@ pub async fn handler_features(
         })
         .collect())
 }
+
+/// The counter workload as CRI container `counter`: a tick every 100 ms, its count in
+/// `/counter.txt`.
+pub fn counter_spec() -> ContainerSpec {
+    ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
+}
+
+/// A pod `name` on `node` for the restore RuntimeClass's handler ([`RESTORE_HANDLER`]),
+/// restoring `source` (the annotation `gpu-ckpt.io/restore-from`).
+pub fn restore_pod(name: &str, node: &Node, source: &str) -> test_containers::cri::PodSpec {
+    test_containers::cri::PodSpec::new(name, node.pod_log_root())
+        .handler(RESTORE_HANDLER)
+        .annotation("gpu-ckpt.io/restore-from", source)
+}
+
+/// A restore of `source` (`gpu-ckpt.io/restore-from`) into a counter ([`counter_spec`]) in a
+/// pod `worker` of `namespace` through `handler` on `node`: `Ok(first counter value)` when it
+/// runs and counts on, `Err` with the error text when it is refused. The pod is removed.
+pub async fn try_restore(
+    cri: &Cri,
+    node: &Node,
+    handler: &str,
+    namespace: &str,
+    source: &str,
+) -> Result<std::result::Result<u64, String>> {
+    let pod = cri
+        .run_pod(
+            &test_containers::cri::PodSpec::new("worker", node.pod_log_root())
+                .namespace(namespace)
+                .handler(handler)
+                .annotation("gpu-ckpt.io/restore-from", source),
+        )
+        .await?;
+    let result = match cri.run_container(&pod, &counter_spec()).await {
+        Ok(id) => {
+            let first = cri_counter(cri, &id, "/counter.txt").await?;
+            cri_counter_above(cri, &id, "/counter.txt", first).await?;
+            Ok(first)
+        }
+        // tonic writes the status message with Debug escapes.
+        Err(e) => Err(format!("{e:#}").replace("\\\"", "\"")),
+    };
+    cri.remove_pod(&pod).await?;
+    Ok(result)
+}
+
+/// The `gpu-ckpt` CLI: in the stack's shim directory, else the workspace's target/debug.
+pub fn gpu_ckpt_cli() -> PathBuf {
+    let dir = Stack::discover()
+        .map(|s| s.shim_dir())
+        .unwrap_or_else(|_| PathBuf::from("target/debug"));
+    let p = dir.join("gpu-ckpt");
+    if p.exists() {
+        p
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt")
+    }
+}
+
+/// Copies the archive `src` to `dst`, passing every member through `edit` (name, bytes) -> new
+/// bytes, or `None` to leave the member out.
+pub fn rewrite_archive(
+    src: &Path,
+    dst: &Path,
+    mut edit: impl FnMut(&str, Vec<u8>) -> Result<Option<Vec<u8>>>,
+) -> Result<()> {
+    use std::io::Read;
+    let mut ar = tar::Archive::new(std::fs::File::open(src)?);
+    let mut out = tar::Builder::new(std::fs::File::create(dst)?);
+    for e in ar.entries()? {
+        let mut e = e?;
+        let path = e.path()?.into_owned();
+        let mut header = e.header().clone();
+        let mut data = Vec::new();
+        e.read_to_end(&mut data)?;
+        let Some(data) = edit(&path.to_string_lossy(), data)? else {
+            continue;
+        };
+        header.set_size(data.len() as u64);
+        header.set_cksum();
+        out.append_data(&mut header, &path, &data[..])?;
+    }
+    out.finish()?;
+    Ok(())
+}
