@@ -92,39 +92,8 @@ fn a_criu_killed_mid_dump_is_named() -> Result<()> {
     })?;
     let dir = node.paths().dir.join("k1-image");
     let _ = std::fs::remove_dir_all(&dir);
-    let ctr = {
-        let dir = dir.display().to_string();
-        let socket = node.socket().to_path_buf();
-        let ctr = test_containers::stack::Stack::discover()?.ctr_bin();
-        std::thread::spawn(move || {
-            std::process::Command::new(ctr)
-                .args(["--address"])
-                .arg(socket)
-                .args([
-                    "-n",
-                    "default",
-                    "task",
-                    "checkpoint",
-                    "--image-path",
-                    &dir,
-                    "k1",
-                ])
-                .output()
-        })
-    };
-    // CRIU, once it writes pages: runc runs it as `criu swrk 3`, and CRIU retitles itself
-    // `criu: dump --rpc -t <the container's init>`.
-    let criu = wait_until(Duration::from_secs(30), "CRIU to dump pages", || {
-        let target = format!("-t {pid}");
-        let p = *test_containers::stack::processes_matching(&["criu: dump", &target]).first()?;
-        let pages: u64 = std::fs::read_dir(&dir)
-            .ok()?
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
-            .filter_map(|e| e.metadata().ok().map(|m| m.len()))
-            .sum();
-        (pages > 0).then_some(p)
-    })?;
+    let ctr = ctr_checkpoint_in_background(&node, "k1", &dir)?;
+    let criu = criu_dumping_pages(pid, &dir, Duration::from_secs(30))?;
     // SAFETY: kill(2) of the pid just found.
     unsafe { libc::kill(criu, libc::SIGKILL) };
     let out = ctr

@@ -172,32 +172,8 @@ fn a_containerd_restart_mid_checkpoint_leaves_the_container_running() -> Result<
 
     let dir = node.paths().dir.join("m1-interrupted");
     let _ = std::fs::remove_dir_all(&dir);
-    let ctr = {
-        let dir = dir.display().to_string();
-        let socket = node.socket().to_path_buf();
-        let ctr = test_containers::stack::Stack::discover()?.ctr_bin();
-        std::thread::spawn(move || {
-            std::process::Command::new(ctr)
-                .arg("--address")
-                .arg(socket)
-                .args(["-n", "default", "task", "checkpoint", "--image-path", &dir])
-                .arg("m1")
-                .output()
-        })
-    };
-    // CRIU, once it writes pages (runc runs it as `criu swrk 3`, and CRIU retitles itself
-    // `criu: dump --rpc -t <the container's init>`).
-    let target = format!("-t {pid}");
-    let criu = wait_until(Duration::from_secs(60), "CRIU to dump pages", || {
-        let p = *test_containers::stack::processes_matching(&["criu: dump", &target]).first()?;
-        let pages: u64 = std::fs::read_dir(&dir)
-            .ok()?
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
-            .filter_map(|e| e.metadata().ok().map(|m| m.len()))
-            .sum();
-        (pages > 0).then_some(p)
-    })?;
+    let ctr = ctr_checkpoint_in_background(&node, "m1", &dir)?;
+    let criu = criu_dumping_pages(pid, &dir, Duration::from_secs(60))?;
     // CRIU is held stopped across the restart, so that containerd goes away in the middle of
     // the dump however fast the dump would be.
     let criu_pid = nix::unistd::Pid::from_raw(criu);
@@ -225,7 +201,8 @@ fn a_containerd_restart_mid_checkpoint_leaves_the_container_running() -> Result<
         Duration::from_secs(120),
         "the interrupted dump to end",
         || {
-            let criu = test_containers::stack::processes_matching(&["criu: dump", &target]);
+            let criu =
+                test_containers::stack::processes_matching(&["criu: dump", &format!("-t {pid}")]);
             let runc = test_containers::stack::processes_matching(&["runc", "checkpoint", "m1"]);
             (criu.is_empty() && runc.is_empty()).then_some(())
         },

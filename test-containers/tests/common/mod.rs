@@ -542,3 +542,46 @@ pub fn rewrite_archive(
     out.finish()?;
     Ok(())
 }
+
+/// `ctr task checkpoint --image-path DIR ID` on `node`, in a thread of its own (the caller
+/// interferes with the dump meanwhile); join it for ctr's output.
+pub fn ctr_checkpoint_in_background(
+    node: &Node,
+    id: &str,
+    dir: &Path,
+) -> Result<std::thread::JoinHandle<std::io::Result<std::process::Output>>> {
+    let (dir, id) = (dir.display().to_string(), id.to_string());
+    let socket = node.socket().to_path_buf();
+    let ctr = Stack::discover()?.ctr_bin();
+    Ok(std::thread::spawn(move || {
+        std::process::Command::new(ctr)
+            .arg("--address")
+            .arg(socket)
+            .args([
+                "-n",
+                "default",
+                "task",
+                "checkpoint",
+                "--image-path",
+                &dir,
+                &id,
+            ])
+            .output()
+    }))
+}
+
+/// The pid of the CRIU dumping the container whose init is `pid` into `dir`, once it writes
+/// pages (runc runs it as `criu swrk 3`, and CRIU retitles itself `criu: dump --rpc -t <pid>`).
+pub fn criu_dumping_pages(pid: i32, dir: &Path, timeout: Duration) -> Result<i32> {
+    let target = format!("-t {pid}");
+    wait_until(timeout, "CRIU to dump pages", || {
+        let p = *test_containers::stack::processes_matching(&["criu: dump", &target]).first()?;
+        let pages: u64 = std::fs::read_dir(dir)
+            .ok()?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("pages-"))
+            .filter_map(|e| e.metadata().ok().map(|m| m.len()))
+            .sum();
+        (pages > 0).then_some(p)
+    })
+}
