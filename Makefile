@@ -63,6 +63,8 @@ unit-test:
 integration-test: deps build images
 	test-containers/stack/test.sh
 
+# One build from scratch: incremental compilation's caches would only double target/'s size.
+test: export CARGO_INCREMENTAL = 0
 test: deps lint build images
 	test-containers/stack/test.sh
 

@@ -384,10 +384,12 @@ fn spawn_containerd(
     log: fs::File,
     log2: fs::File,
 ) -> Result<std::process::Child> {
+    fs::create_dir_all(&paths.tmp).with_context(|| format!("create {}", paths.tmp.display()))?;
     let mut cmd = Command::new(stack.containerd_bin());
     cmd.arg("--config")
         .arg(&paths.config)
         .env("PATH", stack.path_env())
+        .env("TMPDIR", &paths.tmp)
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2));
@@ -421,6 +423,10 @@ pub struct NodePaths {
     pub cni_conf_dir: PathBuf,
     /// `$STACK/nodes/<name>/cni-ipam` (host-local IPAM data).
     pub cni_ipam_dir: PathBuf,
+    /// `$STACK/nodes/<name>/tmp`, containerd's `TMPDIR` (deleted on stop): `ctr container
+    /// restore` extracts each checkpoint into a `ctrd-checkpoint*` directory there and never
+    /// removes it.
+    pub tmp: PathBuf,
     /// `/run/gpu-ckpt-test/<name>`.
     pub run: PathBuf,
     /// `/run/gpu-ckpt-test/<name>/state`.
@@ -449,6 +455,7 @@ impl NodePaths {
             certs_d: dir.join("certs.d"),
             cni_conf_dir: dir.join("net.d"),
             cni_ipam_dir: dir.join("cni-ipam"),
+            tmp: dir.join("tmp"),
             dir,
             state: run.join("state"),
             socket: run.join("containerd.sock"),
@@ -1256,7 +1263,7 @@ fn cleanup_node(
     }
 
     // 6. Directories.
-    for d in [&paths.run, &paths.root] {
+    for d in [&paths.run, &paths.root, &paths.tmp] {
         if d.exists() {
             if let Err(e) = remove_dir_all_retry(d) {
                 errors.push(format!("remove {}: {e:#}", d.display()));

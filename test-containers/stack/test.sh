@@ -36,7 +36,11 @@ cargo test --workspace --no-fail-fast -- --test-threads="${GPU_CKPT_TEST_THREADS
 # supports (4.1.1, in $GPU_CKPT_STACK/criu-oldest): every node they start puts it first in PATH.
 echo "test.sh: the checkpoint tests again with the oldest supported CRIU ($(
   "$GPU_CKPT_STACK/criu-oldest/bin/criu" --version | head -1))"
-GPU_CKPT_TEST_CRIU=oldest cargo test -p gpu-ckpt-test-containers --no-fail-fast \
+# Nodes of the first run are stopped; what they left (checkpoint images, logs) goes before the
+# second. `--workspace` keeps the first run's feature set, so nothing is compiled again.
+pkill -f "containerd --config $GPU_CKPT_STACK/nodes/" 2>/dev/null || true
+rm -rf --one-file-system "$GPU_CKPT_STACK/nodes"
+GPU_CKPT_TEST_CRIU=oldest cargo test --workspace --no-fail-fast \
   --test checkpoint_ctr --test checkpoint_cri --test checkpoint_net --test restore_bound \
   -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}" || status=$?
 exit "$status"
