@@ -320,6 +320,59 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
     Ok(info)
 }
 
+/// [`read_info`] for a checkpoint directory (`ctr task checkpoint --image-path`, the runc
+/// option `CriuImagePath`): its files as the archive's `checkpoint/` members, its manifest and
+/// CRIU's `stats-dump`. Such a directory holds no container metadata (`config.dump`,
+/// `spec.dump`), so those stay empty. Symlinks are listed, never followed.
+pub fn read_info_dir(dir: &Path) -> Result<ArchiveInfo> {
+    let mut info = ArchiveInfo::default();
+    let mut ents = Vec::new();
+    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
+        ents.push(ent.map_err(|e| Error::io("listing", dir, e))?);
+    }
+    ents.sort_by_key(|e| e.file_name());
+    for ent in ents {
+        let name = ent.file_name().to_string_lossy().into_owned();
+        let path = ent.path();
+        // DirEntry::metadata does not follow a symlink.
+        let meta = ent.metadata().map_err(|e| Error::io("reading", &path, e))?;
+        let kind = if meta.is_file() {
+            EntryKind::File
+        } else if meta.is_dir() {
+            EntryKind::Dir
+        } else if meta.file_type().is_symlink() {
+            let target = fs::read_link(&path).map_err(|e| Error::io("reading", &path, e))?;
+            EntryKind::Symlink(target.to_string_lossy().into_owned())
+        } else {
+            continue;
+        };
+        use std::os::unix::fs::PermissionsExt;
+        let e = EntryInfo {
+            path: format!("checkpoint/{name}"),
+            size: if kind == EntryKind::File {
+                meta.len()
+            } else {
+                0
+            },
+            kind,
+            mode: meta.permissions().mode() & 0o7777,
+        };
+        add_sizes(&mut info.sizes, &e);
+        if e.kind == EntryKind::File && (name == MANIFEST_FILE || name == names::STATS_DUMP) {
+            let mut f = File::open(&path).map_err(|x| Error::io("opening", &path, x))?;
+            let d = read_small(&mut f, &e.path, e.size)?;
+            if name == MANIFEST_FILE {
+                info.manifest = Some(Manifest::from_json(&d, &e.path)?);
+                info.manifest_json = Some(d);
+            } else if let Ok(s) = crate::criu_stats::parse_dump_stats(&d, &e.path) {
+                info.statistics = Some(s);
+            }
+        }
+        info.entries.push(e);
+    }
+    Ok(info)
+}
+
 /// What a full streaming verification found.
 #[derive(Debug, Clone)]
 pub struct VerifyReport {

@@ -143,6 +143,28 @@ fn inspect_verify_compat_build_extract() {
             "verify ok: 5 files match the manifest\nsigner: unsigned (restored only where AllowUnsigned = true)"
         )
     );
+    // A checkpoint directory (what `ctr task checkpoint --image-path` leaves) inspects too: its
+    // GPU section, sizes and verdict, from the manifest and the files.
+    let ck = dir.join("checkpoint");
+    let (rc, out, err) = run(&["inspect", ck.to_str().unwrap(), "--node", node_s]);
+    assert_eq!(rc, 0, "{err}");
+    for want in [
+        "NVIDIA H100 80GB HBM3",
+        "Driver 580.65.06",
+        "compatible: yes",
+        "Signer: unsigned",
+    ] {
+        assert!(out.contains(want), "inspect DIR lacks {want:?}:\n{out}");
+    }
+    let (rc, out, _) = run(&["inspect", ck.to_str().unwrap(), "--json", "--files"]);
+    assert_eq!(rc, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v[0]["checkpoint_size"]["memory_pages_size"], 300000);
+    assert!(v[0]["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|f| f["path"] == "checkpoint/gpu-ckpt-manifest.json"));
 
     // Errors exit 2 and name the problem.
     let bad = tmp.path().join("bad.tar");

@@ -525,7 +525,11 @@ fn inspect(
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let info = archive::read_info(path, Limits::default())?;
+    let info = if path.is_dir() {
+        archive::read_info_dir(path)?
+    } else {
+        archive::read_info(path, Limits::default())?
+    };
     let signer = signer_report(info.manifest_json.as_deref(), trust);
     let (name, pod, ns) = info.identity();
     let cfg = info.config_dump.clone().unwrap_or_default();
