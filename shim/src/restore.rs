@@ -736,9 +736,44 @@ fn remove_any(path: &Path, root: &Path) -> Result<()> {
     result.map_err(Error::io(format!("remove {}", path.display())))
 }
 
+/// Whether `dir` is a checkpoint containerd extracted for `ctr container restore` (its task
+/// service's Create: `os.MkdirTemp(os.Getenv("XDG_RUNTIME_DIR"), "ctrd-checkpoint")`, which it
+/// never removes): a `ctrd-checkpoint*` directory directly in `$XDG_RUNTIME_DIR` or, where that
+/// is unset, in the temporary directory the shim inherited from containerd. CRI's restore passes
+/// a directory of its own, and a caller's `CriuImagePath` is the caller's.
+pub fn is_containerd_extracted_checkpoint(dir: &Path) -> bool {
+    let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty());
+    let parent = runtime_dir
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    extracted_in(dir, &parent)
+}
+
+fn extracted_in(dir: &Path, parent: &Path) -> bool {
+    dir.parent() == Some(parent)
+        && dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("ctrd-checkpoint"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_containerds_own_extraction_counts_as_its_temp_checkpoint() {
+        let tmp = Path::new("/tmp");
+        assert!(extracted_in(Path::new("/tmp/ctrd-checkpoint1234"), tmp));
+        // CRI's restore directory, a caller's directory, a nested one: not containerd's temp.
+        assert!(!extracted_in(
+            Path::new("/var/lib/containerd/c/ctrd-checkpoint"),
+            tmp
+        ));
+        assert!(!extracted_in(Path::new("/tmp/my-checkpoint"), tmp));
+        assert!(!extracted_in(Path::new("/tmp/x/ctrd-checkpoint1"), tmp));
+        assert!(!extracted_in(Path::new(""), tmp));
+    }
 
     fn diff(entries: &[(&str, &[u8])], gzip: bool) -> (tempfile::TempDir, PathBuf) {
         let dir = tempfile::tempdir().unwrap();

@@ -75,6 +75,17 @@ fn container_checkpoint_and_live_restore_continue_counting() -> Result<()> {
         "localhost/ckpt/c1:1",
     ])?;
     let restored = node.task_pid("c1")?;
+    // containerd extracted the checkpoint (process memory) into its TMPDIR and never removes
+    // it; the shim does once it has restored.
+    let left: Vec<_> = std::fs::read_dir(&node.paths().tmp)?
+        .flatten()
+        .map(|e| e.file_name())
+        .filter(|n| n.to_string_lossy().starts_with("ctrd-checkpoint"))
+        .collect();
+    ensure!(
+        left.is_empty(),
+        "extracted checkpoints left in containerd's TMPDIR: {left:?}"
+    );
     let seen = next_values(restored, 4)?;
     // It goes on from the checkpoint, not from zero: the file from the rootfs diff and the
     // value in memory agree, so consecutive values step by one.
