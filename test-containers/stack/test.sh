@@ -34,13 +34,29 @@ status=0
 cargo test --workspace --no-fail-fast -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}" || status=$?
 # The checkpoint, network and restore-bound tests once more with the oldest CRIU gpu-ckpt
 # supports (4.1.1, in $GPU_CKPT_STACK/criu-oldest): every node they start puts it first in PATH.
+# They are the first run's own test binaries, found with the first run's cargo arguments, so
+# nothing is compiled again (naming the tests to cargo would select other features and rebuild).
 echo "test.sh: the checkpoint tests again with the oldest supported CRIU ($(
   "$GPU_CKPT_STACK/criu-oldest/bin/criu" --version | head -1))"
-# Nodes of the first run are stopped; what they left (checkpoint images, logs) goes before the
-# second. `--workspace` keeps the first run's feature set, so nothing is compiled again.
+mapfile -t oldest < <(cargo test --workspace --no-run --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys
+want = {"checkpoint_ctr", "checkpoint_cri", "checkpoint_net", "restore_bound"}
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in want and "test" in t.get("kind", []):
+        print(m["executable"])
+')
+if [ "${#oldest[@]}" != 4 ]; then
+  echo "test.sh: found ${#oldest[@]} of the 4 checkpoint test binaries: ${oldest[*]}" >&2
+  exit 1
+fi
+# Nodes of the first run are stopped; what they left (checkpoint images, logs) goes first.
 pkill -f "containerd --config $GPU_CKPT_STACK/nodes/" 2>/dev/null || true
 rm -rf --one-file-system "$GPU_CKPT_STACK/nodes"
-GPU_CKPT_TEST_CRIU=oldest cargo test --workspace --no-fail-fast \
-  --test checkpoint_ctr --test checkpoint_cri --test checkpoint_net --test restore_bound \
-  -- --test-threads="${GPU_CKPT_TEST_THREADS:-2}" || status=$?
+for t in "${oldest[@]}"; do
+  echo "test.sh: $(basename "$t") with CRIU 4.1.1"
+  (cd test-containers && GPU_CKPT_TEST_CRIU=oldest "$t" --test-threads="${GPU_CKPT_TEST_THREADS:-2}") || status=$?
+done
 exit "$status"
