@@ -6,6 +6,11 @@
 //!   `[host."URL"]` with `ca`, `skip_verify`, `capabilities`) or plain `*.crt` files. Plain HTTP
 //!   only for a localhost registry without a `hosts.toml`, and for hosts that `hosts.toml` names
 //!   with `http://`, as containerd does.
+//! - Mirrors: a pull tries the `hosts.toml` hosts that may pull, in the order written, then
+//!   `server`, moving to the next on any error of a host (refused connection, TLS, 401/403, not
+//!   found, a bad manifest or blob), as containerd's resolver does; it fails only when every host
+//!   failed, naming each. A push goes to the first host that may push, and only there: no
+//!   fallback (containerd's pusher too takes the first push host).
 //! - Logins: a docker-style auth file ([`AuthFile`]: `--authfile`, `$REGISTRY_AUTH_FILE`,
 //!   `$DOCKER_CONFIG/config.json`, `~/.docker/config.json`) read with `docker_credential`, so
 //!   `auths`, `credHelpers` and `credsStore` work; basic and bearer-token challenges are
@@ -30,7 +35,7 @@ use oci_client::errors::{OciDistributionError, OciErrorCode};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference, RegistryOperation};
 use sha2::{Digest, Sha256};
-use tracing::{debug, info_span};
+use tracing::{debug, info_span, warn};
 
 use crate::digest::{Progress, COPY_BUF};
 use crate::error::{Error, Result};
@@ -173,8 +178,12 @@ fn host_order(body: &str) -> Vec<String> {
         .collect()
 }
 
-/// Resolves `registry` through the host directory for the operation `need`.
-fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Endpoint> {
+/// Resolves `registry` through the host directory for the operation `need`: every endpoint that
+/// may serve it, in the order containerd tries them (the `[host."URL"]` tables with the capability
+/// in the order written, then `server` if it has it; a URL listed twice is tried once). Never
+/// empty: a `hosts.toml` where no host may is an error; without one there is one endpoint, the
+/// registry itself (with the docker layout's files, if any).
+fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Vec<Endpoint>> {
     let default = || Endpoint {
         scheme: "https".into(),
         host: registry.to_string(),
@@ -184,14 +193,14 @@ fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Endpo
         origin: "default".into(),
     };
     let Some(root) = hosts_dir else {
-        return Ok(default());
+        return Ok(vec![default()]);
     };
     // containerd's directory name for a host: `host:port` as is.
     let mut dir = root.join(registry);
     if !dir.is_dir() {
         dir = root.join("_default");
         if !dir.is_dir() {
-            return Ok(default());
+            return Ok(vec![default()]);
         }
     }
     let toml_path = dir.join("hosts.toml");
@@ -239,23 +248,35 @@ fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Endpo
                 origin: origin.clone(),
             }))
         };
+        let mut found: Vec<Endpoint> = Vec::new();
+        let mut add = |e: Option<Endpoint>| {
+            // A URL listed twice (commonly a host that is also the `server`) is tried once, with
+            // the settings of its first table.
+            if let Some(e) = e.filter(|e| {
+                !found
+                    .iter()
+                    .any(|f| f.scheme == e.scheme && f.host == e.host)
+            }) {
+                found.push(e);
+            }
+        };
         for url in host_order(&body) {
             if let Some(t) = parsed.host.get(&url) {
-                if let Some(e) = make(&url, t)? {
-                    return Ok(e);
-                }
+                add(make(&url, t)?);
             }
         }
         let server = parsed
             .server
             .clone()
             .unwrap_or_else(|| format!("https://{registry}"));
-        return make(&server, &parsed.top)?.ok_or_else(|| {
-            reg_err(
+        add(make(&server, &parsed.top)?);
+        if found.is_empty() {
+            return Err(reg_err(
                 registry,
                 format!("{origin}: no host may {} (capabilities)", need.capability()),
-            )
-        });
+            ));
+        }
+        return Ok(found);
     }
     // The docker layout: `*.crt` are CAs, `*.cert` with `*.key` a client certificate.
     let mut e = default();
@@ -271,7 +292,7 @@ fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Endpo
             _ => {}
         }
     }
-    Ok(e)
+    Ok(vec![e])
 }
 
 /// Where logins come from.
@@ -337,6 +358,23 @@ impl AuthFile {
     }
 }
 
+/// The login for a registry and where it came from (for errors).
+struct Login {
+    auth: RegistryAuth,
+    origin: String,
+}
+
+impl Login {
+    /// The login for `registry` from the auth file of `opts`.
+    fn find(registry: &str, opts: &RegistryOptions) -> Result<Login> {
+        let file = AuthFile::find(opts.auth_file.as_deref());
+        Ok(Login {
+            auth: file.login(registry)?,
+            origin: file.describe(),
+        })
+    }
+}
+
 /// One session with one registry: the endpoint, the login and the client.
 struct Session {
     registry: String,
@@ -352,9 +390,10 @@ struct Session {
 }
 
 impl Session {
-    fn open(reference: &str, opts: &RegistryOptions, need: Need) -> Result<Session> {
+    /// A session with `endpoint`, one of the endpoints [`resolve`] gives for the registry of
+    /// `reference`, with the registry's `login` (the same for every endpoint).
+    fn open(reference: &str, endpoint: Endpoint, login: &Login) -> Result<Session> {
         let (registry, repo, tag) = oci::split_reference(reference)?;
-        let endpoint = resolve(opts.hosts_dir.as_deref(), &registry, need)?;
         if !endpoint.client.is_empty() {
             return Err(reg_err(
                 &registry,
@@ -387,8 +426,6 @@ impl Session {
                 data,
             });
         }
-        let auth_file = AuthFile::find(opts.auth_file.as_deref());
-        let auth = auth_file.login(&registry)?;
         // reqwest is built without a default crypto provider; rustls's ring is it, for the
         // whole process (a second install is refused and changes nothing).
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -412,8 +449,8 @@ impl Session {
             endpoint,
             http_fallback,
             config: settings,
-            auth_origin: auth_file.describe(),
-            auth,
+            auth_origin: login.origin.clone(),
+            auth: login.auth.clone(),
             client,
             reference: r,
         })
@@ -707,7 +744,14 @@ pub fn push_image(
         let (path, offset) = oci::blob_location(image, &b.digest)?;
         located.push((b.clone(), path, offset));
     }
-    let mut session = Session::open(reference, opts, Need::Push)?;
+    // The first host that may push, and only that one, as containerd's pusher does.
+    let (registry, _, _) = oci::split_reference(reference)?;
+    let endpoint = resolve(opts.hosts_dir.as_deref(), &registry, Need::Push)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| reg_err(&registry, "no host may push"))?;
+    let login = Login::find(&registry, opts)?;
+    let mut session = Session::open(reference, endpoint, &login)?;
     let done = Arc::new(AtomicU64::new(0));
     let total = AtomicU64::new(blobs.iter().map(|b| b.size).sum());
     let d2 = done.clone();
@@ -745,8 +789,10 @@ fn http_header(v: &'static str) -> http::HeaderValue {
 /// Pulls a checkpoint image from a registry and writes its archive, the image's single layer,
 /// to `out` (created new, mode 0600). The manifest must be a checkpoint image's (one
 /// uncompressed layer, the checkpoint annotation); the layer must fit `limits` and is hashed
-/// while it streams, refused unless it matches its digest and size. A refused pull leaves no
-/// file. Returns the manifest digest.
+/// while it streams, refused unless it matches its digest and size. The registry's endpoints
+/// (mirrors, then the server) are tried in turn, each with a session of its own, until one
+/// serves the image; `out` is emptied before each next try. A refused pull leaves no file.
+/// Returns the manifest digest.
 pub fn pull_archive(
     reference: &str,
     out: &Path,
@@ -755,12 +801,10 @@ pub fn pull_archive(
     progress: Progress<'_>,
 ) -> Result<String> {
     let _span = info_span!("registry_pull", %reference).entered();
-    let mut session = Session::open(reference, opts, Need::Pull)?;
-    let done = Arc::new(AtomicU64::new(0));
-    let total = AtomicU64::new(0);
-    let d2 = done.clone();
-    let s = &mut session;
-    let t = &total;
+    let (registry, _, _) = oci::split_reference(reference)?;
+    let endpoints = resolve(opts.hosts_dir.as_deref(), &registry, Need::Pull)?;
+    // The login is the registry's, whichever host serves it: read once, before any file.
+    let login = Login::find(&registry, opts)?;
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -768,8 +812,88 @@ pub fn pull_archive(
         .custom_flags(libc::O_NOFOLLOW)
         .open(out)
         .map_err(|e| Error::io("creating", out, e))?;
-    let fr = &mut f;
-    let res = run_async(done, &total, progress, async move {
+    let count = endpoints.len();
+    let mut failed: Vec<(String, Error)> = Vec::new();
+    let mut res = None;
+    for (i, endpoint) in endpoints.into_iter().enumerate() {
+        let at = format!("{}://{}", endpoint.scheme, endpoint.host);
+        let emptied = if i == 0 { Ok(()) } else { empty(&mut f, out) };
+        let attempt = emptied
+            .and_then(|()| pull_from(reference, endpoint, &login, &mut f, out, limits, progress));
+        match attempt {
+            Ok(digest) => {
+                res = Some(Ok(digest));
+                break;
+            }
+            // Writing `out` failed: not the host's fault, and no other host would do better.
+            Err(e @ Error::Io { .. }) => {
+                res = Some(Err(e));
+                break;
+            }
+            Err(e) => {
+                if i + 1 < count {
+                    warn!(
+                        %registry, host = %at, error = %e,
+                        "registry host failed, trying the next"
+                    );
+                }
+                failed.push((at, e));
+            }
+        }
+    }
+    drop(f);
+    let res = res.unwrap_or_else(|| Err(all_failed(&registry, failed)));
+    if res.is_err() {
+        let _ = fs::remove_file(out);
+    }
+    res
+}
+
+/// Empties the output file for the next endpoint's try.
+fn empty(f: &mut File, out: &Path) -> Result<()> {
+    f.set_len(0)
+        .and_then(|()| f.seek(SeekFrom::Start(0)))
+        .map(drop)
+        .map_err(|e| Error::io("truncating", out, e))
+}
+
+/// The error of a pull that no endpoint served: with one endpoint, its own error; with several,
+/// one line naming each host and why it failed.
+fn all_failed(registry: &str, mut failed: Vec<(String, Error)>) -> Error {
+    if failed.len() == 1 {
+        if let Some((_, e)) = failed.pop() {
+            return e;
+        }
+    }
+    let each: Vec<String> = failed
+        .into_iter()
+        .map(|(at, e)| match e {
+            // `explain` and the checks name the registry (and the mirror) first: said once here.
+            Error::Registry { reason, .. } => format!("{at}: {reason}"),
+            e => format!("{at}: {e}"),
+        })
+        .collect();
+    reg_err(registry, format!("every host failed: {}", each.join("; ")))
+}
+
+/// One try of [`pull_archive`]: the image from `endpoint`, its layer written to `f` (empty).
+fn pull_from(
+    reference: &str,
+    endpoint: Endpoint,
+    login: &Login,
+    f: &mut File,
+    out: &Path,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<String> {
+    let mut session = Session::open(reference, endpoint, login)?;
+    let done = Arc::new(AtomicU64::new(0));
+    let total = AtomicU64::new(0);
+    let d2 = done.clone();
+    let s = &mut session;
+    let t = &total;
+    let fr = f;
+    run_async(done, &total, progress, async move {
         s.login(RegistryOperation::Pull).await?;
         let (doc, mdigest) = s
             .client
@@ -822,12 +946,7 @@ pub fn pull_archive(
         }
         fr.sync_all().map_err(|e| Error::io("syncing", out, e))?;
         Ok(mdigest)
-    });
-    drop(f);
-    if res.is_err() {
-        let _ = fs::remove_file(out);
-    }
-    res
+    })
 }
 
 /// A checkpoint image's manifest: the checkpoint annotation, one uncompressed layer within the
@@ -883,18 +1002,29 @@ mod tests {
         t
     }
 
+    /// The one endpoint of a resolution that has one.
+    fn only(mut v: Vec<Endpoint>) -> Endpoint {
+        assert_eq!(v.len(), 1, "{v:?}");
+        v.remove(0)
+    }
+
+    /// `scheme://host` of each endpoint, in order.
+    fn urls(v: &[Endpoint]) -> Vec<String> {
+        v.iter()
+            .map(|e| format!("{}://{}", e.scheme, e.host))
+            .collect()
+    }
+
     #[test]
     fn https_by_default_and_localhost_recognised() {
-        let e = resolve(None, "localhost:5000", Need::Pull).unwrap();
+        let e = only(resolve(None, "localhost:5000", Need::Pull).unwrap());
         assert_eq!(
             (e.scheme.as_str(), e.host.as_str()),
             ("https", "localhost:5000")
         );
         assert_eq!(e.origin, "default");
         assert_eq!(
-            resolve(None, "registry.example.com", Need::Pull)
-                .unwrap()
-                .scheme,
+            only(resolve(None, "registry.example.com", Need::Pull).unwrap()).scheme,
             "https"
         );
         for h in [
@@ -923,7 +1053,7 @@ mod tests {
                 "server = \"https://reg.example:5443\"\nca = \"ca.pem\"\nskip_verify = false\n",
             )],
         );
-        let e = resolve(Some(t.path()), "reg.example:5443", Need::Push).unwrap();
+        let e = only(resolve(Some(t.path()), "reg.example:5443", Need::Push).unwrap());
         assert_eq!(e.scheme, "https");
         assert_eq!(e.ca, vec![t.path().join("reg.example:5443/ca.pem")]);
         assert!(!e.skip_verify);
@@ -940,12 +1070,204 @@ mod tests {
         );
         let pull = resolve(Some(t.path()), "reg.example", Need::Pull).unwrap();
         assert_eq!(
-            (pull.scheme.as_str(), pull.host.as_str()),
-            ("http", "mirror.local:5000")
+            urls(&pull),
+            ["http://mirror.local:5000", "https://reg.example"]
         );
         let push = resolve(Some(t.path()), "reg.example", Need::Push).unwrap();
-        assert_eq!(push.host, "a.local");
-        assert!(push.skip_verify);
+        assert_eq!(urls(&push), ["https://a.local", "https://reg.example"]);
+        assert!(push[0].skip_verify);
+        assert!(!push[1].skip_verify);
+    }
+
+    #[test]
+    fn pull_tries_mirrors_in_file_order_then_the_server() {
+        // Written out of alphabetical order: the file's order counts, not the table's.
+        let t = dir_with(
+            "reg.example:5443",
+            &[(
+                "hosts.toml",
+                r#"server = "https://reg.example:5443"
+ca = "server-ca.pem"
+
+[host."https://z-mirror.local"]
+  capabilities = ["pull", "resolve"]
+  ca = "z.pem"
+
+[host."http://a-mirror.local:5000"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://push.local"]
+  capabilities = ["push"]
+"#,
+            )],
+        );
+        let pull = resolve(Some(t.path()), "reg.example:5443", Need::Pull).unwrap();
+        assert_eq!(
+            urls(&pull),
+            [
+                "https://z-mirror.local",
+                "http://a-mirror.local:5000",
+                "https://reg.example:5443"
+            ]
+        );
+        let dir = t.path().join("reg.example:5443");
+        assert_eq!(pull[0].ca, vec![dir.join("z.pem")]);
+        assert!(pull[1].ca.is_empty());
+        assert_eq!(pull[2].ca, vec![dir.join("server-ca.pem")]);
+        // The push-only host is no pull endpoint, and the only push endpoint before the server.
+        let push = resolve(Some(t.path()), "reg.example:5443", Need::Push).unwrap();
+        assert_eq!(
+            urls(&push),
+            ["https://push.local", "https://reg.example:5443"]
+        );
+    }
+
+    #[test]
+    fn a_server_without_the_capability_is_left_out() {
+        let t = dir_with(
+            "reg.example",
+            &[(
+                "hosts.toml",
+                r#"server = "https://reg.example"
+capabilities = ["push"]
+
+[host."https://m1.local"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://m2.local"]
+  capabilities = ["pull", "resolve"]
+"#,
+            )],
+        );
+        let pull = resolve(Some(t.path()), "reg.example", Need::Pull).unwrap();
+        assert_eq!(urls(&pull), ["https://m1.local", "https://m2.local"]);
+        let push = resolve(Some(t.path()), "reg.example", Need::Push).unwrap();
+        assert_eq!(urls(&push), ["https://reg.example"]);
+        // No host at all may: the error of today.
+        let none = dir_with(
+            "reg.example",
+            &[(
+                "hosts.toml",
+                "server = \"https://reg.example\"\ncapabilities = [\"pull\"]\n",
+            )],
+        );
+        let e = resolve(Some(none.path()), "reg.example", Need::Push)
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("no host may push (capabilities)"), "{e}");
+    }
+
+    #[test]
+    fn a_host_that_is_also_the_server_is_tried_once() {
+        let t = dir_with(
+            "reg.example:5443",
+            &[(
+                "hosts.toml",
+                r#"server = "https://reg.example:5443"
+
+[host."https://dead.local:1"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://reg.example:5443"]
+  capabilities = ["pull", "resolve", "push"]
+  ca = "ca.pem"
+"#,
+            )],
+        );
+        let pull = resolve(Some(t.path()), "reg.example:5443", Need::Pull).unwrap();
+        assert_eq!(
+            urls(&pull),
+            ["https://dead.local:1", "https://reg.example:5443"]
+        );
+        // The host's table, with its CA, not the server's.
+        assert_eq!(pull[1].ca.len(), 1);
+    }
+
+    #[test]
+    fn all_failed_is_the_one_error_or_one_line_naming_each_host() {
+        let one = all_failed(
+            "reg.example",
+            vec![(
+                "https://reg.example".into(),
+                reg_err("https://reg.example", "login: refused"),
+            )],
+        );
+        assert_eq!(
+            one.to_string(),
+            "registry https://reg.example: login: refused"
+        );
+        let two = all_failed(
+            "reg.example",
+            vec![
+                (
+                    "https://m.local:1".into(),
+                    reg_err("reg.example (via https://m.local:1)", "login: refused"),
+                ),
+                (
+                    "https://reg.example".into(),
+                    reg_err("https://reg.example", "getting the manifest: x not found"),
+                ),
+            ],
+        );
+        assert_eq!(
+            two.to_string(),
+            "registry reg.example: every host failed: https://m.local:1: login: refused; \
+             https://reg.example: getting the manifest: x not found"
+        );
+    }
+
+    #[test]
+    fn the_output_is_emptied_between_tries() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("out.tar");
+        let mut f = File::create(&p).unwrap();
+        f.write_all(b"half of a blob from a stale mirror").unwrap();
+        empty(&mut f, &p).unwrap();
+        f.write_all(b"ok").unwrap();
+        drop(f);
+        assert_eq!(fs::read(&p).unwrap(), b"ok");
+    }
+
+    /// A pull from hosts nothing listens on (loopback ports 1 and 2: refused at once).
+    fn pull_dead(hosts_toml: &str, reference: &str) -> (String, bool) {
+        let (registry, _, _) = oci::split_reference(reference).unwrap();
+        let t = dir_with(&registry, &[("hosts.toml", hosts_toml)]);
+        let out = t.path().join("out.tar");
+        let opts = RegistryOptions {
+            hosts_dir: Some(t.path().to_path_buf()),
+            auth_file: Some(t.path().join("no-auth.json")),
+        };
+        fs::write(t.path().join("no-auth.json"), "{}").unwrap();
+        let e = pull_archive(reference, &out, Limits::default(), &opts, &mut |_, _| {})
+            .unwrap_err()
+            .to_string();
+        (e, out.exists())
+    }
+
+    #[test]
+    fn a_pull_tries_every_host_and_names_each_when_all_fail() {
+        let (e, left) = pull_dead(
+            r#"server = "https://127.0.0.1:2"
+
+[host."https://127.0.0.1:1"]
+  capabilities = ["pull", "resolve"]
+"#,
+            "127.0.0.1:2/x/y:1",
+        );
+        assert!(!left, "a failed pull left its file");
+        assert!(
+            e.starts_with("registry 127.0.0.1:2: every host failed: https://127.0.0.1:1: login: "),
+            "{e}"
+        );
+        assert!(e.contains("; https://127.0.0.1:2: login: "), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        // One host: its error as ever, no "every host failed".
+        let (e, left) = pull_dead("server = \"https://127.0.0.1:1\"\n", "127.0.0.1:1/x/y:1");
+        assert!(!left);
+        assert!(
+            e.starts_with("registry https://127.0.0.1:1: login: "),
+            "{e}"
+        );
     }
 
     #[test]
@@ -954,7 +1276,7 @@ mod tests {
             "reg.example",
             &[("ca.crt", "x"), ("client.cert", "c"), ("client.key", "k")],
         );
-        let e = resolve(Some(t.path()), "reg.example", Need::Pull).unwrap();
+        let e = only(resolve(Some(t.path()), "reg.example", Need::Pull).unwrap());
         assert_eq!(e.ca.len(), 1);
         assert_eq!(e.client.len(), 2);
     }
@@ -962,7 +1284,7 @@ mod tests {
     #[test]
     fn a_missing_host_dir_entry_is_the_default() {
         let t = tempfile::tempdir().unwrap();
-        let e = resolve(Some(t.path()), "reg.example", Need::Pull).unwrap();
+        let e = only(resolve(Some(t.path()), "reg.example", Need::Pull).unwrap());
         assert_eq!(e.origin, "default");
     }
 

@@ -8,6 +8,10 @@
 //!   count goes on; a handler whose `RestoreSources` lack the registry refuses, and one without
 //!   the login says so.
 //!
+//! - Mirrors fall back as containerd's do: with a dead mirror listed first in `hosts.toml`, the
+//!   pull goes on to the registry and gets the archive byte for byte; when every host is dead it
+//!   fails with `every host failed:`, naming each, and leaves no file.
+//!
 //! Needs root, the stack from `make deps` and `registry.sh start`; fails (never skips) when
 //! something is missing.
 
@@ -277,4 +281,190 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         println!("without the login: {msg}");
         Ok(())
     })
+}
+
+/// A host nothing listens on (connection refused at once).
+const DEAD_MIRROR: &str = "127.0.0.1:1";
+/// Another one, for the server of the all-dead `hosts.toml`.
+const DEAD_SERVER: &str = "127.0.0.1:2";
+
+/// Writes a small checkpoint archive (what `gpu-ckpt build` needs: `config.dump`, `spec.dump`,
+/// and a `checkpoint/` image of some size) at `path`.
+fn write_checkpoint_archive(path: &Path, name: &str) -> Result<()> {
+    let mut pages = Vec::with_capacity(1 << 20);
+    let mut x: u32 = 0x9e37_79b9;
+    while pages.len() < 1 << 20 {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        pages.extend_from_slice(&x.to_le_bytes());
+    }
+    let config = serde_json::to_vec(&serde_json::json!({ "id": name, "name": name }))?;
+    let spec = serde_json::to_vec(&serde_json::json!({ "ociVersion": "1.0.2" }))?;
+    let mut ar = tar::Builder::new(std::fs::File::create(path)?);
+    let mut add = |entry: &str, data: &[u8], kind: tar::EntryType| -> Result<()> {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(kind);
+        h.set_mode(if data.is_empty() { 0o700 } else { 0o600 });
+        h.set_size(data.len() as u64);
+        h.set_mtime(0);
+        ar.append_data(&mut h, entry, data)
+            .with_context(|| format!("{}: {entry}", path.display()))
+    };
+    add("config.dump", &config, tar::EntryType::Regular)?;
+    add("spec.dump", &spec, tar::EntryType::Regular)?;
+    add("checkpoint/", &[], tar::EntryType::Directory)?;
+    add("checkpoint/pages-1.img", &pages, tar::EntryType::Regular)?;
+    ar.into_inner()?.sync_all()?;
+    Ok(())
+}
+
+/// Writes `body` as the `hosts.toml` of the registry's host directory under `root`, beside the
+/// CA that [`TlsRegistry::hosts_dir`] copies there (`test-ca.pem`). Returns `root`.
+fn hosts_toml(reg: &TlsRegistry, root: &Path, body: &str) -> Result<std::path::PathBuf> {
+    let root = reg.hosts_dir(root, true)?;
+    let file = root.join(&reg.addr).join("hosts.toml");
+    std::fs::write(&file, body).with_context(|| format!("write {}", file.display()))?;
+    Ok(root)
+}
+
+#[test]
+fn a_pull_falls_back_past_a_dead_mirror_as_containerd_does() -> Result<()> {
+    let reg = TlsRegistry::discover()?;
+    let work = Path::new(test_containers::stack::RUN_BASE).join("registry-mirrors-files");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)?;
+    let hosts = reg.hosts_dir(&work.join("certs.d"), true)?;
+    let auth = reg.auth_file(&work.join("auth.json"), Some(reg.password()))?;
+    let archive = work.join("checkpoint.tar");
+    write_checkpoint_archive(&archive, "mirrored")?;
+    let reference = format!(
+        "{}/{REPO}/mirrored:{}-{}",
+        reg.addr,
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs()
+    );
+    let a = auth.display().to_string();
+
+    // Pushed the way users push (straight to the registry).
+    let out = cli(&[
+        "build",
+        &archive.display().to_string(),
+        "--ref",
+        &reference,
+        "--push",
+        "--hosts-dir",
+        &hosts.display().to_string(),
+        "--authfile",
+        &a,
+    ])?
+    .map_err(anyhow::Error::msg)
+    .context("push")?;
+    ensure!(
+        out.contains(&format!("pushed {reference}@sha256:")),
+        "{out}"
+    );
+
+    // A dead mirror first, then the registry with its CA (also the server: tried once).
+    let mirrored = hosts_toml(
+        &reg,
+        &work.join("certs-mirror.d"),
+        &format!(
+            r#"server = "https://{a}"
+
+[host."https://{DEAD_MIRROR}"]
+  capabilities = ["pull", "resolve"]
+
+[host."https://{a}"]
+  capabilities = ["pull", "resolve"]
+  ca = "test-ca.pem"
+"#,
+            a = reg.addr
+        ),
+    )?;
+    let back = work.join("pulled.tar");
+    let pulled = Command::new(gpu_ckpt_cli())
+        .args([
+            "pull",
+            &reference,
+            &back.display().to_string(),
+            "--hosts-dir",
+            &mirrored.display().to_string(),
+            "--authfile",
+            &a,
+        ])
+        .output()
+        .context("run gpu-ckpt pull")?;
+    let stdout = String::from_utf8_lossy(&pulled.stdout);
+    let stderr = String::from_utf8_lossy(&pulled.stderr);
+    ensure!(
+        pulled.status.success(),
+        "pull past a dead mirror failed ({}): {stderr}",
+        pulled.status
+    );
+    ensure!(
+        stdout.contains(&format!("pulled {reference}@sha256:")),
+        "{stdout}"
+    );
+    let lower = stderr.to_lowercase();
+    for bad in ["error", "failed", "panicked", "every host"] {
+        ensure!(
+            !lower.contains(bad),
+            "a pull that succeeded says {bad:?} on stderr: {stderr}"
+        );
+    }
+    ensure!(
+        std::fs::read(&back)? == std::fs::read(&archive)?,
+        "the archive pulled past the dead mirror differs from the one pushed"
+    );
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&back)?.permissions().mode() & 0o777;
+    ensure!(mode == 0o600, "pulled archive mode {mode:o}");
+    println!("pull past the dead mirror: {}", stdout.trim());
+
+    // Every host dead: one error naming each, and no file.
+    let dead = hosts_toml(
+        &reg,
+        &work.join("certs-dead.d"),
+        &format!(
+            r#"server = "https://{DEAD_SERVER}"
+
+[host."https://{DEAD_MIRROR}"]
+  capabilities = ["pull", "resolve"]
+"#
+        ),
+    )?;
+    let nothing = work.join("nothing.tar");
+    let msg = expect_failure(
+        "pull with every host dead",
+        cli(&[
+            "pull",
+            &reference,
+            &nothing.display().to_string(),
+            "--hosts-dir",
+            &dead.display().to_string(),
+            "--authfile",
+            &a,
+        ])?,
+        &[
+            &format!("registry {}: every host failed: ", reg.addr),
+            &format!("https://{DEAD_MIRROR}: login: "),
+            &format!("; https://{DEAD_SERVER}: login: "),
+        ],
+    )?;
+    ensure!(
+        msg.trim().lines().count() == 1,
+        "the all-failed error is not one line: {msg}"
+    );
+    ensure!(
+        msg.find(DEAD_MIRROR) < msg.find(DEAD_SERVER),
+        "the hosts are not named in the order tried: {msg}"
+    );
+    ensure!(
+        !nothing.exists(),
+        "a pull where every host failed left a file: {msg}"
+    );
+    Ok(())
 }
