@@ -89,6 +89,19 @@ fn expect_failure(
     Ok(msg)
 }
 
+/// A pulled archive is the pushed one byte for byte, and root-only (it holds process memory).
+fn ensure_pulled_copy(pulled: &Path, pushed: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    ensure!(
+        std::fs::read(pulled)? == std::fs::read(pushed)?,
+        "the pulled archive {} differs from the one pushed",
+        pulled.display()
+    );
+    let mode = std::fs::metadata(pulled)?.permissions().mode() & 0o777;
+    ensure!(mode == 0o600, "pulled archive mode {mode:o}");
+    Ok(())
+}
+
 #[test]
 fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
     let reg = TlsRegistry::discover()?;
@@ -240,13 +253,7 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
             out.contains(&format!("pulled {reference}@sha256:")),
             "{out}"
         );
-        ensure!(
-            std::fs::read(&back)? == std::fs::read(&archive)?,
-            "the pulled archive differs from the one pushed"
-        );
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(&back)?.permissions().mode() & 0o777;
-        ensure!(mode == 0o600, "pulled archive mode {mode:o}");
+        ensure_pulled_copy(&back, &archive)?;
 
         // The restore handler pulls it with its options, and the count goes on.
         let first = try_restore(&cri, &node, FROM_REGISTRY, "default", &reference)
@@ -415,13 +422,7 @@ fn a_pull_falls_back_past_a_dead_mirror_as_containerd_does() -> Result<()> {
             "a pull that succeeded says {bad:?} on stderr: {stderr}"
         );
     }
-    ensure!(
-        std::fs::read(&back)? == std::fs::read(&archive)?,
-        "the archive pulled past the dead mirror differs from the one pushed"
-    );
-    use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&back)?.permissions().mode() & 0o777;
-    ensure!(mode == 0o600, "pulled archive mode {mode:o}");
+    ensure_pulled_copy(&back, &archive)?;
     println!("pull past the dead mirror: {}", stdout.trim());
 
     // Every host dead: one error naming each, and no file.
