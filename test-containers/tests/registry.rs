@@ -18,7 +18,7 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
 use common::*;
@@ -37,17 +37,50 @@ const NO_LOGIN: &str = "restore-nologin";
 
 const REPO: &str = "gpuckpt-test";
 
-/// Runs the CLI; `Ok(stdout)` on success, `Err(stderr)` on failure.
-fn cli(args: &[&str]) -> Result<std::result::Result<String, String>> {
-    let out = Command::new(gpu_ckpt_cli())
+/// Runs the CLI and returns its output, whatever its exit status.
+fn run_cli(args: &[&str]) -> Result<Output> {
+    Command::new(gpu_ckpt_cli())
         .args(args)
         .output()
-        .context("run gpu-ckpt")?;
-    Ok(if out.status.success() {
+        .context("run gpu-ckpt")
+}
+
+/// `Ok(stdout)` when the CLI succeeded, `Err(stderr)` when it failed.
+fn outcome(out: &Output) -> std::result::Result<String, String> {
+    if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(String::from_utf8_lossy(&out.stderr).into_owned())
-    })
+    }
+}
+
+/// `gpu-ckpt build ARCHIVE --ref REFERENCE --push`, through the host directory `hosts` with the
+/// logins of `auth`.
+fn cli_push(archive: &Path, reference: &str, hosts: &Path, auth: &Path) -> Result<Output> {
+    run_cli(&[
+        "build",
+        &archive.display().to_string(),
+        "--ref",
+        reference,
+        "--push",
+        "--hosts-dir",
+        &hosts.display().to_string(),
+        "--authfile",
+        &auth.display().to_string(),
+    ])
+}
+
+/// `gpu-ckpt pull REFERENCE OUT`, through the host directory `hosts` with the logins of `auth`.
+fn cli_pull(reference: &str, out: &Path, hosts: &Path, auth: &Path) -> Result<Output> {
+    run_cli(&[
+        "pull",
+        reference,
+        &out.display().to_string(),
+        "--hosts-dir",
+        &hosts.display().to_string(),
+        "--authfile",
+        &auth.display().to_string(),
+    ])
 }
 
 fn handler(
@@ -163,22 +196,10 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         let _ = std::fs::remove_file(&archive);
         cri.checkpoint_container(&id, &archive, 120).await?;
         cri.remove_pod(&pod).await?;
-        let a = archive.display().to_string();
-        let h = hosts.display().to_string();
 
         // Pushes that fail, each naming the registry and the cause; nothing is pushed.
         let push = |hosts: &Path, auth: &Path| {
-            cli(&[
-                "build",
-                &a,
-                "--ref",
-                &reference,
-                "--push",
-                "--hosts-dir",
-                &hosts.display().to_string(),
-                "--authfile",
-                &auth.display().to_string(),
-            ])
+            cli_push(&archive, &reference, hosts, auth).map(|out| outcome(&out))
         };
         let registry = format!("registry https://{}", reg.addr);
         expect_failure(
@@ -211,15 +232,12 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
         )?;
         let missing = expect_failure(
             "pull before the push",
-            cli(&[
-                "pull",
+            outcome(&cli_pull(
                 &reference,
-                &work.join("early.tar").display().to_string(),
-                "--hosts-dir",
-                &h,
-                "--authfile",
-                &auth.display().to_string(),
-            ])?,
+                &work.join("early.tar"),
+                &hosts,
+                &auth,
+            )?),
             &[&registry, "not found"],
         )?;
         ensure!(
@@ -238,17 +256,9 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
 
         // Pulled back byte for byte, root-only.
         let back = work.join("pulled.tar");
-        let out = cli(&[
-            "pull",
-            &reference,
-            &back.display().to_string(),
-            "--hosts-dir",
-            &h,
-            "--authfile",
-            &auth.display().to_string(),
-        ])?
-        .map_err(anyhow::Error::msg)
-        .context("pull")?;
+        let out = outcome(&cli_pull(&reference, &back, &hosts, &auth)?)
+            .map_err(anyhow::Error::msg)
+            .context("pull")?;
         ensure!(
             out.contains(&format!("pulled {reference}@sha256:")),
             "{out}"
@@ -353,22 +363,11 @@ fn a_pull_falls_back_past_a_dead_mirror_as_containerd_does() -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)?
             .as_secs()
     );
-    let a = auth.display().to_string();
 
     // Pushed the way users push (straight to the registry).
-    let out = cli(&[
-        "build",
-        &archive.display().to_string(),
-        "--ref",
-        &reference,
-        "--push",
-        "--hosts-dir",
-        &hosts.display().to_string(),
-        "--authfile",
-        &a,
-    ])?
-    .map_err(anyhow::Error::msg)
-    .context("push")?;
+    let out = outcome(&cli_push(&archive, &reference, &hosts, &auth)?)
+        .map_err(anyhow::Error::msg)
+        .context("push")?;
     ensure!(
         out.contains(&format!("pushed {reference}@sha256:")),
         "{out}"
@@ -392,18 +391,7 @@ fn a_pull_falls_back_past_a_dead_mirror_as_containerd_does() -> Result<()> {
         ),
     )?;
     let back = work.join("pulled.tar");
-    let pulled = Command::new(gpu_ckpt_cli())
-        .args([
-            "pull",
-            &reference,
-            &back.display().to_string(),
-            "--hosts-dir",
-            &mirrored.display().to_string(),
-            "--authfile",
-            &a,
-        ])
-        .output()
-        .context("run gpu-ckpt pull")?;
+    let pulled = cli_pull(&reference, &back, &mirrored, &auth)?;
     let stdout = String::from_utf8_lossy(&pulled.stdout);
     let stderr = String::from_utf8_lossy(&pulled.stderr);
     ensure!(
@@ -440,15 +428,7 @@ fn a_pull_falls_back_past_a_dead_mirror_as_containerd_does() -> Result<()> {
     let nothing = work.join("nothing.tar");
     let msg = expect_failure(
         "pull with every host dead",
-        cli(&[
-            "pull",
-            &reference,
-            &nothing.display().to_string(),
-            "--hosts-dir",
-            &dead.display().to_string(),
-            "--authfile",
-            &a,
-        ])?,
+        outcome(&cli_pull(&reference, &nothing, &dead, &auth)?),
         &[
             &format!("registry {}: every host failed: ", reg.addr),
             &format!("https://{DEAD_MIRROR}: login: "),
