@@ -43,6 +43,8 @@ pub mod names {
     pub const AMDGPU_PAGES_PREFIX: &str = "amdgpu-pages-";
     /// Where the gpu-ckpt manifest lives in the archive.
     pub const MANIFEST_PATH: &str = "checkpoint/gpu-ckpt-manifest.json";
+    /// CRIU's statistics as the shim keeps them, beside its images.
+    pub const CHECKPOINT_STATS_DUMP: &str = "checkpoint/stats-dump";
 }
 
 /// Small JSON members are read into memory up to this size; bigger ones are an error.
@@ -139,6 +141,63 @@ pub struct ArchiveInfo {
 }
 
 impl ArchiveInfo {
+    /// Whether `path` (an archive member's name) is metadata that [`ArchiveInfo::take_member`]
+    /// reads.
+    pub fn is_metadata(path: &str) -> bool {
+        matches!(
+            path,
+            names::CONFIG_DUMP
+                | names::SPEC_DUMP
+                | names::STATUS_DUMP
+                | names::MANIFEST_PATH
+                | names::STATS_DUMP
+                | names::CHECKPOINT_STATS_DUMP
+        )
+    }
+
+    /// Takes the metadata member `path` into its field: the engine's dumps, the manifest (with
+    /// its bytes, for the signature) and CRIU's statistics. `data` is the member's content,
+    /// read only for a member [`ArchiveInfo::is_metadata`] names. Every reader of a checkpoint's
+    /// listing (an archive, a checkpoint directory, an image volume) takes its members here.
+    pub fn take_member(
+        &mut self,
+        path: &str,
+        data: impl FnOnce() -> Result<Vec<u8>>,
+    ) -> Result<()> {
+        if !Self::is_metadata(path) {
+            return Ok(());
+        }
+        let d = data()?;
+        match path {
+            names::CONFIG_DUMP => {
+                self.config_dump =
+                    Some(serde_json::from_slice(&d).map_err(|x| Error::json(path, x))?);
+            }
+            names::SPEC_DUMP => {
+                self.spec_dump =
+                    Some(serde_json::from_slice(&d).map_err(|x| Error::json(path, x))?);
+            }
+            names::STATUS_DUMP => {
+                self.status_dump =
+                    Some(serde_json::from_slice(&d).map_err(|x| Error::json(path, x))?);
+            }
+            names::MANIFEST_PATH => {
+                self.manifest = Some(Manifest::from_json(&d, path)?);
+                self.manifest_json = Some(d);
+            }
+            _ => {
+                // Informational: statistics CRIU did not write are left out, not an error.
+                // The top-level file is what checkpointctl reads: it wins.
+                if let Ok(s) = crate::criu_stats::parse_dump_stats(&d, path) {
+                    if path == names::STATS_DUMP || self.statistics.is_none() {
+                        self.statistics = Some(s);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The `spec.dump` annotations.
     pub fn annotations(&self) -> BTreeMap<String, String> {
         let mut out = BTreeMap::new();
@@ -281,39 +340,7 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
         last = Some(e.path.clone());
         add_sizes(&mut info.sizes, &e);
         if e.kind == EntryKind::File {
-            match e.path.as_str() {
-                names::CONFIG_DUMP => {
-                    let d = read_small(&mut ent, &e.path, e.size)?;
-                    info.config_dump =
-                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
-                }
-                names::SPEC_DUMP => {
-                    let d = read_small(&mut ent, &e.path, e.size)?;
-                    info.spec_dump =
-                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
-                }
-                names::STATUS_DUMP => {
-                    let d = read_small(&mut ent, &e.path, e.size)?;
-                    info.status_dump =
-                        Some(serde_json::from_slice(&d).map_err(|x| Error::json(&e.path, x))?);
-                }
-                names::MANIFEST_PATH => {
-                    let d = read_small(&mut ent, &e.path, e.size)?;
-                    info.manifest = Some(Manifest::from_json(&d, &e.path)?);
-                    info.manifest_json = Some(d);
-                }
-                names::STATS_DUMP | "checkpoint/stats-dump" => {
-                    let d = read_small(&mut ent, &e.path, e.size)?;
-                    // Informational: statistics CRIU did not write are left out, not an error.
-                    // The top-level file is what checkpointctl reads: it wins.
-                    if let Ok(s) = crate::criu_stats::parse_dump_stats(&d, &e.path) {
-                        if e.path == names::STATS_DUMP || info.statistics.is_none() {
-                            info.statistics = Some(s);
-                        }
-                    }
-                }
-                _ => {}
-            }
+            info.take_member(&e.path, || read_small(&mut ent, &e.path, e.size))?;
         }
         info.entries.push(e);
     }
@@ -358,15 +385,11 @@ pub fn read_info_dir(dir: &Path) -> Result<ArchiveInfo> {
             mode: meta.permissions().mode() & 0o7777,
         };
         add_sizes(&mut info.sizes, &e);
-        if e.kind == EntryKind::File && (name == MANIFEST_FILE || name == names::STATS_DUMP) {
-            let mut f = File::open(&path).map_err(|x| Error::io("opening", &path, x))?;
-            let d = read_small(&mut f, &e.path, e.size)?;
-            if name == MANIFEST_FILE {
-                info.manifest = Some(Manifest::from_json(&d, &e.path)?);
-                info.manifest_json = Some(d);
-            } else if let Ok(s) = crate::criu_stats::parse_dump_stats(&d, &e.path) {
-                info.statistics = Some(s);
-            }
+        if e.kind == EntryKind::File {
+            info.take_member(&e.path, || {
+                let mut f = File::open(&path).map_err(|x| Error::io("opening", &path, x))?;
+                read_small(&mut f, &e.path, e.size)
+            })?;
         }
         info.entries.push(e);
     }

@@ -376,10 +376,6 @@ pub fn read_dir_info(root: &Path, limits: Limits) -> image_format::Result<Archiv
         let path = p.to_path_buf();
         move |source| E::Io { what, path, source }
     };
-    let json = |what: &str| {
-        let what = what.to_string();
-        move |source| E::Json { what, source }
-    };
     let mut info = ArchiveInfo::default();
     let (mut entries, mut total) = (0u64, 0u64);
     let mut stack = vec![(root.to_path_buf(), String::new())];
@@ -441,7 +437,7 @@ pub fn read_dir_info(root: &Path, limits: Limits) -> image_format::Result<Archiv
                     limit: limits.max_total_bytes,
                 });
             }
-            let small = || -> image_format::Result<Vec<u8>> {
+            info.take_member(&path, || {
                 if size > archive::MAX_METADATA_BYTES {
                     return Err(E::EntryTooLarge {
                         entry: path.clone(),
@@ -455,26 +451,7 @@ pub fn read_dir_info(root: &Path, limits: Limits) -> image_format::Result<Archiv
                     .read_to_end(&mut v)
                     .map_err(io("reading", &entry.path()))?;
                 Ok(v)
-            };
-            match path.as_str() {
-                archive::names::CONFIG_DUMP => {
-                    info.config_dump =
-                        Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
-                }
-                archive::names::SPEC_DUMP => {
-                    info.spec_dump = Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
-                }
-                archive::names::STATUS_DUMP => {
-                    info.status_dump =
-                        Some(serde_json::from_slice(&small()?).map_err(json(&path))?);
-                }
-                archive::names::MANIFEST_PATH => {
-                    let d = small()?;
-                    info.manifest = Some(Manifest::from_json(&d, &path)?);
-                    info.manifest_json = Some(d);
-                }
-                _ => {}
-            }
+            })?;
         }
     }
     Ok(info)
