@@ -72,9 +72,6 @@ pub struct Container {
     /// The checkpoint directory was unpacked by this shim with every digest verified (the
     /// restore handler): at Start its listing and sizes are checked again, not its digests.
     restore_unpacked: bool,
-    /// `restore_from` is the directory containerd extracted the checkpoint into (`ctr container
-    /// restore`): containerd never removes it, so the shim does once Start has restored from it.
-    restore_from_containerd_temp: bool,
     /// runc hands CRIU the shim's configuration file (not one the spec names).
     own_criu_conf: bool,
     /// The overlay upper directory of the rootfs: the container's changes, of which a
@@ -131,8 +128,6 @@ impl Container {
             .into_iter()
             .find(|p| !p.is_empty())
             .map(PathBuf::from);
-        let restore_from_containerd_temp = options.criu_image_path.is_empty()
-            && restore::is_containerd_extracted_checkpoint(Path::new(&req.checkpoint));
         let spec_annotations = spec.annotations().clone().unwrap_or_default();
         let annotations = Annotations::from_spec(&spec_annotations)?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
@@ -156,7 +151,6 @@ impl Container {
             annotations,
             restore_from,
             restore_unpacked: false,
-            restore_from_containerd_temp,
             own_criu_conf: false,
             upperdir: None,
             devices,
@@ -385,9 +379,12 @@ impl Container {
         if let Some(dir) = self.restore_from.clone() {
             let span = info_span!("restore", id = %self.id);
             let restored = self.restore(&dir).instrument(span).await;
-            // Restored or not, nothing reads the extracted checkpoint again (a failed Start is
-            // not retried on it), and it holds the process's memory.
-            if self.restore_from_containerd_temp {
+            // The directory containerd extracted the checkpoint into (`ctr container restore`),
+            // which containerd never removes: restored or not, nothing reads it again (a failed
+            // Start is not retried on it), and it holds the process's memory.
+            if self.options.criu_image_path.is_empty()
+                && restore::is_containerd_extracted_checkpoint(&dir)
+            {
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
                     warn!(id = %self.id, dir = %dir.display(), error = %e, "remove containerd's extracted checkpoint");
                 }
