@@ -172,8 +172,9 @@ pub enum Error {
     #[error("signature: {reason}")]
     Signature { reason: String },
 
-    /// A signing key that cannot be read, made or parsed.
-    #[error("signing key {path}: {reason}")]
+    /// A key file (the node's private or public key, a trusted public key, the revoked-keys
+    /// list) that cannot be read, made or parsed, or is open to others than its owner.
+    #[error("key file {path}: {reason}")]
     Key { path: PathBuf, reason: String },
 }
 

@@ -62,6 +62,45 @@ struct TrustArgs {
     /// A directory of more trusted public keys (the handler option TrustedKeysDir).
     #[arg(long, value_name = "DIR")]
     trusted_keys: Option<PathBuf>,
+    /// The revoked-keys list (the handler option RevokedKeysFile). Default: `revoked` beside
+    /// the node's key.
+    #[arg(long, value_name = "FILE")]
+    revoked: Option<PathBuf>,
+}
+
+/// Where the node's key is, for `gpu-ckpt key`.
+#[derive(clap::Args, Clone)]
+struct KeyArgs {
+    /// The node's private key (the handler option SigningKey).
+    #[arg(long, value_name = "FILE", default_value_os_t = Path::new(image_format::sign::DEFAULT_KEY_DIR).join(image_format::sign::NODE_KEY_FILE))]
+    key: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum KeyCmd {
+    /// Replace the node's key with a new one. The former public key stays in the key directory
+    /// as retired-<id>.pub: this node still trusts it until it is revoked, and other nodes
+    /// where that file is in their TrustedKeysDir. Prints the new key id and public key file.
+    Rotate {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Also revoke the former key on this node (a key that may have leaked).
+        #[arg(long)]
+        revoke: bool,
+    },
+    /// Add a key to this node's revoked-keys list: checkpoints it signed are refused by the
+    /// restore and by `verify`, even where the key is trusted.
+    Revoke {
+        /// A key id (ed25519:<32 hex digits>, as `verify` prints it), a public key (64 hex
+        /// digits), or a public key file.
+        key_ref: String,
+        #[command(flatten)]
+        key: KeyArgs,
+        /// The revoked-keys list (the handler option RevokedKeysFile). Default: `revoked`
+        /// beside --key.
+        #[arg(long, value_name = "FILE")]
+        revoked: Option<PathBuf>,
+    },
 }
 
 /// Where the registry client finds TLS settings and logins.
@@ -151,6 +190,9 @@ enum Cmd {
         #[command(flatten)]
         registry: RegistryArgs,
     },
+    /// Manage the node's signing key: rotate it, revoke a key.
+    #[command(subcommand)]
+    Key(KeyCmd),
     /// Drive the CUDA driver's checkpoint API for one process, like NVIDIA's cuda-checkpoint, or
     /// list the node's GPUs (--list). Exit 1 when the driver or the process fails, 2 on usage.
     Device(DeviceArgs),
@@ -267,6 +309,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             archive,
             no_verify,
         } => extract(&src, to, archive, no_verify),
+        Cmd::Key(cmd) => key_cmd(cmd),
         Cmd::Device(args) => Ok(device::run(&args)),
         Cmd::DrainPlan(args) => Ok(ExitCode::from(
             match image_format::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
@@ -435,9 +478,9 @@ fn human(b: u64) -> String {
 }
 
 /// Who signed the manifest document `json`, whether the signature holds, and whether this node
-/// trusts the signer.
+/// trusts the signer or revoked it.
 fn signer_report(json: Option<&[u8]>, trust: &TrustArgs) -> serde_json::Value {
-    use image_format::sign;
+    use image_format::sign::{self, KeyStatus};
     let Some(json) = json else {
         return serde_json::json!({"signed": false, "summary": "no gpu-ckpt manifest"});
     };
@@ -458,28 +501,98 @@ fn signer_report(json: Option<&[u8]>, trust: &TrustArgs) -> serde_json::Value {
         .key
         .clone()
         .unwrap_or_else(|| Path::new(sign::DEFAULT_KEY_DIR).join(sign::NODE_PUB_FILE));
-    let own = if key_path.extension().is_some_and(|x| x == "pub") {
-        sign::read_public_key(&key_path)
+    // The public key only: node.pub, also when --key names the private key beside it.
+    let pub_path = if key_path.extension().is_some_and(|x| x == "pub") {
+        key_path.clone()
     } else {
-        sign::NodeKey::load(&key_path).map(|k| k.public_key())
+        sign::public_key_path(&key_path)
     };
-    match own {
-        Ok(k) => keys.add(k, format!("this node's key {}", key_path.display())),
-        Err(e) => problems.push(e.to_string()),
+    if let Err(e) =
+        sign::read_public_key(&pub_path).and_then(|k| keys.add_node_keys(&key_path, k))
+    {
+        problems.push(e.to_string());
     }
     if let Some(dir) = &trust.trusted_keys {
         if let Err(e) = keys.add_dir(dir) {
             problems.push(e.to_string());
         }
     }
-    let trusted = keys.trusts(&signer).map(str::to_string);
-    let summary = match &trusted {
-        Some(how) => format!("{} (trusted: {how})", signer.key_id()),
-        None => format!("{} (NOT trusted by this node)", signer.key_id()),
+    let revoked = trust
+        .revoked
+        .clone()
+        .unwrap_or_else(|| key_path.with_file_name(sign::REVOKED_FILE));
+    if let Err(e) = keys.add_revoked(&revoked) {
+        problems.push(e.to_string());
+    }
+    let (trusted, revoked_at, summary) = match keys.status(&signer) {
+        KeyStatus::Trusted(how) => (
+            Some(how.to_string()),
+            None,
+            format!("{} (trusted: {how})", signer.key_id()),
+        ),
+        KeyStatus::Revoked(at) => (
+            None,
+            Some(at.to_string()),
+            format!("{} (REVOKED: listed in {at})", signer.key_id()),
+        ),
+        KeyStatus::Untrusted => (
+            None,
+            None,
+            format!("{} (NOT trusted by this node)", signer.key_id()),
+        ),
     };
     serde_json::json!({"signed": true, "valid": true, "key_id": signer.key_id(),
         "public_key": signer.public_key_hex(), "trusted": trusted.is_some(),
-        "trusted_as": trusted, "key_problems": problems, "summary": summary})
+        "trusted_as": trusted, "revoked": revoked_at.is_some(), "revoked_in": revoked_at,
+        "key_problems": problems, "summary": summary})
+}
+
+/// `gpu-ckpt key rotate` and `gpu-ckpt key revoke`.
+fn key_cmd(cmd: KeyCmd) -> Result<ExitCode> {
+    use image_format::sign;
+    match cmd {
+        KeyCmd::Rotate { key, revoke } => {
+            let r = sign::rotate(&key.key)?;
+            println!(
+                "new key: {}",
+                sign::key_id(&r.key.public_key())
+            );
+            println!("public key: {}", r.public_path.display());
+            match &r.retired {
+                Some((old, path)) => {
+                    println!(
+                        "retired key: {} (public key kept in {})",
+                        sign::key_id(old),
+                        path.display()
+                    );
+                    if revoke {
+                        let list = key.key.with_file_name(sign::REVOKED_FILE);
+                        let (id, _) = sign::revoke(&list, &sign::key_id(old))?;
+                        println!("revoked: {id} (in {})", list.display());
+                    }
+                }
+                None => println!("retired key: none (the directory had no key)"),
+            }
+            println!(
+                "copy {} into the TrustedKeysDir of the nodes that restore this node's checkpoints",
+                r.public_path.display()
+            );
+        }
+        KeyCmd::Revoke {
+            key_ref,
+            key,
+            revoked,
+        } => {
+            let list = revoked.unwrap_or_else(|| key.key.with_file_name(sign::REVOKED_FILE));
+            let (id, already) = sign::revoke(&list, &key_ref)?;
+            if already {
+                println!("revoked already: {id} (in {})", list.display());
+            } else {
+                println!("revoked: {id} (in {})", list.display());
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn inspect(
@@ -702,6 +815,13 @@ fn verify(path: &Path, json: bool, trust: &TrustArgs) -> Result<ExitCode> {
     };
     if signer["signed"] == true && signer["valid"] == false {
         bail!("{}", signer["summary"].as_str().unwrap_or_default());
+    }
+    if signer["revoked"] == true {
+        bail!(
+            "the checkpoint is signed by key {}, which is revoked (listed in {}): a node refuses to restore it",
+            signer["key_id"].as_str().unwrap_or_default(),
+            signer["revoked_in"].as_str().unwrap_or_default()
+        );
     }
     let mut bar = Bar::new("verify");
     let (summary, bytes) = if path.is_dir() && path.join(MANIFEST_FILE).is_file() {
