@@ -18,9 +18,17 @@ pub enum Error {
     /// The process is in a state where the request makes no sense.
     #[error("{0}")]
     FailedPrecondition(String),
-    /// A checkpoint this node's policy refuses to restore (signature, trust, namespace, source).
+    /// A checkpoint this node's policy refuses to restore on other grounds than those of
+    /// [`Error::Refused`] (rootfs changes outside the signature, a rewritten engine record).
     #[error("{0}")]
     PermissionDenied(String),
+    /// A checkpoint this pod may not use: missing, outside `RestoreSources`, unsigned, signed by
+    /// a key this node does not trust or has revoked, taken in another namespace. What the pod
+    /// sees is the same for every reason, so that it learns nothing about the node's files or
+    /// other namespaces' checkpoints; `reason` goes to the node's log only
+    /// (`trust::log_refused`).
+    #[error("checkpoint {checkpoint:?} cannot be used by this pod: it is missing, outside the sources this handler allows, not signed by a key this node trusts, or of another namespace (the node's containerd log says which)")]
+    Refused { checkpoint: String, reason: String },
     /// The request is valid but this shim does not do it.
     #[error("{0}")]
     Unimplemented(String),
@@ -81,7 +89,7 @@ impl Error {
             Error::NotFound(_) => Code::NOT_FOUND,
             Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
             Error::FailedPrecondition(_) => Code::FAILED_PRECONDITION,
-            Error::PermissionDenied(_) => Code::PERMISSION_DENIED,
+            Error::PermissionDenied(_) | Error::Refused { .. } => Code::PERMISSION_DENIED,
             Error::Unimplemented(_) => Code::UNIMPLEMENTED,
             Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
                 Code::NOT_FOUND

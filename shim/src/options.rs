@@ -79,6 +79,10 @@ pub struct RuntimeOptions {
     /// A directory of more trusted public keys (`*.pub`, 64 hex digits each): checkpoints
     /// signed by them restore here as well as this node's own.
     pub trusted_keys_dir: String,
+    /// The revoked-keys list (key ids or public keys, one a line; `gpu-ckpt key revoke` writes
+    /// it): checkpoints signed by a key it names are refused, even where that key is trusted.
+    /// Default: see [`RuntimeOptions::revoked_keys_path`].
+    pub revoked_keys_file: String,
     /// Sign checkpoints with the node key (default true). Off only for measurement, or for
     /// checkpoints that will be restored elsewhere under `AllowUnsigned`.
     pub sign_checkpoints: Option<bool>,
@@ -320,6 +324,7 @@ impl RuntimeOptions {
             )));
         }
         for (key, value) in [
+            ("RevokedKeysFile", &self.revoked_keys_file),
             ("RegistryHostsDir", &self.registry_hosts_dir),
             ("RegistryAuthFile", &self.registry_auth_file),
         ] {
@@ -358,6 +363,16 @@ impl RuntimeOptions {
             return PathBuf::from(&self.signing_key);
         }
         Path::new(DEFAULT_KEY_DIR).join(image_format::sign::NODE_KEY_FILE)
+    }
+
+    /// The revoked-keys list: `RevokedKeysFile`, else `revoked` beside the signing key
+    /// (`/var/lib/gpu-ckpt/keys/revoked`), where `gpu-ckpt key revoke` writes by default.
+    pub fn revoked_keys_path(&self) -> PathBuf {
+        if !self.revoked_keys_file.is_empty() {
+            return PathBuf::from(&self.revoked_keys_file);
+        }
+        self.signing_key_path()
+            .with_file_name(image_format::sign::REVOKED_FILE)
     }
 
     /// Whether checkpoints are signed (`SignCheckpoints`, default true).
@@ -652,6 +667,11 @@ mod tests {
         assert!(o.namespace_move_allowed("x", "x"));
         assert_eq!(o.restore_sources().len(), 2);
         assert_eq!(o.signing_key_path(), Path::new("/k/node.key"));
+        assert_eq!(o.revoked_keys_path(), Path::new("/k/revoked"));
+        let r = RuntimeOptions::from_toml("RevokedKeysFile = \"/etc/gpu-ckpt/revoked\"\n", "t")
+            .unwrap();
+        assert_eq!(r.revoked_keys_path(), Path::new("/etc/gpu-ckpt/revoked"));
+        assert!(RuntimeOptions::from_toml("RevokedKeysFile = \"revoked\"\n", "t").is_err());
         let d = RuntimeOptions::default();
         assert_eq!(d.restore_sources(), vec!["/var/lib/kubelet/checkpoints/"]);
         assert_eq!(

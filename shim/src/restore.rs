@@ -73,6 +73,9 @@ pub fn prepare(
     options: &RuntimeOptions,
 ) -> Result<Plan> {
     let result = prepare_inner(bundle, rootfs, source, me, ann, options);
+    if let Err(e) = &result {
+        trust::log_refused(e, me.namespace);
+    }
     let _ = std::fs::remove_file(bundle.join(FETCHED_ARCHIVE));
     if !matches!(result, Ok(Plan::Restore(_) | Plan::RestoreInPlace(_))) {
         let _ = std::fs::remove_dir_all(bundle.join(RESTORE_DIR));
@@ -512,13 +515,8 @@ fn check_engine_record(
 /// Outside those, missing, forbidden or unreadable: one and the same error.
 fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) -> Result<PathBuf> {
     let sources = options.restore_sources();
-    let refused = |why: String| {
-        warn!(%source, %why, "restore source refused");
-        trust::source_refused(source, &sources)
-    };
-    let allowed_dir = trust::check_source(source, &sources).inspect_err(|_| {
-        warn!(%source, "restore source refused: outside RestoreSources");
-    })?;
+    let refused = |why: String| trust::source_refused(source, &sources, why);
+    let allowed_dir = trust::check_source(source, &sources)?;
     if let Some(dir) = allowed_dir {
         let path = trust::resolve_source(source, &dir, &sources)?;
         if !oci::is_image(&path) {

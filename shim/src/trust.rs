@@ -1,13 +1,14 @@
 //! Which checkpoints this node restores: signed by a key it trusts (or unsigned under
 //! `AllowUnsigned`), taken in the same namespace (or a move `NamespaceMoves` allows), and, for the
 //! restore handler, read from a source `RestoreSources` lists. The signing itself is
-//! `image_format::sign`; docs/security.md gives the threat model.
+//! `image_format::sign`; docs/security.md gives the threat model. Every refusal of a checkpoint
+//! a pod may not use reads the same to the pod ([`refused`]); the reason goes to the node's log.
 
 use std::path::{Component, Path, PathBuf};
 
 use image_format::{
     manifest::{self, Manifest},
-    sign::{self, NodeKey, TrustedKeys},
+    sign::{self, KeyStatus, NodeKey, TrustedKeys},
 };
 use tracing::{info, warn};
 
@@ -30,36 +31,52 @@ pub enum Verdict {
     Unsigned,
 }
 
-/// The node's signing key, made on first use.
+/// The node's signing key, made on first use. Only the checkpoint's signing step reads it;
+/// checking a signature reads the public key ([`trusted_keys`]).
 pub fn node_key(options: &RuntimeOptions) -> Result<NodeKey> {
     Ok(NodeKey::load_or_create(&options.signing_key_path())?)
 }
 
-/// The keys this node trusts: its own, and every key in `TrustedKeysDir`.
+/// The keys this node trusts: its own and its retired ones (from their public key files beside
+/// the signing key), and every key in `TrustedKeysDir`; and the keys it revoked
+/// (`RevokedKeysFile`), which are refused even so.
 pub fn trusted_keys(options: &RuntimeOptions) -> Result<TrustedKeys> {
-    let key = node_key(options)?;
+    let key_path = options.signing_key_path();
     let mut keys = TrustedKeys::default();
-    keys.add(
-        key.public_key(),
-        format!("this node's key {}", key.path().display()),
-    );
+    keys.add_node_keys(&key_path, sign::node_public_key(&key_path)?)?;
     if !options.trusted_keys_dir.is_empty() {
         keys.add_dir(Path::new(&options.trusted_keys_dir))?;
     }
+    keys.add_revoked(&options.revoked_keys_path())?;
     Ok(keys)
 }
 
+/// The refusal of the checkpoint `source` for `reason`: what the pod sees does not depend on
+/// the reason ([`Error::Refused`]); [`log_refused`] writes the reason to the node's log.
+pub fn refused(source: &str, reason: impl std::fmt::Display) -> Error {
+    Error::Refused {
+        checkpoint: source.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Logs why a checkpoint was refused, if `err` is a refusal, for a pod in `namespace`.
+pub fn log_refused(err: &Error, namespace: &str) {
+    if let Error::Refused { checkpoint, reason } = err {
+        warn!(source = %checkpoint, %reason, %namespace, "checkpoint refused");
+    }
+}
+
 /// Checks the signature of the manifest document `json` of the checkpoint `source`, and that
-/// this node trusts its signer. An unsigned one is refused unless `AllowUnsigned`, and then a
-/// warning is logged when `log_unsigned`.
+/// this node trusts its signer and has not revoked it. An unsigned one is refused unless
+/// `AllowUnsigned`, and then a warning is logged when `log_unsigned`.
 pub fn check_signature(
     json: &[u8],
     options: &RuntimeOptions,
     source: &str,
     log_unsigned: bool,
 ) -> Result<Verdict> {
-    let signer = sign::verify_json(json)
-        .map_err(|e| Error::PermissionDenied(format!("checkpoint {source}: {e}")))?;
+    let signer = sign::verify_json(json).map_err(|e| refused(source, e))?;
     let Some(signer) = signer else {
         if options.allow_unsigned {
             if log_unsigned {
@@ -67,34 +84,45 @@ pub fn check_signature(
             }
             return Ok(Verdict::Unsigned);
         }
-        return Err(Error::PermissionDenied(format!(
-            "checkpoint {source} is unsigned: this node restores only checkpoints signed by a key it trusts (set the handler option AllowUnsigned = true to allow unsigned ones)"
-        )));
+        return Err(refused(
+            source,
+            "it is unsigned: this node restores only checkpoints signed by a key it trusts (set the handler option AllowUnsigned = true to allow unsigned ones)",
+        ));
     };
     let keys = trusted_keys(options)?;
-    match keys.trusts(&signer) {
-        Some(how) => {
+    match keys.status(&signer) {
+        KeyStatus::Trusted(how) => {
             info!(%source, key = %signer.key_id(), trusted_as = %how, "checkpoint signature verified");
             Ok(Verdict::Signed {
                 key_id: signer.key_id(),
                 trusted_as: how.to_string(),
             })
         }
-        None => Err(Error::PermissionDenied(format!(
-            "checkpoint {source} is signed by key {}, which this node does not trust (put its public key, {}, in the directory named by the handler option TrustedKeysDir{})",
-            signer.key_id(),
-            signer.public_key_hex(),
-            if options.trusted_keys_dir.is_empty() {
-                String::new()
-            } else {
-                format!(", now {}", options.trusted_keys_dir)
-            }
-        ))),
+        KeyStatus::Revoked(at) => Err(refused(
+            source,
+            format!(
+                "it is signed by key {}, which is revoked ({at})",
+                signer.key_id()
+            ),
+        )),
+        KeyStatus::Untrusted => Err(refused(
+            source,
+            format!(
+                "it is signed by key {}, which this node does not trust (put its public key, {}, in the directory named by the handler option TrustedKeysDir{})",
+                signer.key_id(),
+                signer.public_key_hex(),
+                if options.trusted_keys_dir.is_empty() {
+                    String::new()
+                } else {
+                    format!(", now {}", options.trusted_keys_dir)
+                }
+            ),
+        )),
     }
 }
 
 /// Refuses a checkpoint of namespace `from` restored into namespace `to`, unless the pair is
-/// in `NamespaceMoves`. The error names both.
+/// in `NamespaceMoves`. The reason names both.
 pub fn check_namespace(from: &str, to: &str, options: &RuntimeOptions, source: &str) -> Result<()> {
     if from == to {
         return Ok(());
@@ -103,15 +131,18 @@ pub fn check_namespace(from: &str, to: &str, options: &RuntimeOptions, source: &
         info!(%source, %from, %to, "checkpoint moves between namespaces (NamespaceMoves)");
         return Ok(());
     }
-    Err(Error::PermissionDenied(format!(
-        "checkpoint {source} was taken in namespace {from:?} and may not be restored into namespace {to:?} (add \"{from}/{to}\" to the handler option NamespaceMoves to allow this move)"
-    )))
+    Err(refused(
+        source,
+        format!(
+            "it was taken in namespace {from:?} and may not be restored into namespace {to:?} (add \"{from}/{to}\" to the handler option NamespaceMoves to allow this move)"
+        ),
+    ))
 }
 
 /// The checks at Start, for every way a restore arrives (the restore handler's own unpacked
 /// checkpoint, containerd's restore-via-create, ctr restore, `CriuImagePath`): the signature
 /// and its signer, and the namespace. Returns the manifest document that was checked, which
-/// the caller compares with the one it verifies the files against.
+/// the caller compares with the one it verifies the files against. A refusal is logged here.
 pub fn check_dir(
     dir: &Path,
     options: &RuntimeOptions,
@@ -126,19 +157,22 @@ pub fn check_dir(
         ))
     })?;
     let source = dir.display().to_string();
-    let verdict = check_signature(&json, options, &source, log_unsigned)?;
-    let m = Manifest::from_json(&json, &path.display().to_string())?;
-    check_namespace(&m.container.pod_namespace, namespace, options, &source)?;
-    Ok((verdict, m))
+    let checked = (|| {
+        let verdict = check_signature(&json, options, &source, log_unsigned)?;
+        let m = Manifest::from_json(&json, &path.display().to_string())?;
+        check_namespace(&m.container.pod_namespace, namespace, options, &source)?;
+        Ok((verdict, m))
+    })();
+    if let Err(e) = &checked {
+        log_refused(e, namespace);
+    }
+    checked
 }
 
-/// The one answer for a restore source that is outside `RestoreSources`, missing, forbidden or
-/// unreadable: the same words for all, so that the annotation tells nothing about the node's
-/// files.
-pub fn source_refused(source: &str, sources: &[String]) -> Error {
-    Error::PermissionDenied(format!(
-        "restore source {source:?} is not a readable checkpoint in the sources this handler allows (handler option RestoreSources: {sources:?})"
-    ))
+/// The refusal of the restore source `source` for `why`, the reason naming `RestoreSources`
+/// (`sources`).
+pub fn source_refused(source: &str, sources: &[String], why: impl std::fmt::Display) -> Error {
+    refused(source, format!("{why} (RestoreSources: {sources:?})"))
 }
 
 /// Where `source` may be read from, checked against `RestoreSources` before anything is
@@ -146,7 +180,7 @@ pub fn source_refused(source: &str, sources: &[String]) -> Error {
 /// under one of the registry prefixes. `Ok(Some(dir))` for a path (the directory it must stay
 /// in once links are resolved), `Ok(None)` for a reference.
 pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>> {
-    let refused = || source_refused(source, sources);
+    let refused = |why: &str| source_refused(source, sources, why);
     if source.starts_with('/') {
         let path = Path::new(source);
         if path
@@ -154,7 +188,7 @@ pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>>
             .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
             || source.contains("/./")
         {
-            return Err(refused());
+            return Err(refused("a path with . or .. components"));
         }
         for dir in sources.iter().filter(|s| s.starts_with('/')) {
             let d = Path::new(dir);
@@ -162,10 +196,10 @@ pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>>
                 return Ok(Some(d.to_path_buf()));
             }
         }
-        return Err(refused());
+        return Err(refused("a path outside RestoreSources"));
     }
     if source.contains("..") || source.contains("//") {
-        return Err(refused());
+        return Err(refused("a reference with .. or //"));
     }
     let allowed = sources.iter().filter(|s| !s.starts_with('/')).any(|p| {
         let p = p.trim_end_matches('/');
@@ -176,22 +210,36 @@ pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>>
     if allowed {
         Ok(None)
     } else {
-        Err(refused())
+        Err(refused("a reference outside RestoreSources"))
     }
 }
 
 /// Resolves the path `source`, allowed under `dir`, to what it names once links are followed;
 /// it must still be under `dir` (resolved too), and be a regular file or a directory.
 pub fn resolve_source(source: &str, dir: &Path, sources: &[String]) -> Result<PathBuf> {
-    let refused = || source_refused(source, sources);
-    let real = Path::new(source).canonicalize().map_err(|_| refused())?;
-    let real_dir = dir.canonicalize().map_err(|_| refused())?;
+    let refused = |why: String| source_refused(source, sources, why);
+    let real = Path::new(source)
+        .canonicalize()
+        .map_err(|e| refused(format!("it does not exist or cannot be resolved: {e}")))?;
+    let real_dir = dir.canonicalize().map_err(|e| {
+        refused(format!(
+            "its directory {} cannot be resolved: {e}",
+            dir.display()
+        ))
+    })?;
     if !real.starts_with(&real_dir) {
-        return Err(refused());
+        return Err(refused(format!(
+            "it resolves to {}, outside its directory {}",
+            real.display(),
+            real_dir.display()
+        )));
     }
-    let meta = std::fs::metadata(&real).map_err(|_| refused())?;
+    let meta = std::fs::metadata(&real)
+        .map_err(|e| refused(format!("stat {}: {e}", real.display())))?;
     if !(meta.is_file() || meta.is_dir()) {
-        return Err(refused());
+        return Err(refused(
+            "it is neither a regular file nor a directory".into(),
+        ));
     }
     Ok(real)
 }
@@ -349,6 +397,21 @@ pub fn image_volume(
 mod tests {
     use super::*;
 
+    /// The reason of a refusal, after checking that the pod's text does not depend on it.
+    fn reason(e: Error) -> String {
+        let Error::Refused { checkpoint, reason } = &e else {
+            panic!("not a refusal: {e}");
+        };
+        let shown = e.to_string().replace(&format!("{checkpoint:?}"), "SOURCE");
+        let other = refused("x", "another reason")
+            .to_string()
+            .replace("\"x\"", "SOURCE");
+        assert_eq!(shown, other);
+        assert!(!shown.contains(reason.as_str()));
+        assert_eq!(e.code(), containerd_shim::protos::ttrpc::Code::PERMISSION_DENIED);
+        reason.clone()
+    }
+
     fn sources() -> Vec<String> {
         vec![
             "/var/lib/kubelet/checkpoints/".into(),
@@ -376,9 +439,9 @@ mod tests {
             "evil.example.com/ckpt/c:1",
         ] {
             let err = check_source(bad, &s).unwrap_err();
-            assert!(matches!(err, Error::PermissionDenied(_)), "{bad}");
-            assert!(err.to_string().contains("RestoreSources"), "{err}");
             assert!(err.to_string().contains(bad), "{err}");
+            let why = reason(err);
+            assert!(why.contains("RestoreSources"), "{why}");
         }
     }
 
@@ -401,14 +464,15 @@ mod tests {
         let link = format!("{}/l.tar", d.display());
         let missing = format!("{}/missing.tar", d.display());
         assert_eq!(msg(&link), msg(&missing));
+        let why = |src: &str| reason(resolve_source(src, &d, &s).unwrap_err());
+        assert!(why(&link).contains("outside its directory"), "{}", why(&link));
+        assert!(why(&missing).contains("does not exist"), "{}", why(&missing));
     }
 
     #[test]
     fn namespace_moves_need_the_pair() {
         let mut o = RuntimeOptions::default();
-        let err = check_namespace("default", "tenant-b", &o, "x.tar")
-            .unwrap_err()
-            .to_string();
+        let err = reason(check_namespace("default", "tenant-b", &o, "x.tar").unwrap_err());
         assert!(
             err.contains("\"default\"") && err.contains("\"tenant-b\""),
             "{err}"
@@ -434,8 +498,8 @@ mod tests {
             Default::default(),
         );
         let unsigned = m.to_json();
-        let err = check_signature(&unsigned, &o, "s", true).unwrap_err();
-        assert!(err.to_string().contains("AllowUnsigned"), "{err}");
+        let err = reason(check_signature(&unsigned, &o, "s", true).unwrap_err());
+        assert!(err.contains("unsigned") && err.contains("AllowUnsigned"), "{err}");
         // Signed by this node's key.
         node_key(&o).unwrap().sign_manifest(&mut m).unwrap();
         assert!(matches!(
@@ -445,10 +509,22 @@ mod tests {
         // Signed by another node's key: refused, then trusted through TrustedKeysDir.
         let other = NodeKey::load_or_create(&dir.path().join("b/node.key")).unwrap();
         other.sign_manifest(&mut m).unwrap();
-        let err = check_signature(&m.to_json(), &o, "s", true).unwrap_err();
-        assert!(err.to_string().contains("does not trust"), "{err}");
+        let err = reason(check_signature(&m.to_json(), &o, "s", true).unwrap_err());
+        assert!(err.contains("does not trust"), "{err}");
         o.trusted_keys_dir = dir.path().join("b").display().to_string();
         assert!(check_signature(&m.to_json(), &o, "s", true).is_ok());
+        // Revoked on this node (in the default list, beside its key): refused though trusted.
+        let (id, _) =
+            sign::revoke(&o.revoked_keys_path(), &sign::key_id(&other.public_key())).unwrap();
+        let err = reason(check_signature(&m.to_json(), &o, "s", true).unwrap_err());
+        assert!(err.contains("revoked") && err.contains(&id), "{err}");
+        // A changed manifest: refused the same way.
+        let changed = String::from_utf8(m.to_json())
+            .unwrap()
+            .replacen("2025-01-01", "2025-01-02", 1);
+        assert_ne!(changed.as_bytes(), m.to_json());
+        let err = reason(check_signature(changed.as_bytes(), &o, "s", true).unwrap_err());
+        assert!(err.contains("does not match"), "{err}");
         o.allow_unsigned = true;
         assert_eq!(
             check_signature(&unsigned, &o, "s", true).unwrap(),
