@@ -280,9 +280,10 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
             .await?
             .err()
             .context("a handler whose RestoreSources lack the registry restored from it")?;
+        refusal_text(&msg, &reference)?;
         ensure!(
-            msg.contains("RestoreSources"),
-            "outside RestoreSources: {msg}"
+            refusal_logged(&node, &reference, &["outside RestoreSources"]),
+            "outside RestoreSources: no reason in the node's log"
         );
         println!("outside RestoreSources: {msg}");
 

@@ -21,10 +21,6 @@ const MOVES: &str = "restore-moves";
 const TRUSTING: &str = "restore-trusting";
 const UNSIGNED: &str = "restore-unsigned";
 
-fn key_dir(node: &str) -> PathBuf {
-    Path::new(test_containers::stack::RUN_BASE).join(format!("{node}-keys"))
-}
-
 fn nodes_dir() -> Result<String> {
     Ok(format!(
         "{}/",
@@ -32,19 +28,9 @@ fn nodes_dir() -> Result<String> {
     ))
 }
 
-/// Node A: checkpoints with its own key.
-fn checkpoint_node(name: &str) -> Result<Node> {
-    let keys = key_dir(name);
-    let _ = std::fs::remove_dir_all(&keys);
-    node_with(
-        Node::builder(name)?
-            .runtime_option("SigningKey", keys.join("node.key").display().to_string()),
-    )
-}
-
 /// Node B: restores with a key of its own, through four restore handlers.
 fn restore_node(name: &str, trusted: &Path) -> Result<Node> {
-    let keys = key_dir(name);
+    let keys = node_key_dir(name);
     let _ = std::fs::remove_dir_all(&keys);
     let mut b = Node::builder(name)?
         .runtime_option("SigningKey", keys.join("node.key").display().to_string());
@@ -101,6 +87,27 @@ async fn expect_refused(
     Ok(msg)
 }
 
+/// A checkpoint the pod may not use: refused with the one text whatever the reason, and the
+/// reason (every one of `reason`) in the node's log.
+async fn expect_unusable(
+    cri: &Cri,
+    b: &Node,
+    handler: &str,
+    namespace: &str,
+    source: &Path,
+    what: &str,
+    reason: &[&str],
+) -> Result<String> {
+    let msg = expect_refused(cri, b, handler, namespace, source, what, &[]).await?;
+    let s = source.display().to_string();
+    let text = refusal_text(&msg, &s)?;
+    ensure!(
+        refusal_logged(b, &s, reason),
+        "{what}: the node's log does not give the reason {reason:?} for {s}"
+    );
+    Ok(text)
+}
+
 /// An edit of one archive member (see [`rewrite_archive`]).
 type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
 
@@ -114,21 +121,6 @@ fn replace(data: Vec<u8>, from: &str, to: &str) -> Vec<u8> {
     String::from_utf8_lossy(&data)
         .replace(from, to)
         .into_bytes()
-}
-
-/// The manifest without its signature (and, with `drop_copy`, without the rootfs changes'
-/// copy): a checkpoint as an unsigning tool would write it.
-fn unsigned_manifest(data: Vec<u8>, drop_copy: bool) -> Vec<u8> {
-    let mut v: serde_json::Value = serde_json::from_slice(&data).unwrap_or_default();
-    if let Some(o) = v.as_object_mut() {
-        o.remove("signature");
-        if drop_copy {
-            if let Some(files) = o.get_mut("files").and_then(|f| f.as_object_mut()) {
-                files.remove("gpu-ckpt-rootfs-changes.tar");
-            }
-        }
-    }
-    serde_json::to_vec_pretty(&v).unwrap_or_default()
 }
 
 /// A rootfs diff (gzip tar, as containerd writes it) of one empty file named `name`.
@@ -149,10 +141,10 @@ fn whiteout_diff(name: &str) -> Result<Vec<u8>> {
 
 #[test]
 fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed() -> Result<()> {
-    let trusted = key_dir("trust-b").with_file_name("trust-b-trusted");
+    let trusted = node_key_dir("trust-b").with_file_name("trust-b-trusted");
     let _ = std::fs::remove_dir_all(&trusted);
     std::fs::create_dir_all(&trusted)?;
-    let a = checkpoint_node("trust-a")?;
+    let a = signing_node("trust-a")?;
     let b = restore_node("trust-b", &trusted)?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
@@ -170,8 +162,8 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
 
         // `gpu-ckpt verify` and `inspect` show the signer and whether a node trusts it.
         let cli = gpu_ckpt_cli();
-        let a_key = key_dir("trust-a").join("node.key");
-        let b_key = key_dir("trust-b").join("node.key");
+        let a_key = node_key_dir("trust-a").join("node.key");
+        let b_key = node_key_dir("trust-b").join("node.key");
         let out = run_ok(
             std::process::Command::new(&cli)
                 .arg("verify")
@@ -188,14 +180,14 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 .args(["inspect", "--json"])
                 .arg(&archive)
                 .arg("--key")
-                .arg(key_dir("trust-a").join("node.pub")),
+                .arg(node_key_dir("trust-a").join("node.pub")),
         )?;
         let v: serde_json::Value = serde_json::from_str(&inspect)?;
         ensure!(v[0]["signer"]["trusted"] == true, "{inspect}");
 
         // Signed by A, and B does not trust A: refused by the strict handler; B's key is
         // made on first use.
-        let msg = expect_refused(
+        let msg = expect_unusable(
             &cri_b,
             &b,
             STRICT,
@@ -218,6 +210,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
 
         // containerd's restore-via-create (the image is the archive) through B's gpu-ckpt
         // handler: refused by the shim's verify step at Start.
+        let untrusted = refusals_logged(&b, "", &["does not trust"]);
         let pod = cri_b
             .run_pod(&PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
             .await?;
@@ -229,13 +222,17 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
             .await
             .err()
             .context("restore-via-create of an untrusted checkpoint ran")?;
-        let msg = format!("{err:#}");
-        ensure!(msg.contains("does not trust"), "restore-via-create: {msg}");
+        let msg = format!("{err:#}").replace("\\\"", "\"");
+        ensure!(msg.contains(REFUSED), "restore-via-create: {msg}");
+        ensure!(
+            refusals_logged(&b, "", &["does not trust"]) > untrusted,
+            "restore-via-create: no reason in the node's log"
+        );
         cri_b.remove_pod(&pod).await?;
 
         // With A's public key in TrustedKeysDir, it restores and counts on.
         std::fs::copy(
-            key_dir("trust-a").join("node.pub"),
+            node_key_dir("trust-a").join("node.pub"),
             trusted.join("trust-a.pub"),
         )?;
         let first = try_restore(
@@ -254,7 +251,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         );
 
         // Case 2: into another namespace, refused naming both, unless the pair is allowed.
-        let msg = expect_refused(
+        let msg = expect_unusable(
             &cri_b,
             &b,
             TRUSTING,
@@ -264,6 +261,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
             &["\"default\"", "\"tenant-b\"", "NamespaceMoves"],
         )
         .await?;
+        ensure!(!msg.contains("\"default\""), "the pod learns the namespace: {msg}");
         println!("namespace: {msg}");
         try_restore(
             &cri_b,
@@ -275,7 +273,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         .await?
         .map_err(anyhow::Error::msg)
         .context("a move NamespaceMoves allows")?;
-        expect_refused(
+        expect_unusable(
             &cri_b,
             &b,
             MOVES,
@@ -286,15 +284,18 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         )
         .await?;
 
-        // Case 3 and every kind of change: each refused.
+        // Case 3 and every kind of change: each refused. A changed manifest no longer matches
+        // its signature: a checkpoint the pod may not use (the one refusal text, the reason in
+        // the node's log); a changed file behind a valid signature is named to the pod.
         let dir = b.paths().dir.clone();
         let page = |n: &str| n.starts_with("checkpoint/pages-");
-        let cases: Vec<(&str, Edit, &str, Vec<&str>)> = vec![
+        let cases: Vec<(&str, Edit, &str, Vec<&str>, bool)> = vec![
             (
                 "page-image",
                 Box::new(move |n, d| Some(if page(n) { flip(d, 600) } else { d })),
                 "default",
                 vec!["pages-"],
+                false,
             ),
             (
                 "inventory",
@@ -307,6 +308,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "default",
                 vec!["inventory.img"],
+                false,
             ),
             (
                 "core-image",
@@ -319,6 +321,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "default",
                 vec!["core-"],
+                false,
             ),
             (
                 "manifest",
@@ -331,6 +334,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "tenant-b",
                 vec!["does not match"],
+                true,
             ),
             (
                 "origin-rewritten",
@@ -348,6 +352,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "tenant-b",
                 vec!["does not match"],
+                true,
             ),
             (
                 "spec-dump",
@@ -360,6 +365,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "default",
                 vec!["spec.dump", "namespace"],
+                false,
             ),
             (
                 "rootfs-changes",
@@ -372,12 +378,17 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 }),
                 "default",
                 vec!["gpu-ckpt-rootfs-changes.tar"],
+                false,
             ),
         ];
-        for (what, edit, ns, needles) in cases {
+        for (what, edit, ns, needles, unusable) in cases {
             let out = dir.join(format!("tampered-{what}.tar"));
             rewrite_archive(&archive, &out, |n, d| Ok(edit(n, d)))?;
-            let msg = expect_refused(&cri_b, &b, TRUSTING, ns, &out, what, &needles).await?;
+            let msg = if unusable {
+                expect_unusable(&cri_b, &b, TRUSTING, ns, &out, what, &needles).await?
+            } else {
+                expect_refused(&cri_b, &b, TRUSTING, ns, &out, what, &needles).await?
+            };
             println!("{what}: {msg}");
         }
 
@@ -390,7 +401,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
                 d
             }))
         })?;
-        expect_refused(
+        expect_unusable(
             &cri_b,
             &b,
             TRUSTING,
@@ -457,7 +468,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
 
 #[test]
 fn restore_sources_outside_missing_and_unreadable_get_one_answer() -> Result<()> {
-    let trusted = key_dir("src-b").with_file_name("src-b-trusted");
+    let trusted = node_key_dir("src-b").with_file_name("src-b-trusted");
     std::fs::create_dir_all(&trusted)?;
     let b = restore_node("src-b", &trusted)?;
     rt().block_on(async {
@@ -479,21 +490,10 @@ fn restore_sources_outside_missing_and_unreadable_get_one_answer() -> Result<()>
         ];
         let mut answers = Vec::new();
         for s in &sources {
-            let msg = expect_refused(
-                &cri,
-                &b,
-                STRICT,
-                "default",
-                s,
-                "a source",
-                &["RestoreSources"],
-            )
-            .await?;
-            let s = s.display().to_string();
-            let at = msg.find("restore source").context("no refusal text")?;
-            let answer = msg[at..].replace(&s, "SOURCE");
-            ensure!(msg.contains(&s), "the refusal does not name {s}: {msg}");
-            println!("{s}: {answer}");
+            let answer =
+                expect_unusable(&cri, &b, STRICT, "default", s, "a source", &["RestoreSources"])
+                    .await?;
+            println!("{}: {answer}", s.display());
             answers.push(answer);
         }
         ensure!(

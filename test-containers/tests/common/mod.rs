@@ -585,3 +585,67 @@ pub fn criu_dumping_pages(pid: i32, dir: &Path, timeout: Duration) -> Result<i32
         (pages > 0).then_some(p)
     })
 }
+
+/// The key directory of test node `node` (its `SigningKey` is `node.key` in it): under the
+/// node's own run directory, never the machine's `/var/lib/gpu-ckpt`.
+pub fn node_key_dir(node: &str) -> PathBuf {
+    Path::new(test_containers::stack::RUN_BASE).join(format!("{node}-keys"))
+}
+
+/// A node that checkpoints with a key of its own ([`node_key_dir`], made afresh).
+pub fn signing_node(name: &str) -> Result<Node> {
+    let keys = node_key_dir(name);
+    let _ = std::fs::remove_dir_all(&keys);
+    node_with(
+        Node::builder(name)?
+            .runtime_option("SigningKey", keys.join("node.key").display().to_string()),
+    )
+}
+
+/// The manifest without its signature (and, with `drop_copy`, without the rootfs changes'
+/// copy): a checkpoint as an unsigning tool would write it.
+pub fn unsigned_manifest(data: Vec<u8>, drop_copy: bool) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_slice(&data).unwrap_or_default();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("signature");
+        if drop_copy {
+            if let Some(files) = o.get_mut("files").and_then(|f| f.as_object_mut()) {
+                files.remove("gpu-ckpt-rootfs-changes.tar");
+            }
+        }
+    }
+    serde_json::to_vec_pretty(&v).unwrap_or_default()
+}
+
+/// The words of the one text a pod sees for every checkpoint it may not use (missing, outside
+/// `RestoreSources`, unsigned, untrusted or revoked signer, another namespace).
+pub const REFUSED: &str = "cannot be used by this pod";
+
+/// The pod-visible refusal `msg` of the checkpoint `source`, with the source replaced by
+/// `SOURCE`: the same for every reason. Fails when `msg` is not that refusal.
+pub fn refusal_text(msg: &str, source: &str) -> Result<String> {
+    ensure!(
+        msg.contains(&format!("checkpoint {source:?} {REFUSED}")),
+        "not the refusal of {source}: {msg}"
+    );
+    Ok(msg.replace(source, "SOURCE"))
+}
+
+/// How many of the shim's refusals of `source` (any source for "") in the node's log give a
+/// reason naming every one of `reason` (on one line; quotes unescaped).
+pub fn refusals_logged(node: &Node, source: &str, reason: &[&str]) -> usize {
+    node.log()
+        .lines()
+        .filter(|l| {
+            let l = l.replace("\\\"", "\"");
+            l.contains("checkpoint refused")
+                && l.contains(source)
+                && reason.iter().all(|r| l.contains(r))
+        })
+        .count()
+}
+
+/// Whether the node's log holds a refusal of `source` naming `reason` ([`refusals_logged`]).
+pub fn refusal_logged(node: &Node, source: &str, reason: &[&str]) -> bool {
+    refusals_logged(node, source, reason) > 0
+}
