@@ -292,7 +292,10 @@ impl KeyDir {
         if meta.len() > limit {
             return Err(key_err(
                 &path,
-                format!("{} bytes, more than the {limit} a key file may have", meta.len()),
+                format!(
+                    "{} bytes, more than the {limit} a key file may have",
+                    meta.len()
+                ),
             ));
         }
         let mut text = String::new();
@@ -321,7 +324,11 @@ impl KeyDir {
                 libc::openat(
                     dir,
                     ctmp.as_ptr(),
-                    libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                    libc::O_WRONLY
+                        | libc::O_CREAT
+                        | libc::O_EXCL
+                        | libc::O_NOFOLLOW
+                        | libc::O_CLOEXEC,
                     mode as libc::c_uint,
                 )
             };
@@ -933,7 +940,10 @@ mod tests {
         assert_ne!(r.key.public_key(), old.public_key());
         assert_eq!(r.public_path, public_key_path(&path));
         assert_eq!(read_public_key(&r.public_path).unwrap(), r.key.public_key());
-        assert_eq!(NodeKey::load(&path).unwrap().public_key(), r.key.public_key());
+        assert_eq!(
+            NodeKey::load(&path).unwrap().public_key(),
+            r.key.public_key()
+        );
         assert_eq!(read_public_key(&retired_path).unwrap(), old.public_key());
         let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&path), 0o600);

@@ -234,8 +234,8 @@ pub fn resolve_source(source: &str, dir: &Path, sources: &[String]) -> Result<Pa
             real_dir.display()
         )));
     }
-    let meta = std::fs::metadata(&real)
-        .map_err(|e| refused(format!("stat {}: {e}", real.display())))?;
+    let meta =
+        std::fs::metadata(&real).map_err(|e| refused(format!("stat {}: {e}", real.display())))?;
     if !(meta.is_file() || meta.is_dir()) {
         return Err(refused(
             "it is neither a regular file nor a directory".into(),
@@ -408,7 +408,10 @@ mod tests {
             .replace("\"x\"", "SOURCE");
         assert_eq!(shown, other);
         assert!(!shown.contains(reason.as_str()));
-        assert_eq!(e.code(), containerd_shim::protos::ttrpc::Code::PERMISSION_DENIED);
+        assert_eq!(
+            e.code(),
+            containerd_shim::protos::ttrpc::Code::PERMISSION_DENIED
+        );
         reason.clone()
     }
 
@@ -465,8 +468,16 @@ mod tests {
         let missing = format!("{}/missing.tar", d.display());
         assert_eq!(msg(&link), msg(&missing));
         let why = |src: &str| reason(resolve_source(src, &d, &s).unwrap_err());
-        assert!(why(&link).contains("outside its directory"), "{}", why(&link));
-        assert!(why(&missing).contains("does not exist"), "{}", why(&missing));
+        assert!(
+            why(&link).contains("outside its directory"),
+            "{}",
+            why(&link)
+        );
+        assert!(
+            why(&missing).contains("does not exist"),
+            "{}",
+            why(&missing)
+        );
     }
 
     #[test]
@@ -499,7 +510,10 @@ mod tests {
         );
         let unsigned = m.to_json();
         let err = reason(check_signature(&unsigned, &o, "s", true).unwrap_err());
-        assert!(err.contains("unsigned") && err.contains("AllowUnsigned"), "{err}");
+        assert!(
+            err.contains("unsigned") && err.contains("AllowUnsigned"),
+            "{err}"
+        );
         // Signed by this node's key.
         node_key(&o).unwrap().sign_manifest(&mut m).unwrap();
         assert!(matches!(
@@ -519,9 +533,10 @@ mod tests {
         let err = reason(check_signature(&m.to_json(), &o, "s", true).unwrap_err());
         assert!(err.contains("revoked") && err.contains(&id), "{err}");
         // A changed manifest: refused the same way.
-        let changed = String::from_utf8(m.to_json())
-            .unwrap()
-            .replacen("2025-01-01", "2025-01-02", 1);
+        let changed =
+            String::from_utf8(m.to_json())
+                .unwrap()
+                .replacen("2025-01-01", "2025-01-02", 1);
         assert_ne!(changed.as_bytes(), m.to_json());
         let err = reason(check_signature(changed.as_bytes(), &o, "s", true).unwrap_err());
         assert!(err.contains("does not match"), "{err}");

@@ -102,7 +102,11 @@ fn a_rotated_key_keeps_old_checkpoints_and_a_revoked_one_is_refused() -> Result<
         let id_one = signer_id(&one)?;
 
         // Rotation on A: a new key; the old public key kept.
-        let out = run_ok(Command::new(&cli).args(["key", "rotate", "--key"]).arg(&a_key))?;
+        let out = run_ok(
+            Command::new(&cli)
+                .args(["key", "rotate", "--key"])
+                .arg(&a_key),
+        )?;
         println!("{out}");
         let id_two = field(&out, "new key: ")?.to_string();
         let new_pub = PathBuf::from(field(&out, "public key: ")?);
@@ -127,7 +131,13 @@ fn a_rotated_key_keeps_old_checkpoints_and_a_revoked_one_is_refused() -> Result<
             signer_two == id_two,
             "checkpoint 2 is signed by {signer_two}, not the new key {id_two}"
         );
-        let out = run_ok(Command::new(&cli).arg("verify").arg(&one).arg("--key").arg(&a_key))?;
+        let out = run_ok(
+            Command::new(&cli)
+                .arg("verify")
+                .arg(&one)
+                .arg("--key")
+                .arg(&a_key),
+        )?;
         ensure!(out.contains("trusted: this node's retired key"), "{out}");
 
         // B trusts both public keys: both restore.
@@ -139,7 +149,10 @@ fn a_rotated_key_keeps_old_checkpoints_and_a_revoked_one_is_refused() -> Result<
             .await?
             .map_err(anyhow::Error::msg)
             .context("checkpoint 1 on B, both keys trusted")?;
-        ensure!(first >= before_one, "restored at {first}, checkpointed after {before_one}");
+        ensure!(
+            first >= before_one,
+            "restored at {first}, checkpointed after {before_one}"
+        );
         try_restore(&cri_b, &b, HANDLER, "default", &s_two)
             .await?
             .map_err(anyhow::Error::msg)
@@ -186,7 +199,10 @@ fn a_rotated_key_keeps_old_checkpoints_and_a_revoked_one_is_refused() -> Result<
         let out = verify(&one)?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         println!("verify checkpoint 1: {stderr}");
-        ensure!(!out.status.success(), "verify passed a revoked key's checkpoint");
+        ensure!(
+            !out.status.success(),
+            "verify passed a revoked key's checkpoint"
+        );
         ensure!(
             stderr.contains("revoked") && stderr.contains(&id_one),
             "verify does not say {id_one} is revoked: {stderr}"
@@ -230,7 +246,12 @@ fn every_checkpoint_a_pod_may_not_use_gets_one_answer() -> Result<()> {
                 &["\"tenant-a\"", "\"default\"", "NamespaceMoves"],
             ),
             ("missing", "tenant-a", missing, &["does not exist"]),
-            ("unsigned", "tenant-a", unsigned, &["unsigned", "AllowUnsigned"]),
+            (
+                "unsigned",
+                "tenant-a",
+                unsigned,
+                &["unsigned", "AllowUnsigned"],
+            ),
             (
                 "outside RestoreSources",
                 "tenant-a",
@@ -238,7 +259,8 @@ fn every_checkpoint_a_pod_may_not_use_gets_one_answer() -> Result<()> {
                 &["outside RestoreSources"],
             ),
         ];
-        let mut answers = Vec::new();
+        // Every answer first (printed), then the checks.
+        let mut refusals = Vec::new();
         for (what, namespace, source, reason) in cases {
             let s = source.display().to_string();
             let msg = try_restore(&cri, &n, HANDLER, namespace, &s)
@@ -246,6 +268,10 @@ fn every_checkpoint_a_pod_may_not_use_gets_one_answer() -> Result<()> {
                 .err()
                 .with_context(|| format!("{what}: restored"))?;
             println!("{what}: {msg}");
+            refusals.push((what, s, msg, reason));
+        }
+        let mut answers = Vec::new();
+        for (what, s, msg, reason) in refusals {
             let text = refusal_text(&msg, &s)?;
             ensure!(
                 !text.contains("tenant-a"),

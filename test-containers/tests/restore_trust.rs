@@ -261,7 +261,10 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
             &["\"default\"", "\"tenant-b\"", "NamespaceMoves"],
         )
         .await?;
-        ensure!(!msg.contains("\"default\""), "the pod learns the namespace: {msg}");
+        ensure!(
+            !msg.contains("\"default\""),
+            "the pod learns the namespace: {msg}"
+        );
         println!("namespace: {msg}");
         try_restore(
             &cri_b,
@@ -490,9 +493,16 @@ fn restore_sources_outside_missing_and_unreadable_get_one_answer() -> Result<()>
         ];
         let mut answers = Vec::new();
         for s in &sources {
-            let answer =
-                expect_unusable(&cri, &b, STRICT, "default", s, "a source", &["RestoreSources"])
-                    .await?;
+            let answer = expect_unusable(
+                &cri,
+                &b,
+                STRICT,
+                "default",
+                s,
+                "a source",
+                &["RestoreSources"],
+            )
+            .await?;
             println!("{}: {answer}", s.display());
             answers.push(answer);
         }

@@ -507,8 +507,7 @@ fn signer_report(json: Option<&[u8]>, trust: &TrustArgs) -> serde_json::Value {
     } else {
         sign::public_key_path(&key_path)
     };
-    if let Err(e) =
-        sign::read_public_key(&pub_path).and_then(|k| keys.add_node_keys(&key_path, k))
+    if let Err(e) = sign::read_public_key(&pub_path).and_then(|k| keys.add_node_keys(&key_path, k))
     {
         problems.push(e.to_string());
     }
@@ -553,10 +552,7 @@ fn key_cmd(cmd: KeyCmd) -> Result<ExitCode> {
     match cmd {
         KeyCmd::Rotate { key, revoke } => {
             let r = sign::rotate(&key.key)?;
-            println!(
-                "new key: {}",
-                sign::key_id(&r.key.public_key())
-            );
+            println!("new key: {}", sign::key_id(&r.key.public_key()));
             println!("public key: {}", r.public_path.display());
             match &r.retired {
                 Some((old, path)) => {

@@ -621,14 +621,16 @@ pub fn unsigned_manifest(data: Vec<u8>, drop_copy: bool) -> Vec<u8> {
 /// `RestoreSources`, unsigned, untrusted or revoked signer, another namespace).
 pub const REFUSED: &str = "cannot be used by this pod";
 
-/// The pod-visible refusal `msg` of the checkpoint `source`, with the source replaced by
-/// `SOURCE`: the same for every reason. Fails when `msg` is not that refusal.
+/// The pod-visible refusal in `msg` (a CRI error: its status message, what the kubelet puts in
+/// the pod's events) of the checkpoint `source`, with the source replaced by `SOURCE`: the same
+/// for every reason. Fails when `msg` is not that refusal.
 pub fn refusal_text(msg: &str, source: &str) -> Result<String> {
     ensure!(
         msg.contains(&format!("checkpoint {source:?} {REFUSED}")),
         "not the refusal of {source}: {msg}"
     );
-    Ok(msg.replace(source, "SOURCE"))
+    let status = msg.split_once("message: ").map_or(msg, |(_, m)| m);
+    Ok(status.replace(source, "SOURCE"))
 }
 
 /// How many of the shim's refusals of `source` (any source for "") in the node's log give a
