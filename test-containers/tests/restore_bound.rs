@@ -101,7 +101,10 @@ fn a_verdict_that_never_comes_fails_at_the_bound_naming_verify() -> Result<()> {
     let dir = Stack::discover()?.node_dir("verify-bound");
     std::fs::create_dir_all(&dir)?;
     let options = dir.join("gpu-ckpt-handler.toml");
-    let key = dir.join("node.key");
+    // The node's own key directory (a key's directory must be root's and 0700).
+    let keys = node_key_dir("verify-bound");
+    let _ = std::fs::remove_dir_all(&keys);
+    let key = keys.join("node.key");
     std::fs::write(
         &options,
         format!(
