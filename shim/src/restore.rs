@@ -690,13 +690,17 @@ fn check_entry(path: &Path, e: &mut Entry<'_>, format: DiffFormat) -> Result<Act
     {
         return Err(bad(path, "leaves the rootfs"));
     }
-    if path.file_name().is_none() {
-        return Err(bad(path, "names the rootfs itself"));
-    }
     let header = e.header();
     let kind = header.entry_type();
     if kind.is_pax_global_extensions() {
         return Ok(Action::Skip);
+    }
+    if path.file_name().is_none() {
+        // `./`, as some tools write it first: the rootfs keeps its own owner and mode.
+        if kind.is_dir() {
+            return Ok(Action::Skip);
+        }
+        return Err(bad(path, "names the rootfs itself"));
     }
     let whiteout_device = format == DiffFormat::Own
         && kind.is_character_special()
@@ -1219,6 +1223,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("device nodes"), "{err}");
+        // The rootfs itself: a `./` directory entry leaves it as it is, anything else there
+        // is refused.
+        std::fs::set_permissions(&rootfs, std::fs::Permissions::from_mode(0o711)).unwrap();
+        let (_d, path) = own_copy(&[("./", Directory, 1000, 1000, 0o777, b"")]);
+        apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns()).unwrap();
+        assert_eq!(stat_of(&rootfs), (0, 0, 0o711));
+        let (_d, path) = own_copy(&[(".", Regular, 0, 0, 0o644, b"x")]);
+        let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("names the rootfs itself"), "{err}");
     }
 
     #[test]
