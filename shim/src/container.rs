@@ -440,10 +440,13 @@ impl Container {
         if !unpacked && matches!(verdict, crate::trust::Verdict::Signed { .. }) {
             if let Some(copy) = crate::rootfs_changes::exists(dir) {
                 let rootfs = self.bundle.join("rootfs");
-                tokio::task::spawn_blocking(move || restore::apply_rootfs_diff(&copy, &rootfs))
-                    .await
-                    .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?
-                    .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?;
+                let ids = spec_check::Policy::from_bundle(&self.bundle)?;
+                tokio::task::spawn_blocking(move || {
+                    restore::apply_rootfs_diff(&copy, &rootfs, restore::DiffFormat::Own, &ids)
+                })
+                .await
+                .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?
+                .map_err(|e| restore::step("rootfs-diff")(e.to_string()))?;
             }
         }
         let deferred = if unpacked {
@@ -1097,12 +1100,14 @@ impl Container {
             None
         };
         let upper = self.upperdir.clone();
+        // Owners are recorded as the container sees them (its user namespace mappings).
+        let ids = spec_check::Policy::from_bundle(&self.bundle)?;
         let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
             let mut m = m;
             if let Some(upper) = upper.filter(|u| u.is_dir()) {
                 let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
                 let _ = std::fs::remove_file(&copy);
-                crate::rootfs_changes::write(&upper, &copy)?;
+                crate::rootfs_changes::write(&upper, &copy, &ids)?;
             }
             restrict_files(&image)?;
             m.files = manifest::hash_dir_flat_with(&image, followed, pages, &mut no_progress)?;

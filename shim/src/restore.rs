@@ -15,8 +15,13 @@
 //! from the spec of the container that is started, so the restored processes never see it.
 
 use std::{
+    ffi::OsStr,
     fs::File,
     io::Read,
+    os::{
+        fd::{AsFd, OwnedFd},
+        unix::ffi::OsStrExt,
+    },
     path::{Component, Path, PathBuf},
 };
 
@@ -26,12 +31,22 @@ use image_format::{
     oci,
     safe::Limits,
 };
+use nix::{
+    errno::Errno,
+    fcntl::{AtFlags, OFlag, AT_FDCWD},
+    sys::{
+        stat::{Mode, SFlag},
+        time::TimeSpec,
+    },
+    unistd::{Gid, Uid, UnlinkatFlags},
+};
 use tracing::{info, warn};
 
 use crate::{
     annotations::{self, Annotations},
     error::{Error, Result},
     options::RuntimeOptions,
+    rootfs_changes,
     trust::{self, Verdict},
 };
 
@@ -132,7 +147,7 @@ fn prepare_inner(
     // or, for an unsigned checkpoint without one, the engine's rootfs-diff.tar.
     let own = checkpoint.join(ROOTFS_CHANGES_FILE);
     let engine = dir.join(archive::names::ROOTFS_DIFF_TAR);
-    apply_changes(&own, &engine, rootfs, source, signed)?;
+    apply_changes(bundle, &own, &engine, rootfs, source, signed)?;
     info!(%source, signed, "checkpoint unpacked for restore");
     Ok(Plan::Restore(checkpoint))
 }
@@ -239,8 +254,10 @@ fn admit(
 
 /// Lays the container's own changes to its filesystem over `rootfs`: the signed copy `own`
 /// in checkpoint/ (already verified against the manifest), or, for an unsigned checkpoint
-/// without one, the engine's rootfs-diff.tar `engine`.
+/// without one, the engine's rootfs-diff.tar `engine`; the owners mapped through the user
+/// namespace mappings of the spec in `bundle`.
 fn apply_changes(
+    bundle: &Path,
     own: &Path,
     engine: &Path,
     rootfs: &Path,
@@ -261,7 +278,14 @@ fn apply_changes(
         None
     };
     if let Some(diff) = diff {
-        apply_rootfs_diff(diff, rootfs).map_err(|e| step("rootfs-diff")(e.to_string()))?;
+        let format = if diff == own {
+            DiffFormat::Own
+        } else {
+            DiffFormat::Oci
+        };
+        let ids = crate::spec_check::Policy::from_bundle(bundle)?;
+        apply_rootfs_diff(diff, rootfs, format, &ids)
+            .map_err(|e| step("rootfs-diff")(e.to_string()))?;
     }
     Ok(())
 }
@@ -325,7 +349,7 @@ fn prepare_from_mount(
         }
     }
     let engine = root.join(archive::names::ROOTFS_DIFF_TAR);
-    apply_changes(&own, &engine, rootfs, source, signed)?;
+    apply_changes(bundle, &own, &engine, rootfs, source, signed)?;
     // Step 7: the restored processes do not get their own checkpoint.
     remove_mount(bundle, destination)?;
     info!(%source, signed, host = %root.display(), "checkpoint read in place from an image volume");
@@ -559,21 +583,46 @@ pub fn bad_whiteout(name: &str) -> Option<&'static str> {
     }
 }
 
-/// Lays a container's filesystem changes (the shim's own copy, containerd's gzip tar or CRI-O's
-/// plain tar, with OCI whiteouts) over `rootfs`. Every entry is checked before anything is
-/// changed: entries that would leave the rootfs, device nodes and fifos, and whiteouts of the
-/// rootfs itself or of anything above it are refused, naming the entry.
-pub fn apply_rootfs_diff(diff: &Path, rootfs: &Path) -> Result<()> {
-    let root = rootfs
-        .canonicalize()
-        .map_err(Error::io(format!("rootfs {}", rootfs.display())))?;
+/// How a rootfs diff records what the container removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiffFormat {
+    /// The shim's own copy (`gpu-ckpt-rootfs-changes.tar`, `rootfs_changes`): a whiteout is a
+    /// character device 0/0 entry, an opaque directory carries the PAX record
+    /// `SCHILY.xattr.trusted.overlay.opaque=y`, and every other name is a file's name.
+    Own,
+    /// An engine's diff (containerd's gzip tar, CRI-O's plain tar): OCI whiteouts,
+    /// `.wh.<name>` and `.wh..wh..opq`.
+    Oci,
+}
+
+/// Lays a container's filesystem changes over `rootfs`, the owners mapped to the host through
+/// `ids` (the new container's spec). Every entry is checked before anything is changed:
+/// entries that would leave the rootfs, device nodes and fifos, and whiteouts of the rootfs
+/// itself or of anything above it are refused, naming the entry.
+///
+/// Nothing is written by path: the rootfs is opened once, every directory below it relative
+/// to its parent's handle without following a symlink (an entry below a symlink is refused),
+/// owners and modes set on the handle written or with `AT_SYMLINK_NOFOLLOW`, since another
+/// container of the pod may already run and reach this rootfs. Owners the new spec cannot map
+/// are left to root, without setuid or setgid.
+pub fn apply_rootfs_diff(
+    diff: &Path,
+    rootfs: &Path,
+    format: DiffFormat,
+    ids: &crate::spec_check::Policy,
+) -> Result<()> {
     // First pass: every entry checked, nothing written.
     for_each_entry(diff, &mut |path, e| {
-        check_entry(path, e)?;
+        check_entry(path, e, format)?;
         Ok(())
     })?;
+    // The rootfs is the bundle's, the shim's own path.
+    let root = rootfs_changes::open_dir_at(AT_FDCWD, rootfs.as_os_str())
+        .map_err(|e| Error::io(format!("open rootfs {}", rootfs.display()))(e.into()))?;
     // Second pass: applied.
-    for_each_entry(diff, &mut |path, e| apply_entry(path, e, &root))
+    for_each_entry(diff, &mut |path, e| {
+        apply_entry(path, e, &root, format, ids)
+    })
 }
 
 fn open_diff(diff: &Path) -> Result<tar::Archive<Box<dyn Read>>> {
@@ -588,10 +637,7 @@ fn open_diff(diff: &Path) -> Result<tar::Archive<Box<dyn Read>>> {
     } else {
         Box::new(file)
     };
-    let mut ar = tar::Archive::new(reader);
-    ar.set_preserve_permissions(true);
-    ar.set_overwrite(true);
-    Ok(ar)
+    Ok(tar::Archive::new(reader))
 }
 
 type Entry<'a> = tar::Entry<'a, Box<dyn Read>>;
@@ -622,24 +668,83 @@ fn bad(entry: &Path, why: &str) -> Error {
     ))
 }
 
-fn check_entry(path: &Path, e: &Entry<'_>) -> Result<()> {
-    if path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
+/// What an entry does to the rootfs, once checked.
+enum Action {
+    /// Nothing (a global PAX header).
+    Skip,
+    /// Remove the last component (a whiteout).
+    Remove,
+    /// Remove everything in the parent directory (OCI's `.wh..wh..opq`).
+    EmptyParent,
+    /// Write the entry; `opaque`: a directory whose old contents go (the shim's PAX record).
+    Write { opaque: bool },
+}
+
+fn check_entry(path: &Path, e: &mut Entry<'_>, format: DiffFormat) -> Result<Action> {
+    if path.is_absolute()
+        || path
+            .components()
+            .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+    {
         return Err(bad(path, "leaves the rootfs"));
     }
-    let kind = e.header().entry_type();
+    let header = e.header();
+    let kind = header.entry_type();
+    if kind.is_pax_global_extensions() {
+        return Ok(Action::Skip);
+    }
+    if path.file_name().is_none() {
+        // `./`, as some tools write it first: the rootfs keeps its own owner and mode.
+        if kind.is_dir() {
+            return Ok(Action::Skip);
+        }
+        return Err(bad(path, "names the rootfs itself"));
+    }
+    let whiteout_device = format == DiffFormat::Own
+        && kind.is_character_special()
+        && header.device_major().ok().flatten() == Some(0)
+        && header.device_minor().ok().flatten() == Some(0);
+    if whiteout_device {
+        return Ok(Action::Remove);
+    }
     if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
         return Err(bad(path, "device nodes and fifos are not allowed"));
+    }
+    if !(kind.is_file() || kind.is_dir() || kind.is_symlink() || kind.is_hard_link()) {
+        return Err(bad(
+            path,
+            &format!("entries of type {kind:?} are not allowed"),
+        ));
     }
     if kind.is_hard_link() {
         let target = e
             .link_name()
             .map_err(Error::io("rootfs diff link"))?
             .unwrap_or_default();
-        if target.is_absolute() || target.components().any(|c| c == Component::ParentDir) {
+        if target.is_absolute()
+            || target.file_name().is_none()
+            || target
+                .components()
+                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+        {
             return Err(bad(path, "hard link leaves the rootfs"));
         }
     }
-    // The name as written: `Path` drops a trailing `.`, so `.wh..` must be seen in the bytes.
+    if format == DiffFormat::Own {
+        let opaque = kind.is_dir()
+            && e.pax_extensions()
+                .map_err(Error::io("rootfs diff PAX record"))?
+                .into_iter()
+                .flatten()
+                .any(|x| {
+                    x.is_ok_and(|x| {
+                        x.key() == Ok(rootfs_changes::OPAQUE_PAX_KEY) && x.value_bytes() == b"y"
+                    })
+                });
+        return Ok(Action::Write { opaque });
+    }
+    // OCI whiteouts. The name as written: `Path` drops a trailing `.`, so `.wh..` must be
+    // seen in the bytes.
     let raw = e.path_bytes();
     let raw = String::from_utf8_lossy(&raw);
     let last = raw
@@ -647,14 +752,17 @@ fn check_entry(path: &Path, e: &Entry<'_>) -> Result<()> {
         .rsplit('/')
         .next()
         .unwrap_or_default();
-    if let Some(why) = bad_whiteout(last) {
-        return Err(bad(path, why));
-    }
     let name = file_name(path);
-    if let Some(why) = bad_whiteout(&name) {
-        return Err(bad(path, why));
+    for n in [last, &name] {
+        if let Some(why) = bad_whiteout(n) {
+            return Err(bad(path, why));
+        }
     }
-    Ok(())
+    Ok(match name.strip_prefix(".wh.") {
+        Some(".wh..opq") => Action::EmptyParent,
+        Some(_) => Action::Remove,
+        None => Action::Write { opaque: false },
+    })
 }
 
 fn file_name(path: &Path) -> String {
@@ -663,52 +771,235 @@ fn file_name(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn apply_entry(path: &Path, e: &mut Entry<'_>, root: &Path) -> Result<()> {
-    check_entry(path, e)?;
-    let name = file_name(path);
-    if let Some(hidden) = name.strip_prefix(".wh.") {
-        let parent = root.join(path.parent().unwrap_or(Path::new("")));
-        // Never follow a symlink out of the rootfs to delete something.
-        let parent = match parent.canonicalize() {
-            Ok(p) if p.starts_with(root) => p,
-            Ok(_) => return Err(bad(path, "whiteout below a link that leaves the rootfs")),
-            Err(_) => return Ok(()),
-        };
-        if hidden == ".wh..opq" {
-            for child in std::fs::read_dir(&parent).into_iter().flatten().flatten() {
-                remove_any(&child.path(), root)?;
+/// Why applying one entry failed: the call that failed, or a refusal.
+enum Apply {
+    Io(&'static str, nix::Error),
+    Refused(&'static str),
+}
+
+type Applied<T> = std::result::Result<T, Apply>;
+
+fn sys(what: &'static str) -> impl FnOnce(nix::Error) -> Apply {
+    move |e| Apply::Io(what, e)
+}
+
+/// The parent directory of `path` below `root` (the components of `path` but the last,
+/// created with mode 0755 where missing when `create`; `None` where one is missing and not
+/// `create`), and the last component.
+fn parent_of<'p>(
+    root: &OwnedFd,
+    path: &'p Path,
+    create: bool,
+) -> Applied<Option<(OwnedFd, &'p OsStr)>> {
+    let mut comps: Vec<&OsStr> = path
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(n) => Some(n),
+            _ => None,
+        })
+        .collect();
+    let last = comps
+        .pop()
+        .ok_or(Apply::Refused("names the rootfs itself"))?;
+    let mut cur = nix::fcntl::openat(
+        root,
+        c".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("open the rootfs"))?;
+    for c in comps {
+        cur = match rootfs_changes::open_dir_at(&cur, c) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) if create => {
+                match nix::sys::stat::mkdirat(&cur, c, Mode::from_bits_truncate(0o755)) {
+                    Ok(()) | Err(Errno::EEXIST) => {}
+                    Err(e) => return Err(Apply::Io("create a parent directory", e)),
+                }
+                rootfs_changes::open_dir_at(&cur, c).map_err(sys("open a parent directory"))?
             }
-        } else {
-            remove_any(&parent.join(hidden), root)?;
+            Err(Errno::ENOENT) => return Ok(None),
+            // A symlink (ELOOP) or a file (ENOTDIR) where a directory should be: the entry
+            // would land wherever it points.
+            Err(Errno::ELOOP | Errno::ENOTDIR) => {
+                return Err(Apply::Refused("below a symlink or a file"))
+            }
+            Err(e) => return Err(Apply::Io("open a parent directory", e)),
+        };
+    }
+    Ok(Some((cur, last)))
+}
+
+fn apply_entry(
+    path: &Path,
+    e: &mut Entry<'_>,
+    root: &OwnedFd,
+    format: DiffFormat,
+    ids: &crate::spec_check::Policy,
+) -> Result<()> {
+    let action = check_entry(path, e, format)?;
+    let applied = match action {
+        Action::Skip => Ok(()),
+        Action::Remove | Action::EmptyParent => (|| {
+            let Some((parent, name)) = parent_of(root, path, false)? else {
+                // Nothing there to remove.
+                return Ok(());
+            };
+            if matches!(action, Action::EmptyParent) {
+                return empty_dir(&parent);
+            }
+            // An OCI whiteout names `.wh.<name>`; the shim's copy names the entry itself.
+            let name = match format {
+                DiffFormat::Oci => OsStr::from_bytes(&name.as_bytes()[4..]),
+                DiffFormat::Own => name,
+            };
+            remove_any(&parent, name)
+        })(),
+        Action::Write { opaque } => write_entry(path, e, root, opaque, ids),
+    };
+    applied.map_err(|err| match err {
+        Apply::Io(what, e) => bad(path, &format!("{what}: {e}")),
+        Apply::Refused(why) => bad(path, why),
+    })
+}
+
+/// Writes one file, directory, symlink or hard link entry below `root`.
+fn write_entry(
+    path: &Path,
+    e: &mut Entry<'_>,
+    root: &OwnedFd,
+    opaque: bool,
+    ids: &crate::spec_check::Policy,
+) -> Applied<()> {
+    let (parent, name) = parent_of(root, path, true)?.ok_or(Apply::Refused("no parent"))?;
+    let header = e.header().clone();
+    let kind = header.entry_type();
+    let mut mode = header.mode().unwrap_or(0o600) & 0o7777;
+    let uid = header.uid().ok().and_then(|u| u32::try_from(u).ok());
+    let gid = header.gid().ok().and_then(|g| u32::try_from(g).ok());
+    // The owner through the new spec's mappings; where it cannot be kept, root's, and no
+    // setuid or setgid bit.
+    let owner = uid.zip(gid).and_then(|(u, g)| ids.host_owner(u, g));
+    if owner.is_none() {
+        mode &= !0o6000;
+    }
+    let mode = Mode::from_bits_truncate(mode);
+    let mtime = TimeSpec::new(header.mtime().unwrap_or(0).min(i64::MAX as u64) as i64, 0);
+    let existing = nix::sys::stat::fstatat(&parent, name, AtFlags::AT_SYMLINK_NOFOLLOW);
+    if kind.is_dir() {
+        let is_dir = matches!(&existing, Ok(st) if rootfs_changes::kind(st) == SFlag::S_IFDIR);
+        if !is_dir {
+            if existing.is_ok() {
+                remove_any(&parent, name)?;
+            }
+            nix::sys::stat::mkdirat(&parent, name, Mode::from_bits_truncate(0o700))
+                .map_err(sys("create the directory"))?;
+        }
+        let dir = rootfs_changes::open_dir_at(&parent, name).map_err(sys("open the directory"))?;
+        if opaque {
+            empty_dir(&dir)?;
+        }
+        return set_owner_mode(&dir, owner, mode, &mtime);
+    }
+    if existing.is_ok() {
+        remove_any(&parent, name)?;
+    }
+    if kind.is_symlink() {
+        let target = e
+            .link_name_bytes()
+            .ok_or(Apply::Refused("a symlink without a target"))?;
+        nix::unistd::symlinkat(OsStr::from_bytes(&target), &parent, name)
+            .map_err(sys("create the symlink"))?;
+        if let Some((u, g)) = owner {
+            nix::unistd::fchownat(
+                &parent,
+                name,
+                Some(Uid::from_raw(u)),
+                Some(Gid::from_raw(g)),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .map_err(sys("set the symlink's owner"))?;
         }
         return Ok(());
     }
-    let unpacked = e
-        .unpack_in(root)
-        .map_err(|err| bad(path, &err.to_string()))?;
-    if !unpacked {
-        return Err(bad(path, "leaves the rootfs"));
+    if kind.is_hard_link() {
+        let target = e
+            .link_name()
+            .ok()
+            .flatten()
+            .ok_or(Apply::Refused("a hard link without a target"))?
+            .into_owned();
+        let (tparent, tname) = parent_of(root, &target, false)?
+            .ok_or(Apply::Refused("hard link to a file that is not there"))?;
+        // Flags 0: a symlink at the target is linked itself, never followed.
+        nix::unistd::linkat(&tparent, tname, &parent, name, AtFlags::empty())
+            .map_err(sys("create the hard link"))?;
+        return Ok(());
+    }
+    let fd = nix::fcntl::openat(
+        &parent,
+        name,
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(0o600),
+    )
+    .map_err(sys("create the file"))?;
+    let mut file = File::from(fd);
+    std::io::copy(e, &mut file).map_err(|err| Apply::Io("write the file", io_errno(&err)))?;
+    set_owner_mode(&file, owner, mode, &mtime)
+}
+
+/// The errno of an I/O error (EIO where it has none).
+fn io_errno(e: &std::io::Error) -> nix::Error {
+    Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+/// The owner first (a change of owner clears setuid), then the mode and time, on the handle.
+fn set_owner_mode<Fd: AsFd>(
+    fd: &Fd,
+    owner: Option<(u32, u32)>,
+    mode: Mode,
+    mtime: &TimeSpec,
+) -> Applied<()> {
+    if let Some((u, g)) = owner {
+        nix::unistd::fchown(fd, Some(Uid::from_raw(u)), Some(Gid::from_raw(g)))
+            .map_err(sys("set the owner"))?;
+    }
+    nix::sys::stat::fchmod(fd, mode).map_err(sys("set the mode"))?;
+    nix::sys::stat::futimens(fd, &TimeSpec::UTIME_OMIT, mtime).map_err(sys("set the time"))
+}
+
+/// Removes everything in the directory `dir`, never following a symlink.
+fn empty_dir(dir: &OwnedFd) -> Applied<()> {
+    let names = rootfs_changes::list(dir.as_fd())
+        .map_err(|e| Apply::Io("list the directory", io_errno(&e)))?;
+    for name in names {
+        remove_any(dir, OsStr::from_bytes(&name))?;
     }
     Ok(())
 }
 
-/// Removes `path`, which must lie strictly inside `root` (never the rootfs itself).
-fn remove_any(path: &Path, root: &Path) -> Result<()> {
-    if !path.starts_with(root)
-        || path == root
-        || path
-            .strip_prefix(root)
-            .map(|r| r.components().any(|c| !matches!(c, Component::Normal(_))))
-            .unwrap_or(true)
-    {
-        return Err(bad(path, "whiteout target outside the rootfs"));
+/// Removes `name` in the directory `parent` (a directory with everything in it), never
+/// following a symlink; nothing there is not an error.
+fn remove_any(parent: &OwnedFd, name: &OsStr) -> Applied<()> {
+    if name.is_empty() || name == "." || name == ".." || name.as_bytes().contains(&b'/') {
+        return Err(Apply::Refused("whiteout target outside the rootfs"));
     }
-    let result = match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
-        Ok(_) => std::fs::remove_file(path),
-        Err(_) => return Ok(()),
-    };
-    result.map_err(Error::io(format!("remove {}", path.display())))
+    match rootfs_changes::open_dir_at(parent, name) {
+        Ok(dir) => {
+            empty_dir(&dir)?;
+            nix::unistd::unlinkat(parent, name, UnlinkatFlags::RemoveDir)
+                .map_err(sys("remove the directory"))
+        }
+        Err(Errno::ENOENT) => Ok(()),
+        // Not a directory (a symlink included): removed itself.
+        Err(Errno::ENOTDIR | Errno::ELOOP) => {
+            match nix::unistd::unlinkat(parent, name, UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => Ok(()),
+                Err(e) => Err(Apply::Io("remove", e)),
+            }
+        }
+        Err(e) => Err(Apply::Io("open to remove", e)),
+    }
 }
 
 /// Whether `dir` is a checkpoint containerd extracted for `ctr container restore` (its task
@@ -777,6 +1068,171 @@ mod tests {
     }
 
     use std::io::Write as _;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn no_userns() -> crate::spec_check::Policy {
+        crate::spec_check::Policy::from_spec(&serde_json::json!({})).unwrap()
+    }
+
+    /// One entry of a test's copy: name, type, uid, gid, mode, data.
+    type TestEntry<'a> = (&'a str, tar::EntryType, u64, u64, u32, &'a [u8]);
+
+    /// A tar of the given entries, as the shim's copy.
+    fn own_copy(entries: &[TestEntry<'_>]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(ROOTFS_CHANGES_FILE);
+        let mut b = tar::Builder::new(File::create(&path).unwrap());
+        for (name, kind, uid, gid, mode, data) in entries {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(*kind);
+            h.set_uid(*uid);
+            h.set_gid(*gid);
+            h.set_mode(*mode);
+            if *kind == tar::EntryType::Symlink {
+                h.set_size(0);
+                b.append_link(&mut h, name, std::str::from_utf8(data).unwrap())
+                    .unwrap();
+            } else {
+                h.set_size(data.len() as u64);
+                if *kind == tar::EntryType::Char {
+                    h.set_device_major(0).unwrap();
+                    h.set_device_minor(0).unwrap();
+                }
+                b.append_data(&mut h, name, *data).unwrap();
+            }
+        }
+        b.into_inner().unwrap().flush().unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn the_shims_copy_keeps_owners_and_reads_whiteouts_only_from_devices() {
+        use tar::EntryType::{Char, Directory, Regular, Symlink};
+        let rootfs = tempfile::tempdir().unwrap();
+        let r = rootfs.path();
+        std::fs::write(r.join("gone"), "old").unwrap();
+        std::fs::write(r.join("notes"), "lower").unwrap();
+        std::fs::create_dir(r.join("was-dir")).unwrap();
+        std::fs::write(r.join("was-dir/f"), "f").unwrap();
+        let (_d, path) = own_copy(&[
+            (".wh.notes", Regular, 0, 0, 0o644, b"mine"),
+            (".wh..wh..opq", Regular, 0, 0, 0o644, b"also mine"),
+            ("gone", Char, 0, 0, 0, b""),
+            ("home", Directory, 1000, 1000, 0o750, b""),
+            ("home/suid", Regular, 1000, 1000, 0o4755, b"#!"),
+            ("home/sgid", Regular, 0, 2000, 0o2755, b"#!"),
+            ("home/link", Symlink, 1000, 1000, 0o777, b"/etc/shadow"),
+            ("was-dir", Regular, 0, 0, 0o600, b"now a file"),
+        ]);
+        apply_rootfs_diff(&path, r, DiffFormat::Own, &no_userns()).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(r.join(".wh.notes")).unwrap(),
+            "mine"
+        );
+        assert_eq!(
+            std::fs::read_to_string(r.join(".wh..wh..opq")).unwrap(),
+            "also mine"
+        );
+        assert_eq!(std::fs::read_to_string(r.join("notes")).unwrap(), "lower");
+        assert!(!r.join("gone").exists());
+        let stat = |p: &str| {
+            let m = std::fs::symlink_metadata(r.join(p)).unwrap();
+            (m.uid(), m.gid(), m.mode() & 0o7777)
+        };
+        assert_eq!(stat("home"), (1000, 1000, 0o750));
+        assert_eq!(stat("home/suid"), (1000, 1000, 0o4755));
+        assert_eq!(stat("home/sgid"), (0, 2000, 0o2755));
+        assert_eq!(stat("home/link").0, 1000);
+        assert_eq!(
+            std::fs::read_link(r.join("home/link")).unwrap(),
+            Path::new("/etc/shadow")
+        );
+        assert_eq!(
+            std::fs::read_to_string(r.join("was-dir")).unwrap(),
+            "now a file"
+        );
+
+        // Into a user namespace: owners mapped; one the mappings do not cover stays root's,
+        // without its setuid bit.
+        let spec = serde_json::json!({"linux": {
+            "uidMappings": [{"containerID": 0, "hostID": 100000, "size": 1500}],
+            "gidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}]}});
+        let ids = crate::spec_check::Policy::from_spec(&spec).unwrap();
+        let rootfs = tempfile::tempdir().unwrap();
+        let r = rootfs.path();
+        let (_d, path) = own_copy(&[
+            ("mapped", Regular, 1000, 1000, 0o4755, b"#!"),
+            ("unmapped", Regular, 2000, 1000, 0o6755, b"#!"),
+        ]);
+        apply_rootfs_diff(&path, r, DiffFormat::Own, &ids).unwrap();
+        assert_eq!(stat_of(&r.join("mapped")), (101000, 101000, 0o4755));
+        assert_eq!(stat_of(&r.join("unmapped")), (0, 0, 0o755));
+    }
+
+    fn stat_of(p: &Path) -> (u32, u32, u32) {
+        let m = std::fs::symlink_metadata(p).unwrap();
+        (m.uid(), m.gid(), m.mode() & 0o7777)
+    }
+
+    #[test]
+    fn nothing_is_written_through_a_symlink_in_the_rootfs() {
+        use tar::EntryType::{Char, Directory, Regular};
+        let bundle = tempfile::tempdir().unwrap();
+        let rootfs = bundle.path().join("rootfs");
+        let outside = bundle.path().join("outside");
+        std::fs::create_dir_all(&rootfs).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("victim"), "v").unwrap();
+        std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o700)).unwrap();
+        // What a sidecar may have put in the rootfs: a link where a directory is expected.
+        std::os::unix::fs::symlink(&outside, rootfs.join("x")).unwrap();
+        for (name, kind) in [
+            ("x/planted", Regular),
+            ("x/victim", Char),
+            ("x/sub", Directory),
+        ] {
+            let (_d, path) = own_copy(&[(name, kind, 0, 0, 0o644, b"")]);
+            let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(name) && err.contains("symlink"), "{err}");
+        }
+        assert!(!outside.join("planted").exists() && !outside.join("sub").exists());
+        assert!(outside.join("victim").exists());
+        assert_eq!(stat_of(&outside).2, 0o700);
+        // A link in the entry's own place is replaced, never written through.
+        let (_d, path) = own_copy(&[("x", Directory, 0, 0, 0o755, b"")]);
+        apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns()).unwrap();
+        assert!(std::fs::symlink_metadata(rootfs.join("x"))
+            .unwrap()
+            .is_dir());
+        assert_eq!(stat_of(&outside).2, 0o700);
+        // The shim's copy refuses device nodes other than whiteouts.
+        let (_d, path) = own_copy(&[("dev", Char, 0, 0, 0o644, b"")]);
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(Char);
+        h.set_device_major(1).unwrap();
+        h.set_device_minor(3).unwrap();
+        h.set_size(0);
+        let mut b = tar::Builder::new(File::create(&path).unwrap());
+        b.append_data(&mut h, "dev", std::io::empty()).unwrap();
+        b.into_inner().unwrap();
+        let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device nodes"), "{err}");
+        // The rootfs itself: a `./` directory entry leaves it as it is, anything else there
+        // is refused.
+        std::fs::set_permissions(&rootfs, std::fs::Permissions::from_mode(0o711)).unwrap();
+        let (_d, path) = own_copy(&[("./", Directory, 1000, 1000, 0o777, b"")]);
+        apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns()).unwrap();
+        assert_eq!(stat_of(&rootfs), (0, 0, 0o711));
+        let (_d, path) = own_copy(&[(".", Regular, 0, 0, 0o644, b"x")]);
+        let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Own, &no_userns())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("names the rootfs itself"), "{err}");
+    }
 
     #[test]
     fn files_and_whiteouts_are_applied() {
@@ -793,7 +1249,7 @@ mod tests {
             ],
             true,
         );
-        apply_rootfs_diff(&path, rootfs.path()).unwrap();
+        apply_rootfs_diff(&path, rootfs.path(), DiffFormat::Oci, &no_userns()).unwrap();
         assert_eq!(
             std::fs::read_to_string(rootfs.path().join("counter.txt")).unwrap(),
             "42\n"
@@ -808,7 +1264,7 @@ mod tests {
     fn escapes_are_refused() {
         let rootfs = tempfile::tempdir().unwrap();
         let (_d, path) = diff(&[("../escape", b"x")], false);
-        let err = apply_rootfs_diff(&path, rootfs.path())
+        let err = apply_rootfs_diff(&path, rootfs.path(), DiffFormat::Oci, &no_userns())
             .unwrap_err()
             .to_string();
         assert!(err.contains("../escape"), "{err}");
@@ -832,7 +1288,9 @@ mod tests {
             std::fs::write(bundle.path().join("config.json"), "{}").unwrap();
             // A legitimate whiteout first: it must not run either.
             let (_d, path) = diff(&[(".wh.keep.txt", b""), (bad_name, b"")], true);
-            let err = apply_rootfs_diff(&path, &rootfs).unwrap_err().to_string();
+            let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Oci, &no_userns())
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(bad_name), "{bad_name}: {err}");
             assert!(rootfs.join("keep.txt").exists(), "{bad_name}");
             assert!(rootfs.join("sub").exists(), "{bad_name}");
@@ -949,7 +1407,9 @@ mod tests {
         std::fs::write(bundle.path().join("outside"), "o").unwrap();
         std::os::unix::fs::symlink("..", rootfs.join("up")).unwrap();
         let (_d, path) = diff(&[("up/.wh.outside", b"")], false);
-        let err = apply_rootfs_diff(&path, &rootfs).unwrap_err().to_string();
+        let err = apply_rootfs_diff(&path, &rootfs, DiffFormat::Oci, &no_userns())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("up/.wh.outside"), "{err}");
         assert!(bundle.path().join("outside").exists());
     }

@@ -261,6 +261,22 @@ impl Policy {
         })
     }
 
+    /// The host owner of a file the container sees owned by `uid`:`gid`, under the spec's
+    /// user namespace mappings (the same ids without mappings); `None` where either is
+    /// unmapped.
+    pub fn host_owner(&self, uid: u32, gid: u32) -> Option<(u32, u32)> {
+        Some((to_host(&self.uid_map, uid)?, to_host(&self.gid_map, gid)?))
+    }
+
+    /// The owner the container sees of a file the host sees owned by `uid`:`gid`, the inverse
+    /// of [`Policy::host_owner`].
+    pub fn container_owner(&self, uid: u32, gid: u32) -> Option<(u32, u32)> {
+        Some((
+            to_container(&self.uid_map, uid)?,
+            to_container(&self.gid_map, gid)?,
+        ))
+    }
+
     /// With the node's LSM set to `lsm` (tests).
     pub fn with_node_lsm(mut self, lsm: Option<Lsm>) -> Policy {
         self.node_lsm = lsm;
@@ -801,14 +817,29 @@ fn apparmor_name(label: &str) -> &str {
 }
 
 fn map_id(maps: &[IdMap], id: u32) -> u32 {
+    // Unmapped ids show as the overflow id.
+    to_host(maps, id).unwrap_or(65534)
+}
+
+/// The host id of the container's `id` under `maps` (the same id without mappings); `None`
+/// where no mapping covers it.
+fn to_host(maps: &[IdMap], id: u32) -> Option<u32> {
     if maps.is_empty() {
-        return id;
+        return Some(id);
     }
     maps.iter()
         .find(|m| id >= m.container && id - m.container < m.size)
         .map(|m| m.host + (id - m.container))
-        // Unmapped ids show as the overflow id.
-        .unwrap_or(65534)
+}
+
+/// The container's id of the host's `id` under `maps`, the inverse of [`to_host`].
+fn to_container(maps: &[IdMap], id: u32) -> Option<u32> {
+    if maps.is_empty() {
+        return Some(id);
+    }
+    maps.iter()
+        .find(|m| id >= m.host && id - m.host < m.size)
+        .map(|m| m.container + (id - m.host))
 }
 
 fn cap_bit(name: &str) -> Option<u32> {
