@@ -348,7 +348,7 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
         assert_eq!(why("a100-4"), ["cordoned (spec.unschedulable)"]);
         assert_eq!(
             why("a100-5"),
-            [r#"gpu-ckpt is not installed (label gpu-ckpt.io/runtime is not "installed")"#]
+            [r#"gpu-ckpt is not installed (label node-restriction.kubernetes.io/gpu-ckpt-runtime is not "installed")"#]
         );
         // The node itself after its upgrade does not fit either.
         assert_eq!(
@@ -379,8 +379,8 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
             "node",
             "a100-1",
             "--overwrite",
-            "gpu-ckpt.io/driver-version=580.65.06",
-            "gpu-ckpt.io/cuda-version=13.0"
+            "node-restriction.kubernetes.io/gpu-ckpt-driver-version=580.65.06",
+            "node-restriction.kubernetes.io/gpu-ckpt-cuda-version=13.0"
         ]
     );
 
@@ -456,7 +456,7 @@ fn a_driver_upgrade_across_three_node_groups() {
             ("gpu-n1", "already runs driver 580.65.06, CUDA 13.0"),
             (
                 "cpu-1",
-                "not a gpu-ckpt node (label gpu-ckpt.io/runtime is not \"installed\")"
+                "not a gpu-ckpt node (label node-restriction.kubernetes.io/gpu-ckpt-runtime is not \"installed\")"
             )
         ]
     );

@@ -257,7 +257,7 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
             rc["handler"]
         );
         ensure!(
-            rc["scheduling"]["nodeSelector"] == json!({"gpu-ckpt.io/runtime": "installed"}),
+            rc["scheduling"]["nodeSelector"] == json!({"node-restriction.kubernetes.io/gpu-ckpt-runtime": "installed"}),
             "{name}: {}",
             rc["scheduling"]
         );
@@ -744,7 +744,7 @@ fn invalid_values_fail_with_the_field_named() -> Result<()> {
         ),
         (r#"{"paths":{"binDir":"usr/local/bin"}}"#, "/paths/binDir"),
         (
-            r#"{"runtimeClasses":{"nodeSelector":{"gpu-ckpt.io/runtime":true}}}"#,
+            r#"{"runtimeClasses":{"nodeSelector":{"node-restriction.kubernetes.io/gpu-ckpt-runtime":true}}}"#,
             "nodeSelector",
         ),
     ] {

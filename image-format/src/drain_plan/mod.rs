@@ -26,15 +26,15 @@ use crate::manifest::{Devices, Gpu, Workload};
 use kube::{NodeEntry, PodEntry};
 
 /// Node label: `installed` where the node installer put the runtime on the node.
-pub const RUNTIME_LABEL: &str = "gpu-ckpt.io/runtime";
+pub const RUNTIME_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-runtime";
 pub const RUNTIME_INSTALLED: &str = "installed";
 /// Node label: the GPU model as a label value (`NVIDIA-H100-80GB-HBM3`; several models joined
 /// with `_`).
-pub const GPU_MODEL_LABEL: &str = "gpu-ckpt.io/gpu-model";
+pub const GPU_MODEL_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-gpu-model";
 /// Node label: the driver version (`580.65.06`).
-pub const DRIVER_LABEL: &str = "gpu-ckpt.io/driver-version";
+pub const DRIVER_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-driver-version";
 /// Node label: the CUDA driver version (`13.0`).
-pub const CUDA_LABEL: &str = "gpu-ckpt.io/cuda-version";
+pub const CUDA_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-cuda-version";
 /// The label a restore pod is pinned to its destination by.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
