@@ -348,7 +348,9 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
         assert_eq!(why("a100-4"), ["cordoned (spec.unschedulable)"]);
         assert_eq!(
             why("a100-5"),
-            [r#"gpu-ckpt is not installed (label gpu-ckpt.io/runtime is not "installed")"#]
+            [
+                r#"gpu-ckpt is not installed (label node-restriction.kubernetes.io/gpu-ckpt-runtime is not "installed")"#
+            ]
         );
         // The node itself after its upgrade does not fit either.
         assert_eq!(
@@ -379,8 +381,8 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
             "node",
             "a100-1",
             "--overwrite",
-            "gpu-ckpt.io/driver-version=580.65.06",
-            "gpu-ckpt.io/cuda-version=13.0"
+            "node-restriction.kubernetes.io/gpu-ckpt-driver-version=580.65.06",
+            "node-restriction.kubernetes.io/gpu-ckpt-cuda-version=13.0"
         ]
     );
 
@@ -456,7 +458,7 @@ fn a_driver_upgrade_across_three_node_groups() {
             ("gpu-n1", "already runs driver 580.65.06, CUDA 13.0"),
             (
                 "cpu-1",
-                "not a gpu-ckpt node (label gpu-ckpt.io/runtime is not \"installed\")"
+                "not a gpu-ckpt node (label node-restriction.kubernetes.io/gpu-ckpt-runtime is not \"installed\")"
             )
         ]
     );
@@ -721,4 +723,46 @@ fn the_json_output_is_the_plan() {
     assert_eq!(llm["action"], "migrate");
     assert_eq!(llm["destination"], "gpu-d");
     assert_eq!(llm["class"], "gpu-ckpt");
+}
+
+#[test]
+fn a_renamed_restore_runtime_class_is_the_restore_pods() {
+    // The chart renamed the restore class (runtimeClasses.restore.name): the restore pods get
+    // that name, and pods already on it are gpu-ckpt pods.
+    let (code, out, err) = drain_plan_cli(
+        "mixed-pods.json",
+        "mixed-nodes.json",
+        "gpu-a",
+        &["--restore-runtime-class", "ml-restore", "--output", "json"],
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
+    let creates: Vec<&Value> = steps
+        .iter()
+        .filter(|s| s["kind"] == "create-restore-pod")
+        .collect();
+    assert!(!creates.is_empty(), "no restore pod in {out}");
+    for s in creates {
+        assert_eq!(
+            s["manifest"]["spec"]["runtimeClassName"], "ml-restore",
+            "{s}"
+        );
+        assert!(
+            s["text"]
+                .as_str()
+                .unwrap()
+                .contains("(RuntimeClass ml-restore,"),
+            "{}",
+            s["text"]
+        );
+    }
+    let (code, _, err) = drain_plan_cli(
+        "mixed-pods.json",
+        "mixed-nodes.json",
+        "gpu-a",
+        &["--restore-runtime-class", ""],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--restore-runtime-class is empty"), "{err}");
 }

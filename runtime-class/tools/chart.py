@@ -34,6 +34,7 @@ import yaml
 MANIFEST_FILES = {
     "runtimeclasses.yaml": ["runtimeclasses.yaml"],
     "node-installer.yaml": ["serviceaccount.yaml", "daemonset.yaml"],
+    "admission.yaml": ["admission.yaml"],
 }
 MANIFESTS_RELEASE = "gpu-ckpt"
 MANIFESTS_NAMESPACE = "gpu-ckpt-system"

@@ -178,12 +178,17 @@ impl Container {
         }
         // Step 3 (restore handler): the checkpoint the pod names for this container, fetched,
         // checked, unpacked and its rootfs diff applied. Undo: what it unpacked, the mount.
+        // A checkpoint's image volume is mounted only by the container restoring from it.
         if container.restore_from.is_none() && container.options.restore_mode() {
-            if let Err(e) = container
+            let prepared = container
                 .prepare_own_restore()
                 .instrument(info_span!("prepare_restore", id = %req.id))
                 .await
-            {
+                .and_then(|()| {
+                    restore::refuse_checkpoint_volumes(&bundle, &container.spec_annotations)
+                });
+            if let Err(e) = prepared {
+                let _ = std::fs::remove_dir_all(bundle.join(restore::RESTORE_DIR));
                 container.unmount_rootfs();
                 return Err(e);
             }

@@ -311,7 +311,7 @@ fn prepare_from_mount(
     let signed = match admit(bundle, &info, source, me, ann, options)? {
         Admitted::Fits { signed } => signed,
         Admitted::ColdStart(why) => {
-            remove_mount(bundle, destination)?;
+            remove_mounts(bundle, &root)?;
             return Ok(Plan::ColdStart(why));
         }
     };
@@ -350,8 +350,9 @@ fn prepare_from_mount(
     }
     let engine = root.join(archive::names::ROOTFS_DIFF_TAR);
     apply_changes(bundle, &own, &engine, rootfs, source, signed)?;
-    // Step 7: the restored processes do not get their own checkpoint.
-    remove_mount(bundle, destination)?;
+    // Step 7: the restored processes do not get their own checkpoint, through this mount or
+    // any other of the same volume.
+    remove_mounts(bundle, &root)?;
     info!(%source, signed, host = %root.display(), "checkpoint read in place from an image volume");
     Ok(Plan::RestoreInPlace(checkpoint))
 }
@@ -364,14 +365,29 @@ fn read_spec(bundle: &Path) -> Result<serde_json::Value> {
     })
 }
 
-/// Removes the mount at `destination` from the bundle's spec (written whole, then renamed).
-pub fn remove_mount(bundle: &Path, destination: &str) -> Result<()> {
+fn mount_source(mount: &serde_json::Value) -> Option<&str> {
+    mount.get("source").and_then(|s| s.as_str())
+}
+
+/// Removes from the bundle's spec every mount of the image volume `volume` (the host
+/// directory [`trust::image_volume`] checked): the one the restore names and any other mount
+/// of the same volume, or of a path beneath it, so the restored processes see none of it.
+/// The spec is written whole, then renamed.
+pub fn remove_mounts(bundle: &Path, volume: &Path) -> Result<()> {
     let mut spec = read_spec(bundle)?;
+    let mut removed = Vec::new();
     if let Some(mounts) = spec.get_mut("mounts").and_then(|m| m.as_array_mut()) {
         mounts.retain(|m| {
-            m.get("destination")
-                .and_then(|d| d.as_str())
-                .is_none_or(|d| d.trim_end_matches('/') != destination)
+            let of_volume = mount_source(m).is_some_and(|s| Path::new(s).starts_with(volume));
+            if of_volume {
+                removed.push(
+                    m.get("destination")
+                        .and_then(|d| d.as_str())
+                        .unwrap_or_default()
+                        .to_string(),
+                );
+            }
+            !of_volume
         });
     }
     let path = bundle.join("config.json");
@@ -385,9 +401,60 @@ pub fn remove_mount(bundle: &Path, destination: &str) -> Result<()> {
     std::fs::set_permissions(&tmp, mode).map_err(Error::io(format!("chmod {}", tmp.display())))?;
     std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
     info!(
-        destination,
-        "mount of the checkpoint removed from the container's spec"
+        volume = %volume.display(),
+        destinations = ?removed,
+        "mounts of the checkpoint's image volume removed from the container's spec"
     );
+    Ok(())
+}
+
+/// On the restore handler, a container of a pod (its spec's annotations `annotations`) may
+/// not mount an image volume of the pod that holds a checkpoint, unless it restores from that
+/// volume, whose mounts [`remove_mounts`] has then taken out of its spec already: a sidecar,
+/// an init or ephemeral container, or a container restoring from another source, would
+/// otherwise read the memory image. Called after the container's own restore is prepared.
+pub fn refuse_checkpoint_volumes(
+    bundle: &Path,
+    annotations: &std::collections::HashMap<String, String>,
+) -> Result<()> {
+    if annotations
+        .get("io.kubernetes.cri.container-type")
+        .map(String::as_str)
+        == Some("sandbox")
+    {
+        return Ok(());
+    }
+    let sandbox_id = annotations
+        .get(trust::SANDBOX_ID)
+        .map(String::as_str)
+        .unwrap_or_default();
+    // Not a CRI container of a pod (no sandbox, or a bundle outside containerd's state
+    // directory): it has no image volumes.
+    let Ok(volumes) = trust::image_volumes_dir(bundle, sandbox_id) else {
+        return Ok(());
+    };
+    let spec = read_spec(bundle)?;
+    let mounts = spec.get("mounts").and_then(|m| m.as_array());
+    for m in mounts.into_iter().flatten() {
+        let Some(source) = mount_source(m) else {
+            continue;
+        };
+        if let Some(volume) = trust::checkpoint_volume(&volumes, source) {
+            let destination = m
+                .get("destination")
+                .and_then(|d| d.as_str())
+                .unwrap_or_default();
+            let name = annotations
+                .get("io.kubernetes.cri.container-name")
+                .map(String::as_str)
+                .unwrap_or_default();
+            warn!(container = name, destination, volume = %volume.display(), "refused: a checkpoint's image volume mounted by a container that does not restore from it");
+            return Err(Error::PermissionDenied(format!(
+                "container {name:?} mounts the image volume {} at {destination}, which holds a checkpoint: on the restore handler only the container restoring from an image volume (gpu-ckpt.io/restore-from: mount:/PATH) may mount it, and the shim takes every mount of it out of that container's spec; remove the volumeMount from this container",
+                volume.display()
+            )));
+        }
+    }
     Ok(())
 }
 
@@ -1397,6 +1464,78 @@ mod tests {
         // In the right place, but a directory, not the image's mounted snapshot.
         let err = check(&spec(&mine, &["rbind", "ro"]), "/ckpt");
         assert!(err.contains("not a mount point"), "{err}");
+    }
+
+    #[test]
+    fn every_mount_of_the_checkpoint_volume_goes_and_only_the_restoring_container_may_mount_it() {
+        let state = tempfile::tempdir().unwrap();
+        let bundle = state.path().join("io.containerd.runtime.v2.task/k8s.io/c1");
+        std::fs::create_dir_all(&bundle).unwrap();
+        let volumes = state.path().join(trust::IMAGE_VOLUMES).join("sb1");
+        let ckpt = volumes.join("img");
+        let weights = volumes.join("weights");
+        std::fs::create_dir_all(ckpt.join("checkpoint")).unwrap();
+        std::fs::create_dir_all(&weights).unwrap();
+        let write = |mounts: &[(&str, &Path)]| {
+            let mounts: Vec<_> = mounts
+                .iter()
+                .map(|(d, s)| serde_json::json!({"destination": d, "type": "bind", "source": s, "options": ["rbind", "ro"]}))
+                .collect();
+            std::fs::write(
+                bundle.join("config.json"),
+                serde_json::json!({"mounts": mounts}).to_string(),
+            )
+            .unwrap();
+        };
+        let destinations = || -> Vec<String> {
+            read_spec(&bundle).unwrap()["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["destination"].as_str().unwrap().to_string())
+                .collect()
+        };
+        // The restoring container: the volume at /ckpt, again at /also, a subPath at /sub; a
+        // sibling whose name starts the same, and another volume, stay.
+        let sibling = volumes.join("img2");
+        write(&[
+            ("/ckpt", &ckpt),
+            ("/also", &ckpt),
+            ("/sub", &ckpt.join("checkpoint")),
+            ("/img2", &sibling),
+            ("/weights", &weights),
+        ]);
+        remove_mounts(&bundle, &ckpt).unwrap();
+        assert_eq!(destinations(), ["/img2", "/weights"]);
+
+        let annotations = |kind: &str| -> std::collections::HashMap<String, String> {
+            [
+                ("io.kubernetes.cri.container-type", kind),
+                ("io.kubernetes.cri.container-name", "sidecar"),
+                (trust::SANDBOX_ID, "sb1"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+        };
+        // What is left mounts no checkpoint: allowed.
+        refuse_checkpoint_volumes(&bundle, &annotations("container")).unwrap();
+        // A sidecar with the volume, or a subPath of it: refused, naming the mount.
+        for (dest, src) in [("/data", ckpt.clone()), ("/pages", ckpt.join("checkpoint"))] {
+            write(&[("/weights", &weights), (dest, &src)]);
+            let err = refuse_checkpoint_volumes(&bundle, &annotations("container"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!(
+                    "mounts the image volume {} at {dest}, which holds a checkpoint",
+                    ckpt.display()
+                )),
+                "{err}"
+            );
+        }
+        // The pod's sandbox container is not one of its containers.
+        refuse_checkpoint_volumes(&bundle, &annotations("sandbox")).unwrap();
     }
 
     #[test]

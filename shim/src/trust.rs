@@ -274,6 +274,50 @@ pub fn mount_destination(source: &str) -> Option<Result<String>> {
     })
 }
 
+/// containerd's directory of the image volumes of sandbox `sandbox_id`
+/// (`<state>/io.containerd.grpc.v1.cri/image-volumes/<sandbox id>`), from the bundle's place in
+/// containerd's state directory; why not, when the bundle is elsewhere or the id is not one.
+pub fn image_volumes_dir(bundle: &Path, sandbox_id: &str) -> std::result::Result<PathBuf, String> {
+    let tasks = bundle.parent().and_then(Path::parent);
+    let state = match tasks {
+        Some(t) if t.file_name().is_some_and(|n| n == TASK_DIR) => t.parent(),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        format!(
+            "the bundle {} is not in containerd's {TASK_DIR} directory, so containerd's image-volume directory is unknown",
+            bundle.display()
+        )
+    })?;
+    let valid_id = !sandbox_id.is_empty()
+        && sandbox_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !valid_id {
+        return Err(format!(
+            "the container has no valid {SANDBOX_ID} annotation ({sandbox_id:?})"
+        ));
+    }
+    Ok(state.join(IMAGE_VOLUMES).join(sandbox_id))
+}
+
+/// The image volume of this pod that the host path `source` (a mount's source in a
+/// container's spec) is, or lies beneath, when that volume holds a checkpoint (a
+/// `checkpoint/` directory at its top, what a `mount:` restore reads): its host directory.
+/// `volumes` is [`image_volumes_dir`]. Nothing is followed: the volume's top and its
+/// `checkpoint/` are looked at with lstat, below containerd's own directory.
+pub fn checkpoint_volume(volumes: &Path, source: &str) -> Option<PathBuf> {
+    let rest = Path::new(source).strip_prefix(volumes).ok()?;
+    let Some(Component::Normal(name)) = rest.components().next() else {
+        return None;
+    };
+    let volume = volumes.join(name);
+    let holds_checkpoint =
+        std::fs::symlink_metadata(volume.join(image_format::archive::names::CHECKPOINT_DIRECTORY))
+            .is_ok_and(|m| m.is_dir());
+    holds_checkpoint.then_some(volume)
+}
+
 /// The host directory of the image volume that the container of `bundle` has at
 /// `destination` (its spec's mount there), checked to be an image volume of this very pod: a
 /// read-only bind of a mount point that containerd made in its own image-volume directory for
@@ -323,28 +367,7 @@ pub fn image_volume(
             "restore source {source:?}: the mount at {destination} (host path {host:?}) is not an image volume of this pod: {why}; gpu-ckpt restores a mount: source only from an image volume (volumes[].image) that the kubelet pulled for this pod, never from a hostPath or any other volume"
         ))
     };
-    // containerd's state directory, from the bundle's place in it.
-    let tasks = bundle.parent().and_then(Path::parent);
-    let state = match tasks {
-        Some(t) if t.file_name().is_some_and(|n| n == TASK_DIR) => t.parent(),
-        _ => None,
-    }
-    .ok_or_else(|| {
-        not_image_volume(format!(
-            "the bundle {} is not in containerd's {TASK_DIR} directory, so containerd's image-volume directory is unknown",
-            bundle.display()
-        ))
-    })?;
-    let valid_id = !sandbox_id.is_empty()
-        && sandbox_id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if !valid_id {
-        return Err(not_image_volume(format!(
-            "the container has no valid {SANDBOX_ID} annotation ({sandbox_id:?})"
-        )));
-    }
-    let expected = state.join(IMAGE_VOLUMES).join(sandbox_id);
+    let expected = image_volumes_dir(bundle, sandbox_id).map_err(not_image_volume)?;
     let host_path = Path::new(host);
     let lexical_ok = host_path.is_absolute()
         && host_path

@@ -1,7 +1,8 @@
-//! The admission policies in runtime-class/admission/ against the Kubernetes API's own types
-//! (k8s-openapi, Kubernetes 1.33): every document parses as its kind, and writing it back gives
-//! the same document, so no field is unknown, misspelt or of the wrong type (an unknown field
-//! would be dropped on the way through and the comparison would fail).
+//! The admission policies (runtime-class/manifests/admission.yaml, the Helm chart's rendering
+//! with its default values) against the Kubernetes API's own types (k8s-openapi, Kubernetes
+//! 1.33): every document parses as its kind, and writing it back gives the same document, so no
+//! field is unknown, misspelt or of the wrong type (an unknown field would be dropped on the
+//! way through and the comparison would fail).
 
 use std::path::Path;
 
@@ -19,9 +20,9 @@ fn round_trip<T: serde::de::DeserializeOwned + serde::Serialize>(
 }
 
 #[test]
-fn restore_namespaces_policy_matches_the_kubernetes_schema() -> Result<()> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../runtime-class/admission/restore-namespaces.yaml");
+fn the_admission_policies_match_the_kubernetes_schema() -> Result<()> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime-class/manifests/admission.yaml");
     let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
     let mut kinds = Vec::new();
     for de in serde_yaml::Deserializer::from_str(&text) {
@@ -45,13 +46,27 @@ fn restore_namespaces_policy_matches_the_kubernetes_schema() -> Result<()> {
         );
         kinds.push((kind, doc));
     }
-    ensure!(kinds.len() == 2, "expected a policy and its binding");
-    let (policy, binding) = (&kinds[0].1, &kinds[1].1);
-    ensure!(binding["spec"]["policyName"] == policy["metadata"]["name"]);
-    ensure!(binding["spec"]["validationActions"][0] == "Deny");
-    let cond = policy["spec"]["matchConditions"][0]["expression"]
+    ensure!(
+        kinds.len() == 4,
+        "expected two policies, each with its binding: {:?}",
+        kinds.iter().map(|(k, _)| k).collect::<Vec<_>>()
+    );
+    for pair in kinds.chunks(2) {
+        let (policy, binding) = (&pair[0].1, &pair[1].1);
+        ensure!(pair[0].0 == "ValidatingAdmissionPolicy", "{}", pair[0].0);
+        ensure!(binding["spec"]["policyName"] == policy["metadata"]["name"]);
+        ensure!(binding["spec"]["validationActions"][0] == "Deny");
+    }
+    let cond = kinds[0].1["spec"]["matchConditions"][0]["expression"]
         .as_str()
         .unwrap_or_default();
     ensure!(cond.contains("'gpu-ckpt-restore'"), "{cond}");
+    let cond = kinds[2].1["spec"]["matchConditions"][0]["expression"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        cond.contains("'system:serviceaccount:gpu-ckpt-system:gpu-ckpt-node-installer'"),
+        "{cond}"
+    );
     Ok(())
 }

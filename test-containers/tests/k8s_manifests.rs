@@ -238,6 +238,8 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
         ("DaemonSet", 1),
+        ("ValidatingAdmissionPolicy", 2),
+        ("ValidatingAdmissionPolicyBinding", 2),
     ]
     .into_iter()
     .map(|(k, n)| (k.to_string(), n))
@@ -257,7 +259,8 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
             rc["handler"]
         );
         ensure!(
-            rc["scheduling"]["nodeSelector"] == json!({"gpu-ckpt.io/runtime": "installed"}),
+            rc["scheduling"]["nodeSelector"]
+                == json!({"node-restriction.kubernetes.io/gpu-ckpt-runtime": "installed"}),
             "{name}: {}",
             rc["scheduling"]
         );
@@ -353,8 +356,7 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
     ensure!(pod["serviceAccountName"] == sa["metadata"]["name"]);
     let role = object(&docs, "ClusterRole", "gpu-ckpt-node-installer")?;
     ensure!(
-        role["rules"]
-            == json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]),
+        role["rules"] == json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}]),
         "rules {}",
         role["rules"]
     );
@@ -598,6 +600,14 @@ fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result
     );
     let sa = object(&docs, "ServiceAccount", "gpu-ckpt-installer")?;
     ensure!(sa["metadata"]["annotations"] == ni["serviceAccount"]["annotations"]);
+    // admission.enabled: false.
+    ensure!(
+        !docs
+            .iter()
+            .any(|d| d["apiVersion"] == "admissionregistration.k8s.io/v1"),
+        "admission policies rendered with admission.enabled false: {:?}",
+        kinds(&docs)
+    );
     let binding = object(&docs, "ClusterRoleBinding", "gpu-ckpt-prod-node-installer")?;
     ensure!(
         binding["subjects"]
@@ -626,7 +636,7 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
         }
     }
     files.sort();
-    ensure!(files.len() == 2, "runtime-class/manifests has {files:?}");
+    ensure!(files.len() == 3, "runtime-class/manifests has {files:?}");
     for p in &files {
         std::fs::copy(p, tmp.path().join(p.file_name().context("name")?))?;
     }
@@ -649,14 +659,8 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
         "{err}"
     );
 
-    // Every manifest of runtime-class/: the plain ones and the admission policies.
-    let mut all: Vec<PathBuf> = files.clone();
-    for e in std::fs::read_dir(repo().join("runtime-class/admission"))? {
-        let p = e?.path();
-        if p.extension().is_some_and(|x| x == "yaml") {
-            all.push(p);
-        }
-    }
+    // Every plain manifest, the admission policies among them.
+    let all: Vec<PathBuf> = files.clone();
     let mut args = vec!["validate", "--kube-version", KUBE_VERSION];
     args.extend(all.iter().map(|p| path_str(p)));
     let out = chart_ok(&args)?;
@@ -664,7 +668,11 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
     let k = kinds(&docs);
     ensure!(k.get("RuntimeClass") == Some(&2), "{k:?}");
     ensure!(k.get("DaemonSet") == Some(&1), "{k:?}");
-    ensure!(k.get("ValidatingAdmissionPolicy") == Some(&1), "{k:?}");
+    ensure!(k.get("ValidatingAdmissionPolicy") == Some(&2), "{k:?}");
+    ensure!(
+        k.get("ValidatingAdmissionPolicyBinding") == Some(&2),
+        "{k:?}"
+    );
     let sources: BTreeSet<String> = out["documents"]
         .as_array()
         .context("documents")?
@@ -681,6 +689,161 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
     ensure!(
         !ok && out["error"].as_str().unwrap_or_default().contains("1.99"),
         "{out}"
+    );
+    Ok(())
+}
+
+/// The admission policy of `docs` that matches pods (the restore policy) and its binding,
+/// checked to be bound with Deny; the RuntimeClass name its match condition compares with.
+fn restore_policy_class(docs: &[Value]) -> Result<String> {
+    let policies: Vec<&Value> = docs
+        .iter()
+        .filter(|d| {
+            d["kind"] == "ValidatingAdmissionPolicy"
+                && d["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == json!(["pods"])
+        })
+        .collect();
+    let [policy] = policies.as_slice() else {
+        bail!(
+            "{} admission policies for pods; the rendering has {:?}",
+            policies.len(),
+            kinds(docs)
+        );
+    };
+    let name = policy["metadata"]["name"].as_str().unwrap_or_default();
+    let binding = object(docs, "ValidatingAdmissionPolicyBinding", name)?;
+    ensure!(binding["spec"]["policyName"] == name, "{binding}");
+    ensure!(
+        binding["spec"]["validationActions"] == json!(["Deny"]),
+        "{binding}"
+    );
+    ensure!(policy["spec"]["failurePolicy"] == "Fail", "{policy}");
+    let cond = policy["spec"]["matchConditions"][0]["expression"]
+        .as_str()
+        .unwrap_or_default();
+    let class = cond
+        .strip_prefix("has(object.spec.runtimeClassName) && object.spec.runtimeClassName == '")
+        .and_then(|c| c.strip_suffix('\''))
+        .with_context(|| format!("the match condition is not on one RuntimeClass: {cond}"))?;
+    let rule = policy["spec"]["validations"][0]["expression"]
+        .as_str()
+        .unwrap_or_default();
+    ensure!(
+        rule.contains("namespaceObject.metadata.labels['gpu-ckpt.io/restore'] == 'allowed'"),
+        "{rule}"
+    );
+    Ok(class.to_string())
+}
+
+#[test]
+fn the_admission_policies_follow_the_runtime_class_and_the_installers_identity() -> Result<()> {
+    // Default values: the policy names the restore class the chart creates.
+    let docs = valid_documents(&render(&[])?)?;
+    ensure!(restore_policy_class(&docs)? == "gpu-ckpt-restore");
+    object(&docs, "RuntimeClass", "gpu-ckpt-restore")?;
+
+    // A renamed restore class: the policy names the new name (a policy that still named
+    // gpu-ckpt-restore, or none at all, would let every namespace restore).
+    let rendered = render(&[
+        "--set-json",
+        r#"{"runtimeClasses":{"restore":{"name":"ml-restore"},"checkpoint":{"name":"ml"}}}"#,
+        "--release",
+        "gpu-ckpt-prod",
+        "--namespace",
+        "infra",
+    ])?;
+    let docs = valid_documents(&rendered)?;
+    let rc = object(&docs, "RuntimeClass", "ml-restore")?;
+    ensure!(rc["handler"] == "gpu-ckpt-restore", "{rc}");
+    ensure!(
+        restore_policy_class(&docs)? == "ml-restore",
+        "the policy does not name the renamed class"
+    );
+    let text = serde_json::to_string(&docs)?;
+    ensure!(
+        !text.contains("'gpu-ckpt-restore'"),
+        "a policy still names gpu-ckpt-restore: {text}"
+    );
+
+    // The installer may patch only the Node its token is bound to, and only the gpu-ckpt
+    // labels there; its ClusterRole gives patch and nothing else.
+    let own = object(
+        &docs,
+        "ValidatingAdmissionPolicy",
+        "gpu-ckpt-prod-node-installer-own-node",
+    )?;
+    let binding = object(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        "gpu-ckpt-prod-node-installer-own-node",
+    )?;
+    ensure!(
+        binding["spec"]["validationActions"] == json!(["Deny"]),
+        "{binding}"
+    );
+    let spec = &own["spec"];
+    ensure!(spec["failurePolicy"] == "Fail", "{spec}");
+    ensure!(
+        spec["matchConstraints"]["resourceRules"]
+            == json!([{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["nodes"]}]),
+        "{spec}"
+    );
+    ensure!(
+        spec["matchConditions"][0]["expression"]
+            == "request.userInfo.username == 'system:serviceaccount:infra:gpu-ckpt-prod-node-installer'",
+        "{}",
+        spec["matchConditions"]
+    );
+    let vars = serde_json::to_string(&spec["variables"])?;
+    ensure!(
+        vars.contains("request.userInfo.extra['authentication.kubernetes.io/node-name'][0]"),
+        "{vars}"
+    );
+    let rules: Vec<&str> = spec["validations"]
+        .as_array()
+        .context("validations")?
+        .iter()
+        .map(|v| v["expression"].as_str().unwrap_or_default())
+        .collect();
+    ensure!(
+        rules[0] == "variables.boundNode != '' && variables.boundNode == object.metadata.name",
+        "{rules:?}"
+    );
+    ensure!(
+        rules[1].contains("k.startsWith('node-restriction.kubernetes.io/gpu-ckpt-')"),
+        "{rules:?}"
+    );
+    ensure!(
+        rules[2].contains("object.spec == oldObject.spec"),
+        "{rules:?}"
+    );
+    let role = object(&docs, "ClusterRole", "gpu-ckpt-prod-node-installer")?;
+    ensure!(
+        role["rules"] == json!([{"apiGroups": [""], "resources": ["nodes"], "verbs": ["patch"]}]),
+        "{}",
+        role["rules"]
+    );
+
+    // The RuntimeClasses' node selector: a label a kubelet cannot set on its own Node.
+    for rc in docs.iter().filter(|d| d["kind"] == "RuntimeClass") {
+        for k in rc["scheduling"]["nodeSelector"]
+            .as_object()
+            .context("nodeSelector")?
+            .keys()
+        {
+            ensure!(k.starts_with("node-restriction.kubernetes.io/"), "{k}");
+        }
+    }
+
+    // admission.enabled: false renders none.
+    let off = valid_documents(&render(&[
+        "--set-json",
+        r#"{"admission":{"enabled":false}}"#,
+    ])?)?;
+    ensure!(
+        !off.iter().any(|d| d["kind"] == "ValidatingAdmissionPolicy"),
+        "{:?}",
+        kinds(&off)
     );
     Ok(())
 }
@@ -744,7 +907,7 @@ fn invalid_values_fail_with_the_field_named() -> Result<()> {
         ),
         (r#"{"paths":{"binDir":"usr/local/bin"}}"#, "/paths/binDir"),
         (
-            r#"{"runtimeClasses":{"nodeSelector":{"gpu-ckpt.io/runtime":true}}}"#,
+            r#"{"runtimeClasses":{"nodeSelector":{"node-restriction.kubernetes.io/gpu-ckpt-runtime":true}}}"#,
             "nodeSelector",
         ),
     ] {

@@ -8,8 +8,10 @@
 //! uninstall.
 //!
 //! The restart command records each call in a file; the test (re)starts its containerd itself.
-//! Labelling needs an API server, which the test stack has none of: `--label-node` is not given
-//! here; the patch body is unit-tested in the installer crate.
+//! Labelling (`--label-node`) goes to a stand-in for the Kubernetes API server on loopback
+//! ([`FakeApi`]: TLS with a CA made for the test, answering each PATCH with the status the test
+//! sets), which shows an uninstall whose label removal is refused (401: the ServiceAccount was
+//! deleted first) still removing everything else.
 
 mod common;
 
@@ -440,6 +442,383 @@ fn uninstall_keeps_an_administrators_edit_of_the_configuration() -> Result<()> {
     same_listing("after uninstall", &want, &got)?;
     if got.len() != want.len() {
         bail!("listing sizes differ");
+    }
+    Ok(())
+}
+
+/// One request the fake API server received.
+#[derive(Debug, Clone)]
+struct ApiRequest {
+    /// "PATCH /api/v1/nodes/node-a"
+    line: String,
+    authorization: String,
+    content_type: String,
+    body: serde_json::Value,
+}
+
+/// A stand-in for the Kubernetes API server on 127.0.0.1: HTTPS with a certificate of a CA made
+/// for it (openssl), and the service account files (`token`, `ca.crt`) the installer reads in
+/// a pod. Every request gets the status in `status`, with a Kubernetes Status body for an
+/// error; each is recorded. Stops when dropped.
+struct FakeApi {
+    port: u16,
+    sa_dir: PathBuf,
+    token: String,
+    status: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<ApiRequest>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FakeApi {
+    fn start(dir: &Path) -> Result<FakeApi> {
+        use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
+        use std::sync::atomic::{AtomicBool, AtomicU16};
+        use std::sync::{Arc, Mutex};
+
+        fs::create_dir_all(dir)?;
+        let openssl = |args: &[&str]| -> Result<()> {
+            run_ok(Command::new("openssl").args(args).current_dir(dir)).map(|_| ())
+        };
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        openssl(
+            &[
+                &["req", "-x509"][..],
+                &ec,
+                &["-days", "1", "-subj", "/CN=fake kube CA"],
+                &["-keyout", "ca.key", "-out", "ca.crt"],
+            ]
+            .concat(),
+        )?;
+        openssl(
+            &[
+                &["req"][..],
+                &ec,
+                &[
+                    "-subj",
+                    "/CN=kubernetes",
+                    "-keyout",
+                    "server.key",
+                    "-out",
+                    "server.csr",
+                ],
+            ]
+            .concat(),
+        )?;
+        fs::write(
+            dir.join("server.ext"),
+            "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        )?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            "server.ext",
+            "-out",
+            "server.crt",
+        ])?;
+        let sa_dir = dir.join("serviceaccount");
+        fs::create_dir_all(&sa_dir)?;
+        fs::copy(dir.join("ca.crt"), sa_dir.join("ca.crt"))?;
+        let token = format!("fake-token-{}", test_containers::cri::new_uid());
+        fs::write(sa_dir.join("token"), &token)?;
+
+        let certs = CertificateDer::pem_file_iter(dir.join("server.crt"))?
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let key = PrivateKeyDer::from_pem_file(dir.join("server.key"))?;
+        let config = Arc::new(
+            rustls::ServerConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()?
+            .with_no_client_auth()
+            .with_single_cert(certs, key)?,
+        );
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        let status = Arc::new(AtomicU16::new(200));
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (status, requests, stop) = (status.clone(), requests.clone(), stop.clone());
+            std::thread::spawn(move || {
+                // Bounded: the test drops the server when it is done, within its own time.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
+                while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                    && std::time::Instant::now() < deadline
+                {
+                    match listener.accept() {
+                        Ok((sock, _)) => {
+                            let code = status.load(std::sync::atomic::Ordering::SeqCst);
+                            match serve_one(sock, config.clone(), code) {
+                                Ok(r) => requests.lock().unwrap_or_else(|e| e.into_inner()).push(r),
+                                Err(e) => eprintln!("fake API server: {e:#}"),
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(std::time::Duration::from_millis(20))
+                        }
+                        Err(e) => {
+                            eprintln!("fake API server: accept: {e}");
+                            break;
+                        }
+                    }
+                }
+            })
+        };
+        Ok(FakeApi {
+            port,
+            sa_dir,
+            token,
+            status,
+            requests,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    fn set_status(&self, code: u16) {
+        self.status.store(code, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn requests(&self) -> Vec<ApiRequest> {
+        self.requests
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Points `cmd` (the installer) at this server as a pod's environment would, and has it
+    /// label `node`.
+    fn label_with(&self, cmd: &mut Command, node: &str) {
+        cmd.env("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+            .env("KUBERNETES_SERVICE_PORT", self.port.to_string())
+            .arg("--label-node")
+            .arg(node)
+            .arg("--service-account-dir")
+            .arg(&self.sa_dir);
+    }
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reads one HTTP/1.1 request over TLS on `sock` (headers and a Content-Length body, at most
+/// 1 MiB) and answers it with `code`.
+fn serve_one(
+    sock: std::net::TcpStream,
+    config: std::sync::Arc<rustls::ServerConfig>,
+    code: u16,
+) -> Result<ApiRequest> {
+    use std::io::{Read, Write};
+    sock.set_nonblocking(false)?;
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    let conn = rustls::ServerConnection::new(config)?;
+    let mut tls = rustls::StreamOwned::new(conn, sock);
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        ensure!(buf.len() < 1 << 20, "request headers over 1 MiB");
+        let n = tls.read(&mut chunk)?;
+        ensure!(n > 0, "connection closed inside the request headers");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let line = lines.next().unwrap_or_default().to_string();
+    let mut headers = BTreeMap::new();
+    for l in lines {
+        if let Some((k, v)) = l.split_once(':') {
+            headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    let len: usize = headers
+        .get("content-length")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(0);
+    ensure!(len <= 1 << 20, "request body of {len} bytes");
+    let mut body = buf[head_end + 4..].to_vec();
+    while body.len() < len {
+        let n = tls.read(&mut chunk)?;
+        ensure!(n > 0, "connection closed inside the request body");
+        body.extend_from_slice(&chunk[..n]);
+    }
+    let (reason, answer) = match code {
+        200 => (
+            "OK",
+            serde_json::json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": "node-a"}}),
+        ),
+        401 => (
+            "Unauthorized",
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": "Unauthorized", "reason": "Unauthorized", "code": 401}),
+        ),
+        c => (
+            "Error",
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": c}),
+        ),
+    };
+    let answer = answer.to_string();
+    write!(
+        tls,
+        "HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{answer}",
+        answer.len()
+    )?;
+    tls.conn.send_close_notify();
+    tls.flush()?;
+    Ok(ApiRequest {
+        line,
+        authorization: headers.get("authorization").cloned().unwrap_or_default(),
+        content_type: headers.get("content-type").cloned().unwrap_or_default(),
+        body: serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null),
+    })
+}
+
+#[test]
+fn uninstall_does_every_other_step_when_the_label_removal_is_refused() -> Result<()> {
+    let stack = Stack::discover()?;
+    let scratch = tempfile::tempdir()?;
+    let inst = Installer::on_scratch(&stack, scratch.path())?;
+    let root = inst.root.clone();
+    let builder = Node::builder_on(&stack, "ni-unauthorized").without_gpu_ckpt_handler();
+    let config = scratch_root(&builder, &root)?;
+    let original = fs::read_to_string(&config)?;
+    let baseline = listing(&root)?;
+    let api = FakeApi::start(&scratch.path().join("api"))?;
+
+    // Install, labelling node-a: the API server takes the patch.
+    let mut install = inst.cmd("install");
+    api.label_with(&mut install, "node-a");
+    let out = run_ok(&mut install)?;
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default())?;
+    ensure!(summary["labelled"] == true, "install: {summary}");
+    let bin_dir = root.join("usr/local/bin");
+    let dropins = [
+        root.join("etc/containerd/conf.d/gpu-ckpt.toml"),
+        root.join("etc/containerd/conf.d/gpu-ckpt-restore.toml"),
+    ];
+    for p in &dropins {
+        ensure!(p.is_file(), "{} was not installed", p.display());
+    }
+    ensure!(bin_dir.join(SHIM).is_file());
+
+    // The ServiceAccount is gone (deleted before the DaemonSet's pod): every request is 401.
+    api.set_status(401);
+    let mut uninstall = inst.cmd("uninstall");
+    api.label_with(&mut uninstall, "node-a");
+    let out = uninstall.output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    println!("uninstall against a 401: {}\n{stderr}", out.status);
+    // Every other step ran: the imports, the drop-ins, containerd's restart, the binaries and
+    // CRIU.
+    ensure!(
+        fs::read_to_string(&config)? == original,
+        "containerd's configuration still imports the drop-ins:\n{}",
+        fs::read_to_string(&config)?
+    );
+    for p in &dropins {
+        ensure!(!p.exists(), "the drop-in {} is still there", p.display());
+    }
+    for b in [SHIM, "gpu-ckpt", "gpu-ckpt-hook", "criu"] {
+        ensure!(
+            fs::symlink_metadata(bin_dir.join(b)).is_err(),
+            "{b} is still in the node's /usr/local/bin"
+        );
+    }
+    ensure!(
+        !root.join("usr/local/lib/gpu-ckpt").exists(),
+        "CRIU is still in /usr/local/lib/gpu-ckpt"
+    );
+    ensure!(inst.restarts() == 2, "restarts: {}", inst.restarts());
+    // And the run failed, naming the step that did not: the labels of node-a, with the 401.
+    ensure!(!out.status.success(), "the uninstall reported success");
+    ensure!(
+        stderr.contains("1 step(s) failed")
+            && stderr.contains("remove the labels")
+            && stderr.contains("of node node-a")
+            && stderr.contains("401 Unauthorized"),
+        "the failure does not name the label step and the API server's answer: {stderr}"
+    );
+    // What is left (the labels) stays in the record; the rest of the node is as it was.
+    let record: serde_json::Value = serde_json::from_str(&fs::read_to_string(
+        root.join("var/lib/gpu-ckpt/installed.json"),
+    )?)?;
+    ensure!(record["labels"]["node"] == "node-a", "record: {record}");
+    ensure!(
+        record["files"].as_array().is_some_and(|f| f.is_empty()) && record["config"].is_null(),
+        "record: {record}"
+    );
+
+    // The API server takes the token again (a new ServiceAccount): the next uninstall removes
+    // the labels and the record, and the node is as it was.
+    api.set_status(200);
+    let mut again = inst.cmd("uninstall");
+    api.label_with(&mut again, "node-a");
+    let out = run_ok(&mut again)?;
+    let summary: serde_json::Value = serde_json::from_str(out.lines().last().unwrap_or_default())?;
+    ensure!(
+        summary["labelled"] == true && summary["restarted"] == false,
+        "second uninstall: {summary}"
+    );
+    same_listing("after the second uninstall", &baseline, &listing(&root)?)?;
+
+    // The requests: one label patch at install, the refused removal, the removal; each a merge
+    // patch of node-a with the service account's token, on labels kubelets may not set.
+    let reqs = api.requests();
+    ensure!(reqs.len() == 3, "{reqs:#?}");
+    for r in &reqs {
+        ensure!(r.line == "PATCH /api/v1/nodes/node-a HTTP/1.1", "{r:?}");
+        ensure!(r.authorization == format!("Bearer {}", api.token), "{r:?}");
+        ensure!(r.content_type == "application/merge-patch+json", "{r:?}");
+        let labels = r.body["metadata"]["labels"]
+            .as_object()
+            .with_context(|| format!("no labels in {r:?}"))?;
+        ensure!(!labels.is_empty(), "{r:?}");
+        for k in labels.keys() {
+            ensure!(
+                k.starts_with("node-restriction.kubernetes.io/gpu-ckpt-"),
+                "label {k} is not under node-restriction.kubernetes.io/, so a kubelet can set it"
+            );
+        }
+    }
+    ensure!(
+        reqs[0].body["metadata"]["labels"]["node-restriction.kubernetes.io/gpu-ckpt-runtime"]
+            == "installed",
+        "{:?}",
+        reqs[0]
+    );
+    for r in &reqs[1..] {
+        ensure!(
+            r.body["metadata"]["labels"]
+                .as_object()
+                .is_some_and(|l| l.values().all(|v| v.is_null())),
+            "the removal does not null the labels: {r:?}"
+        );
     }
     Ok(())
 }

@@ -138,9 +138,16 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             .await?;
         println!("pulled {reference} as {image}");
 
-        // The restore: the image volume at /ckpt, and the annotation naming it.
-        let spec = counter_spec().image_volume("/ckpt", &image);
-        let (pod, id) = try_start(&cri, &restore_pod("worker", &node, "mount:/ckpt"), &spec)
+        // The restore: the image volume at /ckpt, and the annotation naming it for the
+        // container `counter` only (a sidecar of the pod restores nothing). The same volume is
+        // mounted a second time, at /also.
+        let spec = counter_spec()
+            .image_volume("/ckpt", &image)
+            .image_volume("/also", &image);
+        let restore = PodSpec::new("worker", node.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from.counter", "mount:/ckpt");
+        let (pod, id) = try_start(&cri, &restore, &spec)
             .await?
             .map_err(anyhow::Error::msg)
             .context("restore from the image volume")?;
@@ -156,27 +163,56 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             "the shim did not read the checkpoint from the image volume"
         );
 
-        // The restored process has no mount at /ckpt, and cannot read its checkpoint.
-        let pid = host_pid(&node, &id)?;
-        let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
-        let at_ckpt: Vec<&str> = mountinfo
-            .lines()
-            .filter(|l| l.split_whitespace().nth(4) == Some("/ckpt"))
-            .collect();
+        // The restored process has no mount at /ckpt nor at /also, and cannot read its
+        // checkpoint through either.
+        no_checkpoint_mounts(&cri, &node, &id, "the restored container").await?;
+
+        // A checkpoint that does not fit (another engine version) with cold-start: the
+        // container starts fresh from its spec, in which neither mount of the volume is left.
+        let cold = PodSpec::new("worker-cold", node.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from.counter", "mount:/ckpt")
+            .annotation("gpu-ckpt.io/engine-version", "another-engine 2.0")
+            .annotation("gpu-ckpt.io/on-incompatible", "cold-start");
+        let (cold_pod, cold_id) = try_start(&cri, &cold, &spec)
+            .await?
+            .map_err(anyhow::Error::msg)
+            .context("cold start beside the image volume")?;
+        let fresh = cri_counter_above(&cri, &cold_id, "/counter.txt", 0).await?;
+        println!("cold start beside the checkpoint: counting from scratch, at {fresh}");
         ensure!(
-            at_ckpt.is_empty(),
-            "the restored process {pid} has a mount at /ckpt: {at_ckpt:?}"
+            node.log_contains("checkpoint cannot be used: cold start"),
+            "the shim did not cold-start the container"
         );
-        ensure!(
-            !mountinfo.contains("image-volumes"),
-            "the restored process {pid} sees an image volume:\n{mountinfo}"
-        );
-        let ls = cri.exec_sync(&id, &["ls", "/ckpt/checkpoint"], 10).await?;
-        ensure!(
-            ls.exit_code != 0,
-            "the restored container lists its checkpoint: {}",
-            ls.stdout_str()
-        );
+        no_checkpoint_mounts(&cri, &node, &cold_id, "the cold-started container").await?;
+        cri.remove_pod(&cold_pod).await?;
+
+        // A sidecar of the restored pod that mounts the same image volume is refused at its
+        // Create: it would read the memory image.
+        let sidecar = ContainerSpec::new("sidecar", workloads())
+            .command(&["/bin/counter", "--interval-ms", "100"])
+            .image_volume("/data", &image);
+        match cri.run_container(&pod, &sidecar).await {
+            Ok(sid) => {
+                let ls = cri.exec_sync(&sid, &["ls", "/data/checkpoint"], 10).await?;
+                anyhow::bail!(
+                    "a sidecar mounting the checkpoint's image volume started (ls /data/checkpoint: exit {}, {} entries: {})",
+                    ls.exit_code,
+                    ls.stdout_str().lines().count(),
+                    ls.stdout_str().replace('\n', " ")
+                );
+            }
+            Err(e) => {
+                let msg = format!("{e:#}").replace("\\\"", "\"");
+                println!("sidecar: {msg}");
+                ensure!(
+                    msg.contains("holds a checkpoint") && msg.contains("/data"),
+                    "the sidecar's refusal does not say why: {msg}"
+                );
+            }
+        }
+        // The restored container counts on.
+        cri_counter_above(&cri, &id, "/counter.txt", later).await?;
 
         // Another pod's image volume, named as a hostPath: refused, as is a plain hostPath
         // directory holding the same checkpoint.
@@ -238,6 +274,37 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
         );
         Ok(())
     })
+}
+
+/// Checks that container `id` (`what`) has no mount at /ckpt nor at /also (the two mounts of
+/// the checkpoint's image volume its spec asked for), cannot list the checkpoint through
+/// either, and sees no image volume at all.
+async fn no_checkpoint_mounts(cri: &Cri, node: &Node, id: &str, what: &str) -> Result<()> {
+    let pid = host_pid(node, id)?;
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+    for at in ["/ckpt", "/also"] {
+        let mounted: Vec<&str> = mountinfo
+            .lines()
+            .filter(|l| l.split_whitespace().nth(4) == Some(at))
+            .collect();
+        ensure!(
+            mounted.is_empty(),
+            "{what} (pid {pid}) has a mount at {at}: {mounted:?}"
+        );
+        let ls = cri
+            .exec_sync(id, &["ls", &format!("{at}/checkpoint")], 10)
+            .await?;
+        ensure!(
+            ls.exit_code != 0,
+            "{what} lists its checkpoint at {at}: {}",
+            ls.stdout_str().replace('\n', " ")
+        );
+    }
+    ensure!(
+        !mountinfo.contains("image-volumes"),
+        "{what} (pid {pid}) sees an image volume:\n{mountinfo}"
+    );
+    Ok(())
 }
 
 /// The host directory of an image volume that containerd mounted for some pod of `node`.

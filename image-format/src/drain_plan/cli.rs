@@ -39,14 +39,23 @@ pub struct DrainPlanArgs {
     /// How long to wait for a restore pod to be Ready and for the drain, in seconds.
     #[arg(long, value_name = "SECONDS", default_value_t = 900)]
     pub ready_timeout: u64,
-    /// RuntimeClasses whose pods are checkpointed (comma-separated).
+    /// RuntimeClasses whose pods are checkpointed (comma-separated); the restore class
+    /// (--restore-runtime-class) is always one of them.
     #[arg(
         long,
         value_name = "NAME,...",
         value_delimiter = ',',
-        default_value = "gpu-ckpt,gpu-ckpt-restore"
+        default_value = super::CHECKPOINT_RUNTIME_CLASS
     )]
     pub runtime_class: Vec<String>,
+    /// The RuntimeClass the restore pods run on: the Helm chart's
+    /// `runtimeClasses.restore.name` where it renamed the class.
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = super::RESTORE_RUNTIME_CLASS
+    )]
+    pub restore_runtime_class: String,
     /// text (default) or json.
     #[arg(long, value_name = "FORMAT", default_value = "text")]
     pub output: String,
@@ -78,6 +87,11 @@ fn input_name(path: &Path) -> String {
 
 /// Builds the plan the flags ask for.
 pub fn make_plan(args: &DrainPlanArgs) -> Result<Plan, DrainPlanError> {
+    if args.restore_runtime_class.is_empty() {
+        return Err(DrainPlanError::Usage(
+            "--restore-runtime-class is empty: name the RuntimeClass restore pods run on".into(),
+        ));
+    }
     if args.output != "text" && args.output != "json" {
         return Err(DrainPlanError::Usage(format!(
             "--output {:?}: expected text or json",
@@ -113,12 +127,19 @@ pub fn make_plan(args: &DrainPlanArgs) -> Result<Plan, DrainPlanError> {
         registry: args.registry.clone(),
         checkpoint_timeout_s: args.checkpoint_timeout,
         ready_timeout_s: args.ready_timeout,
-        runtime_classes: args
-            .runtime_class
-            .iter()
-            .filter(|s| !s.is_empty())
-            .cloned()
-            .collect(),
+        runtime_classes: {
+            let mut classes: Vec<String> = args
+                .runtime_class
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned()
+                .collect();
+            if !classes.contains(&args.restore_runtime_class) {
+                classes.push(args.restore_runtime_class.clone());
+            }
+            classes
+        },
+        restore_runtime_class: args.restore_runtime_class.clone(),
         kubelet_port: super::KUBELET_PORT,
     };
     plan(&pods, &nodes, &opts)

@@ -26,19 +26,21 @@ use crate::manifest::{Devices, Gpu, Workload};
 use kube::{NodeEntry, PodEntry};
 
 /// Node label: `installed` where the node installer put the runtime on the node.
-pub const RUNTIME_LABEL: &str = "gpu-ckpt.io/runtime";
+pub const RUNTIME_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-runtime";
 pub const RUNTIME_INSTALLED: &str = "installed";
 /// Node label: the GPU model as a label value (`NVIDIA-H100-80GB-HBM3`; several models joined
 /// with `_`).
-pub const GPU_MODEL_LABEL: &str = "gpu-ckpt.io/gpu-model";
+pub const GPU_MODEL_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-gpu-model";
 /// Node label: the driver version (`580.65.06`).
-pub const DRIVER_LABEL: &str = "gpu-ckpt.io/driver-version";
+pub const DRIVER_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-driver-version";
 /// Node label: the CUDA driver version (`13.0`).
-pub const CUDA_LABEL: &str = "gpu-ckpt.io/cuda-version";
+pub const CUDA_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-cuda-version";
 /// The label a restore pod is pinned to its destination by.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
-/// The RuntimeClass whose pods are checkpointed, and the one restores run on.
+/// The RuntimeClass whose pods are checkpointed, and the one restores run on: the chart's
+/// default names (runtime-class/chart/gpu-ckpt/values.yaml); `--runtime-class` and
+/// `--restore-runtime-class` name renamed ones.
 pub const CHECKPOINT_RUNTIME_CLASS: &str = "gpu-ckpt";
 pub const RESTORE_RUNTIME_CLASS: &str = "gpu-ckpt-restore";
 /// Pod annotations the restore handler reads (shim/src/annotations.rs).
@@ -196,6 +198,8 @@ pub struct Options {
     pub ready_timeout_s: u64,
     /// RuntimeClasses whose pods are checkpointed.
     pub runtime_classes: Vec<String>,
+    /// The RuntimeClass the restore pods get (the chart's `runtimeClasses.restore.name`).
+    pub restore_runtime_class: String,
     pub kubelet_port: u16,
 }
 
@@ -213,6 +217,7 @@ impl Default for Options {
                 CHECKPOINT_RUNTIME_CLASS.to_string(),
                 RESTORE_RUNTIME_CLASS.to_string(),
             ],
+            restore_runtime_class: RESTORE_RUNTIME_CLASS.to_string(),
             kubelet_port: KUBELET_PORT,
         }
     }
@@ -1163,8 +1168,9 @@ impl<'a> Planner<'a> {
                 number: 0,
                 kind: StepKind::CreateRestorePod,
                 text: format!(
-                    "create pod {}/{restore} on {on} (RuntimeClass {RESTORE_RUNTIME_CLASS}, {})",
+                    "create pod {}/{restore} on {on} (RuntimeClass {}, {})",
                     pp.namespace,
+                    self.opts.restore_runtime_class,
                     restore_annotation_text(pp)
                 ),
                 pod: Some(id.clone()),
@@ -1309,7 +1315,7 @@ impl<'a> Planner<'a> {
     }
 
     /// The restore pod: the pod as it was (its spec, labels and annotations), without what the
-    /// API server and its controller set, on RuntimeClass gpu-ckpt-restore, with the checkpoint
+    /// API server and its controller set, on the restore RuntimeClass (`Options::restore_runtime_class`), with the checkpoint
     /// images in `gpu-ckpt.io/restore-from`, held to `node` by node affinity.
     fn restore_manifest(&self, pp: &PodPlan, restore: &str, node: &str) -> Option<Value> {
         let original = self.pods.get(pp.entry)?;
@@ -1357,7 +1363,7 @@ impl<'a> Planner<'a> {
             s.remove("nodeName");
             s.insert(
                 "runtimeClassName".into(),
-                Value::String(RESTORE_RUNTIME_CLASS.into()),
+                Value::String(self.opts.restore_runtime_class.clone()),
             );
             let affinity = s.entry("affinity").or_insert_with(|| json!({}));
             if let Some(a) = affinity.as_object_mut() {

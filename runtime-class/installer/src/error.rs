@@ -34,6 +34,10 @@ pub enum Error {
     /// The API server was not reachable, refused the request, or is unknown.
     #[error("labelling node {node}: {why}")]
     Label { node: String, why: String },
+    /// Steps of an uninstall failed; every other step was done. Each entry names the step and
+    /// why it failed.
+    #[error("uninstall: {} step(s) failed, every other step was done: {}; what is left stays in the install record, run uninstall again once the cause is fixed", .failed.len(), .failed.join("; "))]
+    Uninstall { failed: Vec<String> },
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {

@@ -572,7 +572,19 @@ pub fn install(o: &Options) -> Result<Outcome> {
     Ok(run.out)
 }
 
+/// Notes a failed uninstall step (what it was, and the error) and goes on with the others.
+fn note_failure(failed: &mut Vec<String>, what: String, e: Error) {
+    tracing::error!(step = %what, error = %e, "uninstall step failed; going on with the others");
+    failed.push(format!("{what}: {e}"));
+}
+
 /// Removes everything the record lists; a node without a record has nothing to remove.
+///
+/// Every step is tried, whatever failed before it: a node label that cannot be removed (the
+/// API server refused the service account's token, because the ServiceAccount was deleted
+/// first) still leaves containerd's configuration, the drop-ins, the binaries and CRIU to be
+/// removed. What failed stays in the record for the next run, and the run ends with
+/// [`Error::Uninstall`], naming each failed step.
 pub fn uninstall(o: &Options) -> Result<Outcome> {
     let _span = tracing::info_span!("uninstall", root = %o.fs.root.display()).entered();
     o.check()?;
@@ -587,53 +599,51 @@ pub fn uninstall(o: &Options) -> Result<Outcome> {
         at: at.clone(),
         out: Outcome::default(),
     };
+    let mut failed = Vec::new();
     run.rec.phase = Phase::Uninstalling;
     run.save()?;
 
     // The label first: nothing new is scheduled here while the rest goes.
     if let Some(l) = run.rec.labels.clone() {
         let _span = tracing::info_span!("unlabel_node", node = %l.node).entered();
-        let api = labels::ApiServer::in_cluster(&l.node, &o.service_account_dir)?;
-        api.patch_node(&l.node, &labels::patch_body(&Default::default(), &l.keys))?;
-        run.out.labelled = true;
-        run.rec.labels = None;
-        run.save()?;
+        let unlabelled =
+            labels::ApiServer::in_cluster(&l.node, &o.service_account_dir).and_then(|api| {
+                api.patch_node(&l.node, &labels::patch_body(&Default::default(), &l.keys))
+            });
+        match unlabelled {
+            Ok(()) => {
+                run.out.labelled = true;
+                run.rec.labels = None;
+                run.save()?;
+            }
+            Err(e) => note_failure(
+                &mut failed,
+                format!("remove the labels {} of node {}", l.keys.join(", "), l.node),
+                e,
+            ),
+        }
     }
 
     if let Some(c) = run.rec.config.clone() {
         let _span = tracing::info_span!("containerd_config", path = %c.path.display()).entered();
-        let cfg = o.fs.resolve(&c.path)?;
-        let current = read_opt(&cfg)?;
-        let changed = match &current {
-            Some((text, mode)) if sha256(text.as_bytes()) == c.after_sha256 => {
-                // Nobody changed it since: the exact bytes from before.
-                match &c.before {
-                    Some(before) => {
-                        write_atomic(&cfg, before.as_bytes(), c.before_mode.unwrap_or(*mode))?
-                    }
-                    None => {
-                        fs::remove_file(&cfg).map_err(Error::io("remove", &cfg))?;
-                        sync_parent(&cfg)?;
-                    }
+        match restore_config(o, &c) {
+            Ok(changed) => {
+                if changed {
+                    run.rec.restart_pending = true;
+                    run.out.config_changed = true;
                 }
-                true
+                run.rec.config = None;
+                run.save()?;
             }
-            Some((text, mode)) => match config::remove_imports(&c.path, text, &c.imports_added)? {
-                Some(new) => {
-                    tracing::info!("the configuration was edited since the install: only the imports entries are removed");
-                    write_atomic(&cfg, new.as_bytes(), *mode)?;
-                    true
-                }
-                None => false,
-            },
-            None => false,
-        };
-        if changed {
-            run.rec.restart_pending = true;
-            run.out.config_changed = true;
+            Err(e) => note_failure(
+                &mut failed,
+                format!(
+                    "remove the imports from containerd's configuration {}",
+                    c.path.display()
+                ),
+                e,
+            ),
         }
-        run.rec.config = None;
-        run.save()?;
     }
 
     let dropins = o.dropin_paths();
@@ -642,32 +652,100 @@ pub fn uninstall(o: &Options) -> Result<Outcome> {
             dropins.contains(&f.path) || f.path.extension().is_some_and(|x| x == "toml")
         });
     for e in configs {
-        if run.remove_entry(&e)? {
-            run.rec.restart_pending = true;
-            run.out.config_changed = true;
+        match run.remove_entry(&e) {
+            Ok(removed) => {
+                if removed {
+                    run.rec.restart_pending = true;
+                    run.out.config_changed = true;
+                }
+                run.rec.files.retain(|f| f.path != e.path);
+                run.save()?;
+            }
+            Err(err) => note_failure(
+                &mut failed,
+                format!("remove the drop-in {}", e.path.display()),
+                err,
+            ),
         }
-        run.rec.files.retain(|f| f.path != e.path);
-        run.save()?;
     }
-    run.restart_if_pending()?;
+    if let Err(e) = run.restart_if_pending() {
+        note_failure(&mut failed, "restart containerd".into(), e);
+    }
     for e in others {
-        run.remove_entry(&e)?;
-        run.rec.files.retain(|f| f.path != e.path);
-        run.save()?;
+        match run.remove_entry(&e) {
+            Ok(_) => {
+                run.rec.files.retain(|f| f.path != e.path);
+                run.save()?;
+            }
+            Err(err) => note_failure(&mut failed, format!("remove {}", e.path.display()), err),
+        }
     }
 
-    let dirs = std::mem::take(&mut run.rec.dirs_created);
-    fs::remove_file(&at).map_err(Error::io("remove install record", &at))?;
-    let _ = fs::remove_file(temp_path(&at));
-    for d in dirs.iter().rev() {
+    // The record goes when everything else went; else it keeps what is left, for the next run,
+    // with the directories it is in.
+    let keep_record = !failed.is_empty();
+    if !keep_record {
+        fs::remove_file(&at).map_err(Error::io("remove install record", &at))?;
+        let _ = fs::remove_file(temp_path(&at));
+    }
+    let record_dir = Path::new(RECORD_PATH).parent().unwrap_or(Path::new("/"));
+    let mut kept = Vec::new();
+    for d in std::mem::take(&mut run.rec.dirs_created).iter().rev() {
+        if keep_record && record_dir.starts_with(d) {
+            kept.push(d.clone());
+            continue;
+        }
         let here = o.fs.resolve(d)?;
         match fs::remove_dir(&here) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => tracing::warn!(dir = %d.display(), error = %e, "left in place"),
+            Err(e) => {
+                tracing::warn!(dir = %d.display(), error = %e, "left in place");
+                if keep_record {
+                    kept.push(d.clone());
+                }
+            }
         }
     }
+    if keep_record {
+        kept.reverse();
+        run.rec.dirs_created = kept;
+        run.save()?;
+        return Err(Error::Uninstall { failed });
+    }
     Ok(run.out)
+}
+
+/// containerd's configuration as it was before the install: its exact bytes when nobody
+/// changed it since, else only the imports entries the install added are taken out. Whether
+/// the file changed.
+fn restore_config(o: &Options, c: &ConfigEntry) -> Result<bool> {
+    let cfg = o.fs.resolve(&c.path)?;
+    let current = read_opt(&cfg)?;
+    Ok(match &current {
+        Some((text, mode)) if sha256(text.as_bytes()) == c.after_sha256 => {
+            // Nobody changed it since: the exact bytes from before.
+            match &c.before {
+                Some(before) => {
+                    write_atomic(&cfg, before.as_bytes(), c.before_mode.unwrap_or(*mode))?
+                }
+                None => {
+                    fs::remove_file(&cfg).map_err(Error::io("remove", &cfg))?;
+                    sync_parent(&cfg)?;
+                }
+            }
+            true
+        }
+        Some((text, mode)) => match config::remove_imports(&c.path, text, &c.imports_added)? {
+            Some(new) => {
+                tracing::info!("the configuration was edited since the install: only the imports entries are removed");
+                write_atomic(&cfg, new.as_bytes(), *mode)?;
+                true
+            }
+            None => false,
+        },
+        None => false,
+    })
 }
 
 /// The record's path for `fs` (for tools and tests).

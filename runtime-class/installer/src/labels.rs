@@ -1,4 +1,4 @@
-//! The node's labels: `gpu-ckpt.io/runtime=installed` and, where an NVIDIA driver answers, the
+//! The node's labels: `node-restriction.kubernetes.io/gpu-ckpt-runtime=installed` and, where an NVIDIA driver answers, the
 //! GPU model, driver and CUDA versions (read through NVML with the gpu crate). Set and removed
 //! with a JSON merge patch of the Node through the API server, with the pod's service account.
 
@@ -11,11 +11,11 @@ use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
 
-pub const RUNTIME_LABEL: &str = "gpu-ckpt.io/runtime";
+pub const RUNTIME_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-runtime";
 pub const RUNTIME_INSTALLED: &str = "installed";
-pub const GPU_MODEL_LABEL: &str = "gpu-ckpt.io/gpu-model";
-pub const DRIVER_LABEL: &str = "gpu-ckpt.io/driver-version";
-pub const CUDA_LABEL: &str = "gpu-ckpt.io/cuda-version";
+pub const GPU_MODEL_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-gpu-model";
+pub const DRIVER_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-driver-version";
+pub const CUDA_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-cuda-version";
 
 /// Where a pod finds its service account.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
@@ -249,16 +249,16 @@ mod tests {
         assert_eq!(
             body,
             json!({"metadata": {"labels": {
-                "gpu-ckpt.io/runtime": "installed",
-                "gpu-ckpt.io/gpu-model": "NVIDIA-H100-80GB-HBM3",
-                "gpu-ckpt.io/driver-version": "580.65.06",
-                "gpu-ckpt.io/cuda-version": "13.0",
+                "node-restriction.kubernetes.io/gpu-ckpt-runtime": "installed",
+                "node-restriction.kubernetes.io/gpu-ckpt-gpu-model": "NVIDIA-H100-80GB-HBM3",
+                "node-restriction.kubernetes.io/gpu-ckpt-driver-version": "580.65.06",
+                "node-restriction.kubernetes.io/gpu-ckpt-cuda-version": "13.0",
             }}})
         );
         // No driver: the runtime label only.
         assert_eq!(
             patch_body(&labels_for(None), &[]),
-            json!({"metadata": {"labels": {"gpu-ckpt.io/runtime": "installed"}}})
+            json!({"metadata": {"labels": {"node-restriction.kubernetes.io/gpu-ckpt-runtime": "installed"}}})
         );
     }
 
@@ -268,8 +268,8 @@ mod tests {
         assert_eq!(
             patch_body(&BTreeMap::new(), &keys),
             json!({"metadata": {"labels": {
-                "gpu-ckpt.io/runtime": null,
-                "gpu-ckpt.io/cuda-version": null,
+                "node-restriction.kubernetes.io/gpu-ckpt-runtime": null,
+                "node-restriction.kubernetes.io/gpu-ckpt-cuda-version": null,
             }}})
         );
     }

@@ -211,3 +211,41 @@ fn a_new_bin_dir_moves_the_files() {
     uninstall(&s.opts).unwrap();
     assert_eq!(listing(&s.root), before);
 }
+
+#[test]
+fn an_uninstall_whose_label_step_fails_does_every_other_step() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    // No API server to reach (no service account here): the install is done but for the label.
+    s.opts.label_node = Some("node-a".into());
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(err.starts_with("labelling node node-a: "), "{err}");
+    assert_eq!(restarts(&s), 1);
+
+    let err = uninstall(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.starts_with("uninstall: 1 step(s) failed, every other step was done: remove the labels node-restriction.kubernetes.io/gpu-ckpt-runtime of node node-a: labelling node node-a: "),
+        "{err}"
+    );
+    // containerd's configuration, the drop-ins, the payload: gone, containerd restarted; left
+    // are only the record, which keeps the labels to remove, and its directories.
+    assert_eq!(restarts(&s), 2);
+    let left: Vec<PathBuf> = listing(&s.root)
+        .into_iter()
+        .filter(|(p, what)| before.get(p) != Some(what))
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        left,
+        [
+            PathBuf::from("var/lib"),
+            PathBuf::from("var/lib/gpu-ckpt"),
+            PathBuf::from("var/lib/gpu-ckpt/installed.json"),
+        ]
+    );
+    let rec = Record::load(&s.root.join("var/lib/gpu-ckpt/installed.json"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.labels.unwrap().node, "node-a");
+    assert!(rec.files.is_empty() && rec.config.is_none());
+}

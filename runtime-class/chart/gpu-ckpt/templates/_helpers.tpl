@@ -59,3 +59,9 @@ install|uninstall; runtime-class/installer/). $(NODE_NAME) is expanded by the ku
 - $(NODE_NAME)
 {{- end }}
 {{- end -}}
+
+{{/* The prefix of every node label the installer sets (values.yaml lists them): under
+node-restriction.kubernetes.io/, which a kubelet may not set on its own Node. */}}
+{{- define "gpu-ckpt.nodeLabelPrefix" -}}
+node-restriction.kubernetes.io/gpu-ckpt-
+{{- end -}}
