@@ -429,6 +429,12 @@ pub fn restore_handler(node: &str, handler: &str) -> Result<test_containers::sta
     })
 }
 
+/// The restore handler's staging directory on node `node` (`RestoreStagingDir`): under the
+/// node, so that the tests never write into the host's /var/lib.
+pub fn restore_staging_dir(node: &str) -> Result<PathBuf> {
+    Ok(Stack::discover()?.node_dir(node).join("restore-staging"))
+}
+
 /// The handler name of the restore RuntimeClass.
 pub const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
 
