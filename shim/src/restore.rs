@@ -124,6 +124,61 @@ pub fn remove_staging(staging: &Path) {
     }
 }
 
+#[cfg(test)]
+mod staging_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn options(base: &Path) -> RuntimeOptions {
+        RuntimeOptions {
+            restore_staging_dir: base.display().to_string(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_staging_directory_is_made_root_only_afresh_and_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("var/lib/gpu-ckpt/restore");
+        let staging = staging_dir(&options(&base), "k8s.io", "c1").unwrap();
+        assert_eq!(staging, base.join("k8s.io/c1"));
+        make_staging(&staging).unwrap();
+        for dir in [&base, &base.join("k8s.io"), &staging] {
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o700, "{}", dir.display());
+        }
+        // What an earlier shim left is gone when the directory is made again.
+        std::fs::write(staging.join("fetched.tar"), b"old").unwrap();
+        make_staging(&staging).unwrap();
+        assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+        remove_staging(&staging);
+        assert!(!staging.exists());
+        remove_staging(&staging);
+    }
+
+    #[test]
+    fn a_link_in_the_staging_path_is_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("restore");
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, base.join("k8s.io")).unwrap();
+        let staging = staging_dir(&options(&base), "k8s.io", "c1").unwrap();
+        let err = make_staging(&staging).unwrap_err().to_string();
+        assert!(err.contains("k8s.io"), "{err}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn names_that_are_not_one_component_are_refused() {
+        let o = options(Path::new("/var/lib/gpu-ckpt/restore"));
+        for (ns, id) in [("", "c"), ("..", "c"), ("k8s.io", "a/b"), ("k8s.io", ".")] {
+            assert!(staging_dir(&o, ns, id).is_err(), "{ns:?} {id:?}");
+        }
+    }
+}
+
 /// Fetches, checks and unpacks the checkpoint `source` for the container in `bundle` into its
 /// staging directory `staging` ([`staging_dir`]), and lays its rootfs diff over `rootfs`. The
 /// staging directory is removed unless the plan is [`Plan::Restore`] (then Start removes it
