@@ -113,7 +113,8 @@ fn make_staging(staging: &Path) -> Result<()> {
 }
 
 /// Removes the staging directory `staging` and all it holds (a restore is done with it, or a
-/// container that never started is deleted); nothing there is not an error.
+/// container that never started is deleted), and its namespace's directory once empty; nothing
+/// there is not an error.
 pub fn remove_staging(staging: &Path) {
     match std::fs::remove_dir_all(staging) {
         Ok(()) => info!(staging = %staging.display(), "restore staging directory removed"),
@@ -121,6 +122,10 @@ pub fn remove_staging(staging: &Path) {
         Err(e) => {
             warn!(staging = %staging.display(), error = %e, "remove the restore staging directory")
         }
+    }
+    // Another restore of the namespace keeps it (not empty), or makes it again.
+    if let Some(namespace) = staging.parent() {
+        let _ = std::fs::remove_dir(namespace);
     }
 }
 
@@ -151,8 +156,17 @@ mod staging_tests {
         std::fs::write(staging.join("fetched.tar"), b"old").unwrap();
         make_staging(&staging).unwrap();
         assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+        let other = staging_dir(&options(&base), "k8s.io", "c2").unwrap();
+        make_staging(&other).unwrap();
         remove_staging(&staging);
         assert!(!staging.exists());
+        assert!(
+            other.is_dir(),
+            "another restore's staging directory was removed"
+        );
+        remove_staging(&other);
+        assert!(!base.join("k8s.io").exists());
+        assert!(base.is_dir());
         remove_staging(&staging);
     }
 
