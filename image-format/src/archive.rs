@@ -527,7 +527,9 @@ pub struct ExtractOptions {
 
 /// Extract an archive file into `target` (created with mode 0700 if absent). All headers are checked
 /// in a first pass before anything is written; files are created 0600 and directories 0700 below an
-/// open handle of `target`, never through a symlink. On any error, what was written is removed.
+/// open handle of `target`, never through a symlink. `checkpoint/` holds regular files only: a
+/// link, a directory or anything nested there is refused. On any error, what was written is
+/// removed.
 pub fn extract_archive(
     src: &Path,
     target: &Path,
@@ -535,7 +537,10 @@ pub fn extract_archive(
     progress: Progress<'_>,
 ) -> Result<Vec<EntryInfo>> {
     // Pass 1: headers only.
-    read_info(src, opts.limits)?;
+    let info = read_info(src, opts.limits)?;
+    for e in &info.entries {
+        Select::All.take(e)?;
+    }
     let f = File::open(src).map_err(|e| Error::io("opening", src, e))?;
     let total = f.metadata().map(|m| m.len()).unwrap_or(0);
     extract_stream(f, target, opts, total, progress)
@@ -549,9 +554,148 @@ pub fn extract_stream<R: Read>(
     total: u64,
     progress: Progress<'_>,
 ) -> Result<Vec<EntryInfo>> {
+    extract_selected(r, target, opts, Select::All, total, progress)
+}
+
+/// What [`extract_listed`] writes: the members of `checkpoint/` that the admitted manifest
+/// lists, each exactly its listed size, the manifest itself (which must be the bytes that were
+/// admitted), and the members outside `checkpoint/` named in `also`. Nothing else is written:
+/// the engine's metadata members are read into memory by [`read_info`], every other member is
+/// skipped.
+#[derive(Debug, Clone, Copy)]
+pub struct Listed<'a> {
+    /// The manifest's bytes as they were admitted (its signature checked on them).
+    pub manifest_json: &'a [u8],
+    /// The manifest parsed from those bytes.
+    pub manifest: &'a Manifest,
+    /// Members outside `checkpoint/` to write too (flat names), within the limits only.
+    pub also: &'a [&'a str],
+}
+
+impl Listed<'_> {
+    /// Whether the member `e` of `checkpoint/` (`name` in it, already known to be a regular
+    /// file) may be written: listed, and of its listed size.
+    fn check(&self, e: &EntryInfo, name: &str) -> Result<()> {
+        if e.path == names::MANIFEST_PATH {
+            let admitted = self.manifest_json.len() as u64;
+            if e.size != admitted {
+                return Err(Error::ChangedSinceChecked {
+                    entry: e.path.clone(),
+                    reason: format!("{} bytes now, {admitted} when it was checked", e.size),
+                });
+            }
+            return Ok(());
+        }
+        let Some(want) = self.manifest.files.get(name) else {
+            return Err(Error::UnlistedFile {
+                name: name.to_string(),
+            });
+        };
+        if e.size != want.size {
+            return Err(Error::SizeMismatch {
+                name: name.to_string(),
+                expected: want.size,
+                actual: e.size,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Which members an extraction writes.
+#[derive(Clone, Copy)]
+enum Select<'a> {
+    /// Every member ([`extract_archive`]).
+    All,
+    /// Only what the admitted manifest lists ([`extract_listed`]).
+    Listed(&'a Listed<'a>),
+}
+
+impl Select<'_> {
+    /// Whether the member `e` is written; an error refuses the whole archive.
+    fn take(&self, e: &EntryInfo) -> Result<bool> {
+        let in_checkpoint = e.path.strip_prefix("checkpoint/");
+        if let Some(name) = in_checkpoint {
+            let kind = match &e.kind {
+                _ if name.contains('/') => Some("nested checkpoint/"),
+                EntryKind::File => None,
+                EntryKind::Dir => Some("checkpoint/ directory"),
+                EntryKind::Symlink(_) => Some("checkpoint/ symbolic link"),
+                EntryKind::Hardlink(_) => Some("checkpoint/ hard link"),
+            };
+            if let Some(kind) = kind {
+                return Err(Error::ForbiddenType {
+                    entry: e.path.clone(),
+                    kind,
+                });
+            }
+        }
+        let Select::Listed(listed) = self else {
+            return Ok(true);
+        };
+        Ok(match in_checkpoint {
+            Some(name) => {
+                listed.check(e, name)?;
+                true
+            }
+            None if e.path == names::CHECKPOINT_DIRECTORY => true,
+            None => e.kind == EntryKind::File && listed.also.contains(&e.path.as_str()),
+        })
+    }
+}
+
+/// Extract from the archive `src` into `target` (created with mode 0700 if absent) only what
+/// [`Listed`] allows, every file verified against the manifest while it is written. The headers
+/// are read first (`src` is read from its start twice, through the one open file): an unlisted
+/// member of `checkpoint/`, one of another size than listed, a link or a directory there are
+/// refused before anything is written. On any error, what was written is removed.
+pub fn extract_listed(
+    src: &File,
+    target: &Path,
+    limits: Limits,
+    listed: &Listed<'_>,
+    progress: Progress<'_>,
+) -> Result<Vec<EntryInfo>> {
+    let rewind = |mut f: &File| {
+        f.seek(io::SeekFrom::Start(0))
+            .map_err(|e| tar_err(None, e))
+            .map(drop)
+    };
+    rewind(src)?;
+    let info = read_info_from(io::BufReader::with_capacity(64 << 10, src), limits)?;
+    let select = Select::Listed(listed);
+    for e in &info.entries {
+        select.take(e)?;
+    }
+    rewind(src)?;
+    let total = src.metadata().map(|m| m.len()).unwrap_or(0);
+    let opts = ExtractOptions {
+        limits,
+        verify: true,
+    };
+    extract_selected(src, target, opts, select, total, progress)
+}
+
+fn extract_selected<R: Read>(
+    r: R,
+    target: &Path,
+    opts: ExtractOptions,
+    select: Select<'_>,
+    total: u64,
+    progress: Progress<'_>,
+) -> Result<Vec<EntryInfo>> {
     let root = SafeRoot::open(target)?;
     let mut created: Vec<String> = Vec::new();
-    let res = extract_inner(r, &root, target, opts, total, progress, &mut created);
+    let res = extract_inner(
+        r,
+        &root,
+        target,
+        opts,
+        select,
+        total,
+        progress,
+        &mut created,
+    );
     if res.is_err() {
         cleanup(target, &created);
     }
@@ -587,11 +731,13 @@ fn note_dirs(created: &mut Vec<String>, made: &mut std::collections::HashSet<Str
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn extract_inner<R: Read>(
     r: R,
     root: &SafeRoot,
     target: &Path,
     opts: ExtractOptions,
+    select: Select<'_>,
     total: u64,
     progress: Progress<'_>,
     created: &mut Vec<String>,
@@ -601,7 +747,11 @@ fn extract_inner<R: Read>(
     let mut out = Vec::new();
     let mut symlinks = Vec::new();
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
-    let mut manifest = None;
+    // Listed: the admitted manifest decides from the first member on.
+    let mut manifest = match select {
+        Select::Listed(l) => Some(l.manifest.clone()),
+        Select::All => None,
+    };
     let mut made = std::collections::HashSet::new();
     let mut last: Option<String> = None;
     let mut buf = vec![0u8; COPY_BUF];
@@ -612,6 +762,9 @@ fn extract_inner<R: Read>(
             continue;
         };
         last = Some(e.path.clone());
+        if !select.take(&e)? {
+            continue;
+        }
         let wrap = |x: io::Error| Error::io("extracting", target.join(&e.path), x);
         let exists = |x: io::Error| {
             if x.kind() == io::ErrorKind::AlreadyExists {
@@ -653,7 +806,16 @@ fn extract_inner<R: Read>(
                     progress(ent.raw_file_position() + n, total);
                 }
                 if is_manifest {
-                    manifest = Some(Manifest::from_json(&small, &e.path)?);
+                    match select {
+                        Select::Listed(l) if small != l.manifest_json => {
+                            return Err(Error::ChangedSinceChecked {
+                                entry: e.path.clone(),
+                                reason: "other bytes than the manifest that was admitted".into(),
+                            });
+                        }
+                        Select::Listed(_) => {}
+                        Select::All => manifest = Some(Manifest::from_json(&small, &e.path)?),
+                    }
                 } else if let Some(name) = e.path.strip_prefix("checkpoint/") {
                     if opts.verify && !name.contains('/') {
                         found.insert(name.to_string(), hasher.finish());

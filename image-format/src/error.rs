@@ -111,6 +111,11 @@ pub enum Error {
     #[error("file {name:?}: present but not listed in the manifest")]
     UnlistedFile { name: String },
 
+    /// A member read a second time is not what the first read found (the archive was changed
+    /// in between).
+    #[error("entry {entry:?}: changed since it was checked ({reason})")]
+    ChangedSinceChecked { entry: String, reason: String },
+
     /// A required archive member is missing.
     #[error("archive has no {name:?}")]
     MissingEntry { name: String },

@@ -457,3 +457,148 @@ fn page_images_before_the_manifest_are_checked_against_blake3() {
         "{e}"
     );
 }
+
+/// The restore's extraction writes only what the admitted manifest lists: members beside
+/// `checkpoint/` are skipped (the engine's `rootfs-diff.tar` only when asked for), and an
+/// unlisted file, a link or a file of another size than listed in `checkpoint/` refuses the
+/// archive before anything is written.
+#[test]
+fn only_listed_members_are_extracted_at_their_listed_sizes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = common::make_archive(tmp.path());
+    let info = archive::read_info(&good, Limits::default()).unwrap();
+    let (manifest, json) = (info.manifest.unwrap(), info.manifest_json.unwrap());
+    let listed = |also: &'static [&'static str]| archive::Listed {
+        manifest_json: &json,
+        manifest: &manifest,
+        also,
+    };
+    let extract = |src: &Path, target: &Path, l: &archive::Listed<'_>| {
+        let f = std::fs::File::open(src).unwrap();
+        archive::extract_listed(&f, target, Limits::default(), l, &mut no_progress)
+    };
+    let target = tmp.path().join("t");
+    extract(&good, &target, &listed(&[])).unwrap();
+    let mut want: Vec<String> = manifest
+        .files
+        .keys()
+        .map(|n| format!("checkpoint/{n}"))
+        .collect();
+    want.push("checkpoint".into());
+    want.push("checkpoint/gpu-ckpt-manifest.json".into());
+    want.sort();
+    assert_eq!(tree(&target), want);
+    let target = tmp.path().join("t2");
+    extract(&good, &target, &listed(&["rootfs-diff.tar"])).unwrap();
+    assert!(target.join("rootfs-diff.tar").is_file());
+    assert!(!target.join("container.log").exists());
+
+    // Appended members, the signed manifest untouched.
+    let with = |name: &str, add: &dyn Fn(&mut RawTar)| {
+        let mut t = RawTar::new();
+        let mut ar = tar::Archive::new(std::fs::File::open(&good).unwrap());
+        for e in ar.entries().unwrap() {
+            let mut e = e.unwrap();
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut data).unwrap();
+            let path = e.path_bytes().into_owned();
+            t.entry(&path, e.header().entry_type(), &data, None);
+        }
+        add(&mut t);
+        let p = tmp.path().join(name);
+        std::fs::write(&p, t.finish()).unwrap();
+        p
+    };
+    let extra = with("extra.tar", &|t| {
+        t.file("payload.bin", &[0x5a; 70_000]);
+    });
+    let target = tmp.path().join("t3");
+    extract(&extra, &target, &listed(&[])).unwrap();
+    assert!(!target.join("payload.bin").exists());
+    for (name, add, needle) in [
+        (
+            "unlisted.tar",
+            &(|t: &mut RawTar| {
+                t.file("checkpoint/payload.img", b"x");
+            }) as &dyn Fn(&mut RawTar),
+            "file \"payload.img\": present but not listed in the manifest",
+        ),
+        (
+            "link.tar",
+            &|t: &mut RawTar| {
+                t.entry(
+                    b"checkpoint/gpu-ckpt-rootfs-changes.tar",
+                    EntryType::Symlink,
+                    b"",
+                    Some(b"../rootfs-diff.tar"),
+                );
+            },
+            "entry \"checkpoint/gpu-ckpt-rootfs-changes.tar\": checkpoint/ symbolic link entries are not allowed",
+        ),
+        (
+            "nested.tar",
+            &|t: &mut RawTar| {
+                t.file("checkpoint/d/payload.img", b"x");
+            },
+            "entry \"checkpoint/d/payload.img\": nested checkpoint/ entries are not allowed",
+        ),
+    ] {
+        let src = with(name, add);
+        let target = tmp.path().join(format!("{name}.d"));
+        let e = extract(&src, &target, &listed(&[])).unwrap_err();
+        assert_eq!(e.to_string(), needle, "{name}");
+        assert!(!target.exists() || tree(&target).is_empty(), "{name}: wrote {:?}", tree(&target));
+        // The general extraction refuses links and nesting in checkpoint/ as well.
+        if name != "unlisted.tar" {
+            let e = archive::extract_archive(&src, &target, ExtractOptions::default(), &mut no_progress)
+                .unwrap_err();
+            assert_eq!(e.to_string(), needle, "{name}: extract_archive");
+        }
+    }
+
+    // A listed file grown past its listed size: refused naming both sizes, nothing written.
+    let (name, size) = manifest
+        .files
+        .iter()
+        .map(|(n, f)| (n.clone(), f.size))
+        .next()
+        .unwrap();
+    let grown = {
+        let mut t = RawTar::new();
+        let mut ar = tar::Archive::new(std::fs::File::open(&good).unwrap());
+        for e in ar.entries().unwrap() {
+            let mut e = e.unwrap();
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut e, &mut data).unwrap();
+            let path = e.path_bytes().into_owned();
+            if path == format!("checkpoint/{name}").as_bytes() {
+                data.extend_from_slice(&[0x5a; 4096]);
+            }
+            t.entry(&path, e.header().entry_type(), &data, None);
+        }
+        let p = tmp.path().join("grown.tar");
+        std::fs::write(&p, t.finish()).unwrap();
+        p
+    };
+    let target = tmp.path().join("t4");
+    let e = extract(&grown, &target, &listed(&[])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "file {name:?}: size mismatch: manifest says {size} bytes, found {} bytes",
+            size + 4096
+        )
+    );
+    assert!(!target.exists() || tree(&target).is_empty());
+
+    // A manifest other than the admitted one (changed between the two reads): refused.
+    let mut other = json.clone();
+    other.push(b'\n');
+    let l = archive::Listed {
+        manifest_json: &other,
+        manifest: &manifest,
+        also: &[],
+    };
+    let e = extract(&good, &tmp.path().join("t5"), &l).unwrap_err();
+    assert!(matches!(e, Error::ChangedSinceChecked { .. }), "{e}");
+}

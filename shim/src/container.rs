@@ -72,6 +72,9 @@ pub struct Container {
     /// The checkpoint directory was unpacked by this shim with every digest verified (the
     /// restore handler): at Start its listing and sizes are checked again, not its digests.
     restore_unpacked: bool,
+    /// The restore handler's staging directory of this container (`restore::staging_dir`),
+    /// removed once Start's restore is done, or at Delete.
+    restore_staging: Option<PathBuf>,
     /// runc hands CRIU the shim's configuration file (not one the spec names).
     own_criu_conf: bool,
     /// The overlay upper directory of the rootfs: the container's changes, of which a
@@ -151,6 +154,7 @@ impl Container {
             annotations,
             restore_from,
             restore_unpacked: false,
+            restore_staging: None,
             own_criu_conf: false,
             upperdir: None,
             devices,
@@ -181,14 +185,16 @@ impl Container {
         // A checkpoint's image volume is mounted only by the container restoring from it.
         if container.restore_from.is_none() && container.options.restore_mode() {
             let prepared = container
-                .prepare_own_restore()
+                .prepare_own_restore(namespace)
                 .instrument(info_span!("prepare_restore", id = %req.id))
                 .await
                 .and_then(|()| {
                     restore::refuse_checkpoint_volumes(&bundle, &container.spec_annotations)
                 });
             if let Err(e) = prepared {
-                let _ = std::fs::remove_dir_all(bundle.join(restore::RESTORE_DIR));
+                if let Some(staging) = container.restore_staging.take() {
+                    restore::remove_staging(&staging);
+                }
                 container.unmount_rootfs();
                 return Err(e);
             }
@@ -218,7 +224,7 @@ impl Container {
 
     /// Under the restore handler, a container (not the pod's sandbox) whose pod names a
     /// checkpoint for it is set up to be restored from it at Start.
-    async fn prepare_own_restore(&mut self) -> Result<()> {
+    async fn prepare_own_restore(&mut self, containerd_namespace: &str) -> Result<()> {
         let a = &self.spec_annotations;
         if a.get("io.kubernetes.cri.container-type")
             .map(String::as_str)
@@ -242,6 +248,8 @@ impl Container {
             .cloned()
             .unwrap_or_default();
         let sandbox_id = a.get(crate::trust::SANDBOX_ID).cloned().unwrap_or_default();
+        let staging = restore::staging_dir(&self.options, containerd_namespace, &self.id)?;
+        self.restore_staging = Some(staging.clone());
         let bundle = self.bundle.clone();
         let ann = self.annotations.clone();
         let options = self.options.clone();
@@ -255,6 +263,7 @@ impl Container {
             restore::prepare(
                 &bundle,
                 &bundle.join("rootfs"),
+                &staging,
                 &source,
                 &me,
                 &ann,
@@ -272,8 +281,9 @@ impl Container {
             restore::Plan::RestoreInPlace(dir) => {
                 self.restore_from = Some(dir);
                 self.restore_unpacked = false;
+                self.restore_staging = None;
             }
-            restore::Plan::ColdStart(_) => {}
+            restore::Plan::ColdStart(_) => self.restore_staging = None,
         }
         Ok(())
     }
@@ -393,6 +403,10 @@ impl Container {
                 if let Err(e) = std::fs::remove_dir_all(&dir) {
                     warn!(id = %self.id, dir = %dir.display(), error = %e, "remove containerd's extracted checkpoint");
                 }
+            }
+            // What the restore handler unpacked: CRIU has read it (runc restore returned).
+            if let Some(staging) = self.restore_staging.take() {
+                restore::remove_staging(&staging);
             }
             restored?;
             self.watch_oom(events);
@@ -1284,6 +1298,10 @@ impl Container {
         }
         self.init.io.tasks.shutdown().await;
         self.unmount_rootfs();
+        // A container created for a restore and never started.
+        if let Some(staging) = self.restore_staging.take() {
+            restore::remove_staging(&staging);
+        }
         let _ = std::fs::remove_file(self.bundle.join(INIT_PID_FILE));
         Ok(())
     }
@@ -1354,6 +1372,12 @@ pub async fn cleanup_bundle(bundle: &Path, id: &str, namespace: &str) -> Result<
     }
     let rootfs = bundle.join("rootfs");
     umount_recursive(rootfs.to_str(), libc::MNT_DETACH)?;
+    // The restore handler's staging directory, had the shim gone before it removed it.
+    if options.restore_mode() {
+        if let Ok(staging) = restore::staging_dir(&options, namespace, id) {
+            restore::remove_staging(&staging);
+        }
+    }
     Ok(())
 }
 

@@ -95,6 +95,11 @@ pub struct RuntimeOptions {
     /// Where `gpu-ckpt.io/restore-from` may read: directories (absolute, `/` at the end or not)
     /// and registry prefixes. `None`: [`DEFAULT_RESTORE_SOURCES`].
     pub restore_sources: Option<Vec<String>>,
+    /// Where the restore handler stages a checkpoint it restores (a fetched archive, the
+    /// members its manifest lists): `<dir>/<namespace>/<container id>`, root-only, removed when
+    /// the restore is done. Empty: [`DEFAULT_RESTORE_STAGING_DIR`], on the node's disk, not in
+    /// /run (RAM on most nodes).
+    pub restore_staging_dir: String,
     /// containerd's per-registry host directory (`certs.d` layout: `HOST[:PORT]/hosts.toml`,
     /// `ca.crt`) for the restore handler's registry pulls. Empty:
     /// [`image_format::registry::DEFAULT_HOSTS_DIR`], the directory a node's containerd
@@ -159,6 +164,8 @@ pub fn handler_config_path() -> Option<PathBuf> {
 
 /// The restore sources when the options name none: the kubelet's checkpoint directory.
 pub const DEFAULT_RESTORE_SOURCES: [&str; 1] = ["/var/lib/kubelet/checkpoints/"];
+/// Where the restore handler stages checkpoints when the options name no `RestoreStagingDir`.
+pub const DEFAULT_RESTORE_STAGING_DIR: &str = "/var/lib/gpu-ckpt/restore";
 /// The node key's directory for a containerd with the default state directory.
 pub const DEFAULT_KEY_DIR: &str = image_format::sign::DEFAULT_KEY_DIR;
 
@@ -327,6 +334,7 @@ impl RuntimeOptions {
             ("RevokedKeysFile", &self.revoked_keys_file),
             ("RegistryHostsDir", &self.registry_hosts_dir),
             ("RegistryAuthFile", &self.registry_auth_file),
+            ("RestoreStagingDir", &self.restore_staging_dir),
         ] {
             if !value.is_empty() && !value.starts_with('/') {
                 return Err(Error::InvalidArgument(format!(
@@ -393,6 +401,15 @@ impl RuntimeOptions {
                 .map(|s| s.to_string())
                 .collect()
         })
+    }
+
+    /// `RestoreStagingDir`, or its default.
+    pub fn restore_staging_dir(&self) -> PathBuf {
+        if self.restore_staging_dir.is_empty() {
+            PathBuf::from(DEFAULT_RESTORE_STAGING_DIR)
+        } else {
+            PathBuf::from(&self.restore_staging_dir)
+        }
     }
 
     /// Where the restore handler's registry pulls find TLS settings and logins
@@ -652,6 +669,21 @@ mod tests {
             let key = bad.split(' ').next().unwrap_or_default();
             assert!(err.contains(key) && err.contains("absolute"), "{err}");
         }
+    }
+
+    #[test]
+    fn the_restore_staging_dir_is_absolute_and_not_in_run_by_default() {
+        let o = RuntimeOptions::from_toml("RestoreStagingDir = \"/srv/staging\"", "t").unwrap();
+        assert_eq!(o.restore_staging_dir(), Path::new("/srv/staging"));
+        let d = RuntimeOptions::default().restore_staging_dir();
+        assert_eq!(d, Path::new("/var/lib/gpu-ckpt/restore"));
+        let err = RuntimeOptions::from_toml("RestoreStagingDir = \"staging\"", "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("RestoreStagingDir") && err.contains("absolute"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -4,8 +4,11 @@
 //!
 //! At Create: fetch the checkpoint (an archive path, an OCI checkpoint image on disk, or an image
 //! reference in a registry), check that it belongs to this container and can run here, unpack
-//! it (every entry checked, every digest verified), and lay its rootfs diff over the rootfs.
-//! Start then restores from the unpacked `checkpoint/` directory like any other restore.
+//! the members its manifest lists (every entry checked, every digest verified), and lay its
+//! rootfs diff over the rootfs. Start then restores from the unpacked `checkpoint/` directory
+//! like any other restore. What is fetched and unpacked lies in a root-only staging directory
+//! on the node's disk (`RestoreStagingDir`, never the bundle in /run), removed when the restore
+//! is done, restored or refused.
 //!
 //! `mount:/PATH` names an image volume of the pod (Kubernetes `volumes[].image`, which the
 //! kubelet pulled with the pod's own credentials): the checkpoint image's layer, unpacked by
@@ -26,10 +29,10 @@ use std::{
 };
 
 use image_format::{
-    archive::{self, ArchiveInfo, ExtractOptions},
+    archive::{self, ArchiveInfo, Listed},
     manifest::{Manifest, ROOTFS_CHANGES_FILE},
     oci,
-    safe::Limits,
+    safe::{Limits, SafeRoot},
 };
 use nix::{
     errno::Errno,
@@ -50,9 +53,10 @@ use crate::{
     trust::{self, Verdict},
 };
 
-/// Where the checkpoint is unpacked, in the bundle.
-pub const RESTORE_DIR: &str = "gpu-ckpt-restore";
-const FETCHED_ARCHIVE: &str = "gpu-ckpt-restore.tar";
+/// Where the checkpoint is unpacked, in the staging directory.
+pub const RESTORE_DIR: &str = "unpacked";
+/// Where a checkpoint fetched from an OCI image or a registry lies, in the staging directory.
+const FETCHED_ARCHIVE: &str = "fetched.tar";
 
 /// What this container is, to check a checkpoint against.
 pub struct Identity<'a> {
@@ -76,24 +80,153 @@ pub enum Plan {
     ColdStart(String),
 }
 
-/// Fetches, checks and unpacks the checkpoint `source` for the container in `bundle`, and lays
-/// its rootfs diff over `rootfs`. On an error, what it wrote in the bundle is removed (the
-/// rootfs is the caller's to unmount).
+/// The staging directory of the restore of container `id` of containerd namespace
+/// `namespace`: `<RestoreStagingDir>/<namespace>/<id>`.
+pub fn staging_dir(options: &RuntimeOptions, namespace: &str, id: &str) -> Result<PathBuf> {
+    for (what, name) in [("namespace", namespace), ("container id", id)] {
+        if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {name:?} cannot name a restore staging directory"
+            )));
+        }
+    }
+    Ok(options.restore_staging_dir().join(namespace).join(id))
+}
+
+/// Makes the staging directory `staging` ([`staging_dir`]) afresh: the base directory and the
+/// namespace's made root-only (0700) where missing, the container's made new, every component
+/// below the base opened without following a link; what an earlier shim of the same container
+/// left there is removed first.
+fn make_staging(staging: &Path) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let fail =
+        |what: &str, e: std::io::Error| step("stage")(format!("{what} {}: {e}", staging.display()));
+    let (Some(ns_dir), Some(id)) = (staging.parent(), staging.file_name()) else {
+        return Err(fail("no parent", std::io::ErrorKind::InvalidInput.into()));
+    };
+    let (Some(base), Some(ns)) = (ns_dir.parent(), ns_dir.file_name()) else {
+        return Err(fail("no parent", std::io::ErrorKind::InvalidInput.into()));
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(base)
+        .map_err(|e| fail("create", e))?;
+    let root = SafeRoot::open(base).map_err(|e| step("stage")(e.to_string()))?;
+    let (ns, id) = (ns.to_string_lossy(), id.to_string_lossy());
+    // The namespace's directory, never through a link (an error if one is there).
+    root.create_dir(&ns).map_err(|e| fail("create", e))?;
+    match std::fs::remove_dir_all(staging) {
+        Ok(()) => {
+            warn!(staging = %staging.display(), "removed a restore's staging directory an earlier shim left")
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail("remove the earlier", e)),
+    }
+    root.create_dir(&format!("{ns}/{id}"))
+        .map_err(|e| fail("create", e))
+}
+
+/// Removes the staging directory `staging` and all it holds (a restore is done with it, or a
+/// container that never started is deleted), and its namespace's directory once empty; nothing
+/// there is not an error.
+pub fn remove_staging(staging: &Path) {
+    match std::fs::remove_dir_all(staging) {
+        Ok(()) => info!(staging = %staging.display(), "restore staging directory removed"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            warn!(staging = %staging.display(), error = %e, "remove the restore staging directory")
+        }
+    }
+    // Another restore of the namespace keeps it (not empty), or makes it again.
+    if let Some(namespace) = staging.parent() {
+        let _ = std::fs::remove_dir(namespace);
+    }
+}
+
+#[cfg(test)]
+mod staging_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn options(base: &Path) -> RuntimeOptions {
+        RuntimeOptions {
+            restore_staging_dir: base.display().to_string(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_staging_directory_is_made_root_only_afresh_and_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("var/lib/gpu-ckpt/restore");
+        let staging = staging_dir(&options(&base), "k8s.io", "c1").unwrap();
+        assert_eq!(staging, base.join("k8s.io/c1"));
+        make_staging(&staging).unwrap();
+        for dir in [&base, &base.join("k8s.io"), &staging] {
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o700, "{}", dir.display());
+        }
+        // What an earlier shim left is gone when the directory is made again.
+        std::fs::write(staging.join("fetched.tar"), b"old").unwrap();
+        make_staging(&staging).unwrap();
+        assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+        let other = staging_dir(&options(&base), "k8s.io", "c2").unwrap();
+        make_staging(&other).unwrap();
+        remove_staging(&staging);
+        assert!(!staging.exists());
+        assert!(
+            other.is_dir(),
+            "another restore's staging directory was removed"
+        );
+        remove_staging(&other);
+        assert!(!base.join("k8s.io").exists());
+        assert!(base.is_dir());
+        remove_staging(&staging);
+    }
+
+    #[test]
+    fn a_link_in_the_staging_path_is_not_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = tmp.path().join("restore");
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir_all(&base).unwrap();
+        std::fs::create_dir_all(&elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, base.join("k8s.io")).unwrap();
+        let staging = staging_dir(&options(&base), "k8s.io", "c1").unwrap();
+        let err = make_staging(&staging).unwrap_err().to_string();
+        assert!(err.contains("k8s.io"), "{err}");
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn names_that_are_not_one_component_are_refused() {
+        let o = options(Path::new("/var/lib/gpu-ckpt/restore"));
+        for (ns, id) in [("", "c"), ("..", "c"), ("k8s.io", "a/b"), ("k8s.io", ".")] {
+            assert!(staging_dir(&o, ns, id).is_err(), "{ns:?} {id:?}");
+        }
+    }
+}
+
+/// Fetches, checks and unpacks the checkpoint `source` for the container in `bundle` into its
+/// staging directory `staging` ([`staging_dir`]), and lays its rootfs diff over `rootfs`. The
+/// staging directory is removed unless the plan is [`Plan::Restore`] (then Start removes it
+/// once the restore is done); the rootfs is the caller's to unmount.
 pub fn prepare(
     bundle: &Path,
     rootfs: &Path,
+    staging: &Path,
     source: &str,
     me: &Identity<'_>,
     ann: &Annotations,
     options: &RuntimeOptions,
 ) -> Result<Plan> {
-    let result = prepare_inner(bundle, rootfs, source, me, ann, options);
+    let result = prepare_inner(bundle, rootfs, staging, source, me, ann, options);
     if let Err(e) = &result {
         trust::log_refused(e, me.namespace);
     }
-    let _ = std::fs::remove_file(bundle.join(FETCHED_ARCHIVE));
-    if !matches!(result, Ok(Plan::Restore(_) | Plan::RestoreInPlace(_))) {
-        let _ = std::fs::remove_dir_all(bundle.join(RESTORE_DIR));
+    if !matches!(result, Ok(Plan::Restore(_))) {
+        remove_staging(staging);
     }
     result
 }
@@ -107,9 +240,11 @@ pub(crate) fn step(step: &'static str) -> impl Fn(String) -> Error {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn prepare_inner(
     bundle: &Path,
     rootfs: &Path,
+    staging: &Path,
     source: &str,
     me: &Identity<'_>,
     ann: &Annotations,
@@ -119,29 +254,54 @@ fn prepare_inner(
     if let Some(destination) = trust::mount_destination(source) {
         return prepare_from_mount(bundle, rootfs, source, &destination?, me, ann, options);
     }
-    // Step 1: fetch, from a source RestoreSources lists (checked before anything is opened).
-    let archive = fetch(bundle, source, limits, options)?;
-    // Step 2: read every header (hostile entries are refused here) and the metadata.
-    let info = archive::read_info(&archive, limits)
+    make_staging(staging)?;
+    info!(%source, staging = %staging.display(), "restore staged");
+    // Step 1: fetch, from a source RestoreSources lists (checked before anything is opened):
+    // an archive on disk is read where it lies; an image's layer is copied into the staging
+    // directory, bounded by the size its OCI manifest declares.
+    let archive = fetch(staging, source, limits, options)?;
+    // One open file for every read below: the headers, the metadata, the extraction.
+    let file = File::open(&archive).map_err(|e| step("fetch")(format!("{source}: {e}")))?;
+    // Step 2: read every header (hostile entries are refused here) and the metadata, into
+    // memory: nothing is written before the checks.
+    let info = archive::read_info_from(std::io::BufReader::with_capacity(64 << 10, &file), limits)
         .map_err(|e| step("check")(format!("{source}: {e}")))?;
     let signed = match admit(bundle, &info, source, me, ann, options)? {
         Admitted::Fits { signed } => signed,
         Admitted::ColdStart(why) => return Ok(Plan::ColdStart(why)),
     };
-    // Step 6: unpack, verifying the CRIU images (and the rootfs changes' copy) against the
-    // manifest while writing.
-    let dir = bundle.join(RESTORE_DIR);
-    let _ = std::fs::remove_dir_all(&dir);
-    archive::extract_archive(
-        &archive,
-        &dir,
-        ExtractOptions {
-            limits,
-            verify: true,
-        },
-        &mut |_, _| {},
-    )
-    .map_err(|e| step("unpack")(format!("{source}: {e}")))?;
+    let (Some(manifest), Some(manifest_json)) = (&info.manifest, &info.manifest_json) else {
+        return Err(step("check")(format!("{source} has no gpu-ckpt manifest")));
+    };
+    // The engine's rootfs diff, which no signature covers, is unpacked only for an unsigned
+    // checkpoint that has no copy of its own; a signed one without a copy is refused here,
+    // before anything is unpacked.
+    let copy_listed = manifest.files.contains_key(ROOTFS_CHANGES_FILE);
+    let engine_diff = info
+        .entries
+        .iter()
+        .any(|e| e.path == archive::names::ROOTFS_DIFF_TAR);
+    if signed && !copy_listed && engine_diff {
+        return Err(unsigned_changes(source));
+    }
+    let also: &[&str] = if signed || copy_listed {
+        &[]
+    } else {
+        &[archive::names::ROOTFS_DIFF_TAR]
+    };
+    // Step 6: unpack what the manifest lists, at the sizes it lists, verifying every digest
+    // while writing; every other member stays in the archive.
+    let dir = staging.join(RESTORE_DIR);
+    let listed = Listed {
+        manifest_json,
+        manifest,
+        also,
+    };
+    archive::extract_listed(&file, &dir, limits, &listed, &mut |_, _| {})
+        .map_err(|e| step("unpack")(format!("{source}: {e}")))?;
+    drop(file);
+    // The fetched copy is no longer needed: only what was unpacked stays until Start.
+    let _ = std::fs::remove_file(staging.join(FETCHED_ARCHIVE));
     let checkpoint = dir.join(archive::names::CHECKPOINT_DIRECTORY);
     // Step 7: the container's own changes to its filesystem: the signed copy in checkpoint/,
     // or, for an unsigned checkpoint without one, the engine's rootfs-diff.tar.
@@ -268,10 +428,7 @@ fn apply_changes(
         Some(own)
     } else if engine.exists() {
         if signed {
-            return Err(Error::PermissionDenied(format!(
-                "checkpoint {source}: its rootfs changes ({}) are not covered by the signature (the checkpoint has no {ROOTFS_CHANGES_FILE})",
-                archive::names::ROOTFS_DIFF_TAR
-            )));
+            return Err(unsigned_changes(source));
         }
         Some(engine)
     } else {
@@ -288,6 +445,14 @@ fn apply_changes(
             .map_err(|e| step("rootfs-diff")(e.to_string()))?;
     }
     Ok(())
+}
+
+/// The refusal of a signed checkpoint whose rootfs changes are only the engine's diff.
+fn unsigned_changes(source: &str) -> Error {
+    Error::PermissionDenied(format!(
+        "checkpoint {source}: its rootfs changes ({}) are not covered by the signature (the checkpoint has no {ROOTFS_CHANGES_FILE})",
+        archive::names::ROOTFS_DIFF_TAR
+    ))
 }
 
 /// The restore from the image volume at `destination` (`mount:/PATH`): checked and read in
@@ -604,7 +769,12 @@ fn check_engine_record(
 /// The archive for `source`: a path to an archive or an OCI checkpoint image on disk under a
 /// `RestoreSources` directory, or else an image reference under one of its registry prefixes.
 /// Outside those, missing, forbidden or unreadable: one and the same error.
-fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) -> Result<PathBuf> {
+fn fetch(
+    staging: &Path,
+    source: &str,
+    limits: Limits,
+    options: &RuntimeOptions,
+) -> Result<PathBuf> {
     let sources = options.restore_sources();
     let refused = |why: String| trust::source_refused(source, &sources, why);
     let allowed_dir = trust::check_source(source, &sources)?;
@@ -617,14 +787,12 @@ fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) 
             File::open(&path).map_err(|e| refused(e.to_string()))?;
             return Ok(path);
         }
-        let out = bundle.join(FETCHED_ARCHIVE);
-        let _ = std::fs::remove_file(&out);
+        let out = staging.join(FETCHED_ARCHIVE);
         oci::extract_archive_from_image(&path, &out, &mut |_, _| {})
             .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
         return Ok(out);
     }
-    let out = bundle.join(FETCHED_ARCHIVE);
-    let _ = std::fs::remove_file(&out);
+    let out = staging.join(FETCHED_ARCHIVE);
     // The reference passed RestoreSources above, so the cause (a certificate, a login, a
     // missing reference) is told in full, as for an image on disk.
     image_format::registry::pull_archive(

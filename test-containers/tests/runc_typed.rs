@@ -40,8 +40,9 @@ fn node(name: &str) -> Result<(Node, tempfile::TempDir)> {
             RESTORE_HANDLER,
             "containerd-shim-gpu-ckpt-restore-v1",
             Some(format!(
-                "Mode = \"restore\"\nRestoreSources = [\"{}/\"]\n",
-                stack.prefix().join("nodes").display()
+                "Mode = \"restore\"\nRestoreSources = [\"{}/\"]\nRestoreStagingDir = \"{}\"\n",
+                stack.prefix().join("nodes").display(),
+                stack.node_dir(name).join("restore-staging").display()
             )),
         ),
     ] {

@@ -157,6 +157,10 @@ impl Gpus {
             "RestoreSources".to_string(),
             OptValue::from(vec![format!("{}/", stack.prefix().join("demo").display())]),
         );
+        restore.insert(
+            "RestoreStagingDir".to_string(),
+            OptValue::from(stack.node_dir(name).join("restore-staging").as_path()),
+        );
         let mut b = Node::builder_on(stack, name).log_level("info");
         match self {
             Gpus::Real { cdi_dir, .. } => b = b.cdi(&[cdi_dir]),

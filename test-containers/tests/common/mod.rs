@@ -403,8 +403,8 @@ pub async fn expect_rro(cri: &Cri, id: &str) -> Result<()> {
 }
 
 /// The restore RuntimeClass's handler `handler` for node `node`: `Mode = "restore"`, a runc
-/// root of its own, and the test nodes' archives and the test registry's checkpoint images as
-/// its restore sources. Callers add options (keys, trust) to `options` as they need.
+/// root of its own, a staging directory under the node ([`restore_staging_dir`]), and the test
+/// nodes' archives and the test registry's checkpoint images as its restore sources. Callers add options (keys, trust) to `options` as they need.
 pub fn restore_handler(node: &str, handler: &str) -> Result<test_containers::stack::ExtraRuntime> {
     use test_containers::stack::OptValue;
     let mut options = std::collections::BTreeMap::new();
@@ -420,6 +420,10 @@ pub fn restore_handler(node: &str, handler: &str) -> Result<test_containers::sta
             "localhost:5000/ckpt/".to_string(),
         ]),
     );
+    options.insert(
+        "RestoreStagingDir".to_string(),
+        OptValue::from(restore_staging_dir(node)?.as_path()),
+    );
     Ok(test_containers::stack::ExtraRuntime {
         name: handler.into(),
         runtime_type: test_containers::stack::GPU_CKPT_RUNTIME_TYPE.into(),
@@ -427,6 +431,12 @@ pub fn restore_handler(node: &str, handler: &str) -> Result<test_containers::sta
         container_annotations: vec!["gpu-ckpt.io/*".into()],
         options,
     })
+}
+
+/// The restore handler's staging directory on node `node` (`RestoreStagingDir`): under the
+/// node, so that the tests never write into the host's /var/lib.
+pub fn restore_staging_dir(node: &str) -> Result<PathBuf> {
+    Ok(Stack::discover()?.node_dir(node).join("restore-staging"))
 }
 
 /// The handler name of the restore RuntimeClass.
