@@ -1096,9 +1096,8 @@ impl Container {
         }
 
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
-        let t = Instant::now();
         let written = self
-            .write_manifest(plan, node, devices, followed, addresses, &mut timings, t)
+            .write_manifest(plan, node, devices, followed, addresses, &mut timings)
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
@@ -1121,8 +1120,8 @@ impl Container {
         followed: BTreeMap<String, manifest::FileDigest>,
         addresses: Option<Vec<String>>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
-        started: Instant,
     ) -> Result<Manifest> {
+        let started = Instant::now();
         let image = plan.image_path.clone();
         let a = &self.spec_annotations;
         let get = |k: &str| a.get(k).cloned().unwrap_or_default();
