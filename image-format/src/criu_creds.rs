@@ -308,6 +308,19 @@ pub mod test_images {
     /// A core image as CRIU writes it: caps as unpacked repeated words, `packed` for the
     /// groups to show both encodings are read.
     pub fn core_image(uid: u32, cap_bnd: u64, nnp: bool, seccomp: Option<u32>) -> Vec<u8> {
+        core_image_with_caps(uid, cap_bnd, cap_bnd, &[10, 1000], nnp, seccomp)
+    }
+
+    /// [`core_image`] with permitted and effective `cap_prm` (the bounding set `cap_bnd`) and
+    /// the supplementary groups `groups`.
+    pub fn core_image_with_caps(
+        uid: u32,
+        cap_prm: u64,
+        cap_bnd: u64,
+        groups: &[u32],
+        nnp: bool,
+        seccomp: Option<u32>,
+    ) -> Vec<u8> {
         let mut creds = Vec::new();
         for (n, v) in [(1, uid), (2, uid), (3, uid), (4, uid), (5, uid), (6, uid)] {
             varint_f(&mut creds, n, v.into());
@@ -315,14 +328,19 @@ pub mod test_images {
         varint_f(&mut creds, 7, uid.into());
         varint_f(&mut creds, 8, uid.into());
         for n in [9u64, 10, 11, 12] {
-            let v = if n == 9 { 0 } else { cap_bnd };
+            let v = match n {
+                9 => 0,
+                12 => cap_bnd,
+                _ => cap_prm,
+            };
             varint_f(&mut creds, n, v & 0xffff_ffff);
             varint_f(&mut creds, n, v >> 32);
         }
         varint_f(&mut creds, 13, 0);
         let mut packed = Vec::new();
-        put_varint(&mut packed, 10);
-        put_varint(&mut packed, 1000);
+        for g in groups {
+            put_varint(&mut packed, (*g).into());
+        }
         bytes_f(&mut creds, 14, &packed);
         if nnp {
             varint_f(&mut creds, 18, 1);

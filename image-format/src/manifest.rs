@@ -102,6 +102,16 @@ pub struct Container {
     /// Base image digest, `sha256:<hex>` (manifest digest, as in `repo@sha256:...`).
     #[serde(default)]
     pub image_digest: String,
+    /// The container's `gpu-ckpt.io/` (but `restore-from`) and `cdi.k8s.io/` annotations:
+    /// a container that containerd restores from its own checkpoint gets its annotations from
+    /// the archive's unsigned `status.dump`, and is held to these.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    /// The addresses of the container's network namespace at the checkpoint, loopback and
+    /// link-local left out (the pod's IPs): established TCP connections restore only where
+    /// they all are. Absent in older manifests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addresses: Option<Vec<String>>,
 }
 
 /// The node the checkpoint was taken on.

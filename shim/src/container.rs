@@ -132,6 +132,16 @@ impl Container {
             .find(|p| !p.is_empty())
             .map(PathBuf::from);
         let spec_annotations = spec.annotations().clone().unwrap_or_default();
+        // containerd's own checkpoint (ctr container restore, CRI restore-via-create) gave
+        // this spec its annotations from the archive's unsigned members: held to the signed
+        // record before anything reads them.
+        if !req.checkpoint.is_empty() {
+            crate::restored_annotations::check_dir(
+                Path::new(&req.checkpoint),
+                &spec_annotations,
+                &options,
+            )?;
+        }
         let annotations = Annotations::from_spec(&spec_annotations)?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let devices = ContainerDevices::new(
@@ -503,6 +513,25 @@ impl Container {
             || self.annotations.get(annotations::TCP) == Some("close")
             || (self.annotations.get(annotations::TCP).is_none()
                 && self.options.tcp_mode == "close");
+        // Established connections come back bound to the addresses they were dumped on: only
+        // into a namespace that has them all (`pod_network.rs`).
+        if manifest.criu.tcp == "established" && !tcp_close {
+            let spec = load_spec(&self.bundle)?;
+            let recorded = manifest.container.addresses.clone();
+            tokio::task::spawn_blocking(move || -> Result<()> {
+                match crate::pod_network::addresses_for_spec(&spec)? {
+                    Some((here, which)) => {
+                        crate::pod_network::check_established(recorded.as_deref(), &here, &which)
+                    }
+                    // Its own namespace, which CRIU restores with the checkpoint's addresses.
+                    None => Ok(()),
+                }
+            })
+            .instrument(info_span!("pod_network", id = %self.id))
+            .await
+            .map_err(|e| restore::step("network")(e.to_string()))?
+            .map_err(|e| restore::step("network")(e.to_string()))?;
+        }
         // Sub-mounts of the checkpoint's bind mounts (its list, verified in step 1) go to the
         // host paths below the new spec's mounts at the same destinations.
         let ext_mount_map = {
@@ -996,6 +1025,36 @@ impl Container {
                 return Err(e);
             }
         };
+        // The addresses of its network namespace (the pod's IPs), which established TCP
+        // connections are bound to, for the manifest: read before the dump, which may end
+        // the process. A checkpoint of established connections fails without them.
+        let addresses = {
+            let pid = self.init.pid;
+            let read =
+                tokio::task::spawn_blocking(move || crate::pod_network::addresses_of_pid(pid))
+                    .await
+                    .map_err(|e| {
+                        Error::FailedPrecondition(format!("read the network addresses: {e}"))
+                    })
+                    .and_then(|r| r);
+            match read {
+                Ok(a) => Some(a),
+                Err(e) if plan.criu.tcp == "established" => {
+                    undo();
+                    if let Err(e) = checkpoint::CriuConf::default().write(&self.bundle) {
+                        warn!(id = %self.id, error = %e, "CRIU configuration after a checkpoint");
+                    }
+                    return Err(fail(
+                        "prepare",
+                        format!("the addresses its established TCP connections are bound to: {e}"),
+                    ));
+                }
+                Err(e) => {
+                    warn!(id = %self.id, error = %e, "network addresses not recorded");
+                    None
+                }
+            }
+        };
         let mut timings = Vec::new();
 
         // Step 2: CRIU dump through runc, its page images hashed as CRIU writes them (and the
@@ -1059,9 +1118,8 @@ impl Container {
         }
 
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
-        let t = Instant::now();
         let written = self
-            .write_manifest(plan, node, devices, followed, &mut timings, t)
+            .write_manifest(plan, node, devices, followed, addresses, &mut timings)
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
@@ -1082,9 +1140,10 @@ impl Container {
         node: manifest::Node,
         devices: manifest::Devices,
         followed: BTreeMap<String, manifest::FileDigest>,
+        addresses: Option<Vec<String>>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
-        started: Instant,
     ) -> Result<Manifest> {
+        let started = Instant::now();
         let image = plan.image_path.clone();
         let a = &self.spec_annotations;
         let get = |k: &str| a.get(k).cloned().unwrap_or_default();
@@ -1100,6 +1159,8 @@ impl Container {
             pod_uid: get(crate::trust::SANDBOX_UID),
             image: get("io.kubernetes.cri.image-name"),
             image_digest: String::new(),
+            annotations: crate::restored_annotations::record(a),
+            addresses,
         };
         let workload = manifest::Workload {
             engine_version: get(annotations::ENGINE_VERSION),

@@ -19,6 +19,8 @@
 //! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
 //! - [`sub_mounts`]: mounts below the spec's bind mounts, mapped for CRIU across a restore;
+//! - [`restored_annotations`]: a containerd restore's annotations held to the signed record;
+//!   [`pod_network`]: the pod's addresses, recorded and held for established TCP connections;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod annotations;
@@ -33,8 +35,10 @@ pub mod features;
 pub mod logging;
 pub mod oom;
 pub mod options;
+pub mod pod_network;
 pub mod process;
 pub mod restore;
+pub mod restored_annotations;
 pub mod rootfs_changes;
 pub mod runc;
 pub mod service;

@@ -32,7 +32,9 @@
 //!   for uid 0 the bounding, permitted, inheritable and ambient sets, else the ambient set.
 //! - every capability set within the spec's set of the same name; for uid 0, permitted and
 //!   effective may also reach the bounding, inheritable and ambient sets, as the kernel gives
-//!   root at exec.
+//!   root at exec; for any other uid, permitted and effective hold at most the ambient set
+//!   (what the kernel leaves a non-root exec), whatever the spec's permitted and effective
+//!   lists name.
 //! - NoNewPrivs set where the spec sets `noNewPrivileges`.
 //! - seccomp: where the spec has a profile, mode 2 (filter) with at least one filter. The
 //!   filter is the spec's when (a) the manifest records that the checkpointed container ran
@@ -285,12 +287,14 @@ impl Policy {
 
     /// The capabilities a cold start of the spec holds after its exec: for uid 0 the kernel
     /// fills permitted (and effective) from the bounding, inheritable and ambient sets; any
-    /// other uid keeps the ambient set only.
+    /// other uid keeps the ambient set only (P' = E' = ambient, with no file capabilities,
+    /// which a container's exec is not granted here), and a capability is ambient only while
+    /// it is permitted and inheritable too.
     fn granted(&self) -> u64 {
         if self.uid == 0 {
             self.caps.bnd | self.caps.prm | self.caps.inh | self.caps.amb
         } else {
-            self.caps.amb & self.caps.prm
+            self.caps.amb & self.caps.prm & self.caps.inh
         }
     }
 
@@ -411,15 +415,21 @@ pub fn check_task(policy: &Policy, view: &TaskView, kernel: bool) -> Vec<Violati
         }
     }
     let c = &policy.caps;
-    let root_extra = if policy.uid == 0 {
-        c.bnd | c.inh | c.amb
+    // Permitted and effective: what a cold start of the spec holds. For uid 0 the kernel
+    // gives root the spec's sets and the bounding, inheritable and ambient ones; any other
+    // uid holds only the ambient set after its exec, whatever the spec's permitted and
+    // effective lists say (containerd lists its 14 defaults for uid 1000 too), so a task that
+    // kept capabilities across a setresuid does not restore with them.
+    let (prm, eff) = if policy.uid == 0 {
+        let root_extra = c.bnd | c.inh | c.amb;
+        (c.prm | root_extra, c.eff | root_extra)
     } else {
-        c.amb
+        (granted, granted)
     };
     for (field, have, allowed) in [
         ("CapInh", view.caps.inh, c.inh),
-        ("CapPrm", view.caps.prm, c.prm | root_extra),
-        ("CapEff", view.caps.eff, c.eff | root_extra),
+        ("CapPrm", view.caps.prm, prm),
+        ("CapEff", view.caps.eff, eff),
         ("CapBnd", view.caps.bnd, c.bnd),
         ("CapAmb", view.caps.amb, c.amb),
     ] {
@@ -1094,7 +1104,9 @@ mod tests {
 
     #[test]
     fn the_checkpoints_record_is_checked_before_criu() {
-        use image_format::criu_creds::test_images::{core_image, seccomp_image};
+        use image_format::criu_creds::test_images::{
+            core_image, core_image_with_caps, seccomp_image,
+        };
         let dir = tempfile::tempdir().unwrap();
         // A root, unconfined task with SYS_ADMIN and SYS_MODULE.
         std::fs::write(
@@ -1112,16 +1124,15 @@ mod tests {
         ] {
             assert!(err.contains(part), "{part:?} not in {err}");
         }
-        // The restricted container's own checkpoint passes, and yields its filter count.
+        // The restricted container's own checkpoint passes, and yields its filter count: a
+        // non-root task holds no permitted or effective capability (its spec has no ambient).
         let s = spec(1000, &[], true, true);
         let p = Policy::from_spec(&s).unwrap();
         std::fs::write(
             dir.path().join("core-1.img"),
-            core_image(1000, 0xa804_25fb, true, Some(0)),
+            core_image_with_caps(1000, 0, 0xa804_25fb, &[10, 1000], true, Some(0)),
         )
         .unwrap();
-        // Effective and permitted as CRIU records a non-root task: the core image helper
-        // writes the bounding set into them, which the spec's sets allow.
         std::fs::write(
             dir.path().join("seccomp.img"),
             seccomp_image(&[(b"bpf", None)]),
@@ -1130,6 +1141,96 @@ mod tests {
         let record = SecurityRecord::from_spec(&s);
         let expected = check_checkpoint(dir.path(), &p, Some(&record)).unwrap();
         assert_eq!(expected.filters.get(&1), Some(&1));
+    }
+
+    /// The spec's permitted and effective lists do not bound a non-root task: a cold start
+    /// holds only the ambient set after its exec.
+    #[test]
+    fn a_non_root_task_holds_at_most_the_ambient_set() {
+        let p = restricted();
+        // What a root task that kept its capabilities across setresuid(1000) shows: the
+        // spec's 14 default capabilities permitted and effective.
+        let kept = COLD_STATUS
+            .replace("CapPrm:\t0000000000000000", "CapPrm:\t00000000a80425fb")
+            .replace("CapEff:\t0000000000000000", "CapEff:\t00000000a80425fb");
+        let view = parse_status(&kept, None, &Expected::default()).unwrap();
+        let v = check_task(&p, &view, true);
+        assert_eq!(
+            v.iter().map(|v| v.field).collect::<Vec<_>>(),
+            vec!["CapPrm", "CapEff"],
+            "{v:?}"
+        );
+        assert!(
+            v[0].to_string()
+                .contains("CapPrm 00000000a80425fb is beyond the spec's 0000000000000000"),
+            "{}",
+            v[0]
+        );
+        // A spec with NET_BIND_SERVICE ambient (and inheritable, as the kernel needs): a task
+        // holding just that passes, one holding more does not.
+        let mut s = spec(1000, &[], true, true);
+        s["process"]["capabilities"]["ambient"] = json!(["CAP_NET_BIND_SERVICE"]);
+        s["process"]["capabilities"]["inheritable"] = json!(["CAP_NET_BIND_SERVICE"]);
+        let p = Policy::from_spec(&s).unwrap();
+        let ambient = COLD_STATUS
+            .replace("CapInh:\t0000000000000000", "CapInh:\t0000000000000400")
+            .replace("CapPrm:\t0000000000000000", "CapPrm:\t0000000000000400")
+            .replace("CapEff:\t0000000000000000", "CapEff:\t0000000000000400")
+            .replace("CapAmb:\t0000000000000000", "CapAmb:\t0000000000000400");
+        let view = parse_status(&ambient, None, &Expected::default()).unwrap();
+        assert_eq!(check_task(&p, &view, true), vec![]);
+        let more = ambient.replace("CapPrm:\t0000000000000400", "CapPrm:\t0000000000000401");
+        let view = parse_status(&more, None, &Expected::default()).unwrap();
+        let v = check_task(&p, &view, true);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].field, v[0].note.as_str()), ("CapPrm", "cap_chown"));
+        // Ambient without inheritable is not held by a cold start either.
+        s["process"]["capabilities"]["inheritable"] = json!([]);
+        let p = Policy::from_spec(&s).unwrap();
+        let view = parse_status(&ambient, None, &Expected::default()).unwrap();
+        let fields: Vec<&str> = check_task(&p, &view, true)
+            .iter()
+            .map(|v| v.field)
+            .collect();
+        assert!(
+            fields.contains(&"CapPrm") && fields.contains(&"CapEff"),
+            "{fields:?}"
+        );
+    }
+
+    /// The same rule through the pre-CRIU check of the checkpoint's own record.
+    #[test]
+    fn a_non_root_checkpoint_with_the_spec_lists_permitted_is_refused_before_criu() {
+        use image_format::criu_creds::test_images::{core_image_with_caps, seccomp_image};
+        let dir = tempfile::tempdir().unwrap();
+        let s = spec(1000, &[], true, true);
+        let p = Policy::from_spec(&s).unwrap();
+        std::fs::write(
+            dir.path().join("seccomp.img"),
+            seccomp_image(&[(b"bpf", None)]),
+        )
+        .unwrap();
+        let record = SecurityRecord::from_spec(&s);
+        std::fs::write(
+            dir.path().join("core-1.img"),
+            core_image_with_caps(1000, 0xa804_25fb, 0xa804_25fb, &[10, 1000], true, Some(0)),
+        )
+        .unwrap();
+        let err = check_checkpoint(dir.path(), &p, Some(&record))
+            .unwrap_err()
+            .to_string();
+        for part in [
+            "checkpointed task 1 (counter): CapPrm 00000000a80425fb is beyond the spec's 0000000000000000",
+            "CapEff 00000000a80425fb is beyond the spec's 0000000000000000",
+        ] {
+            assert!(err.contains(part), "{part:?} not in {err}");
+        }
+        std::fs::write(
+            dir.path().join("core-1.img"),
+            core_image_with_caps(1000, 0, 0xa804_25fb, &[10, 1000], true, Some(0)),
+        )
+        .unwrap();
+        assert!(check_checkpoint(dir.path(), &p, Some(&record)).is_ok());
     }
 
     #[test]

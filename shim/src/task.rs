@@ -52,11 +52,52 @@ const UNCLAIMED_EXIT_TTL: Duration = Duration::from_secs(60);
 /// How long Pids waits for a busy container before it answers from the container's cgroup.
 const PIDS_LOCK_WAIT: Duration = Duration::from_secs(1);
 
-/// Which process a pid belongs to, and exits that came before their pid was registered.
+/// Which process a pid belongs to, each container's init pid, and exits that came before their
+/// pid was registered.
 #[derive(Default)]
 struct PidIndex {
     owners: HashMap<i32, (String, String)>,
+    /// One init pid per container: what Connect answers without the container's lock. A
+    /// restore has no process at Create (pid 0, never recorded) and gets its pid at Start.
+    inits: HashMap<String, i32>,
     unclaimed: HashMap<i32, (i32, Instant)>,
+}
+
+impl PidIndex {
+    /// Records that `pid` is `exec_id` of `container`; returns its exit code if it has already
+    /// exited since `since`. Pid 0 (a restore before Start: no process yet) records nothing.
+    fn register(
+        &mut self,
+        pid: i32,
+        container: &str,
+        exec_id: &str,
+        since: Instant,
+    ) -> Option<i32> {
+        if pid <= 0 {
+            return None;
+        }
+        if exec_id.is_empty() {
+            self.inits.insert(container.to_string(), pid);
+        }
+        if let Some((code, at)) = self.unclaimed.remove(&pid) {
+            if at >= since {
+                return Some(code);
+            }
+        }
+        self.owners
+            .insert(pid, (container.to_string(), exec_id.to_string()));
+        None
+    }
+
+    /// Forgets the processes `pids` of `container`, and its init pid when `init`.
+    fn forget(&mut self, container: &str, pids: impl IntoIterator<Item = i32>, init: bool) {
+        for pid in pids {
+            self.owners.remove(&pid);
+        }
+        if init {
+            self.inits.remove(container);
+        }
+    }
 }
 
 /// The Task service containerd talks to; shares its state with the exit handler.
@@ -119,8 +160,7 @@ impl Tasks {
             .ok_or_else(|| Error::NotFound(format!("container {id} not found")))
     }
 
-    /// Records that `pid` is `exec_id` of `container`; returns its exit code if it has already
-    /// exited since `since`.
+    /// Records that `pid` is `exec_id` of `container` ([`PidIndex::register`]).
     fn register_pid(
         &self,
         pid: i32,
@@ -129,20 +169,13 @@ impl Tasks {
         since: Instant,
     ) -> Option<i32> {
         let mut index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((code, at)) = index.unclaimed.remove(&pid) {
-            if at >= since {
-                return Some(code);
-            }
-        }
-        index
-            .owners
-            .insert(pid, (container.to_string(), exec_id.to_string()));
-        None
+        index.register(pid, container, exec_id, since)
     }
 
-    fn forget_pid(&self, pid: i32) {
+    /// Forgets the processes `pids` of `container` ([`PidIndex::forget`]).
+    fn forget_pids(&self, container: &str, pids: impl IntoIterator<Item = i32>, init: bool) {
         let mut index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
-        index.owners.remove(&pid);
+        index.forget(container, pids, init);
     }
 
     async fn on_exit(&self, pid: i32, code: i32) {
@@ -308,7 +341,7 @@ impl Tasks {
             if let Some(p) = c.execs.remove(&req.exec_id) {
                 p.io.tasks.shutdown().await;
             }
-            self.forget_pid(pid);
+            self.forget_pids(&req.id, [pid], false);
             return Ok(DeleteResponse {
                 pid: pid as u32,
                 exit_status: exit.code,
@@ -325,10 +358,11 @@ impl Tasks {
             .init
             .exit()
             .unwrap_or_else(|| Exit::now(128 + libc::SIGKILL));
-        self.forget_pid(pid);
-        for p in c.execs.values() {
-            self.forget_pid(p.pid);
-        }
+        self.forget_pids(
+            &req.id,
+            std::iter::once(pid).chain(c.execs.values().map(|p| p.pid)),
+            true,
+        );
         let id = c.id.clone();
         drop(c);
         self.containers.write().await.remove(&id);
@@ -515,11 +549,7 @@ impl Tasks {
     /// The init pid of container `id`, from the pid index (without its lock).
     fn init_pid_of(&self, id: &str) -> Option<i32> {
         let index = self.pids.lock().unwrap_or_else(|p| p.into_inner());
-        index
-            .owners
-            .iter()
-            .find(|(_, (c, exec))| c == id && exec.is_empty())
-            .map(|(pid, _)| *pid)
+        index.inits.get(id).copied()
     }
 
     async fn do_pids(&self, id: &str) -> Result<PidsResponse> {
@@ -849,5 +879,47 @@ impl Task for TaskService {
         info!("shutting down");
         self.exit.signal();
         Ok(Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A restore is created without a process (pid 0) and gets its pid at Start: the index
+    /// answers that pid for the container, whatever order its map keeps (Connect answered the
+    /// pid 0 of Create when a second init entry came first, and CRI's ContainerStatus of a
+    /// restore-via-create container showed pid 0).
+    #[test]
+    fn a_restored_init_is_known_by_its_pid_from_start() {
+        for _ in 0..64 {
+            let mut index = PidIndex::default();
+            let since = Instant::now();
+            assert_eq!(index.register(4242, "sandbox", "", since), None);
+            assert_eq!(index.register(0, "c1", "", since), None);
+            assert_eq!(index.inits.get("c1"), None);
+            assert!(!index.owners.contains_key(&0), "pid 0 is no process");
+            assert_eq!(index.register(5151, "c1", "", since), None);
+            assert_eq!(index.inits.get("c1"), Some(&5151));
+            assert_eq!(index.inits.get("sandbox"), Some(&4242));
+            index.forget("c1", [5151], true);
+            assert_eq!(index.inits.get("c1"), None);
+            assert!(!index.owners.contains_key(&5151));
+        }
+    }
+
+    #[test]
+    fn an_exit_before_registration_is_returned_and_the_init_still_known() {
+        let mut index = PidIndex::default();
+        let since = Instant::now();
+        index.unclaimed.insert(77, (3, Instant::now()));
+        assert_eq!(index.register(77, "c", "", since), Some(3));
+        assert_eq!(index.inits.get("c"), Some(&77));
+        assert!(!index.owners.contains_key(&77));
+        // An exec's pid is not the init's.
+        assert_eq!(index.register(78, "c", "e1", since), None);
+        assert_eq!(index.inits.get("c"), Some(&77));
+        index.forget("c", [78], false);
+        assert_eq!(index.inits.get("c"), Some(&77));
     }
 }

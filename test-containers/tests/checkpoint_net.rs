@@ -235,3 +235,162 @@ fn new_address_with_tcp_close_reconnects() -> Result<()> {
         Ok(())
     })
 }
+
+/// The IP CRI reports for pod `id`.
+async fn pod_ip(cri: &Cri, id: &str) -> Result<String> {
+    cri.pod_sandbox_status(id)
+        .await?
+        .status
+        .and_then(|s| s.network)
+        .map(|n| n.ip)
+        .filter(|ip| !ip.is_empty())
+        .with_context(|| format!("pod {id} has no IP"))
+}
+
+/// An established connection (`gpu-ckpt.io/tcp: established`) is bound to the pod's IP: its
+/// checkpoint records the IP (signed), and a restore into a pod with another IP is refused
+/// naming both; the same checkpoint restored with `gpu-ckpt.io/tcp: close` runs and
+/// reconnects.
+#[test]
+fn established_connections_restore_only_on_the_recorded_ip() -> Result<()> {
+    let node = restore_node("net-addr")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let server_pod = cri
+            .run_pod(
+                &PodSpec::new("addr-server", node.pod_log_root())
+                    .handler(GPU_CKPT_HANDLER)
+                    .network(Network::Pod),
+            )
+            .await?;
+        cri.run_container(
+            &server_pod,
+            &ContainerSpec::new("server", workloads()).command(&[
+                "/bin/echo-server",
+                "--listen",
+                "0.0.0.0:7778",
+            ]),
+        )
+        .await?;
+        let server_ip = pod_ip(&cri, &server_pod.id).await?;
+        let client = |handler: &str, tcp: &str| {
+            PodSpec::new("addr-client", node.pod_log_root())
+                .handler(handler)
+                .network(Network::Pod)
+                .annotation("gpu-ckpt.io/tcp", tcp)
+        };
+        let client_spec = ContainerSpec::new("client", workloads()).command(&[
+            "sh",
+            "-c",
+            &format!(
+                "exec /bin/echo-client --connect {server_ip}:7778 --interval-ms 100 > /client.log"
+            ),
+        ]);
+        let log_of = |id: String| {
+            let cri = cri.clone();
+            async move {
+                cri.exec_sync(&id, &["cat", "/client.log"], 10)
+                    .await
+                    .map(|r| r.stdout_str())
+                    .unwrap_or_default()
+            }
+        };
+        let pod_a = cri
+            .run_pod(&client(GPU_CKPT_HANDLER, "established"))
+            .await?;
+        let ip_a = pod_ip(&cri, &pod_a.id).await?;
+        let c_a = cri.run_container(&pod_a, &client_spec).await?;
+        for _ in 0..100 {
+            if echoes(&log_of(c_a.clone()).await) >= 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        ensure!(
+            echoes(&log_of(c_a.clone()).await) >= 5,
+            "no echoes before the checkpoint"
+        );
+        let archive = node.paths().dir.join("addr-client.tar");
+        let _ = std::fs::remove_file(&archive);
+        if criu_cannot_dump_tcp() {
+            let err = match cri.checkpoint_container(&c_a, &archive, 60).await {
+                Ok(_) => anyhow::bail!("CRIU 4.1 dumped a TCP connection on Linux 6.16 or later"),
+                Err(e) => format!("{e:#}"),
+            };
+            names_the_old_criu(&err)?;
+            cri.remove_pod(&pod_a).await?;
+            cri.remove_pod(&server_pod).await?;
+            return Ok(());
+        }
+        cri.checkpoint_container(&c_a, &archive, 60).await?;
+        cri.remove_pod(&pod_a).await?;
+        let manifest = image_format::archive::read_info(&archive, Default::default())?
+            .manifest
+            .context("no gpu-ckpt manifest")?;
+        ensure!(
+            manifest.criu.tcp == "established"
+                && manifest.container.addresses.as_ref() == Some(&vec![ip_a.clone()]),
+            "the manifest records tcp {:?} and addresses {:?}, the pod had {ip_a}",
+            manifest.criu.tcp,
+            manifest.container.addresses
+        );
+        let source = archive.display().to_string();
+
+        // Restored with its connections into a new pod, which has another IP: refused, naming
+        // both, and nothing of it runs.
+        let pod_b = cri
+            .run_pod(
+                &client(RESTORE_HANDLER, "established")
+                    .annotation("gpu-ckpt.io/restore-from", &source),
+            )
+            .await?;
+        let ip_b = pod_ip(&cri, &pod_b.id).await?;
+        ensure!(ip_a != ip_b, "the new pod has the old pod's IP {ip_a}");
+        let msg = match cri.run_container(&pod_b, &client_spec).await {
+            Ok(id) => {
+                let log = log_of(id).await;
+                anyhow::bail!(
+                    "a restore of connections bound to {ip_a} ran in a pod with IP {ip_b}:\n{log}"
+                )
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        println!("refused: {msg}");
+        ensure!(
+            msg.contains(&format!(
+                "on the pod's addresses {ip_a}, and network namespace"
+            )) && msg.contains(&format!(" has {ip_b} ({ip_a} missing)")),
+            "the refusal does not name both IPs ({ip_a}, {ip_b}): {msg}"
+        );
+        cri.remove_pod(&pod_b).await?;
+
+        // The same checkpoint with tcp close: restored, the client sees its connection closed
+        // and reconnects.
+        let pod_c = cri
+            .run_pod(
+                &client(RESTORE_HANDLER, "close").annotation("gpu-ckpt.io/restore-from", &source),
+            )
+            .await?;
+        let c_c = cri.run_container(&pod_c, &client_spec).await?;
+        let mut log = String::new();
+        for _ in 0..150 {
+            log = log_of(c_c.clone()).await;
+            if log
+                .split("reconnect")
+                .nth(1)
+                .is_some_and(|after| echoes(after) >= 3)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let after = log
+            .split("reconnect")
+            .nth(1)
+            .with_context(|| format!("the client never saw its connection closed:\n{log}"))?;
+        ensure!(echoes(after) >= 3, "no echoes after reconnecting:\n{log}");
+        cri.remove_pod(&pod_c).await?;
+        cri.remove_pod(&server_pod).await?;
+        Ok(())
+    })
+}

@@ -282,18 +282,8 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
             &log_a,
             "restore-via-create",
         )?;
-        // CRI's ContainerStatus has reported pid 0 for this restore-via-create container under
-        // load (cause not found; the shim's Start and State answer the restored pid): the
-        // restored gpu-train is then found in its pod's cgroup.
-        let pid_b = match cri_pid(&cri_b, &id_b).await? {
-            0 => {
-                let found = pod_gpu_train(&pod_b.spec.uid);
-                println!("CRI reports pid 0 for {id_b}; gpu-train in its pod: {found:?}");
-                ensure!(found.len() == 1, "gpu-train processes in the restored pod: {found:?}");
-                found[0]
-            }
-            pid => pid,
-        };
+        // CRI's ContainerStatus reports the restored process's pid (cri_pid fails on pid 0).
+        let pid_b = cri_pid(&cri_b, &id_b).await?;
         ensure!(
             gpus_of(&sim_b, pid_b)? == vec![sim_b.node().gpus[1].uuid],
             "the restored process does not run on node B's GPU 1"

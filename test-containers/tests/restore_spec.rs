@@ -204,19 +204,6 @@ async fn expect_restored(
     Ok(view)
 }
 
-/// Whether root here has CAP_SYS_RESOURCE (bit 24), which CRIU needs to read the rlimits of
-/// another uid's task.
-fn root_has_cap_sys_resource() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << 24) != 0)
-}
-
 fn log_mentions(node: &Node, needle: &str) -> bool {
     std::fs::read_to_string(&node.paths().log)
         .map(|l| l.contains(needle))

@@ -46,6 +46,7 @@ pub fn sample_manifest() -> Manifest {
             pod_uid: String::new(),
             image: "localhost:5000/counter:1".into(),
             image_digest: format!("sha256:{}", "ab".repeat(32)),
+            ..Default::default()
         },
         Node {
             hostname: "node-a".into(),

@@ -279,8 +279,8 @@ pub fn gpus_of(sim: &SimNode, pid: i32) -> Result<Vec<[u8; 16]>> {
     .with_context(|| format!("processes the daemon lists: {seen:?}"))
 }
 
-/// The CRI container's host pid (from ContainerStatus's verbose info).
-pub async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
+/// The CRI container's host pid as ContainerStatus's verbose info reports it, 0 included.
+pub async fn cri_status_pid(cri: &Cri, id: &str) -> Result<i32> {
     let st = cri.container_status(id).await?;
     let info = st.info.get("info").cloned().unwrap_or_default();
     let json: serde_json::Value = serde_json::from_str(&info).unwrap_or_default();
@@ -288,4 +288,15 @@ pub async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
         .and_then(|p| p.as_i64())
         .map(|p| p as i32)
         .with_context(|| format!("no pid in the status of {id}: {info}"))
+}
+
+/// The CRI container's host pid ([`cri_status_pid`]); an error when CRI reports pid 0 for it
+/// (a started container has a process).
+pub async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
+    let pid = cri_status_pid(cri, id).await?;
+    ensure!(
+        pid > 0,
+        "CRI's ContainerStatus reports pid {pid} for container {id}"
+    );
+    Ok(pid)
 }

@@ -439,6 +439,19 @@ pub fn restore_staging_dir(node: &str) -> Result<PathBuf> {
     Ok(Stack::discover()?.node_dir(node).join("restore-staging"))
 }
 
+/// Whether root here has CAP_SYS_RESOURCE (bit 24), which CRIU needs to read the rlimits of
+/// another uid's task: without it no non-root container can be checkpointed (stack.md P5).
+pub fn root_has_cap_sys_resource() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 24) != 0)
+}
+
 /// The handler name of the restore RuntimeClass.
 pub const RESTORE_HANDLER: &str = "gpu-ckpt-restore";
 
