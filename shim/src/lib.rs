@@ -19,6 +19,7 @@
 //! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
 //! - [`sub_mounts`]: mounts below the spec's bind mounts, mapped for CRIU across a restore;
+//!   [`mount_check`]: a restore's mounts held to the new spec (flags, masks, new mounts);
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod annotations;
@@ -31,6 +32,7 @@ pub mod error;
 pub mod events;
 pub mod features;
 pub mod logging;
+pub mod mount_check;
 pub mod oom;
 pub mod options;
 pub mod process;
