@@ -467,19 +467,6 @@ impl Container {
         .await
         .map_err(|e| restore::step("spec-check")(e.to_string()))??;
         let expected = Arc::new(expected);
-        // Step 1b': the spec's mounts, each of which the checkpoint must have a mount for: CRIU
-        // restores only the checkpoint's mounts and would leave an empty directory for a new
-        // one (`mount_check.rs`).
-        let spec = load_spec(&self.bundle)?;
-        let mount_policy = mount_check::MountPolicy::from_spec(&spec);
-        tokio::task::spawn_blocking({
-            let (dir, mount_policy) = (dir.to_path_buf(), mount_policy.clone());
-            let rootfs = self.bundle.join("rootfs");
-            move || mount_check::refuse_new_mounts(&dir, &rootfs, &mount_policy)
-        })
-        .instrument(info_span!("mount_check", id = %self.id))
-        .await
-        .map_err(|e| restore::step("spec-check")(e.to_string()))??;
         // Step 1c: the checkpoint's GPUs held to the ones this container was given on this
         // node (model, count, memory, free memory, driver branch, CUDA version), and the pairs
         // that map one onto the other, in order.
@@ -488,6 +475,21 @@ impl Container {
             .plan_restore(&manifest.devices)
             .instrument(info_span!("device_compat", id = %self.id))
             .await?;
+        // Step 1d: the spec's mounts, each of which the checkpoint must have a mount for: CRIU
+        // restores only the checkpoint's mounts and would leave an empty directory for a new
+        // one (`mount_check.rs`). The simulated driver's per-GPU files of this node's GPUs are
+        // at the checkpoint GPUs' paths, where step 2 maps them.
+        let spec = load_spec(&self.bundle)?;
+        let mount_policy =
+            mount_check::MountPolicy::from_spec(&spec).moved_by(&device_plan.ext_mount_map);
+        tokio::task::spawn_blocking({
+            let (dir, mount_policy) = (dir.to_path_buf(), mount_policy.clone());
+            let rootfs = self.bundle.join("rootfs");
+            move || mount_check::refuse_new_mounts(&dir, &rootfs, &mount_policy)
+        })
+        .instrument(info_span!("mount_check", id = %self.id))
+        .await
+        .map_err(|e| restore::step("spec-check")(e.to_string()))??;
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
         // this container asks for it (a new address). The gate holds the restored tasks until
         // the page images are verified. Undo: the configuration goes back to the checkpoints'.

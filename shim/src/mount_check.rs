@@ -169,6 +169,24 @@ impl MountPolicy {
     }
 }
 
+impl MountPolicy {
+    /// With the binds whose host path CRIU gets through an `ext-mount-map` pair (key: the
+    /// checkpoint's destination, value: this node's host path) expected at the pair's
+    /// destination: the simulated driver's per-GPU files, whose paths name the GPU.
+    pub fn moved_by(mut self, pairs: &[(String, String)]) -> MountPolicy {
+        for rule in &mut self.mounts {
+            let Some(source) = &rule.source else { continue };
+            if let Some((key, _)) = pairs
+                .iter()
+                .find(|(key, host)| Path::new(host) == source && key.starts_with('/'))
+            {
+                rule.destination = mountinfo::normalize(key);
+            }
+        }
+        self
+    }
+}
+
 /// Before CRIU starts: refuses a spec with mounts at destinations the checkpoint in `dir` has
 /// no mount at (CRIU would leave them empty directories). A directory without mount images
 /// (not a CRIU checkpoint of a container) is left to CRIU.
@@ -773,6 +791,18 @@ mod tests {
                 ("root /".into(), "ro".into()),
             ]
         );
+    }
+
+    #[test]
+    fn binds_mapped_for_criu_are_expected_where_the_checkpoint_had_them() {
+        let p = MountPolicy::from_spec(&spec(
+            r#"{"ociVersion":"1.0.2","mounts":[
+              {"destination":"/run/sim/GPU-new","type":"bind","source":"/h/GPU-new","options":["rbind"]},
+              {"destination":"/data","type":"bind","source":"/h/d","options":["rbind"]}]}"#,
+        ))
+        .moved_by(&[("/run/sim/GPU-old".into(), "/h/GPU-new".into())]);
+        let d: Vec<_> = p.mounts.iter().map(|m| m.destination.as_str()).collect();
+        assert_eq!(d, ["/run/sim/GPU-old", "/data"]);
     }
 
     #[test]
