@@ -109,7 +109,10 @@ fn parse_line(line: &str) -> Option<MountInfo> {
         root: unescape(fields[3]),
         mountpoint: normalize(&unescape(fields[4])),
         options: fields[5].split(',').map(str::to_string).collect(),
-        fstype: fields.get(sep + 1).map(|f| unescape(f))?,
+        fstype: fields
+            .get(sep + 1)
+            .filter(|f| !f.is_empty())
+            .map(|f| unescape(f))?,
         source: fields.get(sep + 2).map(|f| unescape(f)).unwrap_or_default(),
     })
 }
