@@ -473,7 +473,6 @@ fn same(a: &FileStat, b: &FileStat) -> bool {
 
 /// `/dev/null`'s device number.
 const DEV_NULL: (u32, u32) = (1, 3);
-const TMPFS_MAGIC: i64 = libc::TMPFS_MAGIC as i64;
 
 /// Checks the restored init `pid`'s mounts against `policy` and the held sub-mounts.
 pub fn check(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Result<Vec<Difference>> {
@@ -573,7 +572,7 @@ pub fn check(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Resul
         } else if kind == SFlag::S_IFDIR {
             let tmpfs = open_in_root(root.as_fd(), path)
                 .and_then(|fd| nix::sys::statfs::fstatfs(fd.as_fd()))
-                .map(|s| s.filesystem_type().0 as i64 == TMPFS_MAGIC)
+                .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
                 .unwrap_or(false);
             tmpfs && top(&table, path).is_some_and(|m| m.has("ro"))
         } else {
