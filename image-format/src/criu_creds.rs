@@ -129,7 +129,7 @@ impl SeccompFilters {
     }
 }
 
-fn read_image(path: &Path, name: &str) -> Result<Vec<u8>> {
+pub(crate) fn read_image(path: &Path, name: &str) -> Result<Vec<u8>> {
     let meta = std::fs::symlink_metadata(path).map_err(|e| Error::io("stat", path, e))?;
     if !meta.is_file() {
         return Err(bad(name, "not a regular file".into()));
@@ -140,7 +140,7 @@ fn read_image(path: &Path, name: &str) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| Error::io("read", path, e))
 }
 
-fn bad(name: &str, reason: String) -> Error {
+pub(crate) fn bad(name: &str, reason: String) -> Error {
     Error::InvalidField {
         what: name.to_string(),
         field: "CRIU image".into(),
@@ -148,7 +148,7 @@ fn bad(name: &str, reason: String) -> Error {
     }
 }
 
-fn check_magic(data: &[u8], name: &str, magic: u32) -> Result<()> {
+pub(crate) fn check_magic(data: &[u8], name: &str, magic: u32) -> Result<()> {
     let word = |i: usize| {
         data.get(4 * i..4 * i + 4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))

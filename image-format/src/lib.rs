@@ -9,6 +9,7 @@
 //!   with containerd's host directory and docker-style logins.
 //! - [`protowire`]: a minimal protobuf reader for CRIU's statistics images.
 //! - [`criu_creds`]: the credentials and seccomp state CRIU recorded for each task.
+//! - [`mountinfo`]: mount tables, the kernel's (`/proc/<pid>/mountinfo`) and CRIU's.
 //! - [`sign`]: Ed25519 signatures over the manifest, node keys, trusted keys.
 //! - [`safe`]: the checks every untrusted tar entry passes, and `openat`-style extraction.
 //! - [`durable`]: crash safety; the syncs and renames every checkpoint writer goes through.
@@ -27,6 +28,7 @@ pub mod durable;
 pub mod error;
 pub mod fuzzing;
 pub mod manifest;
+pub mod mountinfo;
 pub mod oci;
 pub mod protowire;
 pub mod registry;

@@ -35,6 +35,7 @@ use crate::{
     device::ContainerDevices,
     error::{Error, Result},
     events::EventSender,
+    mount_check,
     oom::{MemoryCgroup, OomMonitor},
     options::RuntimeOptions,
     process::{Process, Status},
@@ -506,6 +507,21 @@ impl Container {
             .plan_restore(&manifest.devices)
             .instrument(info_span!("device_compat", id = %self.id))
             .await?;
+        // Step 1d: the spec's mounts, each of which the checkpoint must have a mount for: CRIU
+        // restores only the checkpoint's mounts and would leave an empty directory for a new
+        // one (`mount_check.rs`). The simulated driver's per-GPU files of this node's GPUs are
+        // at the checkpoint GPUs' paths, where step 2 maps them.
+        let spec = load_spec(&self.bundle)?;
+        let mount_policy =
+            mount_check::MountPolicy::from_spec(&spec).moved_by(&device_plan.ext_mount_map);
+        tokio::task::spawn_blocking({
+            let (dir, mount_policy) = (dir.to_path_buf(), mount_policy.clone());
+            let rootfs = self.bundle.join("rootfs");
+            move || mount_check::refuse_new_mounts(&dir, &rootfs, &mount_policy)
+        })
+        .instrument(info_span!("mount_check", id = %self.id))
+        .await
+        .map_err(|e| restore::step("spec-check")(e.to_string()))??;
         // Step 2: CRIU configuration. Connections are closed when the checkpoint closed them or
         // this container asks for it (a new address). The gate holds the restored tasks until
         // the page images are verified. Undo: the configuration goes back to the checkpoints'.
@@ -533,23 +549,29 @@ impl Container {
             .map_err(|e| restore::step("network")(e.to_string()))?;
         }
         // Sub-mounts of the checkpoint's bind mounts (its list, verified in step 1) go to the
-        // host paths below the new spec's mounts at the same destinations.
-        let ext_mount_map = {
+        // host paths below the new spec's mounts at the same destinations, resolved without a
+        // symlink and held open until the gate has checked that CRIU mounted them.
+        let (ext_mount_map, held) = {
             let _span = info_span!("sub_mounts", id = %self.id).entered();
             let list =
                 sub_mounts::read_list(dir).map_err(|e| restore::step("prepare")(e.to_string()))?;
             if list.is_empty() {
-                Vec::new()
+                (Vec::new(), Vec::new())
             } else {
-                let map = sub_mounts::restore_map(&list, &load_spec(&self.bundle)?)
+                let held = sub_mounts::hold_all(&list, &spec)
                     .map_err(|e| restore::step("prepare")(e.to_string()))?;
+                let map = sub_mounts::restore_map(&held);
                 info!(id = %self.id, count = map.len(), "sub-mounts of bind mounts mapped for CRIU");
                 if !self.own_criu_conf {
                     warn!(id = %self.id, "the spec names its own CRIU configuration: the sub-mounts are not mapped");
                 }
-                map
+                (map, held)
             }
         };
+        let mounts = Arc::new(mount_check::Mounts {
+            policy: mount_policy,
+            held,
+        });
         let gate = Arc::new(
             VerifyGate::create(&self.bundle)
                 .map_err(|e| restore::step("prepare")(e.to_string()))?,
@@ -588,14 +610,20 @@ impl Container {
             }
         });
         // Step 3b: the restored tree held to the spec at the gate's pre-resume, where CRIU has
-        // restored every task's credentials and seccomp filters and none has run; a refusal
+        // restored every task's credentials and seccomp filters and every mount, and none has
+        // run: the spec's mount flags applied, then credentials and mounts checked; a refusal
         // kills the tree there and CRIU fails the restore.
         let held = tokio::task::spawn_blocking({
-            let (gate, policy, expected) = (gate.clone(), policy.clone(), expected.clone());
+            let (gate, policy, expected, mounts) = (
+                gate.clone(),
+                policy.clone(),
+                expected.clone(),
+                mounts.clone(),
+            );
             let span = info_span!("spec_check_restored", id = %self.id);
             move || {
                 let _span = span.enter();
-                spec_check::hold_at_gate(&gate, &policy, &expected)
+                spec_check::hold_at_gate(&gate, &policy, &expected, &mounts)
             }
         });
         // Step 4: runc restore; CRIU waits at the gate. Undo (in `run_restore`): stop the
@@ -630,9 +658,15 @@ impl Container {
             // is checked now, after it has resumed, and killed if it is beyond the spec.
             (None, Ok(())) => {
                 warn!(id = %self.id, "restored tasks were not held at pre-resume: checked after they resumed");
-                let (pid, policy, expected) = (self.init.pid, policy.clone(), expected.clone());
+                let (pid, policy, expected, mounts) = (
+                    self.init.pid,
+                    policy.clone(),
+                    expected.clone(),
+                    mounts.clone(),
+                );
                 tokio::task::spawn_blocking(move || {
-                    let verdict = spec_check::check_tree(pid, &policy, &expected);
+                    let verdict = spec_check::check_tree(pid, &policy, &expected)
+                        .and_then(|()| mounts.hold(pid));
                     if verdict.is_err() {
                         spec_check::kill_restored(pid);
                     }

@@ -19,6 +19,7 @@
 //! - [`trust`]: signatures, trusted keys, namespaces and restore sources;
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
 //! - [`sub_mounts`]: mounts below the spec's bind mounts, mapped for CRIU across a restore;
+//!   [`mount_check`]: a restore's mounts held to the new spec (flags, masks, new mounts);
 //! - [`restored_annotations`]: a containerd restore's annotations held to the signed record;
 //!   [`pod_network`]: the pod's addresses, recorded and held for established TCP connections;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
@@ -33,6 +34,7 @@ pub mod error;
 pub mod events;
 pub mod features;
 pub mod logging;
+pub mod mount_check;
 pub mod oom;
 pub mod options;
 pub mod pod_network;

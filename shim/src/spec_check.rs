@@ -640,10 +640,16 @@ pub fn walk_tree(root: i32) -> Result<Vec<(i32, Vec<i32>)>> {
     Ok(out)
 }
 
-/// At the gate's `pre-resume`: waits for CRIU's restored root, checks the tree, kills it when
-/// it is beyond the spec, and gives the gate its verdict. `None` when the restore ended
+/// At the gate's `pre-resume`: waits for CRIU's restored root, checks the tree and holds its
+/// mounts to the spec (`mount_check.rs`), kills it when it is beyond the spec, and gives the
+/// gate its verdict. `None` when the restore ended
 /// without reaching `pre-resume` (the gate was released with [`VerifyGate::no_root`]).
-pub fn hold_at_gate(gate: &VerifyGate, policy: &Policy, expected: &Expected) -> Option<Result<()>> {
+pub fn hold_at_gate(
+    gate: &VerifyGate,
+    policy: &Policy,
+    expected: &Expected,
+    mounts: &crate::mount_check::Mounts,
+) -> Option<Result<()>> {
     let root = match gate.wait_root() {
         Ok(None) => return None,
         Ok(Some(pid)) => pid,
@@ -653,13 +659,14 @@ pub fn hold_at_gate(gate: &VerifyGate, policy: &Policy, expected: &Expected) -> 
         }
     };
     let t = std::time::Instant::now();
-    let mut verdict =
-        std::panic::catch_unwind(AssertUnwindSafe(|| check_tree(root, policy, expected)))
-            .unwrap_or_else(|_| {
-                Err(Error::FailedPrecondition(
-                    "restore refused: the check of the restored tree panicked".into(),
-                ))
-            });
+    let mut verdict = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        check_tree(root, policy, expected).and_then(|()| mounts.hold(root))
+    }))
+    .unwrap_or_else(|_| {
+        Err(Error::FailedPrecondition(
+            "restore refused: the check of the restored tree panicked".into(),
+        ))
+    });
     if verdict.is_err() {
         // Killed before the verdict: whatever CRIU does next, no restored task runs.
         kill_restored(root);

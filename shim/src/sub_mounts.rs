@@ -6,11 +6,25 @@
 //!
 //! The list travels in the image directory ([`SUB_MOUNTS_FILE`], hashed into the manifest like
 //! every checkpoint file).
+//!
+//! The host path of a sub-mount lies below the source of a bind mount, a directory the
+//! container (or a sidecar through `/proc/<pid>/root`) may change while the restore runs. The
+//! restore resolves it beneath the source without following any symlink ([`hold`]: `openat2`
+//! with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`), keeps an `O_PATH` handle on what it found,
+//! and hands CRIU the path it resolved. CRIU mounts by path later; at `pre-resume` the restore
+//! checks that the mount CRIU made at the sub-mount's mountpoint is the very directory held
+//! (device and inode, `mount_check.rs`), so a swap in between fails the restore instead of
+//! redirecting it. (A `/proc/<shim>/fd/N` path cannot be handed to CRIU instead: CRIU binds
+//! from its own mount namespace, and the kernel refuses to bind a mount of another one.)
 
 use std::io::Write;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
+use image_format::mountinfo;
+use nix::fcntl::{openat2, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::Mode;
 use oci_spec::runtime::Spec;
 use serde::{Deserialize, Serialize};
 
@@ -31,7 +45,7 @@ pub enum SubMountError {
         context: String,
         source: serde_json::Error,
     },
-    #[error("malformed mountinfo line {0:?}")]
+    #[error("{0}")]
     Mountinfo(String),
     /// A sub-mount the restore cannot map to a host path of the new spec.
     #[error("sub-mount {mountpoint} (below {under}): {reason}")]
@@ -86,47 +100,14 @@ pub fn spec_mounts(spec: &Spec) -> Vec<SpecMount> {
 
 /// `/a//b/` → `/a/b`.
 fn normalize(path: &str) -> String {
-    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
-    format!("/{}", parts.join("/"))
-}
-
-/// mountinfo's octal escapes (`\040` for a space, `\011`, `\012`, `\134`).
-fn unescape(field: &str) -> String {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
-        {
-            let v = (b[i + 1] - b'0') as u32 * 64
-                + (b[i + 2] - b'0') as u32 * 8
-                + (b[i + 3] - b'0') as u32;
-            if let Ok(v) = u8::try_from(v) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    mountinfo::normalize(path)
 }
 
 /// The mountpoints of a mountinfo text (field 5, relative to the process's root), in order.
-pub fn mountpoints(mountinfo: &str) -> Result<Vec<String>> {
-    mountinfo
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            l.split_whitespace()
-                .nth(4)
-                .map(|f| normalize(&unescape(f)))
-                .ok_or_else(|| SubMountError::Mountinfo(l.to_string()))
-        })
-        .collect()
+pub fn mountpoints(text: &str) -> Result<Vec<String>> {
+    mountinfo::parse(text, "mountinfo")
+        .map(|table| table.into_iter().map(|m| m.mountpoint).collect())
+        .map_err(|e| SubMountError::Mountinfo(e.to_string()))
 }
 
 /// The mounts that lie strictly below a bind-mount destination of the spec and are not spec
@@ -209,10 +190,20 @@ pub fn read_list(dir: &Path) -> Result<Vec<SubMount>> {
     })
 }
 
-/// The host path for `sub` under the new spec: the source of the spec's mount at the same
-/// destination joined with the relative path, which must exist and, symlinks resolved, stay
-/// inside that source.
-pub fn resolve(sub: &SubMount, spec: &[SpecMount]) -> Result<PathBuf> {
+/// A sub-mount's host directory under the new spec, held open.
+#[derive(Debug)]
+pub struct Held {
+    pub sub: SubMount,
+    /// The path handed to CRIU.
+    pub host: PathBuf,
+    /// `O_PATH` handle on what `host` named when it was resolved.
+    pub fd: OwnedFd,
+}
+
+/// The host directory for `sub` under the new spec: the source of the spec's mount at the same
+/// destination joined with the relative path, resolved beneath that source without following
+/// a symlink, and held open.
+pub fn hold(sub: &SubMount, spec: &[SpecMount]) -> Result<Held> {
     let refuse = |reason: String| SubMountError::Unresolved {
         mountpoint: sub.mountpoint.clone(),
         under: sub.under.clone(),
@@ -236,22 +227,51 @@ pub fn resolve(sub: &SubMount, spec: &[SpecMount]) -> Result<PathBuf> {
             sub.under
         )));
     };
+    // The source itself is the host path the spec names (kubelet's choice, outside the
+    // container): symlinks in it are the node's own.
     let root = source
         .canonicalize()
         .map_err(|e| refuse(format!("mount source {}: {e}", source.display())))?;
+    let root_fd = nix::fcntl::open(
+        &root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| refuse(format!("mount source {}: {e}", root.display())))?;
     let joined = root.join(rel);
-    let host = joined
-        .canonicalize()
-        .map_err(|e| refuse(format!("host path {}: {e}", joined.display())))?;
-    if !host.starts_with(&root) {
-        return Err(refuse(format!(
-            "host path {} leads out of the mount source {} (to {})",
-            joined.display(),
-            root.display(),
-            host.display()
-        )));
-    }
-    Ok(host)
+    let fd = openat2(
+        root_fd.as_fd(),
+        rel,
+        OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS),
+    )
+    .map_err(|e| {
+        refuse(match e {
+            nix::errno::Errno::ELOOP => format!(
+                "host path {} has a symlink on the way below the mount source {} (refused: it could be swapped before CRIU mounts it)",
+                joined.display(),
+                root.display()
+            ),
+            nix::errno::Errno::EXDEV => format!(
+                "host path {} leads out of the mount source {}",
+                joined.display(),
+                root.display()
+            ),
+            e => format!("host path {}: {e}", joined.display()),
+        })
+    })?;
+    Ok(Held {
+        sub: sub.clone(),
+        host: joined,
+        fd,
+    })
+}
+
+/// Every sub-mount of `list` held under `spec` ([`hold`]).
+pub fn hold_all(list: &[SubMount], spec: &Spec) -> Result<Vec<Held>> {
+    let mounts = spec_mounts(spec);
+    list.iter().map(|s| hold(s, &mounts)).collect()
 }
 
 /// The dump's `ext-mount-map` pairs: mountpoint → key.
@@ -261,11 +281,10 @@ pub fn dump_map(list: &[SubMount]) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The restore's `ext-mount-map` pairs: key → host path, every entry resolved against `spec`.
-pub fn restore_map(list: &[SubMount], spec: &Spec) -> Result<Vec<(String, String)>> {
-    let mounts = spec_mounts(spec);
-    list.iter()
-        .map(|s| Ok((s.key.clone(), resolve(s, &mounts)?.display().to_string())))
+/// The restore's `ext-mount-map` pairs: key → host path.
+pub fn restore_map(held: &[Held]) -> Vec<(String, String)> {
+    held.iter()
+        .map(|h| (h.sub.key.clone(), h.host.display().to_string()))
         .collect()
 }
 
@@ -391,25 +410,27 @@ mod tests {
         let spec = [other("/proc"), bind("/data", &src)];
         let root = src.canonicalize().unwrap();
 
-        assert_eq!(resolve(&sub("sub"), &spec).unwrap(), root.join("sub"));
-        assert_eq!(
-            resolve(&sub("sub/deeper"), &spec).unwrap(),
-            root.join("sub/deeper")
+        let host = |rel: &str| hold(&sub(rel), &spec).map(|h| h.host);
+        assert_eq!(host("sub").unwrap(), root.join("sub"));
+        assert_eq!(host("sub/deeper").unwrap(), root.join("sub/deeper"));
+        // What is held is what the path named.
+        let held = hold(&sub("sub/deeper"), &spec).unwrap();
+        let (a, b) = (
+            nix::sys::stat::fstat(held.fd.as_fd()).unwrap(),
+            nix::sys::stat::stat(&root.join("sub/deeper")).unwrap(),
         );
-        assert_eq!(
-            resolve(&sub("inside-link"), &spec).unwrap(),
-            root.join("sub")
-        );
+        assert_eq!((a.st_dev, a.st_ino), (b.st_dev, b.st_ino));
         for (rel, why) in [
             ("missing", "host path"),
-            ("out-link", "leads out of"),
-            ("up-link", "leads out of"),
+            ("inside-link", "symlink on the way"),
+            ("out-link", "symlink on the way"),
+            ("up-link", "symlink on the way"),
             ("../outside", "not a plain path"),
             ("sub/../../outside", "not a plain path"),
             ("/etc", "not a plain path"),
             ("", "not a plain path"),
         ] {
-            let e = resolve(&sub(rel), &spec).unwrap_err().to_string();
+            let e = hold(&sub(rel), &spec).unwrap_err().to_string();
             assert!(e.contains(why), "{rel}: {e}");
             assert!(
                 e.contains("sub-mount /data/"),
@@ -417,7 +438,7 @@ mod tests {
             );
         }
         // The new spec has no mount there.
-        let e = resolve(&sub("sub"), &[bind("/elsewhere", &src)])
+        let e = hold(&sub("sub"), &[bind("/elsewhere", &src)])
             .unwrap_err()
             .to_string();
         assert!(e.contains("no mount") && e.contains("/data/sub"), "{e}");

@@ -237,6 +237,11 @@ pub struct ContainerSpec {
     /// `securityContext.seccompProfile.type`; `None` sends no profile (containerd runs the
     /// container unconfined).
     pub seccomp: Option<cri::security_profile::ProfileType>,
+    /// `securityContext.readOnlyRootFilesystem`.
+    pub readonly_rootfs: bool,
+    /// The masked and read-only paths kubelet sends (containerd's spec has none without them).
+    pub masked_paths: Vec<String>,
+    pub readonly_paths: Vec<String>,
 }
 
 impl ContainerSpec {
@@ -295,6 +300,41 @@ impl ContainerSpec {
     /// Adds capabilities to the runtime's default set.
     pub fn add_capabilities<S: AsRef<str>>(mut self, caps: &[S]) -> Self {
         self.add_capabilities = caps.iter().map(|c| c.as_ref().to_string()).collect();
+        self
+    }
+
+    /// `securityContext.readOnlyRootFilesystem: true`.
+    pub fn readonly_rootfs(mut self) -> Self {
+        self.readonly_rootfs = true;
+        self
+    }
+
+    /// The masked and read-only paths kubelet sends for `procMount: Default`.
+    pub fn kubelet_proc_paths(mut self) -> Self {
+        self.masked_paths = [
+            "/proc/asound",
+            "/proc/acpi",
+            "/proc/kcore",
+            "/proc/keys",
+            "/proc/latency_stats",
+            "/proc/timer_list",
+            "/proc/timer_stats",
+            "/proc/sched_debug",
+            "/proc/scsi",
+            "/sys/firmware",
+            "/sys/devices/virtual/powercap",
+        ]
+        .map(String::from)
+        .to_vec();
+        self.readonly_paths = [
+            "/proc/bus",
+            "/proc/fs",
+            "/proc/irq",
+            "/proc/sys",
+            "/proc/sysrq-trigger",
+        ]
+        .map(String::from)
+        .to_vec();
         self
     }
 
@@ -403,6 +443,9 @@ impl ContainerSpec {
                         ..Default::default()
                     }),
                     no_new_privs: self.no_new_privs,
+                    readonly_rootfs: self.readonly_rootfs,
+                    masked_paths: self.masked_paths.clone(),
+                    readonly_paths: self.readonly_paths.clone(),
                     seccomp: self.seccomp.map(|t| cri::SecurityProfile {
                         profile_type: t as i32,
                         localhost_ref: String::new(),

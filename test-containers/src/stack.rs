@@ -1516,35 +1516,13 @@ fn mounts_under(prefixes: &[PathBuf]) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = info
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .map(unescape_mount)
+        .map(image_format::mountinfo::unescape)
         .map(PathBuf::from)
         .filter(|m| prefixes.iter().any(|p| m.starts_with(p)))
         .collect();
     out.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
     out.dedup();
     out
-}
-
-/// Undoes mountinfo's octal escapes (`\040` for a space, ...).
-fn unescape_mount(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() {
-            let oct = &s[i + 1..(i + 4).min(s.len())];
-            if oct.len() == 3 && oct.bytes().all(|c| (b'0'..=b'7').contains(&c)) {
-                if let Ok(v) = u8::from_str_radix(oct, 8) {
-                    out.push(v);
-                    i += 4;
-                    continue;
-                }
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// One image from `$STACK/images/images.json`.
@@ -1777,13 +1755,6 @@ pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unescapes_mountinfo() {
-        assert_eq!(unescape_mount("/a\\040b"), "/a b");
-        assert_eq!(unescape_mount("/plain"), "/plain");
-        assert_eq!(unescape_mount("/x\\"), "/x\\");
-    }
 
     #[test]
     fn cni_net_differs_per_node() {
