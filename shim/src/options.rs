@@ -392,6 +392,7 @@ impl RuntimeOptions {
             hosts_dir: Some(PathBuf::from(hosts_dir)),
             auth_file: (!self.registry_auth_file.is_empty())
                 .then(|| PathBuf::from(&self.registry_auth_file)),
+            ..Default::default()
         }
     }
 

@@ -530,7 +530,7 @@ fn fetch(bundle: &Path, source: &str, limits: Limits, options: &RuntimeOptions) 
         }
         let out = bundle.join(FETCHED_ARCHIVE);
         let _ = std::fs::remove_file(&out);
-        oci::extract_archive_from_image(&path, &out, &mut |_, _| {})
+        oci::extract_archive_from_image(&path, &out, limits, &mut |_, _| {})
             .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
         return Ok(out);
     }
