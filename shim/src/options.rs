@@ -301,6 +301,7 @@ impl RuntimeOptions {
             if source.is_empty()
                 || source.split('/').any(|c| c == "..")
                 || (!dir && !source.contains('/'))
+                || (!dir && image_format::reference::RegistryPrefix::parse(source).is_err())
             {
                 return Err(Error::InvalidArgument(format!(
                     "invalid RestoreSources entry {source:?}: expected an absolute directory or a registry prefix (host/path/)"
@@ -664,6 +665,8 @@ mod tests {
             "NamespaceMoves = [\"a/b/c\"]",
             "RestoreSources = [\"/a/../b\"]",
             "RestoreSources = [\"relative\"]",
+            "RestoreSources = [\"registry.example.com/ckpt/%2e%2e/\"]",
+            "RestoreSources = [\"registry.example.com@evil/\"]",
             "SigningKey = \"key\"",
         ] {
             let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();

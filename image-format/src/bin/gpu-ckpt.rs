@@ -823,7 +823,12 @@ fn pull(reference: &str, archive: &Path, registry: &RegistryArgs) -> Result<Exit
     let size = std::fs::metadata(archive)
         .with_context(|| format!("reading {}", archive.display()))?
         .len();
-    println!("pulled {reference}@{d}");
+    // A digest reference names its digest already (and was verified against it).
+    if reference.contains('@') {
+        println!("pulled {reference}");
+    } else {
+        println!("pulled {reference}@{d}");
+    }
     println!("  archive {} ({})", archive.display(), human(size));
     Ok(ExitCode::SUCCESS)
 }
