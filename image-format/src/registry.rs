@@ -513,6 +513,35 @@ fn describe_error_body(body: &[u8]) -> String {
     one_line.trim().to_string()
 }
 
+/// The credentials that go to the token service at `realm` for the endpoint `host` whose own
+/// login is `login`: none over plain HTTP; `login` where the token service is the endpoint's
+/// own host and port; else the login the auth file names for the token service's host, or none.
+/// With why the endpoint's login was withheld, where it was.
+fn token_credentials(
+    realm: &reqwest::Url,
+    host: &str,
+    login: &Credential,
+    auth_file: &AuthFile,
+) -> Result<(Credential, Option<String>)> {
+    let realm_host = url_host(realm);
+    let creds = if realm.scheme() != "https" {
+        Credential::Anonymous
+    } else if realm_host == host {
+        login.clone()
+    } else {
+        auth_file.login(&realm_host)?
+    };
+    let withheld = (creds == Credential::Anonymous && *login != Credential::Anonymous).then(|| {
+        let base = format!("the login for {host} was not sent to the token service {realm}");
+        if realm.scheme() != "https" {
+            format!("{base}: plain HTTP")
+        } else {
+            format!("{base}: another host, and the auth file has no login for {realm_host}")
+        }
+    });
+    Ok((creds, withheld))
+}
+
 /// What a session sends in `Authorization` to its endpoint.
 #[derive(Debug, Clone)]
 enum Authorization {
@@ -812,7 +841,13 @@ impl Session {
                 "the token service {realm:?} is not an http:// or https:// URL without a user"
             )));
         }
-        let host = url_host(&url);
+        let (creds, withheld) =
+            token_credentials(&url, &self.endpoint.host, &self.login, &self.auth_file)
+                .map_err(|e| Fail::Other(e.to_string()))?;
+        if let Some(why) = withheld {
+            warn!(registry = %self.registry, %realm, "{why}");
+            self.withheld = Some(why);
+        }
         let scope = match op {
             Op::Pull => format!("repository:{}:pull", self.reference.repository()),
             Op::Push => format!("repository:{}:pull,push", self.reference.repository()),
@@ -823,27 +858,6 @@ impl Session {
             if let Some(s) = service {
                 q.append_pair("service", s);
             }
-        }
-        let creds = if url.scheme() != "https" {
-            Credential::Anonymous
-        } else if host == self.endpoint.host {
-            self.login.clone()
-        } else {
-            self.auth_file
-                .login(&host)
-                .map_err(|e| Fail::Other(e.to_string()))?
-        };
-        if creds == Credential::Anonymous && self.login != Credential::Anonymous {
-            let why = if url.scheme() != "https" {
-                format!(
-                    "the login for {} was not sent to the token service {realm}: plain HTTP",
-                    self.endpoint.host
-                )
-            } else {
-                format!("the login for {} was not sent to the token service {realm}: another host, and the auth file has no login for {host}", self.endpoint.host)
-            };
-            warn!(registry = %self.registry, %realm, "{why}");
-            self.withheld = Some(why);
         }
         let mut b = self.client.get(url);
         if let Credential::Basic(u, p) = &creds {
@@ -1697,6 +1711,53 @@ capabilities = ["push"]
             e.starts_with("registry https://127.0.0.1:1: login: "),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_token_service_gets_only_its_own_hosts_login_and_only_over_https() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("auth.json");
+        // "u:p" and "t:q" in base64.
+        fs::write(
+            &p,
+            r#"{"auths":{"reg.example:5443":{"auth":"dTpw"},"auth.example":{"auth":"dDpx"}}}"#,
+        )
+        .unwrap();
+        let file = AuthFile::find(Some(&p));
+        let login = file.login("reg.example:5443").unwrap();
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        let creds = |realm: &str| {
+            token_credentials(&url(realm), "reg.example:5443", &login, &file).unwrap()
+        };
+        // The registry's own token service, over HTTPS: its login.
+        assert_eq!(
+            creds("https://reg.example:5443/token"),
+            (login.clone(), None)
+        );
+        // The same host over plain HTTP, or on another port: none of it.
+        let (c, why) = creds("http://reg.example:5443/token");
+        assert_eq!(c, Credential::Anonymous);
+        assert!(why.unwrap().ends_with(": plain HTTP"));
+        let (c, why) = creds("https://reg.example:9999/token");
+        assert_eq!(c, Credential::Anonymous);
+        assert!(why
+            .unwrap()
+            .ends_with("another host, and the auth file has no login for reg.example:9999"));
+        // Another host with a login of its own: that login, never the registry's.
+        assert_eq!(
+            creds("https://auth.example/token"),
+            (Credential::Basic("t".into(), "q".into()), None)
+        );
+        assert_eq!(creds("http://auth.example/token").0, Credential::Anonymous);
+        // An anonymous endpoint withholds nothing.
+        let (c, why) = token_credentials(
+            &url("https://evil.example/t"),
+            "mirror.example",
+            &Credential::Anonymous,
+            &file,
+        )
+        .unwrap();
+        assert_eq!((c, why), (Credential::Anonymous, None));
     }
 
     #[test]
