@@ -5,8 +5,9 @@
 //! - [`manifest`]: the versioned gpu-ckpt manifest the shim writes next to the CRIU images.
 //! - [`compat`]: can a checkpoint restore on a node, and which field differs if not.
 //! - [`oci`]: the archive as an OCI image (layout directory or tarball), and back.
-//! - [`registry`]: the registry client (oci-client): push an image, pull a checkpoint archive,
-//!   with containerd's host directory and docker-style logins.
+//! - [`registry`]: the registry client: push an image, pull a checkpoint archive, with
+//!   containerd's host directory and docker-style logins, each login to its own host.
+//! - [`reference`]: image references and `RestoreSources` registry prefixes, parsed strictly.
 //! - [`protowire`]: a minimal protobuf reader for CRIU's statistics images.
 //! - [`criu_creds`]: the credentials and seccomp state CRIU recorded for each task.
 //! - [`mountinfo`]: mount tables, the kernel's (`/proc/<pid>/mountinfo`) and CRIU's.
@@ -31,6 +32,7 @@ pub mod manifest;
 pub mod mountinfo;
 pub mod oci;
 pub mod protowire;
+pub mod reference;
 pub mod registry;
 pub mod safe;
 pub mod sign;

@@ -21,6 +21,7 @@ use crate::compat::{self, keys, Profile};
 use crate::digest::{sha256_hex, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, SCHEMA_VERSION};
+use crate::reference::ImageRef;
 use crate::safe::{Checker, EntryKind, Limits};
 
 pub const MEDIA_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
@@ -120,14 +121,18 @@ fn go_arch() -> &'static str {
     }
 }
 
-/// The tag part of a reference (after the last ':' that follows the last '/'), or "latest".
-pub fn tag_of(reference: &str) -> &str {
-    let base = reference.rsplit('/').next().unwrap_or(reference);
-    let base = base.split('@').next().unwrap_or(base);
-    match base.rfind(':') {
-        Some(i) => &base[i + 1..],
-        None => "latest",
+/// The tag an image is built under: the reference's, parsed by [`ImageRef`], or "latest". A
+/// digest names what is built, so a build's reference has none.
+fn build_tag(opts: &BuildOptions) -> Result<String> {
+    let r = ImageRef::parse(&opts.reference)?;
+    if let Some(d) = r.digest() {
+        return Err(Error::InvalidField {
+            what: format!("reference {:?}", opts.reference),
+            field: "reference".into(),
+            reason: format!("a build names a tag, not a digest ({d})"),
+        });
     }
+    Ok(r.tag().unwrap_or("latest").to_string())
 }
 
 /// A reader that copies everything read through it to `out`, hashing and counting.
@@ -260,7 +265,13 @@ fn stream_layer(
 }
 
 /// Build the config, manifest and index for a layer.
-fn assemble(layer_hex: &str, layer_size: u64, c: Collected, opts: &BuildOptions) -> Result<Built> {
+fn assemble(
+    layer_hex: &str,
+    layer_size: u64,
+    c: Collected,
+    opts: &BuildOptions,
+    tag: &str,
+) -> Result<Built> {
     let info = c.info;
     let name = info.container_name();
     let (_, pod, ns) = info.identity();
@@ -338,7 +349,7 @@ fn assemble(layer_hex: &str, layer_size: u64, c: Collected, opts: &BuildOptions)
         serde_json::to_vec(&manifest).map_err(|e| Error::json("image manifest", e))?;
     let manifest_digest = format!("sha256:{}", sha256_hex(&manifest_json));
     let mut idx_ann = ann;
-    idx_ann.insert(ANN_REF_NAME.into(), tag_of(&opts.reference).to_string());
+    idx_ann.insert(ANN_REF_NAME.into(), tag.to_string());
     idx_ann.insert(ANN_CONTAINERD_IMAGE_NAME.into(), opts.reference.clone());
     let index = Index {
         schema_version: 2,
@@ -367,12 +378,14 @@ fn assemble(layer_hex: &str, layer_size: u64, c: Collected, opts: &BuildOptions)
     })
 }
 
+/// Creates or truncates `path`, mode 0600, never through a symlink.
 fn private_create(path: &Path) -> Result<File> {
     fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
         .map_err(|e| Error::io("creating", path, e))
 }
@@ -391,6 +404,19 @@ fn mkdir_private(path: &Path) -> Result<()> {
         .map_err(|e| Error::io("creating", path, e))
 }
 
+/// A fresh private directory for staging an image under the temporary directory: a new random
+/// name made by `mkdir` itself (never an existing directory, never through a link), mode 0700,
+/// removed with everything in it when dropped.
+pub fn private_temp_dir(prefix: &str) -> Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    let base = std::env::temp_dir();
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .permissions(fs::Permissions::from_mode(0o700))
+        .tempdir_in(&base)
+        .map_err(|e| Error::io("creating a private directory in", base, e))
+}
+
 /// Build an OCI layout directory at `dir` from the archive `src`.
 pub fn build_layout(
     src: &Path,
@@ -398,6 +424,7 @@ pub fn build_layout(
     opts: &BuildOptions,
     progress: Progress<'_>,
 ) -> Result<Built> {
+    let tag = build_tag(opts)?;
     let blobs = dir.join("blobs").join("sha256");
     mkdir_private(&blobs)?;
     let tmp = blobs.join(format!(".layer.tmp-{}", std::process::id()));
@@ -406,7 +433,7 @@ pub fn build_layout(
         let mut w = io::BufWriter::with_capacity(COPY_BUF, f);
         let (hexd, size, c) = stream_layer(src, &mut w, opts.limits, progress)?;
         w.flush().map_err(|e| Error::io("writing", &tmp, e))?;
-        let built = assemble(&hexd, size, c, opts)?;
+        let built = assemble(&hexd, size, c, opts, &tag)?;
         fs::rename(&tmp, blobs.join(&hexd)).map_err(|e| Error::io("renaming", &tmp, e))?;
         write_private(
             &blobs.join(hex_of(&built.manifest.config.digest)),
@@ -466,6 +493,7 @@ pub fn build_tarball(
     opts: &BuildOptions,
     progress: Progress<'_>,
 ) -> Result<Built> {
+    let tag = build_tag(opts)?;
     crate::safe::write_atomically(out, |w, tmp| {
         let werr = |e: io::Error| Error::io("writing", tmp, e);
         for (d, name) in [(true, "blobs/"), (true, "blobs/sha256/")] {
@@ -490,7 +518,7 @@ pub fn build_tarball(
             ));
         }
         pad(w, size).map_err(werr)?;
-        let built = assemble(&hexd, size, c, opts)?;
+        let built = assemble(&hexd, size, c, opts, &tag)?;
         let end = w.stream_position().map_err(werr)?;
         w.seek(SeekFrom::Start(layer_header_at)).map_err(werr)?;
         w.write_all(tar_header(&format!("blobs/sha256/{hexd}"), size, false)?.as_bytes())
@@ -629,13 +657,25 @@ pub fn image_profile(image: &Path) -> Result<Option<Profile>> {
 /// Write the checkpoint archive held in an image back to `out` (mode 0600), verifying the layer digest
 /// while copying. For our images (uncompressed layer) the result is byte-identical to the archive the
 /// image was built from.
-pub fn extract_archive_from_image(image: &Path, out: &Path, progress: Progress<'_>) -> Result<u64> {
-    crate::safe::write_atomically(out, |w, _| write_layer(image, w, progress))
+pub fn extract_archive_from_image(
+    image: &Path,
+    out: &Path,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<u64> {
+    crate::safe::write_atomically(out, |w, _| write_layer(image, w, limits, progress))
 }
 
 /// Stream the checkpoint archive held in an image into `w`, verifying the layer digest (and size)
-/// while copying. Returns the bytes written.
-pub fn write_layer(image: &Path, w: &mut dyn Write, progress: Progress<'_>) -> Result<u64> {
+/// while copying. The layer is read no further than the size its manifest declares, and a
+/// compressed layer is decompressed to at most `limits.max_total_bytes`: a larger one is refused
+/// naming the limit. Returns the bytes written.
+pub fn write_layer(
+    image: &Path,
+    w: &mut dyn Write,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<u64> {
     let src = source_of(image)?;
     let (m, _) = read_image_manifest(image)?;
     if !m.annotations.contains_key(ANN_CONTAINERD_NAME)
@@ -664,13 +704,25 @@ pub fn write_layer(image: &Path, w: &mut dyn Write, progress: Progress<'_>) -> R
     };
     let name = blob_name(&layer.digest)?;
     let copy = |r: &mut dyn Read, w: &mut dyn Write, progress: Progress<'_>| -> Result<u64> {
-        // Hash the blob as stored (compressed or not), write the tar.
-        let mut hr = crate::digest::HashingReader::new(r);
+        // Hash the blob as stored (compressed or not), write the tar. One byte past the declared
+        // size is read, to see that there is more.
+        let mut hr = crate::digest::HashingReader::new(r.take(layer.size.saturating_add(1)));
         let n = if gz {
-            let mut dec = flate2::read::GzDecoder::new(&mut hr);
-            crate::digest::copy_hashing(&mut dec, w, 0, progress)
+            let limit = limits.max_total_bytes;
+            let mut dec = flate2::read::GzDecoder::new(&mut hr).take(limit.saturating_add(1));
+            let n = crate::digest::copy_hashing(&mut dec, w, 0, progress)
                 .map_err(|e| Error::io("decompressing layer of", image, e))?
-                .1
+                .1;
+            if n > limit {
+                return Err(Error::oci(
+                    name.clone(),
+                    format!(
+                        "gzip layer of {} bytes decompresses to more than the limit of {limit} bytes",
+                        layer.size
+                    ),
+                ));
+            }
+            n
         } else {
             crate::digest::copy_hashing(&mut hr, w, layer.size, progress)
                 .map_err(|e| Error::io("copying layer of", image, e))?
@@ -719,8 +771,8 @@ pub fn write_layer(image: &Path, w: &mut dyn Write, progress: Progress<'_>) -> R
 }
 
 /// Verify an image's layer against its digest without writing anything.
-pub fn verify_image(image: &Path, progress: Progress<'_>) -> Result<u64> {
-    write_layer(image, &mut io::sink(), progress)
+pub fn verify_image(image: &Path, limits: Limits, progress: Progress<'_>) -> Result<u64> {
+    write_layer(image, &mut io::sink(), limits, progress)
 }
 
 /// Reads the blob `digest` of an image (layout directory or tarball), at most `limit` bytes,
@@ -766,29 +818,6 @@ pub(crate) fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)
             Ok((t, at))
         }
     }
-}
-
-/// Split `host[:port]/name[:tag]` into (host, name, tag).
-pub fn split_reference(reference: &str) -> Result<(String, String, String)> {
-    let bad = |why: &str| Error::InvalidField {
-        what: format!("reference {reference:?}"),
-        field: "reference".into(),
-        reason: why.into(),
-    };
-    let (host, rest) = reference
-        .split_once('/')
-        .ok_or_else(|| bad("expected host[:port]/name[:tag]"))?;
-    if rest.is_empty() || host.is_empty() {
-        return Err(bad("expected host[:port]/name[:tag]"));
-    }
-    let (name, tag) = match rest.rsplit_once(':') {
-        Some((n, t)) if !t.contains('/') => (n, t),
-        _ => (rest, "latest"),
-    };
-    if name.is_empty() || tag.is_empty() || name.contains("..") {
-        return Err(bad("empty name or tag"));
-    }
-    Ok((host.to_string(), name.to_string(), tag.to_string()))
 }
 
 /// Is `path` an OCI image (a layout directory, or a tarball holding `oci-layout` and `index.json`)

@@ -1,5 +1,5 @@
 //! The one registry client: pushes checkpoint images and pulls their archives over the OCI
-//! distribution API, through the `oci-client` crate (reqwest + rustls).
+//! distribution API, on reqwest and rustls, with every read bounded.
 //!
 //! - Transport: HTTPS with the system's trust store, plus containerd's per-registry host
 //!   directory (the `certs.d` layout, [`HostsDir`]): `DIR/HOST[:PORT]/hosts.toml` (`server`,
@@ -13,11 +13,20 @@
 //!   fallback (containerd's pusher too takes the first push host).
 //! - Logins: a docker-style auth file ([`AuthFile`]: `--authfile`, `$REGISTRY_AUTH_FILE`,
 //!   `$DOCKER_CONFIG/config.json`, `~/.docker/config.json`) read with `docker_credential`, so
-//!   `auths`, `credHelpers` and `credsStore` work; basic and bearer-token challenges are
-//!   `oci-client`'s.
+//!   `auths`, `credHelpers` and `credsStore` work. A login goes to the host it names and to no
+//!   other: each endpoint (mirror or server) gets the login the file has for its own
+//!   `host[:port]`, or none; a basic login goes over plain HTTP only to a loopback host; a
+//!   bearer token service gets credentials only over HTTPS and only the login the file names
+//!   for the token service's own host (the registry's, when it serves its own tokens).
+//! - References: parsed by [`crate::reference::ImageRef`] (the distribution grammar); a digest
+//!   reference is fetched by digest and the manifest verified against it.
+//! - Bounds: `/v2/`, token and error bodies are read up to 64 KiB, a manifest up to 4 MiB (a
+//!   larger one is refused by its declared length or as soon as the bytes pass the limit,
+//!   never buffered), the layer up to its declared size, and a whole pull ends at its deadline
+//!   ([`RegistryOptions::pull_deadline`], default one hour); each error names the limit.
 //! - Errors name the registry and the cause ([`Error::Registry`]).
 //!
-//! `oci-client` is async; the functions here are synchronous and run it on a private
+//! The HTTP client is async; the functions here are synchronous and run it on a private
 //! current-thread runtime in a thread of their own, so they may be called from any thread,
 //! a tokio runtime's included, without nesting runtimes.
 
@@ -27,19 +36,15 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
-use oci_client::errors::{OciDistributionError, OciErrorCode};
-use oci_client::secrets::RegistryAuth;
-use oci_client::{Client, Reference, RegistryOperation};
 use sha2::{Digest, Sha256};
 use tracing::{debug, info_span, warn};
 
 use crate::digest::{Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::oci::{self, ImageManifest, MEDIA_LAYER_TAR, MEDIA_MANIFEST};
+use crate::reference::ImageRef;
 use crate::safe::Limits;
 
 /// containerd's default host directory, the CLI's default `--hosts-dir`.
@@ -48,7 +53,7 @@ pub const DEFAULT_HOSTS_DIR: &str = "/etc/containerd/certs.d";
 /// Largest image manifest a pull accepts.
 const MAX_MANIFEST_DOC: usize = 4 << 20;
 
-/// Where the client finds its TLS settings and logins.
+/// Where the client finds its TLS settings and logins, and how long a pull may take.
 #[derive(Debug, Clone, Default)]
 pub struct RegistryOptions {
     /// containerd's host directory (`certs.d` layout). `None`: no per-registry settings.
@@ -56,6 +61,9 @@ pub struct RegistryOptions {
     /// The docker-style auth file. `None`: the first of `$REGISTRY_AUTH_FILE`,
     /// `$DOCKER_CONFIG/config.json`, `~/.docker/config.json` that exists, else anonymous.
     pub auth_file: Option<PathBuf>,
+    /// How long a whole pull may take, every host tried included. `None`:
+    /// [`DEFAULT_PULL_DEADLINE`].
+    pub pull_deadline: Option<Duration>,
 }
 
 fn reg_err(registry: &str, reason: impl Into<String>) -> Error {
@@ -295,6 +303,13 @@ fn resolve(hosts_dir: Option<&Path>, registry: &str, need: Need) -> Result<Vec<E
     Ok(vec![e])
 }
 
+/// A login: a user name and password, or none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Credential {
+    Anonymous,
+    Basic(String, String),
+}
+
 /// Where logins come from.
 #[derive(Debug, Clone)]
 pub struct AuthFile {
@@ -325,26 +340,27 @@ impl AuthFile {
         }
     }
 
-    /// The login for `registry`, anonymous when the file has none for it.
-    fn login(&self, registry: &str) -> Result<RegistryAuth> {
+    /// The login the file names for exactly `host` (`host[:port]`, as containerd looks one up
+    /// for the host it is about to contact), anonymous when it has none.
+    fn login(&self, host: &str) -> Result<Credential> {
         let Some(path) = &self.path else {
-            return Ok(RegistryAuth::Anonymous);
+            return Ok(Credential::Anonymous);
         };
         let f = File::open(path)
-            .map_err(|e| reg_err(registry, format!("auth file {}: {e}", path.display())))?;
+            .map_err(|e| reg_err(host, format!("auth file {}: {e}", path.display())))?;
         use docker_credential::{CredentialRetrievalError as C, DockerCredential as D};
-        match docker_credential::get_credential_from_reader(std::io::BufReader::new(f), registry) {
-            Ok(D::UsernamePassword(u, p)) => Ok(RegistryAuth::Basic(u, p)),
+        match docker_credential::get_credential_from_reader(std::io::BufReader::new(f), host) {
+            Ok(D::UsernamePassword(u, p)) => Ok(Credential::Basic(u, p)),
             Ok(D::IdentityToken(_)) => Err(reg_err(
-                registry,
+                host,
                 format!(
-                    "auth file {}: holds an identity token for {registry}, which this client cannot exchange; log in with a user name and password or a credential helper",
+                    "auth file {}: holds an identity token for {host}, which this client cannot exchange; log in with a user name and password or a credential helper",
                     path.display()
                 ),
             )),
-            Err(C::NoCredentialConfigured) => Ok(RegistryAuth::Anonymous),
+            Err(C::NoCredentialConfigured) => Ok(Credential::Anonymous),
             Err(e) => Err(reg_err(
-                registry,
+                host,
                 format!("auth file {}: {}", path.display(), e.to_string().trim()),
             )),
         }
@@ -358,42 +374,205 @@ impl AuthFile {
     }
 }
 
-/// The login for a registry and where it came from (for errors).
-struct Login {
-    auth: RegistryAuth,
-    origin: String,
+/// What the client reads from a registry besides manifests and blobs (`/v2/` answers, token
+/// answers, error bodies): at most this much of each.
+const MAX_SMALL_BODY: usize = 64 << 10;
+
+/// How long a whole pull may take, all hosts tried together, unless
+/// [`RegistryOptions::pull_deadline`] says otherwise.
+pub const DEFAULT_PULL_DEADLINE: Duration = Duration::from_secs(3600);
+
+/// Why a request failed, before it is told in words by [`Session::explain`].
+#[derive(Debug)]
+enum Fail {
+    /// The server (or its token service) answered with this status.
+    Status { code: u16, said: String },
+    /// No answer: the connection, TLS, a timeout.
+    Transport(reqwest::Error),
+    /// Anything else, said in full.
+    Other(String),
 }
 
-impl Login {
-    /// The login for `registry` from the auth file of `opts`.
-    fn find(registry: &str, opts: &RegistryOptions) -> Result<Login> {
-        let file = AuthFile::find(opts.auth_file.as_deref());
-        Ok(Login {
-            auth: file.login(registry)?,
-            origin: file.describe(),
-        })
+/// The registry's operation, for the token's scope.
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    Pull,
+    Push,
+}
+
+/// A `WWW-Authenticate` challenge.
+#[derive(Debug, PartialEq, Eq)]
+enum Challenge {
+    Basic,
+    Bearer {
+        realm: String,
+        service: Option<String>,
+    },
+}
+
+/// Parses a `WWW-Authenticate` value: `Basic realm="…"` or `Bearer realm="…",service="…",…`.
+fn parse_challenge(v: &str) -> Option<Challenge> {
+    let v = v.trim();
+    let (scheme, rest) = v.split_once(' ').unwrap_or((v, ""));
+    if scheme.eq_ignore_ascii_case("basic") {
+        return Some(Challenge::Basic);
+    }
+    if !scheme.eq_ignore_ascii_case("bearer") {
+        return None;
+    }
+    let mut params = std::collections::BTreeMap::new();
+    let mut rest = rest.trim();
+    while !rest.is_empty() {
+        let (key, after) = rest.split_once('=')?;
+        let key = key.trim().to_ascii_lowercase();
+        let after = after.trim_start();
+        let (value, next) = if let Some(q) = after.strip_prefix('"') {
+            let end = q.find('"')?;
+            (&q[..end], &q[end + 1..])
+        } else {
+            let end = after.find(',').unwrap_or(after.len());
+            (after[..end].trim(), &after[end..])
+        };
+        params.insert(key, value.to_string());
+        rest = next.trim_start().trim_start_matches(',').trim_start();
+    }
+    Some(Challenge::Bearer {
+        realm: params.remove("realm")?,
+        service: params.remove("service"),
+    })
+}
+
+/// `host[:port]` of a URL, the port only where the URL writes one (how auth files name hosts).
+fn url_host(u: &reqwest::Url) -> String {
+    let host = u.host_str().unwrap_or_default();
+    match u.port() {
+        Some(p) => format!("{host}:{p}"),
+        None => host.to_string(),
     }
 }
 
-/// One session with one registry: the endpoint, the login and the client.
+/// Reads a body of at most `limit` bytes: refused before reading when the declared length is
+/// larger, and as soon as the bytes read pass the limit (the connection is dropped then, the
+/// rest never read). `None` when the body is larger than `limit`.
+async fn read_upto(
+    mut res: reqwest::Response,
+    limit: usize,
+) -> std::result::Result<Option<Vec<u8>>, reqwest::Error> {
+    if res.content_length().is_some_and(|n| n > limit as u64) {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = res.chunk().await? {
+        if body.len() + chunk.len() > limit {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(body))
+}
+
+/// A failed answer's status and what its body says (the distribution error codes and
+/// messages, else the text), read up to [`MAX_SMALL_BODY`].
+async fn status_fail(res: reqwest::Response) -> Fail {
+    let code = res.status().as_u16();
+    let said = match read_upto(res, MAX_SMALL_BODY).await {
+        Ok(Some(body)) => describe_error_body(&body),
+        Ok(None) => format!("an error body larger than {MAX_SMALL_BODY} bytes, not read"),
+        Err(e) => format!("the error body could not be read: {}", chain(&e)),
+    };
+    Fail::Status { code, said }
+}
+
+/// The distribution error envelope's codes and messages, or the body's text, on one line.
+fn describe_error_body(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Envelope {
+        errors: Vec<Item>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Item {
+        #[serde(default)]
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    let text = match serde_json::from_slice::<Envelope>(body) {
+        Ok(e) if !e.errors.is_empty() => e
+            .errors
+            .iter()
+            .map(|i| format!("{} {}", i.code, i.message).trim().to_string())
+            .collect::<Vec<_>>()
+            .join("; "),
+        _ => String::from_utf8_lossy(body).into_owned(),
+    };
+    let one_line: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(300)
+        .collect();
+    one_line.trim().to_string()
+}
+
+/// The credentials that go to the token service at `realm` for the endpoint `host` whose own
+/// login is `login`: none over plain HTTP; `login` where the token service is the endpoint's
+/// own host and port; else the login the auth file names for the token service's host, or none.
+/// With why the endpoint's login was withheld, where it was.
+fn token_credentials(
+    realm: &reqwest::Url,
+    host: &str,
+    login: &Credential,
+    auth_file: &AuthFile,
+) -> Result<(Credential, Option<String>)> {
+    let realm_host = url_host(realm);
+    let creds = if realm.scheme() != "https" {
+        Credential::Anonymous
+    } else if realm_host == host {
+        login.clone()
+    } else {
+        auth_file.login(&realm_host)?
+    };
+    let withheld = (creds == Credential::Anonymous && *login != Credential::Anonymous).then(|| {
+        let base = format!("the login for {host} was not sent to the token service {realm}");
+        if realm.scheme() != "https" {
+            format!("{base}: plain HTTP")
+        } else {
+            format!("{base}: another host, and the auth file has no login for {realm_host}")
+        }
+    });
+    Ok((creds, withheld))
+}
+
+/// What a session sends in `Authorization` to its endpoint.
+#[derive(Debug, Clone)]
+enum Authorization {
+    Basic(String, String),
+    Bearer(String),
+}
+
+/// One session with one host of a registry: the endpoint, its login and the client.
 struct Session {
+    reference: ImageRef,
     registry: String,
     endpoint: Endpoint,
     /// A localhost registry without host settings: HTTPS first, plain HTTP when it answers in
     /// plain HTTP (containerd's fallback for localhost).
     http_fallback: bool,
-    config: ClientSettings,
-    auth: RegistryAuth,
-    auth_origin: String,
-    client: Client,
-    reference: Reference,
+    auth_file: AuthFile,
+    /// The login the auth file names for this endpoint's host (never another host's).
+    login: Credential,
+    client: reqwest::Client,
+    /// What goes in `Authorization` to this endpoint, once the login is done.
+    authorization: Option<Authorization>,
+    /// Set when credentials were not given to a token service (why), for the error if the
+    /// registry then refuses.
+    withheld: Option<String>,
 }
 
 impl Session {
     /// A session with `endpoint`, one of the endpoints [`resolve`] gives for the registry of
-    /// `reference`, with the registry's `login` (the same for every endpoint).
-    fn open(reference: &str, endpoint: Endpoint, login: &Login) -> Result<Session> {
-        let (registry, repo, tag) = oci::split_reference(reference)?;
+    /// `reference`, with the login the auth file names for the endpoint's own host.
+    fn open(reference: &ImageRef, endpoint: Endpoint, auth_file: &AuthFile) -> Result<Session> {
+        let registry = reference.registry().to_string();
         if !endpoint.client.is_empty() {
             return Err(reg_err(
                 &registry,
@@ -411,87 +590,148 @@ impl Session {
         }
         let mut roots = Vec::new();
         for ca in &endpoint.ca {
-            let data = fs::read(ca).map_err(|e| {
+            let bad = |e: String| {
                 reg_err(
                     &registry,
                     format!("CA {} from {}: {e}", ca.display(), endpoint.origin),
                 )
-            })?;
-            roots.push(Certificate {
-                encoding: if data.starts_with(b"-----") {
-                    CertificateEncoding::Pem
-                } else {
-                    CertificateEncoding::Der
-                },
-                data,
-            });
+            };
+            let data = fs::read(ca).map_err(|e| bad(e.to_string()))?;
+            if data.starts_with(b"-----") {
+                roots.extend(
+                    reqwest::Certificate::from_pem_bundle(&data).map_err(|e| bad(chain(&e)))?,
+                );
+            } else {
+                roots.push(reqwest::Certificate::from_der(&data).map_err(|e| bad(chain(&e)))?);
+            }
         }
         // reqwest is built without a default crypto provider; rustls's ring is it, for the
         // whole process (a second install is refused and changes nothing).
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut mirror = None;
-        if endpoint.host != registry {
-            mirror = Some(endpoint.host.clone());
-        }
-        let settings = ClientSettings {
-            skip_verify: endpoint.skip_verify,
-            roots,
-        };
+        let client = reqwest::Client::builder()
+            .danger_accept_invalid_certs(endpoint.skip_verify)
+            .tls_certs_merge(roots)
+            .connect_timeout(Duration::from_secs(30))
+            .read_timeout(Duration::from_secs(300))
+            .user_agent(concat!("gpu-ckpt/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| reg_err(&registry, format!("making the client: {}", chain(&e))))?;
+        let login = auth_file.login(&endpoint.host)?;
         let http_fallback = endpoint.origin == "default" && is_localhost(&registry);
-        let client = settings.client(&endpoint.scheme == "http", &registry)?;
-        let mut r = Reference::with_tag(registry.clone(), repo, tag);
-        if let Some(m) = mirror {
-            r.set_mirror_registry(m);
-        }
-        debug!(%registry, endpoint = %format!("{}://{}", endpoint.scheme, endpoint.host), origin = %endpoint.origin, "registry endpoint");
+        debug!(%registry, endpoint = %format!("{}://{}", endpoint.scheme, endpoint.host), origin = %endpoint.origin, login = !matches!(login, Credential::Anonymous), "registry endpoint");
         Ok(Session {
+            reference: reference.clone(),
             registry,
             endpoint,
             http_fallback,
-            config: settings,
-            auth_origin: login.origin.clone(),
-            auth: login.auth.clone(),
+            auth_file: auth_file.clone(),
+            login,
             client,
-            reference: r,
+            authorization: None,
+            withheld: None,
         })
     }
 
-    /// Turns the client's error into one line naming the registry and the cause.
-    fn explain(&self, what: &str, e: OciDistributionError) -> Error {
-        let status = status_of(&e);
-        let reason = if status == Some(401) || status == Some(403) {
-            match &self.auth {
-                RegistryAuth::Anonymous => format!(
-                    "{what}: the registry asks for a login and there are no credentials for {} ({})",
-                    self.registry, self.auth_origin
-                ),
-                RegistryAuth::Basic(u, _) => format!(
-                    "{what}: credentials refused for user {u:?} ({})",
-                    self.auth_origin
-                ),
-                RegistryAuth::Bearer(_) => {
-                    format!("{what}: token refused ({})", self.auth_origin)
+    /// `scheme://host[:port]` of the endpoint.
+    fn base(&self) -> String {
+        format!("{}://{}", self.endpoint.scheme, self.endpoint.host)
+    }
+
+    /// The URL of `rest` (`manifests/TAG`, `blobs/DIGEST`, …) in the repository; on a mirror
+    /// with `?ns=<registry>`, as containerd sends it.
+    fn url(&self, rest: &str) -> String {
+        let ns = if self.endpoint.host == self.registry {
+            String::new()
+        } else {
+            format!("?ns={}", self.registry)
+        };
+        format!(
+            "{}/v2/{}/{rest}{ns}",
+            self.base(),
+            self.reference.repository()
+        )
+    }
+
+    /// A request to `url`, with the endpoint's authorization only where `url` is the
+    /// endpoint's own scheme, host and port (an upload location elsewhere gets none; reqwest
+    /// drops it on redirects to another host too).
+    fn request(&self, method: http::Method, url: &str) -> reqwest::RequestBuilder {
+        let b = self.client.request(method, url);
+        let ours = reqwest::Url::parse(url).is_ok_and(|u| {
+            u.scheme() == self.endpoint.scheme && url_host(&u) == self.endpoint.host
+        });
+        match &self.authorization {
+            Some(Authorization::Basic(u, p)) if ours => b.basic_auth(u, Some(p)),
+            Some(Authorization::Bearer(t)) if ours => b.bearer_auth(t),
+            _ => b,
+        }
+    }
+
+    /// Sends `b`; an answer other than one of `ok` is a [`Fail::Status`].
+    async fn send(
+        &self,
+        b: reqwest::RequestBuilder,
+        ok: &[u16],
+    ) -> std::result::Result<reqwest::Response, Fail> {
+        let res = b.send().await.map_err(Fail::Transport)?;
+        if ok.contains(&res.status().as_u16()) {
+            Ok(res)
+        } else {
+            Err(status_fail(res).await)
+        }
+    }
+
+    /// Turns a failure into one line naming the registry (and the mirror) and the cause.
+    fn explain(&self, what: &str, f: Fail) -> Error {
+        let reason = match f {
+            // The registry's own words add nothing here (and may be long).
+            Fail::Status {
+                code: 401 | 403, ..
+            } => {
+                let base = match &self.login {
+                    Credential::Anonymous => format!(
+                        "{what}: the registry asks for a login and there are no credentials for {} ({})",
+                        self.endpoint.host,
+                        self.auth_file.describe()
+                    ),
+                    Credential::Basic(u, _) => format!(
+                        "{what}: credentials refused for user {u:?} ({})",
+                        self.auth_file.describe()
+                    ),
+                };
+                match &self.withheld {
+                    Some(w) => format!("{base} ({w})"),
+                    None => base,
                 }
             }
-        } else if status == Some(404) {
-            format!("{what}: {} not found", self.reference_name())
-        } else if let Some(why) = certificate_problem(&e) {
-            let trust = if self.endpoint.ca.is_empty() {
-                "the system's trust store; no CA for this host in the host directory".to_string()
-            } else {
-                format!(
-                    "the system's trust store and {}",
-                    self.endpoint
-                        .ca
-                        .iter()
-                        .map(|p| p.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            };
-            format!("{what}: the server certificate does not verify ({why}) against {trust}")
-        } else {
-            format!("{what}: {}", chain(&e))
+            Fail::Status { code: 404, .. } => {
+                format!("{what}: {} not found", self.reference)
+            }
+            Fail::Status { code, said } => format!("{what}: HTTP {code}: {said}"),
+            Fail::Transport(e) => {
+                if let Some(why) = certificate_problem(&e) {
+                    let trust = if self.endpoint.ca.is_empty() {
+                        "the system's trust store; no CA for this host in the host directory"
+                            .to_string()
+                    } else {
+                        format!(
+                            "the system's trust store and {}",
+                            self.endpoint
+                                .ca
+                                .iter()
+                                .map(|p| p.display().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    };
+                    format!(
+                        "{what}: the server certificate does not verify ({why}) against {trust}"
+                    )
+                } else {
+                    format!("{what}: {}", chain(&e))
+                }
+            }
+            Fail::Other(s) => format!("{what}: {s}"),
         };
         let at = if self.endpoint.host == self.registry {
             format!("{}://{}", self.endpoint.scheme, self.registry)
@@ -504,61 +744,264 @@ impl Session {
         reg_err(&at, reason)
     }
 
-    fn reference_name(&self) -> String {
-        format!(
-            "{}/{}:{}",
-            self.registry,
-            self.reference.repository(),
-            self.reference.tag().unwrap_or("latest")
-        )
-    }
-
     /// The first request (`GET /v2/` and the login it asks for). A localhost registry that
     /// answers HTTPS with plain HTTP is spoken to over plain HTTP from then on.
-    async fn login(&mut self, op: RegistryOperation) -> Result<()> {
-        match self.client.auth(&self.reference, &self.auth, op).await {
-            Ok(_) => Ok(()),
-            Err(e) if self.http_fallback && status_of(&e).is_none() && plain_http_answer(&e) => {
+    async fn login(&mut self, op: Op) -> Result<()> {
+        match self.try_login(op).await {
+            Ok(()) => Ok(()),
+            Err(Fail::Transport(e)) if self.http_fallback && plain_http_answer(&e) => {
                 debug!(registry = %self.registry, "localhost registry answers plain HTTP");
                 self.endpoint.scheme = "http".into();
                 self.http_fallback = false;
-                self.client = self.config.client(true, &self.registry)?;
-                self.client
-                    .auth(&self.reference, &self.auth, op)
+                self.try_login(op)
                     .await
-                    .map(|_| ())
-                    .map_err(|e| self.explain("login", e))
+                    .map_err(|f| self.explain("login", f))
             }
-            Err(e) => Err(self.explain("login", e)),
+            Err(f) => Err(self.explain("login", f)),
         }
     }
-}
 
-/// What a client is made of besides the scheme.
-struct ClientSettings {
-    skip_verify: bool,
-    roots: Vec<Certificate>,
-}
+    async fn try_login(&mut self, op: Op) -> std::result::Result<(), Fail> {
+        self.authorization = None;
+        let url = format!("{}/v2/", self.base());
+        let res = self
+            .client
+            .get(&url)
+            .send()
+            .await
+            .map_err(Fail::Transport)?;
+        if res.status().is_success() {
+            return Ok(());
+        }
+        if res.status().as_u16() != 401 {
+            return Err(status_fail(res).await);
+        }
+        let challenge = res
+            .headers()
+            .get(http::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(parse_challenge);
+        let refused = status_fail(res).await;
+        match challenge {
+            Some(Challenge::Basic) => {
+                let basic = self.basic()?.ok_or(refused)?;
+                self.authorization = Some(basic);
+                // Checked here, so that a wrong password is told as the login's failure.
+                self.send(self.request(http::Method::GET, &url), &[200])
+                    .await
+                    .map(drop)
+            }
+            Some(Challenge::Bearer { realm, service }) => {
+                let token = self.token(&realm, service.as_deref(), op).await?;
+                if http::HeaderValue::from_str(&token).is_err() {
+                    return Err(Fail::Other(format!(
+                        "the token service {realm} answered a token that is no header value"
+                    )));
+                }
+                self.authorization = Some(Authorization::Bearer(token));
+                Ok(())
+            }
+            None => Err(refused),
+        }
+    }
 
-impl ClientSettings {
-    fn client(&self, http: bool, registry: &str) -> Result<Client> {
-        let config = ClientConfig {
-            protocol: if http {
-                ClientProtocol::Http
-            } else {
-                ClientProtocol::Https
-            },
-            accept_invalid_certificates: self.skip_verify,
-            use_monolithic_push: true,
-            extra_root_certificates: self.roots.clone(),
-            connect_timeout: Some(Duration::from_secs(30)),
-            read_timeout: Some(Duration::from_secs(300)),
-            max_concurrent_download: 1,
-            max_concurrent_upload: 1,
-            ..Default::default()
+    /// This endpoint's own login for a basic challenge; `None` without one. Credentials go over
+    /// plain HTTP only to a loopback host.
+    fn basic(&self) -> std::result::Result<Option<Authorization>, Fail> {
+        let Credential::Basic(u, p) = &self.login else {
+            return Ok(None);
         };
-        Client::try_from(config)
-            .map_err(|e| reg_err(registry, format!("making the client: {}", chain(&e))))
+        if self.endpoint.scheme != "https" && !is_localhost(&self.endpoint.host) {
+            return Err(Fail::Other(format!(
+                "{} asks for a login over plain HTTP; credentials are sent only over HTTPS (or to a loopback host)",
+                self.endpoint.host
+            )));
+        }
+        Ok(Some(Authorization::Basic(u.clone(), p.clone())))
+    }
+
+    /// A token from the token service `realm` for the repository and `op`. Credentials go with
+    /// the request only over HTTPS and only where the auth file names the token service's own
+    /// host (the registry's host, for a registry that serves its own tokens): never this host's
+    /// login to another host, never over plain HTTP. The answer is read up to
+    /// [`MAX_SMALL_BODY`].
+    async fn token(
+        &mut self,
+        realm: &str,
+        service: Option<&str>,
+        op: Op,
+    ) -> std::result::Result<String, Fail> {
+        let mut url = reqwest::Url::parse(realm)
+            .map_err(|e| Fail::Other(format!("the token service {realm:?} is not a URL ({e})")))?;
+        if !matches!(url.scheme(), "http" | "https")
+            || !url.username().is_empty()
+            || url.password().is_some()
+        {
+            return Err(Fail::Other(format!(
+                "the token service {realm:?} is not an http:// or https:// URL without a user"
+            )));
+        }
+        let (creds, withheld) =
+            token_credentials(&url, &self.endpoint.host, &self.login, &self.auth_file)
+                .map_err(|e| Fail::Other(e.to_string()))?;
+        if let Some(why) = withheld {
+            warn!(registry = %self.registry, %realm, "{why}");
+            self.withheld = Some(why);
+        }
+        let scope = match op {
+            Op::Pull => format!("repository:{}:pull", self.reference.repository()),
+            Op::Push => format!("repository:{}:pull,push", self.reference.repository()),
+        };
+        {
+            let mut q = url.query_pairs_mut();
+            q.append_pair("scope", &scope);
+            if let Some(s) = service {
+                q.append_pair("service", s);
+            }
+        }
+        let mut b = self.client.get(url);
+        if let Credential::Basic(u, p) = &creds {
+            b = b.basic_auth(u, Some(p));
+        }
+        let res = b.send().await.map_err(Fail::Transport)?;
+        if !res.status().is_success() {
+            return Err(match status_fail(res).await {
+                Fail::Status { code, said } => Fail::Status {
+                    code,
+                    said: format!("token service {realm}: {said}"),
+                },
+                f => f,
+            });
+        }
+        let body = read_upto(res, MAX_SMALL_BODY)
+            .await
+            .map_err(Fail::Transport)?
+            .ok_or_else(|| {
+                Fail::Other(format!(
+                    "the token service {realm} answered more than the limit of {MAX_SMALL_BODY} bytes"
+                ))
+            })?;
+        #[derive(serde::Deserialize)]
+        struct Token {
+            #[serde(default)]
+            token: String,
+            #[serde(default)]
+            access_token: String,
+        }
+        let t: Token = serde_json::from_slice(&body).map_err(|e| {
+            Fail::Other(format!("the token service {realm} answered no token ({e})"))
+        })?;
+        let token = if t.token.is_empty() {
+            t.access_token
+        } else {
+            t.token
+        };
+        if token.is_empty() {
+            return Err(Fail::Other(format!(
+                "the token service {realm} answered no token"
+            )));
+        }
+        Ok(token)
+    }
+
+    /// The image manifest the reference names, read up to [`MAX_MANIFEST_DOC`] bytes (a larger
+    /// one is refused before or while it is read, never buffered), and its digest: verified
+    /// against the reference's digest where it names one, and against the registry's
+    /// `Docker-Content-Digest` where it sends one.
+    async fn manifest(&self) -> std::result::Result<(Vec<u8>, String), Fail> {
+        let url = self.url(&format!(
+            "manifests/{}",
+            self.reference.manifest_reference()
+        ));
+        let res = self
+            .send(
+                self.request(http::Method::GET, &url)
+                    .header(http::header::ACCEPT, MEDIA_MANIFEST),
+                &[200],
+            )
+            .await?;
+        let header = res
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let body = read_upto(res, MAX_MANIFEST_DOC)
+            .await
+            .map_err(Fail::Transport)?
+            .ok_or_else(|| {
+                Fail::Other(format!(
+                    "its manifest is larger than the limit of {MAX_MANIFEST_DOC} bytes"
+                ))
+            })?;
+        let got = format!("sha256:{}", hex::encode(Sha256::digest(&body)));
+        if let Some(want) = self.reference.digest() {
+            if got != want {
+                return Err(Fail::Other(format!(
+                    "the registry answered {} with manifest {got}, not {want}",
+                    self.reference
+                )));
+            }
+        } else if let Some(h) = header.filter(|h| h.starts_with("sha256:")) {
+            if h != got {
+                return Err(Fail::Other(format!(
+                    "the manifest's digest is {got}, the registry's Docker-Content-Digest says {h}"
+                )));
+            }
+        }
+        Ok((body, got))
+    }
+
+    async fn blob_exists(&self, digest: &str) -> std::result::Result<bool, Fail> {
+        let url = self.url(&format!("blobs/{digest}"));
+        let res = self
+            .send(self.request(http::Method::HEAD, &url), &[200, 404])
+            .await?;
+        Ok(res.status().as_u16() == 200)
+    }
+
+    /// Uploads a blob in one `PUT` (a monolithic upload after the `POST`).
+    async fn push_blob<S>(&self, digest: &str, size: u64, data: S) -> std::result::Result<(), Fail>
+    where
+        S: futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static,
+    {
+        let start = self.url("blobs/uploads/");
+        let res = self
+            .send(self.request(http::Method::POST, &start), &[202])
+            .await?;
+        let location = res
+            .headers()
+            .get(http::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .ok_or_else(|| Fail::Other("the upload's answer has no Location".into()))?;
+        let mut url = reqwest::Url::parse(&start)
+            .and_then(|s| s.join(location))
+            .map_err(|e| Fail::Other(format!("upload location {location:?}: {e}")))?;
+        drop(res);
+        url.query_pairs_mut().append_pair("digest", digest);
+        self.send(
+            self.request(http::Method::PUT, url.as_str())
+                .header(http::header::CONTENT_TYPE, "application/octet-stream")
+                .header(http::header::CONTENT_LENGTH, size)
+                .body(reqwest::Body::wrap_stream(data)),
+            &[201],
+        )
+        .await
+        .map(drop)
+    }
+
+    async fn push_manifest(&self, doc: Vec<u8>) -> std::result::Result<(), Fail> {
+        let url = self.url(&format!(
+            "manifests/{}",
+            self.reference.manifest_reference()
+        ));
+        self.send(
+            self.request(http::Method::PUT, &url)
+                .header(http::header::CONTENT_TYPE, MEDIA_MANIFEST)
+                .body(doc),
+            &[201],
+        )
+        .await
+        .map(drop)
     }
 }
 
@@ -581,28 +1024,6 @@ fn plain_http_answer(e: &(dyn std::error::Error + 'static)) -> bool {
     }
     let text = chain(e);
     text.contains("InvalidContentType") || text.contains("corrupt message")
-}
-
-/// The HTTP status behind an error, where there is one.
-fn status_of(e: &OciDistributionError) -> Option<u16> {
-    match e {
-        OciDistributionError::UnauthorizedError { .. } => Some(401),
-        OciDistributionError::AuthenticationFailure(_) => Some(401),
-        OciDistributionError::ImageManifestNotFoundError(_) => Some(404),
-        OciDistributionError::ServerError { code, .. } => Some(*code),
-        OciDistributionError::RequestError(r) => r.status().map(|s| s.as_u16()),
-        OciDistributionError::RegistryError { envelope, .. } => {
-            envelope.errors.iter().find_map(|x| match x.code {
-                OciErrorCode::Unauthorized => Some(401),
-                OciErrorCode::Denied => Some(403),
-                OciErrorCode::ManifestUnknown
-                | OciErrorCode::NameUnknown
-                | OciErrorCode::BlobUnknown => Some(404),
-                _ => None,
-            })
-        }
-        _ => None,
-    }
 }
 
 /// Why the server's certificate was refused, if that is what happened.
@@ -665,11 +1086,13 @@ fn chain(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// Runs `f` on a private current-thread runtime in a thread of its own, calling `progress` with
-/// the bytes `f` counts in `done` (of `total`) about ten times a second meanwhile.
+/// the bytes `f` counts in `done` (of `total`) about ten times a second meanwhile. With a
+/// `deadline`, `f` is stopped there and `late` is the error.
 fn run_async<T, F>(
     done: Arc<AtomicU64>,
     total: &AtomicU64,
     progress: Progress<'_>,
+    deadline: Option<(Instant, Error)>,
     f: F,
 ) -> Result<T>
 where
@@ -682,7 +1105,14 @@ where
                 .enable_all()
                 .build()
                 .map_err(|e| Error::io("starting the registry client's runtime", "", e))?;
-            rt.block_on(f)
+            match deadline {
+                None => rt.block_on(f),
+                Some((at, late)) => rt.block_on(async move {
+                    tokio::time::timeout_at(at.into(), f)
+                        .await
+                        .unwrap_or(Err(late))
+                }),
+            }
         });
         while !worker.is_finished() {
             std::thread::sleep(Duration::from_millis(100));
@@ -701,9 +1131,7 @@ fn blob_stream(
     offset: u64,
     size: u64,
     done: Arc<AtomicU64>,
-) -> Result<
-    impl futures_util::Stream<Item = oci_client::errors::Result<bytes::Bytes>> + Send + 'static,
-> {
+) -> Result<impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static> {
     let mut f = File::open(&path).map_err(|e| Error::io("opening", &path, e))?;
     f.seek(SeekFrom::Start(offset))
         .map_err(|e| Error::io("seeking in", &path, e))?;
@@ -719,7 +1147,7 @@ fn blob_stream(
                     done.fetch_add(k as u64, Ordering::Relaxed);
                     Some((Ok(bytes::Bytes::from(buf)), r))
                 }
-                Err(e) => Some((Err(OciDistributionError::IoError(e)), r)),
+                Err(e) => Some((Err(e), r)),
             }
         }
     }))
@@ -735,7 +1163,14 @@ pub fn push_image(
     progress: Progress<'_>,
 ) -> Result<String> {
     let _span = info_span!("registry_push", %reference).entered();
+    let reference = ImageRef::parse(reference)?;
     let (m, mdigest) = oci::read_image_manifest(image)?;
+    if let Some(d) = reference.digest().filter(|d| *d != mdigest) {
+        return Err(reg_err(
+            reference.registry(),
+            format!("{reference} names manifest {d}, the image's is {mdigest}"),
+        ));
+    }
     let manifest_json = oci::read_image_blob(image, &mdigest, crate::archive::MAX_METADATA_BYTES)?;
     let mut blobs = vec![m.config.clone()];
     blobs.extend(m.layers.iter().cloned());
@@ -745,23 +1180,22 @@ pub fn push_image(
         located.push((b.clone(), path, offset));
     }
     // The first host that may push, and only that one, as containerd's pusher does.
-    let (registry, _, _) = oci::split_reference(reference)?;
-    let endpoint = resolve(opts.hosts_dir.as_deref(), &registry, Need::Push)?
+    let registry = reference.registry();
+    let endpoint = resolve(opts.hosts_dir.as_deref(), registry, Need::Push)?
         .into_iter()
         .next()
-        .ok_or_else(|| reg_err(&registry, "no host may push"))?;
-    let login = Login::find(&registry, opts)?;
-    let mut session = Session::open(reference, endpoint, &login)?;
+        .ok_or_else(|| reg_err(registry, "no host may push"))?;
+    let auth_file = AuthFile::find(opts.auth_file.as_deref());
+    let mut session = Session::open(&reference, endpoint, &auth_file)?;
     let done = Arc::new(AtomicU64::new(0));
     let total = AtomicU64::new(blobs.iter().map(|b| b.size).sum());
     let d2 = done.clone();
     let s = &mut session;
-    run_async(done, &total, progress, async move {
-        s.login(RegistryOperation::Push).await?;
+    run_async(done, &total, progress, None, async move {
+        s.login(Op::Push).await?;
         for (b, path, offset) in located {
             let exists = s
-                .client
-                .blob_exists(&s.reference, &b.digest)
+                .blob_exists(&b.digest)
                 .await
                 .map_err(|e| s.explain("checking for a blob", e))?;
             if exists {
@@ -769,30 +1203,26 @@ pub fn push_image(
                 continue;
             }
             let stream = blob_stream(path, offset, b.size, d2.clone())?;
-            s.client
-                .push_blob_stream(&s.reference, stream, &b.digest, Some(b.size))
+            s.push_blob(&b.digest, b.size, stream)
                 .await
                 .map_err(|e| s.explain(&format!("uploading blob {}", b.digest), e))?;
         }
-        s.client
-            .push_manifest_raw(&s.reference, manifest_json, http_header(MEDIA_MANIFEST))
+        s.push_manifest(manifest_json)
             .await
             .map_err(|e| s.explain("putting the manifest", e))?;
         Ok(mdigest)
     })
 }
 
-fn http_header(v: &'static str) -> http::HeaderValue {
-    http::HeaderValue::from_static(v)
-}
-
 /// Pulls a checkpoint image from a registry and writes its archive, the image's single layer,
 /// to `out` (created new, mode 0600). The manifest must be a checkpoint image's (one
-/// uncompressed layer, the checkpoint annotation); the layer must fit `limits` and is hashed
-/// while it streams, refused unless it matches its digest and size. The registry's endpoints
-/// (mirrors, then the server) are tried in turn, each with a session of its own, until one
-/// serves the image; `out` is emptied before each next try. A refused pull leaves no file.
-/// Returns the manifest digest.
+/// uncompressed layer, the checkpoint annotation), at most 4 MiB, and the one a digest
+/// reference names; the layer must fit `limits` and is hashed while it streams, refused unless
+/// it matches its digest and size. The registry's endpoints (mirrors, then the server) are
+/// tried in turn, each with a session of its own and its own login, until one serves the
+/// image; `out` is emptied before each next try. The whole pull ends at
+/// [`RegistryOptions::pull_deadline`]. A refused pull leaves no file. Returns the manifest
+/// digest.
 pub fn pull_archive(
     reference: &str,
     out: &Path,
@@ -801,10 +1231,12 @@ pub fn pull_archive(
     progress: Progress<'_>,
 ) -> Result<String> {
     let _span = info_span!("registry_pull", %reference).entered();
-    let (registry, _, _) = oci::split_reference(reference)?;
-    let endpoints = resolve(opts.hosts_dir.as_deref(), &registry, Need::Pull)?;
-    // The login is the registry's, whichever host serves it: read once, before any file.
-    let login = Login::find(&registry, opts)?;
+    let reference = ImageRef::parse(reference)?;
+    let registry = reference.registry();
+    let endpoints = resolve(opts.hosts_dir.as_deref(), registry, Need::Pull)?;
+    let auth_file = AuthFile::find(opts.auth_file.as_deref());
+    let limit = opts.pull_deadline.unwrap_or(DEFAULT_PULL_DEADLINE);
+    let deadline = Instant::now() + limit;
     let mut f = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -817,9 +1249,22 @@ pub fn pull_archive(
     let mut res = None;
     for (i, endpoint) in endpoints.into_iter().enumerate() {
         let at = format!("{}://{}", endpoint.scheme, endpoint.host);
+        let late = reg_err(
+            registry,
+            format!(
+                "the pull of {reference} did not finish within its deadline of {} s (at {at})",
+                limit.as_secs()
+            ),
+        );
+        if Instant::now() >= deadline {
+            res = Some(Err(late));
+            break;
+        }
         let emptied = if i == 0 { Ok(()) } else { empty(&mut f, out) };
-        let attempt = emptied
-            .and_then(|()| pull_from(reference, endpoint, &login, &mut f, out, limits, progress));
+        let attempt = emptied.and_then(|()| {
+            let session = Session::open(&reference, endpoint, &auth_file)?;
+            pull_from(session, &mut f, out, limits, (deadline, late), progress)
+        });
         match attempt {
             Ok(digest) => {
                 res = Some(Ok(digest));
@@ -842,7 +1287,7 @@ pub fn pull_archive(
         }
     }
     drop(f);
-    let res = res.unwrap_or_else(|| Err(all_failed(&registry, failed)));
+    let res = res.unwrap_or_else(|| Err(all_failed(registry, failed)));
     if res.is_err() {
         let _ = fs::remove_file(out);
     }
@@ -876,58 +1321,55 @@ fn all_failed(registry: &str, mut failed: Vec<(String, Error)>) -> Error {
     reg_err(registry, format!("every host failed: {}", each.join("; ")))
 }
 
-/// One try of [`pull_archive`]: the image from `endpoint`, its layer written to `f` (empty).
+/// One try of [`pull_archive`]: the image from the session's endpoint, its layer written to
+/// `f` (empty), by `deadline`.
 fn pull_from(
-    reference: &str,
-    endpoint: Endpoint,
-    login: &Login,
+    mut session: Session,
     f: &mut File,
     out: &Path,
     limits: Limits,
+    deadline: (Instant, Error),
     progress: Progress<'_>,
 ) -> Result<String> {
-    let mut session = Session::open(reference, endpoint, login)?;
     let done = Arc::new(AtomicU64::new(0));
     let total = AtomicU64::new(0);
     let d2 = done.clone();
     let s = &mut session;
     let t = &total;
     let fr = f;
-    run_async(done, &total, progress, async move {
-        s.login(RegistryOperation::Pull).await?;
+    run_async(done, &total, progress, Some(deadline), async move {
+        s.login(Op::Pull).await?;
         let (doc, mdigest) = s
-            .client
-            .pull_manifest_raw(&s.reference, &s.auth, &[MEDIA_MANIFEST])
+            .manifest()
             .await
             .map_err(|e| s.explain("getting the manifest", e))?;
-        let name = s.reference_name();
+        let name = s.reference.to_string();
         let not_ckpt = |why: String| {
             reg_err(
                 &s.registry,
                 format!("{name} is not a checkpoint image: {why}"),
             )
         };
-        if doc.len() > MAX_MANIFEST_DOC {
-            return Err(not_ckpt(format!(
-                "its manifest is larger than {MAX_MANIFEST_DOC} bytes"
-            )));
-        }
         let m: ImageManifest = serde_json::from_slice(&doc)
             .map_err(|e| not_ckpt(format!("not an OCI image manifest ({e})")))?;
         check_checkpoint_manifest(&m, limits).map_err(not_ckpt)?;
         let layer = &m.layers[0];
         t.store(layer.size, Ordering::Relaxed);
-        let mut stream = s
-            .client
-            .pull_blob_stream(&s.reference, layer.digest.as_str())
+        let url = s.url(&format!("blobs/{}", layer.digest));
+        let mut res = s
+            .send(s.request(http::Method::GET, &url), &[200])
             .await
-            .map_err(|e| s.explain(&format!("getting blob {}", layer.digest), e))?
-            .stream;
+            .map_err(|e| s.explain(&format!("getting blob {}", layer.digest), e))?;
         let mut hasher = Sha256::new();
         let mut n = 0u64;
         let blob_err = |why: String| reg_err(&s.registry, format!("blob {}: {why}", layer.digest));
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| blob_err(chain(&e)))?;
+        if let Some(declared) = res.content_length().filter(|&c| c > layer.size) {
+            return Err(blob_err(format!(
+                "the registry sends {declared} bytes, larger than its {} bytes",
+                layer.size
+            )));
+        }
+        while let Some(chunk) = res.chunk().await.map_err(|e| blob_err(chain(&e)))? {
             n += chunk.len() as u64;
             if n > layer.size {
                 return Err(blob_err(format!("larger than its {} bytes", layer.size)));
@@ -1230,12 +1672,13 @@ capabilities = ["push"]
 
     /// A pull from hosts nothing listens on (loopback ports 1 and 2: refused at once).
     fn pull_dead(hosts_toml: &str, reference: &str) -> (String, bool) {
-        let (registry, _, _) = oci::split_reference(reference).unwrap();
+        let registry = ImageRef::parse(reference).unwrap().registry().to_string();
         let t = dir_with(&registry, &[("hosts.toml", hosts_toml)]);
         let out = t.path().join("out.tar");
         let opts = RegistryOptions {
             hosts_dir: Some(t.path().to_path_buf()),
             auth_file: Some(t.path().join("no-auth.json")),
+            ..Default::default()
         };
         fs::write(t.path().join("no-auth.json"), "{}").unwrap();
         let e = pull_archive(reference, &out, Limits::default(), &opts, &mut |_, _| {})
@@ -1271,6 +1714,87 @@ capabilities = ["push"]
     }
 
     #[test]
+    fn a_token_service_gets_only_its_own_hosts_login_and_only_over_https() {
+        let t = tempfile::tempdir().unwrap();
+        let p = t.path().join("auth.json");
+        // "u:p" and "t:q" in base64.
+        fs::write(
+            &p,
+            r#"{"auths":{"reg.example:5443":{"auth":"dTpw"},"auth.example":{"auth":"dDpx"}}}"#,
+        )
+        .unwrap();
+        let file = AuthFile::find(Some(&p));
+        let login = file.login("reg.example:5443").unwrap();
+        let url = |u: &str| reqwest::Url::parse(u).unwrap();
+        let creds = |realm: &str| {
+            token_credentials(&url(realm), "reg.example:5443", &login, &file).unwrap()
+        };
+        // The registry's own token service, over HTTPS: its login.
+        assert_eq!(
+            creds("https://reg.example:5443/token"),
+            (login.clone(), None)
+        );
+        // The same host over plain HTTP, or on another port: none of it.
+        let (c, why) = creds("http://reg.example:5443/token");
+        assert_eq!(c, Credential::Anonymous);
+        assert!(why.unwrap().ends_with(": plain HTTP"));
+        let (c, why) = creds("https://reg.example:9999/token");
+        assert_eq!(c, Credential::Anonymous);
+        assert!(why
+            .unwrap()
+            .ends_with("another host, and the auth file has no login for reg.example:9999"));
+        // Another host with a login of its own: that login, never the registry's.
+        assert_eq!(
+            creds("https://auth.example/token"),
+            (Credential::Basic("t".into(), "q".into()), None)
+        );
+        assert_eq!(creds("http://auth.example/token").0, Credential::Anonymous);
+        // An anonymous endpoint withholds nothing.
+        let (c, why) = token_credentials(
+            &url("https://evil.example/t"),
+            "mirror.example",
+            &Credential::Anonymous,
+            &file,
+        )
+        .unwrap();
+        assert_eq!((c, why), (Credential::Anonymous, None));
+    }
+
+    #[test]
+    fn challenges_are_parsed() {
+        assert_eq!(
+            parse_challenge("Basic realm=\"Registry Realm\""),
+            Some(Challenge::Basic)
+        );
+        assert_eq!(
+            parse_challenge(
+                "Bearer realm=\"https://auth.example/token\",service=\"reg.example\",scope=\"repository:a/b:pull\""
+            ),
+            Some(Challenge::Bearer {
+                realm: "https://auth.example/token".into(),
+                service: Some("reg.example".into()),
+            })
+        );
+        assert_eq!(
+            parse_challenge("bearer realm=https://t.example/x, service=s"),
+            Some(Challenge::Bearer {
+                realm: "https://t.example/x".into(),
+                service: Some("s".into()),
+            })
+        );
+        assert_eq!(parse_challenge("Bearer service=\"s\""), None);
+        assert_eq!(parse_challenge("Negotiate abc"), None);
+        assert_eq!(
+            url_host(&reqwest::Url::parse("https://auth.example:8443/t").unwrap()),
+            "auth.example:8443"
+        );
+        assert_eq!(
+            url_host(&reqwest::Url::parse("https://auth.example/t").unwrap()),
+            "auth.example"
+        );
+    }
+
+    #[test]
     fn docker_layout_crt_files_are_cas() {
         let t = dir_with(
             "reg.example",
@@ -1297,9 +1821,11 @@ capabilities = ["push"]
         let a = AuthFile::find(Some(&p));
         assert_eq!(
             a.login("reg.example:5443").unwrap(),
-            RegistryAuth::Basic("u".into(), "p".into())
+            Credential::Basic("u".into(), "p".into())
         );
-        assert_eq!(a.login("other.example").unwrap(), RegistryAuth::Anonymous);
+        assert_eq!(a.login("other.example").unwrap(), Credential::Anonymous);
+        // A login names one host and port: not the same host on another port.
+        assert_eq!(a.login("reg.example").unwrap(), Credential::Anonymous);
         let missing = AuthFile::find(Some(&t.path().join("nope.json")));
         let e = missing.login("reg.example").unwrap_err().to_string();
         assert!(e.contains("nope.json"), "{e}");

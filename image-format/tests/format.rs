@@ -406,7 +406,7 @@ fn oci_image_from_archive_and_back() {
     // And back: byte-identical archive.
     for (i, img) in [&layout, &tarball].iter().enumerate() {
         let out = tmp.path().join(format!("back{i}.tar"));
-        oci::extract_archive_from_image(img, &out, &mut no_progress).unwrap();
+        oci::extract_archive_from_image(img, &out, Limits::default(), &mut no_progress).unwrap();
         assert_eq!(std::fs::read(&out).unwrap(), std::fs::read(&a).unwrap());
     }
 
@@ -415,8 +415,13 @@ fn oci_image_from_archive_and_back() {
     let mut d = std::fs::read(&blob).unwrap();
     d[600] ^= 1;
     std::fs::write(&blob, d).unwrap();
-    let e = oci::extract_archive_from_image(&layout, &tmp.path().join("bad.tar"), &mut no_progress)
-        .unwrap_err();
+    let e = oci::extract_archive_from_image(
+        &layout,
+        &tmp.path().join("bad.tar"),
+        Limits::default(),
+        &mut no_progress,
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::DigestMismatch { .. }), "{e}");
     assert!(!tmp.path().join("bad.tar").exists());
 }
@@ -437,17 +442,19 @@ fn build_refuses_a_hostile_archive() {
 
 #[test]
 fn references_split() {
+    use image_format::reference::ImageRef;
+    let r = ImageRef::parse("localhost:5000/ckpt/counter:1").unwrap();
     assert_eq!(
-        oci::split_reference("localhost:5000/ckpt/counter:1").unwrap(),
-        ("localhost:5000".into(), "ckpt/counter".into(), "1".into())
+        (r.registry(), r.repository(), r.tag()),
+        ("localhost:5000", "ckpt/counter", Some("1"))
     );
     assert_eq!(
-        oci::split_reference("localhost:5000/c").unwrap().2,
+        ImageRef::parse("localhost:5000/c")
+            .unwrap()
+            .manifest_reference(),
         "latest"
     );
-    assert!(oci::split_reference("nohost").is_err());
-    assert_eq!(oci::tag_of("localhost:5000/a/b:7"), "7");
-    assert_eq!(oci::tag_of("localhost:5000/a/b"), "latest");
+    assert!(ImageRef::parse("nohost").is_err());
 }
 
 #[test]

@@ -312,6 +312,7 @@ impl RuntimeOptions {
             if source.is_empty()
                 || source.split('/').any(|c| c == "..")
                 || (!dir && !source.contains('/'))
+                || (!dir && image_format::reference::RegistryPrefix::parse(source).is_err())
             {
                 return Err(Error::InvalidArgument(format!(
                     "invalid RestoreSources entry {source:?}: expected an absolute directory or a registry prefix (host/path/)"
@@ -424,6 +425,7 @@ impl RuntimeOptions {
             hosts_dir: Some(PathBuf::from(hosts_dir)),
             auth_file: (!self.registry_auth_file.is_empty())
                 .then(|| PathBuf::from(&self.registry_auth_file)),
+            ..Default::default()
         }
     }
 
@@ -715,6 +717,8 @@ mod tests {
             "NamespaceMoves = [\"a/b/c\"]",
             "RestoreSources = [\"/a/../b\"]",
             "RestoreSources = [\"relative\"]",
+            "RestoreSources = [\"registry.example.com/ckpt/%2e%2e/\"]",
+            "RestoreSources = [\"registry.example.com@evil/\"]",
             "SigningKey = \"key\"",
         ] {
             let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();

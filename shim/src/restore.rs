@@ -788,7 +788,7 @@ fn fetch(
             return Ok(path);
         }
         let out = staging.join(FETCHED_ARCHIVE);
-        oci::extract_archive_from_image(&path, &out, &mut |_, _| {})
+        oci::extract_archive_from_image(&path, &out, limits, &mut |_, _| {})
             .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
         return Ok(out);
     }

@@ -6,6 +6,7 @@
 
 use std::path::{Component, Path, PathBuf};
 
+use image_format::reference::{ImageRef, RegistryPrefix};
 use image_format::{
     manifest::{self, Manifest},
     sign::{self, KeyStatus, NodeKey, TrustedKeys},
@@ -177,7 +178,8 @@ pub fn source_refused(source: &str, sources: &[String], why: impl std::fmt::Disp
 
 /// Where `source` may be read from, checked against `RestoreSources` before anything is
 /// opened: a path lexically under one of the directories (no `.` or `..`), or a reference
-/// under one of the registry prefixes. `Ok(Some(dir))` for a path (the directory it must stay
+/// (parsed by [`ImageRef`]) whose registry host, port and first repository components are a
+/// registry prefix's. `Ok(Some(dir))` for a path (the directory it must stay
 /// in once links are resolved), `Ok(None)` for a reference.
 pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>> {
     let refused = |why: &str| source_refused(source, sources, why);
@@ -198,15 +200,20 @@ pub fn check_source(source: &str, sources: &[String]) -> Result<Option<PathBuf>>
         }
         return Err(refused("a path outside RestoreSources"));
     }
-    if source.contains("..") || source.contains("//") {
-        return Err(refused("a reference with .. or //"));
-    }
-    let allowed = sources.iter().filter(|s| !s.starts_with('/')).any(|p| {
-        let p = p.trim_end_matches('/');
-        source.strip_prefix(p).is_some_and(|rest| {
-            rest.starts_with('/') || rest.starts_with(':') || rest.starts_with('@')
+    // A reference: parsed (the distribution grammar: no percent-encoding, no `..`, no
+    // user@host), then compared with each registry prefix by host, port and repository
+    // components. A prefix that does not parse matches nothing.
+    let reference =
+        ImageRef::parse(source).map_err(|e| refused(&format!("not an image reference: {e}")))?;
+    let allowed = sources
+        .iter()
+        .filter(|s| !s.starts_with('/'))
+        .filter_map(|p| {
+            RegistryPrefix::parse(p)
+                .inspect_err(|e| warn!(prefix = %p, error = %e, "RestoreSources prefix ignored"))
+                .ok()
         })
-    });
+        .any(|p| reference.is_under(&p));
     if allowed {
         Ok(None)
     } else {
@@ -468,6 +475,44 @@ mod tests {
             assert!(err.to_string().contains(bad), "{err}");
             let why = reason(err);
             assert!(why.contains("RestoreSources"), "{why}");
+        }
+    }
+
+    #[test]
+    fn references_are_parsed_and_compared_component_by_component() {
+        let d = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        let s = sources();
+        for good in [
+            "registry.example.com/ckpt/c:1".to_string(),
+            "registry.example.com/ckpt/team/c:1".to_string(),
+            format!("registry.example.com/ckpt/c@{d}"),
+        ] {
+            assert!(check_source(&good, &s).unwrap().is_none(), "{good}");
+        }
+        // Walked out of the prefix by percent-encoding, to another host by userinfo, another
+        // port, a longer host name.
+        for bad in [
+            "registry.example.com/ckpt/%2e%2e/other/app:1",
+            "registry.example.com/ckpt/%2E%2E/other/app:1",
+            "registry.example.com/ckpt/.%2e/other/app:1",
+            "registry.example.com@evil:443/x",
+            "registry.example.com@evil.example:443/ckpt/c:1",
+            "registry.example.com:444/ckpt/c:1",
+            "registry.example.com.evil.example/ckpt/c:1",
+            "registry.example.com/ckpt",
+        ] {
+            let err = check_source(bad, &s).unwrap_err();
+            assert!(matches!(err, Error::PermissionDenied(_)), "{bad}");
+            assert!(err.to_string().contains("RestoreSources"), "{err}");
+        }
+        // A host-only prefix: that host and port, any repository; nothing else.
+        let host = vec!["registry.example.com/".to_string()];
+        assert!(check_source("registry.example.com/any/c:1", &host).is_ok());
+        for bad in [
+            "registry.example.com@evil:443/x",
+            "registry.example.com:443/x:1",
+        ] {
+            assert!(check_source(bad, &host).is_err(), "{bad}");
         }
     }
 

@@ -122,6 +122,7 @@ impl RegistryArgs {
         RegistryOptions {
             hosts_dir: Some(self.hosts_dir.clone()),
             auth_file: self.authfile.clone(),
+            ..Default::default()
         }
     }
 }
@@ -826,7 +827,7 @@ fn verify(path: &Path, json: bool, trust: &TrustArgs) -> Result<ExitCode> {
         (format!("{} files match the manifest", m.files.len()), b)
     } else if oci::is_image(path) {
         // Blob digest: stream the layer to nowhere while hashing.
-        let n = oci::verify_image(path, &mut |d, t| bar.update(d, t))?;
+        let n = oci::verify_image(path, Limits::default(), &mut |d, t| bar.update(d, t))?;
         (format!("image layer digest ok ({})", human(n)), n)
     } else {
         let r = archive::verify_archive(path, Limits::default(), &mut |d, t| bar.update(d, t))?;
@@ -883,16 +884,18 @@ fn build(
         built = Some(b);
         pushed_from = Some(l.clone());
     }
-    let tmp_layout;
+    // Only a push: the layout is staged in a fresh private directory, removed when done.
+    let mut staging = None;
     if pushed_from.is_none() {
-        tmp_layout = std::env::temp_dir().join(format!("gpu-ckpt-build-{}", std::process::id()));
+        let dir = oci::private_temp_dir("gpu-ckpt-build-")?;
         built = Some(oci::build_layout(
             archive,
-            &tmp_layout,
+            dir.path(),
             &opts,
             &mut |d, t| bar.update(d, t),
         )?);
-        pushed_from = Some(tmp_layout.clone());
+        pushed_from = Some(dir.path().to_path_buf());
+        staging = Some(dir);
     }
     bar.finish();
     let built = built.context("nothing built")?;
@@ -916,9 +919,7 @@ fn build(
             bar.update(d, t)
         });
         bar.finish();
-        if layout.is_none() && tarball.is_none() {
-            let _ = std::fs::remove_dir_all(&from);
-        }
+        drop(staging);
         println!("pushed {reference}@{}", d?);
     }
     Ok(ExitCode::SUCCESS)
@@ -938,7 +939,12 @@ fn pull(reference: &str, archive: &Path, registry: &RegistryArgs) -> Result<Exit
     let size = std::fs::metadata(archive)
         .with_context(|| format!("reading {}", archive.display()))?
         .len();
-    println!("pulled {reference}@{d}");
+    // A digest reference names its digest already (and was verified against it).
+    if reference.contains('@') {
+        println!("pulled {reference}");
+    } else {
+        println!("pulled {reference}@{d}");
+    }
     println!("  archive {} ({})", archive.display(), human(size));
     Ok(ExitCode::SUCCESS)
 }
@@ -953,19 +959,23 @@ fn extract(
         bail!("nothing to do: give --to DIR and/or --archive FILE");
     }
     let mut archive_path = src.to_path_buf();
+    // The archive of an image extracted with --to only: in a fresh private directory, removed
+    // when done.
     let mut tmp = None;
     if oci::is_image(src) {
         let dst = match &out {
             Some(o) => o.clone(),
             None => {
-                let t = std::env::temp_dir()
-                    .join(format!(".gpu-ckpt-extract-{}.tar", std::process::id()));
-                tmp = Some(t.clone());
+                let dir = oci::private_temp_dir("gpu-ckpt-extract-")?;
+                let t = dir.path().join("archive.tar");
+                tmp = Some(dir);
                 t
             }
         };
         let mut bar = Bar::new("image -> archive");
-        oci::extract_archive_from_image(src, &dst, &mut |d, t| bar.update(d, t))?;
+        oci::extract_archive_from_image(src, &dst, Limits::default(), &mut |d, t| {
+            bar.update(d, t)
+        })?;
         bar.finish();
         if out.is_some() {
             println!("wrote archive {}", dst.display());
@@ -991,9 +1001,7 @@ fn extract(
         }
         Ok(())
     })();
-    if let Some(t) = tmp {
-        let _ = std::fs::remove_file(t);
-    }
+    drop(tmp);
     res?;
     Ok(ExitCode::SUCCESS)
 }
