@@ -638,7 +638,8 @@ impl Select<'_> {
                 listed.check(e, name)?;
                 true
             }
-            None if e.path == names::CHECKPOINT_DIRECTORY => true,
+            // The directory itself, never a link or a file of that name.
+            None if e.path == names::CHECKPOINT_DIRECTORY => e.kind == EntryKind::Dir,
             None => e.kind == EntryKind::File && listed.also.contains(&e.path.as_str()),
         })
     }

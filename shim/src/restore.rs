@@ -867,8 +867,9 @@ fn open_diff(diff: &Path) -> Result<tar::Archive<Box<dyn Read>>> {
         .map(|_| magic == [0x1f, 0x8b])
         .unwrap_or(false);
     let file = File::open(diff).map_err(Error::io(format!("open {}", diff.display())))?;
+    // Decompressed no further than the reader's limit: an unsigned engine diff is the pod's.
     let reader: Box<dyn Read> = if gzip {
-        Box::new(flate2::read::GzDecoder::new(file))
+        Box::new(flate2::read::GzDecoder::new(file).take(Limits::default().max_total_bytes))
     } else {
         Box::new(file)
     };
@@ -1146,12 +1147,27 @@ fn write_entry(
         nix::unistd::symlinkat(OsStr::from_bytes(&target), &parent, name)
             .map_err(sys("create the symlink"))?;
         if let Some((u, g)) = owner {
-            nix::unistd::fchownat(
+            // Through a handle on the link just made, not by its name: a file renamed onto the
+            // name in between would otherwise get the entry's owner.
+            let link = nix::fcntl::openat(
                 &parent,
                 name,
+                OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(sys("open the symlink"))?;
+            let st = nix::sys::stat::fstat(&link).map_err(sys("stat the symlink"))?;
+            if rootfs_changes::kind(&st) != SFlag::S_IFLNK {
+                return Err(Apply::Refused(
+                    "replaced by something else while it was applied",
+                ));
+            }
+            nix::unistd::fchownat(
+                &link,
+                "",
                 Some(Uid::from_raw(u)),
                 Some(Gid::from_raw(g)),
-                AtFlags::AT_SYMLINK_NOFOLLOW,
+                AtFlags::AT_EMPTY_PATH | AtFlags::AT_SYMLINK_NOFOLLOW,
             )
             .map_err(sys("set the symlink's owner"))?;
         }
