@@ -261,11 +261,13 @@ fn prepare_inner(
     // directory, bounded by the size its OCI manifest declares.
     let archive = fetch(staging, source, limits, options)?;
     // One open file for every read below: the headers, the metadata, the extraction.
-    let file = File::open(&archive).map_err(|e| step("fetch")(format!("{source}: {e}")))?;
+    let file = File::open(&archive).map_err(|e| trust::refused(source, format!("open: {e}")))?;
     // Step 2: read every header (hostile entries are refused here) and the metadata, into
-    // memory: nothing is written before the checks.
+    // memory: nothing is written before the checks. Until the signer and namespace are
+    // checked, a failure is the one refusal (the reason in the node's log): a file that is no
+    // archive would otherwise tell the pod that it exists.
     let info = archive::read_info_from(std::io::BufReader::with_capacity(64 << 10, &file), limits)
-        .map_err(|e| step("check")(format!("{source}: {e}")))?;
+        .map_err(|e| trust::refused(source, format!("check: {e}")))?;
     let signed = match admit(bundle, &info, source, me, ann, options)? {
         Admitted::Fits { signed } => signed,
         Admitted::ColdStart(why) => return Ok(Plan::ColdStart(why)),
@@ -789,12 +791,14 @@ fn fetch(
         }
         let out = staging.join(FETCHED_ARCHIVE);
         oci::extract_archive_from_image(&path, &out, limits, &mut |_, _| {})
-            .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
+            .map_err(|e| refused(format!("fetch: {e}")))?;
         return Ok(out);
     }
     let out = staging.join(FETCHED_ARCHIVE);
-    // The reference passed RestoreSources above, so the cause (a certificate, a login, a
-    // missing reference) is told in full, as for an image on disk.
+    // Whatever fails here (a certificate, a login, a reference that is not there) is told
+    // to the node's log only: before the signer and namespace are checked, the pod learns
+    // nothing of what exists (docs/security.md, "One answer for every checkpoint a pod may
+    // not use").
     image_format::registry::pull_archive(
         source,
         &out,
@@ -802,7 +806,7 @@ fn fetch(
         &options.registry_options(),
         &mut |_, _| {},
     )
-    .map_err(|e| step("fetch")(format!("{source}: {e}")))?;
+    .map_err(|e| refused(format!("fetch: {e}")))?;
     Ok(out)
 }
 
