@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{ensure, Context, Result};
 use common::*;
 use test_containers::{
-    cri::{ContainerSpec, Cri, Network, PodSpec},
-    stack::GPU_CKPT_HANDLER,
+    cri::{ContainerSpec, Cri, Network, Pod, PodSpec},
+    stack::{Node, GPU_CKPT_HANDLER},
 };
 
 fn echoes(log: &str) -> usize {
@@ -124,62 +124,21 @@ fn new_address_with_tcp_close_reconnects() -> Result<()> {
     let node = restore_node("net-new")?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        let server_pod = cri
-            .run_pod(
-                &PodSpec::new("server", node.pod_log_root())
-                    .handler(GPU_CKPT_HANDLER)
-                    .network(Network::Pod),
-            )
-            .await?;
-        cri.run_container(
-            &server_pod,
-            &ContainerSpec::new("server", workloads()).command(&[
-                "/bin/echo-server",
-                "--listen",
-                "0.0.0.0:7777",
-            ]),
-        )
-        .await?;
-        let ip = cri
-            .pod_sandbox_status(&server_pod.id)
-            .await?
-            .status
-            .and_then(|s| s.network)
-            .map(|n| n.ip)
-            .filter(|ip| !ip.is_empty())
-            .context("the server pod has no IP")?;
+        let (server_pod, ip) = echo_server(&cri, &node, "server", 7777).await?;
         let client = |handler: &str| {
             PodSpec::new("client", node.pod_log_root())
                 .handler(handler)
                 .network(Network::Pod)
                 .annotation("gpu-ckpt.io/tcp", "close")
         };
-        let client_spec = ContainerSpec::new("client", workloads()).command(&[
-            "sh",
-            "-c",
-            &format!("exec /bin/echo-client --connect {ip}:7777 --interval-ms 100 > /client.log"),
-        ]);
-        let pod_a = cri.run_pod(&client(GPU_CKPT_HANDLER)).await?;
-        let c_a = cri.run_container(&pod_a, &client_spec).await?;
+        let client_spec = echo_client(&ip, 7777);
         let log_of = |id: String| {
             let cri = cri.clone();
-            async move {
-                cri.exec_sync(&id, &["cat", "/client.log"], 10)
-                    .await
-                    .map(|r| r.stdout_str())
-                    .unwrap_or_default()
-            }
+            async move { client_log(&cri, &id).await }
         };
-        for _ in 0..100 {
-            if echoes(&log_of(c_a.clone()).await) >= 5 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        ensure!(
-            echoes(&log_of(c_a.clone()).await) >= 5,
-            "no echoes before the checkpoint"
-        );
+        let pod_a = cri.run_pod(&client(GPU_CKPT_HANDLER)).await?;
+        let c_a = cri.run_container(&pod_a, &client_spec).await?;
+        wait_for_echoes(&cri, &c_a).await?;
         let archive = node.paths().dir.join("client.tar");
         let _ = std::fs::remove_file(&archive);
         if criu_cannot_dump_tcp() {
@@ -236,6 +195,57 @@ fn new_address_with_tcp_close_reconnects() -> Result<()> {
     })
 }
 
+/// A pod `name` on `node` (handler gpu-ckpt, its own network) running the echo server on
+/// `port`, and the pod's IP.
+async fn echo_server(cri: &Cri, node: &Node, name: &str, port: u16) -> Result<(Pod, String)> {
+    let pod = cri
+        .run_pod(
+            &PodSpec::new(name, node.pod_log_root())
+                .handler(GPU_CKPT_HANDLER)
+                .network(Network::Pod),
+        )
+        .await?;
+    cri.run_container(
+        &pod,
+        &ContainerSpec::new("server", workloads()).command(&[
+            "/bin/echo-server",
+            "--listen",
+            &format!("0.0.0.0:{port}"),
+        ]),
+    )
+    .await?;
+    let ip = pod_ip(cri, &pod.id).await?;
+    Ok((pod, ip))
+}
+
+/// The echo client of `ip:port`, logging what it sees to /client.log.
+fn echo_client(ip: &str, port: u16) -> ContainerSpec {
+    ContainerSpec::new("client", workloads()).command(&[
+        "sh",
+        "-c",
+        &format!("exec /bin/echo-client --connect {ip}:{port} --interval-ms 100 > /client.log"),
+    ])
+}
+
+/// The echo client's log in container `id` (empty while it cannot be read).
+async fn client_log(cri: &Cri, id: &str) -> String {
+    cri.exec_sync(id, &["cat", "/client.log"], 10)
+        .await
+        .map(|r| r.stdout_str())
+        .unwrap_or_default()
+}
+
+/// Waits up to 10 s for 5 echoes in the client `id`'s log.
+async fn wait_for_echoes(cri: &Cri, id: &str) -> Result<()> {
+    for _ in 0..100 {
+        if echoes(&client_log(cri, id).await) >= 5 {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("no echoes before the checkpoint")
+}
+
 /// The IP CRI reports for pod `id`.
 async fn pod_ip(cri: &Cri, id: &str) -> Result<String> {
     cri.pod_sandbox_status(id)
@@ -256,60 +266,24 @@ fn established_connections_restore_only_on_the_recorded_ip() -> Result<()> {
     let node = restore_node("net-addr")?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        let server_pod = cri
-            .run_pod(
-                &PodSpec::new("addr-server", node.pod_log_root())
-                    .handler(GPU_CKPT_HANDLER)
-                    .network(Network::Pod),
-            )
-            .await?;
-        cri.run_container(
-            &server_pod,
-            &ContainerSpec::new("server", workloads()).command(&[
-                "/bin/echo-server",
-                "--listen",
-                "0.0.0.0:7778",
-            ]),
-        )
-        .await?;
-        let server_ip = pod_ip(&cri, &server_pod.id).await?;
+        let (server_pod, server_ip) = echo_server(&cri, &node, "addr-server", 7778).await?;
         let client = |handler: &str, tcp: &str| {
             PodSpec::new("addr-client", node.pod_log_root())
                 .handler(handler)
                 .network(Network::Pod)
                 .annotation("gpu-ckpt.io/tcp", tcp)
         };
-        let client_spec = ContainerSpec::new("client", workloads()).command(&[
-            "sh",
-            "-c",
-            &format!(
-                "exec /bin/echo-client --connect {server_ip}:7778 --interval-ms 100 > /client.log"
-            ),
-        ]);
+        let client_spec = echo_client(&server_ip, 7778);
         let log_of = |id: String| {
             let cri = cri.clone();
-            async move {
-                cri.exec_sync(&id, &["cat", "/client.log"], 10)
-                    .await
-                    .map(|r| r.stdout_str())
-                    .unwrap_or_default()
-            }
+            async move { client_log(&cri, &id).await }
         };
         let pod_a = cri
             .run_pod(&client(GPU_CKPT_HANDLER, "established"))
             .await?;
         let ip_a = pod_ip(&cri, &pod_a.id).await?;
         let c_a = cri.run_container(&pod_a, &client_spec).await?;
-        for _ in 0..100 {
-            if echoes(&log_of(c_a.clone()).await) >= 5 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        ensure!(
-            echoes(&log_of(c_a.clone()).await) >= 5,
-            "no echoes before the checkpoint"
-        );
+        wait_for_echoes(&cri, &c_a).await?;
         let archive = node.paths().dir.join("addr-client.tar");
         let _ = std::fs::remove_file(&archive);
         if criu_cannot_dump_tcp() {

@@ -11,7 +11,7 @@
 
 mod common;
 
-use std::{io::Write as _, path::Path};
+use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use common::*;
@@ -138,23 +138,11 @@ fn a_non_root_task_restores_with_at_most_the_ambient_set() -> Result<()> {
                 .await
                 .err()
                 .context("a non-root checkpoint worked without CAP_SYS_RESOURCE")?;
-            let msg = format!("{err:#}");
-            ensure!(
-                msg.contains("rlimit") && msg.contains("Operation not permitted"),
-                "{msg}"
-            );
-            // Not a silent pass: stderr is not captured by the harness.
-            let _ = writeln!(
-                std::io::stderr().lock(),
-                "NOT RUN: a non-root task's own checkpoint and restore: this host's root lacks \
-                 CAP_SYS_RESOURCE, so CRIU cannot checkpoint a non-root task (CRIU said: {}); \
-                 the rule is held below through the shim's check of a checkpoint's record \
-                 before CRIU",
-                // tonic writes the status message with Debug escapes.
-                msg.split("\\n")
-                    .find(|l| l.contains("rlimit"))
-                    .unwrap_or_default()
-            );
+            not_run_without_cap_sys_resource(
+                &err,
+                "a non-root task's own checkpoint and restore (the rule is held below through \
+                 the shim's check of a checkpoint's record before CRIU)",
+            )?;
         }
 
         // 2. A root counter under the same seccomp profile, its checkpoint rewritten to show

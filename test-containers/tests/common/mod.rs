@@ -439,6 +439,32 @@ pub fn restore_staging_dir(node: &str) -> Result<PathBuf> {
     Ok(Stack::discover()?.node_dir(node).join("restore-staging"))
 }
 
+/// A non-root checkpoint that failed with `err` because this host's root lacks
+/// CAP_SYS_RESOURCE (CRIU reads every task's rlimits with prlimit(2), which for another uid's
+/// task needs it; stack.md P5): fails unless CRIU said so, and says on stderr that `what` did
+/// not run. Not a silent pass: written to stderr directly, which the test harness does not
+/// capture (it captures the print macros), so it shows in the test output on every run.
+pub fn not_run_without_cap_sys_resource(err: &anyhow::Error, what: &str) -> Result<()> {
+    use std::io::Write;
+    let msg = format!("{err:#}");
+    ensure!(
+        msg.contains("rlimit") && msg.contains("Operation not permitted"),
+        "{msg}"
+    );
+    // tonic writes the status message with Debug escapes.
+    let said = msg
+        .split("\\n")
+        .flat_map(str::lines)
+        .find(|l| l.contains("rlimit"))
+        .unwrap_or_default();
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "NOT RUN: {what}: this host's root lacks CAP_SYS_RESOURCE, so CRIU cannot checkpoint \
+         a non-root task (its prlimit of the task fails; stack.md P5). CRIU said: {said}"
+    );
+    Ok(())
+}
+
 /// Whether root here has CAP_SYS_RESOURCE (bit 24), which CRIU needs to read the rlimits of
 /// another uid's task: without it no non-root container can be checkpointed (stack.md P5).
 pub fn root_has_cap_sys_resource() -> bool {
