@@ -493,8 +493,9 @@ fn only_listed_members_are_extracted_at_their_listed_sizes() {
     assert!(target.join("rootfs-diff.tar").is_file());
     assert!(!target.join("container.log").exists());
 
-    // Appended members, the signed manifest untouched.
-    let with = |name: &str, add: &dyn Fn(&mut RawTar)| {
+    // The good archive copied as `name`, each member's data through `edit`, then `add`'s
+    // members appended; the signed manifest untouched.
+    let copy = |name: &str, edit: &dyn Fn(&[u8], &mut Vec<u8>), add: &dyn Fn(&mut RawTar)| {
         let mut t = RawTar::new();
         let mut ar = tar::Archive::new(std::fs::File::open(&good).unwrap());
         for e in ar.entries().unwrap() {
@@ -502,6 +503,7 @@ fn only_listed_members_are_extracted_at_their_listed_sizes() {
             let mut data = Vec::new();
             std::io::Read::read_to_end(&mut e, &mut data).unwrap();
             let path = e.path_bytes().into_owned();
+            edit(&path, &mut data);
             t.entry(&path, e.header().entry_type(), &data, None);
         }
         add(&mut t);
@@ -509,6 +511,7 @@ fn only_listed_members_are_extracted_at_their_listed_sizes() {
         std::fs::write(&p, t.finish()).unwrap();
         p
     };
+    let with = |name: &str, add: &dyn Fn(&mut RawTar)| copy(name, &|_, _| {}, add);
     let extra = with("extra.tar", &|t| {
         t.file("payload.bin", &[0x5a; 70_000]);
     });
@@ -563,23 +566,15 @@ fn only_listed_members_are_extracted_at_their_listed_sizes() {
         .map(|(n, f)| (n.clone(), f.size))
         .next()
         .unwrap();
-    let grown = {
-        let mut t = RawTar::new();
-        let mut ar = tar::Archive::new(std::fs::File::open(&good).unwrap());
-        for e in ar.entries().unwrap() {
-            let mut e = e.unwrap();
-            let mut data = Vec::new();
-            std::io::Read::read_to_end(&mut e, &mut data).unwrap();
-            let path = e.path_bytes().into_owned();
+    let grown = copy(
+        "grown.tar",
+        &|path, data| {
             if path == format!("checkpoint/{name}").as_bytes() {
                 data.extend_from_slice(&[0x5a; 4096]);
             }
-            t.entry(&path, e.header().entry_type(), &data, None);
-        }
-        let p = tmp.path().join("grown.tar");
-        std::fs::write(&p, t.finish()).unwrap();
-        p
-    };
+        },
+        &|_| {},
+    );
     let target = tmp.path().join("t4");
     let e = extract(&grown, &target, &listed(&[])).unwrap_err();
     assert_eq!(

@@ -673,18 +673,9 @@ pub fn hold(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Result
     if differences.is_empty() {
         return Ok(());
     }
-    let n = differences.len();
-    let mut text: Vec<String> = differences
-        .iter()
-        .take(MAX_REPORTED)
-        .map(Difference::to_string)
-        .collect();
-    if n > MAX_REPORTED {
-        text.push(format!("and {} more", n - MAX_REPORTED));
-    }
     Err(Error::FailedPrecondition(format!(
         "restore refused: the restored mounts differ from this container's spec: {}",
-        text.join("; ")
+        crate::spec_check::first_of(&differences, MAX_REPORTED)
     )))
 }
 

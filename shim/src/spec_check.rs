@@ -586,19 +586,20 @@ fn refuse_if_any(violations: Vec<Violation>, what: &str) -> Result<()> {
     if violations.is_empty() {
         return Ok(());
     }
-    let n = violations.len();
-    let mut text: Vec<String> = violations
-        .iter()
-        .take(MAX_REPORTED)
-        .map(Violation::to_string)
-        .collect();
-    if n > MAX_REPORTED {
-        text.push(format!("and {} more", n - MAX_REPORTED));
-    }
     Err(Error::FailedPrecondition(format!(
         "restore refused: {what} is beyond this container's spec: {}",
-        text.join("; ")
+        first_of(&violations, MAX_REPORTED)
     )))
+}
+
+/// The first `max` of `items`, joined by "; ", and how many more there are: a refusal names
+/// what it found without growing with a forged image's size.
+pub(crate) fn first_of<T: std::fmt::Display>(items: &[T], max: usize) -> String {
+    let mut text: Vec<String> = items.iter().take(max).map(T::to_string).collect();
+    if items.len() > max {
+        text.push(format!("and {} more", items.len() - max));
+    }
+    text.join("; ")
 }
 
 /// Every process of the tree below (and with) `root`, each with its threads, root first.
