@@ -262,19 +262,13 @@ pub fn inventory_network_lock(dir: &Path) -> Result<u64> {
 }
 
 /// The counter workload's value, read in the container through CRI exec from `file` (the
-/// counter's `--file`). The counter rewrites its file every tick, so a read can meet it empty:
-/// such reads are retried.
+/// counter's `--file`, which it replaces whole each tick).
 pub async fn cri_counter(cri: &test_containers::cri::Cri, id: &str, file: &str) -> Result<u64> {
-    let mut last = String::new();
-    for _ in 0..50 {
-        let r = cri.exec_sync(id, &["cat", file], 10).await?;
-        last = r.stdout_str();
-        if let Ok(v) = last.trim().parse() {
-            return Ok(v);
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    bail!("counter of {id}: {last:?}")
+    let r = cri.exec_sync(id, &["cat", file], 10).await?;
+    let text = r.stdout_str();
+    text.trim()
+        .parse()
+        .with_context(|| format!("counter of {id} in {file}: {text:?}"))
 }
 
 /// Waits (20 s at most) until the counter read from `file` has passed `above`.

@@ -37,9 +37,13 @@ pub fn warn(line: &str) {
     let _ = err.flush();
 }
 
-/// Overwrites `path` with `text` (truncate, write, no fsync).
+/// Replaces `path` with a file holding `text` (written beside it, then renamed over it; no
+/// fsync), so a reader sees the old text or the new, never an empty or half-written file.
 pub fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
-    std::fs::write(path, text)
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
 }
 
 // ---------------------------------------------------------------------------------------------
