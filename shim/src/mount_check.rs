@@ -479,155 +479,212 @@ pub fn check(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Resul
     let table = read_table(pid)?;
     let root = open_root(pid)?;
     let places = places(root.as_fd(), policy, &table);
+    let restored = Restored { table, root };
     let mut out = Vec::new();
-    let mut diff =
-        |mount: String, found: String, spec: String| out.push(Difference { mount, found, spec });
-    let stat_in = |path: &str| -> std::result::Result<FileStat, Errno> {
-        let fd = open_in_root(root.as_fd(), path)?;
-        nix::sys::stat::fstat(fd.as_fd())
-    };
     if policy.root_readonly {
-        match top(&table, "/") {
-            Some(m) if m.has("ro") => {}
-            Some(m) => diff(
-                "root /".into(),
-                m.options.join(","),
-                "ro (root.readonly)".into(),
-            ),
-            None => diff(
-                "root /".into(),
-                "no mount".into(),
-                "ro (root.readonly)".into(),
-            ),
-        }
+        out.extend(restored.root_difference());
     }
     for (rule, place) in policy.mounts.iter().zip(&places) {
+        out.extend(restored.mount_differences(rule, place.as_deref()));
+    }
+    for path in &policy.masked {
+        out.extend(restored.masked_difference(path));
+    }
+    for path in &policy.readonly {
+        out.extend(restored.readonly_difference(path));
+    }
+    for h in held {
+        out.extend(restored.held_difference(h));
+    }
+    Ok(out)
+}
+
+impl Difference {
+    fn new(mount: String, found: String, spec: impl Into<String>) -> Difference {
+        Difference {
+            mount,
+            found,
+            spec: spec.into(),
+        }
+    }
+}
+
+/// What [`check`] reads of the restored init: its mount table and its root.
+struct Restored {
+    table: Vec<MountInfo>,
+    root: OwnedFd,
+}
+
+impl Restored {
+    /// The stat of `path` in the restored container, opened without a symlink.
+    fn stat_in(&self, path: &str) -> std::result::Result<FileStat, Errno> {
+        let fd = open_in_root(self.root.as_fd(), path)?;
+        nix::sys::stat::fstat(fd.as_fd())
+    }
+
+    /// `root.readonly`: the root a read-only mount.
+    fn root_difference(&self) -> Option<Difference> {
+        let found = match top(&self.table, "/") {
+            Some(m) if m.has("ro") => return None,
+            Some(m) => m.options.join(","),
+            None => "no mount".into(),
+        };
+        Some(Difference::new(
+            "root /".into(),
+            found,
+            "ro (root.readonly)",
+        ))
+    }
+
+    /// One spec mount: there at its place, with the flags the spec sets, every mount below an
+    /// `rro` one read-only, and a bind the very directory of its source.
+    fn mount_differences(&self, rule: &MountRule, place: Option<&str>) -> Vec<Difference> {
         let name = match place {
-            Some(p) if *p != rule.destination => format!("mount {} (at {p})", rule.destination),
+            Some(p) if p != rule.destination => format!("mount {} (at {p})", rule.destination),
             _ => format!("mount {}", rule.destination),
         };
-        let Some(m) = place.as_ref().and_then(|p| top(&table, p)) else {
+        let Some(m) = place.and_then(|p| top(&self.table, p)) else {
             let spec = match &rule.source {
                 Some(s) => format!("bind of {}", s.display()),
                 None => format!("{} mount", rule.typ),
             };
-            diff(name, "no mount".into(), spec);
-            continue;
+            return vec![Difference::new(name, "no mount".into(), spec)];
         };
-        let missing = rule.set & !flags_of(m);
-        if missing != 0 {
-            diff(name.clone(), m.options.join(","), flag_names(rule.set));
+        let mut out = Vec::new();
+        if rule.set & !flags_of(m) != 0 {
+            out.push(Difference::new(
+                name.clone(),
+                m.options.join(","),
+                flag_names(rule.set),
+            ));
         }
         let place = m.mountpoint.as_str();
         if rule.recursive_ro {
-            let below = format!("{}/", place.trim_end_matches('/'));
-            for sub in table
-                .iter()
-                .filter(|s| s.mountpoint.starts_with(&below) && !s.has("ro"))
-            {
-                diff(
-                    format!("mount {} (below {})", sub.mountpoint, rule.destination),
-                    sub.options.join(","),
-                    "ro (rro)".into(),
-                );
-            }
+            out.extend(self.writable_below(place, &rule.destination));
         }
         if let Some(source) = &rule.source {
-            let want = nix::sys::stat::stat(source);
-            let found = stat_in(place);
-            match (want, found) {
-                (Ok(w), Ok(f)) if same(&w, &f) => {}
-                (Ok(w), Ok(f)) => diff(
-                    name,
-                    describe(&f),
-                    format!("source {} ({})", source.display(), describe(&w)),
-                ),
-                (Err(e), _) => diff(
-                    name,
-                    "a source the shim cannot stat".into(),
-                    format!("source {} ({e})", source.display()),
-                ),
-                (_, Err(e)) => diff(
-                    name,
-                    format!("a destination that cannot be opened without a symlink ({e})"),
-                    format!("source {}", source.display()),
-                ),
-            }
+            out.extend(self.source_difference(name, source, place));
+        }
+        out
+    }
+
+    /// The mounts below `place` (the mount of `destination`, an `rro` one) that are not
+    /// read-only.
+    fn writable_below(&self, place: &str, destination: &str) -> Vec<Difference> {
+        let below = format!("{}/", place.trim_end_matches('/'));
+        self.table
+            .iter()
+            .filter(|s| s.mountpoint.starts_with(&below) && !s.has("ro"))
+            .map(|sub| {
+                Difference::new(
+                    format!("mount {} (below {destination})", sub.mountpoint),
+                    sub.options.join(","),
+                    "ro (rro)",
+                )
+            })
+            .collect()
+    }
+
+    /// A bind mount at `place`: the same directory (device and inode) as its `source`.
+    fn source_difference(&self, name: String, source: &Path, place: &str) -> Option<Difference> {
+        match (nix::sys::stat::stat(source), self.stat_in(place)) {
+            (Ok(w), Ok(f)) => not_same(&w, &f).map(|(found, want)| {
+                Difference::new(name, found, format!("source {} ({want})", source.display()))
+            }),
+            (Err(e), _) => Some(Difference::new(
+                name,
+                "a source the shim cannot stat".into(),
+                format!("source {} ({e})", source.display()),
+            )),
+            (_, Err(e)) => Some(Difference::new(
+                name,
+                format!("a destination that cannot be opened without a symlink ({e})"),
+                format!("source {}", source.display()),
+            )),
         }
     }
-    for path in &policy.masked {
+
+    /// A `maskedPaths` entry: `/dev/null` or a read-only tmpfs where it exists.
+    fn masked_difference(&self, path: &str) -> Option<Difference> {
         let name = format!("masked path {path}");
-        let st = match stat_in(path) {
+        let st = match self.stat_in(path) {
             Ok(st) => st,
             // runc skips a masked path that does not exist.
-            Err(Errno::ENOENT) => continue,
+            Err(Errno::ENOENT) => return None,
             Err(e) => {
-                diff(name, format!("an error opening it ({e})"), "masked".into());
-                continue;
+                let found = format!("an error opening it ({e})");
+                return Some(Difference::new(name, found, "masked"));
             }
         };
         let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
-        let masked = if kind == SFlag::S_IFCHR {
-            (libc::major(st.st_rdev), libc::minor(st.st_rdev)) == DEV_NULL
-        } else if kind == SFlag::S_IFDIR {
-            let tmpfs = open_in_root(root.as_fd(), path)
-                .and_then(|fd| nix::sys::statfs::fstatfs(fd.as_fd()))
-                .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
-                .unwrap_or(false);
-            tmpfs && top(&table, path).is_some_and(|m| m.has("ro"))
-        } else {
-            false
+        if self.is_masked(path, &st, kind) {
+            return None;
+        }
+        let found = match top(&self.table, path) {
+            Some(m) => format!("a {} mount ({})", m.fstype, m.options.join(",")),
+            None if kind == SFlag::S_IFDIR => "an unmasked directory".into(),
+            None => "an unmasked file".into(),
         };
-        if !masked {
-            let found = match top(&table, path) {
-                Some(m) => format!("a {} mount ({})", m.fstype, m.options.join(",")),
-                None if kind == SFlag::S_IFDIR => "an unmasked directory".into(),
-                None => "an unmasked file".into(),
-            };
-            diff(
-                name,
-                found,
-                "masked (/dev/null or a read-only tmpfs)".into(),
-            );
-        }
+        Some(Difference::new(
+            name,
+            found,
+            "masked (/dev/null or a read-only tmpfs)",
+        ))
     }
-    for path in &policy.readonly {
+
+    /// Whether `path` (stat `st`, of file type `kind`) is masked as runc masks: a file by
+    /// `/dev/null`, a directory by a read-only tmpfs.
+    fn is_masked(&self, path: &str, st: &FileStat, kind: SFlag) -> bool {
+        if kind == SFlag::S_IFCHR {
+            return (libc::major(st.st_rdev), libc::minor(st.st_rdev)) == DEV_NULL;
+        }
+        if kind != SFlag::S_IFDIR {
+            return false;
+        }
+        let tmpfs = open_in_root(self.root.as_fd(), path)
+            .and_then(|fd| nix::sys::statfs::fstatfs(fd.as_fd()))
+            .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+            .unwrap_or(false);
+        tmpfs && top(&self.table, path).is_some_and(|m| m.has("ro"))
+    }
+
+    /// A `readonlyPaths` entry: a read-only mount where it exists.
+    fn readonly_difference(&self, path: &str) -> Option<Difference> {
         let name = format!("read-only path {path}");
-        match top(&table, path) {
-            Some(m) if m.has("ro") => {}
-            Some(m) => diff(name, m.options.join(","), "ro".into()),
-            None => match stat_in(path) {
-                Err(Errno::ENOENT) => {}
-                _ => diff(name, "no read-only mount".into(), "ro".into()),
+        let found = match top(&self.table, path) {
+            Some(m) if m.has("ro") => return None,
+            Some(m) => m.options.join(","),
+            None => match self.stat_in(path) {
+                Err(Errno::ENOENT) => return None,
+                _ => "no read-only mount".into(),
             },
-        }
+        };
+        Some(Difference::new(name, found, "ro"))
     }
-    for h in held {
+
+    /// A sub-mount: the very host directory the shim resolved and held.
+    fn held_difference(&self, h: &sub_mounts::Held) -> Option<Difference> {
         let name = format!("sub-mount {}", h.sub.mountpoint);
-        let want = nix::sys::stat::fstat(h.fd.as_fd());
-        match (want, stat_in(&h.sub.mountpoint)) {
-            (Ok(w), Ok(f)) if same(&w, &f) => {}
-            (Ok(w), Ok(f)) => diff(
-                name,
-                describe(&f),
-                format!(
-                    "held host directory {} ({})",
-                    h.host.display(),
-                    describe(&w)
-                ),
-            ),
-            (w, f) => diff(
+        let held = |want: String| format!("held host directory {} ({want})", h.host.display());
+        match (
+            nix::sys::stat::fstat(h.fd.as_fd()),
+            self.stat_in(&h.sub.mountpoint),
+        ) {
+            (Ok(w), Ok(f)) => {
+                not_same(&w, &f).map(|(found, want)| Difference::new(name, found, held(want)))
+            }
+            (w, f) => Some(Difference::new(
                 name,
                 format!("{:?}", f.map(|s| describe(&s))),
-                format!(
-                    "held host directory {} ({:?})",
-                    h.host.display(),
-                    w.map(|s| describe(&s))
-                ),
-            ),
+                held(format!("{:?}", w.map(|s| describe(&s)))),
+            )),
         }
     }
-    Ok(out)
+}
+
+/// `None` where `want` and `found` are the same file, else how each is described.
+fn not_same(want: &FileStat, found: &FileStat) -> Option<(String, String)> {
+    (!same(want, found)).then(|| (describe(found), describe(want)))
 }
 
 /// Where each of the spec's mounts is in the restored container ([`destination_in`]).
@@ -675,7 +732,7 @@ pub fn hold(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Result
     }
     Err(Error::FailedPrecondition(format!(
         "restore refused: the restored mounts differ from this container's spec: {}",
-        crate::spec_check::first_of(&differences, MAX_REPORTED)
+        crate::error::first_of(&differences, MAX_REPORTED)
     )))
 }
 

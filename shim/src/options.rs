@@ -126,6 +126,18 @@ pub struct RuntimeOptions {
 /// The device lock timeout when neither the options nor the pod name one.
 pub const DEFAULT_DEVICE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Each of `paths` (key, value) empty or absolute.
+fn absolute_paths(paths: &[(&str, &String)]) -> Result<()> {
+    for (key, value) in paths {
+        if !value.is_empty() && !value.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "invalid {key} {value:?}: expected an absolute path"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Parses a lock timeout: a humantime duration ("30s", "1m30s", "500ms") or whole seconds.
 pub fn parse_timeout(v: &str, origin: &str) -> Result<std::time::Duration> {
     let v = v.trim();
@@ -282,6 +294,35 @@ impl RuntimeOptions {
 
     /// Checks the values of the keys that take a fixed set.
     fn validate(self) -> Result<Self> {
+        self.check_modes()?;
+        self.check_namespace_moves()?;
+        self.check_restore_sources()?;
+        absolute_paths(&[
+            ("SigningKey", &self.signing_key),
+            ("TrustedKeysDir", &self.trusted_keys_dir),
+            ("RevokedKeysFile", &self.revoked_keys_file),
+            ("RegistryHostsDir", &self.registry_hosts_dir),
+            ("RegistryAuthFile", &self.registry_auth_file),
+            ("RestoreStagingDir", &self.restore_staging_dir),
+        ])?;
+        if !self.restore_timeout.is_empty() {
+            parse_timeout(&self.restore_timeout, "RestoreTimeout")?;
+        }
+        if !self.device_lock_timeout.is_empty() {
+            parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
+        }
+        absolute_paths(&[("DriverLibraryDir", &self.driver_library_dir)])?;
+        if !matches!(self.mode.as_str(), "" | "run" | "restore") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid Mode {:?}: expected \"run\" or \"restore\"",
+                self.mode
+            )));
+        }
+        Ok(self)
+    }
+
+    /// `TcpMode` and `CgroupsMode`, each one of its values or empty.
+    fn check_modes(&self) -> Result<()> {
         if !matches!(self.tcp_mode.as_str(), "" | "established" | "close") {
             return Err(Error::InvalidArgument(format!(
                 "invalid TcpMode {:?}: expected \"established\" or \"close\"",
@@ -297,6 +338,11 @@ impl RuntimeOptions {
                 self.cgroups_mode
             )));
         }
+        Ok(())
+    }
+
+    /// Each `NamespaceMoves` entry `from/to`, two namespaces.
+    fn check_namespace_moves(&self) -> Result<()> {
         for pair in &self.namespace_moves {
             let ok = pair
                 .split_once('/')
@@ -307,6 +353,11 @@ impl RuntimeOptions {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Each `RestoreSources` entry an absolute directory or a registry prefix, without `..`.
+    fn check_restore_sources(&self) -> Result<()> {
         for source in self.restore_sources.iter().flatten() {
             let dir = source.starts_with('/');
             if source.is_empty()
@@ -319,49 +370,7 @@ impl RuntimeOptions {
                 )));
             }
         }
-        if !self.signing_key.is_empty() && !self.signing_key.starts_with('/') {
-            return Err(Error::InvalidArgument(format!(
-                "invalid SigningKey {:?}: expected an absolute path",
-                self.signing_key
-            )));
-        }
-        if !self.trusted_keys_dir.is_empty() && !self.trusted_keys_dir.starts_with('/') {
-            return Err(Error::InvalidArgument(format!(
-                "invalid TrustedKeysDir {:?}: expected an absolute path",
-                self.trusted_keys_dir
-            )));
-        }
-        for (key, value) in [
-            ("RevokedKeysFile", &self.revoked_keys_file),
-            ("RegistryHostsDir", &self.registry_hosts_dir),
-            ("RegistryAuthFile", &self.registry_auth_file),
-            ("RestoreStagingDir", &self.restore_staging_dir),
-        ] {
-            if !value.is_empty() && !value.starts_with('/') {
-                return Err(Error::InvalidArgument(format!(
-                    "invalid {key} {value:?}: expected an absolute path"
-                )));
-            }
-        }
-        if !self.restore_timeout.is_empty() {
-            parse_timeout(&self.restore_timeout, "RestoreTimeout")?;
-        }
-        if !self.device_lock_timeout.is_empty() {
-            parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
-        }
-        if !self.driver_library_dir.is_empty() && !self.driver_library_dir.starts_with('/') {
-            return Err(Error::InvalidArgument(format!(
-                "invalid DriverLibraryDir {:?}: expected an absolute path",
-                self.driver_library_dir
-            )));
-        }
-        if !matches!(self.mode.as_str(), "" | "run" | "restore") {
-            return Err(Error::InvalidArgument(format!(
-                "invalid Mode {:?}: expected \"run\" or \"restore\"",
-                self.mode
-            )));
-        }
-        Ok(self)
+        Ok(())
     }
 
     /// The node's signing key: `SigningKey`, else `/var/lib/gpu-ckpt/keys/node.key`, one key

@@ -921,11 +921,7 @@ enum Action {
 }
 
 fn check_entry(path: &Path, e: &mut Entry<'_>, format: DiffFormat) -> Result<Action> {
-    if path.is_absolute()
-        || path
-            .components()
-            .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
-    {
+    if leaves_root(path) {
         return Err(bad(path, "leaves the rootfs"));
     }
     let header = e.header();
@@ -940,13 +936,39 @@ fn check_entry(path: &Path, e: &mut Entry<'_>, format: DiffFormat) -> Result<Act
         }
         return Err(bad(path, "names the rootfs itself"));
     }
-    let whiteout_device = format == DiffFormat::Own
-        && kind.is_character_special()
-        && header.device_major().ok().flatten() == Some(0)
-        && header.device_minor().ok().flatten() == Some(0);
-    if whiteout_device {
+    if format == DiffFormat::Own && is_whiteout_device(header) {
         return Ok(Action::Remove);
     }
+    check_kind(path, kind)?;
+    if kind.is_hard_link() {
+        check_link_target(path, e)?;
+    }
+    match format {
+        DiffFormat::Own => Ok(Action::Write {
+            opaque: kind.is_dir() && is_opaque(e)?,
+        }),
+        DiffFormat::Oci => oci_action(path, e),
+    }
+}
+
+/// Whether `path` (an entry's name, or a hard link's target) is absolute or has a component
+/// other than a name or `.`.
+fn leaves_root(path: &Path) -> bool {
+    path.is_absolute()
+        || path
+            .components()
+            .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+/// The shim's whiteout: a character device 0/0.
+fn is_whiteout_device(header: &tar::Header) -> bool {
+    header.entry_type().is_character_special()
+        && header.device_major().ok().flatten() == Some(0)
+        && header.device_minor().ok().flatten() == Some(0)
+}
+
+/// Only files, directories, symlinks and hard links.
+fn check_kind(path: &Path, kind: tar::EntryType) -> Result<()> {
     if kind.is_character_special() || kind.is_block_special() || kind.is_fifo() {
         return Err(bad(path, "device nodes and fifos are not allowed"));
     }
@@ -956,35 +978,37 @@ fn check_entry(path: &Path, e: &mut Entry<'_>, format: DiffFormat) -> Result<Act
             &format!("entries of type {kind:?} are not allowed"),
         ));
     }
-    if kind.is_hard_link() {
-        let target = e
-            .link_name()
-            .map_err(Error::io("rootfs diff link"))?
-            .unwrap_or_default();
-        if target.is_absolute()
-            || target.file_name().is_none()
-            || target
-                .components()
-                .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
-        {
-            return Err(bad(path, "hard link leaves the rootfs"));
-        }
+    Ok(())
+}
+
+/// A hard link's target: a file below the rootfs.
+fn check_link_target(path: &Path, e: &mut Entry<'_>) -> Result<()> {
+    let target = e
+        .link_name()
+        .map_err(Error::io("rootfs diff link"))?
+        .unwrap_or_default();
+    if leaves_root(&target) || target.file_name().is_none() {
+        return Err(bad(path, "hard link leaves the rootfs"));
     }
-    if format == DiffFormat::Own {
-        let opaque = kind.is_dir()
-            && e.pax_extensions()
-                .map_err(Error::io("rootfs diff PAX record"))?
-                .into_iter()
-                .flatten()
-                .any(|x| {
-                    x.is_ok_and(|x| {
-                        x.key() == Ok(rootfs_changes::OPAQUE_PAX_KEY) && x.value_bytes() == b"y"
-                    })
-                });
-        return Ok(Action::Write { opaque });
-    }
-    // OCI whiteouts. The name as written: `Path` drops a trailing `.`, so `.wh..` must be
-    // seen in the bytes.
+    Ok(())
+}
+
+/// Whether a directory of the shim's copy carries the opaque PAX record.
+fn is_opaque(e: &mut Entry<'_>) -> Result<bool> {
+    Ok(e.pax_extensions()
+        .map_err(Error::io("rootfs diff PAX record"))?
+        .into_iter()
+        .flatten()
+        .any(|x| {
+            x.is_ok_and(|x| {
+                x.key() == Ok(rootfs_changes::OPAQUE_PAX_KEY) && x.value_bytes() == b"y"
+            })
+        }))
+}
+
+/// An engine diff's entry: an OCI whiteout (checked) or an entry to write.
+fn oci_action(path: &Path, e: &mut Entry<'_>) -> Result<Action> {
+    // The name as written: `Path` drops a trailing `.`, so `.wh..` must be seen in the bytes.
     let raw = e.path_bytes();
     let raw = String::from_utf8_lossy(&raw);
     let last = raw
@@ -1114,85 +1138,146 @@ fn write_entry(
     let (parent, name) = parent_of(root, path, true)?.ok_or(Apply::Refused("no parent"))?;
     let header = e.header().clone();
     let kind = header.entry_type();
-    let mut mode = header.mode().unwrap_or(0o600) & 0o7777;
-    let uid = header.uid().ok().and_then(|u| u32::try_from(u).ok());
-    let gid = header.gid().ok().and_then(|g| u32::try_from(g).ok());
-    // The owner through the new spec's mappings; where it cannot be kept, root's, and no
-    // setuid or setgid bit.
-    let owner = uid.zip(gid).and_then(|(u, g)| ids.host_owner(u, g));
-    if owner.is_none() {
-        mode &= !0o6000;
-    }
-    let mode = Mode::from_bits_truncate(mode);
-    let mtime = TimeSpec::new(header.mtime().unwrap_or(0).min(i64::MAX as u64) as i64, 0);
+    let meta = Meta::of(&header, ids);
     let existing = nix::sys::stat::fstatat(&parent, name, AtFlags::AT_SYMLINK_NOFOLLOW);
     if kind.is_dir() {
         let is_dir = matches!(&existing, Ok(st) if rootfs_changes::kind(st) == SFlag::S_IFDIR);
-        if !is_dir {
-            if existing.is_ok() {
-                remove_any(&parent, name)?;
-            }
-            nix::sys::stat::mkdirat(&parent, name, Mode::from_bits_truncate(0o700))
-                .map_err(sys("create the directory"))?;
-        }
-        let dir = rootfs_changes::open_dir_at(&parent, name).map_err(sys("open the directory"))?;
-        if opaque {
-            empty_dir(&dir)?;
-        }
-        return set_owner_mode(&dir, owner, mode, &mtime);
+        return write_dir(&parent, name, is_dir, existing.is_ok(), opaque, &meta);
     }
     if existing.is_ok() {
         remove_any(&parent, name)?;
     }
     if kind.is_symlink() {
-        let target = e
-            .link_name_bytes()
-            .ok_or(Apply::Refused("a symlink without a target"))?;
-        nix::unistd::symlinkat(OsStr::from_bytes(&target), &parent, name)
-            .map_err(sys("create the symlink"))?;
-        if let Some((u, g)) = owner {
-            // Through a handle on the link just made, not by its name: a file renamed onto the
-            // name in between would otherwise get the entry's owner.
-            let link = nix::fcntl::openat(
-                &parent,
-                name,
-                OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-                Mode::empty(),
-            )
-            .map_err(sys("open the symlink"))?;
-            let st = nix::sys::stat::fstat(&link).map_err(sys("stat the symlink"))?;
-            if rootfs_changes::kind(&st) != SFlag::S_IFLNK {
-                return Err(Apply::Refused(
-                    "replaced by something else while it was applied",
-                ));
-            }
-            nix::unistd::fchownat(
-                &link,
-                "",
-                Some(Uid::from_raw(u)),
-                Some(Gid::from_raw(g)),
-                AtFlags::AT_EMPTY_PATH | AtFlags::AT_SYMLINK_NOFOLLOW,
-            )
-            .map_err(sys("set the symlink's owner"))?;
-        }
-        return Ok(());
+        return write_symlink(&parent, name, e, meta.owner);
     }
     if kind.is_hard_link() {
-        let target = e
-            .link_name()
-            .ok()
-            .flatten()
-            .ok_or(Apply::Refused("a hard link without a target"))?
-            .into_owned();
-        let (tparent, tname) = parent_of(root, &target, false)?
-            .ok_or(Apply::Refused("hard link to a file that is not there"))?;
-        // Flags 0: a symlink at the target is linked itself, never followed.
-        nix::unistd::linkat(&tparent, tname, &parent, name, AtFlags::empty())
-            .map_err(sys("create the hard link"))?;
-        return Ok(());
+        return write_hard_link(root, &parent, name, e);
     }
+    write_file(&parent, name, e, &meta)
+}
+
+/// What an entry's header says of its owner, mode and time, as they are written.
+struct Meta {
+    /// The owner through the new spec's mappings; `None` where it cannot be kept (root's).
+    owner: Option<(u32, u32)>,
+    mode: Mode,
+    mtime: TimeSpec,
+}
+
+impl Meta {
+    fn of(header: &tar::Header, ids: &crate::spec_check::Policy) -> Meta {
+        let mut mode = header.mode().unwrap_or(0o600) & 0o7777;
+        let uid = header.uid().ok().and_then(|u| u32::try_from(u).ok());
+        let gid = header.gid().ok().and_then(|g| u32::try_from(g).ok());
+        // The owner through the new spec's mappings; where it cannot be kept, root's, and no
+        // setuid or setgid bit.
+        let owner = uid.zip(gid).and_then(|(u, g)| ids.host_owner(u, g));
+        if owner.is_none() {
+            mode &= !0o6000;
+        }
+        Meta {
+            owner,
+            mode: Mode::from_bits_truncate(mode),
+            mtime: TimeSpec::new(header.mtime().unwrap_or(0).min(i64::MAX as u64) as i64, 0),
+        }
+    }
+
+    /// The owner first (a change of owner clears setuid), then the mode and time, on the
+    /// handle `fd`.
+    fn set_on<Fd: AsFd>(&self, fd: &Fd) -> Applied<()> {
+        if let Some((u, g)) = self.owner {
+            nix::unistd::fchown(fd, Some(Uid::from_raw(u)), Some(Gid::from_raw(g)))
+                .map_err(sys("set the owner"))?;
+        }
+        nix::sys::stat::fchmod(fd, self.mode).map_err(sys("set the mode"))?;
+        nix::sys::stat::futimens(fd, &TimeSpec::UTIME_OMIT, &self.mtime)
+            .map_err(sys("set the time"))
+    }
+}
+
+/// A directory entry: the directory at `name` in `parent` (made where something else, or
+/// nothing, `exists` there), emptied first if `opaque`.
+fn write_dir(
+    parent: &OwnedFd,
+    name: &OsStr,
+    is_dir: bool,
+    exists: bool,
+    opaque: bool,
+    meta: &Meta,
+) -> Applied<()> {
+    if !is_dir {
+        if exists {
+            remove_any(parent, name)?;
+        }
+        nix::sys::stat::mkdirat(parent, name, Mode::from_bits_truncate(0o700))
+            .map_err(sys("create the directory"))?;
+    }
+    let dir = rootfs_changes::open_dir_at(parent, name).map_err(sys("open the directory"))?;
+    if opaque {
+        empty_dir(&dir)?;
+    }
+    meta.set_on(&dir)
+}
+
+/// A symlink entry, given `owner` through a handle on the link itself.
+fn write_symlink(
+    parent: &OwnedFd,
+    name: &OsStr,
+    e: &Entry<'_>,
+    owner: Option<(u32, u32)>,
+) -> Applied<()> {
+    let target = e
+        .link_name_bytes()
+        .ok_or(Apply::Refused("a symlink without a target"))?;
+    nix::unistd::symlinkat(OsStr::from_bytes(&target), parent, name)
+        .map_err(sys("create the symlink"))?;
+    let Some((u, g)) = owner else {
+        return Ok(());
+    };
+    // Through a handle on the link just made, not by its name: a file renamed onto the name in
+    // between would otherwise get the entry's owner.
+    let link = nix::fcntl::openat(
+        parent,
+        name,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(sys("open the symlink"))?;
+    let st = nix::sys::stat::fstat(&link).map_err(sys("stat the symlink"))?;
+    if rootfs_changes::kind(&st) != SFlag::S_IFLNK {
+        return Err(Apply::Refused(
+            "replaced by something else while it was applied",
+        ));
+    }
+    nix::unistd::fchownat(
+        &link,
+        "",
+        Some(Uid::from_raw(u)),
+        Some(Gid::from_raw(g)),
+        AtFlags::AT_EMPTY_PATH | AtFlags::AT_SYMLINK_NOFOLLOW,
+    )
+    .map_err(sys("set the symlink's owner"))
+}
+
+/// A hard link entry, to a file already below `root`.
+fn write_hard_link(root: &OwnedFd, parent: &OwnedFd, name: &OsStr, e: &Entry<'_>) -> Applied<()> {
+    let target = e
+        .link_name()
+        .ok()
+        .flatten()
+        .ok_or(Apply::Refused("a hard link without a target"))?
+        .into_owned();
+    let (tparent, tname) = parent_of(root, &target, false)?
+        .ok_or(Apply::Refused("hard link to a file that is not there"))?;
+    // Flags 0: a symlink at the target is linked itself, never followed.
+    nix::unistd::linkat(&tparent, tname, parent, name, AtFlags::empty())
+        .map_err(sys("create the hard link"))
+}
+
+/// A file entry: made new (nothing is there any more), its contents copied.
+fn write_file(parent: &OwnedFd, name: &OsStr, e: &mut Entry<'_>, meta: &Meta) -> Applied<()> {
     let fd = nix::fcntl::openat(
-        &parent,
+        parent,
         name,
         OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
         Mode::from_bits_truncate(0o600),
@@ -1200,27 +1285,12 @@ fn write_entry(
     .map_err(sys("create the file"))?;
     let mut file = File::from(fd);
     std::io::copy(e, &mut file).map_err(|err| Apply::Io("write the file", io_errno(&err)))?;
-    set_owner_mode(&file, owner, mode, &mtime)
+    meta.set_on(&file)
 }
 
 /// The errno of an I/O error (EIO where it has none).
 fn io_errno(e: &std::io::Error) -> nix::Error {
     Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
-}
-
-/// The owner first (a change of owner clears setuid), then the mode and time, on the handle.
-fn set_owner_mode<Fd: AsFd>(
-    fd: &Fd,
-    owner: Option<(u32, u32)>,
-    mode: Mode,
-    mtime: &TimeSpec,
-) -> Applied<()> {
-    if let Some((u, g)) = owner {
-        nix::unistd::fchown(fd, Some(Uid::from_raw(u)), Some(Gid::from_raw(g)))
-            .map_err(sys("set the owner"))?;
-    }
-    nix::sys::stat::fchmod(fd, mode).map_err(sys("set the mode"))?;
-    nix::sys::stat::futimens(fd, &TimeSpec::UTIME_OMIT, mtime).map_err(sys("set the time"))
 }
 
 /// Removes everything in the directory `dir`, never following a symlink.

@@ -68,7 +68,7 @@ use serde_json::Value;
 use tracing::{info, warn};
 
 use crate::{
-    error::{Error, Result},
+    error::{first_of, Error, Result},
     verify_gate::VerifyGate,
 };
 
@@ -183,82 +183,22 @@ impl Policy {
     /// The policy of an OCI spec (config.json as JSON); the node's LSM is not looked up.
     pub fn from_spec(spec: &Value) -> std::result::Result<Policy, String> {
         let process = spec.get("process").unwrap_or(&Value::Null);
-        let user = process.get("user").unwrap_or(&Value::Null);
-        let id = |v: &Value, what: &str| -> std::result::Result<u32, String> {
-            match v {
-                Value::Null => Ok(0),
-                v => v
-                    .as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("{what}: not a 32-bit id: {v}")),
-            }
-        };
-        let uid = id(user.get("uid").unwrap_or(&Value::Null), "process.user.uid")?;
-        let gid = id(user.get("gid").unwrap_or(&Value::Null), "process.user.gid")?;
-        let mut groups = BTreeSet::from([gid]);
-        if let Some(extra) = user.get("additionalGids").and_then(Value::as_array) {
-            for g in extra {
-                groups.insert(id(g, "process.user.additionalGids")?);
-            }
-        }
-        let caps = process.get("capabilities").unwrap_or(&Value::Null);
-        let set = |name: &str| -> u64 {
-            caps.get(name)
-                .and_then(Value::as_array)
-                .map(|names| {
-                    names
-                        .iter()
-                        .filter_map(Value::as_str)
-                        .filter_map(cap_bit)
-                        .fold(0, |acc, bit| acc | (1u64 << bit))
-                })
-                .unwrap_or(0)
-        };
-        let text = |v: Option<&Value>| {
-            v.and_then(Value::as_str)
-                .filter(|s| !s.is_empty())
-                .map(str::to_string)
-        };
-        let maps = |key: &str| -> Vec<IdMap> {
-            spec.pointer(&format!("/linux/{key}"))
-                .and_then(Value::as_array)
-                .map(|entries| {
-                    entries
-                        .iter()
-                        .filter_map(|m| {
-                            let f =
-                                |k: &str| m.get(k)?.as_u64().and_then(|n| u32::try_from(n).ok());
-                            Some(IdMap {
-                                container: f("containerID")?,
-                                host: f("hostID")?,
-                                size: f("size")?,
-                            })
-                        })
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
+        let (uid, gid, groups) = user_ids(process.get("user").unwrap_or(&Value::Null))?;
         let digest = seccomp_profile_digest(spec);
         Ok(Policy {
             uid,
             gid,
             groups,
-            caps: CapSets {
-                bnd: set("bounding"),
-                prm: set("permitted"),
-                eff: set("effective"),
-                inh: set("inheritable"),
-                amb: set("ambient"),
-            },
+            caps: cap_sets(process.get("capabilities").unwrap_or(&Value::Null)),
             no_new_privs: process
                 .get("noNewPrivileges")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
             seccomp: (!digest.is_empty()).then_some(digest),
-            apparmor: text(process.get("apparmorProfile")),
-            selinux: text(process.get("selinuxLabel")),
-            uid_map: maps("uidMappings"),
-            gid_map: maps("gidMappings"),
+            apparmor: non_empty_text(process.get("apparmorProfile")),
+            selinux: non_empty_text(process.get("selinuxLabel")),
+            uid_map: id_maps(spec, "uidMappings"),
+            gid_map: id_maps(spec, "gidMappings"),
             node_lsm: None,
         })
     }
@@ -317,6 +257,76 @@ impl Policy {
     }
 }
 
+/// `process.user`'s uid, gid and groups (the gid with `additionalGids`); an absent id is 0.
+fn user_ids(user: &Value) -> std::result::Result<(u32, u32, BTreeSet<u32>), String> {
+    let uid = spec_id(user.get("uid").unwrap_or(&Value::Null), "process.user.uid")?;
+    let gid = spec_id(user.get("gid").unwrap_or(&Value::Null), "process.user.gid")?;
+    let mut groups = BTreeSet::from([gid]);
+    if let Some(extra) = user.get("additionalGids").and_then(Value::as_array) {
+        for g in extra {
+            groups.insert(spec_id(g, "process.user.additionalGids")?);
+        }
+    }
+    Ok((uid, gid, groups))
+}
+
+/// One id of the spec (0 when absent); `what` names it in the error.
+fn spec_id(v: &Value, what: &str) -> std::result::Result<u32, String> {
+    match v {
+        Value::Null => Ok(0),
+        v => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| format!("{what}: not a 32-bit id: {v}")),
+    }
+}
+
+/// `process.capabilities`' five sets; names the shim does not know are left out.
+fn cap_sets(caps: &Value) -> CapSets {
+    let set = |name: &str| -> u64 {
+        caps.get(name)
+            .and_then(Value::as_array)
+            .map(|names| {
+                names
+                    .iter()
+                    .filter_map(Value::as_str)
+                    .filter_map(cap_bit)
+                    .fold(0, |acc, bit| acc | (1u64 << bit))
+            })
+            .unwrap_or(0)
+    };
+    CapSets {
+        bnd: set("bounding"),
+        prm: set("permitted"),
+        eff: set("effective"),
+        inh: set("inheritable"),
+        amb: set("ambient"),
+    }
+}
+
+/// A string of the spec, `None` where absent or empty.
+fn non_empty_text(v: Option<&Value>) -> Option<String> {
+    v.and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+}
+
+/// `linux.<key>` (`uidMappings`, `gidMappings`); entries missing a field are left out.
+fn id_maps(spec: &Value, key: &str) -> Vec<IdMap> {
+    let entry = |m: &Value| {
+        let f = |k: &str| m.get(k)?.as_u64().and_then(|n| u32::try_from(n).ok());
+        Some(IdMap {
+            container: f("containerID")?,
+            host: f("hostID")?,
+            size: f("size")?,
+        })
+    };
+    spec.pointer(&format!("/linux/{key}"))
+        .and_then(Value::as_array)
+        .map(|entries| entries.iter().filter_map(entry).collect())
+        .unwrap_or_default()
+}
+
 /// One thread's security state, from the kernel or from the checkpoint's record.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TaskView {
@@ -366,55 +376,93 @@ impl fmt::Display for Violation {
 /// The violations of `view` against `policy`. `kernel`: the view is the kernel's, whose ids
 /// are host ids (mapped through the spec's user namespace mappings).
 pub fn check_task(policy: &Policy, view: &TaskView, kernel: bool) -> Vec<Violation> {
-    let mut out = Vec::new();
-    let mut add = |field: &'static str, found: String, allowed: String, note: String| {
-        out.push(Violation {
-            task: view.task.clone(),
-            field,
-            found,
-            allowed,
-            note,
-        })
-    };
     let (uid_map, gid_map): (&[IdMap], &[IdMap]) = if kernel {
         (&policy.uid_map, &policy.gid_map)
     } else {
         (&[], &[])
     };
-    let granted = policy.granted();
-    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ");
-    if granted & CAP_SETUID == 0 {
-        let want = map_id(uid_map, policy.uid);
-        if view.uids.iter().any(|&u| u != want) {
-            add(
-                "Uid",
-                ids(&view.uids),
-                want.to_string(),
-                "real, effective, saved, fs; the spec grants no CAP_SETUID".into(),
-            );
+    let mut out = id_violations(policy, view, uid_map, gid_map);
+    out.extend(cap_violations(policy, view));
+    if policy.no_new_privs && !view.no_new_privs {
+        out.push(view.violation("NoNewPrivs", "0".into(), "1".into(), String::new()));
+    }
+    out.extend(seccomp_violation(policy, view));
+    out.extend(lsm_violation(policy, view));
+    out
+}
+
+impl TaskView {
+    fn violation(
+        &self,
+        field: &'static str,
+        found: String,
+        allowed: String,
+        note: String,
+    ) -> Violation {
+        Violation {
+            task: self.task.clone(),
+            field,
+            found,
+            allowed,
+            note,
         }
+    }
+}
+
+/// Ids separated by spaces.
+fn id_list(v: &[u32]) -> String {
+    v.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
+}
+
+/// The uids, gids and groups: the spec's (mapped), unless it grants `CAP_SETUID` (uids) or
+/// `CAP_SETGID` (gids and groups), with which a task may change them.
+fn id_violations(
+    policy: &Policy,
+    view: &TaskView,
+    uid_map: &[IdMap],
+    gid_map: &[IdMap],
+) -> Vec<Violation> {
+    let granted = policy.granted();
+    let mut out = Vec::new();
+    if granted & CAP_SETUID == 0 {
+        let note = "real, effective, saved, fs; the spec grants no CAP_SETUID";
+        let want = map_id(uid_map, policy.uid);
+        out.extend(all_ids(view, "Uid", &view.uids, want, note));
     }
     if granted & CAP_SETGID == 0 {
+        let note = "real, effective, saved, fs; the spec grants no CAP_SETGID";
         let want = map_id(gid_map, policy.gid);
-        if view.gids.iter().any(|&g| g != want) {
-            add(
-                "Gid",
-                ids(&view.gids),
-                want.to_string(),
-                "real, effective, saved, fs; the spec grants no CAP_SETGID".into(),
-            );
-        }
+        out.extend(all_ids(view, "Gid", &view.gids, want, note));
         let allowed: BTreeSet<u32> = policy.groups.iter().map(|&g| map_id(gid_map, g)).collect();
         if view.groups.iter().any(|g| !allowed.contains(g)) {
-            add(
+            out.push(view.violation(
                 "Groups",
-                format!("[{}]", ids(&view.groups)),
-                format!("[{}]", ids(&allowed.into_iter().collect::<Vec<_>>())),
+                format!("[{}]", id_list(&view.groups)),
+                format!("[{}]", id_list(&allowed.into_iter().collect::<Vec<_>>())),
                 String::new(),
-            );
+            ));
         }
     }
+    out
+}
+
+/// The four ids of `field` (real, effective, saved, fs) all `want`.
+fn all_ids(
+    view: &TaskView,
+    field: &'static str,
+    have: &[u32; 4],
+    want: u32,
+    note: &str,
+) -> Option<Violation> {
+    have.iter()
+        .any(|&id| id != want)
+        .then(|| view.violation(field, id_list(have), want.to_string(), note.into()))
+}
+
+/// The five capability sets, each within what a cold start of the spec holds.
+fn cap_violations(policy: &Policy, view: &TaskView) -> Vec<Violation> {
     let c = &policy.caps;
+    let granted = policy.granted();
     // Permitted and effective: what a cold start of the spec holds. For uid 0 the kernel
     // gives root the spec's sets and the bounding, inheritable and ambient ones; any other
     // uid holds only the ambient set after its exec, whatever the spec's permitted and
@@ -426,76 +474,79 @@ pub fn check_task(policy: &Policy, view: &TaskView, kernel: bool) -> Vec<Violati
     } else {
         (granted, granted)
     };
-    for (field, have, allowed) in [
+    [
         ("CapInh", view.caps.inh, c.inh),
         ("CapPrm", view.caps.prm, prm),
         ("CapEff", view.caps.eff, eff),
         ("CapBnd", view.caps.bnd, c.bnd),
         ("CapAmb", view.caps.amb, c.amb),
-    ] {
-        let beyond = have & !allowed;
-        if beyond != 0 {
-            add(
-                field,
-                format!("{have:016x}"),
-                format!("{allowed:016x}"),
-                cap_names(beyond),
-            );
-        }
+    ]
+    .into_iter()
+    .filter(|(_, have, allowed)| have & !allowed != 0)
+    .map(|(field, have, allowed)| {
+        view.violation(
+            field,
+            format!("{have:016x}"),
+            format!("{allowed:016x}"),
+            cap_names(have & !allowed),
+        )
+    })
+    .collect()
+}
+
+/// With a seccomp profile in the spec: a filter, as many as the checkpoint recorded.
+fn seccomp_violation(policy: &Policy, view: &TaskView) -> Option<Violation> {
+    let profile = policy.seccomp.as_ref()?;
+    if view.seccomp_mode != SECCOMP_MODE_FILTER {
+        return Some(view.violation(
+            "Seccomp",
+            view.seccomp_mode.to_string(),
+            "2".into(),
+            format!("the spec's profile {profile} needs a filter"),
+        ));
     }
-    if policy.no_new_privs && !view.no_new_privs {
-        add("NoNewPrivs", "0".into(), "1".into(), String::new());
+    if view.seccomp_filters == Some(0) {
+        return Some(view.violation(
+            "Seccomp_filters",
+            "0".into(),
+            "1".into(),
+            format!("the spec's profile {profile} needs a filter"),
+        ));
     }
-    if let Some(profile) = &policy.seccomp {
-        if view.seccomp_mode != SECCOMP_MODE_FILTER {
-            add(
-                "Seccomp",
-                view.seccomp_mode.to_string(),
-                "2".into(),
-                format!("the spec's profile {profile} needs a filter"),
-            );
-        } else if view.seccomp_filters == Some(0) {
-            add(
-                "Seccomp_filters",
-                "0".into(),
-                "1".into(),
-                format!("the spec's profile {profile} needs a filter"),
-            );
-        } else if let (Some(have), Some(want)) = (view.seccomp_filters, view.expected_filters) {
-            if have != want {
-                add(
-                    "Seccomp_filters",
+    let (have, want) = (view.seccomp_filters?, view.expected_filters?);
+    (have != want).then(|| {
+        view.violation(
+            "Seccomp_filters",
+            have.to_string(),
+            want.to_string(),
+            "not the filters the checkpoint recorded under the spec's profile".into(),
+        )
+    })
+}
+
+/// The LSM label the node enforces: the spec's AppArmor profile or SELinux label.
+fn lsm_violation(policy: &Policy, view: &TaskView) -> Option<Violation> {
+    let label = view.lsm.as_ref()?;
+    match policy.node_lsm? {
+        Lsm::AppArmor => {
+            let want = policy.apparmor.as_deref().filter(|p| *p != "unconfined")?;
+            let have = apparmor_name(label);
+            (have != want).then(|| {
+                view.violation(
+                    "AppArmor profile",
                     have.to_string(),
                     want.to_string(),
-                    "not the filters the checkpoint recorded under the spec's profile".into(),
-                );
-            }
+                    String::new(),
+                )
+            })
+        }
+        Lsm::SeLinux => {
+            let want = policy.selinux.as_ref()?;
+            (label != want).then(|| {
+                view.violation("SELinux label", label.clone(), want.clone(), String::new())
+            })
         }
     }
-    match (policy.node_lsm, &view.lsm) {
-        (Some(Lsm::AppArmor), Some(label)) => {
-            if let Some(want) = policy.apparmor.as_deref().filter(|p| *p != "unconfined") {
-                let have = apparmor_name(label);
-                if have != want {
-                    add(
-                        "AppArmor profile",
-                        have.to_string(),
-                        want.to_string(),
-                        String::new(),
-                    );
-                }
-            }
-        }
-        (Some(Lsm::SeLinux), Some(label)) => {
-            if let Some(want) = &policy.selinux {
-                if label != want {
-                    add("SELinux label", label.clone(), want.clone(), String::new());
-                }
-            }
-        }
-        _ => {}
-    }
-    out
 }
 
 /// What the pre-check learnt for the kernel check: each checkpointed thread's filter count, by
@@ -590,16 +641,6 @@ fn refuse_if_any(violations: Vec<Violation>, what: &str) -> Result<()> {
         "restore refused: {what} is beyond this container's spec: {}",
         first_of(&violations, MAX_REPORTED)
     )))
-}
-
-/// The first `max` of `items`, joined by "; ", and how many more there are: a refusal names
-/// what it found without growing with a forged image's size.
-pub(crate) fn first_of<T: std::fmt::Display>(items: &[T], max: usize) -> String {
-    let mut text: Vec<String> = items.iter().take(max).map(T::to_string).collect();
-    if items.len() > max {
-        text.push(format!("and {} more", items.len() - max));
-    }
-    text.join("; ")
 }
 
 /// Every process of the tree below (and with) `root`, each with its threads, root first.
@@ -842,22 +883,23 @@ fn map_id(maps: &[IdMap], id: u32) -> u32 {
 /// The host id of the container's `id` under `maps` (the same id without mappings); `None`
 /// where no mapping covers it.
 fn to_host(maps: &[IdMap], id: u32) -> Option<u32> {
-    if maps.is_empty() {
-        return Some(id);
-    }
-    maps.iter()
-        .find(|m| id >= m.container && id - m.container < m.size)
-        .map(|m| m.host + (id - m.container))
+    through(maps, id, |m| m.container, |m| m.host)
 }
 
 /// The container's id of the host's `id` under `maps`, the inverse of [`to_host`].
 fn to_container(maps: &[IdMap], id: u32) -> Option<u32> {
+    through(maps, id, |m| m.host, |m| m.container)
+}
+
+/// `id` from the side `from` of the first of `maps` that covers it to its side `to` (the same
+/// id without mappings).
+fn through(maps: &[IdMap], id: u32, from: fn(&IdMap) -> u32, to: fn(&IdMap) -> u32) -> Option<u32> {
     if maps.is_empty() {
         return Some(id);
     }
     maps.iter()
-        .find(|m| id >= m.host && id - m.host < m.size)
-        .map(|m| m.container + (id - m.host))
+        .find(|m| id >= from(m) && id - from(m) < m.size)
+        .map(|m| to(m) + (id - from(m)))
 }
 
 fn cap_bit(name: &str) -> Option<u32> {

@@ -117,33 +117,10 @@ pub async fn prepare(
     io_gid: u32,
     absent: Absent,
 ) -> Result<PreparedIo> {
-    let sink = parse_sink(&stdio.stdout)?;
-    if sink == Sink::Fifo && parse_sink(&stdio.stderr)? != Sink::Fifo {
-        return Err(Error::InvalidArgument(format!(
-            "stderr {:?} is a log URI but stdout {:?} is not: a log URI names both streams",
-            stdio.stderr, stdio.stdout
-        )));
-    }
+    let sink = sink_of(stdio)?;
     let mut io = ProcessIo::default();
     if stdio.terminal {
-        let log = match &sink {
-            Sink::Fifo => None,
-            // runc-v2 fails the same way: it opens the URI as the terminal's output fifo.
-            Sink::File(_) => {
-                return Err(Error::InvalidArgument(format!(
-                    "a terminal cannot write to the log URI {:?}: file:// takes no terminal",
-                    stdio.stdout
-                )))
-            }
-            Sink::Binary(command) => {
-                let (out_r, out_w) = new_pipe()?;
-                // A terminal has one output: the logger's stderr is at end of file at once.
-                let (err_r, _) = new_pipe()?;
-                let logger = Logger::start(command, id, out_r, err_r, &stdio.stdout).await?;
-                io.logger = Some(Arc::new(logger));
-                Some(out_w)
-            }
-        };
+        let log = terminal_log(&sink, stdio, id, &mut io).await?;
         return Ok(PreparedIo {
             child: ChildIo::PassThrough {
                 stdin: None,
@@ -154,87 +131,22 @@ pub async fn prepare(
             io,
         });
     }
-    let owner = |fd: &OwnedFd| -> Result<()> {
-        if io_uid != 0 || io_gid != 0 {
-            fchown(fd, Some(Uid::from_raw(io_uid)), Some(Gid::from_raw(io_gid)))
-                .map_err(|e| Error::io("chown stdio pipe")(e.into()))?;
-        }
-        Ok(())
-    };
-    // A stream without a fifo: nothing (the host's /dev/null), or a pipe that is drained.
-    let absent_output = || -> Result<Option<OwnedFd>> {
-        match absent {
-            Absent::DevNull => Ok(None),
-            Absent::Pipe => {
-                let (r, w) = new_pipe()?;
-                owner(&w)?;
-                discard(r)?;
-                Ok(Some(w))
-            }
-        }
+    let streams = Streams {
+        stdio,
+        uid: io_uid,
+        gid: io_gid,
+        absent,
     };
     let (stdout, stderr) = match &sink {
-        Sink::Fifo => {
-            let output = |path: &str| -> Result<Option<OwnedFd>> {
-                if path.is_empty() {
-                    return absent_output();
-                }
-                let (r, w) = new_pipe()?;
-                owner(&w)?;
-                let receiver =
-                    pipe::Receiver::from_owned_fd(r).map_err(Error::io("output pipe"))?;
-                io.tasks.copy_to_fifo(receiver, path)?;
-                Ok(Some(w))
-            };
-            (output(&stdio.stdout)?, output(&stdio.stderr)?)
-        }
-        Sink::File(path) => {
-            let file = open_log_file(path, &stdio.stdout)?;
-            let to_file = |file: File| -> Result<Option<OwnedFd>> {
-                let (r, w) = new_pipe()?;
-                owner(&w)?;
-                copy_to_file(r, file, path)?;
-                Ok(Some(w))
-            };
-            let stdout = to_file(
-                file.try_clone()
-                    .map_err(Error::io(format!("log file {}", path.display())))?,
-            )?;
-            let stderr = if stdio.stderr.is_empty() {
-                absent_output()?
-            } else {
-                to_file(file)?
-            };
-            (stdout, stderr)
-        }
-        Sink::Binary(command) => {
-            let (out_r, out_w) = new_pipe()?;
-            let (err_r, err_w) = new_pipe()?;
-            owner(&out_w)?;
-            owner(&err_w)?;
-            let logger = Logger::start(command, id, out_r, err_r, &stdio.stdout).await?;
-            io.logger = Some(Arc::new(logger));
-            (Some(out_w), Some(err_w))
-        }
+        Sink::Fifo => (
+            streams.to_fifo(&stdio.stdout, &mut io)?,
+            streams.to_fifo(&stdio.stderr, &mut io)?,
+        ),
+        Sink::File(path) => streams.to_file(path)?,
+        Sink::Binary(command) => streams.to_logger(command, id, &mut io).await?,
     };
     // Input last: a failed output (a logger that does not start) leaves no fifo copy behind.
-    let stdin = if stdio.stdin.is_empty() {
-        match absent {
-            Absent::DevNull => None,
-            Absent::Pipe => {
-                // The write end closes here: the process reads end of file.
-                let (r, _) = new_pipe()?;
-                owner(&r)?;
-                Some(r)
-            }
-        }
-    } else {
-        let (r, w) = new_pipe()?;
-        owner(&r)?;
-        let sender = pipe::Sender::from_owned_fd(w).map_err(Error::io("stdin pipe"))?;
-        io.tasks.copy_from_fifo(&stdio.stdin, sender)?;
-        Some(r)
-    };
+    let stdin = streams.input(&mut io)?;
     Ok(PreparedIo {
         child: ChildIo::PassThrough {
             stdin,
@@ -244,6 +156,156 @@ pub async fn prepare(
         console: None,
         io,
     })
+}
+
+/// Where the output of `stdio` goes: its stdout's sink, which a log URI in stderr alone
+/// cannot change.
+fn sink_of(stdio: &Stdio) -> Result<Sink> {
+    let sink = parse_sink(&stdio.stdout)?;
+    if sink == Sink::Fifo && parse_sink(&stdio.stderr)? != Sink::Fifo {
+        return Err(Error::InvalidArgument(format!(
+            "stderr {:?} is a log URI but stdout {:?} is not: a log URI names both streams",
+            stdio.stderr, stdio.stdout
+        )));
+    }
+    Ok(sink)
+}
+
+/// Where a terminal's output is copied besides containerd's fifo: a logging binary's stdout
+/// (started here), or nowhere.
+async fn terminal_log(
+    sink: &Sink,
+    stdio: &Stdio,
+    id: &str,
+    io: &mut ProcessIo,
+) -> Result<Option<OwnedFd>> {
+    match sink {
+        Sink::Fifo => Ok(None),
+        // runc-v2 fails the same way: it opens the URI as the terminal's output fifo.
+        Sink::File(_) => Err(Error::InvalidArgument(format!(
+            "a terminal cannot write to the log URI {:?}: file:// takes no terminal",
+            stdio.stdout
+        ))),
+        Sink::Binary(command) => {
+            let (out_r, out_w) = new_pipe()?;
+            // A terminal has one output: the logger's stderr is at end of file at once.
+            let (err_r, _) = new_pipe()?;
+            let logger = Logger::start(command, id, out_r, err_r, &stdio.stdout).await?;
+            io.logger = Some(Arc::new(logger));
+            Ok(Some(out_w))
+        }
+    }
+}
+
+/// A process's stdout and stderr, as the process gets them.
+type Outputs = (Option<OwnedFd>, Option<OwnedFd>);
+
+/// The streams of a process without a terminal being prepared: containerd's names for them,
+/// the owner of the pipe ends the process gets, and what a stream without a fifo gets.
+struct Streams<'a> {
+    stdio: &'a Stdio,
+    uid: u32,
+    gid: u32,
+    absent: Absent,
+}
+
+impl Streams<'_> {
+    /// Gives the process's end `fd` of a pipe to the IO owner, where it is not root.
+    fn own(&self, fd: &OwnedFd) -> Result<()> {
+        if self.uid != 0 || self.gid != 0 {
+            fchown(
+                fd,
+                Some(Uid::from_raw(self.uid)),
+                Some(Gid::from_raw(self.gid)),
+            )
+            .map_err(|e| Error::io("chown stdio pipe")(e.into()))?;
+        }
+        Ok(())
+    }
+
+    /// A pipe for an output: the read end, and the write end (owned) that the process gets.
+    fn output_pipe(&self) -> Result<(OwnedFd, OwnedFd)> {
+        let (r, w) = new_pipe()?;
+        self.own(&w)?;
+        Ok((r, w))
+    }
+
+    /// An output without a fifo: nothing (the host's /dev/null), or a pipe that is drained.
+    fn absent_output(&self) -> Result<Option<OwnedFd>> {
+        match self.absent {
+            Absent::DevNull => Ok(None),
+            Absent::Pipe => {
+                let (r, w) = self.output_pipe()?;
+                discard(r)?;
+                Ok(Some(w))
+            }
+        }
+    }
+
+    /// An output copied into containerd's fifo `path` (none: [`Streams::absent_output`]).
+    fn to_fifo(&self, path: &str, io: &mut ProcessIo) -> Result<Option<OwnedFd>> {
+        if path.is_empty() {
+            return self.absent_output();
+        }
+        let (r, w) = self.output_pipe()?;
+        let receiver = pipe::Receiver::from_owned_fd(r).map_err(Error::io("output pipe"))?;
+        io.tasks.copy_to_fifo(receiver, path)?;
+        Ok(Some(w))
+    }
+
+    /// Both outputs appended to the log file `path` of a `file://` URI.
+    fn to_file(&self, path: &Path) -> Result<Outputs> {
+        let file = open_log_file(path, &self.stdio.stdout)?;
+        let to_file = |file: File| -> Result<Option<OwnedFd>> {
+            let (r, w) = self.output_pipe()?;
+            copy_to_file(r, file, path)?;
+            Ok(Some(w))
+        };
+        let stdout = to_file(
+            file.try_clone()
+                .map_err(Error::io(format!("log file {}", path.display())))?,
+        )?;
+        let stderr = if self.stdio.stderr.is_empty() {
+            self.absent_output()?
+        } else {
+            to_file(file)?
+        };
+        Ok((stdout, stderr))
+    }
+
+    /// Both outputs read by the logging binary `command`, started here.
+    async fn to_logger(
+        &self,
+        command: &LoggerCommand,
+        id: &str,
+        io: &mut ProcessIo,
+    ) -> Result<Outputs> {
+        let (out_r, out_w) = self.output_pipe()?;
+        let (err_r, err_w) = self.output_pipe()?;
+        let logger = Logger::start(command, id, out_r, err_r, &self.stdio.stdout).await?;
+        io.logger = Some(Arc::new(logger));
+        Ok((Some(out_w), Some(err_w)))
+    }
+
+    /// The input: copied from containerd's fifo, else what `absent` says.
+    fn input(&self, io: &mut ProcessIo) -> Result<Option<OwnedFd>> {
+        if self.stdio.stdin.is_empty() {
+            return match self.absent {
+                Absent::DevNull => Ok(None),
+                Absent::Pipe => {
+                    // The write end closes here: the process reads end of file.
+                    let (r, _) = new_pipe()?;
+                    self.own(&r)?;
+                    Ok(Some(r))
+                }
+            };
+        }
+        let (r, w) = new_pipe()?;
+        self.own(&r)?;
+        let sender = pipe::Sender::from_owned_fd(w).map_err(Error::io("stdin pipe"))?;
+        io.tasks.copy_from_fifo(&self.stdio.stdin, sender)?;
+        Ok(Some(r))
+    }
 }
 
 /// What `uri` (a stdout or stderr string from containerd) asks for. Parsed as Go's `url.Parse`
@@ -465,65 +527,30 @@ impl Logger {
             above_stdio(stderr)?,
             above_stdio(ready_w)?,
         ];
-        let raw = fds.each_ref().map(|fd| fd.as_raw_fd());
-        let mut cmd = std::process::Command::new(&command.program);
-        cmd.args(&command.args)
-            .env_clear()
-            .env("CONTAINER_ID", id)
-            .env("CONTAINER_NAMESPACE", shim_namespace())
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        // SAFETY: between fork and exec the closure only calls dup2, which is
-        // async-signal-safe, on descriptors that stay open until after the spawn.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(move || {
-                for (target, fd) in (3..).zip(raw) {
-                    if libc::dup2(fd, target) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        // Subscribed before the child exists, so its exit cannot be missed.
-        let sub = monitor_subscribe(Topic::Pid).await?;
-        let spawned = cmd.spawn();
-        // The shim's copies of the logger's descriptors: its ready pipe must close here.
-        drop(cmd);
-        drop(fds);
-        let child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                let _ = monitor_unsubscribe(sub.id).await;
-                return Err(Error::io(format!(
-                    "start the logging binary {} of log URI {uri:?}",
-                    command.program.display()
-                ))(e));
-            }
-        };
-        let pid = child.id() as i32;
-        // Not waited for here: the shim's reaper collects it, and the watcher sees its exit.
-        drop(child);
+        let cmd = logger_command(command, id, &fds);
+        let (pid, sub) = spawn_logger(cmd, fds, command, uri).await?;
         let (stop, stopped) = watch::channel(false);
         tokio::spawn(watch_logger(pid, sub, stopped));
         let logger = Logger { stop };
         debug!(pid, id, uri, "logging binary started");
+        logger.ready(ready_r, command, uri).await
+    }
 
+    /// This logger once it has signalled ready on `ready_r`; else, killed, why not.
+    async fn ready(self, ready_r: OwnedFd, command: &LoggerCommand, uri: &str) -> Result<Logger> {
         let mut ready = pipe::Receiver::from_owned_fd(ready_r).map_err(Error::io("ready pipe"))?;
         let mut byte = [0u8; 1];
         let failure = match tokio::time::timeout(LOGGER_READY_TIMEOUT, ready.read(&mut byte)).await
         {
-            Ok(Ok(1)) => return Ok(logger),
-            Ok(Ok(_)) if !command.strict_ready => return Ok(logger),
+            Ok(Ok(1)) => return Ok(self),
+            Ok(Ok(_)) if !command.strict_ready => return Ok(self),
             Ok(Ok(_)) => "closed its ready descriptor without signalling ready (it may have \
                           exited)"
                 .to_string(),
             Ok(Err(e)) => format!("its ready descriptor failed: {e}"),
             Err(_) => format!("it did not signal ready within {LOGGER_READY_TIMEOUT:?}"),
         };
-        logger.kill();
+        self.kill();
         Err(Error::FailedPrecondition(format!(
             "logging binary {} of log URI {uri:?}: {failure}",
             command.program.display()
@@ -540,6 +567,64 @@ impl Logger {
     fn stopped(&self) -> watch::Receiver<bool> {
         self.stop.subscribe()
     }
+}
+
+/// The command that runs the logging binary `command` for container `id`, with `fds` (its
+/// stdout, stderr and ready pipe) as its fds 3, 4 and 5, and nothing else of the shim's.
+fn logger_command(command: &LoggerCommand, id: &str, fds: &[OwnedFd; 3]) -> std::process::Command {
+    let raw = fds.each_ref().map(|fd| fd.as_raw_fd());
+    let mut cmd = std::process::Command::new(&command.program);
+    cmd.args(&command.args)
+        .env_clear()
+        .env("CONTAINER_ID", id)
+        .env("CONTAINER_NAMESPACE", shim_namespace())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: between fork and exec the closure only calls dup2, which is
+    // async-signal-safe, on descriptors that stay open until after the spawn.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(move || {
+            for (target, fd) in (3..).zip(raw) {
+                if libc::dup2(fd, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
+/// Starts `cmd` ([`logger_command`] of `fds`), subscribed to its exit; its pid and the
+/// subscription.
+async fn spawn_logger(
+    mut cmd: std::process::Command,
+    fds: [OwnedFd; 3],
+    command: &LoggerCommand,
+    uri: &str,
+) -> Result<(i32, Subscription)> {
+    // Subscribed before the child exists, so its exit cannot be missed.
+    let sub = monitor_subscribe(Topic::Pid).await?;
+    let spawned = cmd.spawn();
+    // The shim's copies of the logger's descriptors: its ready pipe must close here.
+    drop(cmd);
+    drop(fds);
+    let child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            let _ = monitor_unsubscribe(sub.id).await;
+            return Err(Error::io(format!(
+                "start the logging binary {} of log URI {uri:?}",
+                command.program.display()
+            ))(e));
+        }
+    };
+    let pid = child.id() as i32;
+    // Not waited for here: the shim's reaper collects it, and the watcher sees its exit.
+    drop(child);
+    Ok((pid, sub))
 }
 
 /// Waits for the logger `pid` to exit, or to be told to stop: then signals it, if it has not

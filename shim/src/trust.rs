@@ -337,6 +337,32 @@ pub fn image_volume(
     sandbox_id: &str,
     source: &str,
 ) -> Result<PathBuf> {
+    let mount = the_mount_at(spec, destination, source)?;
+    let host = mount
+        .get("source")
+        .and_then(|s| s.as_str())
+        .unwrap_or_default();
+    let not_image_volume = |why: String| {
+        warn!(%source, host, %why, "restore source refused: not an image volume of this pod");
+        Error::PermissionDenied(format!(
+            "restore source {source:?}: the mount at {destination} (host path {host:?}) is not an image volume of this pod: {why}; gpu-ckpt restores a mount: source only from an image volume (volumes[].image) that the kubelet pulled for this pod, never from a hostPath or any other volume"
+        ))
+    };
+    let expected = image_volumes_dir(bundle, sandbox_id).map_err(not_image_volume)?;
+    let host_path = Path::new(host);
+    directory_of(host_path, &expected).map_err(not_image_volume)?;
+    read_only_bind(mount).map_err(not_image_volume)?;
+    let real = own_mount_point(host_path, &expected).map_err(not_image_volume)?;
+    info!(%source, host, "restore source: image volume of this pod");
+    Ok(real)
+}
+
+/// The one mount of `spec` at `destination` (the restore `source` names it).
+fn the_mount_at<'a>(
+    spec: &'a serde_json::Value,
+    destination: &str,
+    source: &str,
+) -> Result<&'a serde_json::Value> {
     let mounts: Vec<&serde_json::Value> = spec
         .get("mounts")
         .and_then(|m| m.as_array())
@@ -350,43 +376,37 @@ pub fn image_volume(
                 .collect()
         })
         .unwrap_or_default();
-    let mount = match mounts.as_slice() {
-        [one] => *one,
-        [] => {
-            return Err(Error::InvalidArgument(format!(
-                "restore source {source:?}: the container has no mount at {destination} (give the mountPath of the pod's image volume that holds the checkpoint)"
-            )))
-        }
-        _ => {
-            return Err(Error::InvalidArgument(format!(
-                "restore source {source:?}: the container has {} mounts at {destination}; expected one image volume",
-                mounts.len()
-            )))
-        }
-    };
-    let host = mount
-        .get("source")
-        .and_then(|s| s.as_str())
-        .unwrap_or_default();
-    let not_image_volume = |why: String| {
-        warn!(%source, host, %why, "restore source refused: not an image volume of this pod");
-        Error::PermissionDenied(format!(
-            "restore source {source:?}: the mount at {destination} (host path {host:?}) is not an image volume of this pod: {why}; gpu-ckpt restores a mount: source only from an image volume (volumes[].image) that the kubelet pulled for this pod, never from a hostPath or any other volume"
-        ))
-    };
-    let expected = image_volumes_dir(bundle, sandbox_id).map_err(not_image_volume)?;
-    let host_path = Path::new(host);
-    let lexical_ok = host_path.is_absolute()
-        && host_path
+    match mounts.as_slice() {
+        [one] => Ok(one),
+        [] => Err(Error::InvalidArgument(format!(
+            "restore source {source:?}: the container has no mount at {destination} (give the mountPath of the pod's image volume that holds the checkpoint)"
+        ))),
+        _ => Err(Error::InvalidArgument(format!(
+            "restore source {source:?}: the container has {} mounts at {destination}; expected one image volume",
+            mounts.len()
+        ))),
+    }
+}
+
+/// `host` is a directory right in `expected` (the pod's image-volume directory), by its
+/// clean absolute path; why not.
+fn directory_of(host: &Path, expected: &Path) -> std::result::Result<(), String> {
+    let lexical_ok = host.is_absolute()
+        && host
             .components()
             .skip(1)
             .all(|c| matches!(c, Component::Normal(_)));
-    if !lexical_ok || host_path.parent() != Some(expected.as_path()) {
-        return Err(not_image_volume(format!(
+    if !lexical_ok || host.parent() != Some(expected) {
+        return Err(format!(
             "its source is not a directory of {}",
             expected.display()
-        )));
+        ));
     }
+    Ok(())
+}
+
+/// The spec's `mount` is a read-only bind; why not.
+fn read_only_bind(mount: &serde_json::Value) -> std::result::Result<(), String> {
     let kind = mount.get("type").and_then(|t| t.as_str()).unwrap_or("bind");
     let options: Vec<&str> = mount
         .get("options")
@@ -394,32 +414,35 @@ pub fn image_volume(
         .map(|o| o.iter().filter_map(|v| v.as_str()).collect())
         .unwrap_or_default();
     if kind != "bind" || !options.contains(&"ro") {
-        return Err(not_image_volume(format!(
+        return Err(format!(
             "it is a {kind} mount with options {options:?}, not a read-only bind"
-        )));
-    }
-    // No link anywhere on the way, and a mount point of its own (the image's snapshot), not a
-    // directory someone made there.
-    let real = host_path
-        .canonicalize()
-        .map_err(|e| not_image_volume(format!("its source cannot be resolved: {e}")))?;
-    if real != host_path {
-        return Err(not_image_volume(format!(
-            "its source resolves through a link to {}",
-            real.display()
-        )));
-    }
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::symlink_metadata(host_path)
-        .map_err(|e| not_image_volume(format!("its source cannot be read: {e}")))?;
-    let parent = std::fs::symlink_metadata(&expected)
-        .map_err(|e| not_image_volume(format!("{} cannot be read: {e}", expected.display())))?;
-    if !meta.is_dir() || meta.dev() == parent.dev() {
-        return Err(not_image_volume(
-            "its source is not a mount point of its own (containerd mounts each image volume's snapshot there)".into(),
         ));
     }
-    info!(%source, host, "restore source: image volume of this pod");
+    Ok(())
+}
+
+/// `host` reached with no link anywhere on the way, and a mount point of its own (the image's
+/// snapshot), not a directory someone made in `expected`: its real path; why not.
+fn own_mount_point(host: &Path, expected: &Path) -> std::result::Result<PathBuf, String> {
+    use std::os::unix::fs::MetadataExt;
+    let real = host
+        .canonicalize()
+        .map_err(|e| format!("its source cannot be resolved: {e}"))?;
+    if real != host {
+        return Err(format!(
+            "its source resolves through a link to {}",
+            real.display()
+        ));
+    }
+    let meta =
+        std::fs::symlink_metadata(host).map_err(|e| format!("its source cannot be read: {e}"))?;
+    let parent = std::fs::symlink_metadata(expected)
+        .map_err(|e| format!("{} cannot be read: {e}", expected.display()))?;
+    if !meta.is_dir() || meta.dev() == parent.dev() {
+        return Err(
+            "its source is not a mount point of its own (containerd mounts each image volume's snapshot there)".into(),
+        );
+    }
     Ok(real)
 }
 

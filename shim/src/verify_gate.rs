@@ -78,48 +78,31 @@ fn open_fifo(path: &Path) -> Result<File> {
         })
 }
 
+/// Removes the FIFOs made before one that failed.
+fn remove_made(paths: &[&Path]) {
+    for path in paths {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Removes the answers a script recorded ([`done_file`]).
+fn remove_answers(script: &Path) {
+    for action in ["post-restore", "pre-resume"] {
+        let _ = std::fs::remove_file(done_file(script, action));
+    }
+}
+
 impl VerifyGate {
     pub fn create(bundle: &Path) -> Result<Self> {
         let script = bundle.join(SCRIPT_FILE);
         // A previous restore's answers (a shim that died) must not answer this one.
-        for action in ["post-restore", "pre-resume"] {
-            let _ = std::fs::remove_file(done_file(&script, action));
-        }
+        remove_answers(&script);
         let fifo = bundle.join(FIFO_FILE);
-        let _ = std::fs::remove_file(&fifo);
-        mkfifo(&fifo, Mode::S_IRUSR | Mode::S_IWUSR).map_err(|e| Error::Io {
-            context: format!("create {}", fifo.display()),
-            source: e.into(),
-        })?;
-        let held = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&fifo);
-        let held = match held {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = std::fs::remove_file(&fifo);
-                return Err(Error::io(format!("open {}", fifo.display()))(e));
-            }
-        };
         let root_fifo = bundle.join(ROOT_FIFO_FILE);
         let spec_fifo = bundle.join(SPEC_FIFO_FILE);
-        let root = match open_fifo(&root_fifo) {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = std::fs::remove_file(&fifo);
-                return Err(e);
-            }
-        };
-        let spec = match open_fifo(&spec_fifo) {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = std::fs::remove_file(&fifo);
-                let _ = std::fs::remove_file(&root_fifo);
-                return Err(e);
-            }
-        };
+        let held = open_fifo(&fifo)?;
+        let root = open_fifo(&root_fifo).inspect_err(|_| remove_made(&[&fifo]))?;
+        let spec = open_fifo(&spec_fifo).inspect_err(|_| remove_made(&[&fifo, &root_fifo]))?;
         let gate = VerifyGate {
             script,
             fifo,
@@ -130,7 +113,18 @@ impl VerifyGate {
             spec,
             verdict: AtomicBool::new(false),
         };
-        let body = format!(
+        std::fs::write(&gate.script, gate.script_body())
+            .and_then(|_| {
+                std::fs::set_permissions(&gate.script, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(Error::io(format!("write {}", gate.script.display())))?;
+        Ok(gate)
+    }
+
+    /// The action script: the gate's side of the FIFOs.
+    fn script_body(&self) -> String {
+        let quoted = |p: &Path| shell_quote(&p.display().to_string());
+        format!(
             "#!/bin/sh\n\
              # gpu-ckpt: CRIU action script. At post-restore (tasks restored, none resumed) it\n\
              # waits for the shim's verdict on the page images; anything but \"{VERIFIED}\" aborts.\n\
@@ -163,18 +157,12 @@ impl VerifyGate {
              status=$?\n\
              printf '%s\\n' \"$status\" > \"$done\"\n\
              exit \"$status\"\n",
-            fifo = shell_quote(&gate.fifo.display().to_string()),
-            root = shell_quote(&gate.root_fifo.display().to_string()),
-            spec = shell_quote(&gate.spec_fifo.display().to_string()),
-            post_done = shell_quote(&done_file(&gate.script, "post-restore").display().to_string()),
-            pre_done = shell_quote(&done_file(&gate.script, "pre-resume").display().to_string()),
-        );
-        std::fs::write(&gate.script, body)
-            .and_then(|_| {
-                std::fs::set_permissions(&gate.script, std::fs::Permissions::from_mode(0o700))
-            })
-            .map_err(Error::io(format!("write {}", gate.script.display())))?;
-        Ok(gate)
+            fifo = quoted(&self.fifo),
+            root = quoted(&self.root_fifo),
+            spec = quoted(&self.spec_fifo),
+            post_done = quoted(&done_file(&self.script, "post-restore")),
+            pre_done = quoted(&done_file(&self.script, "pre-resume")),
+        )
     }
 
     /// The action script to name in CRIU's configuration.
@@ -241,9 +229,7 @@ impl VerifyGate {
 
 impl Drop for VerifyGate {
     fn drop(&mut self) {
-        for action in ["post-restore", "pre-resume"] {
-            let _ = std::fs::remove_file(done_file(&self.script, action));
-        }
+        remove_answers(&self.script);
         let _ = std::fs::remove_file(&self.script);
         let _ = std::fs::remove_file(&self.fifo);
         let _ = std::fs::remove_file(&self.root_fifo);
