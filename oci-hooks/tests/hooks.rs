@@ -214,12 +214,23 @@ fn create_runtime_skips_and_refusals() {
     assert!(err.contains("no-such-lib.so.1"), "{err}");
     assert!(!b.record().exists());
 
-    // A GPU of another node in the spec.
-    let other = two_gpus("oci-hooks-other");
-    let b = Bundle::new(&cdi_spec(&other, &["0"]));
+    // A GPU of another node in the spec: named by UUID (NVIDIA_VISIBLE_DEVICES), and as a
+    // device node of a minor number this node has no GPU for.
+    let other = sim(SimConfig {
+        gpus: 3,
+        cdi: true,
+        uuid_seed: "oci-hooks-other".into(),
+        ..Default::default()
+    });
+    let mut spec = cdi_spec(&n, &[]);
+    spec["process"]["env"] = json!([format!("NVIDIA_VISIBLE_DEVICES={}", other.uuids()[0])]);
+    let b = Bundle::new(&spec);
     let err = fails(&run_stage("create-runtime", &n.libnvml(), &b, "creating"));
     assert!(err.contains("which is not on this node"), "{err}");
     assert!(err.contains(&other.uuids()[0]), "{err}");
+    let b = Bundle::new(&cdi_spec(&other, &["2"]));
+    let err = fails(&run_stage("create-runtime", &n.libnvml(), &b, "creating"));
+    assert!(err.contains("/dev/nvidia2") && err.contains("no GPU on this node"), "{err}");
 
     // A state without a bundle.
     let err = fails(&hook(
