@@ -17,7 +17,8 @@ use crate::{GpuError, GpuUuid, NodeInventory};
 /// The variable nvidia-container-runtime reads.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 
-/// How the container was given its GPUs.
+/// How the container was given its GPUs. A record naming any other source (an older version's
+/// simulator files) does not parse, and the error names the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Source {
@@ -108,7 +109,7 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
             Ok((!gpus.is_empty()).then_some(Assigned {
                 source: Source::VisibleDevices,
                 gpus,
-                }))
+            }))
         }
     }
 }
@@ -161,6 +162,19 @@ mod tests {
         let spec = json!({"linux": {"devices": [{"path": "/dev/nvidia9"}]}});
         let err = from_spec(&spec, &inv).unwrap_err().to_string();
         assert!(err.contains("/dev/nvidia9"), "{err}");
+    }
+
+    #[test]
+    fn a_record_of_a_source_that_no_longer_exists_is_refused_naming_it() {
+        // The simulator's former per-GPU files, which an older hook recorded.
+        let old = r#"{"source":"sim-cdi","gpus":[],"container_paths":["/x"]}"#;
+        let err = serde_json::from_str::<Assigned>(old)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sim-cdi") && err.contains("device-nodes"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -46,10 +46,13 @@ fn minor(u: &GpuUuid) -> u8 {
 /// A spec given GPUs `gpus` as a CDI spec gives them: `/dev/nvidia<minor>` each, in order,
 /// after `/dev/nvidiactl`.
 fn gpu_spec(gpus: &[GpuUuid]) -> Value {
-    let mut devices = vec![json!({"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255})];
+    let mut devices =
+        vec![json!({"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255})];
     for u in gpus {
         let m = minor(u);
-        devices.push(json!({"path": format!("/dev/nvidia{m}"), "type": "c", "major": 195, "minor": m}));
+        devices.push(
+            json!({"path": format!("/dev/nvidia{m}"), "type": "c", "major": 195, "minor": m}),
+        );
     }
     json!({
         "ociVersion": "1.2.1",

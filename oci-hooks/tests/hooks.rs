@@ -69,7 +69,9 @@ fn cdi_spec(n: &SimNode, devices: &[&str]) -> Value {
         // As containerd's CDI does: the node's type and numbers from its host path.
         for d in e["deviceNodes"].as_array().into_iter().flatten() {
             let host = d["hostPath"].as_str().or(d["path"].as_str()).unwrap();
-            let rdev = std::fs::symlink_metadata(host).expect("the node's host path").rdev();
+            let rdev = std::fs::symlink_metadata(host)
+                .expect("the node's host path")
+                .rdev();
             devices.push(json!({
                 "path": d["path"],
                 "type": "c",
@@ -89,7 +91,10 @@ fn cdi_spec(n: &SimNode, devices: &[&str]) -> Value {
     }
     spec["mounts"] = json!(mounts);
     spec["process"]["env"] = json!(env);
-    let mut all = spec["linux"]["devices"].as_array().cloned().unwrap_or_default();
+    let mut all = spec["linux"]["devices"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
     all.extend(devices);
     spec["linux"]["devices"] = json!(all);
     spec
@@ -230,7 +235,10 @@ fn create_runtime_skips_and_refusals() {
     assert!(err.contains(&other.uuids()[0]), "{err}");
     let b = Bundle::new(&cdi_spec(&other, &["2"]));
     let err = fails(&run_stage("create-runtime", &n.libnvml(), &b, "creating"));
-    assert!(err.contains("/dev/nvidia2") && err.contains("no GPU on this node"), "{err}");
+    assert!(
+        err.contains("/dev/nvidia2") && err.contains("no GPU on this node"),
+        "{err}"
+    );
 
     // A state without a bundle.
     let err = fails(&hook(

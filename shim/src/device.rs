@@ -513,8 +513,8 @@ impl ContainerDevices {
                 .map_err(|e| device_error("device-restore", e.to_string()))?;
             layer.restore_onto(&recorded, &pids, &pairs)
         })
-                .await
-                .map_err(|e| device_error("device-restore", e.to_string()))??;
+        .await
+        .map_err(|e| device_error("device-restore", e.to_string()))??;
         info!(processes = ?restored, "device state restored, processes running");
         Ok(())
     }
@@ -540,9 +540,7 @@ pub fn compare(
         ));
     };
     let inv = layer.inventory()?;
-    let gpus = assigned(bundle, &inv)?
-        .map(|a| a.gpus)
-        .unwrap_or_default();
+    let gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
     let ckpt = Profile {
         devices: recorded.clone(),
         workload: Default::default(),

@@ -93,13 +93,19 @@ pub fn present(pid: i32, spec: &Spec) -> Result<Vec<String>> {
         if fstatat(&dev, n.name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).is_ok() {
             continue;
         }
-        make(&dev, n)
-            .map_err(|e| Error::io(format!("make /dev/{} in restored process {pid}'s root", n.name))(e.into()))?;
+        make(&dev, n).map_err(|e| {
+            Error::io(format!(
+                "make /dev/{} in restored process {pid}'s root",
+                n.name
+            ))(e.into())
+        })?;
         changed.push(format!("made /dev/{}", n.name));
     }
     for name in stale_gpu_nodes(&dev, &nodes)? {
         unlinkat(&dev, name.as_str(), UnlinkatFlags::NoRemoveDir).map_err(|e| {
-            Error::io(format!("remove /dev/{name} in restored process {pid}'s root"))(e.into())
+            Error::io(format!(
+                "remove /dev/{name} in restored process {pid}'s root"
+            ))(e.into())
         })?;
         changed.push(format!("removed /dev/{name}"));
     }
@@ -152,7 +158,13 @@ fn stale_gpu_nodes(dev: &OwnedFd, nodes: &[Node]) -> Result<Vec<String>> {
 /// checked to be that node.
 fn make(dev: &OwnedFd, n: &Node) -> nix::Result<()> {
     let rdev = makedev(n.major, n.minor);
-    mknodat(dev, n.name.as_str(), n.kind, Mode::from_bits_truncate(n.mode), rdev)?;
+    mknodat(
+        dev,
+        n.name.as_str(),
+        n.kind,
+        Mode::from_bits_truncate(n.mode),
+        rdev,
+    )?;
     let fd = nix::fcntl::openat(
         dev,
         n.name.as_str(),
@@ -198,7 +210,10 @@ mod tests {
         let nodes = spec_nodes(&s);
         let names: Vec<&str> = nodes.iter().map(|n| n.name.as_str()).collect();
         assert_eq!(names, ["nvidia1", "nvidiactl"]);
-        assert_eq!((nodes[0].major, nodes[0].minor, nodes[0].mode), (195, 1, 0o666));
+        assert_eq!(
+            (nodes[0].major, nodes[0].minor, nodes[0].mode),
+            (195, 1, 0o666)
+        );
         assert!(is_gpu_node("nvidia1") && is_gpu_node("nvidia12"));
         assert!(!is_gpu_node("nvidiactl") && !is_gpu_node("nvidia-uvm") && !is_gpu_node("nvidia"));
     }

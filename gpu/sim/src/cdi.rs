@@ -14,7 +14,7 @@ use std::path::Path;
 use serde_json::{json, Value};
 
 use crate::node::NodeDesc;
-use crate::proto::{CONTAINER_SOCKET, COMMON_NODES, DEV_DIR_NAME, ENV_SOCKET, SOCKET_NAME};
+use crate::proto::{COMMON_NODES, CONTAINER_SOCKET, DEV_DIR_NAME, ENV_SOCKET, SOCKET_NAME};
 
 /// CDI kind of the simulated GPUs (`sim.gpu-ckpt.io/gpu=0`, `=all`).
 pub const KIND: &str = "sim.gpu-ckpt.io/gpu";

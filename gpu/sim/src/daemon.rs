@@ -1360,7 +1360,10 @@ fn make_node(path: &Path) -> io::Result<()> {
     }
     let err = io::Error::last_os_error();
     if err.raw_os_error() != Some(libc::EPERM) {
-        return Err(io::Error::new(err.kind(), format!("mknod {}: {err}", path.display())));
+        return Err(io::Error::new(
+            err.kind(),
+            format!("mknod {}: {err}", path.display()),
+        ));
     }
     std::os::unix::fs::symlink("/dev/zero", path)
 }

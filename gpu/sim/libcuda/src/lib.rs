@@ -176,7 +176,10 @@ fn visible(mut node: NodeDesc, dev: &Path) -> NodeDesc {
 
 /// Opens the device nodes in `dev` of the GPUs with minor numbers `minors` and the common
 /// nodes a GPU process holds (`nvidiactl`, `nvidia-uvm`), as the driver opens them.
-fn open_nodes(dev: &Path, minors: impl IntoIterator<Item = u32>) -> R<Vec<(PathBuf, std::fs::File)>> {
+fn open_nodes(
+    dev: &Path,
+    minors: impl IntoIterator<Item = u32>,
+) -> R<Vec<(PathBuf, std::fs::File)>> {
     let common = ["nvidiactl", "nvidia-uvm"].map(|n| dev.join(n));
     let gpus = minors.into_iter().map(|m| simgpu::gpu_node(dev, m));
     common
