@@ -1,12 +1,10 @@
 //! Which GPUs a container was given, read from its OCI spec (the `config.json` after CDI
 //! injection) and resolved through the node's inventory, in the order the container sees them.
 //!
-//! Three ways a GPU reaches a container, tried in this order:
-//! 1. the simulated driver's CDI spec: one file per GPU bind-mounted at
-//!    `/run/gpu-ckpt-simgpu/devices/<UUID>`;
-//! 2. NVIDIA's CDI spec (nvidia-container-toolkit): a device node `/dev/nvidia<N>` per GPU, N
-//!    being the GPU's minor number;
-//! 3. the legacy `NVIDIA_VISIBLE_DEVICES` variable (`all`, `none`, `void`, or a comma-separated
+//! Two ways a GPU reaches a container, tried in this order:
+//! 1. a CDI spec (nvidia-container-toolkit's, or any that presents GPUs the same way): a device
+//!    node `/dev/nvidia<N>` per GPU, N being the GPU's minor number;
+//! 2. the legacy `NVIDIA_VISIBLE_DEVICES` variable (`all`, `none`, `void`, or a comma-separated
 //!    list of indices and UUIDs), which nvidia-container-runtime's hook reads.
 //!
 //! The shim maps checkpointed GPUs onto this list at restore, and the OCI hooks record it.
@@ -16,16 +14,14 @@ use serde_json::Value;
 
 use crate::{GpuError, GpuUuid, NodeInventory};
 
-/// Where the simulated driver's CDI spec puts one file per GPU in a container.
-pub const SIM_DEVICES_DIR: &str = "/run/gpu-ckpt-simgpu/devices";
 /// The variable nvidia-container-runtime reads.
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 
-/// How the container was given its GPUs.
+/// How the container was given its GPUs. A record naming any other source (an older version's
+/// simulator files) does not parse, and the error names the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Source {
-    SimCdi,
     DeviceNodes,
     VisibleDevices,
 }
@@ -35,42 +31,13 @@ pub enum Source {
 pub struct Assigned {
     pub source: Source,
     pub gpus: Vec<GpuUuid>,
-    /// For [`Source::SimCdi`]: the container path of each GPU's file, in the same order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub container_paths: Vec<String>,
 }
 
 /// The GPUs the container whose spec is `spec` (a parsed `config.json`) was given. `None` when
 /// it was given none.
 pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, GpuError> {
-    // 1. The simulated driver's per-GPU files.
+    // 1. NVIDIA device nodes, by minor number.
     let mut gpus = Vec::new();
-    let mut paths = Vec::new();
-    for m in spec["mounts"].as_array().into_iter().flatten() {
-        let Some(dest) = m["destination"].as_str() else {
-            continue;
-        };
-        let Some(name) = dest
-            .strip_prefix(SIM_DEVICES_DIR)
-            .and_then(|r| r.strip_prefix('/'))
-        else {
-            continue;
-        };
-        let uuid: GpuUuid = name.parse()?;
-        if !gpus.contains(&uuid) {
-            known(inv, &uuid, dest)?;
-            gpus.push(uuid);
-            paths.push(dest.to_string());
-        }
-    }
-    if !gpus.is_empty() {
-        return Ok(Some(Assigned {
-            source: Source::SimCdi,
-            gpus,
-            container_paths: paths,
-        }));
-    }
-    // 2. NVIDIA device nodes, by minor number.
     for d in spec["linux"]["devices"].as_array().into_iter().flatten() {
         let Some(minor) = d["path"]
             .as_str()
@@ -97,10 +64,9 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
         return Ok(Some(Assigned {
             source: Source::DeviceNodes,
             gpus,
-            container_paths: Vec::new(),
         }));
     }
-    // 3. NVIDIA_VISIBLE_DEVICES (the last one wins, as in a process environment).
+    // 2. NVIDIA_VISIBLE_DEVICES (the last one wins, as in a process environment).
     let visible = spec["process"]["env"]
         .as_array()
         .into_iter()
@@ -113,7 +79,6 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
         Some("all") => Ok(Some(Assigned {
             source: Source::VisibleDevices,
             gpus: inv.gpus.iter().map(|g| g.uuid).collect(),
-            container_paths: Vec::new(),
         })),
         Some(list) => {
             for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -144,7 +109,6 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
             Ok((!gpus.is_empty()).then_some(Assigned {
                 source: Source::VisibleDevices,
                 gpus,
-                container_paths: Vec::new(),
             }))
         }
     }
@@ -158,11 +122,6 @@ fn known(inv: &NodeInventory, uuid: &GpuUuid, from: &str) -> Result<(), GpuError
             "the container is given GPU {uuid} ({from}), which is not on this node"
         )))
     }
-}
-
-/// The container path of the simulated driver's file for `uuid`.
-pub fn sim_device_path(uuid: &GpuUuid) -> String {
-    format!("{SIM_DEVICES_DIR}/{uuid}")
 }
 
 #[cfg(test)]
@@ -192,21 +151,6 @@ mod tests {
     }
 
     #[test]
-    fn sim_files_in_mount_order() {
-        let inv = inv();
-        let (a, b) = (inv.gpus[2].uuid, inv.gpus[0].uuid);
-        let spec = json!({"mounts": [
-            {"destination": "/proc"},
-            {"destination": sim_device_path(&a)},
-            {"destination": sim_device_path(&b)},
-        ]});
-        let got = from_spec(&spec, &inv).unwrap().unwrap();
-        assert_eq!(got.source, Source::SimCdi);
-        assert_eq!(got.gpus, vec![a, b]);
-        assert_eq!(got.container_paths[0], sim_device_path(&a));
-    }
-
-    #[test]
     fn device_nodes_by_minor_number() {
         let inv = inv();
         let spec = json!({"linux": {"devices": [
@@ -218,6 +162,19 @@ mod tests {
         let spec = json!({"linux": {"devices": [{"path": "/dev/nvidia9"}]}});
         let err = from_spec(&spec, &inv).unwrap_err().to_string();
         assert!(err.contains("/dev/nvidia9"), "{err}");
+    }
+
+    #[test]
+    fn a_record_of_a_source_that_no_longer_exists_is_refused_naming_it() {
+        // The simulator's former per-GPU files, which an older hook recorded.
+        let old = r#"{"source":"sim-cdi","gpus":[],"container_paths":["/x"]}"#;
+        let err = serde_json::from_str::<Assigned>(old)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sim-cdi") && err.contains("device-nodes"),
+            "{err}"
+        );
     }
 
     #[test]

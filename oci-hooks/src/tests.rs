@@ -2,7 +2,7 @@ use std::cell::Cell;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-use gpu::assign::{sim_device_path, Source};
+use gpu::assign::Source;
 use gpu::{GpuInfo, GpuUuid, NodeInventory};
 use serde_json::{json, Value};
 
@@ -37,17 +37,29 @@ fn node(models: &[&str]) -> NodeInventory {
 
 const H100: &str = "NVIDIA H100 80GB HBM3";
 
-fn sim_spec(gpus: &[GpuUuid]) -> Value {
-    let mut mounts = vec![json!({"destination": "/proc", "type": "proc", "source": "proc"})];
+/// The minor number of test GPU `u` (see [`gpu`]); a UUID no test node has gets one no test
+/// node has either.
+fn minor(u: &GpuUuid) -> u8 {
+    u.0[0].wrapping_sub(0x10)
+}
+
+/// A spec given GPUs `gpus` as a CDI spec gives them: `/dev/nvidia<minor>` each, in order,
+/// after `/dev/nvidiactl`.
+fn gpu_spec(gpus: &[GpuUuid]) -> Value {
+    let mut devices =
+        vec![json!({"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255})];
     for u in gpus {
-        mounts.push(json!({
-            "destination": sim_device_path(u),
-            "type": "bind",
-            "source": format!("/tmp/node/devices/{u}"),
-            "options": ["ro", "nosuid", "nodev", "bind"],
-        }));
+        let m = minor(u);
+        devices.push(
+            json!({"path": format!("/dev/nvidia{m}"), "type": "c", "major": 195, "minor": m}),
+        );
     }
-    json!({"ociVersion": "1.2.1", "process": {"args": ["sh"]}, "mounts": mounts})
+    json!({
+        "ociVersion": "1.2.1",
+        "process": {"args": ["sh"]},
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+        "linux": {"devices": devices},
+    })
 }
 
 /// A bundle directory with `spec` as its config.json, and the state that names it.
@@ -122,8 +134,8 @@ fn state_parsing() {
 #[test]
 fn names_gpus_without_an_inventory() {
     let u = GpuUuid([1; 16]);
-    assert!(names_gpus(&sim_spec(&[u])));
-    assert!(!names_gpus(&sim_spec(&[])));
+    assert!(names_gpus(&gpu_spec(&[u])));
+    assert!(!names_gpus(&gpu_spec(&[])));
     assert!(!names_gpus(&json!({})));
     assert!(names_gpus(
         &json!({"linux": {"devices": [{"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia0"}]}})
@@ -144,7 +156,7 @@ fn names_gpus_without_an_inventory() {
 fn create_runtime_records_the_containers_gpus() {
     let inv = node(&[H100, H100, H100]);
     let (a, b) = (inv.gpus[2].uuid, inv.gpus[0].uuid);
-    let (dir, state) = bundle(&sim_spec(&[a, b]));
+    let (dir, state) = bundle(&gpu_spec(&[a, b]));
     let got = create_runtime(&state, || Ok(Some(inv.clone()))).unwrap();
     let path = dir.path().join(BUNDLE_GPUS_FILE);
     let Created::Recorded {
@@ -155,12 +167,8 @@ fn create_runtime_records_the_containers_gpus() {
         panic!("expected a record, got {got:?}");
     };
     assert_eq!(written, path);
-    assert_eq!(assigned.source, Source::SimCdi);
+    assert_eq!(assigned.source, Source::DeviceNodes);
     assert_eq!(assigned.gpus, vec![a, b]);
-    assert_eq!(
-        assigned.container_paths,
-        vec![sim_device_path(&a), sim_device_path(&b)]
-    );
     let meta = fs::metadata(&path).unwrap();
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     let on_disk: Assigned = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
@@ -205,7 +213,7 @@ fn create_runtime_device_nodes_and_visible_devices() {
 #[test]
 fn create_runtime_without_gpus_or_driver_writes_nothing() {
     // No GPU in the spec: NVML is not even loaded.
-    let (dir, state) = bundle(&sim_spec(&[]));
+    let (dir, state) = bundle(&gpu_spec(&[]));
     let loaded = Cell::new(false);
     let got = create_runtime(&state, || {
         loaded.set(true);
@@ -217,25 +225,23 @@ fn create_runtime_without_gpus_or_driver_writes_nothing() {
     assert!(!dir.path().join(BUNDLE_GPUS_FILE).exists());
 
     // GPUs named, but the node has no driver.
-    let (dir, state) = bundle(&sim_spec(&[GpuUuid([0x10; 16])]));
+    let (dir, state) = bundle(&gpu_spec(&[GpuUuid([0x10; 16])]));
     let got = create_runtime(&state, || Ok(None)).unwrap();
     assert_eq!(got, Created::NoDriver);
     assert!(!dir.path().join(BUNDLE_GPUS_FILE).exists());
 
     // A GPU the node does not have: an error naming the spec and the GPU.
     let other = GpuUuid([0xee; 16]);
-    let (dir, state) = bundle(&sim_spec(&[other]));
+    let (dir, state) = bundle(&gpu_spec(&[other]));
     let e = create_runtime(&state, || Ok(Some(node(&[H100])))).unwrap_err();
     let msg = e.to_string();
-    assert!(
-        msg.contains(CONFIG_FILE) && msg.contains(&other.to_string()),
-        "{msg}"
-    );
-    assert!(msg.contains("not on this node"), "{msg}");
+    let path = format!("/dev/nvidia{}", minor(&other));
+    assert!(msg.contains(CONFIG_FILE) && msg.contains(&path), "{msg}");
+    assert!(msg.contains("no GPU on this node"), "{msg}");
     assert!(!dir.path().join(BUNDLE_GPUS_FILE).exists());
 
     // A loader error other than "no driver" is the hook's error.
-    let (_dir, state) = bundle(&sim_spec(&[GpuUuid([0x10; 16])]));
+    let (_dir, state) = bundle(&gpu_spec(&[GpuUuid([0x10; 16])]));
     let e = create_runtime(&state, || {
         Err(HookError::Inventory(GpuError::Nvml {
             call: "nvmlDeviceGetCount_v2",
@@ -279,7 +285,7 @@ fn recorded(inv: &NodeInventory, gpus: &[GpuUuid]) -> Devices {
 fn prestart_fits() {
     let inv = node(&[H100, H100]);
     let (a, b) = (inv.gpus[0].uuid, inv.gpus[1].uuid);
-    let (dir, state) = bundle(&sim_spec(&[b, a]));
+    let (dir, state) = bundle(&gpu_spec(&[b, a]));
     // Checkpointed on another node with other UUIDs, same models and driver branch.
     let mut other = node(&[H100, H100]);
     other.driver_version = "580.82.07".into();
@@ -306,7 +312,7 @@ fn prestart_fits() {
 #[test]
 fn prestart_model_differs() {
     let inv = node(&[H100, H100]);
-    let (_dir, state) = bundle(&sim_spec(&[inv.gpus[0].uuid, inv.gpus[1].uuid]));
+    let (_dir, state) = bundle(&gpu_spec(&[inv.gpus[0].uuid, inv.gpus[1].uuid]));
     let a100 = node(&["NVIDIA A100-SXM4-80GB", H100]);
     let ckpt = recorded(&a100, &[a100.gpus[0].uuid, a100.gpus[1].uuid]);
     let v = verdict(
@@ -341,7 +347,7 @@ fn prestart_model_differs() {
 fn prestart_count_differs() {
     let inv = node(&[H100, H100]);
     // The container is given one GPU; the checkpoint held two.
-    let (_dir, state) = bundle(&sim_spec(&[inv.gpus[1].uuid]));
+    let (_dir, state) = bundle(&gpu_spec(&[inv.gpus[1].uuid]));
     let ckpt = recorded(&inv, &[inv.gpus[0].uuid, inv.gpus[1].uuid]);
     fs::write(
         state.bundle.join(BUNDLE_RESTORE_DEVICES_FILE),
@@ -361,7 +367,7 @@ fn prestart_count_differs() {
     );
 
     // The container given no GPU at all: count 0.
-    let (_dir, state) = bundle(&sim_spec(&[]));
+    let (_dir, state) = bundle(&gpu_spec(&[]));
     fs::write(
         state.bundle.join(BUNDLE_RESTORE_DEVICES_FILE),
         serde_json::to_vec(&ckpt).unwrap(),
@@ -378,7 +384,7 @@ fn prestart_count_differs() {
     let mut old = node(&["NVIDIA A100-SXM4-80GB", H100]);
     old.driver_version = "570.1.2".into();
     let ckpt = recorded(&old, &[old.gpus[0].uuid]);
-    let (_dir, state) = bundle(&sim_spec(&[inv.gpus[0].uuid]));
+    let (_dir, state) = bundle(&gpu_spec(&[inv.gpus[0].uuid]));
     fs::write(
         state.bundle.join(BUNDLE_RESTORE_DEVICES_FILE),
         serde_json::to_vec(&ckpt).unwrap(),
@@ -399,7 +405,7 @@ fn prestart_count_differs() {
 
 #[test]
 fn prestart_not_a_restore_and_nothing_to_hold() {
-    let (dir, state) = bundle(&sim_spec(&[GpuUuid([0x10; 16])]));
+    let (dir, state) = bundle(&gpu_spec(&[GpuUuid([0x10; 16])]));
     let loaded = Cell::new(false);
     let load = || {
         loaded.set(true);
@@ -422,7 +428,7 @@ fn prestart_not_a_restore_and_nothing_to_hold() {
 #[test]
 fn prestart_without_a_driver() {
     let inv = node(&[H100]);
-    let (dir, state) = bundle(&sim_spec(&[inv.gpus[0].uuid]));
+    let (dir, state) = bundle(&gpu_spec(&[inv.gpus[0].uuid]));
     fs::write(
         dir.path().join(BUNDLE_RESTORE_DEVICES_FILE),
         serde_json::to_vec(&recorded(&inv, &[inv.gpus[0].uuid])).unwrap(),

@@ -3,11 +3,11 @@
 //! `cargo build -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simgpu`.
 
 use std::io::Write;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-use gpu::assign::{sim_device_path, Assigned, Source};
+use gpu::assign::{Assigned, Source};
 use gpu::{GpuUuid, Inventory, NodeInventory, NvmlInventory};
 use image_format::compat::{Profile, BUNDLE_GPUS_FILE, BUNDLE_RESTORE_DEVICES_FILE};
 use image_format::manifest::Devices;
@@ -64,7 +64,21 @@ fn cdi_spec(n: &SimNode, devices: &[&str]) -> Value {
     }
     let mut mounts = spec["mounts"].as_array().unwrap().clone();
     let mut env: Vec<Value> = Vec::new();
+    let mut devices: Vec<Value> = Vec::new();
     for e in edits {
+        // As containerd's CDI does: the node's type and numbers from its host path.
+        for d in e["deviceNodes"].as_array().into_iter().flatten() {
+            let host = d["hostPath"].as_str().or(d["path"].as_str()).unwrap();
+            let rdev = std::fs::symlink_metadata(host)
+                .expect("the node's host path")
+                .rdev();
+            devices.push(json!({
+                "path": d["path"],
+                "type": "c",
+                "major": ((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff),
+                "minor": (rdev & 0xff) | ((rdev >> 12) & !0xff),
+            }));
+        }
         for m in e["mounts"].as_array().into_iter().flatten() {
             mounts.push(json!({
                 "destination": m["containerPath"],
@@ -77,6 +91,12 @@ fn cdi_spec(n: &SimNode, devices: &[&str]) -> Value {
     }
     spec["mounts"] = json!(mounts);
     spec["process"]["env"] = json!(env);
+    let mut all = spec["linux"]["devices"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    all.extend(devices);
+    spec["linux"]["devices"] = json!(all);
     spec
 }
 
@@ -168,14 +188,10 @@ fn create_runtime_records_the_sim_gpus() {
     let meta = std::fs::metadata(b.record()).expect("the record");
     assert_eq!(meta.permissions().mode() & 0o777, 0o600);
     let raw: Value = serde_json::from_slice(&std::fs::read(b.record()).unwrap()).unwrap();
-    assert_eq!(raw["source"], "sim-cdi");
+    assert_eq!(raw["source"], "device-nodes");
     let rec: Assigned = serde_json::from_value(raw).unwrap();
-    assert_eq!(rec.source, Source::SimCdi);
+    assert_eq!(rec.source, Source::DeviceNodes);
     assert_eq!(rec.gpus, vec![u[1], u[0]]);
-    assert_eq!(
-        rec.container_paths,
-        vec![sim_device_path(&u[1]), sim_device_path(&u[0])]
-    );
 
     // The `all` device: both, in the node's order.
     let b = Bundle::new(&cdi_spec(&n, &["all"]));
@@ -203,12 +219,26 @@ fn create_runtime_skips_and_refusals() {
     assert!(err.contains("no-such-lib.so.1"), "{err}");
     assert!(!b.record().exists());
 
-    // A GPU of another node in the spec.
-    let other = two_gpus("oci-hooks-other");
-    let b = Bundle::new(&cdi_spec(&other, &["0"]));
+    // A GPU of another node in the spec: named by UUID (NVIDIA_VISIBLE_DEVICES), and as a
+    // device node of a minor number this node has no GPU for.
+    let other = sim(SimConfig {
+        gpus: 3,
+        cdi: true,
+        uuid_seed: "oci-hooks-other".into(),
+        ..Default::default()
+    });
+    let mut spec = cdi_spec(&n, &[]);
+    spec["process"]["env"] = json!([format!("NVIDIA_VISIBLE_DEVICES={}", other.uuids()[0])]);
+    let b = Bundle::new(&spec);
     let err = fails(&run_stage("create-runtime", &n.libnvml(), &b, "creating"));
     assert!(err.contains("which is not on this node"), "{err}");
     assert!(err.contains(&other.uuids()[0]), "{err}");
+    let b = Bundle::new(&cdi_spec(&other, &["2"]));
+    let err = fails(&run_stage("create-runtime", &n.libnvml(), &b, "creating"));
+    assert!(
+        err.contains("/dev/nvidia2") && err.contains("no GPU on this node"),
+        "{err}"
+    );
 
     // A state without a bundle.
     let err = fails(&hook(

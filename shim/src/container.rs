@@ -509,11 +509,9 @@ impl Container {
             .await?;
         // Step 1d: the spec's mounts, each of which the checkpoint must have a mount for: CRIU
         // restores only the checkpoint's mounts and would leave an empty directory for a new
-        // one (`mount_check.rs`). The simulated driver's per-GPU files of this node's GPUs are
-        // at the checkpoint GPUs' paths, where step 2 maps them.
+        // one (`mount_check.rs`).
         let spec = load_spec(&self.bundle)?;
-        let mount_policy =
-            mount_check::MountPolicy::from_spec(&spec).moved_by(&device_plan.ext_mount_map);
+        let mount_policy = mount_check::MountPolicy::from_spec(&spec);
         tokio::task::spawn_blocking({
             let (dir, mount_policy) = (dir.to_path_buf(), mount_policy.clone());
             let rootfs = self.bundle.join("rootfs");
@@ -576,11 +574,6 @@ impl Container {
             VerifyGate::create(&self.bundle)
                 .map_err(|e| restore::step("prepare")(e.to_string()))?,
         );
-        // The simulated driver's per-GPU files of the checkpoint's GPUs are this node's files.
-        let ext_mount_map: Vec<(String, String)> = ext_mount_map
-            .into_iter()
-            .chain(device_plan.ext_mount_map.iter().cloned())
-            .collect();
         let conf = checkpoint::CriuConf {
             tcp_close,
             action_script: Some(gate.script()),

@@ -315,9 +315,6 @@ struct Quiesced {
 pub struct RestorePlan {
     /// Checkpointed GPU → this container's GPU, in order.
     pub pairs: Vec<GpuPair>,
-    /// CRIU `ext-mount-map` entries for the per-GPU files of the simulated driver's CDI spec:
-    /// the checkpoint's file (its container path, runc's key) onto this node's file.
-    pub ext_mount_map: Vec<(String, String)>,
 }
 
 impl ContainerDevices {
@@ -508,10 +505,16 @@ impl ContainerDevices {
             ));
         };
         let (recorded, pairs) = (recorded.to_vec(), plan.pairs.clone());
-        let restored =
-            tokio::task::spawn_blocking(move || layer.restore_onto(&recorded, &pids, &pairs))
-                .await
-                .map_err(|e| device_error("device-restore", e.to_string()))??;
+        // CRIU restored the checkpoint's `/dev`: the nodes of this container's GPUs first,
+        // which the driver opens when it acquires them (`device_nodes.rs`).
+        let spec = crate::container::load_spec(&self.bundle)?;
+        let restored = tokio::task::spawn_blocking(move || {
+            crate::device_nodes::present_all(&pids, &spec)
+                .map_err(|e| device_error("device-restore", e.to_string()))?;
+            layer.restore_onto(&recorded, &pids, &pairs)
+        })
+        .await
+        .map_err(|e| device_error("device-restore", e.to_string()))??;
         info!(processes = ?restored, "device state restored, processes running");
         Ok(())
     }
@@ -537,8 +540,7 @@ pub fn compare(
         ));
     };
     let inv = layer.inventory()?;
-    let given = assigned(bundle, &inv)?;
-    let gpus = given.as_ref().map(|a| a.gpus.clone()).unwrap_or_default();
+    let gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
     let ckpt = Profile {
         devices: recorded.clone(),
         workload: Default::default(),
@@ -553,7 +555,7 @@ pub fn compare(
     }
     let mut plan = RestorePlan::default();
     for p in &verdict.gpu_map {
-        let pair = GpuPair {
+        plan.pairs.push(GpuPair {
             old: p.old_uuid.parse().map_err(|e: GpuError| {
                 device_error("compat", format!("the checkpoint's GPU: {e}"))
             })?,
@@ -561,18 +563,7 @@ pub fn compare(
                 .new_uuid
                 .parse()
                 .map_err(|e: GpuError| device_error("compat", format!("this node's GPU: {e}")))?,
-        };
-        if let Some(a) = given
-            .as_ref()
-            .filter(|a| a.source == gpu::assign::Source::SimCdi)
-        {
-            if !pair.is_identity() {
-                let to = sim_file_source(bundle, a, &pair.new)?;
-                plan.ext_mount_map
-                    .push((gpu::assign::sim_device_path(&pair.old), to));
-            }
-        }
-        plan.pairs.push(pair);
+        });
     }
     Ok((Vec::new(), plan))
 }
@@ -595,30 +586,6 @@ fn plan_restore(
             ),
         ))
     }
-}
-
-/// The host file behind this container's per-GPU file for `uuid` (its spec mount's source).
-fn sim_file_source(bundle: &Path, a: &gpu::assign::Assigned, uuid: &GpuUuid) -> Result<String> {
-    let dest = a
-        .gpus
-        .iter()
-        .position(|g| g == uuid)
-        .and_then(|i| a.container_paths.get(i))
-        .cloned()
-        .unwrap_or_else(|| gpu::assign::sim_device_path(uuid));
-    let spec = crate::container::load_spec(bundle)?;
-    spec.mounts()
-        .iter()
-        .flatten()
-        .find(|m| m.destination().to_str() == Some(dest.as_str()))
-        .and_then(|m| m.source().as_ref())
-        .map(|s| s.display().to_string())
-        .ok_or_else(|| {
-            device_error(
-                "compat",
-                format!("no mount of {dest} in the container's spec"),
-            )
-        })
 }
 
 /// A device step's error: `checkpoint failed at step device-lock: pid …` for the steps that

@@ -30,6 +30,7 @@ pub mod container;
 pub mod criu;
 pub mod criu_exit;
 pub mod device;
+pub mod device_nodes;
 pub mod error;
 pub mod events;
 pub mod features;

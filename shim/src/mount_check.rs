@@ -169,24 +169,6 @@ impl MountPolicy {
     }
 }
 
-impl MountPolicy {
-    /// With the binds whose host path CRIU gets through an `ext-mount-map` pair (key: the
-    /// checkpoint's destination, value: this node's host path) expected at the pair's
-    /// destination: the simulated driver's per-GPU files, whose paths name the GPU.
-    pub fn moved_by(mut self, pairs: &[(String, String)]) -> MountPolicy {
-        for rule in &mut self.mounts {
-            let Some(source) = &rule.source else { continue };
-            if let Some((key, _)) = pairs
-                .iter()
-                .find(|(key, host)| Path::new(host) == source && key.starts_with('/'))
-            {
-                rule.destination = mountinfo::normalize(key);
-            }
-        }
-        self
-    }
-}
-
 /// Before CRIU starts: refuses a spec with mounts at destinations the checkpoint in `dir` has
 /// no mount at (CRIU would leave them empty directories). A directory without mount images
 /// (not a CRIU checkpoint of a container) is left to CRIU.
@@ -251,7 +233,7 @@ impl fmt::Display for Difference {
 
 /// Opens `path` (absolute in the container) from `root` without leaving it and without
 /// following any symlink; `O_PATH`.
-fn open_in_root(root: BorrowedFd<'_>, path: &str) -> nix::Result<OwnedFd> {
+pub(crate) fn open_in_root(root: BorrowedFd<'_>, path: &str) -> nix::Result<OwnedFd> {
     let rel = path.trim_start_matches('/');
     let rel = if rel.is_empty() { "." } else { rel };
     openat2(
@@ -268,7 +250,7 @@ fn open_in_root(root: BorrowedFd<'_>, path: &str) -> nix::Result<OwnedFd> {
 }
 
 /// The restored init's root, from the host.
-fn open_root(pid: i32) -> Result<OwnedFd> {
+pub(crate) fn open_root(pid: i32) -> Result<OwnedFd> {
     let path = format!("/proc/{pid}/root");
     nix::fcntl::open(
         path.as_str(),
@@ -838,18 +820,6 @@ mod tests {
                 ("root /".into(), "ro".into()),
             ]
         );
-    }
-
-    #[test]
-    fn binds_mapped_for_criu_are_expected_where_the_checkpoint_had_them() {
-        let p = MountPolicy::from_spec(&spec(
-            r#"{"ociVersion":"1.0.2","mounts":[
-              {"destination":"/run/sim/GPU-new","type":"bind","source":"/h/GPU-new","options":["rbind"]},
-              {"destination":"/data","type":"bind","source":"/h/d","options":["rbind"]}]}"#,
-        ))
-        .moved_by(&[("/run/sim/GPU-old".into(), "/h/GPU-new".into())]);
-        let d: Vec<_> = p.mounts.iter().map(|m| m.destination.as_str()).collect();
-        assert_eq!(d, ["/run/sim/GPU-old", "/data"]);
     }
 
     #[test]

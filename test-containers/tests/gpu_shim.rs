@@ -229,6 +229,12 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
             gpus_of(&sim_a, pid_a)? == vec![sim_a.node().gpus[0].uuid],
             "after the checkpoint the original no longer runs on node A's GPU 0"
         );
+        // As with a real driver: the process holds its GPU's device node, the one its spec gave.
+        let nodes = gpu_nodes(pid_a)?;
+        ensure!(
+            nodes == (vec!["/dev/nvidia0".to_string()], vec!["nvidia0".to_string()]),
+            "the original on node A's GPU 0 holds and sees GPU nodes {nodes:?}, want /dev/nvidia0"
+        );
 
         // The manifest records the GPU, the driver, and the process with its device bytes.
         let m = archive_manifest(&archive)?;
@@ -287,6 +293,13 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
         ensure!(
             gpus_of(&sim_b, pid_b)? == vec![sim_b.node().gpus[1].uuid],
             "the restored process does not run on node B's GPU 1"
+        );
+        // CRIU restored the checkpoint's /dev (GPU 0's node): the restore made this spec's
+        // /dev/nvidia1, removed /dev/nvidia0, and the driver acquired GPU 1 through its node.
+        let nodes = gpu_nodes(pid_b)?;
+        ensure!(
+            nodes == (vec!["/dev/nvidia1".to_string()], vec!["nvidia1".to_string()]),
+            "the restored process on node B's GPU 1 holds and sees GPU nodes {nodes:?}, want /dev/nvidia1"
         );
         cri_b.remove_pod(&pod_b).await?;
 

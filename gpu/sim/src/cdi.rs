@@ -1,13 +1,20 @@
-//! The CDI spec that injects simulated GPUs into containers, as nvidia-container-toolkit's specs
-//! inject real ones: the two libraries and the daemon's socket for every device, and one file per
-//! GPU (under /run/gpu-ckpt-simgpu/devices) that selects it.
+//! The CDI spec that injects simulated GPUs into containers the way nvidia-container-toolkit's
+//! spec injects real ones: one device node `/dev/nvidia<minor>` per GPU, the common nodes
+//! (`nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`), the two libraries, and the daemon's socket.
+//!
+//! The nodes' host paths are the ones the daemon makes in its directory (`dev/`). A real node's
+//! are NVIDIA's character devices (195:N per GPU, 195:255 for `nvidiactl`, the `nvidia-uvm`
+//! major for the other two); the simulator's are the character device of `/dev/zero` (1:5),
+//! which opens on a host without NVIDIA's kernel module and which runc's default device rules
+//! already allow. The library tells the GPUs apart by the node's name, as the driver tells
+//! them apart by its minor number.
 
 use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::node::{format_uuid, NodeDesc};
-use crate::proto::{CONTAINER_DEVICES_DIR, CONTAINER_SOCKET, ENV_SOCKET, SOCKET_NAME};
+use crate::node::NodeDesc;
+use crate::proto::{COMMON_NODES, CONTAINER_SOCKET, DEV_DIR_NAME, ENV_SOCKET, SOCKET_NAME};
 
 /// CDI kind of the simulated GPUs (`sim.gpu-ckpt.io/gpu=0`, `=all`).
 pub const KIND: &str = "sim.gpu-ckpt.io/gpu";
@@ -25,28 +32,33 @@ fn bind(host: &Path, container: &str) -> Value {
     })
 }
 
+/// A device node `/dev/<name>`, backed by the daemon's node of that name.
+fn node(dev: &Path, name: &str) -> Value {
+    json!({
+        "path": format!("/dev/{name}"),
+        "hostPath": dev.join(name).to_string_lossy(),
+    })
+}
+
 /// The spec for the node whose daemon lives in `dir`.
-pub fn spec(dir: &Path, node: &NodeDesc) -> Value {
-    let device_mount = |g: &crate::node::GpuDesc| {
-        let name = format_uuid(&g.uuid);
-        bind(
-            &dir.join("devices").join(&name),
-            &format!("{CONTAINER_DEVICES_DIR}/{name}"),
-        )
-    };
-    let mut devices: Vec<Value> = node
+pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
+    let dev = dir.join(DEV_DIR_NAME);
+    let gpu_node = |g: &crate::node::GpuDesc| node(&dev, &format!("nvidia{}", g.index));
+    let mut devices: Vec<Value> = node_desc
         .gpus
         .iter()
         .map(|g| {
             json!({
                 "name": g.index.to_string(),
-                "containerEdits": { "mounts": [device_mount(g)] },
+                "containerEdits": { "deviceNodes": [gpu_node(g)] },
             })
         })
         .collect();
     devices.push(json!({
         "name": "all",
-        "containerEdits": { "mounts": node.gpus.iter().map(device_mount).collect::<Vec<_>>() },
+        "containerEdits": {
+            "deviceNodes": node_desc.gpus.iter().map(gpu_node).collect::<Vec<_>>(),
+        },
     }));
     let lib = dir.join("lib");
     let mut socket = bind(&dir.join(SOCKET_NAME), CONTAINER_SOCKET);
@@ -58,6 +70,7 @@ pub fn spec(dir: &Path, node: &NodeDesc) -> Value {
         "devices": devices,
         "containerEdits": {
             "env": [format!("{ENV_SOCKET}={CONTAINER_SOCKET}")],
+            "deviceNodes": COMMON_NODES.iter().map(|n| node(&dev, n)).collect::<Vec<_>>(),
             "mounts": [
                 bind(&lib.join("libcuda.so.1"), &format!("{CONTAINER_LIB_DIR}/libcuda.so.1")),
                 bind(&lib.join("libnvidia-ml.so.1"), &format!("{CONTAINER_LIB_DIR}/libnvidia-ml.so.1")),

@@ -1294,7 +1294,7 @@ fn host_tid(pid: i32, ns_tid: i32) -> Option<i32> {
 }
 
 /// Lays out a node directory: the two libraries (from `lib_src`, the build's or the install's
-/// directory) in DIR/lib, one file per GPU in DIR/devices, and the CDI spec in `cdi_dir`.
+/// directory) in DIR/lib, the device nodes in DIR/dev, and the CDI spec in `cdi_dir`.
 pub fn prepare_dir(
     dir: &Path,
     lib_src: &Path,
@@ -1317,10 +1317,11 @@ pub fn prepare_dir(
         let _ = std::fs::remove_file(&l);
         std::os::unix::fs::symlink(soname, &l)?;
     }
-    let devices = dir.join("devices");
-    std::fs::create_dir_all(&devices)?;
-    for g in &node.gpus {
-        std::fs::write(devices.join(format_uuid(&g.uuid)), format!("{}\n", g.index))?;
+    let dev = dir.join(crate::proto::DEV_DIR_NAME);
+    std::fs::create_dir_all(&dev)?;
+    let names = node.gpus.iter().map(|g| format!("nvidia{}", g.index));
+    for name in names.chain(crate::proto::COMMON_NODES.iter().map(|n| n.to_string())) {
+        make_node(&dev.join(name))?;
     }
     if let Some(cdi) = cdi_dir {
         std::fs::create_dir_all(cdi)?;
@@ -1334,4 +1335,35 @@ pub fn prepare_dir(
         std::fs::rename(tmp, path)?;
     }
     Ok(())
+}
+
+/// The character device behind every simulated node: `/dev/zero`'s (1:5), which opens without
+/// NVIDIA's kernel module (a real GPU's node is 195:N).
+const NODE_DEV: (u32, u32) = (1, 5);
+
+/// A character device node at `path` (replacing what is there). Without the right to make one
+/// (not root), a symlink to `/dev/zero`: enough for processes on the host, not for a CDI spec,
+/// which needs a device node (and a container runtime, which needs root anyway).
+fn make_node(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(_) => std::fs::remove_file(path)?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let dev = libc::makedev(NODE_DEV.0, NODE_DEV.1);
+    // SAFETY: c is a NUL-terminated path; mknod reads it only.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, dev) } == 0 {
+        // The umask narrowed the mode; a device node of the GPUs is 0666, as NVIDIA's are.
+        return std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666));
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EPERM) {
+        return Err(io::Error::new(
+            err.kind(),
+            format!("mknod {}: {err}", path.display()),
+        ));
+    }
+    std::os::unix::fs::symlink("/dev/zero", path)
 }

@@ -70,18 +70,35 @@ impl FromBytesCompat for std::ffi::OsStr {
     }
 }
 
-/// The UUIDs this process may use: `$GPU_CKPT_SIM_VISIBLE_DEVICES`, else the files in the CDI
-/// devices directory, else None (all).
-pub fn visible_devices() -> Option<Vec<[u8; 16]>> {
-    if let Ok(v) = std::env::var(proto::ENV_VISIBLE) {
-        return Some(v.split(',').filter_map(node::parse_uuid).collect());
+/// Where a process that reaches its daemon at `socket` finds the GPUs' device nodes: the node
+/// directory's `dev/` when the socket is in one (a process on the host, as on a real host where
+/// every `/dev/nvidia<N>` exists), else `/dev` (a container, where the CDI spec puts the nodes
+/// of the GPUs it was given).
+pub fn dev_dir(socket: &std::path::Path) -> std::path::PathBuf {
+    if let Some(dir) = socket.parent().map(|d| d.join(proto::DEV_DIR_NAME)) {
+        if dir.is_dir() {
+            return dir;
+        }
     }
-    let dir = std::fs::read_dir(proto::CONTAINER_DEVICES_DIR).ok()?;
-    Some(
-        dir.flatten()
-            .filter_map(|e| node::parse_uuid(&e.file_name().to_string_lossy()))
-            .collect(),
-    )
+    "/dev".into()
+}
+
+/// The device node of the GPU with minor number `minor` (the simulated NVML's minor number is
+/// the GPU's index) in `dev`.
+pub fn gpu_node(dev: &std::path::Path, minor: u32) -> std::path::PathBuf {
+    dev.join(format!("nvidia{minor}"))
+}
+
+/// Keeps the GPUs of `node` this process may use: those whose device node is in `dev`, as
+/// the real driver finds its GPUs, and of them the ones `$GPU_CKPT_SIM_VISIBLE_DEVICES` names
+/// when it is set.
+pub fn retain_visible(node: &mut node::NodeDesc, dev: &std::path::Path) {
+    let named: Option<Vec<[u8; 16]>> = std::env::var(proto::ENV_VISIBLE)
+        .ok()
+        .map(|v| v.split(',').filter_map(node::parse_uuid).collect());
+    node.gpus.retain(|g| {
+        named.as_ref().is_none_or(|n| n.contains(&g.uuid)) && gpu_node(dev, g.index).exists()
+    });
 }
 
 /// `len` zeroed bytes for device memory or a checkpoint's staged copy of it, its pages

@@ -25,7 +25,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Be the node's GPUs: lay out DIR (socket, lib/, devices/) and serve until killed.
+    /// Be the node's GPUs: lay out DIR (socket, lib/, dev/) and serve until killed.
     Serve {
         #[arg(long)]
         dir: PathBuf,

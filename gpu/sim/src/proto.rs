@@ -12,12 +12,16 @@ use crate::node::NodeDesc;
 pub const SOCKET_NAME: &str = "simgpu.sock";
 /// Where the CDI spec puts the daemon's socket in a container.
 pub const CONTAINER_SOCKET: &str = "/run/gpu-ckpt-simgpu/simgpu.sock";
-/// Where the CDI spec puts one file per GPU the container may use (named by UUID).
-pub const CONTAINER_DEVICES_DIR: &str = "/run/gpu-ckpt-simgpu/devices";
+/// The node directory's directory of device nodes (`nvidia<minor>` per GPU, `nvidiactl`,
+/// `nvidia-uvm`, `nvidia-uvm-tools`), which the CDI spec presents at `/dev` in a container.
+pub const DEV_DIR_NAME: &str = "dev";
+/// The device nodes every GPU process holds besides its GPUs' `nvidia<minor>`, and the CDI spec
+/// gives every container with a GPU.
+pub const COMMON_NODES: [&str; 3] = ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"];
 /// Environment: the daemon's socket (else the library's own `../simgpu.sock`, else
 /// [`CONTAINER_SOCKET`]).
 pub const ENV_SOCKET: &str = "GPU_CKPT_SIM_SOCKET";
-/// Environment: comma-separated UUIDs a process may use (else the devices directory, else all).
+/// Environment: comma-separated UUIDs a process may use, among those whose device node it has.
 pub const ENV_VISIBLE: &str = "GPU_CKPT_SIM_VISIBLE_DEVICES";
 /// Largest JSON header accepted.
 const MAX_HEADER: usize = 1 << 20;

@@ -279,6 +279,30 @@ pub fn gpus_of(sim: &SimNode, pid: i32) -> Result<Vec<[u8; 16]>> {
     .with_context(|| format!("processes the daemon lists: {seen:?}"))
 }
 
+/// The GPU device nodes (`/dev/nvidia<N>`) process `pid` holds open, and the GPU nodes in the
+/// `/dev` of its root (`nvidia<N>`), each sorted: what a real driver's process holds and sees.
+pub fn gpu_nodes(pid: i32) -> Result<(Vec<String>, Vec<String>)> {
+    let is_gpu = |name: &str| {
+        name.strip_prefix("nvidia")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut held: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))?
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|l| l.to_str().map(str::to_string))
+        .filter(|l| l.strip_prefix("/dev/").is_some_and(is_gpu))
+        .collect();
+    held.sort();
+    held.dedup();
+    let mut present: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root/dev"))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| is_gpu(n))
+        .collect();
+    present.sort();
+    Ok((held, present))
+}
+
 /// The CRI container's host pid as ContainerStatus's verbose info reports it, 0 included.
 pub async fn cri_status_pid(cri: &Cri, id: &str) -> Result<i32> {
     let st = cri.container_status(id).await?;

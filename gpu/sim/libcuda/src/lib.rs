@@ -6,12 +6,17 @@
 //! gate, so a lock waits for calls in flight and holds new ones. The restore thread (created at
 //! cuInit, named `cuda-restore`) carries out the daemon's lock, checkpoint, restore and unlock.
 //! Operations on streams run synchronously; kernels are not run (CUDA_ERROR_NOT_SUPPORTED).
+//!
+//! Like the real driver, it finds its GPUs from the device nodes it can open (`/dev/nvidia<N>`
+//! in a container, N being the GPU's minor number), holds `nvidiactl`, `nvidia-uvm` and each
+//! GPU's node open while it has a context there, closes them all at a checkpoint (the process
+//! then holds no GPU resource), and opens the nodes of the GPUs a restore maps it onto.
 #![allow(clippy::missing_safety_doc)] // C entry points; their contracts are NVIDIA's documentation.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock, RwLock};
 use std::time::{Duration, Instant};
@@ -88,6 +93,10 @@ impl Handles {
 
 struct Driver {
     socket: PathBuf,
+    /// Where the GPUs' device nodes are (`/dev` in a container).
+    dev: Mutex<PathBuf>,
+    /// The device nodes this process holds open, by path.
+    nodes: Mutex<BTreeMap<PathBuf, std::fs::File>>,
     conn: Mutex<Option<Client>>,
     gate: Mutex<Gate>,
     cv: Condvar,
@@ -159,12 +168,35 @@ fn fetch_node(c: &mut Client) -> R<NodeDesc> {
     }
 }
 
-/// Only the GPUs this process may see.
-fn visible(mut node: NodeDesc) -> NodeDesc {
-    if let Some(v) = simgpu::visible_devices() {
-        node.gpus.retain(|g| v.contains(&g.uuid));
-    }
+/// Only the GPUs this process may see: those whose device node is in `dev`.
+fn visible(mut node: NodeDesc, dev: &Path) -> NodeDesc {
+    simgpu::retain_visible(&mut node, dev);
     node
+}
+
+/// Opens the device nodes in `dev` of the GPUs with minor numbers `minors` and the common
+/// nodes a GPU process holds (`nvidiactl`, `nvidia-uvm`), as the driver opens them.
+fn open_nodes(
+    dev: &Path,
+    minors: impl IntoIterator<Item = u32>,
+) -> R<Vec<(PathBuf, std::fs::File)>> {
+    let common = ["nvidiactl", "nvidia-uvm"].map(|n| dev.join(n));
+    let gpus = minors.into_iter().map(|m| simgpu::gpu_node(dev, m));
+    common
+        .into_iter()
+        .chain(gpus)
+        .map(|path| {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => cu::NO_DEVICE,
+                    _ => cu::OPERATING_SYSTEM,
+                })?;
+            Ok((path, f))
+        })
+        .collect()
 }
 
 impl Driver {
@@ -172,11 +204,14 @@ impl Driver {
         let socket = own_socket();
         // No daemon is what a node without a GPU driver looks like.
         let mut c = Client::connect(&socket, Role::Cuda).map_err(|_| cu::NO_DEVICE)?;
-        let node = visible(fetch_node(&mut c)?);
+        let dev = simgpu::dev_dir(&socket);
+        let node = visible(fetch_node(&mut c)?, &dev);
         let mailbox = Mailbox::create().map_err(|_| cu::OPERATING_SYSTEM)?;
         mailbox.get().state.store(STATE_RUNNING, Ordering::Release);
         Ok(Driver {
             socket,
+            dev: Mutex::new(dev),
+            nodes: Mutex::new(BTreeMap::new()),
             conn: Mutex::new(Some(c)),
             gate: Mutex::new(Gate {
                 state: STATE_RUNNING,
@@ -230,9 +265,20 @@ impl Driver {
             .ok_or(cu::INVALID_CONTEXT)
     }
 
+    /// A context on device `dev`: the daemon told, the GPU's node (and the common ones) held.
     fn announce_context(&self, dev: usize) -> R {
-        let uuid = self.device(dev as CUdevice)?.uuid;
-        self.with_conn(|c| c.ok(&Request::Context { gpu: uuid }))
+        let gpu = self.device(dev as CUdevice)?;
+        self.with_conn(|c| c.ok(&Request::Context { gpu: gpu.uuid }))?;
+        let dir = lock(&self.dev).clone();
+        self.hold(open_nodes(&dir, [gpu.index])?);
+        Ok(())
+    }
+
+    fn hold(&self, opened: Vec<(PathBuf, std::fs::File)>) {
+        let mut nodes = lock(&self.nodes);
+        for (path, f) in opened {
+            nodes.entry(path).or_insert(f);
+        }
     }
 
     // ---- the restore thread's side of the checkpoint API ------------------------------------
@@ -376,8 +422,10 @@ impl Driver {
             Request::Release
         };
         c.ok(&req).map_err(map_err)?;
-        // Closing the connection is what lets CRIU dump the process.
+        // Closing the connection and the device nodes (no GPU resource is left in the
+        // process) is what lets CRIU dump it.
         *conn = None;
+        lock(&self.nodes).clear();
         *lock(&self.saved) = saved;
         self.mailbox
             .get()
@@ -416,10 +464,11 @@ impl Driver {
             .collect();
         candidates.push(self.socket.clone());
         candidates.push(own_socket());
-        let mut c = candidates
+        let (mut c, socket) = candidates
             .iter()
-            .find_map(|p| Client::connect(p, Role::Cuda).ok())
+            .find_map(|p| Client::connect(p, Role::Cuda).ok().map(|c| (c, p)))
             .ok_or(cu::OPERATING_SYSTEM)?;
+        let dev = simgpu::dev_dir(socket);
         let mut saved = lock(&self.saved);
         let allocs: Vec<SavedAlloc> = saved.iter().map(|(a, _)| a.clone()).collect();
         let map: Vec<Pair> = match c.call(&Request::Restore { allocs }).map_err(map_err)? {
@@ -451,15 +500,19 @@ impl Driver {
                 node.gpus.push(n.clone());
             }
         }
-        let devs: Vec<[u8; 16]> = self
+        let devs: Vec<GpuDesc> = self
             .used_devices()
             .into_iter()
-            .filter_map(|d| node.gpus.get(d).map(|g| g.uuid))
+            .filter_map(|d| node.gpus.get(d).cloned())
             .collect();
         drop(node);
-        for gpu in devs {
-            c.ok(&Request::Context { gpu }).map_err(map_err)?;
+        // The GPUs are acquired again: their device nodes here, which a container must have.
+        let opened = open_nodes(&dev, devs.iter().map(|g| g.index))?;
+        for gpu in &devs {
+            c.ok(&Request::Context { gpu: gpu.uuid }).map_err(map_err)?;
         }
+        self.hold(opened);
+        *lock(&self.dev) = dev;
         *lock(&self.conn) = Some(c);
         saved.clear();
         saved.shrink_to_fit();

@@ -70,9 +70,7 @@ fn init() -> R {
         Ok(Reply::Node(n)) => n,
         _ => return Err(nvml::ERROR_UNKNOWN),
     };
-    if let Some(v) = simgpu::visible_devices() {
-        node.gpus.retain(|g| v.contains(&g.uuid));
-    }
+    simgpu::retain_visible(&mut node, &simgpu::dev_dir(&socket));
     *st = Some(State {
         refs: 1,
         socket,
