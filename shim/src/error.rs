@@ -121,6 +121,16 @@ impl From<Error> for ttrpc::Error {
     }
 }
 
+/// The first `max` of `items`, joined by "; ", and how many more there are: a refusal names
+/// what it found without growing with a forged image's size.
+pub(crate) fn first_of<T: std::fmt::Display>(items: &[T], max: usize) -> String {
+    let mut text: Vec<String> = items.iter().take(max).map(T::to_string).collect();
+    if items.len() > max {
+        text.push(format!("and {} more", items.len() - max));
+    }
+    text.join("; ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -675,7 +675,7 @@ pub fn hold(pid: i32, policy: &MountPolicy, held: &[sub_mounts::Held]) -> Result
     }
     Err(Error::FailedPrecondition(format!(
         "restore refused: the restored mounts differ from this container's spec: {}",
-        crate::spec_check::first_of(&differences, MAX_REPORTED)
+        crate::error::first_of(&differences, MAX_REPORTED)
     )))
 }
 

@@ -65,10 +65,11 @@ use image_format::{
     manifest::{seccomp_profile_digest, SecurityRecord},
 };
 use serde_json::Value;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::{
-    error::{Error, Result},
+    bundle::Bundle,
+    error::{first_of, Error, Result},
     verify_gate::VerifyGate,
 };
 
@@ -167,14 +168,13 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// The policy of the spec in `bundle/config.json`.
-    pub fn from_bundle(bundle: &Path) -> Result<Policy> {
-        let path = bundle.join("config.json");
-        let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-        let spec: Value =
-            serde_json::from_slice(&text).map_err(Error::json(path.display().to_string()))?;
-        let mut policy = Policy::from_spec(&spec).map_err(|e| {
-            Error::InvalidArgument(format!("bundle config {}: {e}", path.display()))
+    /// The policy of the spec in `bundle`.
+    pub fn from_bundle(bundle: &Bundle) -> Result<Policy> {
+        let mut policy = Policy::from_spec(bundle.json()).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "bundle config {}: {e}",
+                bundle.config_path().display()
+            ))
         })?;
         policy.node_lsm = node_lsm();
         Ok(policy)
@@ -592,16 +592,6 @@ fn refuse_if_any(violations: Vec<Violation>, what: &str) -> Result<()> {
     )))
 }
 
-/// The first `max` of `items`, joined by "; ", and how many more there are: a refusal names
-/// what it found without growing with a forged image's size.
-pub(crate) fn first_of<T: std::fmt::Display>(items: &[T], max: usize) -> String {
-    let mut text: Vec<String> = items.iter().take(max).map(T::to_string).collect();
-    if items.len() > max {
-        text.push(format!("and {} more", items.len() - max));
-    }
-    text.join("; ")
-}
-
 /// Every process of the tree below (and with) `root`, each with its threads, root first.
 /// `/proc/<pid>/task/<tid>/children` per thread: a child belongs to the thread that forked it.
 pub fn walk_tree(root: i32) -> Result<Vec<(i32, Vec<i32>)>> {
@@ -702,19 +692,9 @@ pub fn with_note(e: Error, note: &str) -> Error {
 }
 
 /// The security record of the container whose bundle is `bundle`, for its checkpoint's
-/// manifest; `None` (with a warning) when its config.json cannot be read.
-pub fn security_record(bundle: &Path) -> Option<SecurityRecord> {
-    let path = bundle.join("config.json");
-    let spec = std::fs::read(&path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()));
-    match spec {
-        Ok(spec) => Some(SecurityRecord::from_spec(&spec)),
-        Err(e) => {
-            warn!(path = %path.display(), error = %e, "no security record in the manifest");
-            None
-        }
-    }
+/// manifest.
+pub fn security_record(bundle: &Bundle) -> SecurityRecord {
+    SecurityRecord::from_spec(bundle.json())
 }
 
 /// SIGKILLs every process of `tree` (best effort: each may be gone already).
