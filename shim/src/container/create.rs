@@ -23,7 +23,7 @@ use crate::{
     options::RuntimeOptions,
     process::Process,
     runc::{CreateOpts, Runc},
-    stdio::{self, Absent},
+    stdio::Absent,
 };
 
 impl Container {
@@ -227,14 +227,9 @@ impl Container {
     }
 
     async fn runc_create(&mut self) -> Result<()> {
-        let prepared = stdio::prepare(
-            &self.init.stdio,
-            &self.id,
-            self.options.io_uid,
-            self.options.io_gid,
-            Absent::DevNull,
-        )
-        .await?;
+        let prepared = self
+            .prepare_io(&self.init.stdio, &self.id, Absent::DevNull)
+            .await?;
         self.init.io = prepared.io;
         let pid_file = self.bundle.join(INIT_PID_FILE);
         let console = prepared.console;

@@ -9,7 +9,7 @@ use crate::{
     events::EventSender,
     process::Status,
     runc::CreateOpts,
-    stdio::{self, Absent},
+    stdio::Absent,
 };
 
 impl Container {
@@ -69,14 +69,7 @@ impl Container {
         let pid_file = bundle.join(format!("exec-{exec_id}.pid"));
         let stdio = process.stdio.clone();
         // A logging binary runs as the exec (its CONTAINER_ID), as runc-v2 starts it.
-        let prepared = stdio::prepare(
-            &stdio,
-            exec_id,
-            self.options.io_uid,
-            self.options.io_gid,
-            Absent::DevNull,
-        )
-        .await?;
+        let prepared = self.prepare_io(&stdio, exec_id, Absent::DevNull).await?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());

@@ -17,7 +17,7 @@ use std::{
     sync::Arc,
 };
 
-use containerd_shim::mount::umount_recursive;
+use containerd_shim::{asynchronous::io::Stdio, mount::umount_recursive};
 use tracing::warn;
 
 use crate::{
@@ -31,6 +31,7 @@ use crate::{
     options::RuntimeOptions,
     process::Process,
     runc::Runc,
+    stdio::{self, Absent, PreparedIo},
 };
 
 mod checkpoint;
@@ -113,6 +114,12 @@ impl Container {
             }
             self.mounted_rootfs = false;
         }
+    }
+
+    /// The pipes or terminal of a process runc is about to start (init at create or restore,
+    /// an exec), owned by the handler's IO user.
+    async fn prepare_io(&self, stdio: &Stdio, id: &str, absent: Absent) -> Result<PreparedIo> {
+        stdio::prepare(stdio, id, self.options.io_uid, self.options.io_gid, absent).await
     }
 
     /// The directory CRIU works in (its logs): the options', else the bundle's.

@@ -86,7 +86,7 @@ use crate::{
     restore::{self as steps, step},
     runc::CreateOpts,
     spec_check::{self, Expected, Policy},
-    stdio::{self, Absent},
+    stdio::Absent,
     sub_mounts,
     verify_gate::VerifyGate,
     watchdog::{self, Watchdog},
@@ -636,14 +636,9 @@ impl Container {
     ) -> Result<()> {
         let work = self.criu_work();
         std::fs::create_dir_all(&work).map_err(|e| step("prepare")(e.to_string()))?;
-        let prepared = stdio::prepare(
-            &self.init.stdio,
-            &self.id,
-            self.options.io_uid,
-            self.options.io_gid,
-            Absent::Pipe,
-        )
-        .await?;
+        let prepared = self
+            .prepare_io(&self.init.stdio, &self.id, Absent::Pipe)
+            .await?;
         let mut io = prepared.io;
         let console = prepared.console;
         let console_path = console.as_ref().map(|c| c.path().to_path_buf());
