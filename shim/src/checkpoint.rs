@@ -1,8 +1,8 @@
 //! Checkpoint and restore: which CRIU options to use, and the files the shim keeps beside
 //! runc's (the per-container CRIU configuration file and the failure logs).
 //!
-//! The steps themselves, with their undo, are [`crate::container::Container::checkpoint`] and
-//! the restore branch of [`crate::container::Container::start_init`].
+//! The operations that call these steps, with their undo, are the container's checkpoint
+//! (`container/checkpoint.rs`) and restore (`container/restore.rs`).
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +14,7 @@ use image_format::{digest::PageDigests, durable::Durability, manifest::CriuOptio
 
 use crate::{
     annotations::{self, Annotations},
+    bundle::Bundle,
     criu_exit::CriuExit,
     error::{Error, Result},
     options::RuntimeOptions,
@@ -176,7 +177,7 @@ pub struct CriuConf<'a> {
     pub action_script: Option<&'a Path>,
     /// `ext-mount-map <from>:<to>` lines, beside the spec mounts runc maps itself: at a dump
     /// a sub-mount's mountpoint and its key, at a restore the key and its host path
-    /// ([`crate::sub_mounts`]).
+    /// (`sub_mounts.rs`).
     pub ext_mount_map: &'a [(String, String)],
 }
 
@@ -254,12 +255,9 @@ fn only_listeners(net_tcp: &str) -> bool {
 /// config.json, unless the user set that annotation already. Edits the JSON as a tree so that
 /// nothing of the spec is lost. Must run before `runc create` or `runc restore`. Returns whether
 /// runc will read the shim's file (false: the spec names another one).
-pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<bool> {
-    let path = bundle.join("config.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(Error::io(format!("read {}", path.display())))?;
-    let mut spec: serde_json::Value =
-        serde_json::from_str(&text).map_err(Error::json(format!("decode {}", path.display())))?;
+pub fn point_runc_at_criu_conf(bundle: &mut Bundle) -> Result<bool> {
+    let path = bundle.config_path();
+    let mut spec = bundle.json().clone();
     let Some(obj) = spec.as_object_mut() else {
         return Err(Error::InvalidArgument(format!(
             "malformed bundle config {}: not an object",
@@ -280,8 +278,7 @@ pub fn point_runc_at_criu_conf(bundle: &Path) -> Result<bool> {
         return Ok(named.as_str() == Some(ours.as_str()));
     }
     annotations.insert(CRIU_CONFIG_ANNOTATION.into(), ours.into());
-    let out = serde_json::to_vec(&spec).map_err(Error::json("encode bundle config"))?;
-    std::fs::write(&path, out).map_err(Error::io(format!("write {}", path.display())))?;
+    bundle.rewrite(spec)?;
     Ok(true)
 }
 
@@ -466,9 +463,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let spec = r#"{"ociVersion":"1.0.2","x-unknown":{"keep":1},"annotations":{"a":"b"}}"#;
         std::fs::write(dir.path().join("config.json"), spec).unwrap();
-        assert!(point_runc_at_criu_conf(dir.path()).unwrap());
+        let mut bundle = Bundle::load(dir.path()).unwrap();
+        assert!(point_runc_at_criu_conf(&mut bundle).unwrap());
         // Idempotent: the second call finds its own file named.
-        assert!(point_runc_at_criu_conf(dir.path()).unwrap());
+        assert!(point_runc_at_criu_conf(&mut Bundle::load(dir.path()).unwrap()).unwrap());
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap())
                 .unwrap();
@@ -560,7 +558,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let spec = r#"{"ociVersion":"1.0.2","annotations":{"org.criu.config":"/etc/mine.conf"}}"#;
         std::fs::write(dir.path().join("config.json"), spec).unwrap();
-        assert!(!point_runc_at_criu_conf(dir.path()).unwrap());
+        assert!(!point_runc_at_criu_conf(&mut Bundle::load(dir.path()).unwrap()).unwrap());
         assert_eq!(
             std::fs::read_to_string(dir.path().join("config.json")).unwrap(),
             spec

@@ -2,7 +2,7 @@
 //! GPU state, and the CUDA driver's checkpoint steps over all of them, each with its undo.
 //!
 //! It drives the `gpu` crate's two traits, [`DeviceCheckpoint`] (the driver's checkpoint API for
-//! one process) and [`Inventory`] (NVML), and knows nothing of runc or CRIU; `container.rs` and
+//! one process) and [`Inventory`] (NVML), and knows nothing of runc or CRIU; `container/` and
 //! `task.rs` call it at their steps:
 //!
 //! - Pause (containerd pauses a task before it checkpoints it): [`DeviceLayer::quiesce`] (lock,
@@ -13,15 +13,17 @@
 //!   node, unlock, and RUNNING confirmed for every process.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NodeInventory, ProcessState};
 use image_format::compat::{self, Profile};
 use image_format::manifest::{DeviceProcess, Devices, ProcessGpu};
+use oci_spec::runtime::Spec;
 use tracing::{info, info_span, warn};
 
+use crate::bundle::Bundle;
 use crate::error::{Error, Result};
 use crate::options::RuntimeOptions;
 
@@ -294,7 +296,6 @@ impl DeviceLayer {
 /// a checkpoint quiesced until Resume or the end of the checkpoint puts them back, and the
 /// settings that come from the handler and the pod.
 pub struct ContainerDevices {
-    bundle: PathBuf,
     options: RuntimeOptions,
     /// The pod's `gpu-ckpt.io/lock-timeout`.
     lock_timeout: Option<String>,
@@ -318,9 +319,8 @@ pub struct RestorePlan {
 }
 
 impl ContainerDevices {
-    pub fn new(bundle: &Path, options: &RuntimeOptions, lock_timeout: Option<&str>) -> Self {
+    pub fn new(options: &RuntimeOptions, lock_timeout: Option<&str>) -> Self {
         ContainerDevices {
-            bundle: bundle.to_path_buf(),
             options: options.clone(),
             lock_timeout: lock_timeout.map(str::to_string),
             layer: None,
@@ -430,11 +430,11 @@ impl ContainerDevices {
     /// What the manifest records: the node's driver and GPUs, the container's GPUs in its
     /// order, and each quiesced process with its device bytes. Empty on a node without a
     /// driver, or for a container given no GPU and holding none.
-    pub async fn record(&mut self) -> Result<Devices> {
+    pub async fn record(&mut self, bundle: &Bundle) -> Result<Devices> {
         let Some(layer) = self.layer().await? else {
             return Ok(Devices::default());
         };
-        let bundle = self.bundle.clone();
+        let bundle = bundle.clone();
         let holders: Vec<Holder> = self
             .quiesced
             .as_ref()
@@ -471,11 +471,15 @@ impl ContainerDevices {
     /// Before CRIU restores: the checkpoint's GPUs held to this container's on this node
     /// (model, count, memory, free memory, driver branch, CUDA version), and the pairs. A
     /// difference is an error naming each field.
-    pub async fn plan_restore(&mut self, recorded: &Devices) -> Result<RestorePlan> {
+    pub async fn plan_restore(
+        &mut self,
+        recorded: &Devices,
+        bundle: &Bundle,
+    ) -> Result<RestorePlan> {
         if recorded.gpus.is_empty() {
             return Ok(RestorePlan::default());
         }
-        let bundle = self.bundle.clone();
+        let bundle = bundle.clone();
         // For the prestart hook, which runs inside `runc restore`.
         let file = bundle.join(compat::BUNDLE_RESTORE_DEVICES_FILE);
         let json = serde_json::to_vec(recorded).map_err(Error::json("encode devices"))?;
@@ -488,12 +492,14 @@ impl ContainerDevices {
     }
 
     /// After `runc restore`: the recorded processes (found among `pids`) restored onto
-    /// `plan`'s GPUs, unlocked, and confirmed RUNNING.
+    /// `plan`'s GPUs, unlocked, and confirmed RUNNING; the device nodes their driver opens are
+    /// those `spec` gives.
     pub async fn restore(
         &mut self,
         recorded: &[DeviceProcess],
         pids: Vec<i32>,
         plan: &RestorePlan,
+        spec: &Spec,
     ) -> Result<()> {
         if recorded.is_empty() {
             return Ok(());
@@ -507,7 +513,7 @@ impl ContainerDevices {
         let (recorded, pairs) = (recorded.to_vec(), plan.pairs.clone());
         // CRIU restored the checkpoint's `/dev`: the nodes of this container's GPUs first,
         // which the driver opens when it acquires them (`device_nodes.rs`).
-        let spec = crate::container::load_spec(&self.bundle)?;
+        let spec = spec.clone();
         let restored = tokio::task::spawn_blocking(move || {
             crate::device_nodes::present_all(&pids, &spec)
                 .map_err(|e| device_error("device-restore", e.to_string()))?;
@@ -523,7 +529,7 @@ impl ContainerDevices {
 /// The differences between the checkpoint's GPUs and this container's on this node, one
 /// `field: checkpoint …, node …` each (empty when they fit), with the pairs when they do.
 pub fn compare(
-    bundle: &Path,
+    bundle: &Bundle,
     layer: Option<&DeviceLayer>,
     recorded: &Devices,
 ) -> Result<(Vec<String>, RestorePlan)> {
@@ -570,7 +576,7 @@ pub fn compare(
 
 /// [`compare`], with a difference as an error.
 fn plan_restore(
-    bundle: &Path,
+    bundle: &Bundle,
     layer: Option<&DeviceLayer>,
     recorded: &Devices,
 ) -> Result<RestorePlan> {
@@ -649,18 +655,14 @@ pub fn lock_timeout(
 
 /// The GPUs the container of `bundle` was given: the createRuntime hook's record when it left
 /// one, else resolved from the spec through the node's inventory.
-pub fn assigned(bundle: &Path, inv: &NodeInventory) -> Result<Option<gpu::assign::Assigned>> {
+pub fn assigned(bundle: &Bundle, inv: &NodeInventory) -> Result<Option<gpu::assign::Assigned>> {
     let recorded = bundle.join(compat::BUNDLE_GPUS_FILE);
     if let Ok(data) = std::fs::read(&recorded) {
         let a: gpu::assign::Assigned = serde_json::from_slice(&data)
             .map_err(Error::json(format!("parse {}", recorded.display())))?;
         return Ok((!a.gpus.is_empty()).then_some(a));
     }
-    let path = bundle.join("config.json");
-    let data = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-    let spec: serde_json::Value =
-        serde_json::from_slice(&data).map_err(Error::json(format!("parse {}", path.display())))?;
-    gpu::assign::from_spec(&spec, inv).map_err(|e| device_error("assign", e.to_string()))
+    gpu::assign::from_spec(bundle.json(), inv).map_err(|e| device_error("assign", e.to_string()))
 }
 
 #[cfg(test)]

@@ -6,10 +6,12 @@
 //!
 //! - [`service`]: containerd's `start`/`delete` actions, grouping one shim per pod;
 //! - [`task`]: the Task API mapped onto containers, and the exit handler;
-//! - [`container`]: one container's steps (create, start, exec, kill, delete, checkpoint,
-//!   restore) with their undo; [`device`]: the device steps they call (GPU processes, lock,
-//!   checkpoint, restore, unlock, GPU pairs); [`checkpoint`]: CRIU options; [`annotations`]:
-//!   `gpu-ckpt.io/` keys;
+//! - [`container`]: one container's operations (create, start, exec, kill, delete, checkpoint,
+//!   restore), one file each, as steps with their undo; the modules below are the steps they
+//!   call, and never call back into a container; [`bundle`]: the bundle and its spec, read
+//!   once at Create, and the CRI annotation keys; [`device`]: the device steps (GPU processes,
+//!   lock, checkpoint, restore, unlock, GPU pairs); [`checkpoint`]: CRIU options;
+//!   [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
 //! - [`runc`]: every runc invocation;
@@ -25,6 +27,7 @@
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
 
 pub mod annotations;
+pub mod bundle;
 pub mod checkpoint;
 pub mod container;
 pub mod criu;

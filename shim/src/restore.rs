@@ -47,6 +47,7 @@ use tracing::{info, warn};
 
 use crate::{
     annotations::{self, Annotations},
+    bundle::{cri, Bundle},
     error::{Error, Result},
     options::RuntimeOptions,
     rootfs_changes,
@@ -213,7 +214,7 @@ mod staging_tests {
 /// staging directory is removed unless the plan is [`Plan::Restore`] (then Start removes it
 /// once the restore is done); the rootfs is the caller's to unmount.
 pub fn prepare(
-    bundle: &Path,
+    bundle: &mut Bundle,
     rootfs: &Path,
     staging: &Path,
     source: &str,
@@ -242,7 +243,7 @@ pub(crate) fn step(step: &'static str) -> impl Fn(String) -> Error {
 
 #[allow(clippy::too_many_arguments)]
 fn prepare_inner(
-    bundle: &Path,
+    bundle: &mut Bundle,
     rootfs: &Path,
     staging: &Path,
     source: &str,
@@ -326,7 +327,7 @@ enum Admitted {
 /// the engine's record against the signed one, and whether the checkpoint belongs to this
 /// container (name, image, declared versions, GPUs).
 fn admit(
-    bundle: &Path,
+    bundle: &Bundle,
     info: &ArchiveInfo,
     source: &str,
     me: &Identity<'_>,
@@ -354,6 +355,34 @@ fn admit(
         check_engine_record(manifest, (&spec_name, &spec_pod, &spec_ns), source)?;
     }
     // Step 5: does it belong here?
+    let differences = differences(bundle, info, manifest, signed, me, ann, options)?;
+    if !differences.is_empty() {
+        let why = differences.join("; ");
+        return match ann.get(annotations::ON_INCOMPATIBLE) {
+            Some("cold-start") => {
+                warn!(%source, %why, "checkpoint cannot be used: cold start");
+                Ok(Admitted::ColdStart(why))
+            }
+            _ => Err(Error::FailedPrecondition(format!(
+                "checkpoint {source} cannot be restored into this container: {why} (set {}: cold-start to start it fresh instead)",
+                annotations::ON_INCOMPATIBLE
+            ))),
+        };
+    }
+    Ok(Admitted::Fits { signed })
+}
+
+/// How the checkpoint (its signed record when `signed`, else what the archive claims) differs
+/// from this container: name, image, declared versions, and GPUs on this node.
+fn differences(
+    bundle: &Bundle,
+    info: &ArchiveInfo,
+    manifest: &Manifest,
+    signed: bool,
+    me: &Identity<'_>,
+    ann: &Annotations,
+    options: &RuntimeOptions,
+) -> Result<Vec<String>> {
     let mut differences = Vec::new();
     let name = if signed {
         manifest.container.name.clone()
@@ -398,20 +427,7 @@ fn admit(
         let (gpus, _) = crate::device::compare(bundle, layer.as_deref(), &manifest.devices)?;
         differences.extend(gpus);
     }
-    if !differences.is_empty() {
-        let why = differences.join("; ");
-        return match ann.get(annotations::ON_INCOMPATIBLE) {
-            Some("cold-start") => {
-                warn!(%source, %why, "checkpoint cannot be used: cold start");
-                Ok(Admitted::ColdStart(why))
-            }
-            _ => Err(Error::FailedPrecondition(format!(
-                "checkpoint {source} cannot be restored into this container: {why} (set {}: cold-start to start it fresh instead)",
-                annotations::ON_INCOMPATIBLE
-            ))),
-        };
-    }
-    Ok(Admitted::Fits { signed })
+    Ok(differences)
 }
 
 /// Lays the container's own changes to its filesystem over `rootfs`: the signed copy `own`
@@ -419,7 +435,7 @@ fn admit(
 /// without one, the engine's rootfs-diff.tar `engine`; the owners mapped through the user
 /// namespace mappings of the spec in `bundle`.
 fn apply_changes(
-    bundle: &Path,
+    bundle: &Bundle,
     own: &Path,
     engine: &Path,
     rootfs: &Path,
@@ -460,7 +476,7 @@ fn unsigned_changes(source: &str) -> Error {
 /// The restore from the image volume at `destination` (`mount:/PATH`): checked and read in
 /// place, the rootfs changes applied, and the mount removed from the container's spec.
 fn prepare_from_mount(
-    bundle: &Path,
+    bundle: &mut Bundle,
     rootfs: &Path,
     source: &str,
     destination: &str,
@@ -470,8 +486,13 @@ fn prepare_from_mount(
 ) -> Result<Plan> {
     let limits = Limits::default();
     // Step 1: the mount, which must be an image volume of this pod (trust::image_volume).
-    let spec = read_spec(bundle)?;
-    let root = trust::image_volume(bundle, &spec, destination, me.sandbox_id, source)?;
+    let root = trust::image_volume(
+        bundle.path(),
+        bundle.json(),
+        destination,
+        me.sandbox_id,
+        source,
+    )?;
     // Step 2: every entry checked where it lies (a hostile image's layer), the metadata read.
     let info = read_dir_info(&root, limits).map_err(|e| step("check")(format!("{source}: {e}")))?;
     // Steps 3 to 5: the same admission as any other source.
@@ -524,14 +545,6 @@ fn prepare_from_mount(
     Ok(Plan::RestoreInPlace(checkpoint))
 }
 
-fn read_spec(bundle: &Path) -> Result<serde_json::Value> {
-    let path = bundle.join("config.json");
-    let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-    serde_json::from_slice(&text).map_err(|e| {
-        Error::InvalidArgument(format!("malformed bundle config {}: {e}", path.display()))
-    })
-}
-
 fn mount_source(mount: &serde_json::Value) -> Option<&str> {
     mount.get("source").and_then(|s| s.as_str())
 }
@@ -540,8 +553,8 @@ fn mount_source(mount: &serde_json::Value) -> Option<&str> {
 /// directory [`trust::image_volume`] checked): the one the restore names and any other mount
 /// of the same volume, or of a path beneath it, so the restored processes see none of it.
 /// The spec is written whole, then renamed.
-pub fn remove_mounts(bundle: &Path, volume: &Path) -> Result<()> {
-    let mut spec = read_spec(bundle)?;
+pub fn remove_mounts(bundle: &mut Bundle, volume: &Path) -> Result<()> {
+    let mut spec = bundle.json().clone();
     let mut removed = Vec::new();
     if let Some(mounts) = spec.get_mut("mounts").and_then(|m| m.as_array_mut()) {
         mounts.retain(|m| {
@@ -557,16 +570,7 @@ pub fn remove_mounts(bundle: &Path, volume: &Path) -> Result<()> {
             !of_volume
         });
     }
-    let path = bundle.join("config.json");
-    let tmp = bundle.join(".config.json.gpu-ckpt");
-    let data = serde_json::to_vec(&spec)
-        .map_err(|e| Error::InvalidArgument(format!("bundle config {}: {e}", path.display())))?;
-    let mode = std::fs::metadata(&path)
-        .map(|m| m.permissions())
-        .map_err(Error::io(format!("stat {}", path.display())))?;
-    std::fs::write(&tmp, data).map_err(Error::io(format!("write {}", tmp.display())))?;
-    std::fs::set_permissions(&tmp, mode).map_err(Error::io(format!("chmod {}", tmp.display())))?;
-    std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
+    bundle.rewrite(spec)?;
     info!(
         volume = %volume.display(),
         destinations = ?removed,
@@ -580,28 +584,21 @@ pub fn remove_mounts(bundle: &Path, volume: &Path) -> Result<()> {
 /// volume, whose mounts [`remove_mounts`] has then taken out of its spec already: a sidecar,
 /// an init or ephemeral container, or a container restoring from another source, would
 /// otherwise read the memory image. Called after the container's own restore is prepared.
-pub fn refuse_checkpoint_volumes(
-    bundle: &Path,
-    annotations: &std::collections::HashMap<String, String>,
-) -> Result<()> {
-    if annotations
-        .get("io.kubernetes.cri.container-type")
-        .map(String::as_str)
-        == Some("sandbox")
-    {
+pub fn refuse_checkpoint_volumes(bundle: &Bundle) -> Result<()> {
+    let annotations = bundle.annotations();
+    if annotations.get(cri::CONTAINER_TYPE).map(String::as_str) == Some("sandbox") {
         return Ok(());
     }
     let sandbox_id = annotations
-        .get(trust::SANDBOX_ID)
+        .get(cri::SANDBOX_ID)
         .map(String::as_str)
         .unwrap_or_default();
     // Not a CRI container of a pod (no sandbox, or a bundle outside containerd's state
     // directory): it has no image volumes.
-    let Ok(volumes) = trust::image_volumes_dir(bundle, sandbox_id) else {
+    let Ok(volumes) = trust::image_volumes_dir(bundle.path(), sandbox_id) else {
         return Ok(());
     };
-    let spec = read_spec(bundle)?;
-    let mounts = spec.get("mounts").and_then(|m| m.as_array());
+    let mounts = bundle.json().get("mounts").and_then(|m| m.as_array());
     for m in mounts.into_iter().flatten() {
         let Some(source) = mount_source(m) else {
             continue;
@@ -612,7 +609,7 @@ pub fn refuse_checkpoint_volumes(
                 .and_then(|d| d.as_str())
                 .unwrap_or_default();
             let name = annotations
-                .get("io.kubernetes.cri.container-name")
+                .get(cri::CONTAINER_NAME)
                 .map(String::as_str)
                 .unwrap_or_default();
             warn!(container = name, destination, volume = %volume.display(), "refused: a checkpoint's image volume mounted by a container that does not restore from it");
@@ -1734,19 +1731,28 @@ mod tests {
         let weights = volumes.join("weights");
         std::fs::create_dir_all(ckpt.join("checkpoint")).unwrap();
         std::fs::create_dir_all(&weights).unwrap();
-        let write = |mounts: &[(&str, &Path)]| {
+        let annotations = |kind: &str| {
+            serde_json::json!({
+                cri::CONTAINER_TYPE: kind,
+                cri::CONTAINER_NAME: "sidecar",
+                cri::SANDBOX_ID: "sb1",
+            })
+        };
+        let write_as = |kind: &str, mounts: &[(&str, &Path)]| -> Bundle {
             let mounts: Vec<_> = mounts
                 .iter()
                 .map(|(d, s)| serde_json::json!({"destination": d, "type": "bind", "source": s, "options": ["rbind", "ro"]}))
                 .collect();
             std::fs::write(
                 bundle.join("config.json"),
-                serde_json::json!({"mounts": mounts}).to_string(),
+                serde_json::json!({"ociVersion": "1.0.2", "mounts": mounts, "annotations": annotations(kind)}).to_string(),
             )
             .unwrap();
+            Bundle::load(&bundle).unwrap()
         };
+        let write = |mounts: &[(&str, &Path)]| write_as("container", mounts);
         let destinations = || -> Vec<String> {
-            read_spec(&bundle).unwrap()["mounts"]
+            Bundle::load(&bundle).unwrap().json()["mounts"]
                 .as_array()
                 .unwrap()
                 .iter()
@@ -1756,34 +1762,23 @@ mod tests {
         // The restoring container: the volume at /ckpt, again at /also, a subPath at /sub; a
         // sibling whose name starts the same, and another volume, stay.
         let sibling = volumes.join("img2");
-        write(&[
+        let mut restoring = write(&[
             ("/ckpt", &ckpt),
             ("/also", &ckpt),
             ("/sub", &ckpt.join("checkpoint")),
             ("/img2", &sibling),
             ("/weights", &weights),
         ]);
-        remove_mounts(&bundle, &ckpt).unwrap();
+        remove_mounts(&mut restoring, &ckpt).unwrap();
         assert_eq!(destinations(), ["/img2", "/weights"]);
+        assert_eq!(restoring.json(), Bundle::load(&bundle).unwrap().json());
 
-        let annotations = |kind: &str| -> std::collections::HashMap<String, String> {
-            [
-                ("io.kubernetes.cri.container-type", kind),
-                ("io.kubernetes.cri.container-name", "sidecar"),
-                (trust::SANDBOX_ID, "sb1"),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-        };
         // What is left mounts no checkpoint: allowed.
-        refuse_checkpoint_volumes(&bundle, &annotations("container")).unwrap();
+        refuse_checkpoint_volumes(&restoring).unwrap();
         // A sidecar with the volume, or a subPath of it: refused, naming the mount.
         for (dest, src) in [("/data", ckpt.clone()), ("/pages", ckpt.join("checkpoint"))] {
-            write(&[("/weights", &weights), (dest, &src)]);
-            let err = refuse_checkpoint_volumes(&bundle, &annotations("container"))
-                .unwrap_err()
-                .to_string();
+            let sidecar = write(&[("/weights", &weights), (dest, &src)]);
+            let err = refuse_checkpoint_volumes(&sidecar).unwrap_err().to_string();
             assert!(
                 err.contains(&format!(
                     "mounts the image volume {} at {dest}, which holds a checkpoint",
@@ -1793,7 +1788,9 @@ mod tests {
             );
         }
         // The pod's sandbox container is not one of its containers.
-        refuse_checkpoint_volumes(&bundle, &annotations("sandbox")).unwrap();
+        let pages = ckpt.join("checkpoint");
+        let sandbox = write_as("sandbox", &[("/weights", &weights), ("/pages", &pages)]);
+        refuse_checkpoint_volumes(&sandbox).unwrap();
     }
 
     #[test]

@@ -91,7 +91,7 @@ pub fn check_dir(
     options: &RuntimeOptions,
 ) -> Result<()> {
     let namespace = spec
-        .get(crate::trust::SANDBOX_NAMESPACE)
+        .get(crate::bundle::cri::SANDBOX_NAMESPACE)
         .cloned()
         .unwrap_or_default();
     let (_, manifest) = crate::trust::check_dir(dir, options, &namespace, false)?;
@@ -120,7 +120,7 @@ mod tests {
             ("gpu-ckpt.io/restore-from", "/a.tar"),
             ("gpu-ckpt.io/restore-from.train", "/b.tar"),
             ("cdi.k8s.io/gpu", "sim.example/gpu=0"),
-            ("io.kubernetes.cri.sandbox-id", "abc"),
+            (crate::bundle::cri::SANDBOX_ID, "abc"),
         ]);
         let r = record(&spec);
         assert_eq!(

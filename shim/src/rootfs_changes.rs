@@ -330,7 +330,7 @@ fn xattr_is_y(fd: &OwnedFd, attr: &CStr) -> bool {
     n == 1 && value[0] == b'y'
 }
 
-/// Opens the copy for [`crate::restore::apply_rootfs_diff`].
+/// Opens the copy for the restore to lay over the rootfs (`restore::apply_rootfs_diff`).
 pub fn exists(dir: &Path) -> Option<PathBuf> {
     let p = dir.join(image_format::manifest::ROOTFS_CHANGES_FILE);
     File::open(&p).ok().map(|_| p)

@@ -15,16 +15,20 @@ use containerd_shim::{
 };
 use tracing::{info, warn};
 
-use crate::{container, events::EventSender, features, options::RuntimeOptions, task::TaskService};
+use crate::{
+    bundle::{cri, Bundle},
+    container,
+    events::EventSender,
+    features,
+    options::RuntimeOptions,
+    task::TaskService,
+};
 
 /// The name containerd knows this runtime by.
 pub const RUNTIME_ID: &str = "io.containerd.gpu-ckpt.v1";
 
 /// Annotations that put containers into one shim, in the order the runc shim honours them.
-const GROUP_ANNOTATIONS: [&str; 2] = [
-    "io.containerd.runc.v2.group",
-    "io.kubernetes.cri.sandbox-id",
-];
+const GROUP_ANNOTATIONS: [&str; 2] = ["io.containerd.runc.v2.group", cri::SANDBOX_ID];
 
 pub struct Service {
     id: String,
@@ -35,13 +39,16 @@ pub struct Service {
 
 /// The shim group a container belongs to: one shim per pod sandbox, else per container.
 pub fn grouping(bundle: &Path, id: &str) -> String {
-    container::load_spec(bundle)
+    Bundle::load(bundle)
         .ok()
-        .and_then(|spec| {
-            let annotations = spec.annotations().clone().unwrap_or_default();
-            GROUP_ANNOTATIONS
-                .iter()
-                .find_map(|k| annotations.get(*k).filter(|v| !v.is_empty()).cloned())
+        .and_then(|bundle| {
+            GROUP_ANNOTATIONS.iter().find_map(|k| {
+                bundle
+                    .annotations()
+                    .get(*k)
+                    .filter(|v| !v.is_empty())
+                    .cloned()
+            })
         })
         .unwrap_or_else(|| id.to_string())
 }

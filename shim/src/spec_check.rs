@@ -65,9 +65,10 @@ use image_format::{
     manifest::{seccomp_profile_digest, SecurityRecord},
 };
 use serde_json::Value;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::{
+    bundle::Bundle,
     error::{first_of, Error, Result},
     verify_gate::VerifyGate,
 };
@@ -167,14 +168,13 @@ pub struct Policy {
 }
 
 impl Policy {
-    /// The policy of the spec in `bundle/config.json`.
-    pub fn from_bundle(bundle: &Path) -> Result<Policy> {
-        let path = bundle.join("config.json");
-        let text = std::fs::read(&path).map_err(Error::io(format!("read {}", path.display())))?;
-        let spec: Value =
-            serde_json::from_slice(&text).map_err(Error::json(path.display().to_string()))?;
-        let mut policy = Policy::from_spec(&spec).map_err(|e| {
-            Error::InvalidArgument(format!("bundle config {}: {e}", path.display()))
+    /// The policy of the spec in `bundle`.
+    pub fn from_bundle(bundle: &Bundle) -> Result<Policy> {
+        let mut policy = Policy::from_spec(bundle.json()).map_err(|e| {
+            Error::InvalidArgument(format!(
+                "bundle config {}: {e}",
+                bundle.config_path().display()
+            ))
         })?;
         policy.node_lsm = node_lsm();
         Ok(policy)
@@ -743,19 +743,9 @@ pub fn with_note(e: Error, note: &str) -> Error {
 }
 
 /// The security record of the container whose bundle is `bundle`, for its checkpoint's
-/// manifest; `None` (with a warning) when its config.json cannot be read.
-pub fn security_record(bundle: &Path) -> Option<SecurityRecord> {
-    let path = bundle.join("config.json");
-    let spec = std::fs::read(&path)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()));
-    match spec {
-        Ok(spec) => Some(SecurityRecord::from_spec(&spec)),
-        Err(e) => {
-            warn!(path = %path.display(), error = %e, "no security record in the manifest");
-            None
-        }
-    }
+/// manifest.
+pub fn security_record(bundle: &Bundle) -> SecurityRecord {
+    SecurityRecord::from_spec(bundle.json())
 }
 
 /// SIGKILLs every process of `tree` (best effort: each may be gone already).

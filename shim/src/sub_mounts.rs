@@ -2,7 +2,7 @@
 //! carried into the container by an `rbind` or a recursive read-only mount): runc maps only the
 //! spec's own mounts for CRIU (`--ext-mount-map`), so the shim marks these external at the dump
 //! and maps them to the new spec's host paths at the restore, through its CRIU configuration
-//! file ([`crate::checkpoint::CriuConf`]).
+//! file (`checkpoint::CriuConf`).
 //!
 //! The list travels in the image directory ([`SUB_MOUNTS_FILE`], hashed into the manifest like
 //! every checkpoint file).

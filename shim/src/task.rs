@@ -448,7 +448,7 @@ impl Tasks {
             } else {
                 req.exec_id.clone()
             },
-            bundle: c.bundle.display().to_string(),
+            bundle: c.bundle.path().display().to_string(),
             pid: p.pid as u32,
             status: status.into(),
             stdin: p.stdio.stdin.clone(),

@@ -14,14 +14,10 @@ use image_format::{
 use tracing::{info, warn};
 
 use crate::{
+    bundle::cri::SANDBOX_ID,
     error::{Error, Result},
     options::RuntimeOptions,
 };
-
-/// The annotation with the namespace of a container's pod (CRI).
-pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
-pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
-pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
 
 /// What the signature check found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,8 +247,6 @@ pub fn resolve_source(source: &str, dir: &Path, sources: &[String]) -> Result<Pa
     Ok(real)
 }
 
-/// The annotation with the id of a container's pod sandbox (CRI).
-pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// The prefix of a `gpu-ckpt.io/restore-from` source that names an image volume of the pod.
 pub const MOUNT_SOURCE: &str = "mount:";
 /// Where containerd's CRI (2.1+) mounts a pod's image volumes, below its state directory:
