@@ -134,8 +134,7 @@ fn metrics_v1(c: &TaskCgroup) -> v1::Metrics {
     let mut m = v1::Metrics::new();
     if let Some(mem) = &c.memory {
         let stat = mem.memory_stat();
-        let s = &stat.stat.raw;
-        let g = |k: &str| s.get(k).copied().unwrap_or(0);
+        let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
         // cgroups-rs's Memory, MemSwap, Kmem and Tcp: the same four counters.
         macro_rules! entry {
             ($e:expr) => {{
@@ -240,8 +239,7 @@ fn metrics_v2(c: &TaskCgroup) -> v2::Metrics {
     let mut m = v2::Metrics::new();
     if let Some(mem) = &c.memory {
         let stat = mem.memory_stat();
-        let s = &stat.stat.raw;
-        let g = |k: &str| s.get(k).copied().unwrap_or(0);
+        let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
         m.memory = MessageField::some(v2::MemoryStat {
             anon: g("anon"),
             file: g("file"),
