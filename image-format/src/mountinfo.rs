@@ -37,6 +37,8 @@ pub struct MountInfo {
     pub options: Vec<String>,
     pub fstype: String,
     pub source: String,
+    /// Per-superblock options, each unescaped (overlay's `upperdir=…`).
+    pub super_options: Vec<String>,
 }
 
 impl MountInfo {
@@ -114,6 +116,10 @@ fn parse_line(line: &str) -> Option<MountInfo> {
             .filter(|f| !f.is_empty())
             .map(|f| unescape(f))?,
         source: fields.get(sep + 2).map(|f| unescape(f)).unwrap_or_default(),
+        super_options: fields
+            .get(sep + 3)
+            .map(|f| f.split(',').map(unescape).collect())
+            .unwrap_or_default(),
     })
 }
 
@@ -244,12 +250,13 @@ mod tests {
     #[test]
     fn parses_mountinfo_lines() {
         let text = "\
-600 500 0:50 / / ro,relatime - overlay overlay rw,lowerdir=/l
+600 500 0:50 / / ro,relatime - overlay overlay rw,lowerdir=/l,upperdir=/u\\054p\\040x
 605 600 8:1 /tmp/with\\040space /data rw,nosuid,nodev shared:5 master:2 - ext4 /dev/sda1 rw
 ";
         let m = parse(text, "t").unwrap();
         assert_eq!(m.len(), 2);
         assert!(m[0].has("ro") && m[0].mountpoint == "/" && m[0].fstype == "overlay");
+        assert_eq!(m[0].super_options, ["rw", "lowerdir=/l", "upperdir=/u,p x"]);
         assert_eq!(m[1].root, "/tmp/with space");
         assert_eq!(m[1].mountpoint, "/data");
         assert!(m[1].has("nosuid") && m[1].has("nodev") && !m[1].has("ro"));

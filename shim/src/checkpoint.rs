@@ -4,13 +4,17 @@
 //! The operations that call these steps, with their undo, are the container's checkpoint
 //! (`container/checkpoint.rs`) and restore (`container/restore.rs`).
 
-use std::path::{Path, PathBuf};
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
 
 use containerd_shim::protos::{
     protobuf::{well_known_types::any::Any, Message},
     shim::oci::CheckpointOptions,
 };
 use image_format::{digest::PageDigests, durable::Durability, manifest::CriuOptions};
+use procfs::net::{DeviceStatus, TcpNetEntry, TcpState};
 
 use crate::{
     annotations::{self, Annotations},
@@ -222,8 +226,10 @@ impl CriuConf<'_> {
 /// no interface but loopback (nothing from outside can reach it) and no TCP socket but
 /// listening ones (no conversation to keep still). Anything unreadable counts as something.
 pub fn nothing_to_lock(pid: i32) -> bool {
-    let read = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/net/{f}"));
-    match (read("dev"), read("tcp"), read("tcp6")) {
+    let Ok(p) = procfs::process::Process::new(pid) else {
+        return false;
+    };
+    match (p.dev_status(), p.tcp(), p.tcp6()) {
         (Ok(dev), Ok(tcp), Ok(tcp6)) => {
             only_loopback(&dev) && only_listeners(&tcp) && only_listeners(&tcp6)
         }
@@ -232,23 +238,13 @@ pub fn nothing_to_lock(pid: i32) -> bool {
 }
 
 /// `/proc/<pid>/net/dev`: every interface is `lo`.
-fn only_loopback(net_dev: &str) -> bool {
-    // Two header lines, then "  name: counters".
-    net_dev
-        .lines()
-        .skip(2)
-        .filter_map(|l| l.split_once(':'))
-        .all(|(name, _)| name.trim() == "lo")
+fn only_loopback(net_dev: &HashMap<String, DeviceStatus>) -> bool {
+    net_dev.keys().all(|name| name == "lo")
 }
 
-/// `/proc/<pid>/net/tcp` or `tcp6`: every socket is in state LISTEN (`0A`).
-fn only_listeners(net_tcp: &str) -> bool {
-    // A header line, then "sl local_address rem_address st ...".
-    net_tcp
-        .lines()
-        .skip(1)
-        .filter(|l| !l.trim().is_empty())
-        .all(|l| l.split_whitespace().nth(3) == Some("0A"))
+/// `/proc/<pid>/net/tcp` or `tcp6`: every socket is in state LISTEN.
+fn only_listeners(net_tcp: &[TcpNetEntry]) -> bool {
+    net_tcp.iter().all(|s| s.state == TcpState::Listen)
 }
 
 /// Points runc at the shim's CRIU configuration file through `org.criu.config` in the bundle's
@@ -535,12 +531,26 @@ mod tests {
 
     #[test]
     fn the_network_lock_is_skipped_only_with_nothing_to_hold() {
-        let dev = "Inter-|   Receive                            |  Transmit\n \
-                   face |bytes    packets errs drop fifo frame compressed multicast|bytes\n    \
-                   lo:       0       0    0    0    0     0          0         0        0\n";
-        assert!(only_loopback(dev));
-        let veth =
-            format!("{dev}  eth0: 1296      16    0    0    0     0          0         0      0\n");
+        use procfs::{net::InterfaceDeviceStatus, net::TcpNetEntries, FromBufRead, FromBufReadSI};
+        let only_loopback = |t: &str| {
+            only_loopback(
+                &InterfaceDeviceStatus::from_buf_read(t.as_bytes())
+                    .unwrap()
+                    .0,
+            )
+        };
+        let only_listeners = |t: &str| {
+            let si = procfs::current_system_info();
+            only_listeners(&TcpNetEntries::from_buf_read(t.as_bytes(), si).unwrap().0)
+        };
+        let counters = "0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0";
+        let dev = format!(
+            "Inter-|   Receive                            |  Transmit\n \
+             face |bytes    packets errs drop fifo frame compressed multicast|bytes\n    \
+             lo: {counters}\n"
+        );
+        assert!(only_loopback(&dev));
+        let veth = format!("{dev}  eth0: {counters}\n");
         assert!(!only_loopback(&veth));
         let header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n";
         let listen = "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0000 100 0 0 10 0\n";

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use procfs::process::Process;
 use tracing::debug;
 
 const NETLINK_CONNECTOR: libc::c_int = 11;
@@ -127,7 +128,7 @@ impl Drop for ExitWatch {
 /// Whether `pid` runs CRIU (its executable is named `criu…`) under a `runc … <id>` that is a
 /// child of `shim`.
 fn is_criu_of(pid: i32, shim: i32, id: &str) -> bool {
-    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    let exe = Process::new(pid).and_then(|p| p.exe()).unwrap_or_default();
     let is_criu = exe
         .file_name()
         .and_then(|n| n.to_str())
@@ -138,22 +139,15 @@ fn is_criu_of(pid: i32, shim: i32, id: &str) -> bool {
     let Some(runc) = parent_of(pid) else {
         return false;
     };
-    let cmdline = std::fs::read(format!("/proc/{runc}/cmdline")).unwrap_or_default();
-    let last = cmdline
-        .split(|b| *b == 0)
-        .rfind(|a| !a.is_empty())
+    let cmdline = Process::new(runc)
+        .and_then(|p| p.cmdline())
         .unwrap_or_default();
-    parent_of(runc) == Some(shim) && last == id.as_bytes()
+    parent_of(runc) == Some(shim) && cmdline.last().is_some_and(|last| last == id)
 }
 
-/// The parent pid, from `/proc/<pid>/stat` (the fields after the command's last `)`).
+/// The parent pid, from `/proc/<pid>/stat`.
 fn parent_of(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
+    Some(Process::new(pid).and_then(|p| p.stat()).ok()?.ppid)
 }
 
 /// A netlink connector socket subscribed to the process events.
@@ -330,7 +324,8 @@ mod tests {
         let me = std::process::id() as i32;
         let Some(watch) = ExitWatch::start(move |pid| {
             parent_of(pid) == Some(me)
-                && std::fs::read_link(format!("/proc/{pid}/exe"))
+                && Process::new(pid)
+                    .and_then(|p| p.exe())
                     .is_ok_and(|e| e.file_name().is_some_and(|n| n == "sleep"))
         }) else {
             assert_ne!(

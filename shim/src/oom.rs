@@ -5,6 +5,10 @@
 //! last value reported, so an OOM kill is reported once whichever path sees it first. The exit
 //! handler checks the counter before it reports the init process's exit, so TaskOOM always
 //! comes before TaskExit.
+//!
+//! cgroups-rs finds the cgroup ([`crate::stats::TaskCgroup`]); the wake-up and the counter stay
+//! here: its OOM notification registers `memory.oom_control` on v2 too (a v1-only file) and
+//! blocks a thread per cgroup, and it has no reader of v2's `memory.events`.
 
 use std::{
     fs::File,
@@ -19,6 +23,7 @@ use tokio::io::unix::AsyncFd;
 use tracing::{debug, warn};
 
 use crate::events::EventSender;
+use crate::stats::{dir_of, TaskCgroup};
 
 /// Where a container's memory cgroup keeps its OOM-kill counter.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,31 +35,20 @@ pub enum MemoryCgroup {
 }
 
 impl MemoryCgroup {
-    /// The memory cgroup of `pid`, from `/proc/<pid>/cgroup`.
+    /// The memory cgroup of `pid` (found by cgroups-rs from `/proc/<pid>/cgroup`).
     pub fn of_pid(pid: i32) -> Option<Self> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-        Self::parse(&text, Path::new("/sys/fs/cgroup"))
+        let cgroup = TaskCgroup::of_pid(pid).ok()?;
+        Self::at(&dir_of(cgroup.memory.as_ref()?), cgroup.v2)
     }
 
-    fn parse(proc_cgroup: &str, root: &Path) -> Option<Self> {
-        let mut unified = None;
-        for line in proc_cgroup.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-            let rel = path.trim_start_matches('/');
-            if controllers.split(',').any(|c| c == "memory") {
-                return Some(MemoryCgroup::V1(root.join("memory").join(rel)));
-            }
-            if controllers.is_empty() {
-                unified = Some(rel.to_string());
-            }
+    /// The memory cgroup at `dir`; on v2 only where it has `memory.events`.
+    fn at(dir: &Path, v2: bool) -> Option<Self> {
+        if !v2 {
+            return Some(MemoryCgroup::V1(dir.into()));
         }
-        // A pure v2 host; on a hybrid one the v1 memory line above has won already.
-        let rel = unified?;
-        let dir = root.join(&rel);
         dir.join("memory.events")
             .exists()
-            .then_some(MemoryCgroup::V2(dir))
+            .then(|| MemoryCgroup::V2(dir.into()))
     }
 
     /// The kernel's count of OOM kills in this cgroup.
@@ -210,15 +204,28 @@ fn register(fd: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
 mod tests {
     use super::*;
 
+    /// The test process's own memory cgroup: on v1 the memory line's cgroup below the memory
+    /// hierarchy (cgroups-rs finds its mount), on v2 the unified one.
     #[test]
-    fn v1_memory_line_is_found_on_a_hybrid_host() {
-        let text = "12:pids:/default/c1\n5:memory:/default/c1\n0::/default/c1\n";
-        assert_eq!(
-            MemoryCgroup::parse(text, Path::new("/sys/fs/cgroup")),
-            Some(MemoryCgroup::V1(PathBuf::from(
-                "/sys/fs/cgroup/memory/default/c1"
-            )))
-        );
+    fn own_memory_cgroup_is_found() {
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let cgroup = MemoryCgroup::of_pid(std::process::id() as i32);
+        match own.lines().find_map(|l| l.split_once(":memory:")) {
+            Some((_, rel)) => {
+                let Some(MemoryCgroup::V1(dir)) = &cgroup else {
+                    panic!("v1 expected: {cgroup:?}")
+                };
+                assert!(dir.ends_with(rel.trim_start_matches('/')), "{dir:?} {rel}");
+                assert!(dir.join("memory.oom_control").exists(), "{dir:?}");
+            }
+            None => assert!(
+                matches!(&cgroup, None | Some(MemoryCgroup::V2(_))),
+                "{cgroup:?}"
+            ),
+        }
+        if let Some(cg) = cgroup {
+            assert!(cg.oom_kills().is_some(), "{cg:?}");
+        }
     }
 
     #[test]
@@ -226,12 +233,9 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("kubepods/pod1/c1");
         std::fs::create_dir_all(&dir).unwrap();
-        assert_eq!(
-            MemoryCgroup::parse("0::/kubepods/pod1/c1\n", root.path()),
-            None
-        );
+        assert_eq!(MemoryCgroup::at(&dir, true), None);
         std::fs::write(dir.join("memory.events"), "low 0\noom 1\noom_kill 2\n").unwrap();
-        let cg = MemoryCgroup::parse("0::/kubepods/pod1/c1\n", root.path()).unwrap();
+        let cg = MemoryCgroup::at(&dir, true).unwrap();
         assert_eq!(cg, MemoryCgroup::V2(dir.clone()));
         assert_eq!(cg.oom_kills(), Some(2));
     }

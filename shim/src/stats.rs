@@ -1,12 +1,23 @@
-//! Container metrics straight from the cgroup files, for cgroup v1 (each controller mounted on
-//! its own, cpu and cpuacct possibly together) and v2, in the protobuf types containerd decodes
+//! Container metrics of the cgroups a task is in, for cgroup v1 (each controller mounted on its
+//! own, cpu and cpuacct possibly together) and v2, in the protobuf types containerd decodes
 //! (`io.containerd.cgroups.v1.Metrics` / `io.containerd.cgroups.v2.Metrics`).
+//!
+//! `cgroups-rs` (the crate containerd's Rust shim crate uses) finds the hierarchy, the task's
+//! cgroup (v1 controllers from the mount table, co-mounted ones included) and reads the memory,
+//! cpuacct and pids files. Kept here: splitting what it hands over as text (`cpu.stat`,
+//! `cpuacct.stat`, `cpuacct.usage_percpu`), and v2's `memory.max` and `memory.swap.max`, whose
+//! `max` it reads as -1 and 0 where containerd reports the largest value.
 
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
 };
 
+use cgroups_rs::fs::{
+    cgroup::get_cgroups_relative_paths_by_pid, cpu::CpuController, cpuacct::CpuAcctController,
+    hierarchies, memory::MemController, parse_max_value, pid::PidController, Cgroup, Controller,
+    MaxValue, Subsystem,
+};
 use containerd_shim::protos::{
     cgroups::metrics as v1,
     cgroups_v2::metrics as v2,
@@ -16,107 +27,127 @@ use containerd_shim::util::convert_to_any;
 
 use crate::error::{Error, Result};
 
-/// The cgroup directories of a process: per v1 controller, or the one v2 directory.
-#[derive(Debug, PartialEq)]
-enum Cgroups {
-    V1(HashMap<String, PathBuf>),
-    V2(PathBuf),
+/// The controllers of a task's cgroup that its metrics and OOM watch read.
+#[derive(Debug, Default)]
+pub struct TaskCgroup {
+    pub v2: bool,
+    pub memory: Option<MemController>,
+    cpu: Option<CpuController>,
+    cpuacct: Option<CpuAcctController>,
+    pids: Option<PidController>,
 }
 
-impl Cgroups {
-    fn of_pid(pid: i32, root: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-            .map_err(Error::io(format!("read cgroups of pid {pid}")))?;
-        Ok(Self::parse(&text, root))
-    }
-
-    fn parse(text: &str, root: &Path) -> Self {
-        let mut v1 = HashMap::new();
-        let mut unified = None;
-        for line in text.lines() {
-            let mut parts = line.splitn(3, ':');
-            let (Some(_), Some(controllers), Some(path)) =
-                (parts.next(), parts.next(), parts.next())
-            else {
-                continue;
-            };
-            let rel = path.trim_start_matches('/');
-            if controllers.is_empty() {
-                unified = Some(rel.to_string());
-                continue;
-            }
-            // A co-mounted hierarchy ("cpu,cpuacct") is a directory of that joint name.
-            let mount = root.join(controllers);
-            for c in controllers.split(',') {
-                let dir = if root.join(c).exists() {
-                    root.join(c)
-                } else {
-                    mount.clone()
-                };
-                v1.insert(c.to_string(), dir.join(rel));
+impl TaskCgroup {
+    /// The cgroup `pid` is in (on v1, each controller's own), from `/proc/<pid>/cgroup`.
+    pub fn of_pid(pid: i32) -> Result<Self> {
+        let context = format!("read cgroups of pid {pid}");
+        let pid = u32::try_from(pid).map_err(|_| Error::InvalidArgument(format!("pid {pid}")))?;
+        let paths = get_cgroups_relative_paths_by_pid(pid).map_err(io_error(context))?;
+        let hier = hierarchies::auto();
+        if hier.v2() {
+            // Every v2 file is read in the one directory, whichever controllers the root offers.
+            let rel = paths.get("").map(String::as_str).unwrap_or_default();
+            return Ok(Self::v2_at(&hier.root().join(rel.trim_start_matches('/'))));
+        }
+        let cgroup = Cgroup::load_with_relative_paths(hier, Path::new("."), paths);
+        let mut c = Self::default();
+        for s in cgroup.subsystems() {
+            match s {
+                Subsystem::Mem(m) => c.memory = Some(m.clone()),
+                Subsystem::Cpu(m) => c.cpu = Some(m.clone()),
+                Subsystem::CpuAcct(m) => c.cpuacct = Some(m.clone()),
+                Subsystem::Pid(m) => c.pids = Some(m.clone()),
+                _ => {}
             }
         }
-        if v1.contains_key("memory") || v1.contains_key("cpuacct") {
-            Cgroups::V1(v1)
-        } else {
-            Cgroups::V2(root.join(unified.unwrap_or_default()))
+        Ok(c)
+    }
+
+    /// The v2 cgroup at `dir`.
+    fn v2_at(dir: &Path) -> Self {
+        Self {
+            v2: true,
+            memory: Some(MemController::new(dir.into(), PathBuf::new(), true)),
+            cpu: Some(CpuController::new(dir.into(), PathBuf::new(), true)),
+            cpuacct: None,
+            pids: Some(PidController::new(dir.into(), PathBuf::new(), true)),
         }
     }
 }
 
-fn read(path: &Path) -> Option<String> {
-    std::fs::read_to_string(path).ok()
+/// A cgroups-rs error as the I/O error under it, whose kind gives containerd its code (a task
+/// that has gone: not found).
+fn io_error(context: String) -> impl FnOnce(cgroups_rs::fs::error::Error) -> Error {
+    move |e| {
+        let io = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<std::io::Error>());
+        let source = match io {
+            Some(io) => io.raw_os_error().map_or_else(
+                || std::io::Error::new(io.kind(), io.to_string()),
+                std::io::Error::from_raw_os_error,
+            ),
+            None => std::io::Error::other(e.to_string()),
+        };
+        Error::Io { context, source }
+    }
 }
 
-fn num(path: &Path) -> u64 {
-    read(path)
-        .and_then(|s| {
-            let s = s.trim();
-            if s == "max" {
-                Some(u64::MAX)
-            } else {
-                s.parse().ok()
-            }
-        })
-        .unwrap_or(0)
+/// The directory of a controller (`…/c1/.` as cgroups-rs joins it becomes `…/c1`).
+pub fn dir_of(controller: &impl Controller) -> PathBuf {
+    controller.path().components().collect()
 }
 
 /// `key value` lines into a map.
-fn flat_keyed(path: &Path) -> HashMap<String, u64> {
-    read(path)
-        .unwrap_or_default()
-        .lines()
+fn flat_keyed(text: &str) -> HashMap<&str, u64> {
+    text.lines()
         .filter_map(|l| {
             let (k, v) = l.split_once(' ')?;
-            Some((k.to_string(), v.trim().parse().ok()?))
+            Some((k, v.trim().parse().ok()?))
         })
         .collect()
 }
 
 /// Metrics of the cgroups `pid` is in.
 pub fn collect(pid: i32) -> Result<Any> {
-    collect_at(pid, Path::new("/sys/fs/cgroup"))
-}
-
-fn collect_at(pid: i32, root: &Path) -> Result<Any> {
-    Ok(match Cgroups::of_pid(pid, root)? {
-        Cgroups::V1(dirs) => convert_to_any(Box::new(metrics_v1(&dirs)))?,
-        Cgroups::V2(dir) => convert_to_any(Box::new(metrics_v2(&dir)))?,
+    let cgroup = TaskCgroup::of_pid(pid)?;
+    Ok(if cgroup.v2 {
+        convert_to_any(Box::new(metrics_v2(&cgroup)))?
+    } else {
+        convert_to_any(Box::new(metrics_v1(&cgroup)))?
     })
 }
 
-fn metrics_v1(dirs: &HashMap<String, PathBuf>) -> v1::Metrics {
+/// A v1 limit (never negative in the files; cgroups-rs gives -1 for a missing kmem one).
+fn limit_v1(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+/// The current and maximum pid counts (`max`: 0), 0 for what cannot be read.
+fn pids(p: &PidController) -> (u64, u64) {
+    let limit = match p.get_pid_max() {
+        Ok(MaxValue::Value(v)) => u64::try_from(v).unwrap_or(0),
+        _ => 0,
+    };
+    (p.get_pid_current().unwrap_or(0), limit)
+}
+
+fn metrics_v1(c: &TaskCgroup) -> v1::Metrics {
     let mut m = v1::Metrics::new();
-    if let Some(d) = dirs.get("memory") {
-        let s = flat_keyed(&d.join("memory.stat"));
-        let g = |k: &str| s.get(k).copied().unwrap_or(0);
-        let entry = |prefix: &str| v1::MemoryEntry {
-            usage: num(&d.join(format!("{prefix}usage_in_bytes"))),
-            limit: num(&d.join(format!("{prefix}limit_in_bytes"))),
-            max: num(&d.join(format!("{prefix}max_usage_in_bytes"))),
-            failcnt: num(&d.join(format!("{prefix}failcnt"))),
-            ..Default::default()
-        };
+    if let Some(mem) = &c.memory {
+        let stat = mem.memory_stat();
+        let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
+        // cgroups-rs's Memory, MemSwap, Kmem and Tcp: the same four counters.
+        macro_rules! entry {
+            ($e:expr) => {{
+                let e = $e;
+                MessageField::some(v1::MemoryEntry {
+                    usage: e.usage_in_bytes,
+                    limit: limit_v1(e.limit_in_bytes),
+                    max: e.max_usage_in_bytes,
+                    failcnt: e.fail_cnt,
+                    ..Default::default()
+                })
+            }};
+        }
         m.memory = MessageField::some(v1::MemoryStat {
             cache: g("cache"),
             rss: g("rss"),
@@ -150,33 +181,33 @@ fn metrics_v1(dirs: &HashMap<String, PathBuf>) -> v1::Metrics {
             total_inactive_file: g("total_inactive_file"),
             total_active_file: g("total_active_file"),
             total_unevictable: g("total_unevictable"),
-            usage: MessageField::some(entry("memory.")),
-            swap: MessageField::some(entry("memory.memsw.")),
-            kernel: MessageField::some(entry("memory.kmem.")),
-            kernel_tcp: MessageField::some(entry("memory.kmem.tcp.")),
+            usage: entry!(&stat),
+            swap: entry!(mem.memswap()),
+            kernel: entry!(mem.kmem_stat()),
+            kernel_tcp: entry!(mem.kmem_tcp_stat()),
             ..Default::default()
         });
     }
-    let cpuacct = dirs.get("cpuacct");
-    let cpu = dirs.get("cpu");
-    if cpuacct.is_some() || cpu.is_some() {
+    if c.cpuacct.is_some() || c.cpu.is_some() {
         let mut usage = v1::CPUUsage::new();
-        if let Some(d) = cpuacct {
-            usage.total = num(&d.join("cpuacct.usage"));
-            usage.per_cpu = read(&d.join("cpuacct.usage_percpu"))
-                .unwrap_or_default()
+        if let Some(acct) = &c.cpuacct {
+            let a = acct.cpuacct();
+            usage.total = a.usage;
+            usage.per_cpu = a
+                .usage_percpu
                 .split_whitespace()
                 .filter_map(|v| v.parse().ok())
                 .collect();
             // cpuacct.stat counts USER_HZ ticks; containerd reports nanoseconds.
-            let stat = flat_keyed(&d.join("cpuacct.stat"));
+            let stat = flat_keyed(&a.stat);
             let ticks_to_ns = 1_000_000_000 / clock_ticks();
             usage.user = stat.get("user").copied().unwrap_or(0) * ticks_to_ns;
             usage.kernel = stat.get("system").copied().unwrap_or(0) * ticks_to_ns;
         }
         let mut throttling = v1::Throttle::new();
-        if let Some(d) = cpu {
-            let s = flat_keyed(&d.join("cpu.stat"));
+        if let Some(cpu) = &c.cpu {
+            let text = cpu.cpu().stat;
+            let s = flat_keyed(&text);
             throttling.periods = s.get("nr_periods").copied().unwrap_or(0);
             throttling.throttled_periods = s.get("nr_throttled").copied().unwrap_or(0);
             throttling.throttled_time = s.get("throttled_time").copied().unwrap_or(0);
@@ -187,65 +218,75 @@ fn metrics_v1(dirs: &HashMap<String, PathBuf>) -> v1::Metrics {
             ..Default::default()
         });
     }
-    if let Some(d) = dirs.get("pids") {
-        let limit = num(&d.join("pids.max"));
-        m.pids = MessageField::some(v1::PidsStat {
-            current: num(&d.join("pids.current")),
-            limit: if limit == u64::MAX { 0 } else { limit },
-            ..Default::default()
-        });
+    if let Some((current, limit)) = c.pids.as_ref().map(pids) {
+        let p = m.pids.mut_or_insert_default();
+        (p.current, p.limit) = (current, limit);
     }
     m
 }
 
-fn metrics_v2(d: &Path) -> v2::Metrics {
+/// A v2 limit file: `max` the largest value, 0 when missing or unreadable.
+fn limit_v2(mem: &MemController, file: &str) -> u64 {
+    let text = std::fs::read_to_string(mem.path().join(file)).unwrap_or_default();
+    match parse_max_value(&text) {
+        Ok(MaxValue::Max) => u64::MAX,
+        Ok(MaxValue::Value(v)) => u64::try_from(v).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+fn metrics_v2(c: &TaskCgroup) -> v2::Metrics {
     let mut m = v2::Metrics::new();
-    let s = flat_keyed(&d.join("memory.stat"));
-    let g = |k: &str| s.get(k).copied().unwrap_or(0);
-    m.memory = MessageField::some(v2::MemoryStat {
-        anon: g("anon"),
-        file: g("file"),
-        kernel_stack: g("kernel_stack"),
-        slab: g("slab"),
-        sock: g("sock"),
-        shmem: g("shmem"),
-        file_mapped: g("file_mapped"),
-        file_dirty: g("file_dirty"),
-        file_writeback: g("file_writeback"),
-        anon_thp: g("anon_thp"),
-        inactive_anon: g("inactive_anon"),
-        active_anon: g("active_anon"),
-        inactive_file: g("inactive_file"),
-        active_file: g("active_file"),
-        unevictable: g("unevictable"),
-        slab_reclaimable: g("slab_reclaimable"),
-        slab_unreclaimable: g("slab_unreclaimable"),
-        pgfault: g("pgfault"),
-        pgmajfault: g("pgmajfault"),
-        usage: num(&d.join("memory.current")),
-        usage_limit: num(&d.join("memory.max")),
-        swap_usage: num(&d.join("memory.swap.current")),
-        swap_limit: num(&d.join("memory.swap.max")),
-        max_usage: num(&d.join("memory.peak")),
-        ..Default::default()
-    });
-    let c = flat_keyed(&d.join("cpu.stat"));
-    let g = |k: &str| c.get(k).copied().unwrap_or(0);
-    m.cpu = MessageField::some(v2::CPUStat {
-        usage_usec: g("usage_usec"),
-        user_usec: g("user_usec"),
-        system_usec: g("system_usec"),
-        nr_periods: g("nr_periods"),
-        nr_throttled: g("nr_throttled"),
-        throttled_usec: g("throttled_usec"),
-        ..Default::default()
-    });
-    let limit = num(&d.join("pids.max"));
-    m.pids = MessageField::some(v2::PidsStat {
-        current: num(&d.join("pids.current")),
-        limit: if limit == u64::MAX { 0 } else { limit },
-        ..Default::default()
-    });
+    if let Some(mem) = &c.memory {
+        let stat = mem.memory_stat();
+        let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
+        m.memory = MessageField::some(v2::MemoryStat {
+            anon: g("anon"),
+            file: g("file"),
+            kernel_stack: g("kernel_stack"),
+            slab: g("slab"),
+            sock: g("sock"),
+            shmem: g("shmem"),
+            file_mapped: g("file_mapped"),
+            file_dirty: g("file_dirty"),
+            file_writeback: g("file_writeback"),
+            anon_thp: g("anon_thp"),
+            inactive_anon: g("inactive_anon"),
+            active_anon: g("active_anon"),
+            inactive_file: g("inactive_file"),
+            active_file: g("active_file"),
+            unevictable: g("unevictable"),
+            slab_reclaimable: g("slab_reclaimable"),
+            slab_unreclaimable: g("slab_unreclaimable"),
+            pgfault: g("pgfault"),
+            pgmajfault: g("pgmajfault"),
+            usage: stat.usage_in_bytes,
+            usage_limit: limit_v2(mem, "memory.max"),
+            swap_usage: mem.memswap().usage_in_bytes,
+            swap_limit: limit_v2(mem, "memory.swap.max"),
+            max_usage: stat.max_usage_in_bytes,
+            ..Default::default()
+        });
+    }
+    if let Some(cpu) = &c.cpu {
+        let text = cpu.cpu().stat;
+        let s = flat_keyed(&text);
+        let stat = m.cpu.mut_or_insert_default();
+        for (key, field) in [
+            ("usage_usec", &mut stat.usage_usec),
+            ("user_usec", &mut stat.user_usec),
+            ("system_usec", &mut stat.system_usec),
+            ("nr_periods", &mut stat.nr_periods),
+            ("nr_throttled", &mut stat.nr_throttled),
+            ("throttled_usec", &mut stat.throttled_usec),
+        ] {
+            *field = s.get(key).copied().unwrap_or(0);
+        }
+    }
+    if let Some((current, limit)) = c.pids.as_ref().map(pids) {
+        let p = m.pids.mut_or_insert_default();
+        (p.current, p.limit) = (current, limit);
+    }
     m
 }
 
@@ -262,18 +303,41 @@ fn clock_ticks() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use containerd_shim::protos::{protobuf::Message, ttrpc::Code};
 
+    /// The test process's own cgroup, through the crate's hierarchy and `/proc/self/cgroup`:
+    /// the metrics type of the host's cgroup version, with the memory it uses.
     #[test]
-    fn hybrid_hosts_are_v1_and_comounts_resolve() {
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(root.path().join("cpu,cpuacct")).unwrap();
-        std::fs::create_dir_all(root.path().join("memory")).unwrap();
-        let text = "4:cpu,cpuacct:/default/c1\n5:memory:/default/c1\n0::/default/c1\n";
-        let Cgroups::V1(dirs) = Cgroups::parse(text, root.path()) else {
-            panic!("v1 expected")
-        };
-        assert_eq!(dirs["memory"], root.path().join("memory/default/c1"));
-        assert_eq!(dirs["cpuacct"], root.path().join("cpu,cpuacct/default/c1"));
+    fn own_cgroup_is_found_and_read() {
+        let any = collect(std::process::id() as i32).unwrap();
+        if hierarchies::auto().v2() {
+            assert_eq!(any.type_url, "io.containerd.cgroups.v2.Metrics");
+            let m = v2::Metrics::parse_from_bytes(&any.value).unwrap();
+            assert!(m.cpu.usage_usec > 0, "{m:?}");
+        } else {
+            assert_eq!(any.type_url, "io.containerd.cgroups.v1.Metrics");
+            let m = v1::Metrics::parse_from_bytes(&any.value).unwrap();
+            assert!(m.memory.usage.usage > 0, "{m:?}");
+            assert!(m.cpu.usage.total > 0, "{m:?}");
+            let mem = TaskCgroup::of_pid(std::process::id() as i32)
+                .unwrap()
+                .memory
+                .unwrap();
+            let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+            let rel = own
+                .lines()
+                .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_string()))
+                .unwrap();
+            assert!(dir_of(&mem).ends_with(rel.trim_start_matches('/')));
+        }
+    }
+
+    /// A task that has gone: not found, as containerd expects for it.
+    #[test]
+    fn a_gone_task_is_not_found() {
+        let e = collect(i32::MAX).unwrap_err();
+        assert_eq!(e.code(), Code::NOT_FOUND, "{e}");
+        assert!(e.to_string().starts_with("read cgroups of pid"), "{e}");
     }
 
     #[test]
@@ -288,11 +352,16 @@ mod tests {
         std::fs::write(mem.join("memory.stat"), "rss 100\ncache 7\n").unwrap();
         std::fs::write(acct.join("cpuacct.usage"), "123456\n").unwrap();
         std::fs::write(acct.join("cpuacct.usage_percpu"), "100000 23456 \n").unwrap();
-        let dirs = HashMap::from([("memory".to_string(), mem), ("cpuacct".to_string(), acct)]);
-        let m = metrics_v1(&dirs);
+        let cgroup = TaskCgroup {
+            memory: Some(MemController::new(mem, PathBuf::new(), false)),
+            cpuacct: Some(CpuAcctController::new(acct, PathBuf::new())),
+            ..Default::default()
+        };
+        let m = metrics_v1(&cgroup);
         assert_eq!(m.memory.usage.usage, 4096);
         assert_eq!(m.memory.usage.limit, 8192);
         assert_eq!(m.memory.rss, 100);
+        assert_eq!(m.memory.kernel.limit, 0);
         assert_eq!(m.cpu.usage.total, 123456);
         assert_eq!(m.cpu.usage.per_cpu, vec![100000, 23456]);
     }
@@ -305,9 +374,10 @@ mod tests {
         std::fs::write(d.path().join("cpu.stat"), "usage_usec 77\nuser_usec 50\n").unwrap();
         std::fs::write(d.path().join("pids.current"), "3\n").unwrap();
         std::fs::write(d.path().join("pids.max"), "max\n").unwrap();
-        let m = metrics_v2(d.path());
+        let m = metrics_v2(&TaskCgroup::v2_at(d.path()));
         assert_eq!(m.memory.usage, 5000);
         assert_eq!(m.memory.usage_limit, u64::MAX);
+        assert_eq!(m.memory.swap_limit, 0);
         assert_eq!(m.cpu.usage_usec, 77);
         assert_eq!(m.pids.current, 3);
         assert_eq!(m.pids.limit, 0);

@@ -5,11 +5,13 @@
 //! restored tasks). The restore then fails, naming the step and the bound, and its undo (`runc
 //! delete --force`) removes what is left.
 
-use std::path::{Path, PathBuf};
+use std::ffi::OsStr;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use procfs::process::Process;
 use tracing::warn;
 
 use crate::error::{Error, Result};
@@ -151,12 +153,15 @@ fn stalled(bundle: &Path, gate: &VerifyGate) -> Stalled {
         .into_iter()
         .flat_map(|root| descendants(&procs, root))
         .any(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
-            cmdline.split(|b| *b == 0).any(|a| a == script.as_slice())
+            let environ = Process::new(pid)
+                .and_then(|p| p.environ())
+                .unwrap_or_default();
+            cmdline(pid)
+                .iter()
+                .any(|a| a.as_bytes() == script.as_slice())
                 && environ
-                    .split(|b| *b == 0)
-                    .any(|v| v == b"CRTOOLS_SCRIPT_ACTION=post-restore")
+                    .get(OsStr::new("CRTOOLS_SCRIPT_ACTION"))
+                    .is_some_and(|v| v == "post-restore")
         });
     if at_post_restore {
         Stalled::Verify
@@ -173,12 +178,11 @@ fn restore_roots(procs: &[(i32, i32)], bundle: &Path) -> Vec<i32> {
         .iter()
         .filter(|&&(_, ppid)| ppid == me)
         .filter(|&&(pid, _)| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.iter().any(|a| *a == b"restore")
+            let args = cmdline(pid);
+            args.iter().any(|a| a == "restore")
                 && args
                     .windows(2)
-                    .any(|w| w[0] == b"--bundle" && w[1] == bundle)
+                    .any(|w| w[0] == "--bundle" && w[1].as_bytes() == bundle)
         })
         .map(|&(pid, _)| pid)
         .collect()
@@ -203,22 +207,20 @@ fn kill_restore(bundle: &Path) -> Vec<i32> {
     killed
 }
 
+/// The arguments of process `pid` (none once it is gone).
+fn cmdline(pid: i32) -> Vec<String> {
+    Process::new(pid)
+        .and_then(|p| p.cmdline())
+        .unwrap_or_default()
+}
+
 /// (pid, parent pid) of every process.
 fn processes() -> Vec<(i32, i32)> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
+    let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
-    dir.flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat =
-                std::fs::read_to_string(PathBuf::from("/proc").join(pid.to_string()).join("stat"))
-                    .ok()?;
-            // The command name may hold spaces and parentheses: the fields after the last ')'.
-            let rest = &stat[stat.rfind(')')? + 1..];
-            let ppid = rest.split_whitespace().nth(1)?.parse().ok()?;
-            Some((pid, ppid))
-        })
+    all.flatten()
+        .filter_map(|p| Some((p.pid, p.stat().ok()?.ppid)))
         .collect()
 }
 

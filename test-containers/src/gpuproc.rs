@@ -108,15 +108,9 @@ impl Workload {
                 return false;
             }
         }
-        std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
-            .map(|s| {
-                !s.rsplit(')')
-                    .next()
-                    .unwrap_or("")
-                    .trim_start()
-                    .starts_with('Z')
-            })
-            .unwrap_or(false)
+        procfs::process::Process::new(self.pid)
+            .and_then(|p| p.stat())
+            .is_ok_and(|s| s.state != 'Z')
     }
 
     /// Reaps the original child after CRIU killed it, so that its pid is free for the restore.

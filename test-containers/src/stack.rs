@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
+use procfs::process::{FDTarget, Process};
 
 /// Runtime handler name of the project's shim in the node config.
 pub const GPU_CKPT_HANDLER: &str = "gpu-ckpt";
@@ -1313,7 +1314,7 @@ fn terminate_pid(pid: i32) {
     }
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline {
-        if !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid) {
+        if gone_or_zombie(pid) {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -1321,24 +1322,15 @@ fn terminate_pid(pid: i32) {
     let _ = nix::sys::signal::kill(p, nix::sys::signal::Signal::SIGKILL);
 }
 
-fn is_zombie(pid: i32) -> bool {
-    fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rfind(')')
-                .and_then(|i| s[i + 1..].split_whitespace().next().map(|st| st == "Z"))
-        })
-        .unwrap_or(true)
+fn gone_or_zombie(pid: i32) -> bool {
+    Process::new(pid)
+        .and_then(|p| p.stat())
+        .map_or(true, |s| s.state == 'Z')
 }
 
 fn read_cmdline(pid: i32) -> Vec<String> {
-    fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            b.split(|c| *c == 0)
-                .filter(|a| !a.is_empty())
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect()
-        })
+    Process::new(pid)
+        .and_then(|p| p.cmdline())
         .unwrap_or_default()
 }
 
@@ -1346,13 +1338,10 @@ fn read_cmdline(pid: i32) -> Vec<String> {
 fn shim_pids(sock: &str) -> Vec<i32> {
     let me = std::process::id() as i32;
     let mut out = Vec::new();
-    let Ok(rd) = fs::read_dir("/proc") else {
+    let Ok(all) = procfs::process::all_processes() else {
         return out;
     };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
+    for pid in all.flatten().map(|p| p.pid) {
         if pid == me {
             continue;
         }
@@ -1381,28 +1370,24 @@ fn shim_pids(sock: &str) -> Vec<i32> {
 fn listening_socket_paths(pids: &[i32]) -> Vec<PathBuf> {
     let mut inodes = std::collections::HashSet::new();
     for pid in pids {
-        let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        let Ok(fds) = Process::new(*pid).and_then(|p| p.fd()) else {
             continue;
         };
         for fd in fds.flatten() {
-            if let Ok(target) = fs::read_link(fd.path()) {
-                let t = target.to_string_lossy();
-                if let Some(ino) = t.strip_prefix("socket:[").and_then(|r| r.strip_suffix(']')) {
-                    inodes.insert(ino.to_string());
-                }
+            if let FDTarget::Socket(ino) = fd.target {
+                inodes.insert(ino);
             }
         }
     }
-    let Ok(table) = fs::read_to_string("/proc/net/unix") else {
+    let Ok(table) = procfs::net::unix() else {
         return Vec::new();
     };
-    let mut out = Vec::new();
-    for line in table.lines().skip(1) {
-        let cols: Vec<&str> = line.split_whitespace().collect();
-        if cols.len() >= 8 && inodes.contains(cols[6]) && cols[7].starts_with('/') {
-            out.push(PathBuf::from(cols[7]));
-        }
-    }
+    let mut out: Vec<PathBuf> = table
+        .into_iter()
+        .filter(|s| inodes.contains(&s.inode))
+        .filter_map(|s| s.path)
+        .filter(|p| p.is_absolute())
+        .collect();
     out.sort();
     out.dedup();
     out
@@ -1493,12 +1478,10 @@ fn kill_from_state(state: &Path) {
         return;
     }
     // Guard against a reused PID: compare the start time (field 22 of /proc/<pid>/stat).
-    let actual = fs::read_to_string(format!("/proc/{pid}/stat"))
+    let actual = Process::new(pid)
+        .and_then(|p| p.stat())
         .ok()
-        .and_then(|s| {
-            let i = s.rfind(')')?;
-            s[i + 1..].split_whitespace().nth(19)?.parse::<u64>().ok()
-        });
+        .map(|s| s.starttime);
     if start.is_some() && actual != start {
         return;
     }
@@ -1510,14 +1493,14 @@ fn kill_from_state(state: &Path) {
 
 /// Mount points below any of `prefixes`, deepest first.
 fn mounts_under(prefixes: &[PathBuf]) -> Vec<PathBuf> {
-    let Ok(info) = fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut out: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(image_format::mountinfo::unescape)
-        .map(PathBuf::from)
+    let path = "/proc/self/mountinfo";
+    let table = fs::read_to_string(path)
+        .ok()
+        .and_then(|t| image_format::mountinfo::parse(&t, path).ok())
+        .unwrap_or_default();
+    let mut out: Vec<PathBuf> = table
+        .into_iter()
+        .map(|m| PathBuf::from(m.mountpoint))
         .filter(|m| prefixes.iter().any(|p| m.starts_with(p)))
         .collect();
     out.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
@@ -1735,19 +1718,19 @@ fn lock_exclusive(path: &Path) -> Result<nix::fcntl::Flock<fs::File>> {
         .map_err(|(_, e)| anyhow!("flock {}: {e}", path.display()))
 }
 
-/// A process's command line, arguments joined by spaces (None once it is gone).
+/// A process's command line, each argument followed by a space (None once it is gone).
 fn cmdline(pid: i32) -> Option<String> {
-    let raw = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    Some(String::from_utf8_lossy(&raw).replace('\0', " "))
+    let args = Process::new(pid).and_then(|p| p.cmdline()).ok()?;
+    Some(args.iter().map(|a| format!("{a} ")).collect())
 }
 
 /// Processes whose command line contains every one of `needles`.
 pub fn processes_matching(needles: &[&str]) -> Vec<i32> {
-    let Ok(dir) = fs::read_dir("/proc") else {
+    let Ok(all) = procfs::process::all_processes() else {
         return Vec::new();
     };
-    dir.flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+    all.flatten()
+        .map(|p| p.pid)
         .filter(|pid| cmdline(*pid).is_some_and(|c| needles.iter().all(|n| c.contains(n))))
         .collect()
 }

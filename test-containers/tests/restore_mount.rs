@@ -281,12 +281,11 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
 /// either, and sees no image volume at all.
 async fn no_checkpoint_mounts(cri: &Cri, node: &Node, id: &str, what: &str) -> Result<()> {
     let pid = host_pid(node, id)?;
-    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+    let path = format!("/proc/{pid}/mountinfo");
+    let mountinfo = std::fs::read_to_string(&path)?;
+    let table = image_format::mountinfo::parse(&mountinfo, &path)?;
     for at in ["/ckpt", "/also"] {
-        let mounted: Vec<&str> = mountinfo
-            .lines()
-            .filter(|l| l.split_whitespace().nth(4) == Some(at))
-            .collect();
+        let mounted: Vec<_> = table.iter().filter(|m| m.mountpoint == at).collect();
         ensure!(
             mounted.is_empty(),
             "{what} (pid {pid}) has a mount at {at}: {mounted:?}"
@@ -313,12 +312,12 @@ fn mountinfo_sources(node: &Node) -> Result<PathBuf> {
         .paths()
         .state
         .join("io.containerd.grpc.v1.cri/image-volumes");
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
-    mounts
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(4))
-        .find(|p| p.starts_with(&*state.to_string_lossy()))
-        .map(PathBuf::from)
+    let path = "/proc/self/mountinfo";
+    let mounts = std::fs::read_to_string(path)?;
+    image_format::mountinfo::parse(&mounts, path)?
+        .into_iter()
+        .map(|m| PathBuf::from(m.mountpoint))
+        .find(|p| p.starts_with(&state))
         .with_context(|| format!("no image volume mounted below {}", state.display()))
 }
 

@@ -21,7 +21,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use common::*;
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use test_containers::{
@@ -38,20 +38,18 @@ const BIG_MIB: u32 = 128;
 
 /// The overlay upper directory of the rootfs of process `pid` (its `/` in its mountinfo).
 fn upperdir(pid: i32) -> Result<PathBuf> {
-    let info = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
-    for line in info.lines() {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(sep) = fields.iter().position(|f| *f == "-") else {
-            continue;
-        };
-        if fields.get(4) == Some(&"/") && fields.get(sep + 1) == Some(&"overlay") {
-            let opts = fields.get(sep + 3).copied().unwrap_or_default();
-            if let Some(u) = opts.split(',').find_map(|o| o.strip_prefix("upperdir=")) {
-                return Ok(PathBuf::from(u));
-            }
-        }
-    }
-    bail!("no overlay root with an upperdir in /proc/{pid}/mountinfo:\n{info}")
+    let path = format!("/proc/{pid}/mountinfo");
+    let info = std::fs::read_to_string(&path)?;
+    image_format::mountinfo::parse(&info, &path)?
+        .iter()
+        .filter(|m| m.mountpoint == "/" && m.fstype == "overlay")
+        .find_map(|m| {
+            m.super_options
+                .iter()
+                .find_map(|o| o.strip_prefix("upperdir="))
+        })
+        .map(PathBuf::from)
+        .with_context(|| format!("no overlay root with an upperdir in {path}:\n{info}"))
 }
 
 /// Whether `needle` is anywhere in the CRI archive `archive`: in any member, and in the

@@ -178,10 +178,11 @@ impl ApiServer {
             .body(body.to_string())
             .send()
             .map_err(|e| {
+                // `{:#}`: the error and its causes, `a: b: c`.
                 err(format!(
-                    "the API server at {} is not reachable: {}",
+                    "the API server at {} is not reachable: {:#}",
                     self.url,
-                    error_chain(&e)
+                    anyhow::Error::from(e)
                 ))
             })?;
         let status = resp.status();
@@ -199,17 +200,6 @@ impl ApiServer {
         }
         Ok(())
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -305,15 +305,12 @@ fn lifecycle(node: &Node, n: usize) -> Result<()> {
 
 /// RSS and PSS of a process, in KiB.
 fn rss_pss(pid: i32) -> Result<(u64, u64)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+    let rollup = procfs::process::Process::new(pid)
+        .and_then(|p| p.smaps_rollup())
         .with_context(|| format!("smaps_rollup of {pid}"))?;
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next()?.parse().ok())
-            .unwrap_or(0)
-    };
-    Ok((field("Rss:"), field("Pss:")))
+    let map = rollup.memory_map_rollup.0.first().map(|m| &m.extension.map);
+    let field = |name: &str| map.and_then(|m| m.get(name)).map_or(0, |b| b >> 10);
+    Ok((field("Rss"), field("Pss")))
 }
 
 async fn memory(node: &Node, pods: usize) -> Result<()> {
@@ -836,7 +833,7 @@ fn sync_round(
     mib: u64,
 ) -> Result<(Duration, u64)> {
     let (dir, ckpt) = configured_checkpoint(node, config, options, id, mib)?;
-    let dirty = meminfo_kib("Dirty:")? << 10;
+    let dirty = dirty_bytes()?;
     eprintln!(
         "{id}: {options:?}: checkpoint {:.2} s, {} MiB dirty after it",
         secs(ckpt),
@@ -848,14 +845,12 @@ fn sync_round(
     Ok((ckpt, dirty))
 }
 
-/// A field of /proc/meminfo in KiB.
-fn meminfo_kib(field: &str) -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .with_context(|| format!("no {field} in /proc/meminfo"))
+/// The host's dirty page cache in bytes (`Dirty:` of /proc/meminfo).
+fn dirty_bytes() -> Result<u64> {
+    use procfs::Current;
+    Ok(procfs::Meminfo::current()
+        .context("read /proc/meminfo")?
+        .dirty)
 }
 
 /// The checkpoint with and without crash safety's syncs, side by side in one run; round 0
