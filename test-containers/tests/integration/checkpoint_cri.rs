@@ -3,15 +3,15 @@
 //! containerd through containerd's restore-via-create and through the gpu-ckpt-restore
 //! RuntimeClass, from the archive and from an OCI checkpoint image in the registry.
 
-mod common;
 
 use std::{
     path::{Path, PathBuf},
     time::Duration,
 };
 
+use crate::common;
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -1,12 +1,11 @@
 //! Checkpoint and restore through containerd's task API (ctr and the API itself) with real
 //! runc and CRIU: continuity, memory integrity, and nothing lost when something fails.
 
-mod common;
 
 use std::{path::Path, time::Duration};
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::stack::{processes_matching, Node};
 
 /// Waits until containerd reports task `id` stopped; `what` names it in the timeout.

@@ -2,12 +2,11 @@
 //! restore on the same address (tcp-established); restored into a pod with a new address
 //! (tcp-close), the client sees its connection closed and reconnects.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Network, Pod, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -4,7 +4,6 @@
 //! image lost its tail after the manifest was written, refused at restore through the
 //! containerd API (`CriuImagePath`) and through the restore handler.
 
-mod common;
 
 use std::{
     collections::BTreeMap,
@@ -15,7 +14,7 @@ use std::{
 };
 
 use anyhow::{bail, ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::GPU_CKPT_HANDLER,

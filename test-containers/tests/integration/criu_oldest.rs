@@ -2,12 +2,11 @@
 //! install script beside the newest and put first in each node's PATH): ctr's checkpoint and
 //! restore, and CRI's checkpoint with both restore paths on a second node.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -2,13 +2,12 @@
 //! checkpoint at once, with one line naming the CRIU found and the minimum, and the container
 //! runs on untouched.
 
-mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use common::*;
+use crate::common::*;
 use test_containers::stack::{Node, Stack};
 
 #[test]

@@ -11,12 +11,11 @@
 //! The daemon's process list (host pids, from SO_PEERCRED) shows which GPUs each container's
 //! process holds a context on.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Result};
-use common::{gpu::*, *};
+use crate::common::{gpu::*, *};
 use simgpu::testing::{SimConfig, SimNode};
 use test_containers::{
     cri::{v1 as cri, ContainerSpec, Cri, PodSpec},

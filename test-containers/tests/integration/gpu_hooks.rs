@@ -4,13 +4,12 @@
 //! bundle, and the prestart hook, which runc runs inside `runc restore`, refuses a restore whose
 //! GPUs do not fit the checkpoint before any restored process runs.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use common::{gpu::*, *};
+use crate::common::{gpu::*, *};
 use simgpu::testing::SimConfig;
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},

@@ -8,14 +8,13 @@
 //! form (a lost or misplaced byte prints MISMATCH, which fails the waits here); its checksums
 //! are deterministic, so a restored step k must print the checksum the original printed for k.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::{gpu::*, *};
+use crate::common::{gpu::*, *};
 use image_format::compat::Profile;
 use image_format::manifest::{DeviceProcess, Manifest, ProcessGpu};
 use simgpu::testing::{SimConfig, SimNode};

@@ -5,13 +5,12 @@
 //! namespace's, a missing one, an unsigned one, one outside `RestoreSources`), the reason only
 //! in the node's log.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::{Node, OptValue, GPU_CKPT_HANDLER},

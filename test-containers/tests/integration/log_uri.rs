@@ -12,7 +12,6 @@
 //! sends plus the URI, as `cio.LogURI` does: the restored counter logs on into the same file.
 //! The same live flow under containerd-shim-runc-v2 shows it behaves alike.
 
-mod common;
 
 use std::{
     path::{Path, PathBuf},
@@ -20,7 +19,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     containerd::Containerd,
     stack::{processes_matching, Node},

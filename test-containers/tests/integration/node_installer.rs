@@ -13,7 +13,6 @@
 //! sets), which shows an uninstall whose label removal is refused (401: the ServiceAccount was
 //! deleted first) still removing everything else.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -22,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use sha2::{Digest, Sha256};
 use test_containers::cri::{ContainerSpec, Cri, PodSpec};
 use test_containers::stack::{Node, NodeBuilder, Stack, GPU_CKPT_HANDLER};

@@ -15,13 +15,12 @@
 //! Needs root, the stack from `make deps` and `registry.sh start`; fails (never skips) when
 //! something is missing.
 
-mod common;
 
 use std::path::Path;
 use std::process::{Command, Output};
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{Cri, PodSpec},
     registry::TlsRegistry,

@@ -5,12 +5,11 @@
 //! killed shim is cleaned up by containerd through the shim's delete action, leaving no runc
 //! state or mount behind.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 
 #[test]
 fn containers_survive_a_containerd_restart_and_checkpoint_after_it() -> Result<()> {

@@ -2,13 +2,12 @@
 //! restore of 512 MiB takes, the restore fails within the bound (plus the watchdog's grace),
 //! naming the step and the bound, and no runc, CRIU, action script or restored process is left.
 
-mod common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::stack::{processes_matching, Node, Stack};
 
 #[test]

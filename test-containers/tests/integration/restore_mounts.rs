@@ -16,12 +16,11 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use image_format::protowire::{fields, put_varint, Value};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},

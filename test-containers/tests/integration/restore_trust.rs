@@ -4,12 +4,12 @@
 //! reads only from `RestoreSources` (with one answer for outside, missing and unreadable), and
 //! whiteouts never climb out of the rootfs.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 
+use crate::common;
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{Node, OptValue, Stack, GPU_CKPT_HANDLER},

@@ -6,7 +6,6 @@
 //! a listed file grown past its listed size); each restore either refuses, naming the member,
 //! or restores, and in every case no file of that member is left anywhere on the node.
 
-mod common;
 
 use std::{
     io::Read,
@@ -14,7 +13,7 @@ use std::{
 };
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::{Node, OptValue, GPU_CKPT_HANDLER, RUN_BASE},

@@ -5,12 +5,11 @@
 //! `status.dump` are held to the checkpoint's signed record: rewritten, the restore is refused
 //! naming the annotation.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
-use common::{gpu::cri_status_pid, *};
+use crate::common::{gpu::cri_status_pid, *};
 use test_containers::{
     cri::{v1::ContainerState, ContainerSpec, Cri, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

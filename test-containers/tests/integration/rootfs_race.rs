@@ -8,7 +8,6 @@
 //! - a restore brings the files back with their owners and modes (setuid included), and a
 //!   regular file named like an OCI whiteout (`.wh.notes`) stays a file.
 
-mod common;
 
 use std::{
     io::Read,
@@ -21,8 +20,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::common;
 use anyhow::{bail, ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use test_containers::{
     cri::{Cri, PodSpec},

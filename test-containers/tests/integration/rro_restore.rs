@@ -6,13 +6,13 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-mod common;
 
 use std::io::Read;
 use std::path::Path;
 
+use crate::common;
 use anyhow::{ensure, Context, Result};
-use common::{
+use crate::common::{
     counter_with, expect_rro, mount, node_with, runc_typed_handler, workloads, NestedMount,
     RUNC_TYPED,
 };

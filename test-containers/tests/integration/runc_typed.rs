@@ -7,12 +7,12 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-mod common;
 
 use std::path::{Path, PathBuf};
 
+use crate::common;
 use anyhow::{ensure, Context, Result};
-use common::{counter_spec, node_with, workloads};
+use crate::common::{counter_spec, node_with, workloads};
 use test_containers::cri::{Cri, PodSpec};
 use test_containers::stack::{Node, Stack, RUNC_HANDLER};
 

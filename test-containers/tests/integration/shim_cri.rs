@@ -1,12 +1,11 @@
 //! The shim under CRI, driven like kubelet: pods on handler gpu-ckpt, one shim per pod, OOM
 //! events, and bad input that must fail clearly and leave nothing behind.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     containerd::{Containerd, TaskEvent},
     cri::{v1 as cri, ContainerSpec, Cri, Network, PodSpec},

@@ -1,12 +1,11 @@
 //! The shim under `ctr` against a real containerd 2.x and runc: run, stdout, exec, kill, pause,
 //! resume, metrics, update, ps, delete, terminals.
 
-mod common;
 
 use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
-use common::*;
+use crate::common::*;
 use test_containers::{
     containerd::Containerd,
     stack::{processes_matching, Node},

@@ -5,13 +5,12 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-mod common;
 
 use std::path::Path;
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
-use common::{
+use crate::common::{
     can_write, counter_with, expect_rro, handler_features, mount, node_with, restore_node_with,
     runc_typed_handler, workloads, NestedMount, RUNC_TYPED,
 };

@@ -5,7 +5,6 @@
 //! The test command runs a short soak; `make soak` the full one, sized by
 //! `GPU_CKPT_SOAK_CYCLES` (16 here), `GPU_CKPT_SOAK_PODS` (4) and `GPU_CKPT_SOAK_ROUNDS` (2).
 
-mod common;
 
 use std::{
     path::Path,
@@ -13,8 +12,8 @@ use std::{
 };
 
 use anyhow::{bail, ensure, Context, Result};
-use common::soak::{sample_shim, shim_with_id, slope, slopes, soak_size, ShimSample};
-use common::*;
+use crate::common::soak::{sample_shim, shim_with_id, slope, slopes, soak_size, ShimSample};
+use crate::common::*;
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     stack::GPU_CKPT_HANDLER,

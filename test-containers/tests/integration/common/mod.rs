@@ -1,5 +1,4 @@
 //! Shared setup of the integration tests: a private containerd node with the test images.
-#![allow(dead_code)]
 
 pub mod gpu;
 pub mod soak;
