@@ -3,15 +3,14 @@
 //! containerd through containerd's restore-via-create and through the gpu-ckpt-restore
 //! RuntimeClass, from the archive and from an OCI checkpoint image in the registry.
 
-
 use std::{
     path::{Path, PathBuf},
     time::Duration,
 };
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

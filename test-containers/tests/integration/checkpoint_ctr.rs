@@ -1,11 +1,10 @@
 //! Checkpoint and restore through containerd's task API (ctr and the API itself) with real
 //! runc and CRIU: continuity, memory integrity, and nothing lost when something fails.
 
-
 use std::{path::Path, time::Duration};
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::stack::{processes_matching, Node};
 
 /// Waits until containerd reports task `id` stopped; `what` names it in the timeout.

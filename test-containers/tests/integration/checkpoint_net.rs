@@ -2,11 +2,10 @@
 //! restore on the same address (tcp-established); restored into a pod with a new address
 //! (tcp-close), the client sees its connection closed and reconnects.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, Network, Pod, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -4,7 +4,6 @@
 //! image lost its tail after the manifest was written, refused at restore through the
 //! containerd API (`CriuImagePath`) and through the restore handler.
 
-
 use std::{
     collections::BTreeMap,
     io::Read,
@@ -13,8 +12,8 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::*;
+use anyhow::{bail, ensure, Context, Result};
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::GPU_CKPT_HANDLER,

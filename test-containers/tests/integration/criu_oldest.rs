@@ -2,11 +2,10 @@
 //! install script beside the newest and put first in each node's PATH): ctr's checkpoint and
 //! restore, and CRI's checkpoint with both restore paths on a second node.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
 use crate::common::*;
+use anyhow::{ensure, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -2,12 +2,11 @@
 //! checkpoint at once, with one line naming the CRIU found and the minimum, and the container
 //! runs on untouched.
 
-
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
 use crate::common::*;
+use anyhow::{ensure, Result};
 use test_containers::stack::{Node, Stack};
 
 #[test]

@@ -11,11 +11,10 @@
 //! The daemon's process list (host pids, from SO_PEERCRED) shows which GPUs each container's
 //! process holds a context on.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Result};
 use crate::common::{gpu::*, *};
+use anyhow::{ensure, Result};
 use simgpu::testing::{SimConfig, SimNode};
 use test_containers::{
     cri::{v1 as cri, ContainerSpec, Cri, PodSpec},

@@ -4,12 +4,11 @@
 //! bundle, and the prestart hook, which runc runs inside `runc restore`, refuses a restore whose
 //! GPUs do not fit the checkpoint before any restored process runs.
 
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::{gpu::*, *};
+use anyhow::{ensure, Context, Result};
 use simgpu::testing::SimConfig;
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},

@@ -8,13 +8,12 @@
 //! form (a lost or misplaced byte prints MISMATCH, which fails the waits here); its checksums
 //! are deterministic, so a restored step k must print the checksum the original printed for k.
 
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::{gpu::*, *};
+use anyhow::{ensure, Context, Result};
 use image_format::compat::Profile;
 use image_format::manifest::{DeviceProcess, Manifest, ProcessGpu};
 use simgpu::testing::{SimConfig, SimNode};

@@ -5,12 +5,11 @@
 //! namespace's, a missing one, an unsigned one, one outside `RestoreSources`), the reason only
 //! in the node's log.
 
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::{Node, OptValue, GPU_CKPT_HANDLER},

@@ -12,14 +12,13 @@
 //! sends plus the URI, as `cio.LogURI` does: the restored counter logs on into the same file.
 //! The same live flow under containerd-shim-runc-v2 shows it behaves alike.
 
-
 use std::{
     path::{Path, PathBuf},
     time::Duration,
 };
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     containerd::Containerd,
     stack::{processes_matching, Node},

@@ -13,15 +13,14 @@
 //! sets), which shows an uninstall whose label removal is refused (401: the ServiceAccount was
 //! deleted first) still removing everything else.
 
-
 use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::*;
+use anyhow::{bail, ensure, Context, Result};
 use sha2::{Digest, Sha256};
 use test_containers::cri::{ContainerSpec, Cri, PodSpec};
 use test_containers::stack::{Node, NodeBuilder, Stack, GPU_CKPT_HANDLER};

@@ -9,12 +9,11 @@
 //! the checkpoint's own record before CRIU: a root checkpoint whose core image is rewritten to
 //! show such a task, its manifest signed again by a key the restoring handler trusts.
 
-
 use std::path::Path;
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use image_format::{
     criu_creds::test_images::core_image_with_caps,
     manifest::{FileDigest, Manifest, MANIFEST_FILE},

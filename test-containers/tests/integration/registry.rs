@@ -15,12 +15,11 @@
 //! Needs root, the stack from `make deps` and `registry.sh start`; fails (never skips) when
 //! something is missing.
 
-
 use std::path::Path;
 use std::process::{Command, Output};
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{Cri, PodSpec},
     registry::TlsRegistry,

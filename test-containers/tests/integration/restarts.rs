@@ -5,11 +5,10 @@
 //! killed shim is cleaned up by containerd through the shim's delete action, leaving no runc
 //! state or mount behind.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 
 #[test]
 fn containers_survive_a_containerd_restart_and_checkpoint_after_it() -> Result<()> {

@@ -2,12 +2,11 @@
 //! restore of 512 MiB takes, the restore fails within the bound (plus the watchdog's grace),
 //! naming the step and the bound, and no runc, CRIU, action script or restored process is left.
 
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::stack::{processes_matching, Node, Stack};
 
 #[test]

@@ -5,11 +5,10 @@
 //! restored by the restore handler, which reads it in place and takes the mount out of the
 //! restored container. Paths that are not the pod's own image volume are refused.
 
-
 use std::path::{Path, PathBuf};
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     registry::TlsRegistry,

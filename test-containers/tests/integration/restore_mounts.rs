@@ -16,11 +16,10 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::*;
+use anyhow::{bail, ensure, Context, Result};
 use image_format::protowire::{fields, put_varint, Value};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},

@@ -5,12 +5,11 @@
 //! and nothing of it keeps running; restores into the spec the checkpoint came from still work,
 //! for non-root and root containers, and the kernel shows the spec's credentials.
 
-
 use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{v1::security_profile::ProfileType, ContainerSpec, Cri, Pod, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

@@ -4,12 +4,11 @@
 //! reads only from `RestoreSources` (with one answer for outside, missing and unreadable), and
 //! whiteouts never climb out of the rootfs.
 
-
 use std::path::{Path, PathBuf};
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
     stack::{Node, OptValue, Stack, GPU_CKPT_HANDLER},

@@ -6,14 +6,13 @@
 //! a listed file grown past its listed size); each restore either refuses, naming the member,
 //! or restores, and in every case no file of that member is left anywhere on the node.
 
-
 use std::{
     io::Read,
     path::{Path, PathBuf},
 };
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{Cri, PodSpec},
     stack::{Node, OptValue, GPU_CKPT_HANDLER, RUN_BASE},

@@ -5,11 +5,10 @@
 //! `status.dump` are held to the checkpoint's signed record: rewritten, the restore is refused
 //! naming the annotation.
 
-
 use std::path::{Path, PathBuf};
 
-use anyhow::{ensure, Context, Result};
 use crate::common::{gpu::cri_status_pid, *};
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{v1::ContainerState, ContainerSpec, Cri, PodSpec},
     stack::{Node, GPU_CKPT_HANDLER},

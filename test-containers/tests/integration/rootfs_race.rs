@@ -8,7 +8,6 @@
 //! - a restore brings the files back with their owners and modes (setuid included), and a
 //!   regular file named like an OCI whiteout (`.wh.notes`) stays a file.
 
-
 use std::{
     io::Read,
     os::unix::fs::{MetadataExt, PermissionsExt},
@@ -21,8 +20,8 @@ use std::{
 };
 
 use crate::common;
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::*;
+use anyhow::{bail, ensure, Context, Result};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use test_containers::{
     cri::{Cri, PodSpec},

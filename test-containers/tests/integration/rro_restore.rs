@@ -6,16 +6,15 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-
 use std::io::Read;
 use std::path::Path;
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::{
     counter_with, expect_rro, mount, node_with, runc_typed_handler, workloads, NestedMount,
     RUNC_TYPED,
 };
+use anyhow::{ensure, Context, Result};
 use k8s_cri::v1 as cri;
 use test_containers::cri::{ContainerSpec, Cri, PodSpec};
 use test_containers::stack::Node;

@@ -7,12 +7,11 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-
 use std::path::{Path, PathBuf};
 
 use crate::common;
-use anyhow::{ensure, Context, Result};
 use crate::common::{counter_spec, node_with, workloads};
+use anyhow::{ensure, Context, Result};
 use test_containers::cri::{Cri, PodSpec};
 use test_containers::stack::{Node, Stack, RUNC_HANDLER};
 

@@ -1,11 +1,10 @@
 //! The shim under CRI, driven like kubelet: pods on handler gpu-ckpt, one shim per pod, OOM
 //! events, and bad input that must fail clearly and leave nothing behind.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     containerd::{Containerd, TaskEvent},
     cri::{v1 as cri, ContainerSpec, Cri, Network, PodSpec},

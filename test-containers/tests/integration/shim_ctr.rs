@@ -1,11 +1,10 @@
 //! The shim under `ctr` against a real containerd 2.x and runc: run, stdout, exec, kill, pause,
 //! resume, metrics, update, ps, delete, terminals.
 
-
 use std::time::Duration;
 
-use anyhow::{ensure, Context, Result};
 use crate::common::*;
+use anyhow::{ensure, Context, Result};
 use test_containers::{
     containerd::Containerd,
     stack::{processes_matching, Node},

@@ -5,15 +5,14 @@
 //!
 //! Needs root and the stack from `make deps`; fails (never skips) when it is missing.
 
-
 use std::path::Path;
 use std::process::Command;
 
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::{
     can_write, counter_with, expect_rro, handler_features, mount, node_with, restore_node_with,
     runc_typed_handler, workloads, NestedMount, RUNC_TYPED,
 };
+use anyhow::{bail, ensure, Context, Result};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
 use containerd_shim_protos::protobuf::Message;
 use containerd_shim_protos::shim::oci::Options as RuncOptions;

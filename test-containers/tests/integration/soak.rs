@@ -5,15 +5,14 @@
 //! The test command runs a short soak; `make soak` the full one, sized by
 //! `GPU_CKPT_SOAK_CYCLES` (16 here), `GPU_CKPT_SOAK_PODS` (4) and `GPU_CKPT_SOAK_ROUNDS` (2).
 
-
 use std::{
     path::Path,
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, ensure, Context, Result};
 use crate::common::soak::{sample_shim, shim_with_id, slope, slopes, soak_size, ShimSample};
 use crate::common::*;
+use anyhow::{bail, ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     stack::GPU_CKPT_HANDLER,
