@@ -131,7 +131,7 @@ bench-registry: deps
 
 # The plain manifests (runtime-class/manifests/*.yaml) rendered again from the Helm chart
 # (runtime-class/chart/gpu-ckpt) with its default values, by Helm's engine in the stack's Python
-# venv (`make deps`); tests/k8s_manifests.rs fails while they differ from that rendering.
+# venv (`make deps`); tests/integration/k8s_manifests.rs fails while they differ from that rendering.
 .PHONY: manifests
 manifests:
 	@test -x $(STACK)/py/bin/python || { echo "make manifests: $(STACK)/py/bin/python is missing; run 'make deps'" >&2; exit 1; }

@@ -25,7 +25,7 @@ cleanup() {
 trap cleanup EXIT
 
 # Both registries: the plain one on 127.0.0.1:5000 and the TLS one with logins on 127.0.0.1:5443
-# (tests/registry.rs); `stop` in cleanup stops both.
+# (tests/integration/registry.rs); `stop` in cleanup stops both.
 "$registry" start
 export GPU_CKPT_SHIM_DIR="$repo/target/debug"
 cargo build --workspace --all-targets
