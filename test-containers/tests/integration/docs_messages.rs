@@ -1,6 +1,7 @@
 //! docs/troubleshooting.md quotes the error messages gpu-ckpt writes; this test holds every quote
 //! to the code's string literals, so that a message changed in the code (or mistyped in the doc)
-//! fails here instead of drifting. Plain file reading: no stack, no root.
+//! fails here instead of drifting. Plain file reading: no stack, no root. The doc is read with
+//! pulldown-cmark (CommonMark's fences, code spans and bold spans), the code with syn.
 //!
 //! What counts as a quoted message in the doc (the rule):
 //! - every fenced code block, except blocks tagged as shell (`sh`, `bash`, `shell`, `console`),
@@ -17,7 +18,9 @@
 //!
 //! What the code's messages are: the string literals of every `*.rs` under shim/src,
 //! image-format/src, gpu/, oci-hooks/src and runtime-class/ (target/ and tests/ directories
-//! excluded), escapes decoded and `\`-newline continuations joined, each cut at its format
+//! excluded; a file syn cannot parse fails the test), in expressions, attributes (`#[error("…")]`)
+//! and macro calls (`format!`, `bail!`; their tokens), not doc comments; escapes decoded and
+//! `\`-newline continuations joined, each cut at its format
 //! placeholders (`{}`, `{name}`, `{:?}`, `{0}`, `{name:>8}` …; `{{`/`}}` are literal braces) and
 //! at its newlines into fixed fragments. Only literals that are messages give fragments: those
 //! with a placeholder or with whitespace. A literal with neither (`criu`, `/usr/local/bin`, `.`)
@@ -52,6 +55,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+
+use proc_macro2::{Delimiter, TokenTree};
+use pulldown_cmark::{CodeBlockKind, Event, Parser, Tag, TagEnd};
+use syn::visit::Visit;
 
 const DOC: &str = "docs/troubleshooting.md";
 /// Where the messages gpu-ckpt writes come from, relative to the repository's root.
@@ -89,232 +96,124 @@ struct Quote {
 
 /// The quoted messages of `md`, and the code spans skipped as commands.
 fn quotes(md: &str) -> (Vec<Quote>, Vec<String>) {
+    let line_of = |offset: usize| md[..offset].matches('\n').count() + 1;
     let mut found = Vec::new();
     let mut commands = Vec::new();
-    let lines: Vec<&str> = md.lines().collect();
-    // Paragraphs (runs of non-blank lines outside fences): (first line number, text).
-    let mut para: Option<(usize, String)> = None;
-    let mut i = 0;
-    while i < lines.len() {
-        let l = lines[i];
-        if let Some(info) = l.trim_start().strip_prefix("```") {
-            if let Some((n, text)) = para.take() {
-                heading_quotes(n, &text, &mut found, &mut commands);
+    // The fenced block being read: its first line and its text so far.
+    let mut block: Option<(usize, String)> = None;
+    // Open bold spans, and whether the outermost one opened with a code span.
+    let mut bold = 0;
+    let mut quoting = false;
+    let mut events = Parser::new(md).into_offset_iter().peekable();
+    while let Some((event, range)) = events.next() {
+        match event {
+            Event::Start(Tag::CodeBlock(CodeBlockKind::Fenced(info))) => {
+                let shell = SHELL_FENCES.contains(&info.trim());
+                block = (!shell).then(|| (line_of(range.start) + 1, String::new()));
             }
-            let info = info.trim().to_string();
-            let start = i + 1;
-            i += 1;
-            while i < lines.len() && lines[i].trim() != "```" {
-                i += 1;
-            }
-            if !SHELL_FENCES.contains(&info.as_str()) {
-                found.push(Quote {
-                    line: start + 1,
-                    text: lines[start..i.min(lines.len())].join("\n"),
-                });
-            }
-            i += 1;
-            continue;
-        }
-        if l.trim().is_empty() {
-            if let Some((n, text)) = para.take() {
-                heading_quotes(n, &text, &mut found, &mut commands);
-            }
-        } else {
-            match para.as_mut() {
-                Some((_, text)) => {
-                    text.push('\n');
-                    text.push_str(l);
+            Event::Text(t) if block.is_some() => {
+                if let Some((_, text)) = block.as_mut() {
+                    text.push_str(&t);
                 }
-                None => para = Some((i + 1, l.to_string())),
             }
+            Event::End(TagEnd::CodeBlock) => {
+                if let Some((line, text)) = block.take() {
+                    let text = text.strip_suffix('\n').unwrap_or(&text).to_string();
+                    found.push(Quote { line, text });
+                }
+            }
+            Event::Start(Tag::Strong) => {
+                if bold == 0 {
+                    quoting = matches!(events.peek(), Some((Event::Code(_), _)));
+                }
+                bold += 1;
+            }
+            Event::End(TagEnd::Strong) => bold -= 1,
+            Event::Code(span) if bold > 0 && quoting => {
+                if COMMANDS.iter().any(|c| span.starts_with(c)) {
+                    commands.push(span.to_string());
+                } else {
+                    found.push(Quote {
+                        line: line_of(range.start),
+                        text: span.to_string(),
+                    });
+                }
+            }
+            _ => {}
         }
-        i += 1;
-    }
-    if let Some((n, text)) = para.take() {
-        heading_quotes(n, &text, &mut found, &mut commands);
     }
     (found, commands)
-}
-
-/// The code spans of `para` (a paragraph starting on doc line `first`) that sit in a bold span
-/// opening with a code span.
-fn heading_quotes(first: usize, para: &str, out: &mut Vec<Quote>, commands: &mut Vec<String>) {
-    let mut in_bold = false;
-    let mut quoting = false;
-    let mut i = 0;
-    while i < para.len() {
-        let rest = &para[i..];
-        if let Some(after) = rest.strip_prefix("**") {
-            quoting = !in_bold && after.starts_with('`');
-            in_bold = !in_bold;
-            i += 2;
-        } else if let Some(after) = rest.strip_prefix('`') {
-            let Some(end) = after.find('`') else { break };
-            if in_bold && quoting {
-                let span = after[..end].replace('\n', " ");
-                if COMMANDS.iter().any(|c| span.starts_with(c)) {
-                    commands.push(span);
-                } else {
-                    let line = first + para[..i].matches('\n').count();
-                    out.push(Quote { line, text: span });
-                }
-            }
-            i += 1 + end + 1;
-        } else {
-            i += rest.chars().next().map_or(1, char::len_utf8);
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The code's string literals and their fixed fragments.
 
-/// The string literals of the Rust source `src`, decoded: escapes resolved, `\`-newline
-/// continuations joined (the newline and the next line's leading whitespace dropped). Comments,
-/// char literals and lifetimes are stepped over; raw and byte strings are literals too.
-fn string_literals(src: &str) -> Vec<String> {
-    let c: Vec<char> = src.chars().collect();
-    let n = c.len();
-    let at = |i: usize| c.get(i).copied();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < n {
-        let ch = c[i];
-        if ch == '/' && at(i + 1) == Some('/') {
-            while i < n && c[i] != '\n' {
-                i += 1;
-            }
-        } else if ch == '/' && at(i + 1) == Some('*') {
-            let mut depth = 0;
-            while i < n {
-                if c[i] == '/' && at(i + 1) == Some('*') {
-                    depth += 1;
-                    i += 2;
-                } else if c[i] == '*' && at(i + 1) == Some('/') {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    i += 1;
-                }
-            }
-        } else if ch == '"' {
-            let (s, next) = cooked_string(&c, i + 1);
-            out.push(s);
-            i = next;
-        } else if ch == '\'' {
-            i = skip_char_or_lifetime(&c, i);
-        } else if ch.is_alphabetic() || ch == '_' {
-            let start = i;
-            while i < n && (c[i].is_alphanumeric() || c[i] == '_') {
-                i += 1;
-            }
-            let ident: String = c[start..i].iter().collect();
-            match ident.as_str() {
-                "r" | "br" | "cr" => {
-                    let mut hashes = 0;
-                    while at(i + hashes) == Some('#') {
-                        hashes += 1;
-                    }
-                    if at(i + hashes) == Some('"') {
-                        let body = i + hashes + 1;
-                        let mut j = body;
-                        while j < n
-                            && !(c[j] == '"' && (1..=hashes).all(|k| at(j + k) == Some('#')))
-                        {
-                            j += 1;
-                        }
-                        out.push(c[body..j.min(n)].iter().collect());
-                        i = j + 1 + hashes;
+/// The string literals of the Rust source `src`, decoded (escapes resolved, `\`-newline
+/// continuations joined), in the order they appear: in the syntax tree, and in the tokens of
+/// macro calls and attribute arguments, which syn leaves unparsed. Doc comments are not literals
+/// (they are `#[doc = "…"]` attributes to syn, in macro tokens too). Byte and C strings count.
+fn string_literals(src: &str) -> syn::Result<Vec<String>> {
+    let file = syn::parse_file(src)?;
+    let mut lits = Literals(Vec::new());
+    lits.visit_file(&file);
+    Ok(lits.0)
+}
+
+struct Literals(Vec<String>);
+
+impl Literals {
+    /// The literals among `tokens`, nested groups included, doc attributes (`#[doc = …]`,
+    /// `#![doc = …]`) left out.
+    fn tokens(&mut self, tokens: proc_macro2::TokenStream) {
+        let mut after_hash = false;
+        for tt in tokens {
+            match tt {
+                TokenTree::Literal(l) => self.visit_lit(&syn::Lit::new(l)),
+                TokenTree::Group(g) => {
+                    let doc = after_hash
+                        && g.delimiter() == Delimiter::Bracket
+                        && matches!(g.stream().into_iter().next(),
+                                    Some(TokenTree::Ident(i)) if i == "doc");
+                    if !doc {
+                        self.tokens(g.stream());
                     }
                 }
-                "b" | "c" if at(i) == Some('"') => {
-                    let (s, next) = cooked_string(&c, i + 1);
-                    out.push(s);
-                    i = next;
+                TokenTree::Punct(ref p) if p.as_char() == '#' => {
+                    after_hash = true;
+                    continue;
                 }
-                "b" if at(i) == Some('\'') => i = skip_char_or_lifetime(&c, i),
+                TokenTree::Punct(ref p) if p.as_char() == '!' && after_hash => continue,
                 _ => {}
             }
-        } else if ch.is_ascii_digit() {
-            while i < n && (c[i].is_alphanumeric() || c[i] == '_') {
-                i += 1;
-            }
-        } else {
-            i += 1;
+            after_hash = false;
         }
     }
-    out
 }
 
-/// The decoded body of a `"…"` literal whose body starts at `c[i]`, and the index after its
-/// closing quote.
-fn cooked_string(c: &[char], mut i: usize) -> (String, usize) {
-    let mut s = String::new();
-    while i < c.len() {
-        match c[i] {
-            '"' => return (s, i + 1),
-            '\\' if i + 1 < c.len() => {
-                let e = c[i + 1];
-                i += 2;
-                match e {
-                    'n' => s.push('\n'),
-                    't' => s.push('\t'),
-                    'r' => s.push('\r'),
-                    '0' => s.push('\0'),
-                    'x' => {
-                        let hex: String = c[i..(i + 2).min(c.len())].iter().collect();
-                        if let Some(ch) =
-                            u32::from_str_radix(&hex, 16).ok().and_then(char::from_u32)
-                        {
-                            s.push(ch);
-                        }
-                        i += 2;
-                    }
-                    'u' => {
-                        // \u{XXXX}
-                        let close = c[i..].iter().position(|&x| x == '}').map_or(i, |p| i + p);
-                        let hex: String = c[(i + 1).min(close)..close].iter().collect();
-                        if let Some(ch) =
-                            u32::from_str_radix(&hex, 16).ok().and_then(char::from_u32)
-                        {
-                            s.push(ch);
-                        }
-                        i = close + 1;
-                    }
-                    '\n' | '\r' => {
-                        while i < c.len() && c[i].is_whitespace() {
-                            i += 1;
-                        }
-                    }
-                    other => s.push(other),
-                }
-            }
-            ch => {
-                s.push(ch);
-                i += 1;
-            }
-        }
+impl<'ast> Visit<'ast> for Literals {
+    fn visit_lit_str(&mut self, lit: &'ast syn::LitStr) {
+        self.0.push(lit.value());
     }
-    (s, i)
-}
 
-/// The index after the char literal (`'x'`, `'\n'`, `b'x'`'s quote part) or lifetime at `c[i]`.
-fn skip_char_or_lifetime(c: &[char], i: usize) -> usize {
-    if c.get(i + 1) == Some(&'\\') {
-        // An escape: step over the escaped char, then to the closing quote.
-        let mut j = i + 3;
-        while j < c.len() && c[j] != '\'' {
-            j += 1;
+    fn visit_lit_byte_str(&mut self, lit: &'ast syn::LitByteStr) {
+        self.0
+            .push(String::from_utf8_lossy(&lit.value()).into_owned());
+    }
+
+    fn visit_lit_cstr(&mut self, lit: &'ast syn::LitCStr) {
+        self.0.push(lit.value().to_string_lossy().into_owned());
+    }
+
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        self.tokens(mac.tokens.clone());
+    }
+
+    fn visit_attribute(&mut self, attr: &'ast syn::Attribute) {
+        match &attr.meta {
+            _ if attr.path().is_ident("doc") => {}
+            syn::Meta::List(list) => self.tokens(list.tokens.clone()),
+            meta => syn::visit::visit_meta(self, meta),
         }
-        j + 1
-    } else if c.get(i + 2) == Some(&'\'') {
-        i + 3
-    } else {
-        i + 1
     }
 }
 
@@ -481,7 +380,9 @@ fn source_literals(root: &Path) -> (Vec<String>, usize) {
     let mut lits = Vec::new();
     for f in &files {
         let src = std::fs::read_to_string(f).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-        lits.extend(string_literals(&src));
+        let found = string_literals(&src)
+            .unwrap_or_else(|e| panic!("{}: syn cannot parse it: {e}", f.display()));
+        lits.extend(found);
     }
     (lits, files.len())
 }
@@ -813,9 +714,17 @@ fn every_message_quoted_in_troubleshooting_md_is_the_codes() {
 // Unit tests of the pieces.
 
 const SAMPLE_SRC: &str = r####"
+//! an inner "doc" comment
 // a "comment" with a quote
 /* block "comment" /* nested "x" */ */
+/// a "doc" comment
+#[doc = "a doc attribute"]
 fn f(v: &str, lt: &'static str) -> String {
+    m! {
+        /// a "doc" comment in a macro call
+        #![doc = "an inner doc attribute in a macro call"]
+        x
+    }
     let _c = '"';
     let _e = '\'';
     let _raw = r#"raw {x} "quoted""#;
@@ -829,12 +738,12 @@ fn f(v: &str, lt: &'static str) -> String {
 "####;
 
 fn sample() -> Fragments {
-    Fragments::new(string_literals(SAMPLE_SRC))
+    Fragments::new(string_literals(SAMPLE_SRC).expect("SAMPLE_SRC parses"))
 }
 
 #[test]
 fn literals_are_decoded_and_continuations_joined() {
-    let lits = string_literals(SAMPLE_SRC);
+    let lits = string_literals(SAMPLE_SRC).expect("SAMPLE_SRC parses");
     assert_eq!(
         lits,
         vec![
