@@ -203,6 +203,44 @@ async fn expect_restored(
     Ok(view)
 }
 
+/// Restores `archive` on node `b` through the restore handler into `spec` (the counter of
+/// `interval_ms` was at `before`) and holds the restored task to the cold start's `keys` of
+/// /proc/PID/status, and to the pre-resume check in the node's log. `label` opens each error.
+async fn restore_handler_as_cold_start(
+    (cri_b, b, spec, archive, before, interval_ms): (&Cri, &Node, &ContainerSpec, &str, u64, u32),
+    cold: &BTreeMap<String, String>,
+    keys: &[&str],
+    label: &str,
+) -> Result<()> {
+    let restored = expect_restored(
+        cri_b,
+        &PodSpec::new("worker", b.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from", archive),
+        spec,
+        before,
+        interval_ms,
+        "the restore handler",
+    )
+    .await?;
+    for key in keys {
+        ensure!(
+            restored.get(*key) == cold.get(*key),
+            "{label}: {key}: restored {:?}, cold start {:?}",
+            restored.get(*key),
+            cold.get(*key)
+        );
+    }
+    // The tree was held to the spec at pre-resume (the kernel's view), not only checked in the
+    // checkpoint's record.
+    ensure!(
+        log_mentions(b, "restored tree held to the spec"),
+        "no pre-resume check in {}",
+        b.paths().log.display()
+    );
+    Ok(())
+}
+
 fn log_mentions(node: &Node, needle: &str) -> bool {
     std::fs::read_to_string(&node.paths().log)
         .map(|l| l.contains(needle))
@@ -290,19 +328,8 @@ fn a_non_root_container_restores_into_its_own_spec() -> Result<()> {
         );
         let archive_s = archive.display().to_string();
 
-        let restored = expect_restored(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", &archive_s),
-            &spec,
-            before,
-            INTERVAL,
-            "the restore handler",
-        )
-        .await?;
         // The kernel shows the spec's credentials and filter, as at the cold start.
-        for key in [
+        let keys = [
             "Uid",
             "Gid",
             "CapInh",
@@ -313,21 +340,9 @@ fn a_non_root_container_restores_into_its_own_spec() -> Result<()> {
             "NoNewPrivs",
             "Seccomp",
             "Seccomp_filters",
-        ] {
-            ensure!(
-                restored.get(key) == cold.get(key),
-                "restore handler: {key}: restored {:?}, cold start {:?}",
-                restored.get(key),
-                cold.get(key)
-            );
-        }
-        // The tree was held to the spec at pre-resume (the kernel's view), not only checked
-        // in the checkpoint's record.
-        ensure!(
-            log_mentions(&b, "restored tree held to the spec"),
-            "no pre-resume check in {}",
-            b.paths().log.display()
-        );
+        ];
+        let restored = (&cri_b, &b, &spec, archive_s.as_str(), before, INTERVAL);
+        restore_handler_as_cold_start(restored, &cold, &keys, "restore handler").await?;
 
         let restored = expect_restored(
             &cri_b,
@@ -367,18 +382,7 @@ fn a_root_container_restores_into_its_own_spec() -> Result<()> {
             "cold start: {cold:?}"
         );
         let archive_s = archive.display().to_string();
-        let restored = expect_restored(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", &archive_s),
-            &spec,
-            before,
-            INTERVAL,
-            "the restore handler",
-        )
-        .await?;
-        for key in [
+        let keys = [
             "Uid",
             "Gid",
             "CapPrm",
@@ -387,21 +391,9 @@ fn a_root_container_restores_into_its_own_spec() -> Result<()> {
             "NoNewPrivs",
             "Seccomp",
             "Seccomp_filters",
-        ] {
-            ensure!(
-                restored.get(key) == cold.get(key),
-                "root: {key}: restored {:?}, cold start {:?}",
-                restored.get(key),
-                cold.get(key)
-            );
-        }
-        // The tree was held to the spec at pre-resume (the kernel's view), not only checked
-        // in the checkpoint's record.
-        ensure!(
-            log_mentions(&b, "restored tree held to the spec"),
-            "no pre-resume check in {}",
-            b.paths().log.display()
-        );
+        ];
+        let restored = (&cri_b, &b, &spec, archive_s.as_str(), before, INTERVAL);
+        restore_handler_as_cold_start(restored, &cold, &keys, "root").await?;
         // And through containerd's restore-via-create.
         let restored = expect_restored(
             &cri_b,

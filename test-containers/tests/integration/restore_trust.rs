@@ -110,6 +110,14 @@ async fn expect_unusable(
 /// An edit of one archive member (see [`rewrite_archive`]).
 type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
 
+/// The edit that changes the members `hit` picks with `change` and keeps every other as it is.
+fn edit_members(
+    hit: impl Fn(&str) -> bool + 'static,
+    change: impl Fn(Vec<u8>) -> Vec<u8> + 'static,
+) -> Edit {
+    Box::new(move |n, d| Some(if hit(n) { change(d) } else { d }))
+}
+
 fn flip(mut data: Vec<u8>, at: usize) -> Vec<u8> {
     let at = at.min(data.len().saturating_sub(1));
     data[at] ^= 0x01;
@@ -290,94 +298,65 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         // its signature: a checkpoint the pod may not use (the one refusal text, the reason in
         // the node's log); a changed file behind a valid signature is named to the pod.
         let dir = b.paths().dir.clone();
-        let page = |n: &str| n.starts_with("checkpoint/pages-");
+        let manifest = "checkpoint/gpu-ckpt-manifest.json";
         let cases: Vec<(&str, Edit, &str, Vec<&str>, bool)> = vec![
             (
                 "page-image",
-                Box::new(move |n, d| Some(if page(n) { flip(d, 600) } else { d })),
+                edit_members(|n| n.starts_with("checkpoint/pages-"), |d| flip(d, 600)),
                 "default",
                 vec!["pages-"],
                 false,
             ),
             (
                 "inventory",
-                Box::new(|n, d| {
-                    Some(if n == "checkpoint/inventory.img" {
-                        flip(d, 8)
-                    } else {
-                        d
-                    })
-                }),
+                edit_members(|n| n == "checkpoint/inventory.img", |d| flip(d, 8)),
                 "default",
                 vec!["inventory.img"],
                 false,
             ),
             (
                 "core-image",
-                Box::new(|n, d| {
-                    Some(if n.starts_with("checkpoint/core-") {
-                        flip(d, 20)
-                    } else {
-                        d
-                    })
-                }),
+                edit_members(|n| n.starts_with("checkpoint/core-"), |d| flip(d, 20)),
                 "default",
                 vec!["core-"],
                 false,
             ),
             (
                 "manifest",
-                Box::new(|n, d| {
-                    Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
-                        replace(d, "\"default\"", "\"tenant-b\"")
-                    } else {
-                        d
-                    })
-                }),
+                edit_members(
+                    move |n| n == manifest,
+                    |d| replace(d, "\"default\"", "\"tenant-b\""),
+                ),
                 "tenant-b",
                 vec!["does not match"],
                 true,
             ),
             (
                 "origin-rewritten",
-                Box::new(|n, d| {
-                    Some(
-                        if matches!(
-                            n,
-                            "spec.dump" | "status.dump" | "checkpoint/gpu-ckpt-manifest.json"
-                        ) {
-                            replace(d, "default", "tenant-b")
-                        } else {
-                            d
-                        },
-                    )
-                }),
+                edit_members(
+                    move |n| matches!(n, "spec.dump" | "status.dump") || n == manifest,
+                    |d| replace(d, "default", "tenant-b"),
+                ),
                 "tenant-b",
                 vec!["does not match"],
                 true,
             ),
             (
                 "spec-dump",
-                Box::new(|n, d| {
-                    Some(if n == "spec.dump" {
-                        replace(d, "\"default\"", "\"tenant-b\"")
-                    } else {
-                        d
-                    })
-                }),
+                edit_members(
+                    |n| n == "spec.dump",
+                    |d| replace(d, "\"default\"", "\"tenant-b\""),
+                ),
                 "default",
                 vec!["spec.dump", "namespace"],
                 false,
             ),
             (
                 "rootfs-changes",
-                Box::new(|n, d| {
-                    Some(if n == "checkpoint/gpu-ckpt-rootfs-changes.tar" {
-                        flip(d, 0)
-                    } else {
-                        d
-                    })
-                }),
+                edit_members(
+                    |n| n == "checkpoint/gpu-ckpt-rootfs-changes.tar",
+                    |d| flip(d, 0),
+                ),
                 "default",
                 vec!["gpu-ckpt-rootfs-changes.tar"],
                 false,
@@ -396,13 +375,8 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
 
         // Unsigned: refused by default, restored under AllowUnsigned with a warning.
         let unsigned = dir.join("unsigned.tar");
-        rewrite_archive(&archive, &unsigned, |n, d| {
-            Ok(Some(if n == "checkpoint/gpu-ckpt-manifest.json" {
-                unsigned_manifest(d, false)
-            } else {
-                d
-            }))
-        })?;
+        let edit = edit_members(move |n| n == manifest, |d| unsigned_manifest(d, false));
+        rewrite_archive(&archive, &unsigned, |n, d| Ok(edit(n, d)))?;
         expect_unusable(
             &cri_b,
             &b,

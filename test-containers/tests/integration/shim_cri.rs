@@ -6,8 +6,8 @@ use std::time::Duration;
 use crate::common::*;
 use anyhow::{ensure, Context, Result};
 use test_containers::{
-    containerd::{Containerd, TaskEvent},
-    cri::{v1 as cri, ContainerSpec, Cri, Network, PodSpec},
+    containerd::{Containerd, Event, TaskEvent},
+    cri::{v1 as cri, ContainerSpec, Cri, Network, Pod, PodSpec},
     stack::{processes_matching, Node, GPU_CKPT_HANDLER, K8S_NAMESPACE},
 };
 
@@ -151,25 +151,40 @@ fn pod_of_two_containers_runs_on_one_shim() -> Result<()> {
     })
 }
 
+/// Runs `spec` in a pod `pod_name` on the gpu-ckpt handler of `node`, with the node's task
+/// events subscribed to first, and waits up to a minute for the container's first task event
+/// that `want` accepts: the CRI client, the pod, the container's id, that event and the events
+/// before it.
+async fn run_until_event(
+    node: &Node,
+    pod_name: &str,
+    spec: &ContainerSpec,
+    want: fn(&TaskEvent) -> bool,
+) -> Result<(Cri, Pod, String, Event, Vec<Event>)> {
+    let cri = Cri::connect(node.socket()).await?;
+    let api = Containerd::connect(node.socket(), K8S_NAMESPACE).await?;
+    let mut events = api.subscribe_tasks().await?;
+    let pod = cri
+        .run_pod(&PodSpec::new(pod_name, node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+        .await?;
+    let id = cri.run_container(&pod, spec).await?;
+    let (event, before) = events
+        .wait_for(Duration::from_secs(60), |e| {
+            e.container_id() == Some(id.as_str()) && want(&e.event)
+        })
+        .await?;
+    Ok((cri, pod, id, event, before))
+}
+
 #[test]
 fn oom_kill_reports_task_oom_before_task_exit() -> Result<()> {
     let node = node("cri-oom")?;
     rt().block_on(async {
-        let cri = Cri::connect(node.socket()).await?;
-        let api = Containerd::connect(node.socket(), K8S_NAMESPACE).await?;
-        let mut events = api.subscribe_tasks().await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("oom", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
         let spec = ContainerSpec::new("eater", workloads())
             .command(&["/bin/oom-eater", "--step-mib", "8"])
             .memory_limit(48 * 1024 * 1024);
-        let id = cri.run_container(&pod, &spec).await?;
-        let (exit, before) = events
-            .wait_for(Duration::from_secs(60), |e| {
-                e.container_id() == Some(id.as_str()) && matches!(e.event, TaskEvent::Exit(_))
-            })
-            .await?;
+        let (cri, pod, id, exit, before) =
+            run_until_event(&node, "oom", &spec, |e| matches!(e, TaskEvent::Exit(_))).await?;
         let TaskEvent::Exit(exit) = exit.event else {
             unreachable!("matched an exit")
         };
@@ -454,12 +469,6 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
 fn oom_kill_of_a_child_is_reported_live() -> Result<()> {
     let node = node("cri-oom-live")?;
     rt().block_on(async {
-        let cri = Cri::connect(node.socket()).await?;
-        let api = Containerd::connect(node.socket(), K8S_NAMESPACE).await?;
-        let mut events = api.subscribe_tasks().await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("oomlive", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
         let spec = ContainerSpec::new("app", workloads())
             .command(&[
                 "sh",
@@ -467,12 +476,8 @@ fn oom_kill_of_a_child_is_reported_live() -> Result<()> {
                 "/bin/oom-eater --step-mib 64 & exec /bin/counter --interval-ms 100",
             ])
             .memory_limit(48 * 1024 * 1024);
-        let id = cri.run_container(&pod, &spec).await?;
-        let (oom, _) = events
-            .wait_for(Duration::from_secs(60), |e| {
-                e.container_id() == Some(id.as_str()) && matches!(e.event, TaskEvent::Oom(_))
-            })
-            .await?;
+        let (cri, pod, id, oom, _) =
+            run_until_event(&node, "oomlive", &spec, |e| matches!(e, TaskEvent::Oom(_))).await?;
         ensure!(oom.topic == "/tasks/oom", "topic {}", oom.topic);
         let st = cri.container_state(&id).await?;
         ensure!(
