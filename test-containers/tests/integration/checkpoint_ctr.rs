@@ -203,26 +203,15 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
 #[test]
 fn one_gib_of_memory_survives() -> Result<()> {
     let node = node("ck-mem")?;
-    let pid = run_detached(
+    let pid = run_memhog(
         &node,
-        &[
-            workloads(),
-            "m1",
-            "/bin/memhog",
-            "--mib",
-            "1024",
-            "--seed",
-            "42",
-            "--interval-ms",
-            "200",
-            "--status-file",
-            "/status.txt",
-        ],
+        "m1",
+        &["--mib", "1024", "--seed", "42", "--interval-ms", "200"],
     )?;
-    wait_until(
+    memhog_verified(
+        pid,
         Duration::from_secs(120),
         "memhog to fill 1 GiB and verify it",
-        || rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass")),
     )?;
     let dir = node.paths().dir.join("m1-image");
     node.checkpoint_task_exit("m1", &dir)?;
@@ -331,23 +320,8 @@ fn criu_failure_mid_dump_leaves_the_container_running() -> Result<()> {
 #[test]
 fn full_disk_leaves_the_container_running() -> Result<()> {
     let node = node("ck-full")?;
-    let pid = run_detached(
-        &node,
-        &[
-            workloads(),
-            "f1",
-            "/bin/memhog",
-            "--mib",
-            "64",
-            "--interval-ms",
-            "100",
-            "--status-file",
-            "/status.txt",
-        ],
-    )?;
-    wait_until(Duration::from_secs(30), "memhog to verify", || {
-        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
-    })?;
+    let pid = run_memhog(&node, "f1", &["--mib", "64", "--interval-ms", "100"])?;
+    memhog_verified(pid, Duration::from_secs(30), "memhog to verify")?;
     let dir = node.paths().dir.join("full");
     std::fs::create_dir_all(&dir)?;
     run_ok(
@@ -382,21 +356,8 @@ fn full_disk_leaves_the_container_running() -> Result<()> {
 #[test]
 fn container_exiting_during_the_dump_fails_cleanly() -> Result<()> {
     let node = node("ck-gone")?;
-    let pid = run_detached(
-        &node,
-        &[
-            workloads(),
-            "g1",
-            "/bin/memhog",
-            "--mib",
-            "768",
-            "--status-file",
-            "/status.txt",
-        ],
-    )?;
-    wait_until(Duration::from_secs(60), "memhog to fill", || {
-        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
-    })?;
+    let pid = run_memhog(&node, "g1", &["--mib", "768"])?;
+    memhog_verified(pid, Duration::from_secs(60), "memhog to fill")?;
     let dir = node.paths().dir.join("g1-image");
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(250));

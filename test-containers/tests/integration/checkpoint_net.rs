@@ -28,9 +28,13 @@ fn criu_cannot_dump_tcp() -> bool {
     oldest_criu() && (major, minor) >= (6, 16)
 }
 
-/// The checkpoint error of CRIU 4.1 on a kernel from 6.16 on: one line that names the CRIU,
-/// the kernel and the fix.
-fn names_the_old_criu(err: &str) -> Result<()> {
+/// The checkpoint of CRIU 4.1 on a kernel from 6.16 on: `checkpoint` must have failed with one
+/// line that names the CRIU, the kernel and the fix.
+fn names_the_old_criu<T>(checkpoint: Result<T>) -> Result<()> {
+    let err = match checkpoint {
+        Ok(_) => anyhow::bail!("CRIU 4.1 dumped a TCP connection on Linux 6.16 or later"),
+        Err(e) => format!("{e:#}"),
+    };
     ensure!(
         err.contains("CRIU 4.1.1 cannot dump TCP and other inet sockets on Linux 6.")
             && err.contains("install CRIU 4.2.0 or newer"),
@@ -76,11 +80,7 @@ fn established_connection_survives_restore_on_the_same_address() -> Result<()> {
     })?;
     let dir = node.paths().dir.join("cli-image");
     if criu_cannot_dump_tcp() {
-        let err = match node.checkpoint_task_exit("cli", &dir) {
-            Ok(()) => anyhow::bail!("CRIU 4.1 dumped a TCP connection on Linux 6.16 or later"),
-            Err(e) => format!("{e:#}"),
-        };
-        names_the_old_criu(&err)?;
+        names_the_old_criu(node.checkpoint_task_exit("cli", &dir))?;
         // Nothing lost: the client runs on, and no checkpoint looks complete.
         let now = echoes(&rootfs_file(pid, "/client.log").unwrap_or_default());
         wait_until(
@@ -140,11 +140,7 @@ fn new_address_with_tcp_close_reconnects() -> Result<()> {
         let archive = node.paths().dir.join("client.tar");
         let _ = std::fs::remove_file(&archive);
         if criu_cannot_dump_tcp() {
-            let err = match cri.checkpoint_container(&c_a, &archive, 60).await {
-                Ok(_) => anyhow::bail!("CRIU 4.1 dumped a TCP connection on Linux 6.16 or later"),
-                Err(e) => format!("{e:#}"),
-            };
-            names_the_old_criu(&err)?;
+            names_the_old_criu(cri.checkpoint_container(&c_a, &archive, 60).await)?;
             let now = echoes(&log_of(c_a.clone()).await);
             for _ in 0..100 {
                 if echoes(&log_of(c_a.clone()).await) >= now + 3 {
@@ -285,11 +281,7 @@ fn established_connections_restore_only_on_the_recorded_ip() -> Result<()> {
         let archive = node.paths().dir.join("addr-client.tar");
         let _ = std::fs::remove_file(&archive);
         if criu_cannot_dump_tcp() {
-            let err = match cri.checkpoint_container(&c_a, &archive, 60).await {
-                Ok(_) => anyhow::bail!("CRIU 4.1 dumped a TCP connection on Linux 6.16 or later"),
-                Err(e) => format!("{e:#}"),
-            };
-            names_the_old_criu(&err)?;
+            names_the_old_criu(cri.checkpoint_container(&c_a, &archive, 60).await)?;
             cri.remove_pod(&pod_a).await?;
             cri.remove_pod(&server_pod).await?;
             return Ok(());

@@ -71,23 +71,8 @@ fn a_criu_older_than_the_minimum_is_named_at_once() -> Result<()> {
 #[test]
 fn a_criu_killed_mid_dump_is_named() -> Result<()> {
     let node = node("criu-killed")?;
-    let pid = run_detached(
-        &node,
-        &[
-            workloads(),
-            "k1",
-            "/bin/memhog",
-            "--mib",
-            "1024",
-            "--interval-ms",
-            "200",
-            "--status-file",
-            "/status.txt",
-        ],
-    )?;
-    wait_until(Duration::from_secs(120), "memhog to fill 1 GiB", || {
-        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
-    })?;
+    let pid = run_memhog(&node, "k1", &["--mib", "1024", "--interval-ms", "200"])?;
+    memhog_verified(pid, Duration::from_secs(120), "memhog to fill 1 GiB")?;
     let dir = node.paths().dir.join("k1-image");
     let _ = std::fs::remove_dir_all(&dir);
     let ctr = ctr_checkpoint_in_background(&node, "k1", &dir)?;

@@ -150,20 +150,7 @@ fn memhog_verifies_after(pid: i32, after: u64, timeout: Duration) -> Result<u64>
 #[test]
 fn a_containerd_restart_mid_checkpoint_leaves_the_container_running() -> Result<()> {
     let mut node = node("restart-mid-ckpt")?;
-    let pid = run_detached(
-        &node,
-        &[
-            workloads(),
-            "m1",
-            "/bin/memhog",
-            "--mib",
-            "512",
-            "--interval-ms",
-            "200",
-            "--status-file",
-            "/status.txt",
-        ],
-    )?;
+    let pid = run_memhog(&node, "m1", &["--mib", "512", "--interval-ms", "200"])?;
     let pass = memhog_verifies_after(pid, 0, Duration::from_secs(180))?;
     let shims = shims_of(&node);
     ensure!(shims.len() == 1, "shims of m1: {shims:?}");

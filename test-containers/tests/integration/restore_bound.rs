@@ -19,23 +19,8 @@ fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
         Node::builder("restore-bound")?
             .env("GPU_CKPT_HANDLER_CONFIG", &options.display().to_string()),
     )?;
-    let pid = run_detached(
-        &node,
-        &[
-            workloads(),
-            "b1",
-            "/bin/memhog",
-            "--mib",
-            "512",
-            "--interval-ms",
-            "200",
-            "--status-file",
-            "/status.txt",
-        ],
-    )?;
-    wait_until(Duration::from_secs(60), "memhog to fill 512 MiB", || {
-        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
-    })?;
+    let pid = run_memhog(&node, "b1", &["--mib", "512", "--interval-ms", "200"])?;
+    memhog_verified(pid, Duration::from_secs(60), "memhog to fill 512 MiB")?;
     let image = node.paths().dir.join("b1-image");
     node.checkpoint_task_exit("b1", &image)?;
     node.ctr_ok(&["task", "rm", "b1"])?;

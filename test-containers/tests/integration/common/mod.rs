@@ -168,6 +168,22 @@ pub fn rootfs_file(pid: i32, path: &str) -> Option<String> {
     std::fs::read_to_string(format!("/proc/{pid}/root{path}")).ok()
 }
 
+/// Runs memhog detached as container `id` with `args` (`--mib`, `--interval-ms`, …) and its
+/// status in /status.txt; returns its pid.
+pub fn run_memhog(node: &Node, id: &str, args: &[&str]) -> Result<i32> {
+    let mut all = vec![workloads(), id, "/bin/memhog"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--status-file", "/status.txt"]);
+    run_detached(node, &all)
+}
+
+/// Waits up to `timeout` until memhog `pid` has verified its memory once; returns its status.
+pub fn memhog_verified(pid: i32, timeout: Duration, what: &str) -> Result<String> {
+    wait_until(timeout, what, || {
+        rootfs_file(pid, "/status.txt").filter(|s| s.contains("verified pass"))
+    })
+}
+
 /// Runs a command and returns its output, failing with its stderr when it fails.
 pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
