@@ -19,13 +19,7 @@ use test_containers::{
 /// Checkpoints a running counter through CRI on `node`; returns the archive and the counter
 /// values read just before and just after the checkpoint.
 async fn checkpoint_counter(node: &Node, cri: &Cri) -> Result<(PathBuf, u64, u64, Pod, String)> {
-    // Pulled through CRI, so that the image has a RepoDigest: a restore pulls the base image by
-    // the digest the checkpoint recorded.
-    cri.pull_image(workloads()).await?;
-    let pod = cri
-        .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-        .await?;
-    let id = cri.run_container(&pod, &counter_spec()).await?;
+    let (pod, id) = cri_counter_pod(cri, node, "worker").await?;
     let before = common::cri_counter_above(cri, &id, "/counter.txt", 5).await?;
     let archive = node
         .paths()

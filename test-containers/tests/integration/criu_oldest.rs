@@ -54,11 +54,7 @@ fn cri_checkpoint_and_both_restores_with_the_oldest_criu() -> Result<()> {
         let cri_b = Cri::connect(b.socket())
             .await?
             .with_timeout(Duration::from_secs(60));
-        cri_a.pull_image(workloads()).await?;
-        let pod = cri_a
-            .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri_a.run_container(&pod, &counter_spec()).await?;
+        let (pod, id) = cri_counter_pod(&cri_a, &a, "worker").await?;
         let before = cri_counter_above(&cri_a, &id, "/counter.txt", 5).await?;
         let archive = a.paths().dir.join("checkpoint-worker-old.tar");
         let _ = std::fs::remove_file(&archive);

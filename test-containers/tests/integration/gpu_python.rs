@@ -172,6 +172,23 @@ fn owned(v: &[(&str, &str, &str)]) -> Vec<(String, String, String)> {
         .collect()
 }
 
+/// The steps of a plain round trip, each succeeding (lock, checkpoint, restore, unlock), with
+/// `between` after the lock.
+fn round_trip(between: &[(&str, &str, &str)]) -> Vec<(String, String, String)> {
+    let mut all = vec![("lock", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED")];
+    all.extend_from_slice(between);
+    all.extend_from_slice(&[
+        (
+            "checkpoint",
+            "CUDA_SUCCESS",
+            "CU_PROCESS_STATE_CHECKPOINTED",
+        ),
+        ("restore", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED"),
+        ("unlock", "CUDA_SUCCESS", "CU_PROCESS_STATE_RUNNING"),
+    ]);
+    owned(&all)
+}
+
 #[test]
 fn cuda_bindings_runs_on_the_simulated_driver() {
     let sim = node(2, 13000);
@@ -279,20 +296,7 @@ fn checkpoint_api_through_cuda_bindings() {
             find(&lines, "step", "initial")["state"],
             "CU_PROCESS_STATE_RUNNING"
         );
-        assert_eq!(
-            steps(&lines),
-            owned(&[
-                ("lock", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED"),
-                (
-                    "checkpoint",
-                    "CUDA_SUCCESS",
-                    "CU_PROCESS_STATE_CHECKPOINTED"
-                ),
-                ("restore", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED"),
-                ("unlock", "CUDA_SUCCESS", "CU_PROCESS_STATE_RUNNING"),
-            ]),
-            "CUDA {version}"
-        );
+        assert_eq!(steps(&lines), round_trip(&[]), "CUDA {version}");
         assert_eq!(
             fill.verify(),
             format!("verified {} bytes", 2 * (8 << 20)),
@@ -393,21 +397,13 @@ fn custom_storage_is_refused_before_cuda_13_4() {
     );
     assert_eq!(
         steps(&lines),
-        owned(&[
-            ("lock", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED"),
+        round_trip(&[
             (
                 "checkpoint_custom",
                 "CUDA_ERROR_INVALID_VALUE",
                 "CU_PROCESS_STATE_LOCKED"
             ),
             ("proc_address_complete", "CUDA_SUCCESS", ""),
-            (
-                "checkpoint",
-                "CUDA_SUCCESS",
-                "CU_PROCESS_STATE_CHECKPOINTED"
-            ),
-            ("restore", "CUDA_SUCCESS", "CU_PROCESS_STATE_LOCKED"),
-            ("unlock", "CUDA_SUCCESS", "CU_PROCESS_STATE_RUNNING"),
         ])
     );
     let p = find(&lines, "step", "proc_address_complete");

@@ -21,9 +21,9 @@ use std::process::{Command, Output};
 use crate::common::*;
 use anyhow::{ensure, Context, Result};
 use test_containers::{
-    cri::{Cri, PodSpec},
+    cri::Cri,
     registry::TlsRegistry,
-    stack::{ExtraRuntime, Node, OptValue, GPU_CKPT_HANDLER},
+    stack::{ExtraRuntime, Node, OptValue},
 };
 
 /// Restores from the TLS registry with its CA and the login.
@@ -181,11 +181,7 @@ fn checkpoint_images_go_through_a_tls_registry_with_logins() -> Result<()> {
 
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        cri.pull_image(workloads()).await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri.run_container(&pod, &counter_spec()).await?;
+        let (pod, id) = cri_counter_pod(&cri, &node, "worker").await?;
         let before = cri_counter_above(&cri, &id, "/counter.txt", 5).await?;
         let archive = node
             .paths()

@@ -12,7 +12,7 @@ use anyhow::{ensure, Context, Result};
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
     registry::TlsRegistry,
-    stack::{Node, OptValue, GPU_CKPT_HANDLER},
+    stack::{Node, OptValue},
 };
 
 fn key_file(node: &str) -> PathBuf {
@@ -86,11 +86,7 @@ fn host_pid(node: &Node, id: &str) -> Result<i32> {
 
 /// Checkpoints a counting pod of `node` through CRI; returns (archive, counter before).
 async fn checkpoint_counter(cri: &Cri, node: &Node) -> Result<(PathBuf, u64)> {
-    cri.pull_image(workloads()).await?;
-    let pod = cri
-        .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-        .await?;
-    let id = cri.run_container(&pod, &counter_spec()).await?;
+    let (pod, id) = cri_counter_pod(cri, node, "worker").await?;
     let before = cri_counter_above(cri, &id, "/counter.txt", 5).await?;
     let archive = node.paths().dir.join("checkpoint-worker-counter.tar");
     let _ = std::fs::remove_file(&archive);

@@ -156,11 +156,7 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
-        cri_a.pull_image(workloads()).await?;
-        let pod = cri_a
-            .run_pod(&PodSpec::new("worker", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri_a.run_container(&pod, &counter_spec()).await?;
+        let (pod, id) = cri_counter_pod(&cri_a, &a, "worker").await?;
         let before = common::cri_counter_above(&cri_a, &id, "/counter.txt", 5).await?;
         let archive = a.paths().dir.join("checkpoint-worker_default-counter.tar");
         let _ = std::fs::remove_file(&archive);

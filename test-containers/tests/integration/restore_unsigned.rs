@@ -14,8 +14,8 @@ use std::{
 use crate::common::*;
 use anyhow::{ensure, Context, Result};
 use test_containers::{
-    cri::{Cri, PodSpec},
-    stack::{Node, OptValue, GPU_CKPT_HANDLER, RUN_BASE},
+    cri::Cri,
+    stack::{Node, OptValue, RUN_BASE},
 };
 
 const NODE: &str = "unsigned-members";
@@ -266,11 +266,7 @@ fn a_restore_unpacks_only_what_the_manifest_lists_outside_run_and_removes_it() -
     std::fs::create_dir_all(&sources)?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        cri.pull_image(workloads()).await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("worker", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri.run_container(&pod, &counter_spec()).await?;
+        let (pod, id) = cri_counter_pod(&cri, &node, "worker").await?;
         cri_counter_above(&cri, &id, "/counter.txt", 5).await?;
         let archive = sources.join("signed.tar");
         cri.checkpoint_container(&id, &archive, 60).await?;

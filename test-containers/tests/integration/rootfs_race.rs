@@ -251,11 +251,7 @@ fn owners_modes_and_files_named_like_whiteouts_come_back_on_restore() -> Result<
     let node = restore_node("rootfs-owners")?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        cri.pull_image(workloads()).await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("owners", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri.run_container(&pod, &counter_spec()).await?;
+        let (pod, id) = cri_counter_pod(&cri, &node, "owners").await?;
         // As root in the container: a setuid file of uid 1000, a directory of 1000:1000, and
         // regular files named like OCI whiteouts.
         let r = cri

@@ -522,6 +522,25 @@ pub fn counter_spec() -> ContainerSpec {
     ContainerSpec::new("counter", workloads()).command(&["/bin/counter", "--interval-ms", "100"])
 }
 
+/// Pulls the workloads image through CRI (so that it has a RepoDigest: a restore pulls the base
+/// image by the digest the checkpoint recorded) and runs [`counter_spec`] in a pod `pod` of
+/// `node` on the gpu-ckpt handler: the pod and the container's id.
+pub async fn cri_counter_pod(
+    cri: &Cri,
+    node: &Node,
+    pod: &str,
+) -> Result<(test_containers::cri::Pod, String)> {
+    cri.pull_image(workloads()).await?;
+    let pod = cri
+        .run_pod(
+            &test_containers::cri::PodSpec::new(pod, node.pod_log_root())
+                .handler(test_containers::stack::GPU_CKPT_HANDLER),
+        )
+        .await?;
+    let id = cri.run_container(&pod, &counter_spec()).await?;
+    Ok((pod, id))
+}
+
 /// A pod `name` on `node` for the restore RuntimeClass's handler ([`RESTORE_HANDLER`]),
 /// restoring `source` (the annotation `gpu-ckpt.io/restore-from`).
 pub fn restore_pod(name: &str, node: &Node, source: &str) -> test_containers::cri::PodSpec {
