@@ -37,11 +37,19 @@ release-tools:
 workloads:
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p gpu-ckpt-workloads --target $(HOST_TARGET)
 
-# Run from the workspace build, so that no second feature set of the dependencies is compiled.
-# The GPU workloads image takes gpu-train and gpu-fill from that build (dynamically linked: they
-# dlopen libcuda.so.1) and the host's glibc.
+# The test images, by the image tool (gpu-ckpt-images) of a workspace build, so that no second
+# feature set of the dependencies is compiled. The GPU workloads image takes gpu-train and
+# gpu-fill from that build (dynamically linked: they dlopen libcuda.so.1) and the host's glibc.
+# `images` uses the debug build the tests run; `release-images` the release build that the demo
+# and the benchmarks run anyway, so that they compile no debug build of every test target.
+build-images = $(1)/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(1) --out $(IMAGES_DIR)
+
 images: workloads build
-	target/debug/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(GPU_WORKLOADS_DIR) --out $(IMAGES_DIR)
+	$(call build-images,$(GPU_WORKLOADS_DIR))
+
+.PHONY: release-images
+release-images: workloads release-tools
+	$(call build-images,$(CURDIR)/target/release)
 
 # The node installer's image (runtime-class/installer/README.md): the release binaries and the
 # stack's CRIU with its libraries, as $(IMAGES_DIR)/gpu-ckpt-node-installer-<version>.tar, the Helm
@@ -68,10 +76,10 @@ test: export CARGO_INCREMENTAL = 0
 test: deps lint build images
 	test-containers/stack/test.sh
 
-demo: deps images release-tools
+demo: deps release-images
 	test-containers/stack/demo.sh
 
-bench: deps images release-tools
+bench: deps release-images
 	test-containers/stack/bench.sh
 
 # 1 GiB of device memory through the simulated driver's lock, checkpoint, restore and unlock,
@@ -123,7 +131,7 @@ bench-registry: deps
 
 # The plain manifests (runtime-class/manifests/*.yaml) rendered again from the Helm chart
 # (runtime-class/chart/gpu-ckpt) with its default values, by Helm's engine in the stack's Python
-# venv (`make deps`); tests/k8s_manifests.rs fails while they differ from that rendering.
+# venv (`make deps`); tests/integration/k8s_manifests.rs fails while they differ from that rendering.
 .PHONY: manifests
 manifests:
 	@test -x $(STACK)/py/bin/python || { echo "make manifests: $(STACK)/py/bin/python is missing; run 'make deps'" >&2; exit 1; }
@@ -132,13 +140,13 @@ manifests:
 # The full soak (docs/benchmarks.md, "Soak"): a counter checkpointed and restored 100 times in a
 # row under one shim, and 20 pods checkpointed at once, 5 times; the shims' fds and RSS with their
 # slopes (the debug shim, as the test command runs it). The tests start the plain registry if it
-# is not running. The test command runs a short soak (test-containers/tests/soak.rs).
+# is not running. The test command runs a short soak (test-containers/tests/integration/soak.rs).
 .PHONY: soak
 soak: deps images
 	$(CARGO) build -p gpu-ckpt-shim
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/debug GPU_CKPT_SOAK_CYCLES=100 GPU_CKPT_SOAK_PODS=20 \
-	  GPU_CKPT_SOAK_ROUNDS=5 $(CARGO) test -p gpu-ckpt-test-containers --test soak \
-	  -- --test-threads=1 --nocapture
+	  GPU_CKPT_SOAK_ROUNDS=5 $(CARGO) test -p gpu-ckpt-test-containers --test integration \
+	  -- --test-threads=1 --nocapture soak::
 
 # Longer fuzzing of the archive reader and manifest parser than the test command's bounded run.
 fuzz:

@@ -14,7 +14,7 @@ object with "error" and exit status 1.
   chart.py manifests CHART OUTDIR [--check]  (the plain manifests: default values)
   chart.py toml FILE...                     (TOML files as JSON: the containerd drop-ins)
 
-Used by test-containers/tests/k8s_manifests.rs and by `make manifests`.
+Used by test-containers/tests/integration/k8s_manifests.rs and by `make manifests`.
 """
 
 import argparse

@@ -498,6 +498,23 @@ pub struct Cri {
     timeout: Duration,
 }
 
+/// A `Cri` method for a RuntimeService call whose request is one id and whose answer the tests
+/// do not read: `name`, the request type with its id field, and the call's name for the error.
+macro_rules! id_call {
+    ($(#[$doc:meta])* $name:ident, $req:ident { $field:ident }, $call:literal) => {
+        $(#[$doc])*
+        pub async fn $name(&self, id: &str) -> Result<()> {
+            self.runtime()
+                .$name(self.req(cri::$req {
+                    $field: id.to_string(),
+                }))
+                .await
+                .with_context(|| format!(concat!("CRI ", $call, " {}"), id))?;
+            Ok(())
+        }
+    };
+}
+
 impl Cri {
     /// Connects to the CRI service on containerd's socket.
     pub async fn connect(socket: &Path) -> Result<Cri> {
@@ -738,38 +755,18 @@ impl Cri {
         Ok(())
     }
 
-    /// RemoveContainer.
-    pub async fn remove_container(&self, id: &str) -> Result<()> {
-        self.runtime()
-            .remove_container(self.req(cri::RemoveContainerRequest {
-                container_id: id.to_string(),
-            }))
-            .await
-            .with_context(|| format!("CRI RemoveContainer {id}"))?;
-        Ok(())
-    }
-
-    /// StopPodSandbox.
-    pub async fn stop_pod_sandbox(&self, id: &str) -> Result<()> {
-        self.runtime()
-            .stop_pod_sandbox(self.req(cri::StopPodSandboxRequest {
-                pod_sandbox_id: id.to_string(),
-            }))
-            .await
-            .with_context(|| format!("CRI StopPodSandbox {id}"))?;
-        Ok(())
-    }
-
-    /// RemovePodSandbox.
-    pub async fn remove_pod_sandbox(&self, id: &str) -> Result<()> {
-        self.runtime()
-            .remove_pod_sandbox(self.req(cri::RemovePodSandboxRequest {
-                pod_sandbox_id: id.to_string(),
-            }))
-            .await
-            .with_context(|| format!("CRI RemovePodSandbox {id}"))?;
-        Ok(())
-    }
+    id_call!(
+        /// RemoveContainer.
+        remove_container, RemoveContainerRequest { container_id }, "RemoveContainer"
+    );
+    id_call!(
+        /// StopPodSandbox.
+        stop_pod_sandbox, StopPodSandboxRequest { pod_sandbox_id }, "StopPodSandbox"
+    );
+    id_call!(
+        /// RemovePodSandbox.
+        remove_pod_sandbox, RemovePodSandboxRequest { pod_sandbox_id }, "RemovePodSandbox"
+    );
 
     /// Stops and removes every container of the pod, then the pod (kubelet's order).
     pub async fn remove_pod(&self, pod: &Pod) -> Result<()> {

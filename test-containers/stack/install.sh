@@ -10,7 +10,7 @@
 #   $STACK/cni/usr/lib/cni                                          bookworm containernetworking-plugins
 #   $STACK/py                                                       Python venv (system python3) with the pinned
 #                                                                   CUDA/NVML client libraries the GPU simulator's
-#                                                                   tests run (test-containers/tests/gpu_python.rs)
+#                                                                   tests run (test-containers/tests/integration/gpu_python.rs)
 #   $STACK/env.sh, $STACK/versions.txt
 #
 # Host packages come from bookworm (the system's own apt sources). Packages from trixie and sid are only
@@ -47,7 +47,7 @@ CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
 # the CUDA 13.4 custom-storage checkpoint API), the library finder they load libcuda.so.1 with, and
 # NVML's official bindings.
 PY_PINS=(cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 nvidia-ml-py==13.615.71)
-# The Kubernetes packaging's checks (runtime-class/tools/chart.py, tests/k8s_manifests.rs): Helm v4's
+# The Kubernetes packaging's checks (runtime-class/tools/chart.py, tests/integration/k8s_manifests.rs): Helm v4's
 # Go SDK as a Python library (no helm binary), and the Kubernetes API's JSON schemas per version,
 # shipped inside the package (1.28 to 1.37 in 1.37.0), so validation needs no network.
 PY_PINS+=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0)
@@ -122,7 +122,7 @@ HOST_PKGS=(
 )
 # openssl and apache2-utils (htpasswd -B): the TLS registry with logins that registry.sh runs beside
 # the plain one; skopeo: the reference client of `make bench-registry`.
-# strace: tests/crash_safety.rs watches the order of a checkpoint's syncs and renames.
+# strace: tests/integration/crash_safety.rs watches the order of a checkpoint's syncs and renames.
 APT_WAIT=(-oDPkg::Lock::Timeout=600)
 sys_updated=0
 sys_update() {

@@ -1,5 +1,5 @@
 //! install and uninstall on a scratch root with a stand-in payload (no containerd: that is
-//! test-containers/tests/node_installer.rs): idempotence, refusals, and runs cut short.
+//! test-containers/tests/integration/node_installer.rs): idempotence, refusals, and runs cut short.
 
 use std::collections::BTreeMap;
 use std::fs;

@@ -1,5 +1,5 @@
 """Shared helpers of the Python client checks: they print one JSON object per line and exit
-non-zero on the first unexpected result, so the Rust tests (test-containers/tests/gpu_python.rs)
+non-zero on the first unexpected result, so the Rust tests (test-containers/tests/integration/gpu_python.rs)
 assert on what they print."""
 
 import json
