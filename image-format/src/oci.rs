@@ -777,7 +777,7 @@ pub fn verify_image(image: &Path, limits: Limits, progress: Progress<'_>) -> Res
 
 /// Reads the blob `digest` of an image (layout directory or tarball), at most `limit` bytes,
 /// and checks it against its digest.
-pub(crate) fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<Vec<u8>> {
+pub fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<Vec<u8>> {
     let src = source_of(image)?;
     let name = blob_name(digest)?;
     let data = read_small_member(&src, &name)?;
@@ -802,7 +802,7 @@ pub(crate) fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<
 
 /// Where the blob `digest` of an image lies: a file and the offset of the blob in it (a layout
 /// directory's blob file at 0, or the member's data inside a layout tarball).
-pub(crate) fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)> {
+pub fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)> {
     let name = blob_name(digest)?;
     match source_of(image)? {
         Source::Dir(d) => {

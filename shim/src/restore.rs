@@ -799,7 +799,7 @@ fn fetch(
     // to the node's log only: before the signer and namespace are checked, the pod learns
     // nothing of what exists (docs/security.md, "One answer for every checkpoint a pod may
     // not use").
-    image_format::registry::pull_archive(
+    registry::pull_archive(
         source,
         &out,
         limits,

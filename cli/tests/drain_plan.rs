@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use image_format::drain_plan::{
+use gpu_ckpt_cli::drain_plan::{
     self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
 };
 use serde_json::Value;

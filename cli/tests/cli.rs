@@ -1,5 +1,7 @@
 //! The `gpu-ckpt` command end to end.
 
+// The format tests' archive builders.
+#[path = "../../image-format/tests/common/mod.rs"]
 mod common;
 
 use std::process::Command;

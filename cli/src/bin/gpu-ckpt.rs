@@ -15,7 +15,7 @@ use image_format::archive::{self, ExtractOptions};
 use image_format::compat::{self, Profile, Verdict};
 use image_format::manifest::{Devices, Manifest, Workload, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
-use image_format::registry::{self, RegistryOptions};
+use registry::RegistryOptions;
 use image_format::safe::Limits;
 
 use device::DeviceArgs;
@@ -109,7 +109,7 @@ struct RegistryArgs {
     /// containerd's per-registry host directory (certs.d layout: HOST[:PORT]/hosts.toml,
     /// ca.crt). Plain HTTP only for localhost without a hosts.toml, or where hosts.toml says
     /// http://.
-    #[arg(long, value_name = "DIR", default_value = image_format::registry::DEFAULT_HOSTS_DIR)]
+    #[arg(long, value_name = "DIR", default_value = registry::DEFAULT_HOSTS_DIR)]
     hosts_dir: PathBuf,
     /// Docker-style auth file (config.json / auth.json, credHelpers and credsStore included).
     /// Default: $REGISTRY_AUTH_FILE, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json.
@@ -199,7 +199,7 @@ enum Cmd {
     Device(DeviceArgs),
     /// Plan a node's drain or a fleet's driver upgrade from `kubectl get pods/nodes -o json`:
     /// the ordered steps and kubelet checkpoint calls. Exit 1 when a workload has nowhere to go.
-    DrainPlan(image_format::drain_plan::cli::DrainPlanArgs),
+    DrainPlan(gpu_ckpt_cli::drain_plan::cli::DrainPlanArgs),
     /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
     /// archive (--archive).
     Extract {
@@ -313,7 +313,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Key(cmd) => key_cmd(cmd),
         Cmd::Device(args) => Ok(device::run(&args)),
         Cmd::DrainPlan(args) => Ok(ExitCode::from(
-            match image_format::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
+            match gpu_ckpt_cli::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
                 true => 0,
                 false => 1,
             },
