@@ -22,7 +22,7 @@ use crate::digest::{sha256_hex, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, SCHEMA_VERSION};
 use crate::reference::ImageRef;
-use crate::safe::{Checker, EntryKind, Limits};
+use crate::safe::{for_each_checked, EntryKind, Limits};
 
 pub const MEDIA_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const MEDIA_LAYER_TAR_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
@@ -185,23 +185,13 @@ fn stream_layer(
         last_report: 0,
     };
     let mut ar = tar::Archive::new(tee);
-    let mut checker = Checker::new(limits);
     let mut info = ArchiveInfo::default();
     {
         let entries = ar.entries().map_err(|e| Error::Tar {
             entry: None,
             source: e,
         })?;
-        let mut last: Option<String> = None;
-        for ent in entries {
-            let mut ent = ent.map_err(|e| Error::Tar {
-                entry: last.clone(),
-                source: e,
-            })?;
-            let Some(e) = checker.check(&ent)? else {
-                continue;
-            };
-            last = Some(e.path.clone());
+        for_each_checked(entries, limits, |ent, e| {
             if e.kind == EntryKind::File {
                 info.sizes.total_size += e.size;
                 if e.path.starts_with("checkpoint/") {
@@ -244,7 +234,8 @@ fn stream_layer(
                 }
             }
             info.entries.push(e);
-        }
+            Ok(())
+        })?;
     }
     let mut tee = ar.into_inner();
     // Whatever follows the end-of-archive blocks is part of the file and of the layer.
