@@ -2,8 +2,9 @@
 //! lists (tests/fixtures/drain-plan/): a mixed node, a node whose workloads have nowhere to go, a
 //! driver upgrade across three node pools, and malformed input.
 
+mod command;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use gpu_ckpt_cli::drain_plan::{
     self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
@@ -79,15 +80,7 @@ fn drain_plan_cli(pods: &str, nodes: &str, node: &str, extra: &[&str]) -> (i32, 
 }
 
 fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    command::run(args, &[])
 }
 
 #[test]
