@@ -1171,7 +1171,8 @@ pub fn push_image(
             format!("{reference} names manifest {d}, the image's is {mdigest}"),
         ));
     }
-    let manifest_json = oci::read_image_blob(image, &mdigest, image_format::archive::MAX_METADATA_BYTES)?;
+    let manifest_json =
+        oci::read_image_blob(image, &mdigest, image_format::archive::MAX_METADATA_BYTES)?;
     let mut blobs = vec![m.config.clone()];
     blobs.extend(m.layers.iter().cloned());
     let mut located = Vec::new();
