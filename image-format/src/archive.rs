@@ -1100,11 +1100,10 @@ mod tests {
         let info = read_info_tree(dir.path(), Limits::default()).unwrap();
         assert!(info.spec_dump.is_some());
         assert!(info.manifest.is_none());
+        let refused = |limits| read_info_tree(dir.path(), limits).unwrap_err().to_string();
 
         std::os::unix::fs::symlink("/etc/shadow", ckpt.join("pages-1.img")).unwrap();
-        let err = read_info_tree(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
+        let err = refused(Limits::default());
         assert!(
             err.contains("checkpoint/pages-1.img") && err.contains("symbolic link"),
             "{err}"
@@ -1115,9 +1114,7 @@ mod tests {
             .unwrap();
         // SAFETY: a NUL-terminated path, as mkfifo(3) takes.
         assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o700) }, 0);
-        let err = read_info_tree(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
+        let err = refused(Limits::default());
         assert!(
             err.contains("checkpoint/fifo") && err.contains("fifo"),
             "{err}"
@@ -1125,9 +1122,7 @@ mod tests {
         std::fs::remove_file(ckpt.join("fifo")).unwrap();
 
         std::fs::create_dir(ckpt.join("sub")).unwrap();
-        let err = read_info_tree(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
+        let err = refused(Limits::default());
         assert!(err.contains("checkpoint/sub"), "{err}");
         std::fs::remove_dir(ckpt.join("sub")).unwrap();
 
@@ -1135,7 +1130,7 @@ mod tests {
             max_entry_bytes: 1,
             ..Limits::default()
         };
-        let err = read_info_tree(dir.path(), small).unwrap_err().to_string();
+        let err = refused(small);
         assert!(err.contains("exceeds the limit"), "{err}");
     }
 }
