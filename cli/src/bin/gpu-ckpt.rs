@@ -245,6 +245,10 @@ impl Bar {
     }
     fn finish(&self) {
         self.0.finish();
+        // The last state stays on screen; what the command prints next starts a line of its own.
+        if !self.0.is_hidden() {
+            eprintln!();
+        }
     }
 }
 
