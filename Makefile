@@ -56,7 +56,7 @@ release-images: workloads release-tools
 # chart's default image (not in images.json: the tests do not import it).
 .PHONY: installer-image
 installer-image: deps
-	$(CARGO) build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-image-format -p gpu-ckpt-oci-hooks
+	$(CARGO) build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks
 	$(CARGO) build -p gpu-ckpt-test-containers --bin gpu-ckpt-images
 	target/debug/gpu-ckpt-images --node-installer-bins target/release --criu $(STACK)/bin/criu --out $(IMAGES_DIR)
 
@@ -126,7 +126,7 @@ bench-image-format:
 # gpu-ckpt and by skopeo on the same image and registry, as ratios (docs/benchmarks.md).
 .PHONY: bench-registry
 bench-registry: deps
-	$(CARGO) build --release -p gpu-ckpt-image-format --bin gpu-ckpt
+	$(CARGO) build --release -p gpu-ckpt-cli --bin gpu-ckpt
 	test-containers/stack/bench-registry.sh
 
 # The plain manifests (runtime-class/manifests/*.yaml) rendered again from the Helm chart

@@ -22,6 +22,7 @@ use libloading::Library;
 use crate::error::GpuError;
 use crate::state::ProcessState;
 use crate::uuid::GpuPair;
+pub use crate::version::CudaVersion;
 use crate::DeviceCheckpoint;
 
 /// The library loaded when no path is given (the dynamic loader's search applies).
@@ -35,16 +36,6 @@ pub const REMAP_MIN_VERSION: i32 = 13000;
 pub type CUresult = u32;
 /// `CUDA_SUCCESS`.
 pub const CUDA_SUCCESS: CUresult = 0;
-
-/// A `cuDriverGetVersion` number shown as `major.minor` (12080 → "12.8").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CudaVersion(pub i32);
-
-impl fmt::Display for CudaVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.0 / 1000, (self.0 % 1000) / 10)
-    }
-}
 
 /// `CUcheckpointLockArgs`: `timeoutMs` (0 = no timeout), then reserved.
 #[repr(C)]
@@ -318,6 +309,25 @@ impl CudaDriver {
             })
     }
 
+    /// A checkpoint-API call whose arguments are all defaults (checkpoint, unlock): `step` is
+    /// the call's name, the state it must leave the process in, and the word logged after it.
+    fn default_args_step<A: Default>(
+        &self,
+        sym: &Sym<PidFn<A>>,
+        pid: i32,
+        (step, expected, done): (&'static str, ProcessState, &'static str),
+    ) -> Result<(), GpuError> {
+        let start = Instant::now();
+        let f = self.sym(sym)?;
+        let mut args = A::default();
+        // SAFETY: a function of this signature from the loaded library; `args` is a live,
+        // zero-filled struct of the size the driver reads.
+        self.call(sym.name, Some(pid), || unsafe { f(pid, &mut args) })?;
+        self.expect_state(step, pid, expected)?;
+        tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "{done}");
+        Ok(())
+    }
+
     /// Reads the state back after `step` and checks it is `expected`.
     fn expect_state(
         &self,
@@ -361,19 +371,8 @@ impl DeviceCheckpoint for CudaDriver {
 
     fn checkpoint(&self, pid: i32) -> Result<(), GpuError> {
         let _span = tracing::info_span!("cuda_checkpoint", pid).entered();
-        let start = Instant::now();
-        let f = self.sym(&self.loaded.checkpoint)?;
-        let mut args = CUcheckpointCheckpointArgs::default();
-        // SAFETY: as in `lock`.
-        self.call(self.loaded.checkpoint.name, Some(pid), || unsafe {
-            f(pid, &mut args)
-        })?;
-        self.expect_state("checkpoint", pid, ProcessState::CHECKPOINTED)?;
-        tracing::info!(
-            elapsed_ms = start.elapsed().as_millis() as u64,
-            "checkpointed"
-        );
-        Ok(())
+        let step = ("checkpoint", ProcessState::CHECKPOINTED, "checkpointed");
+        self.default_args_step(&self.loaded.checkpoint, pid, step)
     }
 
     fn restore(&self, pid: i32, pairs: &[GpuPair]) -> Result<(), GpuError> {
@@ -411,16 +410,8 @@ impl DeviceCheckpoint for CudaDriver {
 
     fn unlock(&self, pid: i32) -> Result<(), GpuError> {
         let _span = tracing::info_span!("cuda_unlock", pid).entered();
-        let start = Instant::now();
-        let f = self.sym(&self.loaded.unlock)?;
-        let mut args = CUcheckpointUnlockArgs::default();
-        // SAFETY: as in `lock`.
-        self.call(self.loaded.unlock.name, Some(pid), || unsafe {
-            f(pid, &mut args)
-        })?;
-        self.expect_state("unlock", pid, ProcessState::RUNNING)?;
-        tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "unlocked");
-        Ok(())
+        let step = ("unlock", ProcessState::RUNNING, "unlocked");
+        self.default_args_step(&self.loaded.unlock, pid, step)
     }
 
     fn state(&self, pid: i32) -> Result<ProcessState, GpuError> {
@@ -705,13 +696,6 @@ mod tests {
         assert!(msg.contains(&format!("{}={}", u(2), u(3))), "{msg}");
         assert!(!msg.contains(&format!("{}={}", u(1), u(1))), "{msg}");
         assert!(restore_pairs(7, 12999, &moved).is_err());
-    }
-
-    #[test]
-    fn versions() {
-        assert_eq!(CudaVersion(12080).to_string(), "12.8");
-        assert_eq!(CudaVersion(13000).to_string(), "13.0");
-        assert_eq!(CudaVersion(12040).to_string(), "12.4");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The one error type of the device backends.
 
-use crate::cuda::CudaVersion;
 use crate::state::ProcessState;
+use crate::version::CudaVersion;
 
 /// Everything a device backend can fail with.
 #[derive(Debug, thiserror::Error)]

@@ -8,6 +8,7 @@ pub mod error;
 pub mod nvml;
 pub mod state;
 pub mod uuid;
+pub mod version;
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 work=${2:-$(mktemp -d /tmp/gpu-ckpt-bench.XXXXXX)}
 trap 'rm -rf "$work"' EXIT
 cd "$here"
-cargo build --release -q -p gpu-ckpt-image-format --bin gpu-ckpt
+cargo build --release -q -p gpu-ckpt-cli --bin gpu-ckpt
 bin="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/release/gpu-ckpt"
 mkdir -p "$work/ck"
 # Checkpoint directory: one big pages file (random data, so nothing compresses or dedups) + small files.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::{no_progress, FileHasher, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::manifest::{FileDigest, Manifest, MANIFEST_FILE};
-use crate::safe::{Checker, EntryInfo, EntryKind, Limits, SafeRoot};
+use crate::safe::{for_each_checked, EntryInfo, EntryKind, Limits, SafeRoot};
 
 /// checkpointctl's names for archive members.
 pub mod names {
@@ -328,22 +328,16 @@ pub fn read_info(path: &Path, limits: Limits) -> Result<ArchiveInfo> {
 /// [`read_info`] over any seekable reader.
 pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInfo> {
     let mut ar = tar::Archive::new(r);
-    let mut checker = Checker::new(limits);
     let mut info = ArchiveInfo::default();
-    let mut last: Option<String> = None;
     let entries = ar.entries_with_seek().map_err(|e| tar_err(None, e))?;
-    for ent in entries {
-        let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
-        let Some(e) = checker.check(&ent)? else {
-            continue;
-        };
-        last = Some(e.path.clone());
+    for_each_checked(entries, limits, |ent, e| {
         add_sizes(&mut info.sizes, &e);
         if e.kind == EntryKind::File {
-            info.take_member(&e.path, || read_small(&mut ent, &e.path, e.size))?;
+            info.take_member(&e.path, || read_small(ent, &e.path, e.size))?;
         }
         info.entries.push(e);
-    }
+        Ok(())
+    })?;
     Ok(info)
 }
 
@@ -352,48 +346,148 @@ pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInf
 /// CRIU's `stats-dump`. Such a directory holds no container metadata (`config.dump`,
 /// `spec.dump`), so those stay empty. Symlinks are listed, never followed.
 pub fn read_info_dir(dir: &Path) -> Result<ArchiveInfo> {
+    read_dir_members(dir, names::CHECKPOINT_DIRECTORY, None)
+}
+
+/// [`read_info`] for a whole archive laid out as a directory tree (an image volume: the
+/// checkpoint image's layer, unpacked by containerd), checked like an archive's entries: only
+/// directories and regular files (no links, devices, fifos or sockets, nothing followed),
+/// within `limits`, `checkpoint/` flat, and the small JSON members read with the archive
+/// reader's size bound.
+pub fn read_info_tree(root: &Path, limits: Limits) -> Result<ArchiveInfo> {
+    read_dir_members(root, "", Some(limits))
+}
+
+/// The one reader of a directory as archive members: `root`'s entries named under `prefix`.
+/// With `strict` limits, the tree is walked and anything but directories and regular files is
+/// refused ([`read_info_tree`]); without, only `root` itself is listed, links and
+/// subdirectories as such, other special files left out ([`read_info_dir`]).
+fn read_dir_members(root: &Path, prefix: &str, strict: Option<Limits>) -> Result<ArchiveInfo> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let listing = if strict.is_some() {
+        "reading"
+    } else {
+        "listing"
+    };
     let mut info = ArchiveInfo::default();
-    let mut ents = Vec::new();
-    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
-        ents.push(ent.map_err(|e| Error::io("listing", dir, e))?);
-    }
-    ents.sort_by_key(|e| e.file_name());
-    for ent in ents {
-        let name = ent.file_name().to_string_lossy().into_owned();
-        let path = ent.path();
-        // DirEntry::metadata does not follow a symlink.
-        let meta = ent.metadata().map_err(|e| Error::io("reading", &path, e))?;
-        let kind = if meta.is_file() {
-            EntryKind::File
-        } else if meta.is_dir() {
-            EntryKind::Dir
-        } else if meta.file_type().is_symlink() {
-            let target = fs::read_link(&path).map_err(|e| Error::io("reading", &path, e))?;
-            EntryKind::Symlink(target.to_string_lossy().into_owned())
-        } else {
-            continue;
-        };
-        use std::os::unix::fs::PermissionsExt;
-        let e = EntryInfo {
-            path: format!("checkpoint/{name}"),
-            size: if kind == EntryKind::File {
+    let (mut count, mut total) = (0u64, 0u64);
+    let mut stack = vec![(root.to_path_buf(), prefix.to_string())];
+    while let Some((dir, rel)) = stack.pop() {
+        let mut ents = Vec::new();
+        for ent in fs::read_dir(&dir).map_err(|e| Error::io(listing, &dir, e))? {
+            ents.push(ent.map_err(|e| Error::io(listing, &dir, e))?);
+        }
+        ents.sort_by_key(|e| e.file_name());
+        for ent in ents {
+            let name = ent.file_name().to_string_lossy().into_owned();
+            let path = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let file = ent.path();
+            if let Some(limits) = strict {
+                count += 1;
+                if count > limits.max_entries {
+                    return Err(Error::TooManyEntries {
+                        entry: path,
+                        limit: limits.max_entries,
+                    });
+                }
+            }
+            // DirEntry::metadata is an lstat: a link is seen as a link, never followed.
+            let meta = ent.metadata().map_err(|e| Error::io("reading", &file, e))?;
+            let ft = meta.file_type();
+            let kind = match strict {
+                _ if ft.is_file() => EntryKind::File,
+                Some(_) if ft.is_dir() && rel == names::CHECKPOINT_DIRECTORY => {
+                    return Err(Error::ForbiddenType {
+                        entry: path,
+                        kind: "subdirectory (checkpoint/ holds only CRIU images)",
+                    });
+                }
+                Some(_) if ft.is_dir() => {
+                    stack.push((file, path));
+                    continue;
+                }
+                Some(_) => {
+                    let kind = if ft.is_symlink() {
+                        "symbolic link"
+                    } else if ft.is_block_device() || ft.is_char_device() {
+                        "device node"
+                    } else if ft.is_fifo() {
+                        "fifo"
+                    } else {
+                        "socket"
+                    };
+                    return Err(Error::ForbiddenType { entry: path, kind });
+                }
+                None if ft.is_dir() => EntryKind::Dir,
+                None if ft.is_symlink() => {
+                    let target =
+                        fs::read_link(&file).map_err(|e| Error::io("reading", &file, e))?;
+                    EntryKind::Symlink(target.to_string_lossy().into_owned())
+                }
+                None => continue,
+            };
+            let size = if kind == EntryKind::File {
                 meta.len()
             } else {
                 0
-            },
-            kind,
-            mode: meta.permissions().mode() & 0o7777,
-        };
-        add_sizes(&mut info.sizes, &e);
-        if e.kind == EntryKind::File {
-            info.take_member(&e.path, || {
-                let mut f = File::open(&path).map_err(|x| Error::io("opening", &path, x))?;
-                read_small(&mut f, &e.path, e.size)
-            })?;
+            };
+            if let Some(limits) = strict {
+                if size > limits.max_entry_bytes {
+                    return Err(Error::EntryTooLarge {
+                        entry: path,
+                        size,
+                        limit: limits.max_entry_bytes,
+                    });
+                }
+                total += size;
+                if total > limits.max_total_bytes {
+                    return Err(Error::ArchiveTooLarge {
+                        entry: path,
+                        total,
+                        limit: limits.max_total_bytes,
+                    });
+                }
+            }
+            let e = EntryInfo {
+                path,
+                size,
+                kind,
+                mode: meta.permissions().mode() & 0o7777,
+            };
+            add_sizes(&mut info.sizes, &e);
+            if e.kind == EntryKind::File {
+                info.take_member(&e.path, || read_small_file(&file, &e.path, e.size))?;
+            }
+            info.entries.push(e);
         }
-        info.entries.push(e);
     }
     Ok(info)
+}
+
+/// A small member of a directory (see [`read_small`]), opened without following a link.
+fn read_small_file(file: &Path, entry: &str, size: u64) -> Result<Vec<u8>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if size > MAX_METADATA_BYTES {
+        return Err(Error::EntryTooLarge {
+            entry: entry.to_string(),
+            size,
+            limit: MAX_METADATA_BYTES,
+        });
+    }
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(file)
+        .map_err(|e| Error::io("opening", file, e))?;
+    let mut v = Vec::with_capacity(size as usize);
+    f.take(MAX_METADATA_BYTES)
+        .read_to_end(&mut v)
+        .map_err(|e| Error::io("reading", file, e))?;
+    Ok(v)
 }
 
 /// What a full streaming verification found.
@@ -426,50 +520,42 @@ pub fn verify_stream<R: Read>(
     progress: Progress<'_>,
 ) -> Result<VerifyReport> {
     let mut ar = tar::Archive::new(r);
-    let mut checker = Checker::new(limits);
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
     let mut uncovered = BTreeMap::new();
     let mut manifest = None;
     let mut buf = vec![0u8; COPY_BUF];
     let mut bytes = 0u64;
-    let mut last: Option<String> = None;
-    {
-        let entries = ar.entries().map_err(|e| tar_err(None, e))?;
-        for ent in entries {
-            let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
-            let Some(e) = checker.check(&ent)? else {
-                continue;
-            };
-            last = Some(e.path.clone());
-            if e.kind != EntryKind::File {
-                continue;
+    let entries = ar.entries().map_err(|e| tar_err(None, e))?;
+    for_each_checked(entries, limits, |ent, e| {
+        if e.kind != EntryKind::File {
+            return Ok(());
+        }
+        if e.path == names::MANIFEST_PATH {
+            let d = read_small(ent, &e.path, e.size)?;
+            manifest = Some(Manifest::from_json(&d, &e.path)?);
+            return Ok(());
+        }
+        let mut hasher = hasher_for(manifest.as_ref(), &e.path);
+        loop {
+            let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
+            if k == 0 {
+                break;
             }
-            if e.path == names::MANIFEST_PATH {
-                let d = read_small(&mut ent, &e.path, e.size)?;
-                manifest = Some(Manifest::from_json(&d, &e.path)?);
-                continue;
+            hasher.update(&buf[..k]);
+            bytes += k as u64;
+            progress(ent.raw_file_position() + hasher.size(), total);
+        }
+        let d = hasher.finish();
+        match e.path.strip_prefix("checkpoint/") {
+            Some(name) if !name.contains('/') => {
+                found.insert(name.to_string(), d);
             }
-            let mut hasher = hasher_for(manifest.as_ref(), &e.path);
-            loop {
-                let k = ent.read(&mut buf).map_err(|x| tar_err(Some(&e.path), x))?;
-                if k == 0 {
-                    break;
-                }
-                hasher.update(&buf[..k]);
-                bytes += k as u64;
-                progress(ent_pos(&ent) + hasher.size(), total);
-            }
-            let d = hasher.finish();
-            match e.path.strip_prefix("checkpoint/") {
-                Some(name) if !name.contains('/') => {
-                    found.insert(name.to_string(), d);
-                }
-                _ => {
-                    uncovered.insert(e.path.clone(), d);
-                }
+            _ => {
+                uncovered.insert(e.path.clone(), d);
             }
         }
-    }
+        Ok(())
+    })?;
     progress(total, total);
     let manifest = manifest.ok_or_else(|| Error::MissingEntry {
         name: names::MANIFEST_PATH.into(),
@@ -481,10 +567,6 @@ pub fn verify_stream<R: Read>(
         bytes,
         uncovered,
     })
-}
-
-fn ent_pos<R: Read>(e: &tar::Entry<'_, R>) -> u64 {
-    e.raw_file_position()
 }
 
 /// How to hash archive member `path` as it streams by: a file of `checkpoint/` against its
@@ -744,7 +826,6 @@ fn extract_inner<R: Read>(
     created: &mut Vec<String>,
 ) -> Result<Vec<EntryInfo>> {
     let mut ar = tar::Archive::new(r);
-    let mut checker = Checker::new(opts.limits);
     let mut out = Vec::new();
     let mut symlinks = Vec::new();
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
@@ -754,17 +835,11 @@ fn extract_inner<R: Read>(
         Select::All => None,
     };
     let mut made = std::collections::HashSet::new();
-    let mut last: Option<String> = None;
     let mut buf = vec![0u8; COPY_BUF];
     let entries = ar.entries().map_err(|e| tar_err(None, e))?;
-    for ent in entries {
-        let mut ent = ent.map_err(|e| tar_err(last.as_deref(), e))?;
-        let Some(e) = checker.check(&ent)? else {
-            continue;
-        };
-        last = Some(e.path.clone());
+    for_each_checked(entries, opts.limits, |ent, e| {
         if !select.take(&e)? {
-            continue;
+            return Ok(());
         }
         let wrap = |x: io::Error| Error::io("extracting", target.join(&e.path), x);
         let exists = |x: io::Error| {
@@ -830,7 +905,8 @@ fn extract_inner<R: Read>(
             EntryKind::Symlink(t) => symlinks.push((t.clone(), e.path.clone())),
         }
         out.push(e);
-    }
+        Ok(())
+    })?;
     // Links last, so no later entry can be written through one.
     for (t, p) in symlinks {
         root.symlink(&t, &p).map_err(|x| {
@@ -924,12 +1000,7 @@ pub fn write_archive_to<W: Write>(spec: &ArchiveSpec, w: W) -> Result<W> {
         b.append_data(&mut h, "checkpoint/", io::empty())
             .map_err(|e| werr("checkpoint/", e))?;
         let mut files: Vec<String> = Vec::new();
-        for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
-            let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
-            let name = ent.file_name().into_string().map_err(|n| Error::NotFlat {
-                name: n.to_string_lossy().into_owned(),
-                reason: "name is not utf-8",
-            })?;
+        for (name, ent) in crate::manifest::flat_entries(dir)? {
             let ft = ent
                 .file_type()
                 .map_err(|e| Error::io("reading", ent.path(), e))?;
@@ -1013,4 +1084,53 @@ pub fn list(path: &Path) -> Result<Vec<EntryInfo>> {
 /// Convenience: verify with no progress and default limits.
 pub fn verify(path: &Path) -> Result<VerifyReport> {
     verify_archive(path, Limits::default(), &mut no_progress)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unpacked_archive_with_links_or_special_files_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("checkpoint");
+        std::fs::create_dir(&ckpt).unwrap();
+        std::fs::write(ckpt.join("inventory.img"), b"x").unwrap();
+        std::fs::write(dir.path().join("spec.dump"), b"{}").unwrap();
+        let info = read_info_tree(dir.path(), Limits::default()).unwrap();
+        assert!(info.spec_dump.is_some());
+        assert!(info.manifest.is_none());
+        let refused = |limits| read_info_tree(dir.path(), limits).unwrap_err().to_string();
+
+        std::os::unix::fs::symlink("/etc/shadow", ckpt.join("pages-1.img")).unwrap();
+        let err = refused(Limits::default());
+        assert!(
+            err.contains("checkpoint/pages-1.img") && err.contains("symbolic link"),
+            "{err}"
+        );
+        std::fs::remove_file(ckpt.join("pages-1.img")).unwrap();
+
+        let fifo = std::ffi::CString::new(ckpt.join("fifo").into_os_string().into_encoded_bytes())
+            .unwrap();
+        // SAFETY: a NUL-terminated path, as mkfifo(3) takes.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o700) }, 0);
+        let err = refused(Limits::default());
+        assert!(
+            err.contains("checkpoint/fifo") && err.contains("fifo"),
+            "{err}"
+        );
+        std::fs::remove_file(ckpt.join("fifo")).unwrap();
+
+        std::fs::create_dir(ckpt.join("sub")).unwrap();
+        let err = refused(Limits::default());
+        assert!(err.contains("checkpoint/sub"), "{err}");
+        std::fs::remove_dir(ckpt.join("sub")).unwrap();
+
+        let small = Limits {
+            max_entry_bytes: 1,
+            ..Limits::default()
+        };
+        let err = refused(small);
+        assert!(err.contains("exceeds the limit"), "{err}");
+    }
 }

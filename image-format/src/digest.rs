@@ -5,10 +5,10 @@ use std::io::{self, Read, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::manifest::{is_page_image, FileDigest};
 
 /// Buffer size for streaming copies: large enough that syscalls are not the bottleneck.
 pub const COPY_BUF: usize = 1 << 20;
@@ -22,6 +22,31 @@ pub fn no_progress(_: u64, _: u64) {}
 /// Lower-case hex sha256 of a byte slice.
 pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
+}
+
+/// Size and digests of one file: at least one of the two (see [`FileHasher::recording`] for
+/// which a checkpoint lists).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileDigest {
+    pub size: u64,
+    /// sha256, lower-case hex, no prefix. Empty (left out of the JSON) for CRIU's page images
+    /// from schema version 2 on.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sha256: String,
+    /// BLAKE3 (256 bits), lower-case hex, no prefix. When present, it is the digest gpu-ckpt
+    /// verifies the file with. Empty in manifests from before it was recorded.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub blake3: String,
+}
+
+/// CRIU's page images, `pages-<n>.img`: the one kind of file a restore may read before its
+/// digest is checked, because CRIU copies their bytes into the restored memory without parsing
+/// them, at the places the (already verified) pagemap images say. The restored tasks must not
+/// run until `manifest::DeferredDigests::verify` has passed.
+pub fn is_page_image(name: &str) -> bool {
+    name.strip_prefix("pages-")
+        .and_then(|r| r.strip_suffix(".img"))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// A reader that hashes (and counts) everything read through it.

@@ -191,7 +191,8 @@ fn entry_suffix(e: &Option<String>) -> String {
 }
 
 impl Error {
-    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An I/O error: what was being done, to which path.
+    pub fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             what,
             path: path.into(),

@@ -15,9 +15,12 @@ use std::sync::{Condvar, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
+// The file digests and the page-image rule live with the hashing; they stay reachable here,
+// where the manifest's users have always found them.
 use crate::digest::{
     digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
 };
+pub use crate::digest::{is_page_image, FileDigest};
 use crate::durable::{Durability, RealFs, SyncFs};
 use crate::error::{Error, Result};
 
@@ -327,21 +330,6 @@ pub struct DeviceState {
     pub sha256: String,
 }
 
-/// Size and digests of one file: at least one of the two (see [`FileHasher::recording`] for
-/// which a checkpoint lists).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FileDigest {
-    pub size: u64,
-    /// sha256, lower-case hex, no prefix. Empty (left out of the JSON) for CRIU's page images
-    /// from schema version 2 on.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub sha256: String,
-    /// BLAKE3 (256 bits), lower-case hex, no prefix. When present, it is the digest gpu-ckpt
-    /// verifies the file with. Empty in manifests from before it was recorded.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
-    pub blake3: String,
-}
-
 /// How long one step took.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepTiming {
@@ -635,6 +623,20 @@ pub fn hash_dir_flat_progress(
     hash_dir_flat_with(dir, BTreeMap::new(), PageDigests::default(), progress)
 }
 
+/// The entries of a flat checkpoint directory, each with its name, which must be UTF-8.
+pub(crate) fn flat_entries(dir: &Path) -> Result<Vec<(String, fs::DirEntry)>> {
+    let mut out = Vec::new();
+    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
+        let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
+        let name = ent.file_name().into_string().map_err(|n| Error::NotFlat {
+            name: n.to_string_lossy().into_owned(),
+            reason: "name is not utf-8",
+        })?;
+        out.push((name, ent));
+    }
+    Ok(out)
+}
+
 /// [`hash_dir_flat`], taking the digests in `known` (from an [`AppendHasher`] that followed the
 /// files as they were written) for files whose size still matches, and hashing the rest, page
 /// images with the digests `pages` says.
@@ -646,12 +648,7 @@ pub fn hash_dir_flat_with(
 ) -> Result<BTreeMap<String, FileDigest>> {
     let mut names = Vec::new();
     let mut total = 0u64;
-    for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
-        let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
-        let name = ent.file_name().into_string().map_err(|n| Error::NotFlat {
-            name: n.to_string_lossy().into_owned(),
-            reason: "name is not utf-8",
-        })?;
+    for (name, ent) in flat_entries(dir)? {
         if is_manifest_or_temp(&name) {
             continue;
         }
@@ -877,16 +874,6 @@ pub fn verify_dir_progress(dir: &Path, progress: Progress<'_>) -> Result<Manifes
     let (m, deferred) = verify_dir_staged(dir, &|_| false, progress)?;
     debug_assert!(deferred.files.is_empty());
     Ok(m)
-}
-
-/// CRIU's page images, `pages-<n>.img`: the one kind of file a restore may read before its
-/// digest is checked, because CRIU copies their bytes into the restored memory without parsing
-/// them, at the places the (already verified) pagemap images say. The restored tasks must not
-/// run until [`DeferredDigests::verify`] has passed.
-pub fn is_page_image(name: &str) -> bool {
-    name.strip_prefix("pages-")
-        .and_then(|r| r.strip_suffix(".img"))
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// What [`verify_dir_staged`] left for later: the digests of the deferred files, whose presence,

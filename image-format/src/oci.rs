@@ -22,7 +22,7 @@ use crate::digest::{sha256_hex, Progress, COPY_BUF};
 use crate::error::{Error, Result};
 use crate::manifest::{Manifest, SCHEMA_VERSION};
 use crate::reference::ImageRef;
-use crate::safe::{Checker, EntryKind, Limits};
+use crate::safe::{for_each_checked, EntryKind, Limits};
 
 pub const MEDIA_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const MEDIA_LAYER_TAR_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
@@ -185,23 +185,13 @@ fn stream_layer(
         last_report: 0,
     };
     let mut ar = tar::Archive::new(tee);
-    let mut checker = Checker::new(limits);
     let mut info = ArchiveInfo::default();
     {
         let entries = ar.entries().map_err(|e| Error::Tar {
             entry: None,
             source: e,
         })?;
-        let mut last: Option<String> = None;
-        for ent in entries {
-            let mut ent = ent.map_err(|e| Error::Tar {
-                entry: last.clone(),
-                source: e,
-            })?;
-            let Some(e) = checker.check(&ent)? else {
-                continue;
-            };
-            last = Some(e.path.clone());
+        for_each_checked(entries, limits, |ent, e| {
             if e.kind == EntryKind::File {
                 info.sizes.total_size += e.size;
                 if e.path.starts_with("checkpoint/") {
@@ -244,7 +234,8 @@ fn stream_layer(
                 }
             }
             info.entries.push(e);
-        }
+            Ok(())
+        })?;
     }
     let mut tee = ar.into_inner();
     // Whatever follows the end-of-archive blocks is part of the file and of the layer.
@@ -777,7 +768,7 @@ pub fn verify_image(image: &Path, limits: Limits, progress: Progress<'_>) -> Res
 
 /// Reads the blob `digest` of an image (layout directory or tarball), at most `limit` bytes,
 /// and checks it against its digest.
-pub(crate) fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<Vec<u8>> {
+pub fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<Vec<u8>> {
     let src = source_of(image)?;
     let name = blob_name(digest)?;
     let data = read_small_member(&src, &name)?;
@@ -802,7 +793,7 @@ pub(crate) fn read_image_blob(image: &Path, digest: &str, limit: u64) -> Result<
 
 /// Where the blob `digest` of an image lies: a file and the offset of the blob in it (a layout
 /// directory's blob file at 0, or the member's data inside a layout tarball).
-pub(crate) fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)> {
+pub fn blob_location(image: &Path, digest: &str) -> Result<(PathBuf, u64)> {
     let name = blob_name(digest)?;
     match source_of(image)? {
         Source::Dir(d) => {

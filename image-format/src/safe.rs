@@ -107,6 +107,30 @@ fn parent_of(path: &str) -> &str {
     path.rfind('/').map(|i| &path[..i]).unwrap_or("")
 }
 
+/// Every entry of a tar stream, each checked by one [`Checker`] before `each` sees it (with the
+/// entry, to read its data, and what the check found); the archive root ("./") is skipped. A
+/// stream that cannot be read names the last entry that could.
+pub fn for_each_checked<'a, R: io::Read + 'a>(
+    entries: tar::Entries<'a, R>,
+    limits: Limits,
+    mut each: impl FnMut(&mut tar::Entry<'a, R>, EntryInfo) -> Result<()>,
+) -> Result<()> {
+    let mut checker = Checker::new(limits);
+    let mut last: Option<String> = None;
+    for ent in entries {
+        let mut ent = ent.map_err(|source| Error::Tar {
+            entry: last.clone(),
+            source,
+        })?;
+        let Some(e) = checker.check(&ent)? else {
+            continue;
+        };
+        last = Some(e.path.clone());
+        each(&mut ent, e)?;
+    }
+    Ok(())
+}
+
 impl Checker {
     pub fn new(limits: Limits) -> Self {
         Checker {

@@ -102,7 +102,7 @@ pub struct RuntimeOptions {
     pub restore_staging_dir: String,
     /// containerd's per-registry host directory (`certs.d` layout: `HOST[:PORT]/hosts.toml`,
     /// `ca.crt`) for the restore handler's registry pulls. Empty:
-    /// [`image_format::registry::DEFAULT_HOSTS_DIR`], the directory a node's containerd
+    /// [`registry::DEFAULT_HOSTS_DIR`], the directory a node's containerd
     /// usually reads (`config_path`).
     pub registry_hosts_dir: String,
     /// The docker-style auth file (`config.json`: `auths`, `credHelpers`, `credsStore`) for the
@@ -424,13 +424,13 @@ impl RuntimeOptions {
 
     /// Where the restore handler's registry pulls find TLS settings and logins
     /// (`RegistryHostsDir`, `RegistryAuthFile`).
-    pub fn registry_options(&self) -> image_format::registry::RegistryOptions {
+    pub fn registry_options(&self) -> registry::RegistryOptions {
         let hosts_dir = if self.registry_hosts_dir.is_empty() {
-            image_format::registry::DEFAULT_HOSTS_DIR
+            registry::DEFAULT_HOSTS_DIR
         } else {
             &self.registry_hosts_dir
         };
-        image_format::registry::RegistryOptions {
+        registry::RegistryOptions {
             hosts_dir: Some(PathBuf::from(hosts_dir)),
             auth_file: (!self.registry_auth_file.is_empty())
                 .then(|| PathBuf::from(&self.registry_auth_file)),
@@ -669,7 +669,7 @@ mod tests {
         let d = RuntimeOptions::default().registry_options();
         assert_eq!(
             d.hosts_dir.as_deref(),
-            Some(Path::new(image_format::registry::DEFAULT_HOSTS_DIR))
+            Some(Path::new(registry::DEFAULT_HOSTS_DIR))
         );
         assert_eq!(d.auth_file, None);
         for bad in [

@@ -494,7 +494,8 @@ fn prepare_from_mount(
         source,
     )?;
     // Step 2: every entry checked where it lies (a hostile image's layer), the metadata read.
-    let info = read_dir_info(&root, limits).map_err(|e| step("check")(format!("{source}: {e}")))?;
+    let info = archive::read_info_tree(&root, limits)
+        .map_err(|e| step("check")(format!("{source}: {e}")))?;
     // Steps 3 to 5: the same admission as any other source.
     let signed = match admit(bundle, &info, source, me, ann, options)? {
         Admitted::Fits { signed } => signed,
@@ -622,107 +623,6 @@ pub fn refuse_checkpoint_volumes(bundle: &Bundle) -> Result<()> {
     Ok(())
 }
 
-/// The metadata of a checkpoint laid out as a directory (an image volume: the checkpoint
-/// image's layer, unpacked by containerd), checked like an archive's entries: only
-/// directories and regular files (no links, devices, fifos or sockets, nothing followed),
-/// within `limits`, `checkpoint/` flat, and the small JSON members read with the archive
-/// reader's size bound.
-pub fn read_dir_info(root: &Path, limits: Limits) -> image_format::Result<ArchiveInfo> {
-    use image_format::Error as E;
-    use std::os::unix::fs::FileTypeExt;
-    let io = |what: &'static str, p: &Path| {
-        let path = p.to_path_buf();
-        move |source| E::Io { what, path, source }
-    };
-    let mut info = ArchiveInfo::default();
-    let (mut entries, mut total) = (0u64, 0u64);
-    let mut stack = vec![(root.to_path_buf(), String::new())];
-    while let Some((dir, rel)) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).map_err(io("reading", &dir))? {
-            let entry = entry.map_err(io("reading", &dir))?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = if rel.is_empty() {
-                name.clone()
-            } else {
-                format!("{rel}/{name}")
-            };
-            entries += 1;
-            if entries > limits.max_entries {
-                return Err(E::TooManyEntries {
-                    entry: path,
-                    limit: limits.max_entries,
-                });
-            }
-            // lstat: a link is seen as a link, never followed.
-            let meta =
-                std::fs::symlink_metadata(entry.path()).map_err(io("reading", &entry.path()))?;
-            let kind = meta.file_type();
-            if kind.is_dir() {
-                if rel == archive::names::CHECKPOINT_DIRECTORY {
-                    return Err(E::ForbiddenType {
-                        entry: path,
-                        kind: "subdirectory (checkpoint/ holds only CRIU images)",
-                    });
-                }
-                stack.push((entry.path(), path));
-                continue;
-            }
-            if !kind.is_file() {
-                let kind = if kind.is_symlink() {
-                    "symbolic link"
-                } else if kind.is_block_device() || kind.is_char_device() {
-                    "device node"
-                } else if kind.is_fifo() {
-                    "fifo"
-                } else {
-                    "socket"
-                };
-                return Err(E::ForbiddenType { entry: path, kind });
-            }
-            let size = meta.len();
-            if size > limits.max_entry_bytes {
-                return Err(E::EntryTooLarge {
-                    entry: path,
-                    size,
-                    limit: limits.max_entry_bytes,
-                });
-            }
-            total += size;
-            if total > limits.max_total_bytes {
-                return Err(E::ArchiveTooLarge {
-                    entry: path,
-                    total,
-                    limit: limits.max_total_bytes,
-                });
-            }
-            info.take_member(&path, || {
-                if size > archive::MAX_METADATA_BYTES {
-                    return Err(E::EntryTooLarge {
-                        entry: path.clone(),
-                        size,
-                        limit: archive::MAX_METADATA_BYTES,
-                    });
-                }
-                let f = open_no_follow(&entry.path()).map_err(io("opening", &entry.path()))?;
-                let mut v = Vec::new();
-                f.take(archive::MAX_METADATA_BYTES)
-                    .read_to_end(&mut v)
-                    .map_err(io("reading", &entry.path()))?;
-                Ok(v)
-            })?;
-        }
-    }
-    Ok(info)
-}
-
-fn open_no_follow(path: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(path)
-}
-
 /// The image the checkpoint was taken from: the signed manifest's for a signed checkpoint,
 /// else what the engine recorded.
 fn checkpoint_image(info: &ArchiveInfo, manifest: &Manifest, signed: bool) -> String {
@@ -796,7 +696,7 @@ fn fetch(
     // to the node's log only: before the signer and namespace are checked, the pod learns
     // nothing of what exists (docs/security.md, "One answer for every checkpoint a pod may
     // not use").
-    image_format::registry::pull_archive(
+    registry::pull_archive(
         source,
         &out,
         limits,
@@ -1641,52 +1541,6 @@ mod tests {
             let err = trust::mount_destination(bad).unwrap().unwrap_err();
             assert!(err.to_string().contains(bad), "{err}");
         }
-    }
-
-    #[test]
-    fn a_checkpoint_directory_with_links_or_special_files_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let ckpt = dir.path().join("checkpoint");
-        std::fs::create_dir(&ckpt).unwrap();
-        std::fs::write(ckpt.join("inventory.img"), b"x").unwrap();
-        std::fs::write(dir.path().join("spec.dump"), b"{}").unwrap();
-        let info = read_dir_info(dir.path(), Limits::default()).unwrap();
-        assert!(info.spec_dump.is_some());
-        assert!(info.manifest.is_none());
-
-        std::os::unix::fs::symlink("/etc/shadow", ckpt.join("pages-1.img")).unwrap();
-        let err = read_dir_info(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("checkpoint/pages-1.img") && err.contains("symbolic link"),
-            "{err}"
-        );
-        std::fs::remove_file(ckpt.join("pages-1.img")).unwrap();
-
-        nix::unistd::mkfifo(&ckpt.join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let err = read_dir_info(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("checkpoint/fifo") && err.contains("fifo"),
-            "{err}"
-        );
-        std::fs::remove_file(ckpt.join("fifo")).unwrap();
-
-        std::fs::create_dir(ckpt.join("sub")).unwrap();
-        let err = read_dir_info(dir.path(), Limits::default())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("checkpoint/sub"), "{err}");
-        std::fs::remove_dir(ckpt.join("sub")).unwrap();
-
-        let small = Limits {
-            max_entry_bytes: 1,
-            ..Limits::default()
-        };
-        let err = read_dir_info(dir.path(), small).unwrap_err().to_string();
-        assert!(err.contains("exceeds the limit"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ CLI="${GPU_CKPT_CLI:-$repo/target/release/gpu-ckpt}"
 ADDR="${GPU_CKPT_TLS_REGISTRY_ADDR:-127.0.0.1:5443}"
 TLS="$STACK/registry-tls"
 command -v skopeo >/dev/null || { echo "bench-registry: skopeo is missing: run make deps" >&2; exit 1; }
-[ -x "$CLI" ] || { echo "bench-registry: $CLI is missing: cargo build --release -p gpu-ckpt-image-format" >&2; exit 1; }
+[ -x "$CLI" ] || { echo "bench-registry: $CLI is missing: cargo build --release -p gpu-ckpt-cli" >&2; exit 1; }
 "$repo/test-containers/stack/registry.sh" start >/dev/null
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-ckpt-bench-registry.XXXXXX")

@@ -237,7 +237,7 @@ fn node_installer_image(
     scratch: &Path,
 ) -> Result<ImageBuilder> {
     let installer = bins.join(NODE_INSTALLER);
-    let hint = "build them with `cargo build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-image-format -p gpu-ckpt-oci-hooks`";
+    let hint = "build them with `cargo build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks`";
     for p in std::iter::once(installer.clone()).chain(PAYLOAD_BINARIES.iter().map(|b| bins.join(b)))
     {
         if !p.is_file() {

@@ -17,10 +17,10 @@
 //! third-party text must not be put in a fence or a bold span opening with a code span.
 //!
 //! What the code's messages are: the string literals of every `*.rs` under shim/src,
-//! image-format/src, gpu/, oci-hooks/src and runtime-class/ (target/ and tests/ directories
-//! excluded; a file syn cannot parse fails the test), in expressions, attributes (`#[error("…")]`)
-//! and macro calls (`format!`, `bail!`; their tokens), not doc comments; escapes decoded and
-//! `\`-newline continuations joined, each cut at its format
+//! image-format/src, registry/src, cli/src, gpu/, oci-hooks/src and runtime-class/ (target/ and
+//! tests/ directories excluded; a file syn cannot parse fails the test), in expressions,
+//! attributes (`#[error("…")]`) and macro calls (`format!`, `bail!`; their tokens), not doc
+//! comments; escapes decoded and `\`-newline continuations joined, each cut at its format
 //! placeholders (`{}`, `{name}`, `{:?}`, `{0}`, `{name:>8}` …; `{{`/`}}` are literal braces) and
 //! at its newlines into fixed fragments. Only literals that are messages give fragments: those
 //! with a placeholder or with whitespace. A literal with neither (`criu`, `/usr/local/bin`, `.`)
@@ -65,6 +65,8 @@ const DOC: &str = "docs/troubleshooting.md";
 const SOURCES: &[&str] = &[
     "shim/src",
     "image-format/src",
+    "registry/src",
+    "cli/src",
     "gpu",
     "oci-hooks/src",
     "runtime-class",

@@ -91,7 +91,7 @@ fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
         let from = stack.shim_dir().join(b);
         fs::copy(&from, dir.join(b)).with_context(|| {
             format!(
-                "copy {} (build it: cargo build -p gpu-ckpt-shim -p gpu-ckpt-image-format -p gpu-ckpt-oci-hooks)",
+                "copy {} (build it: cargo build -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks)",
                 from.display()
             )
         })?;

@@ -2,10 +2,11 @@
 //! lists (tests/fixtures/drain-plan/): a mixed node, a node whose workloads have nowhere to go, a
 //! driver upgrade across three node pools, and malformed input.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod command;
 
-use image_format::drain_plan::{
+use std::path::{Path, PathBuf};
+
+use gpu_ckpt_cli::drain_plan::{
     self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
 };
 use serde_json::Value;
@@ -79,15 +80,7 @@ fn drain_plan_cli(pods: &str, nodes: &str, node: &str, extra: &[&str]) -> (i32, 
 }
 
 fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    command::run(args, &[])
 }
 
 #[test]

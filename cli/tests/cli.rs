@@ -1,26 +1,14 @@
 //! The `gpu-ckpt` command end to end.
 
+mod command;
+// The format tests' archive builders.
+#[path = "../../image-format/tests/common/mod.rs"]
 mod common;
-
-use std::process::Command;
 
 use image_format::compat::Profile;
 
-fn gpu_ckpt() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
-}
-
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = gpu_ckpt()
-        .args(args)
-        .env_remove("GPU_CKPT_NODE_INVENTORY")
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    command::run(args, &["GPU_CKPT_NODE_INVENTORY"])
 }
 
 #[test]

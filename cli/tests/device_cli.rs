@@ -3,6 +3,8 @@
 //! The simulated-driver test needs the workspace built first (`cargo build --workspace`): the
 //! daemon, the simulated libraries and `gpu-fill` are found next to the test executable.
 
+mod command;
+
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -11,17 +13,10 @@ use simgpu::proto::FaultOp;
 use simgpu::testing::{SimConfig, SimNode};
 
 fn run(args: &[&str]) -> (i32, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_gpu-ckpt"))
-        .arg("device")
-        .args(args)
-        .env_remove("GPU_CKPT_SIM_SOCKET")
-        .output()
-        .unwrap();
-    (
-        o.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    let args: Vec<&str> = std::iter::once("device")
+        .chain(args.iter().copied())
+        .collect();
+    command::run(&args, &["GPU_CKPT_SIM_SOCKET"])
 }
 
 #[test]

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use image_format::oci::{self, MEDIA_LAYER_TAR, MEDIA_LAYER_TAR_GZIP, MEDIA_MANIFEST};
-use image_format::registry::{self, RegistryOptions};
 use image_format::safe::Limits;
+use registry::RegistryOptions;
 use sha2::{Digest, Sha256};
 
 /// One request as the fake server read it.

@@ -3,20 +3,21 @@
 //! Exit codes: 0 success (compat: compatible), 1 compat: not compatible, 2 any error.
 //! `device`: 0 success, 1 the driver or the process failed, 2 usage.
 
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use image_format::archive::{self, ExtractOptions};
 use image_format::compat::{self, Profile, Verdict};
 use image_format::manifest::{Devices, Manifest, Workload, MANIFEST_FILE};
 use image_format::oci::{self, BuildOptions};
-use image_format::registry::{self, RegistryOptions};
 use image_format::safe::Limits;
+use registry::RegistryOptions;
 
 use device::DeviceArgs;
 
@@ -109,7 +110,7 @@ struct RegistryArgs {
     /// containerd's per-registry host directory (certs.d layout: HOST[:PORT]/hosts.toml,
     /// ca.crt). Plain HTTP only for localhost without a hosts.toml, or where hosts.toml says
     /// http://.
-    #[arg(long, value_name = "DIR", default_value = image_format::registry::DEFAULT_HOSTS_DIR)]
+    #[arg(long, value_name = "DIR", default_value = registry::DEFAULT_HOSTS_DIR)]
     hosts_dir: PathBuf,
     /// Docker-style auth file (config.json / auth.json, credHelpers and credsStore included).
     /// Default: $REGISTRY_AUTH_FILE, else $DOCKER_CONFIG/config.json, else ~/.docker/config.json.
@@ -199,7 +200,7 @@ enum Cmd {
     Device(DeviceArgs),
     /// Plan a node's drain or a fleet's driver upgrade from `kubectl get pods/nodes -o json`:
     /// the ordered steps and kubelet checkpoint calls. Exit 1 when a workload has nowhere to go.
-    DrainPlan(image_format::drain_plan::cli::DrainPlanArgs),
+    DrainPlan(gpu_ckpt_cli::drain_plan::cli::DrainPlanArgs),
     /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
     /// archive (--archive).
     Extract {
@@ -217,53 +218,35 @@ enum Cmd {
     },
 }
 
-/// Progress on stderr when it is a terminal, at most ten updates a second.
-struct Bar {
-    label: &'static str,
-    tty: bool,
-    start: Instant,
-    last: Option<Instant>,
-}
+/// Progress on stderr when it is a terminal, at most ten updates a second; nothing otherwise.
+struct Bar(ProgressBar);
 
 impl Bar {
     fn new(label: &'static str) -> Bar {
-        Bar {
-            label,
-            tty: std::io::stderr().is_terminal(),
-            start: Instant::now(),
-            last: None,
-        }
+        let target = if std::io::stderr().is_terminal() {
+            ProgressDrawTarget::stderr_with_hz(10)
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        let style = ProgressStyle::with_template(
+            "{prefix}: {binary_bytes}/{binary_total_bytes} {percent:>3}% {binary_bytes_per_sec} [{bar:30}] {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        Bar(ProgressBar::with_draw_target(None, target)
+            .with_style(style)
+            .with_prefix(label))
     }
     fn update(&mut self, done: u64, total: u64) {
-        if !self.tty {
-            return;
+        if total > 0 {
+            self.0.set_length(total);
         }
-        let now = Instant::now();
-        if let Some(l) = self.last {
-            if now.duration_since(l).as_millis() < 100 && done < total {
-                return;
-            }
-        }
-        self.last = Some(now);
-        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-        let secs = self.start.elapsed().as_secs_f64().max(1e-3);
-        let pct = if total > 0 {
-            format!(" {:5.1}%", 100.0 * done as f64 / total as f64)
-        } else {
-            String::new()
-        };
-        eprint!(
-            "\r{}: {:.2}/{:.2} GiB{} {:.2} GiB/s   ",
-            self.label,
-            gib(done),
-            gib(total),
-            pct,
-            gib(done) / secs
-        );
-        let _ = std::io::stderr().flush();
+        self.0.set_position(done);
     }
     fn finish(&self) {
-        if self.tty && self.last.is_some() {
+        self.0.finish();
+        // The last state stays on screen; what the command prints next starts a line of its own.
+        if !self.0.is_hidden() {
             eprintln!();
         }
     }
@@ -313,7 +296,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Key(cmd) => key_cmd(cmd),
         Cmd::Device(args) => Ok(device::run(&args)),
         Cmd::DrainPlan(args) => Ok(ExitCode::from(
-            match image_format::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
+            match gpu_ckpt_cli::drain_plan::cli::run(&args, &mut std::io::stdout().lock())? {
                 true => 0,
                 false => 1,
             },

@@ -18,7 +18,7 @@
 //!   `host[:port]`, or none; a basic login goes over plain HTTP only to a loopback host; a
 //!   bearer token service gets credentials only over HTTPS and only the login the file names
 //!   for the token service's own host (the registry's, when it serves its own tokens).
-//! - References: parsed by [`crate::reference::ImageRef`] (the distribution grammar); a digest
+//! - References: parsed by [`image_format::reference::ImageRef`] (the distribution grammar); a digest
 //!   reference is fetched by digest and the manifest verified against it.
 //! - Bounds: `/v2/`, token and error bodies are read up to 64 KiB, a manifest up to 4 MiB (a
 //!   larger one is refused by its declared length or as soon as the bytes pass the limit,
@@ -41,11 +41,11 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 use tracing::{debug, info_span, warn};
 
-use crate::digest::{Progress, COPY_BUF};
-use crate::error::{Error, Result};
-use crate::oci::{self, ImageManifest, MEDIA_LAYER_TAR, MEDIA_MANIFEST};
-use crate::reference::ImageRef;
-use crate::safe::Limits;
+use image_format::digest::{Progress, COPY_BUF};
+use image_format::error::{Error, Result};
+use image_format::oci::{self, ImageManifest, MEDIA_LAYER_TAR, MEDIA_MANIFEST};
+use image_format::reference::ImageRef;
+use image_format::safe::Limits;
 
 /// containerd's default host directory, the CLI's default `--hosts-dir`.
 pub const DEFAULT_HOSTS_DIR: &str = "/etc/containerd/certs.d";
@@ -1171,7 +1171,8 @@ pub fn push_image(
             format!("{reference} names manifest {d}, the image's is {mdigest}"),
         ));
     }
-    let manifest_json = oci::read_image_blob(image, &mdigest, crate::archive::MAX_METADATA_BYTES)?;
+    let manifest_json =
+        oci::read_image_blob(image, &mdigest, image_format::archive::MAX_METADATA_BYTES)?;
     let mut blobs = vec![m.config.clone()];
     blobs.extend(m.layers.iter().cloned());
     let mut located = Vec::new();
@@ -1423,7 +1424,7 @@ fn check_checkpoint_manifest(m: &ImageManifest, limits: Limits) -> std::result::
     if !layer
         .digest
         .strip_prefix("sha256:")
-        .is_some_and(crate::manifest::is_sha256_hex)
+        .is_some_and(image_format::manifest::is_sha256_hex)
     {
         return Err(format!("layer digest {:?} is not sha256", layer.digest));
     }

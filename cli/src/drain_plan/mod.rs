@@ -6,7 +6,7 @@
 //! [`DRIVER_LABEL`], [`CUDA_LABEL`], [`RUNTIME_LABEL`]). Output: a [`Plan`]: the maintained nodes
 //! in groups, in order; per node its pods and what happens to each, and the ordered steps with
 //! the kubelet's checkpoint calls. Whether a workload can go to a node is decided by
-//! [`crate::compat::check`], the rule the restore itself applies, on profiles built from the
+//! [`image_format::compat::check`], the rule the restore itself applies, on profiles built from the
 //! nodes' labels and the pod's declared engine and model versions, plus the node's free GPUs.
 //!
 //! It never calls a cluster. docs/drain-plan.md describes the command.
@@ -21,8 +21,8 @@ use std::path::PathBuf;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::compat::{self, driver_branch, Profile};
-use crate::manifest::{Devices, Gpu, Workload};
+use image_format::compat::{self, driver_branch, Profile};
+use image_format::manifest::{Devices, Gpu, Workload};
 use kube::{NodeEntry, PodEntry};
 
 /// Node label: `installed` where the node installer put the runtime on the node.
