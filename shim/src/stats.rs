@@ -133,96 +133,106 @@ fn pids(p: &PidController) -> (u64, u64) {
 fn metrics_v1(c: &TaskCgroup) -> v1::Metrics {
     let mut m = v1::Metrics::new();
     if let Some(mem) = &c.memory {
-        let stat = mem.memory_stat();
-        let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
-        // cgroups-rs's Memory, MemSwap, Kmem and Tcp: the same four counters.
-        macro_rules! entry {
-            ($e:expr) => {{
-                let e = $e;
-                MessageField::some(v1::MemoryEntry {
-                    usage: e.usage_in_bytes,
-                    limit: limit_v1(e.limit_in_bytes),
-                    max: e.max_usage_in_bytes,
-                    failcnt: e.fail_cnt,
-                    ..Default::default()
-                })
-            }};
-        }
-        m.memory = MessageField::some(v1::MemoryStat {
-            cache: g("cache"),
-            rss: g("rss"),
-            rss_huge: g("rss_huge"),
-            mapped_file: g("mapped_file"),
-            dirty: g("dirty"),
-            writeback: g("writeback"),
-            pg_pg_in: g("pgpgin"),
-            pg_pg_out: g("pgpgout"),
-            pg_fault: g("pgfault"),
-            pg_maj_fault: g("pgmajfault"),
-            inactive_anon: g("inactive_anon"),
-            active_anon: g("active_anon"),
-            inactive_file: g("inactive_file"),
-            active_file: g("active_file"),
-            unevictable: g("unevictable"),
-            hierarchical_memory_limit: g("hierarchical_memory_limit"),
-            hierarchical_swap_limit: g("hierarchical_memsw_limit"),
-            total_cache: g("total_cache"),
-            total_rss: g("total_rss"),
-            total_rss_huge: g("total_rss_huge"),
-            total_mapped_file: g("total_mapped_file"),
-            total_dirty: g("total_dirty"),
-            total_writeback: g("total_writeback"),
-            total_pg_pg_in: g("total_pgpgin"),
-            total_pg_pg_out: g("total_pgpgout"),
-            total_pg_fault: g("total_pgfault"),
-            total_pg_maj_fault: g("total_pgmajfault"),
-            total_inactive_anon: g("total_inactive_anon"),
-            total_active_anon: g("total_active_anon"),
-            total_inactive_file: g("total_inactive_file"),
-            total_active_file: g("total_active_file"),
-            total_unevictable: g("total_unevictable"),
-            usage: entry!(&stat),
-            swap: entry!(mem.memswap()),
-            kernel: entry!(mem.kmem_stat()),
-            kernel_tcp: entry!(mem.kmem_tcp_stat()),
-            ..Default::default()
-        });
+        m.memory = MessageField::some(memory_v1(mem));
     }
     if c.cpuacct.is_some() || c.cpu.is_some() {
-        let mut usage = v1::CPUUsage::new();
-        if let Some(acct) = &c.cpuacct {
-            let a = acct.cpuacct();
-            usage.total = a.usage;
-            usage.per_cpu = a
-                .usage_percpu
-                .split_whitespace()
-                .filter_map(|v| v.parse().ok())
-                .collect();
-            // cpuacct.stat counts USER_HZ ticks; containerd reports nanoseconds.
-            let stat = flat_keyed(&a.stat);
-            let ticks_to_ns = 1_000_000_000 / clock_ticks();
-            usage.user = stat.get("user").copied().unwrap_or(0) * ticks_to_ns;
-            usage.kernel = stat.get("system").copied().unwrap_or(0) * ticks_to_ns;
-        }
-        let mut throttling = v1::Throttle::new();
-        if let Some(cpu) = &c.cpu {
-            let text = cpu.cpu().stat;
-            let s = flat_keyed(&text);
-            throttling.periods = s.get("nr_periods").copied().unwrap_or(0);
-            throttling.throttled_periods = s.get("nr_throttled").copied().unwrap_or(0);
-            throttling.throttled_time = s.get("throttled_time").copied().unwrap_or(0);
-        }
-        m.cpu = MessageField::some(v1::CPUStat {
-            usage: MessageField::some(usage),
-            throttling: MessageField::some(throttling),
-            ..Default::default()
-        });
+        m.cpu = MessageField::some(cpu_v1(c));
     }
     if let Some((current, limit)) = c.pids.as_ref().map(pids) {
         let p = m.pids.mut_or_insert_default();
         (p.current, p.limit) = (current, limit);
     }
     m
+}
+
+/// v1's memory controller: `memory.stat` and the usage, swap, kernel and TCP counters.
+fn memory_v1(mem: &MemController) -> v1::MemoryStat {
+    let stat = mem.memory_stat();
+    let g = |k: &str| stat.stat.raw.get(k).copied().unwrap_or(0);
+    // cgroups-rs's Memory, MemSwap, Kmem and Tcp: the same four counters.
+    macro_rules! entry {
+        ($e:expr) => {{
+            let e = $e;
+            MessageField::some(v1::MemoryEntry {
+                usage: e.usage_in_bytes,
+                limit: limit_v1(e.limit_in_bytes),
+                max: e.max_usage_in_bytes,
+                failcnt: e.fail_cnt,
+                ..Default::default()
+            })
+        }};
+    }
+    v1::MemoryStat {
+        cache: g("cache"),
+        rss: g("rss"),
+        rss_huge: g("rss_huge"),
+        mapped_file: g("mapped_file"),
+        dirty: g("dirty"),
+        writeback: g("writeback"),
+        pg_pg_in: g("pgpgin"),
+        pg_pg_out: g("pgpgout"),
+        pg_fault: g("pgfault"),
+        pg_maj_fault: g("pgmajfault"),
+        inactive_anon: g("inactive_anon"),
+        active_anon: g("active_anon"),
+        inactive_file: g("inactive_file"),
+        active_file: g("active_file"),
+        unevictable: g("unevictable"),
+        hierarchical_memory_limit: g("hierarchical_memory_limit"),
+        hierarchical_swap_limit: g("hierarchical_memsw_limit"),
+        total_cache: g("total_cache"),
+        total_rss: g("total_rss"),
+        total_rss_huge: g("total_rss_huge"),
+        total_mapped_file: g("total_mapped_file"),
+        total_dirty: g("total_dirty"),
+        total_writeback: g("total_writeback"),
+        total_pg_pg_in: g("total_pgpgin"),
+        total_pg_pg_out: g("total_pgpgout"),
+        total_pg_fault: g("total_pgfault"),
+        total_pg_maj_fault: g("total_pgmajfault"),
+        total_inactive_anon: g("total_inactive_anon"),
+        total_active_anon: g("total_active_anon"),
+        total_inactive_file: g("total_inactive_file"),
+        total_active_file: g("total_active_file"),
+        total_unevictable: g("total_unevictable"),
+        usage: entry!(&stat),
+        swap: entry!(mem.memswap()),
+        kernel: entry!(mem.kmem_stat()),
+        kernel_tcp: entry!(mem.kmem_tcp_stat()),
+        ..Default::default()
+    }
+}
+
+/// v1's cpuacct (usage, per CPU, user and system time) and cpu (throttling) controllers.
+fn cpu_v1(c: &TaskCgroup) -> v1::CPUStat {
+    let mut usage = v1::CPUUsage::new();
+    if let Some(acct) = &c.cpuacct {
+        let a = acct.cpuacct();
+        usage.total = a.usage;
+        usage.per_cpu = a
+            .usage_percpu
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // cpuacct.stat counts USER_HZ ticks; containerd reports nanoseconds.
+        let stat = flat_keyed(&a.stat);
+        let ticks_to_ns = 1_000_000_000 / clock_ticks();
+        usage.user = stat.get("user").copied().unwrap_or(0) * ticks_to_ns;
+        usage.kernel = stat.get("system").copied().unwrap_or(0) * ticks_to_ns;
+    }
+    let mut throttling = v1::Throttle::new();
+    if let Some(cpu) = &c.cpu {
+        let text = cpu.cpu().stat;
+        let s = flat_keyed(&text);
+        throttling.periods = s.get("nr_periods").copied().unwrap_or(0);
+        throttling.throttled_periods = s.get("nr_throttled").copied().unwrap_or(0);
+        throttling.throttled_time = s.get("throttled_time").copied().unwrap_or(0);
+    }
+    v1::CPUStat {
+        usage: MessageField::some(usage),
+        throttling: MessageField::some(throttling),
+        ..Default::default()
+    }
 }
 
 /// A v2 limit file: `max` the largest value, 0 when missing or unreadable.
