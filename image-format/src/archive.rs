@@ -234,9 +234,9 @@ impl ArchiveInfo {
         let get = |k: &str| a.get(k).cloned().unwrap_or_default();
         match self.engine() {
             Engine::Containerd => (
-                get("io.kubernetes.cri.container-name"),
-                get("io.kubernetes.cri.sandbox-name"),
-                get("io.kubernetes.cri.sandbox-namespace"),
+                get(crate::cri::CONTAINER_NAME),
+                get(crate::cri::SANDBOX_NAME),
+                get(crate::cri::SANDBOX_NAMESPACE),
             ),
             Engine::CriO => {
                 let name = a

@@ -10,6 +10,7 @@
 //!   tag an OCI image is built under; the registry client, crate `gpu-ckpt-registry`, and the
 //!   shim's source checks use it too).
 //! - [`protowire`]: a minimal protobuf reader for CRIU's statistics images.
+//! - [`cri`]: the CRI annotation keys (`io.kubernetes.cri.*`) a container's spec carries.
 //! - [`criu_creds`]: the credentials and seccomp state CRIU recorded for each task.
 //! - [`mountinfo`]: mount tables, the kernel's (`/proc/<pid>/mountinfo`) and CRIU's.
 //! - [`sign`]: Ed25519 signatures over the manifest, node keys, trusted keys.
@@ -20,6 +21,7 @@
 
 pub mod archive;
 pub mod compat;
+pub mod cri;
 pub mod criu_creds;
 pub mod criu_stats;
 pub mod digest;
