@@ -20,7 +20,6 @@ use std::time::Duration;
 use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NodeInventory, ProcessState};
 use image_format::compat::{self, Profile};
 use image_format::manifest::{DeviceProcess, Devices, ProcessGpu};
-use oci_spec::runtime::Spec;
 use tracing::{info, info_span, warn};
 
 use crate::bundle::Bundle;
@@ -492,14 +491,13 @@ impl ContainerDevices {
     }
 
     /// After `runc restore`: the recorded processes (found among `pids`) restored onto
-    /// `plan`'s GPUs, unlocked, and confirmed RUNNING; the device nodes their driver opens are
-    /// those `spec` gives.
+    /// `plan`'s GPUs, unlocked, and confirmed RUNNING. The device nodes the driver opens are
+    /// the spec's: set at the gate's pre-resume (`device_nodes.rs`).
     pub async fn restore(
         &mut self,
         recorded: &[DeviceProcess],
         pids: Vec<i32>,
         plan: &RestorePlan,
-        spec: &Spec,
     ) -> Result<()> {
         if recorded.is_empty() {
             return Ok(());
@@ -511,16 +509,10 @@ impl ContainerDevices {
             ));
         };
         let (recorded, pairs) = (recorded.to_vec(), plan.pairs.clone());
-        // CRIU restored the checkpoint's `/dev`: the nodes of this container's GPUs first,
-        // which the driver opens when it acquires them (`device_nodes.rs`).
-        let spec = spec.clone();
-        let restored = tokio::task::spawn_blocking(move || {
-            crate::device_nodes::present_all(&pids, &spec)
-                .map_err(|e| device_error("device-restore", e.to_string()))?;
-            layer.restore_onto(&recorded, &pids, &pairs)
-        })
-        .await
-        .map_err(|e| device_error("device-restore", e.to_string()))??;
+        let restored =
+            tokio::task::spawn_blocking(move || layer.restore_onto(&recorded, &pids, &pairs))
+                .await
+                .map_err(|e| device_error("device-restore", e.to_string()))??;
         info!(processes = ?restored, "device state restored, processes running");
         Ok(())
     }

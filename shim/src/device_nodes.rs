@@ -1,15 +1,23 @@
-//! After CRIU restored a container: its `/dev` holds the device nodes of this container's spec.
+//! The restored container's `/dev` holds the device nodes of this container's spec, as a cold
+//! start of the spec would.
 //!
 //! runc makes the spec's `linux.devices` in the container's `/dev` (a tmpfs) when it creates a
 //! container; CRIU restores that tmpfs as it was at the checkpoint. Restored onto other GPUs
 //! (another minor number: `/dev/nvidia1` where the checkpoint had `/dev/nvidia0`), the
 //! container would keep the checkpoint's GPU nodes and lack its own, and the driver, which
-//! opens the nodes of the GPUs a restore gives it, would fail. So before the device restore,
-//! in the restored container's mount namespace: each device node of the spec that its `/dev`
-//! lacks is made as runc makes it (type, numbers, mode, owner), and each GPU node
-//! (`nvidia<N>`) the spec does not give is removed. The device cgroup (the spec's, which runc
+//! opens the nodes of the GPUs a restore gives it, would fail. So at the gate's pre-resume,
+//! where CRIU has restored every task and mount and none has run, in the restored init's mount
+//! namespace: each device node of the spec is made as runc makes it (type, numbers, mode,
+//! owner) where `/dev` lacks it or holds another type or device under its name, and, where
+//! the spec gives NVIDIA nodes itself (CDI), each NVIDIA node (`nvidia*`) it does not give is
+//! removed. The device cgroup (the spec's, which runc
 //! applied at restore) already allows the new nodes and not the old ones.
 //!
+//! Only the held init is looked at (it cannot exit or be replaced while CRIU holds it), and
+//! only when its root is the bundle's rootfs and its `/dev` a tmpfs: a root the checkpoint
+//! chrooted elsewhere, or a `/dev` bound from the host, is refused, never written. A spec with
+//! a `/dev` that is not a tmpfs gets nothing (runc makes no node there either); a user
+//! namespace (where runc binds the host's nodes) is refused when a node would have to change.
 //! Every path is resolved from the container's root without following a link
 //! (`openat2(RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS)`), and each node made is checked through
 //! a handle on it before its mode and owner are set.
@@ -17,13 +25,14 @@
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{fstat, fstatat, makedev, mknodat, Mode, SFlag};
+use nix::sys::stat::{fstat, fstatat, makedev, mknodat, stat, Mode, SFlag};
+use nix::sys::statfs::{fstatfs, TMPFS_MAGIC};
 use nix::unistd::{fchownat, unlinkat, Gid, Uid, UnlinkatFlags};
-use oci_spec::runtime::{LinuxDevice, LinuxDeviceType, Spec};
+use oci_spec::runtime::{LinuxDevice, LinuxDeviceType, LinuxNamespaceType, Spec};
 use tracing::info;
 
 use crate::error::{Error, Result};
-use crate::mount_check::{open_in_root, open_root};
+use crate::restored_root::{open_in_root, open_root};
 
 /// One device node of the spec directly in `/dev`: its name there and what to make.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,27 +81,99 @@ fn spec_nodes(spec: &Spec) -> Vec<Node> {
         .collect()
 }
 
-/// A GPU's device node name: `nvidia` and a minor number.
-fn is_gpu_node(name: &str) -> bool {
-    name.strip_prefix("nvidia")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+/// An NVIDIA device node name (`nvidia0`, `nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`, …).
+fn is_nvidia_node(name: &str) -> bool {
+    name.starts_with("nvidia")
 }
 
-/// Makes the restored container whose task is `pid` hold the device nodes of `spec` in its
-/// `/dev`, and no GPU node the spec does not give. Returns what it changed, for the log.
-pub fn present(pid: i32, spec: &Spec) -> Result<Vec<String>> {
-    let nodes = spec_nodes(spec);
-    if !nodes.iter().any(|n| is_gpu_node(&n.name)) {
+/// What the restored `/dev` must hold: the spec's nodes, where the spec's runc makes them.
+#[derive(Debug, Clone, Default)]
+pub struct DevPolicy {
+    nodes: Vec<Node>,
+    /// The spec's `/dev` is a tmpfs runc fills (else nothing is made or removed).
+    runc_fills_dev: bool,
+    user_namespace: bool,
+    /// `(st_dev, st_ino)` of the bundle's rootfs: the restored init's root must be it.
+    rootfs: Option<(u64, u64)>,
+}
+
+impl DevPolicy {
+    /// The policy of `spec`, whose rootfs is mounted at `rootfs` on the host.
+    pub fn of(spec: &Spec, rootfs: &std::path::Path) -> Result<DevPolicy> {
+        let dev_mount = spec
+            .mounts()
+            .iter()
+            .flatten()
+            .rev()
+            .find(|m| m.destination().as_os_str() == "/dev");
+        let runc_fills_dev =
+            dev_mount.is_none_or(|m| m.typ().as_deref().is_none_or(|t| t == "tmpfs"));
+        let user_namespace = spec
+            .linux()
+            .as_ref()
+            .and_then(|l| l.namespaces().as_ref())
+            .is_some_and(|ns| ns.iter().any(|n| n.typ() == LinuxNamespaceType::User));
+        let st =
+            stat(rootfs).map_err(|e| Error::io(format!("stat {}", rootfs.display()))(e.into()))?;
+        Ok(DevPolicy {
+            nodes: spec_nodes(spec),
+            runc_fills_dev,
+            user_namespace,
+            rootfs: Some((st.st_dev, st.st_ino)),
+        })
+    }
+}
+
+/// A refusal of the restored `/dev` (`why`), naming the restored init `pid`.
+fn refused(pid: i32, why: &str) -> Error {
+    Error::FailedPrecondition(format!(
+        "restore refused: the restored container's /dev (init pid {pid}) cannot be set to its spec's device nodes: {why}"
+    ))
+}
+
+/// Makes the `/dev` of the restored init `pid` (held at the gate) hold the device nodes of
+/// `policy`, and no NVIDIA node the spec does not give. Returns what it changed, for the log.
+pub fn present(pid: i32, policy: &DevPolicy) -> Result<Vec<String>> {
+    // Nodes that the spec does not list (a runtime hook's, NVIDIA_VISIBLE_DEVICES) are left as
+    // they are: only a spec that gives NVIDIA nodes itself (CDI) says which ones must go.
+    if !policy.runc_fills_dev || !policy.nodes.iter().any(|n| is_nvidia_node(&n.name)) {
         return Ok(Vec::new());
     }
     let root = open_root(pid)?;
     let dev = open_in_root(root.as_fd(), "/dev")
         .map_err(|e| Error::io(format!("open /dev of restored process {pid}"))(e.into()))?;
+    let wrong = wrong_nodes(&dev, &policy.nodes);
+    let stale = stale_nodes(&dev, &policy.nodes)?;
+    if wrong.is_empty() && stale.is_empty() {
+        return Ok(Vec::new());
+    }
+    let st = fstat(&root).map_err(|e| Error::io(format!("stat the root of {pid}"))(e.into()))?;
+    if policy.rootfs.is_some_and(|r| r != (st.st_dev, st.st_ino)) {
+        return Err(refused(pid, "its root is not the container's rootfs"));
+    }
+    let fs = fstatfs(&dev).map_err(|e| Error::io(format!("statfs /dev of {pid}"))(e.into()))?;
+    if fs.filesystem_type() != TMPFS_MAGIC {
+        return Err(refused(pid, "its /dev is not a tmpfs"));
+    }
+    if policy.user_namespace {
+        return Err(refused(
+            pid,
+            "it runs in a user namespace, where runc binds the host's device nodes; restore it onto the GPUs it was checkpointed on",
+        ));
+    }
     let mut changed = Vec::new();
-    for n in &nodes {
-        if fstatat(&dev, n.name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW).is_ok() {
-            continue;
+    for name in stale.iter().chain(wrong.iter().map(|n| &n.name)) {
+        match unlinkat(&dev, name.as_str(), UnlinkatFlags::NoRemoveDir) {
+            Ok(()) => changed.push(format!("removed /dev/{name}")),
+            Err(nix::Error::ENOENT) => {}
+            Err(e) => {
+                return Err(Error::io(format!(
+                    "remove /dev/{name} in restored process {pid}'s root"
+                ))(e.into()))
+            }
         }
+    }
+    for n in wrong {
         make(&dev, n).map_err(|e| {
             Error::io(format!(
                 "make /dev/{} in restored process {pid}'s root",
@@ -101,38 +182,28 @@ pub fn present(pid: i32, spec: &Spec) -> Result<Vec<String>> {
         })?;
         changed.push(format!("made /dev/{}", n.name));
     }
-    for name in stale_gpu_nodes(&dev, &nodes)? {
-        unlinkat(&dev, name.as_str(), UnlinkatFlags::NoRemoveDir).map_err(|e| {
-            Error::io(format!(
-                "remove /dev/{name} in restored process {pid}'s root"
-            ))(e.into())
-        })?;
-        changed.push(format!("removed /dev/{name}"));
-    }
-    if !changed.is_empty() {
-        info!(pid, changed = ?changed, "restored container's device nodes set to its spec's");
-    }
+    info!(pid, changed = ?changed, "restored container's device nodes set to its spec's");
     Ok(changed)
 }
 
-/// [`present`] in each mount namespace of the restored tasks `pids`.
-pub fn present_all(pids: &[i32], spec: &Spec) -> Result<Vec<String>> {
-    let mut seen = Vec::new();
-    let mut changed = Vec::new();
-    for &pid in pids {
-        let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
-            continue;
-        };
-        if !seen.contains(&ns) {
-            seen.push(ns);
-            changed.extend(present(pid, spec)?);
-        }
-    }
-    Ok(changed)
+/// The spec's nodes that `dev` lacks or holds as something else (another type or numbers).
+fn wrong_nodes<'a>(dev: &OwnedFd, nodes: &'a [Node]) -> Vec<&'a Node> {
+    nodes
+        .iter()
+        .filter(
+            |n| match fstatat(dev, n.name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+                Ok(st) => {
+                    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != n.kind
+                        || st.st_rdev != makedev(n.major, n.minor)
+                }
+                Err(_) => true,
+            },
+        )
+        .collect()
 }
 
-/// The GPU nodes (character devices named `nvidia<N>`) in `dev` that `nodes` does not hold.
-fn stale_gpu_nodes(dev: &OwnedFd, nodes: &[Node]) -> Result<Vec<String>> {
+/// The NVIDIA nodes (character devices named `nvidia*`) in `dev` that `nodes` does not hold.
+fn stale_nodes(dev: &OwnedFd, nodes: &[Node]) -> Result<Vec<String>> {
     // An O_PATH handle cannot be listed: the directory it names, through its magic link.
     let link = format!("/proc/self/fd/{}", dev.as_raw_fd());
     let mut stale = Vec::new();
@@ -142,7 +213,7 @@ fn stale_gpu_nodes(dev: &OwnedFd, nodes: &[Node]) -> Result<Vec<String>> {
         let Some(name) = name.to_str() else {
             continue;
         };
-        if !is_gpu_node(name) || nodes.iter().any(|n| n.name == name) {
+        if !is_nvidia_node(name) || nodes.iter().any(|n| n.name == name) {
             continue;
         }
         let st = fstatat(dev, name, AtFlags::AT_SYMLINK_NOFOLLOW)
@@ -214,14 +285,28 @@ mod tests {
             (nodes[0].major, nodes[0].minor, nodes[0].mode),
             (195, 1, 0o666)
         );
-        assert!(is_gpu_node("nvidia1") && is_gpu_node("nvidia12"));
-        assert!(!is_gpu_node("nvidiactl") && !is_gpu_node("nvidia-uvm") && !is_gpu_node("nvidia"));
+        assert!(is_nvidia_node("nvidia1") && is_nvidia_node("nvidia-uvm-tools"));
+        assert!(!is_nvidia_node("fuse") && !is_nvidia_node("dri"));
     }
 
     #[test]
-    fn a_spec_without_gpu_nodes_changes_nothing() {
-        // No GPU node: not even the process is looked at.
+    fn a_spec_without_nvidia_nodes_changes_nothing() {
+        // No NVIDIA node: not even the process is looked at.
         let s = spec(r#"[{"path":"/dev/fuse","type":"c","major":10,"minor":229}]"#);
-        assert!(present(i32::MAX, &s).unwrap().is_empty());
+        let policy = DevPolicy::of(&s, std::path::Path::new("/")).unwrap();
+        assert!(present(i32::MAX, &policy).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_dev_runc_does_not_fill_and_a_user_namespace_are_seen() {
+        let s: Spec = serde_json::from_str(
+            r#"{"ociVersion":"1.0.2","mounts":[{"destination":"/dev","type":"bind","source":"/dev","options":["rbind"]}],
+                "linux":{"namespaces":[{"type":"user"}],"devices":[{"path":"/dev/nvidia0","type":"c","major":195,"minor":0}]}}"#,
+        )
+        .unwrap();
+        let policy = DevPolicy::of(&s, std::path::Path::new("/")).unwrap();
+        assert!(!policy.runc_fills_dev && policy.user_namespace);
+        // A bound /dev: nothing is opened, made or removed (runc makes no node there either).
+        assert!(present(i32::MAX, &policy).unwrap().is_empty());
     }
 }

@@ -22,6 +22,8 @@
 //!   [`rootfs_changes`]: the signed copy of a container's rootfs changes;
 //! - [`sub_mounts`]: mounts below the spec's bind mounts, mapped for CRIU across a restore;
 //!   [`mount_check`]: a restore's mounts held to the new spec (flags, masks, new mounts);
+//!   [`device_nodes`]: its `/dev` holding the spec's device nodes; [`restored_root`]: the
+//!   restored init's root, walked without following links;
 //! - [`restored_annotations`]: a containerd restore's annotations held to the signed record;
 //!   [`pod_network`]: the pod's addresses, recorded and held for established TCP connections;
 //! - [`options`]: runtime options; [`error`]: errors and their ttrpc codes.
@@ -45,6 +47,7 @@ pub mod pod_network;
 pub mod process;
 pub mod restore;
 pub mod restored_annotations;
+pub mod restored_root;
 pub mod rootfs_changes;
 pub mod runc;
 pub mod service;

@@ -54,7 +54,9 @@ use oci_spec::runtime::Spec;
 use tracing::{debug, info, warn};
 
 use crate::{
+    device_nodes::{self, DevPolicy},
     error::{Error, Result},
+    restored_root::{open_in_root, open_root},
     sub_mounts,
 };
 
@@ -229,35 +231,6 @@ impl fmt::Display for Difference {
             self.mount, self.found, self.spec
         )
     }
-}
-
-/// Opens `path` (absolute in the container) from `root` without leaving it and without
-/// following any symlink; `O_PATH`.
-pub(crate) fn open_in_root(root: BorrowedFd<'_>, path: &str) -> nix::Result<OwnedFd> {
-    let rel = path.trim_start_matches('/');
-    let rel = if rel.is_empty() { "." } else { rel };
-    openat2(
-        root,
-        rel,
-        OpenHow::new()
-            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-            .resolve(
-                ResolveFlag::RESOLVE_IN_ROOT
-                    | ResolveFlag::RESOLVE_NO_SYMLINKS
-                    | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-            ),
-    )
-}
-
-/// The restored init's root, from the host.
-pub(crate) fn open_root(pid: i32) -> Result<OwnedFd> {
-    let path = format!("/proc/{pid}/root");
-    nix::fcntl::open(
-        path.as_str(),
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| Error::io(format!("open {path} of the restored init"))(e.into()))
 }
 
 /// Where runc put the mount for `dest`: `dest` itself when it has a mount or no symlink on the
@@ -684,12 +657,15 @@ fn places(root: BorrowedFd<'_>, policy: &MountPolicy, table: &[MountInfo]) -> Ve
 pub struct Mounts {
     pub policy: MountPolicy,
     pub held: Vec<sub_mounts::Held>,
+    /// The device nodes its `/dev` must hold (`device_nodes.rs`).
+    pub dev: DevPolicy,
 }
 
 impl Mounts {
-    /// [`hold`] of the restored init `pid`.
+    /// [`hold`] of the restored init `pid`, then its `/dev` set to the spec's device nodes.
     pub fn hold(&self, pid: i32) -> Result<()> {
-        hold(pid, &self.policy, &self.held)
+        hold(pid, &self.policy, &self.held)?;
+        device_nodes::present(pid, &self.dev).map(drop)
     }
 }
 

@@ -80,6 +80,7 @@ use crate::{
     checkpoint::{self, CriuConf},
     criu_exit::ExitWatch,
     device::RestorePlan,
+    device_nodes::DevPolicy,
     error::{Error, Result},
     mount_check::{self, MountPolicy, Mounts},
     options::RuntimeOptions,
@@ -477,6 +478,8 @@ impl Container {
         let mounts = Arc::new(Mounts {
             policy: checked.mount_policy.clone(),
             held,
+            dev: DevPolicy::of(self.bundle.spec(), &self.bundle.join("rootfs"))
+                .map_err(|e| step("prepare")(e.to_string()))?,
         });
         let gate = Arc::new(
             VerifyGate::create(self.bundle.path()).map_err(|e| step("prepare")(e.to_string()))?,
@@ -710,7 +713,7 @@ impl Container {
         let steps = async {
             let pids = self.runc.ps(&self.id).await?;
             self.devices
-                .restore(recorded, pids, plan, self.bundle.spec())
+                .restore(recorded, pids, plan)
                 .instrument(info_span!("device_restore", id = %self.id))
                 .await
         };
