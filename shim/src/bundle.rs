@@ -7,6 +7,8 @@
 
 use std::{
     collections::HashMap,
+    io::Write,
+    os::unix::fs::OpenOptionsExt,
     path::{Path, PathBuf},
 };
 
@@ -122,6 +124,19 @@ impl Bundle {
         }
     }
 
+    /// That `config.json` still holds the spec read at Create: a restore's checks at Start use
+    /// that copy, and runc reads the file again.
+    pub fn unchanged(&self) -> Result<()> {
+        let now = Bundle::load(&self.path)?;
+        if now.json != self.json {
+            return Err(Error::FailedPrecondition(format!(
+                "restore refused: {} changed after the container was created",
+                self.config_path().display()
+            )));
+        }
+        Ok(())
+    }
+
     /// Replaces `config.json` with `json` (written whole beside it with the file's mode, then
     /// renamed over it), and this bundle's copy with it. `json` must still be a valid spec.
     pub fn rewrite(&mut self, json: Value) -> Result<()> {
@@ -134,9 +149,22 @@ impl Bundle {
         let mode = std::fs::metadata(&path)
             .map(|m| m.permissions())
             .map_err(Error::io(format!("stat {}", path.display())))?;
-        std::fs::write(&tmp, data).map_err(Error::io(format!("write {}", tmp.display())))?;
-        std::fs::set_permissions(&tmp, mode)
-            .map_err(Error::io(format!("chmod {}", tmp.display())))?;
+        // A name left from an earlier write (or put there) is removed, never followed.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(Error::io(format!("remove {}", tmp.display()))(e));
+            }
+            _ => {}
+        }
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(Error::io(format!("create {}", tmp.display())))?;
+        file.write_all(data.as_bytes())
+            .and_then(|()| file.set_permissions(mode))
+            .map_err(Error::io(format!("write {}", tmp.display())))?;
         std::fs::rename(&tmp, &path).map_err(Error::io(format!("replace {}", path.display())))?;
         *self = updated;
         Ok(())
@@ -146,6 +174,34 @@ impl Bundle {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_changed_after_create_is_refused_and_a_rewrite_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, r#"{"ociVersion":"1.0.2"}"#).unwrap();
+        let mut bundle = Bundle::load(dir.path()).unwrap();
+        bundle.unchanged().unwrap();
+        // The shim's own edit keeps the copy and the file the same.
+        let mut json = bundle.json().clone();
+        json["annotations"] = serde_json::json!({"a": "b"});
+        bundle.rewrite(json).unwrap();
+        bundle.unchanged().unwrap();
+        // A planted link where the edit is written beside the file is replaced, not followed.
+        let outside = dir.path().join("outside");
+        std::fs::write(&outside, "keep").unwrap();
+        std::os::unix::fs::symlink(&outside, dir.path().join(".config.json.gpu-ckpt")).unwrap();
+        bundle.rewrite(bundle.json().clone()).unwrap();
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        // Anyone else's edit is refused, naming the file.
+        std::fs::write(&path, r#"{"ociVersion":"1.0.2","hostname":"x"}"#).unwrap();
+        let err = bundle.unchanged().unwrap_err().to_string();
+        assert!(
+            err.contains("changed after the container was created"),
+            "{err}"
+        );
+        assert!(err.contains("config.json"), "{err}");
+    }
 
     #[test]
     fn malformed_config_is_named() {

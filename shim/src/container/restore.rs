@@ -256,6 +256,8 @@ impl Container {
     pub(super) async fn restore(&mut self, pending: &PendingRestore) -> Result<()> {
         // A CRIU older than the minimum fails here, before anything is read.
         crate::criu::version().await?;
+        // Start's checks use the spec read at Create; runc reads the file again.
+        self.bundle.unchanged()?;
         let dir = &pending.dir;
         // Steps 1 to 1e: nothing has read the checkpoint before they pass.
         let (checked, deferred) = self.check_before_criu(pending).await?;
