@@ -58,11 +58,8 @@ fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> 
     // What node B's hooks read: node B's GPUs (the same UUIDs), but of another model than the
     // one the shim and the checkpoint see, so that only the prestart hook refuses there.
     let sim_x = sim_node(SimConfig {
-        gpus: 2,
-        memory_mib: 256,
         model: "NVIDIA A100-SXM4-80GB".into(),
-        uuid_seed: "hooks-b".into(),
-        ..SimConfig::default()
+        ..gpus_config(2, 256, "hooks-b")
     })?;
     ensure!(
         sim_x.uuids() == sim_b.uuids(),
