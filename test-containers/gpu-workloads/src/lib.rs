@@ -39,14 +39,23 @@ impl From<driver::CudaError> for Fail {
     }
 }
 
-/// The `main` of the workload binary `name`: with `--help` or `-h` prints `usage` and exits 0;
-/// otherwise exits with the status `run` returns for the arguments, or its [`Fail`]'s.
-pub fn main(name: &str, usage: &str, run: impl FnOnce(&[String]) -> Result<i32, Fail>) {
+/// The program's arguments, or `None` when one of them is `--help` or `-h` (then `usage` is
+/// printed).
+pub fn args_or_help(usage: &str) -> Option<Vec<String>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
         emit(usage);
-        return;
+        return None;
     }
+    Some(args)
+}
+
+/// The `main` of the workload binary `name`: with `--help` or `-h` prints `usage` and exits 0;
+/// otherwise exits with the status `run` returns for the arguments, or its [`Fail`]'s.
+pub fn main(name: &str, usage: &str, run: impl FnOnce(&[String]) -> Result<i32, Fail>) {
+    let Some(args) = args_or_help(usage) else {
+        return;
+    };
     let code = match run(&args) {
         Ok(code) => code,
         Err(Fail::Usage(m)) => {

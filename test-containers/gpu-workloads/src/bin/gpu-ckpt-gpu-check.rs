@@ -86,11 +86,9 @@ fn parse(args: &[String]) -> Result<Opts, String> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        emit(USAGE);
+    let Some(args) = gpu_ckpt_gpu_workloads::args_or_help(USAGE) else {
         return;
-    }
+    };
     let o = match parse(&args) {
         Ok(o) => o,
         Err(e) => {
