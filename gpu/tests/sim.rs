@@ -143,6 +143,11 @@ fn signal(pid: i32, sig: i32) {
     assert_eq!(rc, 0, "kill({pid}, {sig})");
 }
 
+/// The last `call` the driver received had all-zero arguments.
+fn assert_zero_args(n: &SimNode, call: &str) {
+    assert_eq!(n.last_args(call).unwrap(), vec![0u8; 64], "{call}");
+}
+
 fn driver_code(e: &GpuError) -> u32 {
     match e {
         GpuError::Driver { code, .. } => *code,
@@ -304,10 +309,7 @@ fn argument_bytes_the_driver_received() {
     assert!(lock[4..].iter().all(|&b| b == 0), "{lock:?}");
 
     cuda.checkpoint(pid).unwrap();
-    assert_eq!(
-        n.last_args("cuCheckpointProcessCheckpoint").unwrap(),
-        vec![0u8; 64]
-    );
+    assert_zero_args(&n, "cuCheckpointProcessCheckpoint");
 
     // Move GPU 0's memory to GPU 1: one pair, pointer set, count 1, the rest zero.
     cuda.restore(
@@ -325,10 +327,7 @@ fn argument_bytes_the_driver_received() {
     assert!(restore[12..].iter().all(|&b| b == 0), "{restore:?}");
 
     cuda.unlock(pid).unwrap();
-    assert_eq!(
-        n.last_args("cuCheckpointProcessUnlock").unwrap(),
-        vec![0u8; 64]
-    );
+    assert_zero_args(&n, "cuCheckpointProcessUnlock");
     w.verify();
     let nvml = NvmlInventory::load_from(n.libnvml()).unwrap();
     let procs = nvml.compute_processes().unwrap();
@@ -337,16 +336,10 @@ fn argument_bytes_the_driver_received() {
 
     // Without pairs (and without a timeout) the structs are all zero.
     cuda.lock(pid, None).unwrap();
-    assert_eq!(
-        n.last_args("cuCheckpointProcessLock").unwrap(),
-        vec![0u8; 64]
-    );
+    assert_zero_args(&n, "cuCheckpointProcessLock");
     cuda.checkpoint(pid).unwrap();
     cuda.restore(pid, &[]).unwrap();
-    assert_eq!(
-        n.last_args("cuCheckpointProcessRestore").unwrap(),
-        vec![0u8; 64]
-    );
+    assert_zero_args(&n, "cuCheckpointProcessRestore");
     cuda.unlock(pid).unwrap();
     w.verify();
 }
@@ -409,10 +402,7 @@ fn driver_without_remapping_refuses_before_any_call() {
         }],
     )
     .unwrap();
-    assert_eq!(
-        n.last_args("cuCheckpointProcessRestore").unwrap(),
-        vec![0u8; 64]
-    );
+    assert_zero_args(&n, "cuCheckpointProcessRestore");
     cuda.unlock(pid).unwrap();
     w.verify();
 }

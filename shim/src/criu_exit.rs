@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use nix::sys::socket::{setsockopt, sockopt};
+use nix::sys::time::TimeVal;
 use procfs::process::Process;
 use tracing::debug;
 
@@ -180,28 +182,10 @@ fn listen() -> io::Result<OwnedFd> {
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
-    let timeout = libc::timeval {
-        tv_sec: 0,
-        tv_usec: POLL.as_micros() as libc::suseconds_t,
-    };
-    let buf: libc::c_int = 4 << 20;
-    // SAFETY: setsockopt(2) with pointers to values of the sizes given.
-    unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            std::ptr::addr_of!(timeout).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        );
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            std::ptr::addr_of!(buf).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        );
-    }
+    // Receives wait at most POLL (then the stop flag is looked at); a burst of events finds room.
+    let timeout = TimeVal::new(0, POLL.as_micros() as libc::suseconds_t);
+    let _ = setsockopt(&sock, sockopt::ReceiveTimeout, &timeout);
+    let _ = setsockopt(&sock, sockopt::RcvBuf, &(4 << 20));
     control(&sock, PROC_CN_MCAST_LISTEN)?;
     Ok(sock)
 }

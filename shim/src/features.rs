@@ -110,22 +110,19 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    /// [`runc_features`] of a runc that is the shell script `body`, written as `dir/name`.
+    fn features_of(dir: &Path, name: &str, body: &str) -> Result<Option<Vec<u8>>, String> {
         let p = dir.join(name);
         std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        p
+        runc_features(p.to_str().unwrap())
     }
 
     #[test]
     fn features_json_is_passed_on() {
         let dir = tempfile::tempdir().unwrap();
-        let bin = script(
-            dir.path(),
-            "runc",
-            r#"echo '{"ociVersionMin":"1.0.0","mountOptions":["rro"]}'"#,
-        );
-        let json = runc_features(bin.to_str().unwrap()).unwrap().unwrap();
+        let prints = r#"echo '{"ociVersionMin":"1.0.0","mountOptions":["rro"]}'"#;
+        let json = features_of(dir.path(), "runc", prints).unwrap().unwrap();
         let v: serde_json::Value = serde_json::from_slice(&json).unwrap();
         assert_eq!(v["mountOptions"][0], "rro");
     }
@@ -134,14 +131,12 @@ mod tests {
     fn a_runc_without_features_gives_none() {
         let dir = tempfile::tempdir().unwrap();
         // runc 1.0 answers an unknown command with a usage error.
-        let old = script(
-            dir.path(),
-            "old-runc",
-            "echo 'No help topic for features' >&2; exit 1",
+        let usage_error = "echo 'No help topic for features' >&2; exit 1";
+        assert_eq!(features_of(dir.path(), "old-runc", usage_error), Ok(None));
+        assert_eq!(
+            features_of(dir.path(), "odd-runc", "echo not json"),
+            Ok(None)
         );
-        assert_eq!(runc_features(old.to_str().unwrap()), Ok(None));
-        let garbage = script(dir.path(), "odd-runc", "echo not json");
-        assert_eq!(runc_features(garbage.to_str().unwrap()), Ok(None));
     }
 
     #[test]

@@ -528,6 +528,14 @@ pub(crate) fn encode_runtime_options(config_path: &str, config_body: &str) -> An
 mod tests {
     use super::*;
 
+    /// The error says every one of `parts`.
+    fn assert_mentions(err: Error, parts: &[&str]) {
+        let err = err.to_string();
+        for part in parts {
+            assert!(err.contains(part), "{part:?} not in: {err}");
+        }
+    }
+
     #[test]
     fn no_options_gives_defaults() {
         let o = RuntimeOptions::from_any(None).unwrap();
@@ -580,13 +588,8 @@ mod tests {
         assert!(!o.restore_mode());
         // An unknown key in the file is named, with the file.
         std::fs::write(&file, "Frobnicate = 1\n").unwrap();
-        let err = RuntimeOptions::from_any_with(Some(&any), Some(&file))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("Frobnicate") && err.contains("handler options file"),
-            "{err}"
-        );
+        let err = RuntimeOptions::from_any_with(Some(&any), Some(&file)).unwrap_err();
+        assert_mentions(err, &["Frobnicate", "handler options file"]);
     }
 
     #[test]
@@ -688,13 +691,8 @@ mod tests {
         assert_eq!(o.restore_staging_dir(), Path::new("/srv/staging"));
         let d = RuntimeOptions::default().restore_staging_dir();
         assert_eq!(d, Path::new("/var/lib/gpu-ckpt/restore"));
-        let err = RuntimeOptions::from_toml("RestoreStagingDir = \"staging\"", "t")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("RestoreStagingDir") && err.contains("absolute"),
-            "{err}"
-        );
+        let err = RuntimeOptions::from_toml("RestoreStagingDir = \"staging\"", "t").unwrap_err();
+        assert_mentions(err, &["RestoreStagingDir", "absolute"]);
     }
 
     #[test]

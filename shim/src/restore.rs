@@ -51,6 +51,7 @@ use crate::{
     error::{Error, Result},
     options::RuntimeOptions,
     rootfs_changes,
+    spec_check::Policy,
     trust::{self, Verdict},
 };
 
@@ -67,6 +68,18 @@ pub struct Identity<'a> {
     pub namespace: &'a str,
     /// The id of the container's pod sandbox (CRI), which owns its image volumes.
     pub sandbox_id: &'a str,
+}
+
+/// A restore for Create to prepare: the checkpoint `source`, for the container `me` with its
+/// pod's annotations and its handler's options, staged in `staging` ([`staging_dir`]) and its
+/// rootfs changes laid over `rootfs`.
+pub struct Request<'a> {
+    pub rootfs: &'a Path,
+    pub staging: &'a Path,
+    pub source: &'a str,
+    pub me: &'a Identity<'a>,
+    pub ann: &'a Annotations,
+    pub options: &'a RuntimeOptions,
 }
 
 /// What to do with the container.
@@ -145,6 +158,17 @@ pub fn remove_staging(staging: &Path) {
     }
 }
 
+/// A temporary directory with the directories `names` made in it.
+#[cfg(test)]
+fn temp_dirs<const N: usize>(names: [&str; N]) -> (tempfile::TempDir, [PathBuf; N]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dirs = names.map(|n| tmp.path().join(n));
+    for d in &dirs {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    (tmp, dirs)
+}
+
 #[cfg(test)]
 mod staging_tests {
     use super::*;
@@ -188,11 +212,7 @@ mod staging_tests {
 
     #[test]
     fn a_link_in_the_staging_path_is_not_followed() {
-        let tmp = tempfile::tempdir().unwrap();
-        let base = tmp.path().join("restore");
-        let elsewhere = tmp.path().join("elsewhere");
-        std::fs::create_dir_all(&base).unwrap();
-        std::fs::create_dir_all(&elsewhere).unwrap();
+        let (_tmp, [base, elsewhere]) = temp_dirs(["restore", "elsewhere"]);
         std::os::unix::fs::symlink(&elsewhere, base.join("k8s.io")).unwrap();
         let staging = staging_dir(&options(&base), "k8s.io", "c1").unwrap();
         let err = make_staging(&staging).unwrap_err().to_string();
@@ -209,25 +229,17 @@ mod staging_tests {
     }
 }
 
-/// Fetches, checks and unpacks the checkpoint `source` for the container in `bundle` into its
-/// staging directory `staging` ([`staging_dir`]), and lays its rootfs diff over `rootfs`. The
-/// staging directory is removed unless the plan is [`Plan::Restore`] (then Start removes it
-/// once the restore is done); the rootfs is the caller's to unmount.
-pub fn prepare(
-    bundle: &mut Bundle,
-    rootfs: &Path,
-    staging: &Path,
-    source: &str,
-    me: &Identity<'_>,
-    ann: &Annotations,
-    options: &RuntimeOptions,
-) -> Result<Plan> {
-    let result = prepare_inner(bundle, rootfs, staging, source, me, ann, options);
+/// Fetches, checks and unpacks the checkpoint the request names for the container in `bundle`
+/// into its staging directory, and lays its rootfs diff over its rootfs. The staging directory
+/// is removed unless the plan is [`Plan::Restore`] (then Start removes it once the restore is
+/// done); the rootfs is the caller's to unmount.
+pub fn prepare(bundle: &mut Bundle, req: &Request<'_>) -> Result<Plan> {
+    let result = prepare_inner(bundle, req);
     if let Err(e) = &result {
-        trust::log_refused(e, me.namespace);
+        trust::log_refused(e, req.me.namespace);
     }
     if !matches!(result, Ok(Plan::Restore(_))) {
-        remove_staging(staging);
+        remove_staging(req.staging);
     }
     result
 }
@@ -241,26 +253,18 @@ pub(crate) fn step(step: &'static str) -> impl Fn(String) -> Error {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn prepare_inner(
-    bundle: &mut Bundle,
-    rootfs: &Path,
-    staging: &Path,
-    source: &str,
-    me: &Identity<'_>,
-    ann: &Annotations,
-    options: &RuntimeOptions,
-) -> Result<Plan> {
+fn prepare_inner(bundle: &mut Bundle, req: &Request<'_>) -> Result<Plan> {
+    let (rootfs, staging, source) = (req.rootfs, req.staging, req.source);
     let limits = Limits::default();
     if let Some(destination) = trust::mount_destination(source) {
-        return prepare_from_mount(bundle, rootfs, source, &destination?, me, ann, options);
+        return prepare_from_mount(bundle, req, &destination?);
     }
     make_staging(staging)?;
     info!(%source, staging = %staging.display(), "restore staged");
     // Step 1: fetch, from a source RestoreSources lists (checked before anything is opened):
     // an archive on disk is read where it lies; an image's layer is copied into the staging
     // directory, bounded by the size its OCI manifest declares.
-    let archive = fetch(staging, source, limits, options)?;
+    let archive = fetch(staging, source, limits, req.options)?;
     // One open file for every read below: the headers, the metadata, the extraction.
     let file = File::open(&archive).map_err(|e| trust::refused(source, format!("open: {e}")))?;
     // Step 2: read every header (hostile entries are refused here) and the metadata, into
@@ -269,7 +273,7 @@ fn prepare_inner(
     // archive would otherwise tell the pod that it exists.
     let info = archive::read_info_from(std::io::BufReader::with_capacity(64 << 10, &file), limits)
         .map_err(|e| trust::refused(source, format!("check: {e}")))?;
-    let signed = match admit(bundle, &info, source, me, ann, options)? {
+    let signed = match admit(bundle, &info, req)? {
         Admitted::Fits { signed } => signed,
         Admitted::ColdStart(why) => return Ok(Plan::ColdStart(why)),
     };
@@ -326,14 +330,8 @@ enum Admitted {
 /// The checks every source gets once its metadata is read: signature and signer, namespace,
 /// the engine's record against the signed one, and whether the checkpoint belongs to this
 /// container (name, image, declared versions, GPUs).
-fn admit(
-    bundle: &Bundle,
-    info: &ArchiveInfo,
-    source: &str,
-    me: &Identity<'_>,
-    ann: &Annotations,
-    options: &RuntimeOptions,
-) -> Result<Admitted> {
+fn admit(bundle: &Bundle, info: &ArchiveInfo, req: &Request<'_>) -> Result<Admitted> {
+    let (source, options) = (req.source, req.options);
     let (Some(manifest), Some(json)) = (&info.manifest, &info.manifest_json) else {
         return Err(step("check")(format!(
             "{source} has no gpu-ckpt manifest: it is not a complete gpu-ckpt checkpoint"
@@ -350,15 +348,15 @@ fn admit(
     } else {
         spec_ns.clone()
     };
-    trust::check_namespace(&from, me.namespace, options, source)?;
+    trust::check_namespace(&from, req.me.namespace, options, source)?;
     if signed {
         check_engine_record(manifest, (&spec_name, &spec_pod, &spec_ns), source)?;
     }
     // Step 5: does it belong here?
-    let differences = differences(bundle, info, manifest, signed, me, ann, options)?;
+    let differences = differences(bundle, info, manifest, signed, req)?;
     if !differences.is_empty() {
         let why = differences.join("; ");
-        return match ann.get(annotations::ON_INCOMPATIBLE) {
+        return match req.ann.get(annotations::ON_INCOMPATIBLE) {
             Some("cold-start") => {
                 warn!(%source, %why, "checkpoint cannot be used: cold start");
                 Ok(Admitted::ColdStart(why))
@@ -379,10 +377,9 @@ fn differences(
     info: &ArchiveInfo,
     manifest: &Manifest,
     signed: bool,
-    me: &Identity<'_>,
-    ann: &Annotations,
-    options: &RuntimeOptions,
+    req: &Request<'_>,
 ) -> Result<Vec<String>> {
+    let (me, ann, options) = (req.me, req.ann, req.options);
     let mut differences = Vec::new();
     let name = if signed {
         manifest.container.name.clone()
@@ -458,7 +455,7 @@ fn apply_changes(
         } else {
             DiffFormat::Oci
         };
-        let ids = crate::spec_check::Policy::from_bundle(bundle)?;
+        let ids = Policy::from_bundle(bundle)?;
         apply_rootfs_diff(diff, rootfs, format, &ids)
             .map_err(|e| step("rootfs-diff")(e.to_string()))?;
     }
@@ -475,29 +472,22 @@ fn unsigned_changes(source: &str) -> Error {
 
 /// The restore from the image volume at `destination` (`mount:/PATH`): checked and read in
 /// place, the rootfs changes applied, and the mount removed from the container's spec.
-fn prepare_from_mount(
-    bundle: &mut Bundle,
-    rootfs: &Path,
-    source: &str,
-    destination: &str,
-    me: &Identity<'_>,
-    ann: &Annotations,
-    options: &RuntimeOptions,
-) -> Result<Plan> {
+fn prepare_from_mount(bundle: &mut Bundle, req: &Request<'_>, destination: &str) -> Result<Plan> {
+    let (rootfs, source) = (req.rootfs, req.source);
     let limits = Limits::default();
     // Step 1: the mount, which must be an image volume of this pod (trust::image_volume).
     let root = trust::image_volume(
         bundle.path(),
         bundle.json(),
         destination,
-        me.sandbox_id,
+        req.me.sandbox_id,
         source,
     )?;
     // Step 2: every entry checked where it lies (a hostile image's layer), the metadata read.
     let info = archive::read_info_tree(&root, limits)
         .map_err(|e| step("check")(format!("{source}: {e}")))?;
     // Steps 3 to 5: the same admission as any other source.
-    let signed = match admit(bundle, &info, source, me, ann, options)? {
+    let signed = match admit(bundle, &info, req)? {
         Admitted::Fits { signed } => signed,
         Admitted::ColdStart(why) => {
             remove_mounts(bundle, &root)?;
@@ -745,7 +735,7 @@ pub fn apply_rootfs_diff(
     diff: &Path,
     rootfs: &Path,
     format: DiffFormat,
-    ids: &crate::spec_check::Policy,
+    ids: &Policy,
 ) -> Result<()> {
     // First pass: every entry checked, nothing written.
     for_each_entry(diff, &mut |path, e| {
@@ -757,7 +747,30 @@ pub fn apply_rootfs_diff(
         .map_err(|e| Error::io(format!("open rootfs {}", rootfs.display()))(e.into()))?;
     // Second pass: applied.
     for_each_entry(diff, &mut |path, e| {
-        apply_entry(path, e, &root, format, ids)
+        let action = check_entry(path, e, format)?;
+        let applied = match action {
+            Action::Skip => Ok(()),
+            Action::Remove | Action::EmptyParent => (|| {
+                let Some((parent, name)) = parent_of(&root, path, false)? else {
+                    // Nothing there to remove.
+                    return Ok(());
+                };
+                if matches!(action, Action::EmptyParent) {
+                    return empty_dir(&parent);
+                }
+                // An OCI whiteout names `.wh.<name>`; the shim's copy names the entry itself.
+                let name = match format {
+                    DiffFormat::Oci => OsStr::from_bytes(&name.as_bytes()[4..]),
+                    DiffFormat::Own => name,
+                };
+                remove_any(&parent, name)
+            })(),
+            Action::Write { opaque } => write_entry(path, e, &root, opaque, ids),
+        };
+        applied.map_err(|err| match err {
+            Apply::Io(what, e) => bad(path, &format!("{what}: {e}")),
+            Apply::Refused(why) => bad(path, why),
+        })
     })
 }
 
@@ -991,46 +1004,13 @@ fn parent_of<'p>(
     Ok(Some((cur, last)))
 }
 
-fn apply_entry(
-    path: &Path,
-    e: &mut Entry<'_>,
-    root: &OwnedFd,
-    format: DiffFormat,
-    ids: &crate::spec_check::Policy,
-) -> Result<()> {
-    let action = check_entry(path, e, format)?;
-    let applied = match action {
-        Action::Skip => Ok(()),
-        Action::Remove | Action::EmptyParent => (|| {
-            let Some((parent, name)) = parent_of(root, path, false)? else {
-                // Nothing there to remove.
-                return Ok(());
-            };
-            if matches!(action, Action::EmptyParent) {
-                return empty_dir(&parent);
-            }
-            // An OCI whiteout names `.wh.<name>`; the shim's copy names the entry itself.
-            let name = match format {
-                DiffFormat::Oci => OsStr::from_bytes(&name.as_bytes()[4..]),
-                DiffFormat::Own => name,
-            };
-            remove_any(&parent, name)
-        })(),
-        Action::Write { opaque } => write_entry(path, e, root, opaque, ids),
-    };
-    applied.map_err(|err| match err {
-        Apply::Io(what, e) => bad(path, &format!("{what}: {e}")),
-        Apply::Refused(why) => bad(path, why),
-    })
-}
-
 /// Writes one file, directory, symlink or hard link entry below `root`.
 fn write_entry(
     path: &Path,
     e: &mut Entry<'_>,
     root: &OwnedFd,
     opaque: bool,
-    ids: &crate::spec_check::Policy,
+    ids: &Policy,
 ) -> Applied<()> {
     let (parent, name) = parent_of(root, path, true)?.ok_or(Apply::Refused("no parent"))?;
     let header = e.header().clone();
@@ -1062,7 +1042,7 @@ struct Meta {
 }
 
 impl Meta {
-    fn of(header: &tar::Header, ids: &crate::spec_check::Policy) -> Meta {
+    fn of(header: &tar::Header, ids: &Policy) -> Meta {
         let mut mode = header.mode().unwrap_or(0o600) & 0o7777;
         let uid = header.uid().ok().and_then(|u| u32::try_from(u).ok());
         let gid = header.gid().ok().and_then(|g| u32::try_from(g).ok());
@@ -1292,8 +1272,8 @@ mod tests {
     use std::io::Write as _;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
-    fn no_userns() -> crate::spec_check::Policy {
-        crate::spec_check::Policy::from_spec(&serde_json::json!({})).unwrap()
+    fn no_userns() -> Policy {
+        Policy::from_spec(&serde_json::json!({})).unwrap()
     }
 
     /// One entry of a test's copy: name, type, uid, gid, mode, data.
@@ -1379,7 +1359,7 @@ mod tests {
         let spec = serde_json::json!({"linux": {
             "uidMappings": [{"containerID": 0, "hostID": 100000, "size": 1500}],
             "gidMappings": [{"containerID": 0, "hostID": 100000, "size": 65536}]}});
-        let ids = crate::spec_check::Policy::from_spec(&spec).unwrap();
+        let ids = Policy::from_spec(&spec).unwrap();
         let rootfs = tempfile::tempdir().unwrap();
         let r = rootfs.path();
         let (_d, path) = own_copy(&[
@@ -1399,11 +1379,7 @@ mod tests {
     #[test]
     fn nothing_is_written_through_a_symlink_in_the_rootfs() {
         use tar::EntryType::{Char, Directory, Regular};
-        let bundle = tempfile::tempdir().unwrap();
-        let rootfs = bundle.path().join("rootfs");
-        let outside = bundle.path().join("outside");
-        std::fs::create_dir_all(&rootfs).unwrap();
-        std::fs::create_dir_all(&outside).unwrap();
+        let (_bundle, [rootfs, outside]) = temp_dirs(["rootfs", "outside"]);
         std::fs::write(outside.join("victim"), "v").unwrap();
         std::fs::set_permissions(&outside, std::fs::Permissions::from_mode(0o700)).unwrap();
         // What a sidecar may have put in the rootfs: a link where a directory is expected.
@@ -1543,12 +1519,19 @@ mod tests {
         }
     }
 
-    #[test]
-    fn only_a_mount_point_in_the_pods_image_volume_directory_is_an_image_volume() {
+    /// A containerd state directory with the bundle of container c1 in k8s.io: the directory,
+    /// the bundle and the pods' image volume directory (not made).
+    fn state_with_bundle() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let state = tempfile::tempdir().unwrap();
         let bundle = state.path().join("io.containerd.runtime.v2.task/k8s.io/c1");
         std::fs::create_dir_all(&bundle).unwrap();
         let volumes = state.path().join(trust::IMAGE_VOLUMES);
+        (state, bundle, volumes)
+    }
+
+    #[test]
+    fn only_a_mount_point_in_the_pods_image_volume_directory_is_an_image_volume() {
+        let (_state, bundle, volumes) = state_with_bundle();
         let mine = volumes.join("sb1/img");
         let theirs = volumes.join("sb2/img");
         std::fs::create_dir_all(&mine).unwrap();
@@ -1577,10 +1560,8 @@ mod tests {
 
     #[test]
     fn every_mount_of_the_checkpoint_volume_goes_and_only_the_restoring_container_may_mount_it() {
-        let state = tempfile::tempdir().unwrap();
-        let bundle = state.path().join("io.containerd.runtime.v2.task/k8s.io/c1");
-        std::fs::create_dir_all(&bundle).unwrap();
-        let volumes = state.path().join(trust::IMAGE_VOLUMES).join("sb1");
+        let (_state, bundle, volumes) = state_with_bundle();
+        let volumes = volumes.join("sb1");
         let ckpt = volumes.join("img");
         let weights = volumes.join("weights");
         std::fs::create_dir_all(ckpt.join("checkpoint")).unwrap();

@@ -48,6 +48,21 @@ pub enum Network {
     Pod,
 }
 
+/// The `annotation` and `label` setters of a spec with `annotations` and `labels` maps.
+macro_rules! annotation_and_label {
+    () => {
+        pub fn annotation(mut self, key: &str, value: &str) -> Self {
+            self.annotations.insert(key.to_string(), value.to_string());
+            self
+        }
+
+        pub fn label(mut self, key: &str, value: &str) -> Self {
+            self.labels.insert(key.to_string(), value.to_string());
+            self
+        }
+    };
+}
+
 /// What a pod looks like; `PodSpec::new(name)` gives kubelet-like defaults.
 #[derive(Debug, Clone)]
 pub struct PodSpec {
@@ -103,15 +118,7 @@ impl PodSpec {
         self
     }
 
-    pub fn annotation(mut self, key: &str, value: &str) -> Self {
-        self.annotations.insert(key.to_string(), value.to_string());
-        self
-    }
-
-    pub fn label(mut self, key: &str, value: &str) -> Self {
-        self.labels.insert(key.to_string(), value.to_string());
-        self
-    }
+    annotation_and_label!();
 
     /// `<log_root>/<ns>_<pod>_<uid>`.
     pub fn log_directory(&self) -> PathBuf {
@@ -119,12 +126,18 @@ impl PodSpec {
             .join(format!("{}_{}_{}", self.namespace, self.name, self.uid))
     }
 
-    /// The kubelet-like `PodSandboxConfig`.
-    pub fn to_config(&self) -> cri::PodSandboxConfig {
-        let mut labels = self.labels.clone();
+    /// `labels` and the labels kubelet gives everything of this pod (name, namespace, uid).
+    fn with_pod_labels(&self, labels: &HashMap<String, String>) -> HashMap<String, String> {
+        let mut labels = labels.clone();
         labels.insert("io.kubernetes.pod.name".into(), self.name.clone());
         labels.insert("io.kubernetes.pod.namespace".into(), self.namespace.clone());
         labels.insert("io.kubernetes.pod.uid".into(), self.uid.clone());
+        labels
+    }
+
+    /// The kubelet-like `PodSandboxConfig`.
+    pub fn to_config(&self) -> cri::PodSandboxConfig {
+        let labels = self.with_pod_labels(&self.labels);
         let mut annotations = self.annotations.clone();
         annotations
             .entry("kubernetes.io/config.source".into())
@@ -268,15 +281,7 @@ impl ContainerSpec {
         self
     }
 
-    pub fn annotation(mut self, key: &str, value: &str) -> Self {
-        self.annotations.insert(key.to_string(), value.to_string());
-        self
-    }
-
-    pub fn label(mut self, key: &str, value: &str) -> Self {
-        self.labels.insert(key.to_string(), value.to_string());
-        self
-    }
+    annotation_and_label!();
 
     /// Sets the memory limit (bytes).
     pub fn memory_limit(mut self, bytes: i64) -> Self {
@@ -379,11 +384,8 @@ impl ContainerSpec {
 
     /// The kubelet-like `ContainerConfig` for a container of `pod`.
     pub fn to_config(&self, pod: &PodSpec) -> cri::ContainerConfig {
-        let mut labels = self.labels.clone();
+        let mut labels = pod.with_pod_labels(&self.labels);
         labels.insert("io.kubernetes.container.name".into(), self.name.clone());
-        labels.insert("io.kubernetes.pod.name".into(), pod.name.clone());
-        labels.insert("io.kubernetes.pod.namespace".into(), pod.namespace.clone());
-        labels.insert("io.kubernetes.pod.uid".into(), pod.uid.clone());
         let mut annotations = self.annotations.clone();
         annotations
             .entry("io.kubernetes.container.restartCount".into())
@@ -498,8 +500,9 @@ pub struct Cri {
     timeout: Duration,
 }
 
-/// A `Cri` method for a RuntimeService call whose request is one id and whose answer the tests
-/// do not read: `name`, the request type with its id field, and the call's name for the error.
+/// A `Cri` method for a RuntimeService call whose request is one id: `name`, the request type
+/// with its id field, and the call's name for the error. Without `-> Response` the tests do not
+/// read the answer; with it, the call is verbose and returns the answer.
 macro_rules! id_call {
     ($(#[$doc:meta])* $name:ident, $req:ident { $field:ident }, $call:literal) => {
         $(#[$doc])*
@@ -511,6 +514,17 @@ macro_rules! id_call {
                 .await
                 .with_context(|| format!(concat!("CRI ", $call, " {}"), id))?;
             Ok(())
+        }
+    };
+    ($(#[$doc:meta])* $name:ident, $req:ident { $field:ident } -> $resp:ident, $call:literal) => {
+        $(#[$doc])*
+        pub async fn $name(&self, id: &str) -> Result<cri::$resp> {
+            let request = cri::$req {
+                $field: id.to_string(),
+                verbose: true,
+            };
+            let r = self.runtime().$name(self.req(request)).await;
+            Ok(r.with_context(|| format!(concat!("CRI ", $call, " {}"), id))?.into_inner())
         }
     };
 }
@@ -645,11 +659,7 @@ impl Cri {
         config: cri::PodSandboxConfig,
         handler: &str,
     ) -> Result<String> {
-        let name = config
-            .metadata
-            .as_ref()
-            .map(|m| m.name.clone())
-            .unwrap_or_default();
+        let name = config.metadata.clone().unwrap_or_default().name;
         let r = self
             .runtime()
             .run_pod_sandbox(self.req(cri::RunPodSandboxRequest {
@@ -681,11 +691,7 @@ impl Cri {
         config: cri::ContainerConfig,
         sandbox_config: cri::PodSandboxConfig,
     ) -> Result<String> {
-        let name = config
-            .metadata
-            .as_ref()
-            .map(|m| m.name.clone())
-            .unwrap_or_default();
+        let name = config.metadata.clone().unwrap_or_default().name;
         let r = self
             .runtime()
             .create_container(self.req(cri::CreateContainerRequest {
@@ -706,16 +712,10 @@ impl Cri {
             .await
     }
 
-    /// StartContainer.
-    pub async fn start_container(&self, id: &str) -> Result<()> {
-        self.runtime()
-            .start_container(self.req(cri::StartContainerRequest {
-                container_id: id.to_string(),
-            }))
-            .await
-            .with_context(|| format!("CRI StartContainer {id}"))?;
-        Ok(())
-    }
+    id_call!(
+        /// StartContainer.
+        start_container, StartContainerRequest { container_id }, "StartContainer"
+    );
 
     /// CreateContainer + StartContainer.
     pub async fn run_container(&self, pod: &Pod, spec: &ContainerSpec) -> Result<String> {
@@ -780,31 +780,18 @@ impl Cri {
         Ok(())
     }
 
-    /// PodSandboxStatus.
-    pub async fn pod_sandbox_status(&self, id: &str) -> Result<cri::PodSandboxStatusResponse> {
-        let r = self
-            .runtime()
-            .pod_sandbox_status(self.req(cri::PodSandboxStatusRequest {
-                pod_sandbox_id: id.to_string(),
-                verbose: true,
-            }))
-            .await
-            .with_context(|| format!("CRI PodSandboxStatus {id}"))?;
-        Ok(r.into_inner())
-    }
-
-    /// ContainerStatus (verbose: `info` holds containerd's JSON with pid, runtime, spec).
-    pub async fn container_status(&self, id: &str) -> Result<cri::ContainerStatusResponse> {
-        let r = self
-            .runtime()
-            .container_status(self.req(cri::ContainerStatusRequest {
-                container_id: id.to_string(),
-                verbose: true,
-            }))
-            .await
-            .with_context(|| format!("CRI ContainerStatus {id}"))?;
-        Ok(r.into_inner())
-    }
+    id_call!(
+        /// PodSandboxStatus.
+        pod_sandbox_status,
+        PodSandboxStatusRequest { pod_sandbox_id } -> PodSandboxStatusResponse,
+        "PodSandboxStatus"
+    );
+    id_call!(
+        /// ContainerStatus (verbose: `info` holds containerd's JSON with pid, runtime, spec).
+        container_status,
+        ContainerStatusRequest { container_id } -> ContainerStatusResponse,
+        "ContainerStatus"
+    );
 
     /// The container's state (CONTAINER_CREATED/RUNNING/EXITED/UNKNOWN).
     pub async fn container_state(&self, id: &str) -> Result<cri::ContainerState> {

@@ -119,6 +119,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The refusal of a copy to or from `ptr`+`len` that is not the process's device memory.
+fn not_device_memory(ptr: u64, len: u64) -> Reply {
+    Reply::err(
+        cu::INVALID_VALUE,
+        format!("{ptr:#x}+{len} is not device memory of this process"),
+    )
+}
+
 /// Copies `len` bytes between the daemon's `local` and process `pid`'s memory at `remote`:
 /// into the process (`to_remote`, `process_vm_writev`) or out of it (`process_vm_readv`), as a
 /// GPU's copy engine moves host memory. Needs the right to ptrace `pid` (the daemon runs as
@@ -328,10 +336,7 @@ impl Daemon {
                 }
                 None => {
                     proto::drain(s, len)?;
-                    Reply::err(
-                        cu::INVALID_VALUE,
-                        format!("{dst:#x}+{len} is not device memory of this process"),
-                    )
+                    not_device_memory(dst, len)
                 }
             },
             Request::DtoH { src, len } => match self.find(id, src, len) {
@@ -340,43 +345,10 @@ impl Daemon {
                     proto::send(s, &Reply::Data { len })?;
                     return s.write_all(&data[off..off + len as usize]);
                 }
-                None => Reply::err(
-                    cu::INVALID_VALUE,
-                    format!("{src:#x}+{len} is not device memory of this process"),
-                ),
+                None => not_device_memory(src, len),
             },
-            Request::HtoDDirect { dst, len, addr } => match self.find(id, dst, len) {
-                Some((a, off)) => {
-                    let mut data = lock(&a.data);
-                    let dst = &mut data[off..off + len as usize];
-                    match vm_copy(self.peer_pid(id), dst.as_mut_ptr(), dst.len(), addr, false) {
-                        Ok(()) => Reply::Ok,
-                        Err(e) => {
-                            Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_readv: {e}"))
-                        }
-                    }
-                }
-                None => Reply::err(
-                    cu::INVALID_VALUE,
-                    format!("{dst:#x}+{len} is not device memory of this process"),
-                ),
-            },
-            Request::DtoHDirect { src, len, addr } => match self.find(id, src, len) {
-                Some((a, off)) => {
-                    let mut data = lock(&a.data);
-                    let src = &mut data[off..off + len as usize];
-                    match vm_copy(self.peer_pid(id), src.as_mut_ptr(), src.len(), addr, true) {
-                        Ok(()) => Reply::Ok,
-                        Err(e) => {
-                            Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_writev: {e}"))
-                        }
-                    }
-                }
-                None => Reply::err(
-                    cu::INVALID_VALUE,
-                    format!("{src:#x}+{len} is not device memory of this process"),
-                ),
-            },
+            Request::HtoDDirect { dst, len, addr } => self.direct(id, dst, len, addr, false),
+            Request::DtoHDirect { src, len, addr } => self.direct(id, src, len, addr, true),
             Request::DtoD { dst, src, len } => self.dtod(id, dst, src, len),
             Request::Memset {
                 dst,
@@ -495,6 +467,29 @@ impl Daemon {
                 cu::INVALID_VALUE,
                 format!("{ptr:#x} is not an allocation of this process"),
             ),
+        }
+    }
+
+    /// Copies `len` bytes between the device memory at `dev` and the peer's memory at `addr`:
+    /// into the peer (DtoH) if `to_process`, else out of it (HtoD).
+    fn direct(&self, id: u64, dev: u64, len: u64, addr: u64, to_process: bool) -> Reply {
+        let Some((a, off)) = self.find(id, dev, len) else {
+            return not_device_memory(dev, len);
+        };
+        let mut data = lock(&a.data);
+        let mem = &mut data[off..off + len as usize];
+        match vm_copy(
+            self.peer_pid(id),
+            mem.as_mut_ptr(),
+            mem.len(),
+            addr,
+            to_process,
+        ) {
+            Ok(()) => Reply::Ok,
+            Err(e) if to_process => {
+                Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_writev: {e}"))
+            }
+            Err(e) => Reply::err(cu::OPERATING_SYSTEM, format!("process_vm_readv: {e}")),
         }
     }
 
@@ -631,12 +626,7 @@ impl Daemon {
                 format!("uid {caller_uid} may not act on process {pid}"),
             ));
         }
-        let mb = Mailbox::open_pid(pid)
-            .map_err(|e| (cu::INVALID_VALUE, format!("process {pid}: {e}")))?
-            .ok_or((
-                cu::NOT_INITIALIZED,
-                format!("process {pid} has no CUDA state"),
-            ))?;
+        let mb = cuda_mailbox(pid)?;
         let state = mb.get().state.load(Ordering::Acquire);
         let want = |s: u32, what: &str| {
             if state == s {
@@ -948,17 +938,13 @@ impl Daemon {
             }
             return Err(e);
         }
-        let handle = self.next_op.fetch_add(1, Ordering::Relaxed);
-        lock(&self.ops).insert(
-            handle,
-            Op {
-                caller,
-                pid,
-                ranges: ptrs,
-                kind: OpKind::Checkpoint { held },
-            },
-        );
-        Ok(Reply::Custom { handle, ranges })
+        let op = Op {
+            caller,
+            pid,
+            ranges: ptrs,
+            kind: OpKind::Checkpoint { held },
+        };
+        Ok(self.start_op(op, ranges))
     }
 
     /// After a custom-storage restore step: the target's restored (empty) allocations appear in
@@ -1006,20 +992,24 @@ impl Daemon {
             });
             layout.push((ptr, parts));
         }
-        let handle = self.next_op.fetch_add(1, Ordering::Relaxed);
-        lock(&self.ops).insert(
-            handle,
-            Op {
-                caller,
-                pid,
-                ranges: layout.iter().map(|l| l.0).collect(),
-                kind: OpKind::Restore {
-                    target_conn,
-                    layout,
-                },
+        let op = Op {
+            caller,
+            pid,
+            ranges: layout.iter().map(|l| l.0).collect(),
+            kind: OpKind::Restore {
+                target_conn,
+                layout,
             },
-        );
-        Ok(Reply::Custom { handle, ranges })
+        };
+        Ok(self.start_op(op, ranges))
+    }
+
+    /// Records the custom-storage operation `op` under a new handle: the reply that gives the
+    /// caller the handle and its `ranges`.
+    fn start_op(&self, op: Op, ranges: Vec<MappedRange>) -> Reply {
+        let handle = self.next_op.fetch_add(1, Ordering::Relaxed);
+        lock(&self.ops).insert(handle, op);
+        Reply::Custom { handle, ranges }
     }
 
     /// `cuCheckpointOperationComplete`: releases the ranges (a restore's bytes go to the target's
@@ -1099,12 +1089,7 @@ impl Daemon {
             }
         }
         drop(ranges);
-        let mb = Mailbox::open_pid(pid)
-            .map_err(|e| (cu::INVALID_VALUE, format!("process {pid}: {e}")))?
-            .ok_or((
-                cu::NOT_INITIALIZED,
-                format!("process {pid} has no CUDA state"),
-            ))?;
+        let mb = cuda_mailbox(pid)?;
         match mb.call(
             mailbox::cmd::COMPLETE,
             0,
@@ -1255,6 +1240,16 @@ fn check_zero(args: &[u8], range: std::ops::Range<usize>) -> CkptResult<()> {
 }
 
 /// Requires the reserved bytes of a 64-byte argument struct, from `from` on, to be zero.
+/// The mailbox of process `pid`, which must have CUDA state.
+fn cuda_mailbox(pid: i32) -> CkptResult<Mailbox> {
+    Mailbox::open_pid(pid)
+        .map_err(|e| (cu::INVALID_VALUE, format!("process {pid}: {e}")))?
+        .ok_or((
+            cu::NOT_INITIALIZED,
+            format!("process {pid} has no CUDA state"),
+        ))
+}
+
 fn check_reserved(args: &[u8], from: usize) -> Result<(), (u32, String)> {
     if args.len() != 64 {
         return Err((

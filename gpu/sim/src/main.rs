@@ -29,19 +29,8 @@ enum Cmd {
     Serve {
         #[arg(long)]
         dir: PathBuf,
-        #[arg(long, default_value_t = 1)]
-        gpus: u32,
-        #[arg(long, default_value = simgpu::node::DEFAULT_MODEL)]
-        model: String,
-        #[arg(long, default_value_t = 4096)]
-        memory_mib: u64,
-        #[arg(long, default_value = "580.95.05")]
-        driver_version: String,
-        /// cuDriverGetVersion's answer: 1000 × major + 10 × minor (12080, 13000, 13040).
-        #[arg(long, default_value_t = 13000)]
-        cuda_version: i32,
-        #[arg(long, default_value = "gpu-ckpt-sim")]
-        uuid_seed: String,
+        #[command(flatten)]
+        node: NodeConfig,
         /// Write the CDI spec (kind sim.gpu-ckpt.io/gpu) here.
         #[arg(long)]
         cdi_dir: Option<PathBuf>,
@@ -90,23 +79,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Serve {
             dir,
-            gpus,
-            model,
-            memory_mib,
-            driver_version,
-            cuda_version,
-            uuid_seed,
+            node: cfg,
             cdi_dir,
             lib_src,
         } => {
-            let cfg = NodeConfig {
-                gpus,
-                model,
-                memory_mib,
-                driver_version,
-                cuda_version,
-                uuid_seed,
-            };
             let node = cfg.describe();
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let dir = std::fs::canonicalize(&dir)?;
@@ -121,7 +97,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let d = Arc::new(Daemon::new(node, dir.join(SOCKET_NAME)));
             println!(
                 "gpu-ckpt-simgpu: serving {} GPU(s) on {}",
-                gpus,
+                cfg.gpus,
                 dir.join(SOCKET_NAME).display()
             );
             d.serve().context("serving")

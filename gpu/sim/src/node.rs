@@ -27,14 +27,22 @@ pub struct NodeDesc {
     pub gpus: Vec<GpuDesc>,
 }
 
-/// How a node is configured (`gpu-ckpt-simgpu serve` flags).
-#[derive(Debug, Clone)]
+/// How a node is configured: the `gpu-ckpt-simgpu serve` flags, whose defaults are
+/// [`NodeConfig::default`]'s.
+#[derive(Debug, Clone, clap::Args)]
 pub struct NodeConfig {
+    #[arg(long, default_value_t = 1)]
     pub gpus: u32,
+    #[arg(long, default_value = DEFAULT_MODEL)]
     pub model: String,
+    #[arg(long, default_value_t = 4096)]
     pub memory_mib: u64,
+    #[arg(long, default_value = "580.95.05")]
     pub driver_version: String,
+    /// cuDriverGetVersion's answer: 1000 × major + 10 × minor (12080, 13000, 13040).
+    #[arg(long, default_value_t = 13000)]
     pub cuda_version: i32,
+    #[arg(long, default_value = "gpu-ckpt-sim")]
     pub uuid_seed: String,
 }
 

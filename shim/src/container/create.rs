@@ -161,15 +161,15 @@ impl Container {
                 sandbox_id: &me.sandbox_id,
             };
             let rootfs = bundle.join("rootfs");
-            let plan = crate::restore::prepare(
-                &mut bundle,
-                &rootfs,
-                &unpack_to,
-                &source,
-                &me,
-                &ann,
-                &options,
-            );
+            let req = crate::restore::Request {
+                rootfs: &rootfs,
+                staging: &unpack_to,
+                source: &source,
+                me: &me,
+                ann: &ann,
+                options: &options,
+            };
+            let plan = crate::restore::prepare(&mut bundle, &req);
             (bundle, plan)
         })
         .await;

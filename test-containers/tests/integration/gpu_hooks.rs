@@ -9,7 +9,7 @@ use std::process::Command;
 
 use crate::common::{gpu::*, *};
 use anyhow::{ensure, Context, Result};
-use simgpu::testing::SimConfig;
+use simgpu::testing::{SimConfig, SimNode};
 use test_containers::{
     cri::{ContainerSpec, Cri, PodSpec},
     gpuproc,
@@ -49,6 +49,13 @@ fn bundle(node: &Node, id: &str) -> PathBuf {
         .join(id)
 }
 
+/// A pod of `node`'s restore handler that restores `source`.
+fn restore_pod(node: &Node, source: &str) -> PodSpec {
+    PodSpec::new("hooked", node.pod_log_root())
+        .handler(RESTORE_HANDLER)
+        .annotation("gpu-ckpt.io/restore-from", source)
+}
+
 #[test]
 fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> {
     let stack = Stack::discover()?;
@@ -58,11 +65,8 @@ fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> 
     // What node B's hooks read: node B's GPUs (the same UUIDs), but of another model than the
     // one the shim and the checkpoint see, so that only the prestart hook refuses there.
     let sim_x = sim_node(SimConfig {
-        gpus: 2,
-        memory_mib: 256,
         model: "NVIDIA A100-SXM4-80GB".into(),
-        uuid_seed: "hooks-b".into(),
-        ..SimConfig::default()
+        ..gpus_config(2, 256, "hooks-b")
     })?;
     ensure!(
         sim_x.uuids() == sim_b.uuids(),
@@ -72,18 +76,12 @@ fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> 
     let (spec_a, spec_b) = (specs.path().join("a.json"), specs.path().join("b.json"));
     base_spec(&hook, &sim_a.libnvml(), &spec_a)?;
     base_spec(&hook, &sim_x.libnvml(), &spec_b)?;
-    let a = gpu_node_with(
-        Node::builder("gpu-hooks-a")?.base_runtime_spec(&spec_a),
-        "gpu-hooks-a",
-        &sim_a,
-        &[],
-    )?;
-    let b = gpu_node_with(
-        Node::builder("gpu-hooks-b")?.base_runtime_spec(&spec_b),
-        "gpu-hooks-b",
-        &sim_b,
-        &[],
-    )?;
+    // A GPU node whose runtime spec is `spec` (with the hooks).
+    let hooked_node = |name: &str, spec: &Path, sim: &SimNode| {
+        gpu_node_with(Node::builder(name)?.base_runtime_spec(spec), name, sim, &[])
+    };
+    let a = hooked_node("gpu-hooks-a", &spec_a, &sim_a)?;
+    let b = hooked_node("gpu-hooks-b", &spec_b, &sim_b)?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
@@ -129,13 +127,7 @@ fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> 
         let source = archive.display().to_string();
 
         // prestart, where the GPUs fit: the restore handler on node A restores onto GPU 0.
-        let pod_ok = cri_a
-            .run_pod(
-                &PodSpec::new("hooked", a.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &source),
-            )
-            .await?;
+        let pod_ok = cri_a.run_pod(&restore_pod(&a, &source)).await?;
         cri_a.run_container(&pod_ok, &train("0")).await?;
         let before = last_step(&log).map(|s| s.0).unwrap_or(0);
         let restored = pod_ok.container_log("train");
@@ -148,13 +140,7 @@ fn hooks_record_the_gpus_and_refuse_a_restore_that_does_not_fit() -> Result<()> 
 
         // prestart, where they do not: node B's hooks see another model, and fail runc's
         // restore; nothing restored runs.
-        let pod_b = cri_b
-            .run_pod(
-                &PodSpec::new("hooked", b.pod_log_root())
-                    .handler(RESTORE_HANDLER)
-                    .annotation("gpu-ckpt.io/restore-from", &source),
-            )
-            .await?;
+        let pod_b = cri_b.run_pod(&restore_pod(&b, &source)).await?;
         let err = match cri_b.run_container(&pod_b, &train("0")).await {
             Ok(id) => anyhow::bail!("the prestart hook let restore {id} start"),
             Err(e) => format!("{e:#}"),

@@ -129,6 +129,20 @@ impl Fill {
         self.child.id() as i32
     }
 
+    /// Runs checkpoint.py against this process in `mode`, onto swapped GPUs if `swap`.
+    fn checkpoint_py(&self, sim: &SimNode, mode: &str, swap: bool) -> Vec<Value> {
+        let mut args = vec![
+            "--pid".to_string(),
+            self.pid().to_string(),
+            "--mode".into(),
+            mode.into(),
+        ];
+        if swap {
+            args.push("--swap".into());
+        }
+        run_py(sim, "checkpoint.py", &args)
+    }
+
     fn line(&mut self) -> String {
         let deadline = Instant::now() + Duration::from_secs(60);
         self.lines
@@ -280,16 +294,7 @@ fn checkpoint_api_through_cuda_bindings() {
     for (version, swap) in [(12080, false), (13000, true)] {
         let sim = node(2, version);
         let mut fill = Fill::start(&sim, 8);
-        let mut args = vec![
-            "--pid".to_string(),
-            fill.pid().to_string(),
-            "--mode".into(),
-            "plain".into(),
-        ];
-        if swap {
-            args.push("--swap".into());
-        }
-        let lines = run_py(&sim, "checkpoint.py", &args);
+        let lines = fill.checkpoint_py(&sim, "plain", swap);
         let t = find(&lines, "step", "restore_thread");
         assert_eq!(t["in_target"], true, "{t}");
         assert_eq!(
@@ -312,17 +317,7 @@ fn custom_storage_checkpoint_and_restore_keep_every_byte() {
     let sim = node(2, 13050);
     let mut fill = Fill::start(&sim, 8);
     let per_gpu = 8u64 << 20;
-    let lines = run_py(
-        &sim,
-        "checkpoint.py",
-        &[
-            "--pid".into(),
-            fill.pid().to_string(),
-            "--mode".into(),
-            "custom".into(),
-            "--swap".into(),
-        ],
-    );
+    let lines = fill.checkpoint_py(&sim, "custom", true);
     assert_eq!(
         steps(&lines),
         owned(&[
@@ -385,16 +380,7 @@ fn custom_storage_checkpoint_and_restore_keep_every_byte() {
 fn custom_storage_is_refused_before_cuda_13_4() {
     let sim = node(1, 13000);
     let mut fill = Fill::start(&sim, 4);
-    let lines = run_py(
-        &sim,
-        "checkpoint.py",
-        &[
-            "--pid".into(),
-            fill.pid().to_string(),
-            "--mode".into(),
-            "refused".into(),
-        ],
-    );
+    let lines = fill.checkpoint_py(&sim, "refused", false);
     assert_eq!(
         steps(&lines),
         round_trip(&[

@@ -872,11 +872,8 @@ async fn refused_restore(
 fn restore_onto_gpus_that_do_not_fit_is_refused_or_cold_starts() -> Result<()> {
     let sim_a = sim_gpus(2, 256, "fit-a")?;
     let sim_c = sim_node(SimConfig {
-        gpus: 2,
-        memory_mib: 256,
         driver_version: "575.57.08".into(),
-        uuid_seed: "fit-c".into(),
-        ..SimConfig::default()
+        ..gpus_config(2, 256, "fit-c")
     })?;
     let a = gpu_node("gpu-fit-a", &sim_a, &[])?;
     let c = gpu_node("gpu-fit-c", &sim_c, &[])?;

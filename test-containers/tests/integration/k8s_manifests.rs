@@ -80,6 +80,14 @@ fn path_str(p: &Path) -> &str {
     p.to_str().expect("repository paths are UTF-8")
 }
 
+/// The documents of the chart rendered with `args` as release gpu-ckpt-prod in namespace infra,
+/// each checked valid ([`valid_documents`]).
+fn prod_documents(args: &[&str]) -> Result<Vec<Value>> {
+    let mut all = args.to_vec();
+    all.extend(["--release", "gpu-ckpt-prod", "--namespace", "infra"]);
+    valid_documents(&render(&all)?)
+}
+
 /// A rendering's documents, each checked valid against KUBE_VERSION's schemas.
 fn valid_documents(rendered: &Value) -> Result<Vec<Value>> {
     ensure!(
@@ -491,15 +499,7 @@ fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result
         );
     }
 
-    let rendered = render(&[
-        "--values",
-        path_str(&all_values()),
-        "--release",
-        "gpu-ckpt-prod",
-        "--namespace",
-        "infra",
-    ])?;
-    let docs = valid_documents(&rendered)?;
+    let docs = prod_documents(&["--values", path_str(&all_values())])?;
     let rc_sel = &all["runtimeClasses"]["nodeSelector"];
     let rc_tol = &all["runtimeClasses"]["tolerations"];
     for (name, handler) in [
@@ -744,15 +744,10 @@ fn the_admission_policies_follow_the_runtime_class_and_the_installers_identity()
 
     // A renamed restore class: the policy names the new name (a policy that still named
     // gpu-ckpt-restore, or none at all, would let every namespace restore).
-    let rendered = render(&[
+    let docs = prod_documents(&[
         "--set-json",
         r#"{"runtimeClasses":{"restore":{"name":"ml-restore"},"checkpoint":{"name":"ml"}}}"#,
-        "--release",
-        "gpu-ckpt-prod",
-        "--namespace",
-        "infra",
     ])?;
-    let docs = valid_documents(&rendered)?;
     let rc = object(&docs, "RuntimeClass", "ml-restore")?;
     ensure!(rc["handler"] == "gpu-ckpt-restore", "{rc}");
     ensure!(

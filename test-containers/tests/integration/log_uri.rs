@@ -440,20 +440,22 @@ fn exit_checkpoint_and_restore(node: &Node, kind: Kind, id: &str) -> Result<()> 
     Ok(())
 }
 
+/// The live and the exit flow under the gpu-ckpt shim on node `name`, with `kind` of log; the
+/// containers' ids start with `ids`.
+fn logs_on_across_checkpoint_and_restore(name: &str, kind: Kind, ids: &str) -> Result<()> {
+    let node = node(name)?;
+    live_checkpoint_and_restore(&node, Runtime::GpuCkpt, kind, &format!("{ids}-live"))?;
+    exit_checkpoint_and_restore(&node, kind, &format!("{ids}-exit"))
+}
+
 #[test]
 fn file_uri_logs_on_across_checkpoint_and_restore() -> Result<()> {
-    let node = node("log-file")?;
-    live_checkpoint_and_restore(&node, Runtime::GpuCkpt, Kind::File, "lf-live")?;
-    exit_checkpoint_and_restore(&node, Kind::File, "lf-exit")?;
-    Ok(())
+    logs_on_across_checkpoint_and_restore("log-file", Kind::File, "lf")
 }
 
 #[test]
 fn binary_uri_logs_on_across_checkpoint_and_restore() -> Result<()> {
-    let node = node("log-binary")?;
-    live_checkpoint_and_restore(&node, Runtime::GpuCkpt, Kind::Binary, "lb-live")?;
-    exit_checkpoint_and_restore(&node, Kind::Binary, "lb-exit")?;
-    Ok(())
+    logs_on_across_checkpoint_and_restore("log-binary", Kind::Binary, "lb")
 }
 
 /// The same live flow under containerd-shim-runc-v2, with the same logger: both shims agree.

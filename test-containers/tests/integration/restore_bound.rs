@@ -9,6 +9,19 @@ use crate::common::*;
 use anyhow::{ensure, Context, Result};
 use test_containers::stack::{processes_matching, Node, Stack};
 
+/// A restore of `id` from `image` that must fail: its error, and how long it took to fail;
+/// `started` says what it means when it does not.
+fn refused_after(node: &Node, id: &str, image: &Path, started: &str) -> Result<(String, Duration)> {
+    let t = Instant::now();
+    let err = match restore_from_dir(node, id, image) {
+        Ok(pid) => anyhow::bail!("{started} (pid {pid})"),
+        Err(e) => format!("{e:#}"),
+    };
+    let took = t.elapsed();
+    println!("after {took:?}: {err}");
+    Ok((err, took))
+}
+
 #[test]
 fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
     let dir = Stack::discover()?.node_dir("restore-bound");
@@ -25,13 +38,12 @@ fn a_restore_past_its_bound_fails_and_leaves_nothing_running() -> Result<()> {
     node.checkpoint_task_exit("b1", &image)?;
     node.ctr_ok(&["task", "rm", "b1"])?;
 
-    let t = Instant::now();
-    let err = match restore_from_dir(&node, "b1", &image) {
-        Ok(pid) => anyhow::bail!("a 512 MiB restore finished within 200 ms (pid {pid})"),
-        Err(e) => format!("{e:#}"),
-    };
-    let took = t.elapsed();
-    println!("after {took:?}: {err}");
+    let (err, took) = refused_after(
+        &node,
+        "b1",
+        &image,
+        "a 512 MiB restore finished within 200 ms",
+    )?;
     ensure!(
         err.contains("step criu-restore") && err.contains("not done within 200ms"),
         "the error does not name the step and the bound: {err}"
@@ -137,13 +149,12 @@ fn a_verdict_that_never_comes_fails_at_the_bound_naming_verify() -> Result<()> {
     image_format::sign::NodeKey::load(&key)?.sign_manifest(&mut manifest)?;
     manifest.write_to(&image)?;
 
-    let t = Instant::now();
-    let err = match restore_from_dir(&node, "v1", &image) {
-        Ok(pid) => anyhow::bail!("a restore whose page verification stalls started (pid {pid})"),
-        Err(e) => format!("{e:#}"),
-    };
-    let took = t.elapsed();
-    println!("after {took:?}: {err}");
+    let (err, took) = refused_after(
+        &node,
+        "v1",
+        &image,
+        "a restore whose page verification stalls started",
+    )?;
     ensure!(
         err.contains("step verify")
             && err.contains("not done within 5s")

@@ -66,6 +66,21 @@ fn counters(interval_ms: u32) -> Vec<i32> {
 }
 
 /// The fields of `/proc/<pid>/status` the spec governs.
+const STATUS_FIELDS: [&str; 11] = [
+    "Uid",
+    "Gid",
+    "Groups",
+    "CapInh",
+    "CapPrm",
+    "CapEff",
+    "CapBnd",
+    "CapAmb",
+    "NoNewPrivs",
+    "Seccomp",
+    "Seccomp_filters",
+];
+
+/// [`STATUS_FIELDS`] of process `pid`.
 fn kernel_view(pid: i32) -> Result<BTreeMap<String, String>> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     Ok(status
@@ -77,23 +92,16 @@ fn kernel_view(pid: i32) -> Result<BTreeMap<String, String>> {
                 v.split_whitespace().collect::<Vec<_>>().join(" "),
             )
         })
-        .filter(|(k, _)| {
-            [
-                "Uid",
-                "Gid",
-                "Groups",
-                "CapInh",
-                "CapPrm",
-                "CapEff",
-                "CapBnd",
-                "CapAmb",
-                "NoNewPrivs",
-                "Seccomp",
-                "Seccomp_filters",
-            ]
-            .contains(&k.as_str())
-        })
+        .filter(|(k, _)| STATUS_FIELDS.contains(&k.as_str()))
         .collect())
+}
+
+/// [`STATUS_FIELDS`] but `left_out`, in their order.
+fn status_fields_but(left_out: &[&str]) -> Vec<&'static str> {
+    STATUS_FIELDS
+        .into_iter()
+        .filter(|f| !left_out.contains(f))
+        .collect()
 }
 
 /// The one counter with `interval_ms` on this host, and its kernel view.
@@ -135,110 +143,156 @@ async fn checkpoint(
     Ok((archive, before, view))
 }
 
-/// Restores `spec` in a new pod (`pod`) and expects a refusal that names a field, and nothing
-/// left running.
-async fn expect_refused(
-    cri: &Cri,
-    pod: &PodSpec,
-    spec: &ContainerSpec,
-    interval_ms: u32,
-    what: &str,
-) -> Result<String> {
-    let pod = cri.run_pod(pod).await?;
-    let created = cri.create_container(&pod, spec).await;
-    let result = match &created {
-        Ok(id) => cri.start_container(id).await,
-        Err(e) => Err(anyhow::anyhow!("{e:#}")),
-    };
-    let msg = match result {
-        Ok(()) => {
-            let view = the_counter(interval_ms).map(|(_, v)| v);
-            cri.remove_pod(&pod).await?;
-            anyhow::bail!("{what}: the restore was not refused; the restored counter: {view:?}");
-        }
-        Err(e) => format!("{e:#}"),
-    };
-    // Nothing of the restore runs: the container is not running, and no process of it is left.
-    if let Ok(id) = &created {
-        let state = cri.container_state(id).await?;
-        ensure!(
-            state != test_containers::cri::v1::ContainerState::ContainerRunning,
-            "{what}: the refused container is {state:?}"
-        );
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let left = counters(interval_ms);
-    ensure!(
-        left.is_empty(),
-        "{what}: restored processes left running: {left:?} ({:?})",
-        left.first().map(|p| kernel_view(*p))
-    );
-    cri.remove_pod(&pod).await?;
-    Ok(msg)
-}
-
-/// Restores `spec` in a new pod (`pod`), expects the counter to go on from `before`, and
-/// returns the restored counter's kernel view. Removes the pod.
-async fn expect_restored(
-    cri: &Cri,
-    pod: &PodSpec,
-    spec: &ContainerSpec,
+/// Node B, where the counter of `interval_ms`, checkpointed into `archive` at `before`, is
+/// restored.
+struct OnB<'a> {
+    cri: &'a Cri,
+    node: &'a Node,
+    archive: &'a str,
     before: u64,
     interval_ms: u32,
-    what: &str,
-) -> Result<BTreeMap<String, String>> {
-    let pod: Pod = cri.run_pod(pod).await?;
-    let id = cri
-        .run_container(&pod, spec)
-        .await
-        .with_context(|| format!("{what}: restore"))?;
-    let first = common::cri_counter(cri, &id, COUNTER_FILE).await?;
-    ensure!(
-        first >= before,
-        "{what}: restored at {first}, checkpointed after {before}"
-    );
-    common::cri_counter_above(cri, &id, COUNTER_FILE, first).await?;
-    let (_, view) = the_counter(interval_ms)?;
-    cri.remove_pod(&pod).await?;
-    Ok(view)
 }
 
-/// Restores `archive` on node `b` through the restore handler into `spec` (the counter of
-/// `interval_ms` was at `before`) and holds the restored task to the cold start's `keys` of
-/// /proc/PID/status, and to the pre-resume check in the node's log. `label` opens each error.
-async fn restore_handler_as_cold_start(
-    (cri_b, b, spec, archive, before, interval_ms): (&Cri, &Node, &ContainerSpec, &str, u64, u32),
-    cold: &BTreeMap<String, String>,
-    keys: &[&str],
-    label: &str,
-) -> Result<()> {
-    let restored = expect_restored(
-        cri_b,
-        &PodSpec::new("worker", b.pod_log_root())
-            .handler(RESTORE_HANDLER)
-            .annotation("gpu-ckpt.io/restore-from", archive),
-        spec,
-        before,
-        interval_ms,
-        "the restore handler",
-    )
-    .await?;
-    for key in keys {
-        ensure!(
-            restored.get(*key) == cold.get(*key),
-            "{label}: {key}: restored {:?}, cold start {:?}",
-            restored.get(*key),
-            cold.get(*key)
-        );
+impl<'a> OnB<'a> {
+    fn new(cri: &'a Cri, node: &'a Node, archive: &'a str, before: u64, interval_ms: u32) -> Self {
+        OnB {
+            cri,
+            node,
+            archive,
+            before,
+            interval_ms,
+        }
     }
-    // The tree was held to the spec at pre-resume (the kernel's view), not only checked in the
-    // checkpoint's record.
-    ensure!(
-        log_mentions(b, "restored tree held to the spec"),
-        "no pre-resume check in {}",
-        b.paths().log.display()
-    );
-    Ok(())
+
+    /// A pod of the restore handler that restores the archive.
+    fn handler_pod(&self) -> PodSpec {
+        PodSpec::new("worker", self.node.pod_log_root())
+            .handler(RESTORE_HANDLER)
+            .annotation("gpu-ckpt.io/restore-from", self.archive)
+    }
+
+    /// A pod of the gpu-ckpt handler, for containerd's restore-via-create.
+    fn create_pod(&self) -> PodSpec {
+        PodSpec::new("worker", self.node.pod_log_root()).handler(GPU_CKPT_HANDLER)
+    }
+
+    /// The counter for containerd's restore-via-create: its image is the archive.
+    fn archive_container(&self) -> ContainerSpec {
+        ContainerSpec::new("counter", self.archive)
+    }
+
+    /// Restores `spec` in a new pod (`pod`) and expects a refusal that names a field, and
+    /// nothing left running.
+    async fn refused(&self, pod: &PodSpec, spec: &ContainerSpec, what: &str) -> Result<String> {
+        let (cri, interval_ms) = (self.cri, self.interval_ms);
+        let pod = cri.run_pod(pod).await?;
+        let created = cri.create_container(&pod, spec).await;
+        let result = match &created {
+            Ok(id) => cri.start_container(id).await,
+            Err(e) => Err(anyhow::anyhow!("{e:#}")),
+        };
+        let msg = match result {
+            Ok(()) => {
+                let view = the_counter(interval_ms).map(|(_, v)| v);
+                cri.remove_pod(&pod).await?;
+                anyhow::bail!(
+                    "{what}: the restore was not refused; the restored counter: {view:?}"
+                );
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        // Nothing of the restore runs: the container is not running, and no process of it is
+        // left.
+        if let Ok(id) = &created {
+            let state = cri.container_state(id).await?;
+            ensure!(
+                state != test_containers::cri::v1::ContainerState::ContainerRunning,
+                "{what}: the refused container is {state:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let left = counters(interval_ms);
+        ensure!(
+            left.is_empty(),
+            "{what}: restored processes left running: {left:?} ({:?})",
+            left.first().map(|p| kernel_view(*p))
+        );
+        cri.remove_pod(&pod).await?;
+        Ok(msg)
+    }
+
+    /// Restores `spec` in a new pod (`pod`), expects the counter to go on from `before`, and
+    /// returns the restored counter's kernel view. Removes the pod.
+    async fn restored(
+        &self,
+        pod: &PodSpec,
+        spec: &ContainerSpec,
+        what: &str,
+    ) -> Result<BTreeMap<String, String>> {
+        let (cri, before) = (self.cri, self.before);
+        let pod: Pod = cri.run_pod(pod).await?;
+        let id = cri
+            .run_container(&pod, spec)
+            .await
+            .with_context(|| format!("{what}: restore"))?;
+        let first = common::cri_counter(cri, &id, COUNTER_FILE).await?;
+        ensure!(
+            first >= before,
+            "{what}: restored at {first}, checkpointed after {before}"
+        );
+        common::cri_counter_above(cri, &id, COUNTER_FILE, first).await?;
+        let (_, view) = the_counter(self.interval_ms)?;
+        cri.remove_pod(&pod).await?;
+        Ok(view)
+    }
+
+    /// Restores the archive through the restore handler into `spec` and holds the restored
+    /// task to the cold start's `keys` of /proc/PID/status, and to the pre-resume check in the
+    /// node's log. `label` opens each error.
+    async fn handler_as_cold_start(
+        &self,
+        spec: &ContainerSpec,
+        cold: &BTreeMap<String, String>,
+        keys: &[&str],
+        label: &str,
+    ) -> Result<()> {
+        let restored = self
+            .restored(&self.handler_pod(), spec, "the restore handler")
+            .await?;
+        for key in keys {
+            ensure!(
+                restored.get(*key) == cold.get(*key),
+                "{label}: {key}: restored {:?}, cold start {:?}",
+                restored.get(*key),
+                cold.get(*key)
+            );
+        }
+        // The tree was held to the spec at pre-resume (the kernel's view), not only checked in
+        // the checkpoint's record.
+        let b = self.node;
+        ensure!(
+            log_mentions(b, "restored tree held to the spec"),
+            "no pre-resume check in {}",
+            b.paths().log.display()
+        );
+        Ok(())
+    }
+}
+
+/// Runs `body` on nodes `<name>-a`, which checkpoints, and `<name>-b`, which restores (it has
+/// the restore handler), each with its CRI client.
+fn on_two_nodes<F, Fut>(name: &str, body: F) -> Result<()>
+where
+    F: FnOnce(Node, Node, Cri, Cri) -> Fut,
+    Fut: std::future::Future<Output = Result<()>>,
+{
+    let a = node(&format!("{name}-a"))?;
+    let b = restore_node(&format!("{name}-b"))?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        body(a, b, cri_a, cri_b).await
+    })
 }
 
 fn log_mentions(node: &Node, needle: &str) -> bool {
@@ -250,29 +304,24 @@ fn log_mentions(node: &Node, needle: &str) -> bool {
 #[test]
 fn case_1_is_refused_through_the_restore_handler_and_restore_via_create() -> Result<()> {
     const INTERVAL: u32 = 101;
-    let a = node("spec-a")?;
-    let b = restore_node("spec-b")?;
-    rt().block_on(async {
-        let cri_a = Cri::connect(a.socket()).await?;
-        let cri_b = Cri::connect(b.socket()).await?;
-        let (archive, _, view) = checkpoint(&a, &cri_a, &attacker(counter(INTERVAL)), INTERVAL).await?;
+    on_two_nodes("spec", |a, b, cri_a, cri_b| async move {
+        let (archive, _, view) =
+            checkpoint(&a, &cri_a, &attacker(counter(INTERVAL)), INTERVAL).await?;
         // The checkpointed container is what the issue describes.
         ensure!(view["Uid"] == "0 0 0 0", "attacker: {view:?}");
         ensure!(view["CapBnd"] == "00000000a82525fb", "attacker: {view:?}");
-        ensure!(view["Seccomp"] == "0" && view["NoNewPrivs"] == "0", "attacker: {view:?}");
+        ensure!(
+            view["Seccomp"] == "0" && view["NoNewPrivs"] == "0",
+            "attacker: {view:?}"
+        );
         let archive_s = archive.display().to_string();
+        let on_b = OnB::new(&cri_b, &b, &archive_s, 0, INTERVAL);
 
         // 1. The restore handler, into the restricted spec.
-        let msg = expect_refused(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root())
-                .handler(RESTORE_HANDLER)
-                .annotation("gpu-ckpt.io/restore-from", &archive_s),
-            &restricted(counter(INTERVAL)),
-            INTERVAL,
-            "the restore handler",
-        )
-        .await?;
+        let spec = restricted(counter(INTERVAL));
+        let msg = on_b
+            .refused(&on_b.handler_pod(), &spec, "the restore handler")
+            .await?;
         for part in [
             "beyond this container's spec",
             "Uid 0 0 0 0 is beyond the spec's 1000",
@@ -282,14 +331,10 @@ fn case_1_is_refused_through_the_restore_handler_and_restore_via_create() -> Res
         }
 
         // 2. containerd's restore-via-create, the image being the archive, into the same spec.
-        let msg = expect_refused(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER),
-            &restricted(ContainerSpec::new("counter", &archive_s)),
-            INTERVAL,
-            "restore-via-create",
-        )
-        .await?;
+        let spec = restricted(on_b.archive_container());
+        let msg = on_b
+            .refused(&on_b.create_pod(), &spec, "restore-via-create")
+            .await?;
         ensure!(
             msg.contains("beyond this container's spec") && msg.contains("CapBnd"),
             "restore-via-create: {msg}"
@@ -301,11 +346,7 @@ fn case_1_is_refused_through_the_restore_handler_and_restore_via_create() -> Res
 #[test]
 fn a_non_root_container_restores_into_its_own_spec() -> Result<()> {
     const INTERVAL: u32 = 103;
-    let a = node("spec-nr-a")?;
-    let b = restore_node("spec-nr-b")?;
-    rt().block_on(async {
-        let cri_a = Cri::connect(a.socket()).await?;
-        let cri_b = Cri::connect(b.socket()).await?;
+    on_two_nodes("spec-nr", |a, b, cri_a, cri_b| async move {
         let spec = restricted(counter(INTERVAL));
         if !root_has_cap_sys_resource() {
             // CRIU reads every task's rlimits with prlimit(2), which for a task of another uid
@@ -329,30 +370,15 @@ fn a_non_root_container_restores_into_its_own_spec() -> Result<()> {
         let archive_s = archive.display().to_string();
 
         // The kernel shows the spec's credentials and filter, as at the cold start.
-        let keys = [
-            "Uid",
-            "Gid",
-            "CapInh",
-            "CapPrm",
-            "CapEff",
-            "CapBnd",
-            "CapAmb",
-            "NoNewPrivs",
-            "Seccomp",
-            "Seccomp_filters",
-        ];
-        let restored = (&cri_b, &b, &spec, archive_s.as_str(), before, INTERVAL);
-        restore_handler_as_cold_start(restored, &cold, &keys, "restore handler").await?;
+        let keys = status_fields_but(&["Groups"]);
+        let on_b = OnB::new(&cri_b, &b, &archive_s, before, INTERVAL);
+        on_b.handler_as_cold_start(&spec, &cold, &keys, "restore handler")
+            .await?;
 
-        let restored = expect_restored(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER),
-            &restricted(ContainerSpec::new("counter", &archive_s)),
-            before,
-            INTERVAL,
-            "restore-via-create",
-        )
-        .await?;
+        let spec = restricted(on_b.archive_container());
+        let restored = on_b
+            .restored(&on_b.create_pod(), &spec, "restore-via-create")
+            .await?;
         ensure!(
             restored["Uid"] == "1000 1000 1000 1000"
                 && restored["NoNewPrivs"] == "1"
@@ -367,11 +393,7 @@ fn a_non_root_container_restores_into_its_own_spec() -> Result<()> {
 #[test]
 fn a_root_container_restores_into_its_own_spec() -> Result<()> {
     const INTERVAL: u32 = 107;
-    let a = node("spec-root-a")?;
-    let b = restore_node("spec-root-b")?;
-    rt().block_on(async {
-        let cri_a = Cri::connect(a.socket()).await?;
-        let cri_b = Cri::connect(b.socket()).await?;
+    on_two_nodes("spec-root", |a, b, cri_a, cri_b| async move {
         // Root, with no_new_privs and RuntimeDefault: every field the check holds a restore to.
         let spec = counter(INTERVAL)
             .no_new_privs()
@@ -382,30 +404,18 @@ fn a_root_container_restores_into_its_own_spec() -> Result<()> {
             "cold start: {cold:?}"
         );
         let archive_s = archive.display().to_string();
-        let keys = [
-            "Uid",
-            "Gid",
-            "CapPrm",
-            "CapEff",
-            "CapBnd",
-            "NoNewPrivs",
-            "Seccomp",
-            "Seccomp_filters",
-        ];
-        let restored = (&cri_b, &b, &spec, archive_s.as_str(), before, INTERVAL);
-        restore_handler_as_cold_start(restored, &cold, &keys, "root").await?;
+        let keys = status_fields_but(&["Groups", "CapInh", "CapAmb"]);
+        let on_b = OnB::new(&cri_b, &b, &archive_s, before, INTERVAL);
+        on_b.handler_as_cold_start(&spec, &cold, &keys, "root")
+            .await?;
         // And through containerd's restore-via-create.
-        let restored = expect_restored(
-            &cri_b,
-            &PodSpec::new("worker", b.pod_log_root()).handler(GPU_CKPT_HANDLER),
-            &ContainerSpec::new("counter", &archive_s)
-                .no_new_privs()
-                .seccomp(ProfileType::RuntimeDefault),
-            before,
-            INTERVAL,
-            "restore-via-create",
-        )
-        .await?;
+        let spec = on_b
+            .archive_container()
+            .no_new_privs()
+            .seccomp(ProfileType::RuntimeDefault);
+        let restored = on_b
+            .restored(&on_b.create_pod(), &spec, "restore-via-create")
+            .await?;
         ensure!(
             restored["Seccomp"] == "2" && restored["NoNewPrivs"] == "1",
             "restore-via-create: {restored:?}"

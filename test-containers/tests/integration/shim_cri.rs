@@ -258,24 +258,23 @@ fn assert_clean(node: &Node) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn unknown_runtime_option_is_named() -> Result<()> {
-    let (node, err) = pod_error_with_option("bad-opt", "Frobnicate", "yes")?;
-    ensure!(
-        err.contains("Frobnicate"),
-        "error does not name the key: {err}"
-    );
+/// A pod whose runtime option `key` is `value` fails with an error that names `named` (the
+/// `what`), and leaves nothing behind.
+fn option_error_names(name: &str, key: &str, value: &str, named: &str, what: &str) -> Result<()> {
+    let (node, err) = pod_error_with_option(name, key, value)?;
+    ensure!(err.contains(named), "error does not name the {what}: {err}");
     assert_clean(&node)
 }
 
 #[test]
+fn unknown_runtime_option_is_named() -> Result<()> {
+    option_error_names("bad-opt", "Frobnicate", "yes", "Frobnicate", "key")
+}
+
+#[test]
 fn missing_runc_binary_is_named() -> Result<()> {
-    let (node, err) = pod_error_with_option("bad-runc", "BinaryName", "/nonexistent/runc")?;
-    ensure!(
-        err.contains("/nonexistent/runc"),
-        "error does not name the binary: {err}"
-    );
-    assert_clean(&node)
+    let runc = "/nonexistent/runc";
+    option_error_names("bad-runc", "BinaryName", runc, runc, "binary")
 }
 
 #[test]
@@ -350,26 +349,25 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
     let shim = node.stack().shim_dir().join("containerd-shim-gpu-ckpt-v1");
     let socket = node.socket().display().to_string();
     let ttrpc_address = format!("{socket}.ttrpc");
-    let out = std::process::Command::new(&shim)
-        .args([
-            "-namespace",
-            "default",
-            "-id",
-            "bad1",
-            "-address",
-            &socket,
-            "start",
-        ])
-        .current_dir(&bundle)
-        .env("TTRPC_ADDRESS", &ttrpc_address)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .context("run the shim's start action")?;
-    ensure!(
-        out.status.success(),
-        "shim start: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    // The shim run as containerd runs it: `action`, after the usual flags and `extra`.
+    let shim_action = |extra: &[&std::ffi::OsStr], action: &str| -> Result<std::process::Output> {
+        let out = std::process::Command::new(&shim)
+            .args(["-namespace", "default", "-id", "bad1", "-address", &socket])
+            .args(extra)
+            .arg(action)
+            .current_dir(&bundle)
+            .env("TTRPC_ADDRESS", &ttrpc_address)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .with_context(|| format!("run the shim's {action} action"))?;
+        ensure!(
+            out.status.success(),
+            "shim {action}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(out)
+    };
+    let out = shim_action(&[], "start")?;
     let reply: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| {
         format!(
             "shim start reply {:?}",
@@ -418,28 +416,7 @@ fn malformed_bundle_config_is_refused() -> Result<()> {
             .await;
         Ok::<_, anyhow::Error>(())
     })?;
-    let out = std::process::Command::new(&shim)
-        .args([
-            "-namespace",
-            "default",
-            "-id",
-            "bad1",
-            "-address",
-            &socket,
-            "-bundle",
-        ])
-        .arg(&bundle)
-        .arg("delete")
-        .current_dir(&bundle)
-        .env("TTRPC_ADDRESS", &ttrpc_address)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .context("run the shim's delete action")?;
-    ensure!(
-        out.status.success(),
-        "shim delete: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    shim_action(&["-bundle".as_ref(), bundle.as_os_str()], "delete")?;
     wait_until(Duration::from_secs(10), "the shim to exit", || {
         processes_matching(&["containerd-shim-gpu-ckpt-v1", "-id bad1"])
             .is_empty()

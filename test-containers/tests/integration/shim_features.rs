@@ -157,12 +157,12 @@ fn recursive_read_only_mounts_hold_under_the_gpu_ckpt_shim() -> Result<()> {
     let host = NestedMount::new()?;
     rt()?.block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        let plain = counter_with(mount(
-            host.path(),
-            true,
-            false,
-            cri::MountPropagation::PropagationPrivate,
-        ));
+        // The counter with the host's nested mount bound read-only, recursively or not.
+        let read_only = |recursive| {
+            let private = cri::MountPropagation::PropagationPrivate;
+            counter_with(mount(host.path(), true, recursive, private))
+        };
+        let plain = read_only(false);
         let (pod, id) = run_counter(&cri, &node, RUNC_TYPED, &plain).await?;
         ensure!(
             !can_write(&cri, &id, "/data/top").await?,
@@ -174,12 +174,7 @@ fn recursive_read_only_mounts_hold_under_the_gpu_ckpt_shim() -> Result<()> {
         );
         cri.remove_pod(&pod).await?;
 
-        let rro = counter_with(mount(
-            host.path(),
-            true,
-            true,
-            cri::MountPropagation::PropagationPrivate,
-        ));
+        let rro = read_only(true);
         let (pod, id) = run_counter(&cri, &node, RUNC_TYPED, &rro).await?;
         ensure!(
             !node

@@ -86,11 +86,9 @@ fn parse(args: &[String]) -> Result<Opts, String> {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        emit(USAGE);
+    let Some(args) = gpu_ckpt_gpu_workloads::args_or_help(USAGE) else {
         return;
-    }
+    };
     let o = match parse(&args) {
         Ok(o) => o,
         Err(e) => {
@@ -127,6 +125,11 @@ enum Outcome {
 
 fn figure(name: &str, value: f64, unit: &str) {
     emit(&format!("{name} {value:.3} {unit}"));
+}
+
+/// The figure `name`: how many times `den` fits into `num`.
+fn ratio(name: &str, num: Duration, den: Duration) {
+    figure(name, num.as_secs_f64() / den.as_secs_f64().max(1e-9), "x");
 }
 
 /// A whole-number figure (bytes, versions).
@@ -355,13 +358,12 @@ fn run(o: &Opts) -> Result<Outcome, String> {
     let cuda_ck = gpu::CudaDriver::load().map_err(|e| e.to_string())?;
     let tid = cuda_ck.restore_thread_id(pid).map_err(|e| e.to_string())?;
     info(&format!("restore thread of pid {pid}: {tid}"));
-    expect_state(&cuda_ck, pid, ProcessState::RUNNING)?;
-    answers(
+    in_state(
         &cuda_ck,
         pid,
-        "RUNNING",
+        ProcessState::RUNNING,
         &["checkpoint", "restore", "unlock"],
-    );
+    )?;
     let plain = Command::new("sleep").arg("30").spawn();
     if let Ok(mut p) = plain {
         let ppid = p.id() as i32;
@@ -387,19 +389,17 @@ fn run(o: &Opts) -> Result<Outcome, String> {
         .lock(pid, Some(Duration::from_secs(30)))
         .map_err(|e| e.to_string())?;
     let lock = t.elapsed();
-    expect_state(&cuda_ck, pid, ProcessState::LOCKED)?;
-    answers(&cuda_ck, pid, "LOCKED", &["lock", "restore"]);
+    in_state(&cuda_ck, pid, ProcessState::LOCKED, &["lock", "restore"])?;
     let rss_before = rss(pid);
     let t = Instant::now();
     cuda_ck.checkpoint(pid).map_err(|e| e.to_string())?;
     let checkpoint = t.elapsed();
-    expect_state(&cuda_ck, pid, ProcessState::CHECKPOINTED)?;
-    answers(
+    in_state(
         &cuda_ck,
         pid,
-        "CHECKPOINTED",
+        ProcessState::CHECKPOINTED,
         &["lock", "checkpoint", "unlock"],
-    );
+    )?;
     if let (Some(a), Some(b)) = (rss_before, rss(pid)) {
         figure(
             "filler_rss_growth_at_checkpoint",
@@ -469,23 +469,11 @@ fn run(o: &Opts) -> Result<Outcome, String> {
     figure_n("checkpoint_bytes", total, "bytes");
     figure("checkpoint_d2h", gbps(total, checkpoint), "GB/s");
     figure("pinned_d2h", gbps(total, base_d2h), "GB/s");
-    figure(
-        "ratio_checkpoint_vs_pinned_d2h",
-        base_d2h.as_secs_f64() / checkpoint.as_secs_f64().max(1e-9),
-        "x",
-    );
+    ratio("ratio_checkpoint_vs_pinned_d2h", base_d2h, checkpoint);
     figure("restore_h2d", gbps(total, restore), "GB/s");
     figure("pinned_h2d", gbps(total, base_h2d), "GB/s");
-    figure(
-        "ratio_restore_vs_pinned_h2d",
-        base_h2d.as_secs_f64() / restore.as_secs_f64().max(1e-9),
-        "x",
-    );
-    figure(
-        "ratio_cuinit_vs_restore",
-        cuinit.as_secs_f64() / restore.as_secs_f64().max(1e-9),
-        "x",
-    );
+    ratio("ratio_restore_vs_pinned_h2d", base_h2d, restore);
+    ratio("ratio_cuinit_vs_restore", cuinit, restore);
 
     // The filler checks every byte.
     signal(pid, libc::SIGUSR1)?;
@@ -577,6 +565,18 @@ fn answers(ck: &gpu::CudaDriver, pid: i32, state: &str, steps: &[&str]) {
             r.map_err(|e| e.to_string())
         ));
     }
+}
+
+/// [`expect_state`], then [`answers`] to `steps` in that state.
+fn in_state(
+    ck: &gpu::CudaDriver,
+    pid: i32,
+    want: ProcessState,
+    steps: &[&str],
+) -> Result<(), String> {
+    expect_state(ck, pid, want)?;
+    answers(ck, pid, &want.name().to_uppercase(), steps);
+    Ok(())
 }
 
 fn expect_state(ck: &gpu::CudaDriver, pid: i32, want: ProcessState) -> Result<(), String> {

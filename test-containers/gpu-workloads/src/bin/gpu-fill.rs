@@ -11,50 +11,18 @@ use std::time::{Duration, Instant};
 
 use gpu_ckpt_gpu_workloads::cli::{FillOpts, FILL_USAGE};
 use gpu_ckpt_gpu_workloads::driver::{
-    format_uuid, u32_bytes, u32_bytes_mut, CuDevicePtr, CudaError, Driver, Gpu,
+    format_uuid, u32_bytes, u32_bytes_mut, CuDevicePtr, Driver, Gpu,
 };
 use gpu_ckpt_gpu_workloads::fill::{self, Kind, Plan};
-use gpu_ckpt_gpu_workloads::{emit, signals};
+use gpu_ckpt_gpu_workloads::{emit, signals, Fail};
 
 struct Dev {
     gpu: Gpu,
     allocs: Vec<CuDevicePtr>,
 }
 
-enum Fail {
-    Cuda(CudaError),
-    Usage(String),
-    Other(String),
-}
-
-impl From<CudaError> for Fail {
-    fn from(e: CudaError) -> Fail {
-        Fail::Cuda(e)
-    }
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        emit(FILL_USAGE);
-        return;
-    }
-    let code = match run(&args) {
-        Ok(code) => code,
-        Err(Fail::Usage(m)) => {
-            eprintln!("gpu-fill: {m}\n{FILL_USAGE}");
-            2
-        }
-        Err(Fail::Cuda(e)) => {
-            emit(&format!("gpu-fill: {e}"));
-            1
-        }
-        Err(Fail::Other(m)) => {
-            emit(&format!("gpu-fill: {m}"));
-            1
-        }
-    };
-    std::process::exit(code);
+    gpu_ckpt_gpu_workloads::main("gpu-fill", FILL_USAGE, run);
 }
 
 fn run(args: &[String]) -> Result<i32, Fail> {
@@ -63,12 +31,7 @@ fn run(args: &[String]) -> Result<i32, Fail> {
         return Err(Fail::Usage("size must be a multiple of 4 bytes".into()));
     }
     signals::install().map_err(|e| Fail::Other(format!("sigaction: {e}")))?;
-    let driver = Driver::load()?;
-    driver.init()?;
-    let ordinals = o
-        .devices
-        .resolve(driver.device_count()?)
-        .map_err(Fail::Usage)?;
+    let (driver, ordinals) = gpu_ckpt_gpu_workloads::open_devices(&o.devices)?;
     let plan = Plan::new(o.bytes);
     let chunk_words = (plan.chunk_bytes.min(plan.bytes) / 4) as usize;
     let mut host = vec![0u32; chunk_words];

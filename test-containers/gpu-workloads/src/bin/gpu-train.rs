@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use gpu_ckpt_gpu_workloads::cli::{TrainOpts, TRAIN_USAGE};
 use gpu_ckpt_gpu_workloads::driver::{
-    u32_bytes, u32_bytes_mut, CuDevicePtr, CudaError, Driver, Gpu, Stream, CU_STREAM_NON_BLOCKING,
+    u32_bytes, u32_bytes_mut, CuDevicePtr, Driver, Gpu, Stream, CU_STREAM_NON_BLOCKING,
 };
-use gpu_ckpt_gpu_workloads::emit;
 use gpu_ckpt_gpu_workloads::train::{Checksum, Rule};
+use gpu_ckpt_gpu_workloads::{emit, Fail};
 
 struct Dev {
     gpu: Gpu,
@@ -23,52 +23,15 @@ struct Dev {
     stream: Stream,
 }
 
-enum Fail {
-    Cuda(CudaError),
-    Usage(String),
-    Mismatch(String),
-}
-
-impl From<CudaError> for Fail {
-    fn from(e: CudaError) -> Fail {
-        Fail::Cuda(e)
-    }
-}
-
 const POISON: u32 = 0xdead_beef;
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        emit(TRAIN_USAGE);
-        return;
-    }
-    let code = match run(&args) {
-        Ok(()) => 0,
-        Err(Fail::Usage(m)) => {
-            eprintln!("gpu-train: {m}\n{TRAIN_USAGE}");
-            2
-        }
-        Err(Fail::Cuda(e)) => {
-            emit(&format!("gpu-train: {e}"));
-            1
-        }
-        Err(Fail::Mismatch(line)) => {
-            emit(&line);
-            1
-        }
-    };
-    std::process::exit(code);
+    gpu_ckpt_gpu_workloads::main("gpu-train", TRAIN_USAGE, |args| run(args).map(|()| 0));
 }
 
 fn run(args: &[String]) -> Result<(), Fail> {
     let o = TrainOpts::parse(args).map_err(Fail::Usage)?;
-    let driver = Driver::load()?;
-    driver.init()?;
-    let ordinals = o
-        .devices
-        .resolve(driver.device_count()?)
-        .map_err(Fail::Usage)?;
+    let (driver, ordinals) = gpu_ckpt_gpu_workloads::open_devices(&o.devices)?;
     let bytes = o.elements * 4;
 
     let mut devs = Vec::new();

@@ -29,12 +29,17 @@ pub fn sim_node(cfg: SimConfig) -> Result<SimNode> {
 
 /// `gpus` simulated GPUs of `memory_mib` each, UUIDs from `seed`.
 pub fn sim_gpus(gpus: u32, memory_mib: u64, seed: &str) -> Result<SimNode> {
-    sim_node(SimConfig {
+    sim_node(gpus_config(gpus, memory_mib, seed))
+}
+
+/// The configuration of [`sim_gpus`], for a node that differs from it in another field.
+pub fn gpus_config(gpus: u32, memory_mib: u64, seed: &str) -> SimConfig {
+    SimConfig {
         gpus,
         memory_mib,
         uuid_seed: seed.to_string(),
         ..SimConfig::default()
-    })
+    }
 }
 
 /// Two GPU nodes `gpu-<name>-a` and `gpu-<name>-b` ([`gpu_node`]), each with its own simulated
