@@ -18,7 +18,7 @@ use crate::{GpuError, GpuUuid, NodeInventory};
 pub const VISIBLE_DEVICES_ENV: &str = "NVIDIA_VISIBLE_DEVICES";
 
 /// How the container was given its GPUs. A record naming any other source (an older version's
-/// simulator files) does not parse, and the error names the value.
+/// `sim-cdi`) does not parse, and the error names the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Source {

@@ -1,8 +1,8 @@
 //! The node's GPU inventory through NVML (nvml-wrapper 0.13), `libnvidia-ml.so.1` loaded at run
 //! time.
 //!
-//! The libnvidia-ml symbols this module makes nvml-wrapper call (a simulated
-//! `libnvidia-ml.so.1` must export them; nvml-wrapper resolves symbols lazily, so one that is
+//! The libnvidia-ml symbols this module makes nvml-wrapper call (any `libnvidia-ml.so.1` it
+//! loads must export them; nvml-wrapper resolves symbols lazily, so one that is
 //! missing fails only the call that needs it, except as noted):
 //!
 //! - [`NvmlInventory::open`]: `nvmlInit_v2`, then `nvmlSystemGetDriverVersion` (nvml-wrapper
