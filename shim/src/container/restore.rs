@@ -17,7 +17,9 @@
 //!   ([`Container::prepare_criu`]). Undo: the configuration back to the checkpoints' (after
 //!   step 4);
 //! - 3\. the page images hashed while CRIU restores them; the verdict opens the gate. Undo:
-//!   the hashing cancelled. 3b. the restored tree held to the spec at CRIU's pre-resume;
+//!   the hashing cancelled. 3b. the restored tree held to the spec at CRIU's pre-resume
+//!   (credentials, mounts, then `/dev`'s device nodes: `spec_check`, `mount_check`,
+//!   `device_nodes`);
 //! - 4\. `runc restore` ([`Container::run_restore`]). Undo: `runc delete` of the restored
 //!   tree ([`Container::undo_restored`]), which every later failure runs too;
 //! - 5\. the device state back onto the GPUs ([`Container::restore_devices`]).
