@@ -62,8 +62,9 @@ running_pid() {
   pid=$(cat "$PIDFILE" 2>/dev/null || true)
   [[ $pid =~ ^[0-9]+$ ]] || return 0
   [ -d "/proc/$pid" ] || return 0
-  # Guard against a recycled pid: it must be this docker-registry binary.
-  if [ "$(readlink "/proc/$pid/exe" 2>/dev/null || true)" = "$BIN" ]; then
+  # Guard against a recycled pid: it must be this docker-registry binary (the kernel names it
+  # with every link resolved; the stack's path may go through one).
+  if [ "$(readlink "/proc/$pid/exe" 2>/dev/null || true)" = "$(readlink -f "$BIN")" ]; then
     echo "$pid"
   fi
 }
