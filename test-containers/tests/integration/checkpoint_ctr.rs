@@ -179,8 +179,10 @@ fn task_checkpoint_exit_then_restore() -> Result<()> {
     node.ctr_ok(&["task", "rm", "c2"])?;
     let twice = restore_from_dir(&node, "c2", &again)?;
     let later = next_values(twice, 2)?;
+    // The second dump may catch the counter before its next tick: then it resumes at the value
+    // last seen, which is not going back.
     ensure!(
-        later[0] > *seen.last().unwrap_or(&0),
+        later[0] >= *seen.last().unwrap_or(&0),
         "the counter restored twice went back: {later:?} after {seen:?}"
     );
 
