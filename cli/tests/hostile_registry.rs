@@ -257,6 +257,20 @@ fn serving(req: &Req) -> Resp {
     }
 }
 
+/// A pull of `app:1` from `server` that must fail: its error, once the server's writer has had
+/// time to see the hang-up.
+fn refused_pull(server: &Fake) -> String {
+    let t = scratch();
+    let e = pull(
+        &format!("{}/app:1", server.addr()),
+        &t.path().join("o"),
+        &plain(t.path(), server),
+    )
+    .unwrap_err();
+    std::thread::sleep(Duration::from_millis(300));
+    e
+}
+
 fn pull(reference: &str, out: &Path, o: &RegistryOptions) -> Result<String, String> {
     registry::pull_archive(reference, out, Limits::default(), o, &mut |_, _| {})
         .map_err(|e| e.to_string())
@@ -510,14 +524,7 @@ fn token_and_error_bodies_are_read_up_to_64_kib() {
         }
         json(500, b"{}")
     });
-    let t = scratch();
-    let e = pull(
-        &format!("{}/app:1", server.addr()),
-        &t.path().join("o"),
-        &plain(t.path(), &server),
-    )
-    .unwrap_err();
-    std::thread::sleep(Duration::from_millis(300));
+    let e = refused_pull(&server);
     println!("token: {e}; sent {}", tokens.sent());
     assert!(e.contains("limit of 65536 bytes"), "{e}");
     assert!(tokens.sent() < SLACK, "{}", tokens.sent());
@@ -536,14 +543,7 @@ fn token_and_error_bodies_are_read_up_to_64_kib() {
             },
         )
     });
-    let t = scratch();
-    let e = pull(
-        &format!("{}/app:1", server.addr()),
-        &t.path().join("o"),
-        &plain(t.path(), &server),
-    )
-    .unwrap_err();
-    std::thread::sleep(Duration::from_millis(300));
+    let e = refused_pull(&server);
     println!("error body: {e}; sent {}", server.sent());
     assert!(e.contains("not found"), "{e}");
     assert!(server.sent() < SLACK, "{}", server.sent());
