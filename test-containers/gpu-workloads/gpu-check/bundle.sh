@@ -17,6 +17,12 @@ for b in gpu-ckpt-gpu-check gpu-fill gpu-train; do
 done
 $CC -O2 -Wall -Werror -o "$out/cuda_smoke" test-containers/gpu-workloads/c/cuda_smoke.c -ldl
 install -m 0755 test-containers/gpu-workloads/gpu-check/run.sh "$out/run.sh"
+install -m 0644 "$root/test-containers/gpu-workloads/gpu-check/results.sh" "$out/results.sh"
+# The commit the results will name; a tree with uncommitted changes says so.
+commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
+[ -z "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ] \
+    || commit="$commit with uncommitted changes"
+echo "$commit" > "$out/COMMIT"
 
 allowed='^(linux-vdso\.so\.1|libc\.so\.6|libm\.so\.6|libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|libgcc_s\.so\.1|/lib64/ld-linux-x86-64\.so\.2|/lib/ld-linux-aarch64\.so\.1|ld-linux-x86-64\.so\.2|ld-linux-aarch64\.so\.1)$'
 for b in gpu-ckpt-gpu-check gpu-fill gpu-train cuda_smoke; do

@@ -35,4 +35,10 @@ EOT
     chmod 0755 "$out/bin/$tool"
 done
 install -m 0755 "$root/test-containers/gpu-workloads/gpu-check/shim-run.sh" "$out/shim-run.sh"
+install -m 0644 "$root/test-containers/gpu-workloads/gpu-check/results.sh" "$out/results.sh"
+# The commit the results will name; a tree with uncommitted changes says so.
+commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
+[ -z "$(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null)" ] \
+    || commit="$commit with uncommitted changes"
+echo "$commit" > "$out/COMMIT"
 echo "bundle: $out ready ($(du -sh "$out" | cut -f1))"

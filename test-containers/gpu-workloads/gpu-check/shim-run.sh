@@ -10,6 +10,8 @@
 # `name value unit`, other lines start with `# `. Without a GPU it says so and exits 0.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/results.sh"
+results_begin gpu-check-shim
 W=$(mktemp -d /tmp/gpu-ckpt-shim-check.XXXXXX)
 OUT=${OUT:-$W/out}
 DRIVER_LIB=${DRIVER_LIB:-$(dirname "$(ldconfig -p | awk '/libcuda.so.1 / {print $NF; exit}')")}
@@ -26,6 +28,7 @@ cleanup() {
     grep " $W/" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l 2>/dev/null
     [ "$OUT" = "$W/out" ] && cp -r "$OUT" "/tmp/gpu-ckpt-shim-check.out" 2>/dev/null
     rm -rf "$W"
+    results_end
 }
 trap cleanup EXIT
 for f in containerd ctr containerd-shim-gpu-ckpt-v1; do xz -dc "$here/$f.xz" > "$W/bin/$f"; chmod 0755 "$W/bin/$f"; done
