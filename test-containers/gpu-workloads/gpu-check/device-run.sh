@@ -10,6 +10,7 @@ OUT=${OUT:-$PWD/gpu-run}
 mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 rc=0
-RESULTS=$OUT/gpu-check-$stamp.txt "$root/target/gpu-check/run.sh" "${@:---gib 1}" || rc=1
+[ $# -gt 0 ] || set -- --gib 1
+RESULTS=$OUT/gpu-check-$stamp.txt "$root/target/gpu-check/run.sh" "$@" || rc=1
 RESULTS=$OUT/gpu-check-shim-$stamp.txt "$root/target/gpu-check-shim/shim-run.sh" || rc=1
 exit "$rc"
