@@ -201,14 +201,9 @@ mod tests {
 
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::write(dir.join("cuda_plugin.so"), b"").unwrap();
+        let want = format!("CRIU plugin directory {}: is not empty", dir.display());
         let e = empty_and_root_only(&dir).unwrap_err().to_string();
-        assert!(
-            e.starts_with(&format!(
-                "CRIU plugin directory {}: is not empty",
-                dir.display()
-            )) && e.contains("cuda_plugin.so"),
-            "{e}"
-        );
+        assert!(e.starts_with(&want) && e.contains("cuda_plugin.so"), "{e}");
         std::fs::remove_file(dir.join("cuda_plugin.so")).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = empty_and_root_only(&dir).unwrap_err().to_string();
@@ -216,14 +211,9 @@ mod tests {
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
         let parent = dir.parent().unwrap();
         std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o775)).unwrap();
+        let want = format!("CRIU plugin directory {}: has mode 775", parent.display());
         let e = empty_and_root_only(&dir).unwrap_err().to_string();
-        assert!(
-            e.starts_with(&format!(
-                "CRIU plugin directory {}: has mode 775",
-                parent.display()
-            )),
-            "{e}"
-        );
+        assert!(e.starts_with(&want), "{e}");
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! and goes on from its step.
 
 use std::path::{Path, PathBuf};
+use std::process::Output;
 
 use crate::common::{gpu::*, *};
 use anyhow::{ensure, Context, Result};
@@ -58,38 +59,67 @@ fn plugin_node(name: &str, sim: &SimNode, oldest: bool) -> Result<Node> {
     gpu_node_with(builder, name, sim, &[])
 }
 
+/// `out`'s stdout when `what` exited 0, else an error with all it printed.
+fn succeeded(what: &str, out: Output) -> Result<String> {
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.success(), "{what}: {}: {text}{err}", out.status);
+    Ok(text)
+}
+
+/// Two such nodes, `gpu-<name>-a` and `gpu-<name>-b`, with two simulated GPUs each (other UUIDs
+/// on each node).
+fn plugin_nodes(name: &str, oldest: bool) -> Result<(SimNode, SimNode, Node, Node)> {
+    let sim_a = sim_gpus(2, 256, &format!("{name}-a"))?;
+    let sim_b = sim_gpus(2, 256, &format!("{name}-b"))?;
+    let a = plugin_node(&format!("gpu-{name}-a"), &sim_a, oldest)?;
+    let b = plugin_node(&format!("gpu-{name}-b"), &sim_b, oldest)?;
+    Ok((sim_a, sim_b, a, b))
+}
+
 /// What the node's `cuda-checkpoint` prints for `args`, failing on a nonzero exit.
 fn cuda_checkpoint(node: &str, args: &[&str]) -> Result<String> {
     let tool = Stack::discover()?
         .node_dir(node)
         .join("cuda-tools/cuda-checkpoint");
     let out = std::process::Command::new(&tool).args(args).output()?;
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    ensure!(
-        out.status.success(),
-        "cuda-checkpoint {args:?}: {}{text}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(text)
+    succeeded(&format!("cuda-checkpoint {args:?}"), out)
+}
+
+/// `ctr task checkpoint` of `id` (with `--exit` when `exit`) into `<id>-images`, CRIU's work
+/// directory (and so its log) kept in `<id>-work`: those two and what ctr said.
+fn dump_keeping_log(node: &Node, id: &str, exit: bool) -> Result<(PathBuf, PathBuf, Output)> {
+    let images = node.paths().dir.join(format!("{id}-images"));
+    let work = node.paths().dir.join(format!("{id}-work"));
+    for d in [&images, &work] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let paths = [images.display().to_string(), work.display().to_string()];
+    let exit = if exit { &["--exit"][..] } else { &[] };
+    let args = [
+        &["task", "checkpoint"][..],
+        exit,
+        &["--image-path", &paths[0], "--work-path", &paths[1], id],
+    ]
+    .concat();
+    let out = node.ctr(&args)?;
+    Ok((images, work, out))
 }
 
 /// `ctr` with `verb` (`run -d` or `container create`) of gpu-train on simulated GPU `gpu`, with
 /// the tmpfs /out and `runtime` flags.
 fn train(node: &Node, verb: &[&str], runtime: &[String], gpu: u32, id: &str) -> Result<()> {
     let device = format!("{KIND}={gpu}");
-    let mut args: Vec<&str> = verb.to_vec();
-    args.extend(["--device", &device, "--mount"]);
-    args.push("type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m");
-    args.extend(runtime.iter().map(String::as_str));
-    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", TRAIN]);
-    let out = node.ctr_cdi("default", &args)?;
-    ensure!(
-        out.status.success(),
-        "ctr {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let tmpfs = "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m";
+    let runtime: Vec<&str> = runtime.iter().map(String::as_str).collect();
+    let args = [
+        verb,
+        &["--device", &device, "--mount", tmpfs],
+        &runtime,
+        &[GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", TRAIN],
+    ]
+    .concat();
+    succeeded(&format!("ctr {args:?}"), node.ctr_cdi("default", &args)?)?;
     Ok(())
 }
 
@@ -141,10 +171,7 @@ fn restore_keeping_log(node: &Node, id: &str, images: &Path, work: &Path) -> Res
 
 #[test]
 fn with_criu_cuda_plugin_installed_gpu_checkpoint_and_restore_are_the_shims() -> Result<()> {
-    let sim_a = sim_gpus(2, 256, "plugin-a")?;
-    let sim_b = sim_gpus(2, 256, "plugin-b")?;
-    let a = plugin_node("gpu-plugin-a", &sim_a, false)?;
-    let b = plugin_node("gpu-plugin-b", &sim_b, false)?;
+    let (sim_a, sim_b, a, b) = plugin_nodes("plugin", false)?;
     let help = cuda_checkpoint("gpu-plugin-a", &["-h"])?;
     ensure!(help.contains("--action"), "cuda-checkpoint -h: {help}");
 
@@ -160,18 +187,7 @@ fn with_criu_cuda_plugin_installed_gpu_checkpoint_and_restore_are_the_shims() ->
         state.trim() == "running",
         "cuda-checkpoint --get-state: {state:?}"
     );
-    let work = a.paths().dir.join("plain-work");
-    let images = a.paths().dir.join("plain-images");
-    let _ = std::fs::remove_dir_all(&work);
-    let out = a.ctr(&[
-        "task",
-        "checkpoint",
-        "--image-path",
-        &images.display().to_string(),
-        "--work-path",
-        &work.display().to_string(),
-        "plain",
-    ])?;
+    let (_, work, out) = dump_keeping_log(&a, "plain", false)?;
     let log = std::fs::read_to_string(work.join("dump.log")).with_context(|| {
         format!(
             "no CRIU log of runc's dump ({}): {}",
@@ -200,10 +216,7 @@ fn with_criu_cuda_plugin_installed_gpu_checkpoint_and_restore_are_the_shims() ->
 /// too (the plugin here, built for 4.2, is one 4.1.1 would refuse to load, failing the dump).
 #[test]
 fn with_criu_cuda_plugin_installed_the_oldest_criu_loads_no_plugin_either() -> Result<()> {
-    let sim_a = sim_gpus(2, 256, "plugin-old-a")?;
-    let sim_b = sim_gpus(2, 256, "plugin-old-b")?;
-    let a = plugin_node("gpu-plugin-old-a", &sim_a, true)?;
-    let b = plugin_node("gpu-plugin-old-b", &sim_b, true)?;
+    let (sim_a, sim_b, a, b) = plugin_nodes("plugin-old", true)?;
     checkpoint_on_gpu0_restore_on_gpu1(&sim_a, &sim_b, &a, &b, "4.1.1")
 }
 
@@ -221,20 +234,8 @@ fn checkpoint_on_gpu0_restore_on_gpu1(
     train(a, &["run", "-d"], &shim, 0, "t")?;
     let pid = a.task_pid("t")?;
     wait_steps(&train_log(pid), 3)?;
-    let dump_work = a.paths().dir.join("t-work");
-    let images = a.paths().dir.join("t-images");
-    let _ = std::fs::remove_dir_all(&dump_work);
-    let _ = std::fs::remove_dir_all(&images);
-    a.ctr_ok(&[
-        "task",
-        "checkpoint",
-        "--exit",
-        "--image-path",
-        &images.display().to_string(),
-        "--work-path",
-        &dump_work.display().to_string(),
-        "t",
-    ])?;
+    let (images, dump_work, out) = dump_keeping_log(a, "t", true)?;
+    succeeded("ctr task checkpoint --exit", out)?;
     no_plugin_in(&dump_work, "dump.log", "Dumping finished successfully")?;
     let before = image_format::manifest::Manifest::read_from(&images)?;
     ensure!(
