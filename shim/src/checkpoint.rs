@@ -169,7 +169,8 @@ pub fn restore_args(criu: &CriuOptions, tcp_close: bool) -> Vec<String> {
 }
 
 /// The container's CRIU configuration file, which runc hands CRIU (`org.criu.config`) for
-/// what runc has no flag for. The default value is the empty file.
+/// what runc has no flag for. Every such file names [`crate::criu::no_plugins_dir`] as CRIU's
+/// plugin directory (`libdir`); the default value adds nothing else.
 #[derive(Debug, Default)]
 pub struct CriuConf<'a> {
     /// `tcp-close`: connections are closed rather than dumped or restored.
@@ -188,7 +189,13 @@ pub struct CriuConf<'a> {
 impl CriuConf<'_> {
     pub fn write(&self, bundle: &Path) -> Result<()> {
         let path = bundle.join(CRIU_CONF_FILE);
-        let mut body = String::new();
+        let body = self.body(crate::criu::no_plugins_dir()?)?;
+        std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
+    }
+
+    /// The file's text, with `plugins` as CRIU's plugin directory.
+    fn body(&self, plugins: &Path) -> Result<String> {
+        let mut body = format!("libdir {}\n", plugins.display());
         if self.tcp_close {
             body.push_str("tcp-close\n");
         }
@@ -218,7 +225,7 @@ impl CriuConf<'_> {
             }
             body.push_str(&format!("ext-mount-map {from}:{to}\n"));
         }
-        std::fs::write(&path, body).map_err(Error::io(format!("write {}", path.display())))
+        Ok(body)
     }
 }
 
@@ -473,8 +480,10 @@ mod tests {
             .unwrap()
             .ends_with(CRIU_CONF_FILE));
         let written = |conf: CriuConf<'_>| {
-            conf.write(dir.path()).unwrap();
-            std::fs::read_to_string(dir.path().join(CRIU_CONF_FILE)).unwrap()
+            let body = conf.body(Path::new("/none")).unwrap();
+            body.strip_prefix("libdir /none\n")
+                .unwrap_or_else(|| panic!("{body:?} does not name the plugin directory first"))
+                .to_string()
         };
         assert_eq!(written(CriuConf::default()), "");
         let tcp_close = CriuConf {
@@ -518,14 +527,14 @@ mod tests {
                 ext_mount_map: &map,
                 ..Default::default()
             };
-            let e = conf.write(dir.path()).unwrap_err();
+            let e = conf.body(Path::new("/none")).unwrap_err();
             assert!(e.to_string().contains("cannot be written"), "{bad:?}: {e}");
         }
         let bad = CriuConf {
             action_script: Some(Path::new("/b/\"x")),
             ..Default::default()
         };
-        let e = bad.write(dir.path()).unwrap_err();
+        let e = bad.body(Path::new("/none")).unwrap_err();
         assert!(e.to_string().contains("cannot be written"), "{e}");
     }
 

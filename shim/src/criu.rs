@@ -1,8 +1,10 @@
 //! The CRIU this shim drives (runc runs the `criu` it finds in PATH, as `criu --version` here
-//! does): its version, read once per shim process, the minimum the shim supports, and the
-//! options a release added, each used only from that release on.
+//! does): its version, read once per shim process, the minimum the shim supports, the options
+//! a release added, each used only from that release on, and the plugin directory it is given.
 
 use std::fmt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::Path;
 
 use tokio::sync::OnceCell;
 
@@ -31,6 +33,63 @@ pub const NETWORK_LOCK_SKIP: Version = Version(4, 2, 0);
 /// both for every socket, so it cannot dump a TCP socket there (criu issues #2705 and #2718,
 /// fixed in 4.2).
 pub const SOCKOPTS_LINUX_6_16: Version = Version(4, 2, 0);
+
+/// The plugin directory the shim names to CRIU (`libdir` in the configuration file runc hands
+/// it) for every dump and restore: empty, and writable by root only. Without it CRIU loads every
+/// `*.so` in `$CRIU_LIBS_DIR` or its compiled-in directory (`/usr/lib/criu/` in Debian's
+/// build), such as its own cuda plugin (`cuda_plugin.so`, CRIU 4), which locks, checkpoints,
+/// restores and unlocks GPU processes through NVIDIA's `cuda-checkpoint` behind the shim's
+/// device steps: at a restore it would put them back on the GPUs they left and let them run
+/// before the shim has restored them onto the container's GPUs.
+pub const NO_PLUGINS_DIR: &str = "/run/gpu-ckpt/criu-plugins";
+
+/// [`NO_PLUGINS_DIR`], created (with its parent) when missing. An error names the directory
+/// when it is not a directory, may be written by a user other than root (or the shim's own),
+/// or holds anything: CRIU would load a plugin put there.
+pub fn no_plugins_dir() -> Result<&'static Path> {
+    let dir = Path::new(NO_PLUGINS_DIR);
+    empty_and_root_only(dir)?;
+    Ok(dir)
+}
+
+/// Creates `dir` (mode 0555) and its parent (0755) when missing, and checks both as
+/// [`no_plugins_dir`] says.
+fn empty_and_root_only(dir: &Path) -> Result<()> {
+    let refuse = |d: &Path, why: String| {
+        Error::FailedPrecondition(format!(
+            "CRIU plugin directory {}: {why}; gpu-ckpt names {} to CRIU as its only plugin directory, so that CRIU loads no plugin (such as its cuda plugin) behind the shim's device steps, and uses it only while it is an empty directory that only root can write to",
+            d.display(),
+            dir.display()
+        ))
+    };
+    let ours = nix::unistd::geteuid().as_raw();
+    for (d, mode) in [(dir.parent().unwrap_or(dir), 0o755), (dir, 0o555)] {
+        match std::fs::DirBuilder::new().mode(mode).create(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(refuse(d, format!("cannot be created: {e}"))),
+        }
+        let m = std::fs::symlink_metadata(d).map_err(|e| refuse(d, e.to_string()))?;
+        if !m.file_type().is_dir() {
+            return Err(refuse(d, "is not a directory".into()));
+        }
+        if m.uid() != 0 && m.uid() != ours {
+            return Err(refuse(d, format!("is owned by uid {}", m.uid())));
+        }
+        if m.mode() & 0o022 != 0 {
+            return Err(refuse(
+                d,
+                format!("has mode {:o}: others can write to it", m.mode() & 0o7777),
+            ));
+        }
+    }
+    let mut entries = std::fs::read_dir(dir).map_err(|e| refuse(dir, e.to_string()))?;
+    if let Some(entry) = entries.next() {
+        let name = entry.map_or_else(|e| e.to_string(), |e| format!("{:?}", e.file_name()));
+        return Err(refuse(dir, format!("is not empty: it holds {name}")));
+    }
+    Ok(())
+}
 
 /// The one-line cause of a failed CRIU run, when its log shows a known limit of the release
 /// that ran (`version`): said instead of CRIU's bare error.
@@ -126,6 +185,35 @@ mod tests {
         assert!(!Version(4, 1, 1).network_lock_skip());
         assert!(Version(4, 2, 0).network_lock_skip());
         assert!(Version(5, 0, 0).network_lock_skip());
+    }
+
+    #[test]
+    fn the_plugin_directory_is_created_empty_and_refused_otherwise() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("gpu-ckpt/criu-plugins");
+        empty_and_root_only(&dir).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o555);
+        assert_eq!(mode(dir.parent().unwrap()), 0o755);
+        // A second shim finds it as the first left it.
+        empty_and_root_only(&dir).unwrap();
+
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(dir.join("cuda_plugin.so"), b"").unwrap();
+        let want = format!("CRIU plugin directory {}: is not empty", dir.display());
+        let e = empty_and_root_only(&dir).unwrap_err().to_string();
+        assert!(e.starts_with(&want) && e.contains("cuda_plugin.so"), "{e}");
+        std::fs::remove_file(dir.join("cuda_plugin.so")).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = empty_and_root_only(&dir).unwrap_err().to_string();
+        assert!(e.contains("has mode 777: others can write to it"), "{e}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let parent = dir.parent().unwrap();
+        std::fs::set_permissions(parent, std::fs::Permissions::from_mode(0o775)).unwrap();
+        let want = format!("CRIU plugin directory {}: has mode 775", parent.display());
+        let e = empty_and_root_only(&dir).unwrap_err().to_string();
+        assert!(e.starts_with(&want), "{e}");
     }
 
     #[test]

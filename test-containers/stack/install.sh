@@ -4,6 +4,7 @@
 #   $STACK/root/usr/bin/{containerd,ctr,containerd-shim-runc-v2}   containerd 2.x from sid (.deb, dpkg -x)
 #   $STACK/bin/criu                                                 CRIU 4.2.x built from sid's source
 #   $STACK/criu-oldest/bin/criu                                     CRIU 4.1.1 (the oldest supported) from trixie's
+#   $STACK/lib/criu/cuda_plugin.so                                  CRIU's cuda plugin, built from the same source
 #   $STACK/bin/checkpointctl                                        trixie/sid .deb, patched onto $STACK/sidlibc
 #   $STACK/sidlibc                                                  libc6 from sid (never installed)
 #   $STACK/registry/usr/bin/docker-registry                         bookworm .deb (see registry.sh)
@@ -447,6 +448,37 @@ install_criu() {
   build_criu "$CRIU_OLDEST_PIN" "$STACK/criu-oldest/bin/criu" criu-oldest
 }
 
+# CRIU's cuda plugin (plugins/cuda), built from the main CRIU's source tree, as distributions ship
+# it. It goes into $STACK/lib/criu, which a test names to CRIU (CRIU_LIBS_DIR), and not into CRIU's
+# compiled-in plugin directory (/usr/lib/criu/): both stack CRIUs share that one, and 4.1.1 refuses a
+# plugin built for 4.2 ("Corrupted plugin": one hook more than it knows), which would fail every
+# 4.1.1 dump and restore on the host that does not name its own plugin directory.
+install_cuda_plugin() {
+  COMPONENT="criu cuda plugin"
+  local ver so="$STACK/lib/criu/cuda_plugin.so"
+  ver=$(stamp_get criu)
+  [ -n "$ver" ] || die "no CRIU stamp: the cuda plugin is built from the main CRIU's source"
+  if stamp_valid cuda-plugin "$so" && [ "$(stamp_get cuda-plugin)" = "$ver" ]; then
+    log "criu cuda plugin $ver -> $so (installed)"
+    return
+  fi
+  local bdir="$STACK/build/criu-$ver"
+  [ -f "$bdir/plugins/cuda/cuda_plugin.c" ] || die "$bdir has no plugins/cuda/cuda_plugin.c (CRIU $ver's source)"
+  log "criu cuda plugin: building from $bdir (make cuda_plugin)"
+  if ! make -C "$bdir" -j"$JOBS" cuda_plugin >"$STACK/build/cuda-plugin-build-$ver.log" 2>&1; then
+    tail -n 40 "$STACK/build/cuda-plugin-build-$ver.log" >&2
+    die "make cuda_plugin failed (log: $STACK/build/cuda-plugin-build-$ver.log)"
+  fi
+  local built="$bdir/plugins/cuda/cuda_plugin.so"
+  nm -D --defined-only "$built" 2>/dev/null | grep -qw CR_PLUGIN_DESC ||
+    die "$built does not define CR_PLUGIN_DESC: not a CRIU plugin"
+  mkdir -p "$(dirname "$so")"
+  install -m 0755 "$built" "$so.new"
+  mv "$so.new" "$so"
+  stamp_set cuda-plugin "$ver"
+  log "criu cuda plugin $ver -> $so"
+}
+
 install_sidlibc() {
   COMPONENT="libc6 (sid, private)"
   local ld="$STACK/sidlibc/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
@@ -582,6 +614,7 @@ EOF
     echo "runc $(host_version runc)"
     echo "criu $(stamp_get criu)"
     echo "criu-oldest $(stamp_get criu-oldest)"
+    echo "criu-cuda-plugin $(stamp_get cuda-plugin)"
     echo "checkpointctl $(stamp_get checkpointctl)"
     echo "libc6-sid $(stamp_get sidlibc)"
     echo "docker-registry $(stamp_get docker-registry)"
@@ -604,6 +637,7 @@ COMPONENT="runc (host)"
 log "runc $(host_version runc) -> /usr/sbin/runc"
 install_containerd
 install_criu
+install_cuda_plugin
 install_sidlibc
 install_checkpointctl
 install_registry
