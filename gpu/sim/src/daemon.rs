@@ -86,6 +86,8 @@ struct Conn {
     allocs: BTreeMap<u64, Arc<Alloc>>,
     next_va: u64,
     contexts: BTreeSet<usize>,
+    /// Its contexts go through an MPS server.
+    mps: bool,
 }
 
 #[derive(Default)]
@@ -257,6 +259,7 @@ impl Daemon {
                 allocs: BTreeMap::new(),
                 next_va: VA_BASE,
                 contexts: BTreeSet::new(),
+                mps: false,
             },
         );
         while let Ok(req) = proto::recv::<Request, _>(&mut s) {
@@ -317,10 +320,11 @@ impl Daemon {
                 Reply::Ok
             }
             Request::Node => Reply::Node(self.node.clone()),
-            Request::Context { gpu } => match self.gpu_index(&gpu) {
+            Request::Context { gpu, mps } => match self.gpu_index(&gpu) {
                 Some(i) => {
                     if let Some(c) = lock(&self.reg).conns.get_mut(&id) {
                         c.contexts.insert(i);
+                        c.mps |= mps;
                     }
                     Reply::Ok
                 }
@@ -556,6 +560,7 @@ impl Daemon {
                     pid: c.pid as u32,
                     gpu: self.node.gpus[g].uuid,
                     used_bytes: used,
+                    mps: c.mps,
                 });
             }
         }
