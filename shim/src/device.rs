@@ -112,6 +112,11 @@ impl DeviceLayer {
         Ok(Some(layer))
     }
 
+    /// The node's management library, for the checks of `unsupported.rs`.
+    pub fn nvml(&self) -> &dyn Inventory {
+        self.nvml.as_ref()
+    }
+
     pub fn inventory(&self) -> Result<NodeInventory> {
         self.nvml
             .node()
@@ -300,6 +305,8 @@ pub struct ContainerDevices {
     lock_timeout: Option<String>,
     layer: Option<Option<Arc<DeviceLayer>>>,
     quiesced: Option<Quiesced>,
+    /// How the container was given GPUs, for the refusals of `unsupported.rs`.
+    given: crate::unsupported::Given,
 }
 
 /// Processes found holding device state at a Pause or checkpoint.
@@ -324,7 +331,13 @@ impl ContainerDevices {
             lock_timeout: lock_timeout.map(str::to_string),
             layer: None,
             quiesced: None,
+            given: Default::default(),
         }
+    }
+
+    /// The same, for a container given GPUs as `given` says.
+    pub fn given(self, given: crate::unsupported::Given) -> Self {
+        ContainerDevices { given, ..self }
     }
 
     /// The layer, loaded once (`cuInit` can take a while on a real driver, so off the
@@ -364,8 +377,10 @@ impl ContainerDevices {
         };
         let timeout = lock_timeout(self.lock_timeout.as_deref(), &self.options)?;
         let steps = self.options.device_steps();
+        let given = self.given.clone();
         let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
             let holders = layer.holders(&pids)?;
+            crate::unsupported::refuse(layer.nvml(), &given, &pids, &holders)?;
             if steps && !holders.is_empty() {
                 layer.quiesce(&holders, timeout)?;
             }
