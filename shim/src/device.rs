@@ -554,6 +554,9 @@ pub fn compare(
     };
     let inv = layer.inventory()?;
     let gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
+    if let Some(d) = crate::unsupported::onto_mig(&inv, &gpus) {
+        return Ok((vec![d], RestorePlan::default()));
+    }
     let ckpt = Profile {
         devices: recorded.clone(),
         workload: Default::default(),

@@ -3,15 +3,17 @@
 //! `nvidia-nccl-cu13` wheel in the stack's venv), and an MPS client (its libcuda found a live
 //! MPS control socket in `/tmp/nvidia-mps`). Each `ctr task checkpoint` fails naming what it
 //! refuses, and gpu-train goes on computing (every step checked against its closed form); a
-//! plain GPU container on the same node still checkpoints.
+//! plain GPU container on the same node still checkpoints, and its checkpoint restored onto the
+//! MIG-mode GPU is refused before CRIU.
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use crate::common::gpu::*;
+use crate::common::{gpu::*, restore_from_dir, wait_until, RUNTIME};
 use anyhow::{ensure, Context, Result};
-use test_containers::stack::Node;
+use test_containers::stack::{Node, GPU_WORKLOADS_IMAGE};
 
 const TRAIN: &[&str] = &[
     "/usr/bin/gpu-train",
@@ -164,10 +166,11 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
     remove(&node, "mps");
     r?;
 
-    // 4. The same workload, plain, on GPU 0: checkpointed, and training on.
-    let (_, log) = train(&node, "0", &[], "plain")?;
-    let out = node.ctr(&["task", "checkpoint", "plain"])?;
+    // 4. The same workload, plain, on GPU 0: checkpointed, and training on; then checkpointed
+    //    with --exit and restored onto GPU 1, in MIG mode: refused before CRIU.
+    let (pid, log) = train(&node, "0", &[], "plain")?;
     let r = (|| {
+        let out = node.ctr(&["task", "checkpoint", "plain"])?;
         ensure!(
             out.status.success(),
             "a plain GPU container's checkpoint failed: {}",
@@ -175,6 +178,51 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
         );
         let now = last_step(&log).map(|s| s.0).unwrap_or_default();
         wait_steps_after(&log, now, 3)?;
+        let dir = node.paths().dir.join("plain-exit");
+        node.checkpoint_task_exit("plain", &dir)?;
+        wait_until(
+            Duration::from_secs(10),
+            "the checkpointed task to stop",
+            || (!Path::new(&format!("/proc/{pid}")).exists()).then_some(()),
+        )?;
+        remove(&node, "plain");
+        let device = format!("{KIND}=1");
+        let mut create = vec!["container", "create", "--device", &device];
+        create.extend(["--runtime", RUNTIME, GPU_WORKLOADS_IMAGE, "plain"]);
+        create.extend_from_slice(TRAIN);
+        let out = node.ctr_cdi("default", &create)?;
+        ensure!(
+            out.status.success(),
+            "ctr container create: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let err = match restore_from_dir(&node, "plain", &dir) {
+            Ok(pid) => anyhow::bail!("the restore onto GPU 1, in MIG mode, runs as pid {pid}"),
+            Err(e) => format!("{e:#}"),
+        };
+        println!("restore onto GPU 1: {err}");
+        for n in [
+            "restore failed at step compat",
+            "mig: ",
+            &uuids[1],
+            "MIG mode",
+        ] {
+            ensure!(
+                err.contains(n),
+                "the refused restore does not name {n:?}: {err}"
+            );
+        }
+        // Nothing restored runs: no task but a stopped one, nothing on the MIG-mode GPU.
+        let status = node.task_status("plain").unwrap_or_default();
+        ensure!(
+            !status.contains("RUNNING") && !status.contains("PAUSED"),
+            "after the refused restore the task is {status}"
+        );
+        let on_mig = sim.node().gpus[1].uuid;
+        ensure!(
+            !sim.processes()?.iter().any(|p| p.gpu == on_mig),
+            "a process uses the MIG-mode GPU after the refused restore"
+        );
         Ok(())
     })();
     remove(&node, "plain");
