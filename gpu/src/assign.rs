@@ -66,15 +66,8 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
             gpus,
         }));
     }
-    // 2. NVIDIA_VISIBLE_DEVICES (the last one wins, as in a process environment).
-    let visible = spec["process"]["env"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
-        .next_back();
-    match visible.map(str::trim) {
+    // 2. NVIDIA_VISIBLE_DEVICES.
+    match visible_devices(spec).map(str::trim) {
         None | Some("" | "none" | "void") => Ok(None),
         Some("all") => Ok(Some(Assigned {
             source: Source::VisibleDevices,
@@ -138,15 +131,8 @@ pub fn mig_use(spec: &Value, inv: &NodeInventory) -> Option<String> {
     {
         return Some(format!("the container is given MIG device node {path}"));
     }
-    let visible = spec["process"]["env"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
-        .next_back()
-        .unwrap_or_default();
-    if let Some(item) = visible
+    if let Some(item) = visible_devices(spec)
+        .unwrap_or_default()
         .split(',')
         .map(str::trim)
         .find(|i| i.starts_with("MIG-") || i.contains(':'))
@@ -169,6 +155,17 @@ pub fn mig_use(spec: &Value, inv: &NodeInventory) -> Option<String> {
                 g.uuid, g.index
             )
         })
+}
+
+/// The spec's `NVIDIA_VISIBLE_DEVICES` (the last one wins, as in a process environment).
+fn visible_devices(spec: &Value) -> Option<&str> {
+    spec["process"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
+        .next_back()
 }
 
 fn known(inv: &NodeInventory, uuid: &GpuUuid, from: &str) -> Result<(), GpuError> {

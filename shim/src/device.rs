@@ -68,6 +68,26 @@ impl Holder {
     }
 }
 
+impl crate::unsupported::Process for Holder {
+    fn pid(&self) -> i32 {
+        self.pid
+    }
+    fn gpus(&self) -> Vec<GpuUuid> {
+        self.gpus.iter().map(|(u, _)| *u).collect()
+    }
+    fn describe(&self) -> String {
+        Holder::describe(self)
+    }
+    fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self {
+        Holder {
+            pid,
+            ns_pid: ns_pid(pid).unwrap_or(0),
+            comm: comm(pid),
+            gpus: gpus.into_iter().map(|u| (u, 0)).collect(),
+        }
+    }
+}
+
 /// The driver's checkpoint API and the node's inventory.
 pub struct DeviceLayer {
     cuda: Box<dyn DeviceCheckpoint>,

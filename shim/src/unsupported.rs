@@ -19,8 +19,18 @@ use gpu::{ComputeProcess, GpuUuid, Inventory, NodeInventory};
 use serde_json::{json, Value};
 use tracing::info_span;
 
-use crate::device::{ns_pid, Holder};
 use crate::error::{Error, Result};
+
+/// A process of the container as the device steps know it (`device::Holder`).
+pub trait Process: Sized {
+    fn pid(&self) -> i32;
+    /// The GPUs it has a context on.
+    fn gpus(&self) -> Vec<GpuUuid>;
+    /// `pid 1234 (gpu-train, pid 1 in the container) holding GPU-…`, for messages.
+    fn describe(&self) -> String;
+    /// Process `pid` of the container on `gpus`, that holds no state the driver checkpoints.
+    fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self;
+}
 
 /// What of a container's spec says how it was given GPUs: its device nodes and its process's
 /// environment (empty for a container whose spec was not read).
@@ -40,7 +50,12 @@ impl Given {
 /// Refuses, naming what and why, a checkpoint of the container given `given`, whose processes
 /// are `pids` (host pids) and whose device-state holders are `holders`, when the driver cannot
 /// checkpoint it. Nothing is locked yet: on refusal the container runs on as it was.
-pub fn refuse(nvml: &dyn Inventory, given: &Given, pids: &[i32], holders: &[Holder]) -> Result<()> {
+pub fn refuse<P: Process>(
+    nvml: &dyn Inventory,
+    given: &Given,
+    pids: &[i32],
+    holders: &[P],
+) -> Result<()> {
     let _span = info_span!("device_unsupported", processes = pids.len()).entered();
     let inv = nvml
         .node()
@@ -51,7 +66,7 @@ pub fn refuse(nvml: &dyn Inventory, given: &Given, pids: &[i32], holders: &[Hold
         )));
     }
     for h in holders {
-        if let Some(lib) = maps_nccl(h.pid) {
+        if let Some(lib) = maps_nccl(h.pid()) {
             return Err(refusal(format!(
                 "{} maps NCCL ({lib}): gpu-ckpt does not checkpoint processes that use NCCL (the driver's lock can hang on their communicators); the container runs on untouched",
                 h.describe()
@@ -64,7 +79,7 @@ pub fn refuse(nvml: &dyn Inventory, given: &Given, pids: &[i32], holders: &[Hold
     if let Some(c) = mps_client(&mps, pids) {
         return Err(refusal(format!(
             "{} is an MPS client: the CUDA driver cannot checkpoint a process whose GPU work runs in the MPS server; the container runs on untouched",
-            process(c.pid as i32, vec![(c.gpu, c.used_bytes.unwrap_or(0))]).describe()
+            P::other(c.pid as i32, vec![c.gpu]).describe()
         )));
     }
     Ok(())
@@ -79,7 +94,12 @@ fn refusal(message: String) -> Error {
 }
 
 /// Why the container uses MIG, if it does (see the module's documentation).
-fn mig(inv: &NodeInventory, given: &Given, pids: &[i32], holders: &[Holder]) -> Option<String> {
+fn mig<P: Process>(
+    inv: &NodeInventory,
+    given: &Given,
+    pids: &[i32],
+    holders: &[P],
+) -> Option<String> {
     if let Some(why) = gpu::assign::mig_use(&given.0, inv) {
         return Some(why);
     }
@@ -89,7 +109,7 @@ fn mig(inv: &NodeInventory, given: &Given, pids: &[i32], holders: &[Holder]) -> 
             .any(|g| g.uuid == *u && g.mig_enabled == Some(true))
     };
     for h in holders {
-        if let Some((u, _)) = h.gpus.iter().find(|(u, _)| in_mig(u)) {
+        if let Some(u) = h.gpus().into_iter().find(in_mig) {
             return Some(format!(
                 "{} is on GPU {u}, which is in MIG mode",
                 h.describe()
@@ -100,7 +120,7 @@ fn mig(inv: &NodeInventory, given: &Given, pids: &[i32], holders: &[Holder]) -> 
         let node = mig_node_held(pid)?;
         Some(format!(
             "{} holds MIG device node {node}",
-            process(pid, Vec::new()).describe()
+            P::other(pid, Vec::new()).describe()
         ))
     })
 }
@@ -153,17 +173,6 @@ fn mps_client<'a>(mps: &'a [ComputeProcess], pids: &[i32]) -> Option<&'a Compute
     mps.iter().find(|c| pids.contains(&(c.pid as i32)))
 }
 
-/// A process of the container, described as the device steps describe a holder.
-fn process(pid: i32, gpus: Vec<(GpuUuid, u64)>) -> Holder {
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    Holder {
-        pid,
-        ns_pid: ns_pid(pid).unwrap_or(0),
-        comm: comm.trim().to_string(),
-        gpus,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,6 +181,28 @@ mod tests {
     struct Node {
         mig: bool,
         mps: Vec<ComputeProcess>,
+    }
+
+    fn node(mig: bool, mps: Vec<ComputeProcess>) -> Node {
+        Node { mig, mps }
+    }
+
+    /// A process as the tests know it.
+    struct Proc(i32, Vec<GpuUuid>);
+
+    impl Process for Proc {
+        fn pid(&self) -> i32 {
+            self.0
+        }
+        fn gpus(&self) -> Vec<GpuUuid> {
+            self.1.clone()
+        }
+        fn describe(&self) -> String {
+            format!("pid {} on {:?}", self.0, self.1)
+        }
+        fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self {
+            Proc(pid, gpus)
+        }
     }
 
     impl Inventory for Node {
@@ -206,29 +237,27 @@ mod tests {
         std::process::id() as i32
     }
 
-    fn holder() -> Holder {
-        process(me(), vec![(GpuUuid([1; 16]), 4096)])
+    fn holder() -> Proc {
+        Proc(me(), vec![GpuUuid([1; 16])])
     }
+
+    const NONE: &[Proc] = &[];
 
     #[test]
     fn a_plain_gpu_process_passes() {
-        let node = Node {
-            mig: false,
-            mps: Vec::new(),
-        };
+        let node = node(false, Vec::new());
         let given = Given::from_spec(&json!({"linux": {"devices": [{"path": "/dev/nvidia0"}]}}));
         refuse(&node, &given, &[me()], &[holder()]).unwrap();
     }
 
     #[test]
     fn a_mig_mode_gpu_is_refused_however_reached() {
-        let node = Node {
-            mig: true,
-            mps: Vec::new(),
-        };
+        let node = node(true, Vec::new());
         // Given through its device node, holding nothing.
         let given = Given::from_spec(&json!({"linux": {"devices": [{"path": "/dev/nvidia0"}]}}));
-        let err = refuse(&node, &given, &[me()], &[]).unwrap_err().to_string();
+        let err = refuse(&node, &given, &[me()], NONE)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.starts_with("checkpoint failed at step unsupported: ")
                 && err.contains("MIG mode")
@@ -248,14 +277,7 @@ mod tests {
 
     #[test]
     fn a_restore_onto_a_mig_mode_gpu_is_a_difference() {
-        let node = |mig| {
-            Node {
-                mig,
-                mps: Vec::new(),
-            }
-            .node()
-            .unwrap()
-        };
+        let node = |mig| node(mig, Vec::new()).node().unwrap();
         let gpu = GpuUuid([1; 16]);
         assert_eq!(onto_mig(&node(false), &[gpu]), None);
         assert_eq!(onto_mig(&node(true), &[]), None);
@@ -273,11 +295,8 @@ mod tests {
             pid: me() as u32,
             used_bytes: None,
         };
-        let node = Node {
-            mig: false,
-            mps: vec![client.clone()],
-        };
-        let err = refuse(&node, &Given::default(), &[me()], &[])
+        let node = node(false, vec![client]);
+        let err = refuse(&node, &Given::default(), &[me()], NONE)
             .unwrap_err()
             .to_string();
         assert!(
@@ -285,7 +304,7 @@ mod tests {
             "{err}"
         );
         // Another container's client is not this container's business.
-        refuse(&node, &Given::default(), &[me() + 1], &[]).unwrap();
+        refuse(&node, &Given::default(), &[me() + 1], NONE).unwrap();
     }
 
     #[test]

@@ -178,6 +178,8 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
         );
         let now = last_step(&log).map(|s| s.0).unwrap_or_default();
         wait_steps_after(&log, now, 3)?;
+        // ctr names a checkpoint's image by the second: the next one must not share it.
+        std::thread::sleep(Duration::from_millis(1100));
         let dir = node.paths().dir.join("plain-exit");
         node.checkpoint_task_exit("plain", &dir)?;
         wait_until(
