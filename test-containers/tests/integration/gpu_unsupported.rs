@@ -1,5 +1,6 @@
 //! What the CUDA driver cannot checkpoint, refused before any device lock: a container on a
-//! GPU in MIG mode, a GPU process that maps NVIDIA's real NCCL (`libnccl.so.2` of the pinned
+//! GPU in MIG mode (given by its CDI device node, or by UUID in `NVIDIA_VISIBLE_DEVICES`), a GPU
+//! process that maps NVIDIA's real NCCL (`libnccl.so.2` of the pinned
 //! `nvidia-nccl-cu13` wheel in the stack's venv), and an MPS client (its libcuda found a live
 //! MPS control socket in `/tmp/nvidia-mps`). Each `ctr task checkpoint` fails naming what it
 //! refuses, and gpu-train goes on computing (every step checked against its closed form); a
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use crate::common::{gpu::*, restore_from_dir, wait_until, RUNTIME};
+use crate::common::{gpu::*, restore_from_dir, run_detached, wait_until, workloads, RUNTIME};
 use anyhow::{ensure, Context, Result};
 use test_containers::stack::{Node, GPU_WORKLOADS_IMAGE};
 
@@ -101,6 +102,35 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
     );
     remove(&node, "mig");
     r?;
+
+    // 1b. The same GPU named by UUID in NVIDIA_VISIBLE_DEVICES (the legacy runtime's way), no
+    //     CDI device and no GPU process: refused all the same.
+    let visible = format!("NVIDIA_VISIBLE_DEVICES={}", uuids[1]);
+    run_detached(
+        &node,
+        &["--env", &visible, workloads(), "visible", "sleep", "1000"],
+    )?;
+    let out = node.ctr(&["task", "checkpoint", "visible"])?;
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let status = node.task_status("visible");
+    remove(&node, "visible");
+    ensure!(
+        !out.status.success(),
+        "NVIDIA_VISIBLE_DEVICES: the checkpoint succeeded"
+    );
+    for n in [
+        step,
+        "through NVIDIA_VISIBLE_DEVICES",
+        &uuids[1],
+        "MIG mode",
+    ] {
+        ensure!(err.contains(n), "the refusal does not name {n:?}: {err}");
+    }
+    ensure!(
+        status?.contains("RUNNING"),
+        "the NVIDIA_VISIBLE_DEVICES container is not running after the refusal"
+    );
+    println!("visible: {}", err.trim());
 
     // 2. NVIDIA's libnccl.so.2 loaded into gpu-train (with the libstdc++ it needs), on GPU 0.
     let lib = nccl_lib()?;
