@@ -1323,6 +1323,7 @@ pub fn prepare_dir(
     for name in names.chain(crate::proto::COMMON_NODES.iter().map(|n| n.to_string())) {
         make_node(&dev.join(name))?;
     }
+    make_mig_nodes(&dev, node)?;
     if let Some(cdi) = cdi_dir {
         std::fs::create_dir_all(cdi)?;
         let spec = crate::cdi::spec(dir, node);
@@ -1333,6 +1334,18 @@ pub fn prepare_dir(
             serde_json::to_vec_pretty(&spec).map_err(io::Error::other)?,
         )?;
         std::fs::rename(tmp, path)?;
+    }
+    Ok(())
+}
+
+/// The capability nodes of the MIG-mode GPUs' instances (`nvidia-caps/nvidia-cap<minor>`).
+fn make_mig_nodes(dev: &Path, node: &NodeDesc) -> io::Result<()> {
+    for g in node.gpus.iter().filter(|g| g.mig) {
+        let caps = dev.join(crate::cdi::MIG_CAPS_DIR);
+        std::fs::create_dir_all(&caps)?;
+        for m in crate::cdi::mig_cap_minors(g.index) {
+            make_node(&caps.join(format!("nvidia-cap{m}")))?;
+        }
     }
     Ok(())
 }

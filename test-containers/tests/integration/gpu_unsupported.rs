@@ -1,5 +1,6 @@
 //! What the CUDA driver cannot checkpoint, refused before any device lock: a container on a
-//! GPU in MIG mode (given by its CDI device node, or by UUID in `NVIDIA_VISIBLE_DEVICES`), a GPU
+//! GPU in MIG mode (given by its CDI device node, as a MIG instance with its capability nodes, or
+//! by UUID in `NVIDIA_VISIBLE_DEVICES`), a GPU
 //! process that maps NVIDIA's real NCCL (`libnccl.so.2` of the pinned
 //! `nvidia-nccl-cu13` wheel in the stack's venv), and an MPS client (its libcuda found a live
 //! MPS control socket in `/tmp/nvidia-mps`). Each `ctr task checkpoint` fails naming what it
@@ -103,7 +104,23 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
     remove(&node, "mig");
     r?;
 
-    // 1b. The same GPU named by UUID in NVIDIA_VISIBLE_DEVICES (the legacy runtime's way), no
+    // 1b. A MIG instance of it, as nvidia-container-toolkit's CDI spec gives one: its parent's
+    //     device node and the instance's capability nodes.
+    let (_, log) = train(&node, "1:0", &[], "mig-instance")?;
+    let r = refused(
+        &node,
+        "mig-instance",
+        &log,
+        &[
+            step,
+            "the container is given MIG device node /dev/nvidia-caps/nvidia-cap",
+            "runs on untouched",
+        ],
+    );
+    remove(&node, "mig-instance");
+    r?;
+
+    // 1c. The same GPU named by UUID in NVIDIA_VISIBLE_DEVICES (the legacy runtime's way), no
     //     CDI device and no GPU process: refused all the same.
     let visible = format!("NVIDIA_VISIBLE_DEVICES={}", uuids[1]);
     run_detached(
