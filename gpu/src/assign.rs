@@ -66,15 +66,8 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
             gpus,
         }));
     }
-    // 2. NVIDIA_VISIBLE_DEVICES (the last one wins, as in a process environment).
-    let visible = spec["process"]["env"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(Value::as_str)
-        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
-        .next_back();
-    match visible.map(str::trim) {
+    // 2. NVIDIA_VISIBLE_DEVICES.
+    match visible_devices(spec).map(str::trim) {
         None | Some("" | "none" | "void") => Ok(None),
         Some("all") => Ok(Some(Assigned {
             source: Source::VisibleDevices,
@@ -114,6 +107,67 @@ pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, 
     }
 }
 
+/// Where nvidia-container-toolkit's CDI spec puts a MIG instance's device nodes
+/// (`nvidia-cap<N>`, one for its GPU instance and one for its compute instance).
+pub const MIG_CAPS_DIR: &str = "/dev/nvidia-caps/";
+
+/// Whether `path` is a MIG instance's device node.
+pub fn is_mig_node(path: &str) -> bool {
+    path.strip_prefix(MIG_CAPS_DIR)
+        .is_some_and(|n| n.starts_with("nvidia-cap"))
+}
+
+/// How the container whose spec is `spec` uses MIG, when it does: a MIG device node it is given,
+/// a MIG device its `NVIDIA_VISIBLE_DEVICES` names, or one of its GPUs ([`from_spec`]) in MIG
+/// mode (through CDI a MIG instance brings its whole parent GPU's device node). `None` when it
+/// uses none, or when its GPUs cannot be resolved (the checkpoint's record step says why).
+pub fn mig_use(spec: &Value, inv: &NodeInventory) -> Option<String> {
+    if let Some(path) = spec["linux"]["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["path"].as_str())
+        .find(|p| is_mig_node(p))
+    {
+        return Some(format!("the container is given MIG device node {path}"));
+    }
+    if let Some(item) = visible_devices(spec)
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .find(|i| i.starts_with("MIG-") || i.contains(':'))
+    {
+        return Some(format!("{VISIBLE_DEVICES_ENV} names MIG device {item:?}"));
+    }
+    let Ok(Some(a)) = from_spec(spec, inv) else {
+        return None;
+    };
+    let how = match a.source {
+        Source::DeviceNodes => "its device node",
+        Source::VisibleDevices => VISIBLE_DEVICES_ENV,
+    };
+    inv.gpus
+        .iter()
+        .find(|g| g.mig_enabled == Some(true) && a.gpus.contains(&g.uuid))
+        .map(|g| {
+            format!(
+                "it is given GPU {} (index {}) through {how}, and that GPU is in MIG mode",
+                g.uuid, g.index
+            )
+        })
+}
+
+/// The spec's `NVIDIA_VISIBLE_DEVICES` (the last one wins, as in a process environment).
+fn visible_devices(spec: &Value) -> Option<&str> {
+    spec["process"]["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .filter_map(|e| e.strip_prefix(VISIBLE_DEVICES_ENV)?.strip_prefix('='))
+        .next_back()
+}
+
 fn known(inv: &NodeInventory, uuid: &GpuUuid, from: &str) -> Result<(), GpuError> {
     if inv.gpus.iter().any(|g| g.uuid == *uuid) {
         Ok(())
@@ -142,6 +196,7 @@ mod tests {
             minor_number: Some(minor),
             pci_bus_id: String::new(),
             persistence_mode: None,
+            mig_enabled: None,
         };
         NodeInventory {
             driver_version: "580.65.06".into(),
@@ -175,6 +230,36 @@ mod tests {
             err.contains("sim-cdi") && err.contains("device-nodes"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn mig_however_assigned() {
+        let mut inv = inv();
+        let nodes = json!({"linux": {"devices": [{"path": "/dev/nvidia5"}]}});
+        let env = json!({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=0"]}});
+        assert_eq!(mig_use(&nodes, &inv), None);
+        assert_eq!(mig_use(&env, &inv), None);
+        inv.gpus[1].mig_enabled = Some(true);
+        let why = mig_use(&nodes, &inv).unwrap();
+        assert!(why.contains(&inv.gpus[1].uuid.to_string()), "{why}");
+        assert!(
+            why.contains("MIG mode") && why.contains("device node"),
+            "{why}"
+        );
+        assert_eq!(mig_use(&env, &inv), None, "GPU 0 is not in MIG mode");
+        let env1 =
+            json!({"process": {"env": [format!("NVIDIA_VISIBLE_DEVICES={}", inv.gpus[1].uuid)]}});
+        let why = mig_use(&env1, &inv).unwrap();
+        assert!(why.contains("NVIDIA_VISIBLE_DEVICES"), "{why}");
+        let caps = json!({"linux": {"devices": [
+            {"path": "/dev/nvidia-caps/nvidia-cap21"}, {"path": "/dev/nvidia4"},
+        ]}});
+        let why = mig_use(&caps, &inv).unwrap();
+        assert!(why.contains("/dev/nvidia-caps/nvidia-cap21"), "{why}");
+        let mig = json!({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=MIG-0c7e9c4b-aaaa"]}});
+        assert!(mig_use(&mig, &inv).unwrap().contains("MIG-0c7e9c4b-aaaa"));
+        assert!(!is_mig_node("/dev/nvidia-caps"));
+        assert!(!is_mig_node("/dev/nvidiactl"));
     }
 
     #[test]

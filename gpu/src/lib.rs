@@ -50,6 +50,12 @@ pub trait Inventory: Send + Sync {
     fn node(&self) -> Result<NodeInventory, GpuError>;
     /// The processes with a compute context on any GPU.
     fn compute_processes(&self) -> Result<Vec<ComputeProcess>, GpuError>;
+    /// The MPS clients on any GPU: processes whose CUDA work goes through the MPS server (NVML
+    /// lists the server among the compute processes, its clients here). None where the driver
+    /// cannot tell.
+    fn mps_processes(&self) -> Result<Vec<ComputeProcess>, GpuError> {
+        Ok(Vec::new())
+    }
 }
 
 /// The node's driver and GPUs.
@@ -85,6 +91,10 @@ pub struct GpuInfo {
     /// e.g. "00000000:3B:00.0".
     pub pci_bus_id: String,
     pub persistence_mode: Option<bool>,
+    /// Whether MIG mode is on (`nvmlDeviceGetMigMode`'s current mode); `None` on a GPU that has
+    /// no MIG. The CUDA driver cannot checkpoint a process on a MIG instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_enabled: Option<bool>,
 }
 
 /// A process with a compute context on a GPU.

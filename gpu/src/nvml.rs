@@ -14,15 +14,18 @@
 //!   `nvmlDeviceGetUUID`, `nvmlDeviceGetName`, `nvmlDeviceGetArchitecture`,
 //!   `nvmlDeviceGetCudaComputeCapability`, `nvmlDeviceGetMemoryInfo_v2` (an `nvmlMemory_v2_t`
 //!   whose `version` field nvml-wrapper sets to `sizeof | 2 << 24`), `nvmlDeviceGetPciInfo_v3`,
-//!   `nvmlDeviceGetPersistenceMode`.
+//!   `nvmlDeviceGetPersistenceMode`, `nvmlDeviceGetMigMode` (current and pending mode, each
+//!   `NVML_DEVICE_MIG_ENABLE` (1) or `NVML_DEVICE_MIG_DISABLE` (0)).
 //! - [`Inventory::compute_processes`]: `nvmlDeviceGetCount_v2`, and for each index
 //!   `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetUUID`, `nvmlDeviceGetComputeRunningProcesses_v3`
 //!   (called twice: first with a NULL buffer for the count, which must return
 //!   `NVML_ERROR_INSUFFICIENT_SIZE` (7) with the count set, or `NVML_SUCCESS` for none; then with
 //!   a buffer of count + 5 `nvmlProcessInfo_t` (v2 layout: `pid` u32, `usedGpuMemory` u64,
 //!   `gpuInstanceId` u32, `computeInstanceId` u32; 24 bytes)).
+//! - [`Inventory::mps_processes`]: the same with `nvmlDeviceGetMPSComputeRunningProcesses_v3`
+//!   (its first call with a NULL buffer, then a buffer of exactly the count).
 //!
-//! Architecture, compute capability and persistence mode are optional: `NVML_ERROR_NOT_SUPPORTED`,
+//! Architecture, compute capability, persistence mode, MIG mode and the MPS list are optional: `NVML_ERROR_NOT_SUPPORTED`,
 //! `NVML_ERROR_FUNCTION_NOT_FOUND` or a missing symbol give `None`.
 
 use std::ffi::OsStr;
@@ -32,6 +35,7 @@ use std::path::Path;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::struct_wrappers::device::ProcessInfo;
 use nvml_wrapper::{Device, Nvml};
 
 use crate::error::GpuError;
@@ -129,6 +133,7 @@ impl NvmlInventory {
             .bus_id;
         let minor_number = optional("nvmlDeviceGetMinorNumber", d.minor_number())?;
         let persistence_mode = optional("nvmlDeviceGetPersistenceMode", d.is_in_persistent_mode())?;
+        let mig_enabled = optional("nvmlDeviceGetMigMode", d.mig_mode().map(|m| m.current == 1))?;
         Ok(GpuInfo {
             index,
             uuid,
@@ -140,6 +145,7 @@ impl NvmlInventory {
             minor_number,
             pci_bus_id,
             persistence_mode,
+            mig_enabled,
         })
     }
 
@@ -187,6 +193,27 @@ impl Inventory for NvmlInventory {
 
     fn compute_processes(&self) -> Result<Vec<ComputeProcess>, GpuError> {
         let _span = tracing::debug_span!("nvml_compute_processes").entered();
+        self.processes("nvmlDeviceGetComputeRunningProcesses_v3", |d| {
+            d.running_compute_processes()
+        })
+    }
+
+    fn mps_processes(&self) -> Result<Vec<ComputeProcess>, GpuError> {
+        let _span = tracing::debug_span!("nvml_mps_processes").entered();
+        self.processes("nvmlDeviceGetMPSComputeRunningProcesses_v3", |d| {
+            d.mps_running_compute_processes()
+        })
+    }
+}
+
+impl NvmlInventory {
+    /// The processes `list` gives on every GPU (`call` names it for errors); a GPU whose driver
+    /// cannot list them is skipped with a warning.
+    fn processes(
+        &self,
+        call: &'static str,
+        list: impl Fn(&Device<'_>) -> Result<Vec<ProcessInfo>, NvmlError>,
+    ) -> Result<Vec<ComputeProcess>, GpuError> {
         let mut out = Vec::new();
         for i in 0..self.device_count()? {
             let d = self
@@ -194,12 +221,8 @@ impl Inventory for NvmlInventory {
                 .device_by_index(i)
                 .map_err(|e| nvml_error("nvmlDeviceGetHandleByIndex_v2", e))?;
             let gpu = device_uuid(&d)?;
-            let Some(procs) = optional(
-                "nvmlDeviceGetComputeRunningProcesses_v3",
-                d.running_compute_processes(),
-            )?
-            else {
-                tracing::warn!(%gpu, "the driver cannot list this GPU's compute processes");
+            let Some(procs) = optional(call, list(&d))? else {
+                tracing::warn!(%gpu, call, "the driver cannot list this GPU's processes");
                 continue;
             };
             out.extend(procs.into_iter().map(|p| ComputeProcess {

@@ -64,10 +64,16 @@ struct Workload {
 impl Workload {
     /// `gpu-fill --mib MIB [extra]` with the node's environment; waits until it has filled.
     fn fill(n: &SimNode, mib: u64, extra: &[&str]) -> Workload {
+        Self::fill_env(n, mib, extra, &[])
+    }
+
+    /// [`Workload::fill`] with `env` added to the node's environment.
+    fn fill_env(n: &SimNode, mib: u64, extra: &[&str], env: &[(&str, &str)]) -> Workload {
         let mut cmd = Command::new(gpu_fill_binary());
         cmd.args(["--mib", &mib.to_string()])
             .args(extra)
             .envs(n.env())
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -443,6 +449,51 @@ fn nvml_inventory_fields() {
         inv
     );
     assert!(nvml.compute_processes().unwrap().is_empty());
+}
+
+/// MIG mode per GPU, and MPS clients (a process whose libcuda found a live MPS control socket in
+/// `$CUDA_MPS_PIPE_DIRECTORY`) listed apart from the compute processes, as NVML lists them.
+#[test]
+fn nvml_mig_mode_and_mps_clients() {
+    let n = node(SimConfig {
+        gpus: 2,
+        mig_gpus: vec![1],
+        uuid_seed: "mig-mps".into(),
+        ..SimConfig::default()
+    });
+    let nvml = NvmlInventory::load_from(n.libnvml()).unwrap();
+    let mig: Vec<Option<bool>> = nvml
+        .node()
+        .unwrap()
+        .gpus
+        .iter()
+        .map(|g| g.mig_enabled)
+        .collect();
+    assert_eq!(mig, [Some(false), Some(true)]);
+    let pipe = tempfile::tempdir().unwrap();
+    let pipe_dir = pipe.path().to_str().unwrap();
+    // No MPS server yet: an ordinary compute process.
+    let plain = Workload::fill_env(
+        &n,
+        4,
+        &["--devices", "0"],
+        &[("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)],
+    );
+    let _server = std::os::unix::net::UnixListener::bind(pipe.path().join("control")).unwrap();
+    let client = Workload::fill_env(
+        &n,
+        4,
+        &["--devices", "0"],
+        &[("CUDA_MPS_PIPE_DIRECTORY", pipe_dir)],
+    );
+    let pids = |l: Vec<gpu::ComputeProcess>| -> Vec<u32> { l.iter().map(|p| p.pid).collect() };
+    assert_eq!(
+        pids(nvml.compute_processes().unwrap()),
+        [plain.pid() as u32]
+    );
+    let mps = nvml.mps_processes().unwrap();
+    assert_eq!(pids(mps.clone()), [client.pid() as u32]);
+    assert_eq!(mps[0].gpu, uuids(&n)[0]);
 }
 
 #[test]

@@ -20,6 +20,7 @@ fn gpu(i: u32, name: &str) -> GpuInfo {
         minor_number: Some(i),
         pci_bus_id: format!("00000000:{:02X}:00.0", 0x10 + i),
         persistence_mode: Some(true),
+        mig_enabled: None,
     }
 }
 

@@ -68,6 +68,26 @@ impl Holder {
     }
 }
 
+impl crate::unsupported::Process for Holder {
+    fn pid(&self) -> i32 {
+        self.pid
+    }
+    fn gpus(&self) -> Vec<GpuUuid> {
+        self.gpus.iter().map(|(u, _)| *u).collect()
+    }
+    fn describe(&self) -> String {
+        Holder::describe(self)
+    }
+    fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self {
+        Holder {
+            pid,
+            ns_pid: ns_pid(pid).unwrap_or(0),
+            comm: comm(pid),
+            gpus: gpus.into_iter().map(|u| (u, 0)).collect(),
+        }
+    }
+}
+
 /// The driver's checkpoint API and the node's inventory.
 pub struct DeviceLayer {
     cuda: Box<dyn DeviceCheckpoint>,
@@ -110,6 +130,11 @@ impl DeviceLayer {
         let layer = Arc::new(DeviceLayer::new(Box::new(cuda), Box::new(nvml)));
         layers.insert(dir, layer.clone());
         Ok(Some(layer))
+    }
+
+    /// The node's management library, for the checks of `unsupported.rs`.
+    pub fn nvml(&self) -> &dyn Inventory {
+        self.nvml.as_ref()
     }
 
     pub fn inventory(&self) -> Result<NodeInventory> {
@@ -300,6 +325,8 @@ pub struct ContainerDevices {
     lock_timeout: Option<String>,
     layer: Option<Option<Arc<DeviceLayer>>>,
     quiesced: Option<Quiesced>,
+    /// How the container was given GPUs, for the refusals of `unsupported.rs`.
+    given: crate::unsupported::Given,
 }
 
 /// Processes found holding device state at a Pause or checkpoint.
@@ -324,7 +351,13 @@ impl ContainerDevices {
             lock_timeout: lock_timeout.map(str::to_string),
             layer: None,
             quiesced: None,
+            given: Default::default(),
         }
+    }
+
+    /// The same, for a container given GPUs as `given` says.
+    pub fn given(self, given: crate::unsupported::Given) -> Self {
+        ContainerDevices { given, ..self }
     }
 
     /// The layer, loaded once (`cuInit` can take a while on a real driver, so off the
@@ -364,8 +397,10 @@ impl ContainerDevices {
         };
         let timeout = lock_timeout(self.lock_timeout.as_deref(), &self.options)?;
         let steps = self.options.device_steps();
+        let given = self.given.clone();
         let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
             let holders = layer.holders(&pids)?;
+            crate::unsupported::refuse(layer.nvml(), &given, &pids, &holders)?;
             if steps && !holders.is_empty() {
                 layer.quiesce(&holders, timeout)?;
             }
@@ -539,6 +574,9 @@ pub fn compare(
     };
     let inv = layer.inventory()?;
     let gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
+    if let Some(d) = crate::unsupported::onto_mig(&inv, &gpus) {
+        return Ok((vec![d], RestorePlan::default()));
+    }
     let ckpt = Profile {
         devices: recorded.clone(),
         workload: Default::default(),

@@ -10,7 +10,8 @@
 //!   restore), one file each, as steps with their undo; the modules below are the steps they
 //!   call, and never call back into a container; [`bundle`]: the bundle and its spec, read
 //!   once at Create, and the CRI annotation keys; [`device`]: the device steps (GPU processes,
-//!   lock, checkpoint, restore, unlock, GPU pairs); [`checkpoint`]: CRIU options;
+//!   lock, checkpoint, restore, unlock, GPU pairs); [`unsupported`]: what the driver cannot
+//!   checkpoint (MIG, NCCL, MPS), refused before the lock; [`checkpoint`]: CRIU options;
 //!   [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
@@ -57,5 +58,6 @@ pub mod stdio;
 pub mod sub_mounts;
 pub mod task;
 pub mod trust;
+pub mod unsupported;
 pub mod verify_gate;
 pub mod watchdog;

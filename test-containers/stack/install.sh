@@ -52,6 +52,12 @@ PY_PINS=(cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 nvidia-ml-py==13.615.71)
 # Go SDK as a Python library (no helm binary), and the Kubernetes API's JSON schemas per version,
 # shipped inside the package (1.28 to 1.37 in 1.37.0), so validation needs no network.
 PY_PINS+=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0)
+# NVIDIA's real NCCL (tests/integration/gpu_unsupported.rs: a GPU process that maps it is refused):
+# the wheel (206.6 MB) has sha256 76e7aad00482092baf01e13e66f441d54c96b5cf1e3f143dee27db7f731d41ba,
+# and its library the sha256 below, checked after the install.
+PY_PINS+=(nvidia-nccl-cu13==2.32.6)
+NCCL_LIB="nvidia/nccl/lib/libnccl.so.2"
+NCCL_LIB_SHA256="f567b7aa83bc1ccb123fd873a3a6d838410240763e12e1577c7b77adeea9ac8d"
 PY_IMPORTS="cuda.bindings.driver, pynvml, helm_python, kubernetes_validate"
 
 COMPONENT="setup"
@@ -594,6 +600,8 @@ install_pyvenv() {
   got=$("$py" -c "import importlib.metadata as m, sys, $PY_IMPORTS; print(' '.join(f'{p}=={m.version(p)}' for p in (a.split('==')[0] for a in sys.argv[1:])))" "${PY_PINS[@]}" 2>&1) ||
     die "the venv's python cannot import $PY_IMPORTS: $got"
   [ "$got" = "$want" ] || die "the venv holds $got, expected $want"
+  got=$("$py" -c "import importlib.metadata as m; print(m.distribution('nvidia-nccl-cu13').locate_file('$NCCL_LIB'))")
+  [ "$(sha256sum <"$got" | cut -d' ' -f1)" = "$NCCL_LIB_SHA256" ] || die "$got is not the pinned NCCL (sha256 $NCCL_LIB_SHA256)"
   stamp_set pyvenv "$want"
   log "python venv ($want) -> $STACK/py"
 }

@@ -54,6 +54,7 @@ pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
             })
         })
         .collect();
+    devices.extend(mig_devices(&dev, node_desc));
     devices.push(json!({
         "name": "all",
         "containerEdits": {
@@ -78,4 +79,39 @@ pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
             ],
         },
     })
+}
+
+/// Where a MIG instance's capability nodes are, under `dev/` in the node directory and in a
+/// container.
+pub const MIG_CAPS_DIR: &str = "nvidia-caps";
+
+/// The capability minors of GPU `index`'s GPU instance 0 and of its compute instance 0, as the
+/// driver numbers them in `/proc/driver/nvidia-caps/mig-minors` (`config` 1, `monitor` 2, then
+/// per GPU 15 GPU instances of 9 minors each: the instance's `access`, then one per compute
+/// instance).
+pub fn mig_cap_minors(index: u32) -> [u32; 2] {
+    let gi = 3 + 135 * index;
+    [gi, gi + 1]
+}
+
+/// One MIG device per GPU in MIG mode, as nvidia-container-toolkit's spec presents a MIG
+/// instance (named `<gpu index>:<mig index>`): the parent GPU's node and the instance's two
+/// capability nodes. The simulator has one instance per MIG-mode GPU.
+pub fn mig_devices(dev: &Path, node_desc: &NodeDesc) -> Vec<Value> {
+    node_desc
+        .gpus
+        .iter()
+        .filter(|g| g.mig)
+        .map(|g| {
+            let mut nodes = vec![node(dev, &format!("nvidia{}", g.index))];
+            nodes.extend(
+                mig_cap_minors(g.index)
+                    .map(|m| node(dev, &format!("{MIG_CAPS_DIR}/nvidia-cap{m}"))),
+            );
+            json!({
+                "name": format!("{}:0", g.index),
+                "containerEdits": { "deviceNodes": nodes },
+            })
+        })
+        .collect()
 }

@@ -86,6 +86,8 @@ struct Conn {
     allocs: BTreeMap<u64, Arc<Alloc>>,
     next_va: u64,
     contexts: BTreeSet<usize>,
+    /// Its contexts go through an MPS server.
+    mps: bool,
 }
 
 #[derive(Default)]
@@ -257,6 +259,7 @@ impl Daemon {
                 allocs: BTreeMap::new(),
                 next_va: VA_BASE,
                 contexts: BTreeSet::new(),
+                mps: false,
             },
         );
         while let Ok(req) = proto::recv::<Request, _>(&mut s) {
@@ -317,10 +320,11 @@ impl Daemon {
                 Reply::Ok
             }
             Request::Node => Reply::Node(self.node.clone()),
-            Request::Context { gpu } => match self.gpu_index(&gpu) {
+            Request::Context { gpu, mps } => match self.gpu_index(&gpu) {
                 Some(i) => {
                     if let Some(c) = lock(&self.reg).conns.get_mut(&id) {
                         c.contexts.insert(i);
+                        c.mps |= mps;
                     }
                     Reply::Ok
                 }
@@ -556,6 +560,7 @@ impl Daemon {
                     pid: c.pid as u32,
                     gpu: self.node.gpus[g].uuid,
                     used_bytes: used,
+                    mps: c.mps,
                 });
             }
         }
@@ -1318,6 +1323,7 @@ pub fn prepare_dir(
     for name in names.chain(crate::proto::COMMON_NODES.iter().map(|n| n.to_string())) {
         make_node(&dev.join(name))?;
     }
+    make_mig_nodes(&dev, node)?;
     if let Some(cdi) = cdi_dir {
         std::fs::create_dir_all(cdi)?;
         let spec = crate::cdi::spec(dir, node);
@@ -1328,6 +1334,18 @@ pub fn prepare_dir(
             serde_json::to_vec_pretty(&spec).map_err(io::Error::other)?,
         )?;
         std::fs::rename(tmp, path)?;
+    }
+    Ok(())
+}
+
+/// The capability nodes of the MIG-mode GPUs' instances (`nvidia-caps/nvidia-cap<minor>`).
+fn make_mig_nodes(dev: &Path, node: &NodeDesc) -> io::Result<()> {
+    for g in node.gpus.iter().filter(|g| g.mig) {
+        let caps = dev.join(crate::cdi::MIG_CAPS_DIR);
+        std::fs::create_dir_all(&caps)?;
+        for m in crate::cdi::mig_cap_minors(g.index) {
+            make_node(&caps.join(format!("nvidia-cap{m}")))?;
+        }
     }
     Ok(())
 }

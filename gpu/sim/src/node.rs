@@ -15,6 +15,9 @@ pub struct GpuDesc {
     /// NVML architecture number (nvmlDeviceArchitecture_t).
     pub arch: u32,
     pub persistence: bool,
+    /// MIG mode on (`nvmlDeviceGetMigMode`).
+    #[serde(default)]
+    pub mig: bool,
 }
 
 /// The node: its GPUs and the versions its driver reports.
@@ -44,6 +47,9 @@ pub struct NodeConfig {
     pub cuda_version: i32,
     #[arg(long, default_value = "gpu-ckpt-sim")]
     pub uuid_seed: String,
+    /// Indices of the GPUs in MIG mode (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub mig_gpus: Vec<u32>,
 }
 
 impl Default for NodeConfig {
@@ -55,6 +61,7 @@ impl Default for NodeConfig {
             driver_version: "580.95.05".to_string(),
             cuda_version: 13000,
             uuid_seed: "gpu-ckpt-sim".to_string(),
+            mig_gpus: Vec::new(),
         }
     }
 }
@@ -143,6 +150,7 @@ impl NodeConfig {
                 cc,
                 arch,
                 persistence: true,
+                mig: self.mig_gpus.contains(&i),
             })
             .collect();
         NodeDesc {

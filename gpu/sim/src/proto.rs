@@ -119,9 +119,12 @@ pub enum Request {
         role: Role,
     },
     Node,
-    /// The process holds a context on this GPU (NVML lists it from then on).
+    /// The process holds a context on this GPU (NVML lists it from then on: among the MPS
+    /// clients when `mps`, the process's work going through an MPS server).
     Context {
         gpu: [u8; 16],
+        #[serde(default)]
+        mps: bool,
     },
     Alloc {
         gpu: [u8; 16],
@@ -204,6 +207,9 @@ pub struct ProcUse {
     pub pid: u32,
     pub gpu: [u8; 16],
     pub used_bytes: u64,
+    /// An MPS client (NVML lists it with `nvmlDeviceGetMPSComputeRunningProcesses`).
+    #[serde(default)]
+    pub mps: bool,
 }
 
 /// One GPU's share of a custom-storage operation: a contiguous device range mapped into the

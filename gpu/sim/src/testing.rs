@@ -22,6 +22,8 @@ pub struct SimConfig {
     pub uuid_seed: String,
     /// Write a CDI spec into DIR/cdi.
     pub cdi: bool,
+    /// Indices of the GPUs in MIG mode.
+    pub mig_gpus: Vec<u32>,
 }
 
 impl Default for SimConfig {
@@ -35,6 +37,7 @@ impl Default for SimConfig {
             cuda_version: d.cuda_version,
             uuid_seed: d.uuid_seed,
             cdi: false,
+            mig_gpus: d.mig_gpus,
         }
     }
 }
@@ -85,6 +88,10 @@ impl SimNode {
             .stdout(Stdio::null());
         if cfg.cdi {
             cmd.arg("--cdi-dir").arg(dir.path().join("cdi"));
+        }
+        if !cfg.mig_gpus.is_empty() {
+            let mig: Vec<String> = cfg.mig_gpus.iter().map(u32::to_string).collect();
+            cmd.args(["--mig-gpus", &mig.join(",")]);
         }
         let mut child = cmd.spawn().context("starting gpu-ckpt-simgpu")?;
         let socket = dir.path().join(SOCKET_NAME);

@@ -224,6 +224,7 @@ mod tests {
                     minor_number: None,
                     pci_bus_id: String::new(),
                     persistence_mode: None,
+                    mig_enabled: None,
                 })
                 .collect(),
         }

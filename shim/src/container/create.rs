@@ -95,7 +95,8 @@ impl Container {
         }
         let annotations = Annotations::from_spec(bundle.annotations())?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
-        let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT));
+        let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT))
+            .given(crate::unsupported::Given::from_spec(bundle.json()));
         Ok(Container {
             id: req.id.clone(),
             bundle,

@@ -22,6 +22,7 @@ mod gpu_hooks;
 mod gpu_process;
 mod gpu_python;
 mod gpu_shim;
+mod gpu_unsupported;
 mod k8s_manifests;
 mod key_rotation;
 mod log_uri;

@@ -44,6 +44,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether an MPS control daemon serves this process, as the driver finds one: a live `control`
+/// socket in `$CUDA_MPS_PIPE_DIRECTORY` (default `/tmp/nvidia-mps`). Its contexts then go through
+/// the MPS server, and NVML lists the process as an MPS client.
+fn mps_server() -> bool {
+    let dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp/nvidia-mps"));
+    std::os::unix::net::UnixStream::connect(dir.join("control")).is_ok()
+}
+
 fn map_err(e: CallError) -> CUresult {
     e.code()
 }
@@ -268,7 +278,8 @@ impl Driver {
     /// A context on device `dev`: the daemon told, the GPU's node (and the common ones) held.
     fn announce_context(&self, dev: usize) -> R {
         let gpu = self.device(dev as CUdevice)?;
-        self.with_conn(|c| c.ok(&Request::Context { gpu: gpu.uuid }))?;
+        let mps = mps_server();
+        self.with_conn(|c| c.ok(&Request::Context { gpu: gpu.uuid, mps }))?;
         let dir = lock(&self.dev).clone();
         self.hold(open_nodes(&dir, [gpu.index])?);
         Ok(())
@@ -508,8 +519,10 @@ impl Driver {
         drop(node);
         // The GPUs are acquired again: their device nodes here, which a container must have.
         let opened = open_nodes(&dev, devs.iter().map(|g| g.index))?;
+        let mps = mps_server();
         for gpu in &devs {
-            c.ok(&Request::Context { gpu: gpu.uuid }).map_err(map_err)?;
+            c.ok(&Request::Context { gpu: gpu.uuid, mps })
+                .map_err(map_err)?;
         }
         self.hold(opened);
         *lock(&self.dev) = dev;

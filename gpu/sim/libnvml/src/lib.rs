@@ -164,9 +164,13 @@ pub struct ProcessInfoV1 {
     used_gpu_memory: u64,
 }
 
-fn procs_on(g: &GpuDesc) -> R<Vec<ProcUse>> {
+/// The processes with a context on `g`: MPS clients (`mps`), or the others.
+fn procs_on(g: &GpuDesc, mps: bool) -> R<Vec<ProcUse>> {
     match daemon_call(&Request::Processes)? {
-        Reply::Processes(p) => Ok(p.into_iter().filter(|p| p.gpu == g.uuid).collect()),
+        Reply::Processes(p) => Ok(p
+            .into_iter()
+            .filter(|p| p.gpu == g.uuid && p.mps == mps)
+            .collect()),
         _ => Err(nvml::ERROR_UNKNOWN),
     }
 }
@@ -174,6 +178,7 @@ fn procs_on(g: &GpuDesc) -> R<Vec<ProcUse>> {
 /// NVML's two-call convention: with too small a buffer, the count and INSUFFICIENT_SIZE.
 fn fill_procs<T>(
     dev: Device,
+    mps: bool,
     count: *mut c_uint,
     infos: *mut T,
     make: impl Fn(&ProcUse) -> T,
@@ -181,7 +186,7 @@ fn fill_procs<T>(
     if count.is_null() {
         return Err(nvml::ERROR_INVALID_ARGUMENT);
     }
-    let procs = procs_on(&gpu(dev)?)?;
+    let procs = procs_on(&gpu(dev)?, mps)?;
     // SAFETY: count is a valid pointer (checked above).
     let room = unsafe { *count } as usize;
     out(count, procs.len() as c_uint)?;
@@ -348,18 +353,25 @@ entry! {
         out(arch, gpu(dev)?.arch)
     }
     fn nvmlDeviceGetMigMode(dev: Device, current: *mut c_uint, pending: *mut c_uint) {
-        gpu(dev)?;
-        out(current, 0)?;
-        out(pending, 0)
+        // NVML_DEVICE_MIG_ENABLE (1) or NVML_DEVICE_MIG_DISABLE (0); no change is pending.
+        let mode = c_uint::from(gpu(dev)?.mig);
+        out(current, mode)?;
+        out(pending, mode)
+    }
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v3(dev: Device, count: *mut c_uint, infos: *mut ProcessInfo) {
+        fill_procs(dev, true, count, infos, proc_info)
+    }
+    fn nvmlDeviceGetMPSComputeRunningProcesses_v2(dev: Device, count: *mut c_uint, infos: *mut ProcessInfo) {
+        fill_procs(dev, true, count, infos, proc_info)
     }
     fn nvmlDeviceGetComputeRunningProcesses_v3(dev: Device, count: *mut c_uint, infos: *mut ProcessInfo) {
-        fill_procs(dev, count, infos, proc_info)
+        fill_procs(dev, false, count, infos, proc_info)
     }
     fn nvmlDeviceGetComputeRunningProcesses_v2(dev: Device, count: *mut c_uint, infos: *mut ProcessInfo) {
-        fill_procs(dev, count, infos, proc_info)
+        fill_procs(dev, false, count, infos, proc_info)
     }
     fn nvmlDeviceGetComputeRunningProcesses(dev: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) {
-        fill_procs(dev, count, infos, |p| ProcessInfoV1 { pid: p.pid, used_gpu_memory: p.used_bytes })
+        fill_procs(dev, false, count, infos, |p| ProcessInfoV1 { pid: p.pid, used_gpu_memory: p.used_bytes })
     }
 }
 

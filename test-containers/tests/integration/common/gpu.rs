@@ -160,6 +160,19 @@ pub fn run_gpu(
     log: &Path,
     cmd: &[&str],
 ) -> Result<i32> {
+    run_gpu_with(node, runtime, device, &[], id, log, cmd)
+}
+
+/// [`run_gpu`] with `extra` ctr flags (`--env`, `--mount`).
+pub fn run_gpu_with(
+    node: &Node,
+    runtime: Runtime,
+    device: &str,
+    extra: &[&str],
+    id: &str,
+    log: &Path,
+    cmd: &[&str],
+) -> Result<i32> {
     let _ = std::fs::remove_file(log);
     let log_uri = format!("file://{}", log.display());
     let (flags, runtime_name) = match runtime {
@@ -171,6 +184,7 @@ pub fn run_gpu(
         }
     };
     let mut args: Vec<&str> = vec!["run", "-d", "--log-uri", &log_uri, "--device", device];
+    args.extend_from_slice(extra);
     args.extend(flags.iter().map(String::as_str));
     args.extend([GPU_WORKLOADS_IMAGE, id]);
     args.extend_from_slice(cmd);

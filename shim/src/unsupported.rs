@@ -1,0 +1,333 @@
+//! What the CUDA driver's checkpoint API cannot do, refused before any device lock, so that the
+//! container runs on untouched:
+//!
+//! - MIG: a container given a MIG instance (its device nodes `/dev/nvidia-caps/nvidia-cap*`, a
+//!   `MIG-…` in `NVIDIA_VISIBLE_DEVICES`), given a GPU that NVML reports in MIG mode however it
+//!   was given it, or with a process that holds such a GPU or a MIG device node;
+//! - NCCL: a process holding device state that maps `libnccl.so*` (the driver's lock can hang on
+//!   its communicators' proxy threads and peer mappings);
+//! - MPS: a process of the container that NVML lists as an MPS client (its device state lives in
+//!   the MPS server, which is not the container's).
+//!
+//! Called once per checkpoint or Pause, between finding the holders and locking them
+//! (`device.rs`, `ContainerDevices::quiesce`). At a restore, a MIG-mode GPU among the
+//! container's is a difference of the compatibility check, before CRIU ([`onto_mig`]).
+
+use std::sync::Arc;
+
+use gpu::{ComputeProcess, GpuUuid, Inventory, NodeInventory};
+use serde_json::{json, Value};
+use tracing::info_span;
+
+use crate::error::{Error, Result};
+
+/// A process of the container as the device steps know it (`device::Holder`).
+pub trait Process: Sized {
+    fn pid(&self) -> i32;
+    /// The GPUs it has a context on.
+    fn gpus(&self) -> Vec<GpuUuid>;
+    /// `pid 1234 (gpu-train, pid 1 in the container) holding GPU-…`, for messages.
+    fn describe(&self) -> String;
+    /// Process `pid` of the container on `gpus`, that holds no state the driver checkpoints.
+    fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self;
+}
+
+/// What of a container's spec says how it was given GPUs: its device nodes and its process's
+/// environment (empty for a container whose spec was not read).
+#[derive(Clone, Debug, Default)]
+pub struct Given(Arc<Value>);
+
+impl Given {
+    /// The device nodes and environment of `spec` (a parsed `config.json`, after CDI).
+    pub fn from_spec(spec: &Value) -> Given {
+        Given(Arc::new(json!({
+            "linux": {"devices": spec["linux"]["devices"].clone()},
+            "process": {"env": spec["process"]["env"].clone()},
+        })))
+    }
+}
+
+/// Refuses, naming what and why, a checkpoint of the container given `given`, whose processes
+/// are `pids` (host pids) and whose device-state holders are `holders`, when the driver cannot
+/// checkpoint it. Nothing is locked yet: on refusal the container runs on as it was.
+pub fn refuse<P: Process>(
+    nvml: &dyn Inventory,
+    given: &Given,
+    pids: &[i32],
+    holders: &[P],
+) -> Result<()> {
+    let _span = info_span!("device_unsupported", processes = pids.len()).entered();
+    let inv = nvml
+        .node()
+        .map_err(|e| refusal(format!("reading the node's GPUs: {e}")))?;
+    if let Some(why) = mig(&inv, given, pids, holders) {
+        return Err(refusal(format!(
+            "{why}: the CUDA driver cannot checkpoint MIG instances; the container runs on untouched"
+        )));
+    }
+    for h in holders {
+        if let Some(lib) = maps_nccl(h.pid()) {
+            return Err(refusal(format!(
+                "{} maps NCCL ({lib}): gpu-ckpt does not checkpoint processes that use NCCL (the driver's lock can hang on their communicators); the container runs on untouched",
+                h.describe()
+            )));
+        }
+    }
+    let mps = nvml
+        .mps_processes()
+        .map_err(|e| refusal(format!("listing the node's MPS clients: {e}")))?;
+    if let Some(c) = mps_client(&mps, pids) {
+        return Err(refusal(format!(
+            "{} is an MPS client: the CUDA driver cannot checkpoint a process whose GPU work runs in the MPS server; the container runs on untouched",
+            P::other(c.pid as i32, vec![c.gpu]).describe()
+        )));
+    }
+    Ok(())
+}
+
+fn refusal(message: String) -> Error {
+    Error::Step {
+        operation: "checkpoint",
+        step: "unsupported",
+        message,
+    }
+}
+
+/// Why the container uses MIG, if it does (see the module's documentation).
+fn mig<P: Process>(
+    inv: &NodeInventory,
+    given: &Given,
+    pids: &[i32],
+    holders: &[P],
+) -> Option<String> {
+    if let Some(why) = gpu::assign::mig_use(&given.0, inv) {
+        return Some(why);
+    }
+    let in_mig = |u: &GpuUuid| {
+        inv.gpus
+            .iter()
+            .any(|g| g.uuid == *u && g.mig_enabled == Some(true))
+    };
+    for h in holders {
+        if let Some(u) = h.gpus().into_iter().find(in_mig) {
+            return Some(format!(
+                "{} is on GPU {u}, which is in MIG mode",
+                h.describe()
+            ));
+        }
+    }
+    pids.iter().find_map(|&pid| {
+        let node = mig_node_held(pid)?;
+        Some(format!(
+            "{} holds MIG device node {node}",
+            P::other(pid, Vec::new()).describe()
+        ))
+    })
+}
+
+/// At a restore: the difference a MIG-mode GPU among `gpus` (this container's, on this node)
+/// makes, for the compatibility check before CRIU runs.
+pub fn onto_mig(inv: &NodeInventory, gpus: &[GpuUuid]) -> Option<String> {
+    let g = inv
+        .gpus
+        .iter()
+        .find(|g| g.mig_enabled == Some(true) && gpus.contains(&g.uuid))?;
+    Some(format!(
+        "mig: checkpoint on GPUs without MIG, node GPU {} (index {}) in MIG mode (the CUDA driver cannot restore onto a MIG instance)",
+        g.uuid, g.index
+    ))
+}
+
+/// A MIG device node among process `pid`'s open files.
+fn mig_node_held(pid: i32) -> Option<String> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .ok()?
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter_map(|l| l.to_str().map(str::to_string))
+        .find(|l| gpu::assign::is_mig_node(l))
+}
+
+/// The NCCL library process `pid` maps, if it maps one.
+fn maps_nccl(pid: i32) -> Option<String> {
+    nccl_in_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?)
+}
+
+/// The first `libnccl.so*` file a `/proc/PID/maps` text names.
+fn nccl_in_maps(maps: &str) -> Option<String> {
+    maps.lines()
+        .filter_map(|l| l.splitn(6, char::is_whitespace).nth(5))
+        .map(str::trim)
+        .find(|path| {
+            path.starts_with('/')
+                && path
+                    .rsplit('/')
+                    .next()
+                    .is_some_and(|f| f.starts_with("libnccl.so"))
+        })
+        .map(str::to_string)
+}
+
+/// The first MPS client among `pids`.
+fn mps_client<'a>(mps: &'a [ComputeProcess], pids: &[i32]) -> Option<&'a ComputeProcess> {
+    mps.iter().find(|c| pids.contains(&(c.pid as i32)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu::{GpuError, GpuInfo};
+
+    struct Node {
+        mig: bool,
+        mps: Vec<ComputeProcess>,
+    }
+
+    fn node(mig: bool, mps: Vec<ComputeProcess>) -> Node {
+        Node { mig, mps }
+    }
+
+    /// A process as the tests know it.
+    struct Proc(i32, Vec<GpuUuid>);
+
+    impl Process for Proc {
+        fn pid(&self) -> i32 {
+            self.0
+        }
+        fn gpus(&self) -> Vec<GpuUuid> {
+            self.1.clone()
+        }
+        fn describe(&self) -> String {
+            format!("pid {} on {:?}", self.0, self.1)
+        }
+        fn other(pid: i32, gpus: Vec<GpuUuid>) -> Self {
+            Proc(pid, gpus)
+        }
+    }
+
+    impl Inventory for Node {
+        fn node(&self) -> std::result::Result<NodeInventory, GpuError> {
+            Ok(NodeInventory {
+                driver_version: "580.95.05".into(),
+                cuda_driver_version: 13000,
+                gpus: vec![GpuInfo {
+                    index: 0,
+                    uuid: GpuUuid([1; 16]),
+                    name: "NVIDIA A100-SXM4-80GB".into(),
+                    architecture: None,
+                    compute_capability: None,
+                    memory_total_bytes: 1 << 30,
+                    memory_free_bytes: None,
+                    minor_number: Some(0),
+                    pci_bus_id: String::new(),
+                    persistence_mode: None,
+                    mig_enabled: Some(self.mig),
+                }],
+            })
+        }
+        fn compute_processes(&self) -> std::result::Result<Vec<ComputeProcess>, GpuError> {
+            Ok(Vec::new())
+        }
+        fn mps_processes(&self) -> std::result::Result<Vec<ComputeProcess>, GpuError> {
+            Ok(self.mps.clone())
+        }
+    }
+
+    fn me() -> i32 {
+        std::process::id() as i32
+    }
+
+    fn holder() -> Proc {
+        Proc(me(), vec![GpuUuid([1; 16])])
+    }
+
+    const NONE: &[Proc] = &[];
+
+    #[test]
+    fn a_plain_gpu_process_passes() {
+        let node = node(false, Vec::new());
+        let given = Given::from_spec(&json!({"linux": {"devices": [{"path": "/dev/nvidia0"}]}}));
+        refuse(&node, &given, &[me()], &[holder()]).unwrap();
+    }
+
+    #[test]
+    fn a_mig_mode_gpu_is_refused_however_reached() {
+        let node = node(true, Vec::new());
+        // Given through its device node, holding nothing.
+        let given = Given::from_spec(&json!({"linux": {"devices": [{"path": "/dev/nvidia0"}]}}));
+        let err = refuse(&node, &given, &[me()], NONE)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("checkpoint failed at step unsupported: ")
+                && err.contains("MIG mode")
+                && err.contains(&GpuUuid([1; 16]).to_string())
+                && err.contains("runs on untouched"),
+            "{err}"
+        );
+        // Held by a process of a container whose spec shows no GPU (privileged).
+        let err = refuse(&node, &Given::default(), &[me()], &[holder()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("pid {}", me())) && err.contains("MIG mode"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_restore_onto_a_mig_mode_gpu_is_a_difference() {
+        let node = |mig| node(mig, Vec::new()).node().unwrap();
+        let gpu = GpuUuid([1; 16]);
+        assert_eq!(onto_mig(&node(false), &[gpu]), None);
+        assert_eq!(onto_mig(&node(true), &[]), None);
+        let d = onto_mig(&node(true), &[gpu]).unwrap();
+        assert!(
+            d.starts_with("mig: ") && d.contains(&gpu.to_string()),
+            "{d}"
+        );
+    }
+
+    #[test]
+    fn an_mps_client_is_refused_naming_its_pid() {
+        let client = ComputeProcess {
+            gpu: GpuUuid([1; 16]),
+            pid: me() as u32,
+            used_bytes: None,
+        };
+        let node = node(false, vec![client]);
+        let err = refuse(&node, &Given::default(), &[me()], NONE)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("pid {}", me())) && err.contains("MPS client"),
+            "{err}"
+        );
+        // Another container's client is not this container's business.
+        refuse(&node, &Given::default(), &[me() + 1], NONE).unwrap();
+    }
+
+    #[test]
+    fn nccl_is_found_in_maps() {
+        let maps = "\
+7f0000000000-7f0000001000 r--p 00000000 08:01 1234                       /usr/lib/x86_64-linux-gnu/libc.so.6
+7f0000001000-7f0000002000 r-xp 00001000 08:01 99                         /opt/venv/lib/nvidia/nccl/lib/libnccl.so.2
+7f0000003000-7f0000004000 rw-p 00000000 00:00 0                          [heap]
+";
+        assert_eq!(
+            nccl_in_maps(maps).as_deref(),
+            Some("/opt/venv/lib/nvidia/nccl/lib/libnccl.so.2")
+        );
+        assert_eq!(
+            nccl_in_maps("7f-8f r--p 0 08:01 5 /usr/lib/libnccl-net.so\n"),
+            None
+        );
+        assert_eq!(
+            nccl_in_maps("7f-8f r--p 0 08:01 5 /tmp/my dir/libnccl.so.2.27.3 (deleted)\n")
+                .as_deref(),
+            Some("/tmp/my dir/libnccl.so.2.27.3 (deleted)")
+        );
+        // This test process maps no NCCL.
+        assert_eq!(maps_nccl(me()), None);
+    }
+}
