@@ -353,9 +353,10 @@ impl ContainerDevices {
     }
 
     /// Lock, then checkpoint, every process among `pids` that holds device state (nothing when
-    /// none does, or on a node without a driver). Undone on failure; see
+    /// none does, or on a node without a driver), once `room` has made sure the host memory
+    /// the driver stages fits (`memory_room.rs`). Undone on failure; see
     /// [`DeviceLayer::quiesce`].
-    pub async fn quiesce(&mut self, pids: Vec<i32>) -> Result<()> {
+    pub async fn quiesce(&mut self, pids: Vec<i32>, room: crate::memory_room::Room) -> Result<()> {
         if self.quiesced.is_some() {
             return Ok(());
         }
@@ -367,6 +368,7 @@ impl ContainerDevices {
         let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
             let holders = layer.holders(&pids)?;
             if steps && !holders.is_empty() {
+                room.make(&holders)?;
                 layer.quiesce(&holders, timeout)?;
             }
             Ok(holders)

@@ -96,6 +96,7 @@ impl Container {
         let annotations = Annotations::from_spec(bundle.annotations())?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT));
+        let memory = crate::memory_room::HostMemory::new(&req.id, &options);
         Ok(Container {
             id: req.id.clone(),
             bundle,
@@ -112,6 +113,7 @@ impl Container {
             own_criu_conf: false,
             upperdir: None,
             devices,
+            memory,
         })
     }
 
