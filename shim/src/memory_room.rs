@@ -26,7 +26,10 @@ use cgroups_rs::fs::{memory::MemController, parse_max_value, MaxValue};
 use procfs::Current;
 use tracing::{info, info_span, warn};
 
+use image_format::manifest::{self, Manifest};
+
 use crate::{
+    bundle::Bundle,
     device::Holder,
     error::{Error, Result},
     options::RuntimeOptions,
@@ -266,6 +269,15 @@ impl Cgroup {
     }
 }
 
+/// The spec's memory limit, raised in `config.json` for a restore, to put back after it.
+pub struct SpecLimit {
+    /// The spec as it was.
+    json: serde_json::Value,
+    limit: u64,
+    /// `linux.resources.memory.swap` (v1's memory+swap limit), where set.
+    swap: Option<u64>,
+}
+
 /// A limit raised for a checkpoint or restore, and what to put back.
 struct Raised {
     cgroup: Cgroup,
@@ -343,34 +355,7 @@ impl HostMemory {
         levels: &[Level],
         available: Option<u64>,
     ) -> Result<()> {
-        let short = match verdict(needed, levels, available) {
-            Verdict::Fits => return Ok(()),
-            Verdict::Node { available } => {
-                return Err(self.refusal(
-                    operation,
-                    format!(
-                        "{what}, and the node has {} available (MemAvailable); the container runs on untouched",
-                        bytes(available)
-                    ),
-                ))
-            }
-            Verdict::Short(short) => short,
-        };
-        if !self.raise {
-            let (i, _) = short[0];
-            let l = &levels[i];
-            let whose = if i == 0 { "its" } else { "the parent" };
-            return Err(self.refusal(
-                operation,
-                format!(
-                    "{what}, more than the {} free under {whose} memory cgroup {}: limit {}, use {}; the container runs on untouched (the handler option RaiseMemoryLimit raises the limit for the checkpoint instead)",
-                    bytes(l.room().unwrap_or(0)),
-                    l.dir.display(),
-                    bytes(l.limit.unwrap_or(0)),
-                    bytes(l.usage),
-                ),
-            ));
-        }
+        let short = self.judge(operation, needed, what, levels, available)?;
         let mut chain: Vec<Option<Cgroup>> = chain.into_iter().map(Some).collect();
         let mut raised = self.lock();
         // Outermost first, so that no level's room is capped by one not yet raised.
@@ -394,6 +379,150 @@ impl HostMemory {
             });
         }
         Ok(())
+    }
+
+    /// The levels that are short of `needed` (index, the limit that makes room; empty: it
+    /// fits), or the refusal where the handler does not raise limits or the node is short.
+    fn judge(
+        &self,
+        operation: &'static str,
+        needed: u64,
+        what: &str,
+        levels: &[Level],
+        available: Option<u64>,
+    ) -> Result<Vec<(usize, u64)>> {
+        let untouched = if operation == "checkpoint" {
+            "the container runs on untouched"
+        } else {
+            "nothing was restored"
+        };
+        let short = match verdict(needed, levels, available) {
+            Verdict::Fits => return Ok(Vec::new()),
+            Verdict::Node { available } => {
+                return Err(self.refusal(
+                    operation,
+                    format!(
+                        "{what}, and the node has {} available (MemAvailable); {untouched}",
+                        bytes(available)
+                    ),
+                ))
+            }
+            Verdict::Short(short) => short,
+        };
+        if self.raise {
+            return Ok(short);
+        }
+        let (i, _) = short[0];
+        let l = &levels[i];
+        let whose = if i == 0 { "its" } else { "the parent" };
+        Err(self.refusal(
+            operation,
+            format!(
+                "{what}, more than the {} free under {whose} memory cgroup {}: limit {}, use {}; {untouched} (the handler option RaiseMemoryLimit raises the limit for the {operation} instead)",
+                bytes(l.room().unwrap_or(0)),
+                l.dir.display(),
+                bytes(l.limit.unwrap_or(0)),
+                bytes(l.usage),
+            ),
+        ))
+    }
+
+    /// Before CRIU restores `manifest`'s GPU processes into this container: CRIU brings back
+    /// every page the checkpoint holds (the staged copy of the device memory among them)
+    /// before the driver reads the copy onto the GPU, so the page images and a context per
+    /// process are held to the spec's memory limit (the new cgroup is empty) and the node.
+    /// Refused, or with `RaiseMemoryLimit` the limit raised in `config.json` for runc restore;
+    /// what to put back after the device restore ([`HostMemory::after_restore`]).
+    pub fn before_restore(
+        &self,
+        bundle: &mut Bundle,
+        manifest: &Manifest,
+    ) -> Result<Option<SpecLimit>> {
+        let processes = manifest.devices.processes.len();
+        if processes == 0 {
+            return Ok(None);
+        }
+        let _span = info_span!("host_memory", id = %self.id).entered();
+        let device = manifest.devices.device_bytes();
+        let pages: u64 = manifest
+            .files
+            .iter()
+            .filter(|(n, _)| manifest::is_page_image(n))
+            .map(|(_, f)| f.size)
+            .sum();
+        let needed = pages
+            .max(device)
+            .saturating_add(CONTEXT_BYTES.saturating_mul(processes as u64));
+        let json = bundle.json().clone();
+        let memory = &json["linux"]["resources"]["memory"];
+        let limit = memory["limit"]
+            .as_i64()
+            .filter(|l| *l > 0)
+            .map(|l| l as u64);
+        let swap = memory["swap"].as_i64().filter(|s| *s > 0).map(|s| s as u64);
+        let cgroup = json["linux"]["cgroupsPath"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let levels = [Level {
+            dir: PathBuf::from(&cgroup),
+            limit,
+            usage: 0,
+        }];
+        let what = format!(
+            "its checkpoint brings back {} of process memory for {processes} GPU processes holding {} of device memory (staged in it), {} with their contexts",
+            bytes(pages),
+            bytes(device),
+            bytes(needed)
+        );
+        let short = self.judge("restore", needed, &what, &levels, mem_available())?;
+        let (Some(&(_, to)), Some(from)) = (short.first(), limit) else {
+            return Ok(None);
+        };
+        let mut raised = json.clone();
+        let m = &mut raised["linux"]["resources"]["memory"];
+        m["limit"] = (to as i64).into();
+        // runc wants memory+swap at or above memory.
+        if let Some(swap) = m["swap"].as_i64().filter(|s| *s > 0) {
+            m["swap"] = (swap + (to - from) as i64).into();
+        }
+        bundle.rewrite(raised)?;
+        info!(id = %self.id, from, to, "memory limit raised in the spec for the restore");
+        Ok(Some(SpecLimit {
+            json,
+            limit: from,
+            swap,
+        }))
+    }
+
+    /// After the restore's device steps (or its failure): `config.json` back to the spec, and
+    /// the restored container's cgroup (init `pid`, 0 when none runs) back to the spec's limit
+    /// once the staged copy has left it ([`HostMemory::put_back`] tries again at exit where it
+    /// has not).
+    pub async fn after_restore(&self, bundle: &mut Bundle, spec: Option<SpecLimit>, pid: i32) {
+        let Some(spec) = spec else {
+            return;
+        };
+        if let Err(e) = bundle.rewrite(spec.json) {
+            warn!(id = %self.id, error = %e, "the spec's memory limit back in config.json");
+        }
+        if pid <= 0 {
+            return;
+        }
+        match Cgroup::chain_of(pid) {
+            Ok(mut chain) if !chain.is_empty() => {
+                let cgroup = chain.swap_remove(0);
+                let memsw = spec.swap.filter(|_| cgroup.memsw().is_some());
+                self.lock().push(Raised {
+                    cgroup,
+                    limit: Some(spec.limit),
+                    memsw,
+                });
+                self.put_back().await;
+            }
+            Ok(_) => {}
+            Err(e) => warn!(id = %self.id, error = %e, "the restored container's memory cgroup"),
+        }
     }
 
     fn refusal(&self, operation: &'static str, why: String) -> Error {
