@@ -356,7 +356,11 @@ impl ContainerDevices {
     /// none does, or on a node without a driver), once `room` has made sure the host memory
     /// the driver stages fits (`memory_room.rs`). Undone on failure; see
     /// [`DeviceLayer::quiesce`].
-    pub async fn quiesce(&mut self, pids: Vec<i32>, room: crate::memory_room::Room) -> Result<()> {
+    pub async fn quiesce(
+        &mut self,
+        pids: Vec<i32>,
+        room: impl FnOnce(&[Holder]) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
         if self.quiesced.is_some() {
             return Ok(());
         }
@@ -368,7 +372,7 @@ impl ContainerDevices {
         let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
             let holders = layer.holders(&pids)?;
             if steps && !holders.is_empty() {
-                room.make(&holders)?;
+                room(&holders)?;
                 layer.quiesce(&holders, timeout)?;
             }
             Ok(holders)

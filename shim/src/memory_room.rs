@@ -16,25 +16,20 @@
 //! cgroups-rs finds the cgroup ([`TaskCgroup`]) and writes the limits; the arithmetic and the
 //! walk up the hierarchy are here.
 
-use std::{
-    path::{Path, PathBuf},
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cgroups_rs::fs::{memory::MemController, parse_max_value, MaxValue};
+use image_format::manifest::{self, Manifest};
 use procfs::Current;
 use tracing::{info, info_span, warn};
 
-use image_format::manifest::{self, Manifest};
-
-use crate::{
-    bundle::Bundle,
-    device::Holder,
-    error::{Error, Result},
-    options::RuntimeOptions,
-    stats::{dir_of, TaskCgroup},
-};
+use crate::bundle::Bundle;
+use crate::device::Holder;
+use crate::error::{Error, Result};
+use crate::options::RuntimeOptions;
+use crate::stats::{dir_of, TaskCgroup};
 
 /// Host bytes staged per device byte, as `STAGED_NUM / STAGED_DEN`: on an H200 a process's RSS
 /// grew by 1.03 to 1.45 times its device bytes at the checkpoint (the copy, and the driver's

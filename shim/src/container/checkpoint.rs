@@ -116,7 +116,7 @@ impl Container {
         let room = self.memory.room(self.init.pid);
         let quiesced = self
             .devices
-            .quiesce(pids, room)
+            .quiesce(pids, move |holders| room.make(holders))
             .instrument(info_span!("device_quiesce", id = %self.id))
             .await;
         if quiesced.is_err() {

@@ -14,8 +14,8 @@ use crate::common::{gpu::*, *};
 use crate::gpu_shim::{checkpoint_fails, expect_continues, keeps_training, train_spec};
 use anyhow::{ensure, Context, Result};
 use test_containers::{
-    cri::{ContainerSpec, Cri, PodSpec},
-    stack::{GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
+    cri::{ContainerSpec, Cri, Pod, PodSpec},
+    stack::{Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
 };
 
 const MIB: u64 = 1 << 20;
@@ -30,6 +30,19 @@ fn big_train(device: &str) -> ContainerSpec {
     train_spec("train", device)
         .args(&["--elements", "8388608", "--interval-ms", "100"])
         .memory_limit(LIMIT as i64)
+}
+
+/// A pod `name` on `node` running [`big_train`] on GPU 0, three steps done: the pod, the
+/// container's id, its host pid and its memory cgroup.
+async fn run_big(cri: &Cri, node: &Node, name: &str) -> Result<(Pod, String, i32, PathBuf)> {
+    cri.pull_image(GPU_WORKLOADS_IMAGE).await?;
+    let spec = PodSpec::new(name, node.pod_log_root()).handler(GPU_CKPT_HANDLER);
+    let pod = cri.run_pod(&spec).await?;
+    let id = cri.run_container(&pod, &big_train("0")).await?;
+    wait_steps(&pod.container_log("train"), 3)?;
+    let pid = cri_pid(cri, &id).await?;
+    let cgroup = memory_cgroup(pid)?;
+    Ok((pod, id, pid, cgroup))
 }
 
 /// The memory cgroup of host process `pid`: v1's memory hierarchy, else v2's unified one.
@@ -120,14 +133,8 @@ fn a_checkpoint_beyond_the_memory_limit_is_refused_and_the_container_computes_on
     let node = gpu_node("gpu-mem-refuse", &sim, &[])?;
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("memrefuse", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri.run_container(&pod, &big_train("0")).await?;
+        let (pod, id, pid, cgroup) = run_big(&cri, &node, "memrefuse").await?;
         let log = pod.container_log("train");
-        wait_steps(&log, 2)?;
-        let pid = cri_pid(&cri, &id).await?;
-        let cgroup = memory_cgroup(pid)?;
         let before = limit_kept(&cgroup, "before the checkpoint")?;
         let device = device_bytes(&sim, pid)?;
         // The setup: the staged copy alone would take the container over its limit.
@@ -175,15 +182,8 @@ fn with_raise_memory_limit_the_checkpoint_and_a_restore_elsewhere_succeed() -> R
             Cri::connect(b.socket()).await?,
             Cri::connect(c.socket()).await?,
         );
-        cri_a.pull_image(GPU_WORKLOADS_IMAGE).await?;
-        let pod = cri_a
-            .run_pod(&PodSpec::new("memraise", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let id = cri_a.run_container(&pod, &big_train("0")).await?;
+        let (pod, id, _, cgroup) = run_big(&cri_a, &a, "memraise").await?;
         let log = pod.container_log("train");
-        wait_steps(&log, 3)?;
-        let pid = cri_pid(&cri_a, &id).await?;
-        let cgroup = memory_cgroup(pid)?;
         limit_kept(&cgroup, "node A, before the checkpoint")?;
         let before = last_step(&log).map(|s| s.0).unwrap_or_default();
         let archive = a.paths().dir.join("memraise.tar");
