@@ -164,7 +164,39 @@ fn a_checkpoint_beyond_the_memory_limit_is_refused_and_the_container_computes_on
         keeps_training(&log, 3, "after the refused checkpoint")?;
         limit_kept(&cgroup, "after the refused checkpoint")?;
         cri.remove_pod(&pod).await
-    })
+    })?;
+
+    // The same through ctr (Pause, where containerd's client runs the device steps).
+    let log = node.paths().dir.join("memrefuse-ctr.log");
+    let (uri, device, limit) = (
+        format!("file://{}", log.display()),
+        format!("{KIND}=0"),
+        LIMIT.to_string(),
+    );
+    let flags = run_flags(&node);
+    let mut args = vec!["run", "-d", "--log-uri", &uri, "--device", &device];
+    args.extend(["--memory-limit", &limit]);
+    args.extend(flags.iter().map(String::as_str));
+    args.extend([GPU_WORKLOADS_IMAGE, "m1", "/usr/bin/gpu-train"]);
+    args.extend(["--elements", "8388608", "--interval-ms", "100"]);
+    let out = node.ctr_cdi("default", &args)?;
+    ensure!(out.status.success(), "ctr run: {out:?}");
+    wait_steps(&log, 3)?;
+    let cgroup = memory_cgroup(node.task_pid("m1")?)?;
+    let out = node.ctr(&["task", "checkpoint", "m1"])?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    println!("ctr task checkpoint: {err}");
+    ensure!(
+        !out.status.success()
+            && err.contains("step host-memory")
+            && err.contains("container m1 would be OOM-killed")
+            && err.contains(&format!("limit {LIMIT} bytes")),
+        "ctr task checkpoint beyond the memory limit: {out:?}"
+    );
+    keeps_training(&log, 3, "ctr, after the refused checkpoint")?;
+    limit_kept(&cgroup, "ctr, after the refused checkpoint")?;
+    remove(&node, "m1");
+    Ok(())
 }
 
 #[test]
