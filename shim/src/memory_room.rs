@@ -141,13 +141,12 @@ impl Cgroup {
     }
 
     /// The memory cgroup of `pid` and every one above it that has a limit file, innermost
-    /// first.
+    /// first (none without a memory controller: then only the node counts).
     fn chain_of(pid: i32) -> Result<Vec<Cgroup>> {
         let task = TaskCgroup::of_pid(pid)?;
-        let mem = task
-            .memory
-            .as_ref()
-            .ok_or_else(|| Error::FailedPrecondition(format!("pid {pid} has no memory cgroup")))?;
+        let Some(mem) = task.memory.as_ref() else {
+            return Ok(Vec::new());
+        };
         let mut dir = dir_of(mem);
         let mut chain = Vec::new();
         loop {
