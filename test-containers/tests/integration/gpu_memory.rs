@@ -168,6 +168,7 @@ fn a_checkpoint_beyond_the_memory_limit_is_refused_and_the_container_computes_on
 
     // The same through ctr (Pause, where containerd's client runs the device steps).
     let log = node.paths().dir.join("memrefuse-ctr.log");
+    let _ = std::fs::remove_file(&log);
     let (uri, device, limit) = (
         format!("file://{}", log.display()),
         format!("{KIND}=0"),
