@@ -386,9 +386,14 @@ impl ContainerDevices {
     }
 
     /// Lock, then checkpoint, every process among `pids` that holds device state (nothing when
-    /// none does, or on a node without a driver). Undone on failure; see
+    /// none does, or on a node without a driver), once `room` has made sure the host memory
+    /// the driver stages fits (`memory_room.rs`). Undone on failure; see
     /// [`DeviceLayer::quiesce`].
-    pub async fn quiesce(&mut self, pids: Vec<i32>) -> Result<()> {
+    pub async fn quiesce(
+        &mut self,
+        pids: Vec<i32>,
+        room: impl FnOnce(&[Holder]) -> Result<()> + Send + 'static,
+    ) -> Result<()> {
         if self.quiesced.is_some() {
             return Ok(());
         }
@@ -402,6 +407,7 @@ impl ContainerDevices {
             let holders = layer.holders(&pids)?;
             crate::unsupported::refuse(layer.nvml(), &given, &pids, &holders)?;
             if steps && !holders.is_empty() {
+                room(&holders)?;
                 layer.quiesce(&holders, timeout)?;
             }
             Ok(holders)

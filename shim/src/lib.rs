@@ -41,6 +41,7 @@ pub mod error;
 pub mod events;
 pub mod features;
 pub mod logging;
+pub mod memory_room;
 pub mod mount_check;
 pub mod oom;
 pub mod options;

@@ -115,6 +115,11 @@ pub struct RuntimeOptions {
     /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
     /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
     pub device_lock_timeout: String,
+    /// Where a GPU checkpoint or restore would stage more host memory than the container's
+    /// memory cgroup (or one above it) has room for: raise the limit by what is needed for the
+    /// length of the device steps and put it back after them, instead of refusing the
+    /// checkpoint (default false: refused, naming the limit, the use and the bytes needed).
+    pub raise_memory_limit: bool,
     /// The bound on a restore's waits (CRIU, the gate's verdicts, page verification), e.g.
     /// "5m". Empty: a minute plus 10 s per GiB of checkpoint. Past it the restore fails.
     pub restore_timeout: String,

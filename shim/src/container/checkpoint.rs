@@ -98,22 +98,31 @@ impl Container {
             if let Err(de) = self.devices.resume().await {
                 warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
             }
+            self.memory.put_back().await;
             return Err(e);
         }
         Ok(())
     }
 
     /// Device quiesce of the container's processes, on a node with a driver (no `runc ps`
-    /// elsewhere).
+    /// elsewhere), after the host memory the driver will stage is held to the container's
+    /// memory cgroup (refused, or its limit raised: `memory_room.rs`). Undo of a raise on
+    /// failure: the limit back.
     async fn quiesce_devices(&mut self) -> Result<()> {
         if !self.devices.active().await? {
             return Ok(());
         }
         let pids = self.runc.ps(&self.id).await?;
-        self.devices
-            .quiesce(pids)
+        let room = self.memory.room(self.init.pid);
+        let quiesced = self
+            .devices
+            .quiesce(pids, move |holders| room.make(holders))
             .instrument(info_span!("device_quiesce", id = %self.id))
-            .await
+            .await;
+        if quiesced.is_err() {
+            self.memory.put_back().await;
+        }
+        quiesced
     }
 
     /// Resume: thaw, then the device state back onto the GPUs and unlocked (whether or not a
@@ -127,10 +136,13 @@ impl Container {
             }
             warn!(id = %self.id, error = %e, "resume of a container that is no longer frozen");
         }
-        self.devices
+        let resumed = self
+            .devices
             .resume()
             .instrument(info_span!("device_resume", id = %self.id))
-            .await
+            .await;
+        self.memory.put_back().await;
+        resumed
     }
 
     /// Checkpoints the container, device state included, into `plan.image_path`:
@@ -177,12 +189,14 @@ impl Container {
         });
         if result.is_ok() && !plan.criu.leave_running {
             self.devices.forget();
+            self.memory.put_back().await;
         } else if here {
             let resumed = self
                 .devices
                 .resume()
                 .instrument(info_span!("device_resume", id = %self.id))
                 .await;
+            self.memory.put_back().await;
             if let Err(de) = resumed {
                 return Err(match result {
                     Ok(_) => de,

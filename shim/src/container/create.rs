@@ -97,6 +97,7 @@ impl Container {
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT))
             .given(crate::unsupported::Given::from_spec(bundle.json()));
+        let memory = crate::memory_room::HostMemory::new(&req.id, &options);
         Ok(Container {
             id: req.id.clone(),
             bundle,
@@ -113,6 +114,7 @@ impl Container {
             own_criu_conf: false,
             upperdir: None,
             devices,
+            memory,
         })
     }
 

@@ -145,6 +145,8 @@ impl Container {
         if let Some(oom) = &self.oom {
             oom.check();
         }
+        // A limit raised for a checkpoint of a container that has exited since.
+        self.memory.put_back().await;
         if self.shares_pid_namespace {
             if let Err(e) = self.runc.kill(&self.id, libc::SIGKILL as u32, true).await {
                 warn!(id = %self.id, error = %e, "kill processes left after init exited");

@@ -27,6 +27,7 @@ use crate::{
     device::ContainerDevices,
     error::{Error, Result},
     events::EventSender,
+    memory_room::HostMemory,
     oom::{MemoryCgroup, OomMonitor},
     options::RuntimeOptions,
     process::Process,
@@ -73,6 +74,9 @@ pub struct Container {
     /// The device layer's view of this container: its GPU processes, quiesced by Pause or a
     /// checkpoint until Resume or the checkpoint's end puts them back (`device.rs`).
     devices: ContainerDevices,
+    /// Host memory for what the device steps stage, and the limits raised for them
+    /// (`memory_room.rs`).
+    memory: HostMemory,
 }
 
 impl Container {

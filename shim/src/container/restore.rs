@@ -13,6 +13,9 @@
 //! - 1c. the checkpoint's GPUs held to this container's, and their pairs (`device`);
 //! - 1d. every mount of the spec present in the checkpoint (`mount_check`);
 //! - 1e. established TCP connections only on the recorded addresses (`pod_network`);
+//! - 1f. host memory for the pages CRIU brings back, the staged device memory among them
+//!   (`memory_room`): refused, or the spec's limit raised for the restore. Undo, after step 5
+//!   whatever happened: the spec's limit back in `config.json` and the restored cgroup;
 //! - 2\. sub-mounts held, the verify gate and the CRIU configuration
 //!   ([`Container::prepare_criu`]). Undo: the configuration back to the checkpoints' (after
 //!   step 4);
@@ -260,9 +263,31 @@ impl Container {
         crate::criu::version().await?;
         // Start's checks use the spec read at Create; runc reads the file again.
         self.bundle.unchanged()?;
-        let dir = &pending.dir;
         // Steps 1 to 1e: nothing has read the checkpoint before they pass.
         let (checked, deferred) = self.check_before_criu(pending).await?;
+        // Step 1f: host memory for the pages CRIU brings back, the staged device memory among
+        // them: refused, or the spec's limit raised for the restore (`memory_room.rs`). Undo,
+        // after step 5 whatever happened: the spec's limit back.
+        let spec_limit = self
+            .memory
+            .before_restore(&mut self.bundle, &checked.manifest)?;
+        let restored = self.restore_checked(pending, checked, deferred).await;
+        let pid = if restored.is_ok() { self.init.pid } else { 0 };
+        let memory = self.memory.clone();
+        memory
+            .after_restore(&mut self.bundle, spec_limit, pid)
+            .await;
+        restored
+    }
+
+    /// Steps 2 to 5 of [`Container::restore`].
+    async fn restore_checked(
+        &mut self,
+        pending: &PendingRestore,
+        checked: Checked,
+        deferred: DeferredDigests,
+    ) -> Result<()> {
+        let dir = &pending.dir;
         // Step 2: sub-mounts held, the gate, CRIU's configuration.
         let (gate, mounts) = self.prepare_criu(dir, &checked)?;
         // Steps 3 to 4, every wait bounded (`watchdog.rs`).

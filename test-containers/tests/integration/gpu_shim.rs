@@ -24,7 +24,7 @@ use test_containers::{
 
 /// A CRI container spec of gpu-train on the simulated GPU `device` (`0`, `1`, `all`), asked for
 /// the way kubelet's device manager asks for a CDI device: the `cdi.k8s.io/` annotation.
-fn train_spec(name: &str, device: &str) -> ContainerSpec {
+pub(crate) fn train_spec(name: &str, device: &str) -> ContainerSpec {
     ContainerSpec::new(name, GPU_WORKLOADS_IMAGE)
         .command(&["/usr/bin/gpu-train"])
         .args(&["--elements", "4096", "--interval-ms", "100"])
@@ -122,7 +122,7 @@ fn steps_since(log: &Path, stream: &str, since: std::time::SystemTime) -> Vec<(u
 /// its first step is at least `before` (the step in flight at the checkpoint may come again),
 /// never a start from step 1, the steps go on one by one, with the checksums the original
 /// printed (`original`) for the same steps.
-fn expect_continues(
+pub(crate) fn expect_continues(
     log: &Path,
     since: std::time::SystemTime,
     before: u64,
@@ -331,7 +331,7 @@ fn cri_training_pod_restores_on_another_node_with_other_gpus() -> Result<()> {
 }
 
 /// Waits until the training of `log` (a CRI log) has gone `n` steps past where it is now.
-fn keeps_training(log: &Path, n: u64, what: &str) -> Result<()> {
+pub(crate) fn keeps_training(log: &Path, n: u64, what: &str) -> Result<()> {
     let now = last_step(log).map(|s| s.0).unwrap_or_default();
     wait_steps_after(log, now, n).with_context(|| format!("{what}: the training stopped"))?;
     Ok(())
@@ -339,7 +339,7 @@ fn keeps_training(log: &Path, n: u64, what: &str) -> Result<()> {
 
 /// The error of a CRI checkpoint that must fail, checked to name every one of `needles`, and
 /// that no archive was left at `archive`.
-async fn checkpoint_fails(
+pub(crate) async fn checkpoint_fails(
     cri: &Cri,
     id: &str,
     archive: &Path,

@@ -19,6 +19,7 @@ mod docs_messages;
 mod gpu_cdi;
 mod gpu_criu_plugin;
 mod gpu_hooks;
+mod gpu_memory;
 mod gpu_process;
 mod gpu_python;
 mod gpu_shim;
