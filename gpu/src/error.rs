@@ -62,7 +62,30 @@ pub enum GpuError {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A driver call that did not return within its bound; the process that made it was killed
+    /// (the driver cannot cancel a call), e.g.
+    /// `cuCheckpointProcessCheckpoint(pid 9040) did not return within 12s`.
+    #[error("{call}(pid {pid}) did not return within {}", seconds(*.bound))]
+    Unanswered {
+        call: String,
+        pid: i32,
+        bound: std::time::Duration,
+    },
+
+    /// The process that runs the driver's calls could not be started, or broke off.
+    #[error("device worker: {0}")]
+    Worker(String),
+
     /// An NVML call failed.
     #[error("NVML {call}: {message}")]
     Nvml { call: &'static str, message: String },
+}
+
+/// A bound as messages show it: whole seconds as "12s", else milliseconds ("2500ms").
+pub fn seconds(d: std::time::Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{}s", d.as_secs())
+    } else {
+        format!("{}ms", d.as_millis())
+    }
 }

@@ -115,6 +115,18 @@ pub struct RuntimeOptions {
     /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
     /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
     pub device_lock_timeout: String,
+    /// How long past the lock timeout the driver's lock may take before the shim gives up on
+    /// it, e.g. "10s". Empty: [`DEFAULT_DEVICE_LOCK_MARGIN`].
+    pub device_lock_margin: String,
+    /// The bound on a device checkpoint or restore of one process (and on an unlock), before
+    /// the per-GiB part, e.g. "1m". Empty: [`DEFAULT_DEVICE_CALL_TIMEOUT`].
+    pub device_call_timeout: String,
+    /// Added to `DeviceCallTimeout` for each GiB of device memory the process holds, e.g.
+    /// "10s". Empty: [`DEFAULT_DEVICE_CALL_TIMEOUT_PER_GIB`].
+    pub device_call_timeout_per_gib: String,
+    /// The bound on the driver's state and restore-thread reads, e.g. "10s". Empty:
+    /// [`DEFAULT_DEVICE_READ_TIMEOUT`].
+    pub device_read_timeout: String,
     /// The bound on a restore's waits (CRIU, the gate's verdicts, page verification), e.g.
     /// "5m". Empty: a minute plus 10 s per GiB of checkpoint. Past it the restore fails.
     pub restore_timeout: String,
@@ -125,6 +137,29 @@ pub struct RuntimeOptions {
 
 /// The device lock timeout when neither the options nor the pod name one.
 pub const DEFAULT_DEVICE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `DeviceLockMargin` when the options name none.
+pub const DEFAULT_DEVICE_LOCK_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
+/// `DeviceCallTimeout` when the options name none.
+pub const DEFAULT_DEVICE_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// `DeviceCallTimeoutPerGiB` when the options name none.
+pub const DEFAULT_DEVICE_CALL_TIMEOUT_PER_GIB: std::time::Duration =
+    std::time::Duration::from_secs(10);
+/// `DeviceReadTimeout` when the options name none.
+pub const DEFAULT_DEVICE_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The duration option `value` (named `key`), else `default` when it is empty.
+pub fn duration_or(
+    value: &str,
+    key: &str,
+    default: std::time::Duration,
+) -> Result<std::time::Duration> {
+    if value.is_empty() {
+        Ok(default)
+    } else {
+        parse_timeout(value, key)
+    }
+}
 
 /// Each of `paths` (key, value) empty or absolute.
 fn absolute_paths(paths: &[(&str, &String)]) -> Result<()> {
@@ -311,6 +346,7 @@ impl RuntimeOptions {
         if !self.device_lock_timeout.is_empty() {
             parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
         }
+        crate::device_worker::Bounds::from_options(&self)?;
         absolute_paths(&[("DriverLibraryDir", &self.driver_library_dir)])?;
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {
             return Err(Error::InvalidArgument(format!(
