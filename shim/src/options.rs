@@ -123,6 +123,7 @@ pub struct RuntimeOptions {
     pub device_call_timeout: String,
     /// Added to `DeviceCallTimeout` for each GiB of device memory the process holds, e.g.
     /// "10s". Empty: [`DEFAULT_DEVICE_CALL_TIMEOUT_PER_GIB`].
+    #[serde(rename = "DeviceCallTimeoutPerGiB")]
     pub device_call_timeout_per_gib: String,
     /// The bound on the driver's state and restore-thread reads, e.g. "10s". Empty:
     /// [`DEFAULT_DEVICE_READ_TIMEOUT`].
