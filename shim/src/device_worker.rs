@@ -82,48 +82,16 @@ impl Bounds {
     /// the plain call bound plus the margin).
     pub fn of(&self, call: &str, lock_timeout: Option<Duration>, bytes: u64) -> Duration {
         match call {
-            LOCK => lock_timeout.unwrap_or(self.call) + self.lock_margin,
+            "cuCheckpointProcessLock" => lock_timeout.unwrap_or(self.call) + self.lock_margin,
             // Whole seconds, rounded up: messages and tests then show "12s", not "11.53s".
-            CHECKPOINT | RESTORE => {
+            "cuCheckpointProcessCheckpoint" | "cuCheckpointProcessRestore" => {
                 let d = self.call + self.per_gib.mul_f64(bytes as f64 / GIB);
                 Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
             }
-            GET_STATE | GET_RESTORE_THREAD_ID => self.read,
+            "cuCheckpointProcessGetState" | "cuCheckpointProcessGetRestoreThreadId" => self.read,
             _ => self.call,
         }
     }
-}
-
-const LOCK: &str = "cuCheckpointProcessLock";
-const CHECKPOINT: &str = "cuCheckpointProcessCheckpoint";
-const RESTORE: &str = "cuCheckpointProcessRestore";
-const UNLOCK: &str = "cuCheckpointProcessUnlock";
-const GET_STATE: &str = "cuCheckpointProcessGetState";
-const GET_RESTORE_THREAD_ID: &str = "cuCheckpointProcessGetRestoreThreadId";
-const INIT: &str = "cuInit";
-
-/// The names a driver error can carry, as the `'static` strings [`GpuError`] holds.
-const CALL_NAMES: &[&str] = &[
-    LOCK,
-    CHECKPOINT,
-    RESTORE,
-    UNLOCK,
-    GET_STATE,
-    GET_RESTORE_THREAD_ID,
-    INIT,
-    "cuDriverGetVersion",
-    "lock",
-    "checkpoint",
-    "restore",
-    "unlock",
-];
-
-fn static_name(name: &str) -> &'static str {
-    CALL_NAMES
-        .iter()
-        .find(|n| **n == name)
-        .copied()
-        .unwrap_or("driver call")
 }
 
 /// A request to the worker: one trait call.
@@ -164,18 +132,6 @@ impl Call {
         }
     }
 
-    /// The driver call this request makes first.
-    fn first_call(&self) -> &'static str {
-        match self {
-            Call::Lock { .. } => LOCK,
-            Call::Checkpoint { .. } => CHECKPOINT,
-            Call::Restore { .. } => RESTORE,
-            Call::Unlock { .. } => UNLOCK,
-            Call::State { .. } => GET_STATE,
-            Call::RestoreThreadId { .. } => GET_RESTORE_THREAD_ID,
-        }
-    }
-
     /// Runs the request on `driver`.
     fn run(&self, driver: &dyn DeviceCheckpoint) -> std::result::Result<Answer, GpuError> {
         Ok(match self {
@@ -199,7 +155,7 @@ impl Call {
 }
 
 /// What the worker writes.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Debug)]
 #[serde(rename_all = "snake_case")]
 pub enum Message {
     /// The library loaded and initialised: its name and `cuDriverGetVersion`.
@@ -207,7 +163,7 @@ pub enum Message {
     /// A driver call is about to be made.
     Calling { call: String, pid: Option<i32> },
     /// The answer to the request (or, at start, why the library did not load).
-    Done(std::result::Result<Answer, WireError>),
+    Done(std::result::Result<Answer, GpuError>),
 }
 
 /// A successful answer.
@@ -217,143 +173,6 @@ pub enum Answer {
     Done,
     State(ProcessState),
     Tid(i32),
-}
-
-/// A [`GpuError`] as the worker sends it (its `'static` names as strings).
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum WireError {
-    NoDriver {
-        library: String,
-        reason: String,
-    },
-    MissingSymbol {
-        library: String,
-        symbol: String,
-        reason: String,
-    },
-    Driver {
-        call: String,
-        pid: Option<i32>,
-        code: u32,
-        name: String,
-    },
-    UnexpectedState {
-        step: String,
-        pid: i32,
-        expected: ProcessState,
-        actual: ProcessState,
-    },
-    NoRemap {
-        pid: i32,
-        driver_version: i32,
-        pairs: String,
-    },
-    InvalidArgument(String),
-    Other(String),
-}
-
-impl From<&GpuError> for WireError {
-    fn from(e: &GpuError) -> Self {
-        match e {
-            GpuError::NoDriver { library, reason } => WireError::NoDriver {
-                library: library.clone(),
-                reason: reason.clone(),
-            },
-            GpuError::MissingSymbol {
-                library,
-                symbol,
-                reason,
-            } => WireError::MissingSymbol {
-                library: library.clone(),
-                symbol: symbol.clone(),
-                reason: reason.clone(),
-            },
-            GpuError::Driver {
-                call,
-                pid,
-                code,
-                name,
-            } => WireError::Driver {
-                call: call.to_string(),
-                pid: *pid,
-                code: *code,
-                name: name.clone(),
-            },
-            GpuError::UnexpectedState {
-                step,
-                pid,
-                expected,
-                actual,
-            } => WireError::UnexpectedState {
-                step: step.to_string(),
-                pid: *pid,
-                expected: *expected,
-                actual: *actual,
-            },
-            GpuError::NoRemap {
-                pid,
-                driver_version,
-                pairs,
-            } => WireError::NoRemap {
-                pid: *pid,
-                driver_version: *driver_version,
-                pairs: pairs.clone(),
-            },
-            GpuError::InvalidArgument(m) => WireError::InvalidArgument(m.clone()),
-            _ => WireError::Other(e.to_string()),
-        }
-    }
-}
-
-impl From<WireError> for GpuError {
-    fn from(w: WireError) -> Self {
-        match w {
-            WireError::NoDriver { library, reason } => GpuError::NoDriver { library, reason },
-            WireError::MissingSymbol {
-                library,
-                symbol,
-                reason,
-            } => GpuError::MissingSymbol {
-                library,
-                symbol,
-                reason,
-            },
-            WireError::Driver {
-                call,
-                pid,
-                code,
-                name,
-            } => GpuError::Driver {
-                call: static_name(&call),
-                pid,
-                code,
-                name,
-            },
-            WireError::UnexpectedState {
-                step,
-                pid,
-                expected,
-                actual,
-            } => GpuError::UnexpectedState {
-                step: static_name(&step),
-                pid,
-                expected,
-                actual,
-            },
-            WireError::NoRemap {
-                pid,
-                driver_version,
-                pairs,
-            } => GpuError::NoRemap {
-                pid,
-                driver_version,
-                pairs,
-            },
-            WireError::InvalidArgument(m) => GpuError::InvalidArgument(m),
-            WireError::Other(m) => GpuError::Worker(m),
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -370,14 +189,14 @@ pub fn serve(dir: &str) -> i32 {
         })
     });
     send(&Message::Calling {
-        call: INIT.into(),
+        call: "cuInit".into(),
         pid: None,
     });
     let lib = (!dir.is_empty()).then(|| Path::new(dir).join("libcuda.so.1"));
     let driver = match gpu::CudaDriver::open(lib.as_deref()) {
         Ok(d) => d,
         Err(e) => {
-            send(&Message::Done(Err(WireError::from(&e))));
+            send(&Message::Done(Err(e)));
             return 1;
         }
     };
@@ -394,8 +213,8 @@ pub fn serve(dir: &str) -> i32 {
             Ok(_) => {}
         }
         let answer = match serde_json::from_str::<Call>(&line) {
-            Ok(call) => call.run(&driver).map_err(|e| WireError::from(&e)),
-            Err(e) => Err(WireError::Other(format!("not a call: {e}"))),
+            Ok(call) => call.run(&driver),
+            Err(e) => Err(GpuError::Worker(format!("not a call: {e}"))),
         };
         send(&Message::Done(answer));
     }
@@ -567,7 +386,7 @@ impl WorkerDriver {
                 Ok(Message::Calling { .. }) => {}
                 Ok(Message::Done(Err(e))) => {
                     kill(pid);
-                    return Err(e.into());
+                    return Err(e);
                 }
                 Ok(m) => {
                     kill(pid);
@@ -578,7 +397,7 @@ impl WorkerDriver {
                 Err(Broken::Late) => {
                     kill(pid);
                     return Err(GpuError::Worker(format!(
-                        "{INIT} in the device worker (pid {pid}) did not return within {}",
+                        "cuInit in the device worker (pid {pid}) did not return within {}",
                         gpu::error::seconds(bound)
                     )));
                 }
@@ -617,13 +436,14 @@ impl WorkerDriver {
         if let Err(e) = w.stdin.write_all(&line).and_then(|_| w.stdin.flush()) {
             kill(w.pid);
             return Err(GpuError::Worker(format!(
-                "worker (pid {}) did not take {}(pid {target}): {e}",
-                w.pid,
-                call.first_call()
+                "worker (pid {}) did not take {call:?}: {e}",
+                w.pid
             )));
         }
-        let (mut current, mut pid) = (call.first_call().to_string(), target);
-        let mut bound = self.bounds.of(&current, lock_timeout, bytes);
+        // Until the worker names its first driver call (at once: nothing comes before it but
+        // decoding the request), the plain call bound.
+        let (mut current, mut pid) = ("device worker".to_string(), target);
+        let mut bound = self.bounds.call;
         let mut deadline = Instant::now() + bound;
         loop {
             match w.out.next(deadline) {
@@ -634,7 +454,7 @@ impl WorkerDriver {
                 }
                 Ok(Message::Done(answer)) => {
                     *slot = Some(w);
-                    return answer.map_err(GpuError::from);
+                    return answer;
                 }
                 Ok(m) => {
                     kill(w.pid);
@@ -800,16 +620,16 @@ mod tests {
     fn bounds_scale_with_device_bytes() {
         let b = bounds();
         let s = Duration::from_secs;
-        assert_eq!(b.of(LOCK, Some(s(30)), 0), s(40));
-        assert_eq!(b.of(LOCK, None, 0), s(70));
-        assert_eq!(b.of(CHECKPOINT, None, 0), s(60));
-        assert_eq!(b.of(CHECKPOINT, None, 4 << 30), s(100));
-        assert_eq!(b.of(RESTORE, None, 1536 * MIB), s(75));
+        assert_eq!(b.of("cuCheckpointProcessLock", Some(s(30)), 0), s(40));
+        assert_eq!(b.of("cuCheckpointProcessLock", None, 0), s(70));
+        assert_eq!(b.of("cuCheckpointProcessCheckpoint", None, 0), s(60));
+        assert_eq!(b.of("cuCheckpointProcessCheckpoint", None, 4 << 30), s(100));
+        assert_eq!(b.of("cuCheckpointProcessRestore", None, 1536 * MIB), s(75));
         // A fraction of a second rounds up.
-        assert_eq!(b.of(CHECKPOINT, None, 2 * MIB), s(61));
-        assert_eq!(b.of(GET_STATE, None, 4 << 30), s(5));
-        assert_eq!(b.of(GET_RESTORE_THREAD_ID, None, 0), s(5));
-        assert_eq!(b.of(UNLOCK, None, 4 << 30), s(60));
+        assert_eq!(b.of("cuCheckpointProcessCheckpoint", None, 2 * MIB), s(61));
+        assert_eq!(b.of("cuCheckpointProcessGetState", None, 4 << 30), s(5));
+        assert_eq!(b.of("cuCheckpointProcessGetRestoreThreadId", None, 0), s(5));
+        assert_eq!(b.of("cuCheckpointProcessUnlock", None, 4 << 30), s(60));
     }
 
     #[test]
@@ -851,43 +671,6 @@ mod tests {
         };
         let back: Call = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(back, c);
-    }
-
-    #[test]
-    fn errors_cross_the_pipe_as_they_read() {
-        let errors = [
-            GpuError::Driver {
-                call: "cuCheckpointProcessLock",
-                pid: Some(9),
-                code: 909,
-                name: "CUDA_ERROR_TIMEOUT".into(),
-            },
-            GpuError::UnexpectedState {
-                step: "restore",
-                pid: 9,
-                expected: ProcessState::LOCKED,
-                actual: ProcessState::CHECKPOINTED,
-            },
-            GpuError::NoDriver {
-                library: "/x/libcuda.so.1".into(),
-                reason: "not found".into(),
-            },
-            GpuError::NoRemap {
-                pid: 9,
-                driver_version: 12080,
-                pairs: "a=b".into(),
-            },
-        ];
-        for e in errors {
-            let wire = serde_json::to_string(&WireError::from(&e)).unwrap();
-            let back: GpuError = serde_json::from_str::<WireError>(&wire).unwrap().into();
-            assert_eq!(back.to_string(), e.to_string());
-        }
-        let back = GpuError::from(WireError::from(&GpuError::Nvml {
-            call: "nvmlInit",
-            message: "x".into(),
-        }));
-        assert!(matches!(back, GpuError::Worker(m) if m == "NVML nvmlInit: x"));
     }
 
     /// A worker (a shell script) that answers the restore-thread read and hangs in the state

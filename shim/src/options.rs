@@ -347,7 +347,14 @@ impl RuntimeOptions {
         if !self.device_lock_timeout.is_empty() {
             parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
         }
-        crate::device_worker::Bounds::from_options(&self)?;
+        for (key, value) in [
+            ("DeviceLockMargin", &self.device_lock_margin),
+            ("DeviceCallTimeout", &self.device_call_timeout),
+            ("DeviceCallTimeoutPerGiB", &self.device_call_timeout_per_gib),
+            ("DeviceReadTimeout", &self.device_read_timeout),
+        ] {
+            duration_or(value, key, std::time::Duration::ZERO)?;
+        }
         absolute_paths(&[("DriverLibraryDir", &self.driver_library_dir)])?;
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {
             return Err(Error::InvalidArgument(format!(
