@@ -176,7 +176,7 @@ impl DeviceLayer {
         for h in holders {
             let _span = info_span!("device_lock", pid = h.pid).entered();
             if let Err(e) = self.cuda.lock(h.pid, Some(timeout)) {
-                let mut undo = self.unlock_unanswered(h, &e);
+                let mut undo = self.undo_unanswered(&e, "unlock", || self.cuda.unlock(h.pid));
                 undo.extend(self.undo(&locked, 0));
                 return Err(step_error("device-lock", h, &e, undo));
             }
@@ -185,24 +185,31 @@ impl DeviceLayer {
         for (n, h) in holders.iter().enumerate() {
             let _span = info_span!("device_checkpoint", pid = h.pid).entered();
             if let Err(e) = self.cuda.checkpoint(h.pid) {
-                let undo = self.undo(&locked, n);
+                let mut undo =
+                    self.undo_unanswered(&e, "restore", || self.cuda.restore(h.pid, &[]));
+                undo.extend(self.undo(&locked, n));
                 return Err(step_error("device-checkpoint", h, &e, undo));
             }
         }
         Ok(())
     }
 
-    /// After a lock that did not return within its bound (`e`): it may have taken effect before
-    /// it stuck (a lock that reads the state back), so the process is unlocked too; a driver
-    /// that finds it not locked (CUDA_ERROR_ILLEGAL_STATE) means the lock never took.
-    fn unlock_unanswered(&self, h: &Holder, e: &GpuError) -> Vec<String> {
+    /// After a call that did not return within its bound (`e`): it may have taken effect
+    /// before it stuck (the driver's own state read after it, say), so `undo`, its inverse, runs
+    /// for `h` too; a driver that answers CUDA_ERROR_ILLEGAL_STATE says the call never took.
+    fn undo_unanswered(
+        &self,
+        e: &GpuError,
+        what: &str,
+        undo: impl FnOnce() -> std::result::Result<(), GpuError>,
+    ) -> Vec<String> {
         if !matches!(e, GpuError::Unanswered { .. }) {
             return Vec::new();
         }
-        match self.cuda.unlock(h.pid) {
+        match undo() {
             Ok(()) => Vec::new(),
             Err(GpuError::Driver { code, .. }) if code == ILLEGAL_STATE => Vec::new(),
-            Err(u) => vec![format!("unlock: {u}")],
+            Err(u) => vec![format!("{what}: {u}")],
         }
     }
 
@@ -834,6 +841,34 @@ mod tests {
         assert_eq!(
             *rec.calls.lock().unwrap(),
             ["lock 1", "lock 2", "unlock 2", "unlock 1"]
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_past_its_bound_is_restored_too() {
+        let rec = Arc::new(Recorder {
+            fail: vec![("checkpoint", 2)],
+            unanswered: true,
+            ..Default::default()
+        });
+        let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
+        let err = l
+            .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device-checkpoint"), "{err}");
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            [
+                "lock 1",
+                "lock 2",
+                "checkpoint 1",
+                "checkpoint 2",
+                "restore 2",
+                "unlock 2",
+                "restore 1",
+                "unlock 1"
+            ]
         );
     }
 

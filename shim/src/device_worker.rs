@@ -8,7 +8,8 @@
 //! out). Before each driver call it says which one it makes ([`Message::Calling`]), so that the
 //! bound is that call's own and the error names the call that did not return (a lock that reads
 //! the state back can be stuck in either). One worker per shim and driver, started on first
-//! need and reused; after a kill the next call starts a fresh one (`cuInit` again).
+//! need and reused (its calls one at a time, the containers of the pod in turn); after a kill
+//! the next call starts a fresh one (`cuInit` again).
 //!
 //! The worker is reaped by the shim's exit monitor (the subreaper's `waitpid(-1)` loop), never
 //! through `Child::wait`, which would race it (see `runc.rs`). A kernel thread cannot be
