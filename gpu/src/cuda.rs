@@ -210,6 +210,19 @@ struct Loaded {
     _lib: Library,
 }
 
+/// Told the name of each driver call (and its pid) just before it is made; see
+/// [`observe_calls`].
+pub type CallObserver = fn(call: &'static str, pid: Option<i32>);
+
+static OBSERVER: OnceLock<CallObserver> = OnceLock::new();
+
+/// Sets, once per process, a function told of every driver call before it is made: a process
+/// that runs the calls for another can say which one is under way, so that a call that never
+/// returns is named by its caller.
+pub fn observe_calls(f: CallObserver) {
+    let _ = OBSERVER.set(f);
+}
+
 /// Cache key: the canonical path, or `None` for the loader's default search.
 type Cache = Mutex<HashMap<Option<PathBuf>, Arc<Loaded>>>;
 
@@ -280,6 +293,9 @@ impl CudaDriver {
         pid: Option<i32>,
         f: impl FnOnce() -> CUresult,
     ) -> Result<(), GpuError> {
+        if let Some(observe) = OBSERVER.get() {
+            observe(call, pid);
+        }
         let start = Instant::now();
         let rc = f();
         let elapsed_us = start.elapsed().as_micros() as u64;

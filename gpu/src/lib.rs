@@ -42,6 +42,11 @@ pub trait DeviceCheckpoint: Send + Sync {
     fn restore_thread_id(&self, pid: i32) -> Result<i32, GpuError>;
     /// `cuDriverGetVersion`: 1000 × major + 10 × minor, e.g. 12080, 13000.
     fn driver_version(&self) -> Result<i32, GpuError>;
+    /// The device memory process `pid` holds (or, for a restore, held at its checkpoint), for
+    /// a backend that bounds its calls by it. Ignored by default.
+    fn set_device_bytes(&self, pid: i32, bytes: u64) {
+        let _ = (pid, bytes);
+    }
 }
 
 /// What the node's GPUs are, from the driver's management library.

@@ -2,7 +2,8 @@
 //! GPU state, and the CUDA driver's checkpoint steps over all of them, each with its undo.
 //!
 //! It drives the `gpu` crate's two traits, [`DeviceCheckpoint`] (the driver's checkpoint API for
-//! one process) and [`Inventory`] (NVML), and knows nothing of runc or CRIU; `container/` and
+//! one process, run in a worker process with a bound on each call: `device_worker.rs`) and
+//! [`Inventory`] (NVML), and knows nothing of runc or CRIU; `container/` and
 //! `task.rs` call it at their steps:
 //!
 //! - Pause (containerd pauses a task before it checkpoints it): [`DeviceLayer::quiesce`] (lock,
@@ -55,6 +56,11 @@ impl Holder {
         }
     }
 
+    /// The device memory it holds on all its GPUs.
+    pub fn device_bytes(&self) -> u64 {
+        self.gpus.iter().map(|(_, b)| b).sum()
+    }
+
     /// `pid 1234 (gpu-train, pid 1 in the container) on GPU-…`, for messages.
     pub fn describe(&self) -> String {
         let gpus: Vec<String> = self.gpus.iter().map(|(u, _)| u.to_string()).collect();
@@ -94,8 +100,12 @@ pub struct DeviceLayer {
     nvml: Box<dyn Inventory>,
 }
 
-/// One layer per driver library directory, for the shim process's life: loading libcuda runs
-/// `cuInit`, which a restore needs in the calling process anyway.
+/// `CUDA_ERROR_ILLEGAL_STATE`: the process is not in the state the call needs.
+const ILLEGAL_STATE: u32 = 401;
+
+/// One layer per driver library directory, for the shim process's life: its driver calls run
+/// in one worker process (`device_worker.rs`), started once and reused, as `cuInit` costs
+/// seconds on a real driver and a restore needs it to have run in the calling process.
 static LAYERS: OnceLock<Mutex<HashMap<PathBuf, Arc<DeviceLayer>>>> = OnceLock::new();
 
 impl DeviceLayer {
@@ -114,12 +124,13 @@ impl DeviceLayer {
         if let Some(l) = layers.get(&dir) {
             return Ok(Some(l.clone()));
         }
-        let lib = |name: &str| (!dir.as_os_str().is_empty()).then(|| dir.join(name));
-        let cuda = match gpu::CudaDriver::open(lib("libcuda.so.1").as_deref()) {
+        let bounds = crate::device_worker::Bounds::from_options(options)?;
+        let cuda = match crate::device_worker::WorkerDriver::open(&dir, bounds) {
             Ok(c) => c,
             Err(GpuError::NoDriver { .. }) if dir.as_os_str().is_empty() => return Ok(None),
             Err(e) => return Err(device_error("load", e.to_string())),
         };
+        let lib = |name: &str| (!dir.as_os_str().is_empty()).then(|| dir.join(name));
         let nvml = gpu::NvmlInventory::open(lib("libnvidia-ml.so.1").as_deref())
             .map_err(|e| device_error("load", e.to_string()))?;
         info!(
@@ -160,8 +171,10 @@ impl DeviceLayer {
             let bytes = p.used_bytes.unwrap_or(0);
             if let Some(h) = out.iter_mut().find(|h| h.pid == pid) {
                 h.gpus.push((p.gpu, bytes));
+                self.cuda.set_device_bytes(pid, h.device_bytes());
                 continue;
             }
+            self.cuda.set_device_bytes(pid, bytes);
             if let Err(e) = self.cuda.restore_thread_id(pid) {
                 // NVML lists it, but the driver has no checkpointable state for it (it exited,
                 // or its context is going away).
@@ -188,7 +201,8 @@ impl DeviceLayer {
         for h in holders {
             let _span = info_span!("device_lock", pid = h.pid).entered();
             if let Err(e) = self.cuda.lock(h.pid, Some(timeout)) {
-                let undo = self.undo(&locked, 0);
+                let mut undo = self.undo_unanswered(&e, "unlock", || self.cuda.unlock(h.pid));
+                undo.extend(self.undo(&locked, 0));
                 return Err(step_error("device-lock", h, &e, undo));
             }
             locked.push(h);
@@ -196,11 +210,32 @@ impl DeviceLayer {
         for (n, h) in holders.iter().enumerate() {
             let _span = info_span!("device_checkpoint", pid = h.pid).entered();
             if let Err(e) = self.cuda.checkpoint(h.pid) {
-                let undo = self.undo(&locked, n);
+                let mut undo =
+                    self.undo_unanswered(&e, "restore", || self.cuda.restore(h.pid, &[]));
+                undo.extend(self.undo(&locked, n));
                 return Err(step_error("device-checkpoint", h, &e, undo));
             }
         }
         Ok(())
+    }
+
+    /// After a call that did not return within its bound (`e`): it may have taken effect
+    /// before it stuck (the driver's own state read after it, say), so `undo`, its inverse, runs
+    /// for `h` too; a driver that answers CUDA_ERROR_ILLEGAL_STATE says the call never took.
+    fn undo_unanswered(
+        &self,
+        e: &GpuError,
+        what: &str,
+        undo: impl FnOnce() -> std::result::Result<(), GpuError>,
+    ) -> Vec<String> {
+        if !matches!(e, GpuError::Unanswered { .. }) {
+            return Vec::new();
+        }
+        match undo() {
+            Ok(()) => Vec::new(),
+            Err(GpuError::Driver { code, .. }) if code == ILLEGAL_STATE => Vec::new(),
+            Err(u) => vec![format!("{what}: {u}")],
+        }
     }
 
     /// Undo of [`DeviceLayer::quiesce`]: the first `checkpointed` of `locked` are restored onto
@@ -280,6 +315,8 @@ impl DeviceLayer {
                     ),
                 ));
             }
+            self.cuda
+                .set_device_bytes(pid, r.gpus.iter().map(|g| g.bytes).sum());
             targets.push((pid, r.pid));
         }
         for &(pid, ns) in &targets {
@@ -712,11 +749,20 @@ mod tests {
     struct Recorder {
         calls: StdMutex<Vec<String>>,
         fail: Vec<(&'static str, i32)>,
+        /// The failures are calls that did not return within their bound.
+        unanswered: bool,
     }
 
     impl Recorder {
         fn call(&self, what: &'static str, pid: i32) -> std::result::Result<(), GpuError> {
             self.calls.lock().unwrap().push(format!("{what} {pid}"));
+            if self.fail.contains(&(what, pid)) && self.unanswered {
+                return Err(GpuError::Unanswered {
+                    call: "cuCheckpointProcessLock".into(),
+                    pid,
+                    bound: Duration::from_secs(3),
+                });
+            }
             if self.fail.contains(&(what, pid)) {
                 return Err(GpuError::Driver {
                     call: "cuCheckpointProcessLock",
@@ -780,8 +826,8 @@ mod tests {
 
     fn layer(fail: Vec<(&'static str, i32)>) -> (DeviceLayer, Arc<Recorder>) {
         let rec = Arc::new(Recorder {
-            calls: Default::default(),
             fail,
+            ..Default::default()
         });
         (
             DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus)),
@@ -815,6 +861,58 @@ mod tests {
         assert_eq!(
             *rec.calls.lock().unwrap(),
             ["lock 1", "lock 2", "lock 3", "unlock 2", "unlock 1"]
+        );
+    }
+
+    #[test]
+    fn a_lock_past_its_bound_is_unlocked_too() {
+        let rec = Arc::new(Recorder {
+            fail: vec![("lock", 2)],
+            unanswered: true,
+            ..Default::default()
+        });
+        let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
+        let err = l
+            .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("device-lock")
+                && err.contains("cuCheckpointProcessLock(pid 2) did not return within 3s"),
+            "{err}"
+        );
+        assert!(err.contains("every process is back on its GPUs"), "{err}");
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            ["lock 1", "lock 2", "unlock 2", "unlock 1"]
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_past_its_bound_is_restored_too() {
+        let rec = Arc::new(Recorder {
+            fail: vec![("checkpoint", 2)],
+            unanswered: true,
+            ..Default::default()
+        });
+        let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
+        let err = l
+            .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device-checkpoint"), "{err}");
+        assert_eq!(
+            *rec.calls.lock().unwrap(),
+            [
+                "lock 1",
+                "lock 2",
+                "checkpoint 1",
+                "checkpoint 2",
+                "restore 2",
+                "unlock 2",
+                "restore 1",
+                "unlock 1"
+            ]
         );
     }
 

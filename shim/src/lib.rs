@@ -10,8 +10,10 @@
 //!   restore), one file each, as steps with their undo; the modules below are the steps they
 //!   call, and never call back into a container; [`bundle`]: the bundle and its spec, read
 //!   once at Create, and the CRI annotation keys; [`device`]: the device steps (GPU processes,
-//!   lock, checkpoint, restore, unlock, GPU pairs); [`unsupported`]: what the driver cannot
-//!   checkpoint (MIG, NCCL, MPS), refused before the lock; [`checkpoint`]: CRIU options;
+//!   lock, checkpoint, restore, unlock, GPU pairs); [`device_worker`]: the driver's calls in a
+//!   child process, each bounded; [`unsupported`]: what the driver cannot checkpoint (MIG,
+//!   NCCL, MPS), refused before the lock; [`memory_room`]: host memory for the staged device
+//!   memory; [`checkpoint`]: CRIU options;
 //!   [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
@@ -37,6 +39,7 @@ pub mod criu;
 pub mod criu_exit;
 pub mod device;
 pub mod device_nodes;
+pub mod device_worker;
 pub mod error;
 pub mod events;
 pub mod features;

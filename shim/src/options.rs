@@ -120,6 +120,19 @@ pub struct RuntimeOptions {
     /// length of the device steps and put it back after them, instead of refusing the
     /// checkpoint (default false: refused, naming the limit, the use and the bytes needed).
     pub raise_memory_limit: bool,
+    /// How long past the lock timeout the driver's lock may take before the shim gives up on
+    /// it, e.g. "10s". Empty: [`DEFAULT_DEVICE_LOCK_MARGIN`].
+    pub device_lock_margin: String,
+    /// The bound on a device checkpoint or restore of one process (and on an unlock), before
+    /// the per-GiB part, e.g. "1m". Empty: [`DEFAULT_DEVICE_CALL_TIMEOUT`].
+    pub device_call_timeout: String,
+    /// Added to `DeviceCallTimeout` for each GiB of device memory the process holds, e.g.
+    /// "10s". Empty: [`DEFAULT_DEVICE_CALL_TIMEOUT_PER_GIB`].
+    #[serde(rename = "DeviceCallTimeoutPerGiB")]
+    pub device_call_timeout_per_gib: String,
+    /// The bound on the driver's state and restore-thread reads, e.g. "10s". Empty:
+    /// [`DEFAULT_DEVICE_READ_TIMEOUT`].
+    pub device_read_timeout: String,
     /// The bound on a restore's waits (CRIU, the gate's verdicts, page verification), e.g.
     /// "5m". Empty: a minute plus 10 s per GiB of checkpoint. Past it the restore fails.
     pub restore_timeout: String,
@@ -130,6 +143,29 @@ pub struct RuntimeOptions {
 
 /// The device lock timeout when neither the options nor the pod name one.
 pub const DEFAULT_DEVICE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `DeviceLockMargin` when the options name none.
+pub const DEFAULT_DEVICE_LOCK_MARGIN: std::time::Duration = std::time::Duration::from_secs(10);
+/// `DeviceCallTimeout` when the options name none.
+pub const DEFAULT_DEVICE_CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// `DeviceCallTimeoutPerGiB` when the options name none.
+pub const DEFAULT_DEVICE_CALL_TIMEOUT_PER_GIB: std::time::Duration =
+    std::time::Duration::from_secs(10);
+/// `DeviceReadTimeout` when the options name none.
+pub const DEFAULT_DEVICE_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The duration option `value` (named `key`), else `default` when it is empty.
+pub fn duration_or(
+    value: &str,
+    key: &str,
+    default: std::time::Duration,
+) -> Result<std::time::Duration> {
+    if value.is_empty() {
+        Ok(default)
+    } else {
+        parse_timeout(value, key)
+    }
+}
 
 /// Each of `paths` (key, value) empty or absolute.
 fn absolute_paths(paths: &[(&str, &String)]) -> Result<()> {
@@ -315,6 +351,14 @@ impl RuntimeOptions {
         }
         if !self.device_lock_timeout.is_empty() {
             parse_timeout(&self.device_lock_timeout, "DeviceLockTimeout")?;
+        }
+        for (key, value) in [
+            ("DeviceLockMargin", &self.device_lock_margin),
+            ("DeviceCallTimeout", &self.device_call_timeout),
+            ("DeviceCallTimeoutPerGiB", &self.device_call_timeout_per_gib),
+            ("DeviceReadTimeout", &self.device_read_timeout),
+        ] {
+            duration_or(value, key, std::time::Duration::ZERO)?;
         }
         absolute_paths(&[("DriverLibraryDir", &self.driver_library_dir)])?;
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::{self, Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -371,7 +371,7 @@ impl Daemon {
                 }
                 None => Reply::err(cu::INVALID_DEVICE, "no such GPU"),
             },
-            Request::Ckpt(call) => self.ckpt(id, call),
+            Request::Ckpt(call) => self.ckpt(id, s.as_raw_fd(), call),
             Request::Release => {
                 let mut reg = lock(&self.reg);
                 let mut freed = Vec::new();
@@ -577,15 +577,45 @@ impl Daemon {
     // The checkpoint API
     // -----------------------------------------------------------------------------------------
 
-    fn ckpt(&self, caller: u64, call: CkptCall) -> Reply {
+    fn ckpt(&self, caller: u64, caller_fd: RawFd, call: CkptCall) -> Reply {
         let name = call.name();
-        match self.ckpt_inner(caller, call) {
+        match self.ckpt_inner(caller, caller_fd, call) {
             Ok(r) => r,
             Err((code, msg)) => Reply::err(code, format!("{name}: {msg}")),
         }
     }
 
-    fn ckpt_inner(&self, caller: u64, call: CkptCall) -> Result<Reply, (u32, String)> {
+    /// A call that never returns while its caller lives: it ends when the caller's connection
+    /// closes (the caller was killed; the answer then reaches nobody), when process `pid` exits,
+    /// or after the step limit, leaving the process as the failed call would.
+    fn hang(&self, caller_fd: RawFd, pid: i32, step: &str) -> (u32, String) {
+        let until = Instant::now() + STEP_LIMIT;
+        while Instant::now() < until {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                return (
+                    cu::OPERATING_SYSTEM,
+                    format!("process {pid} exited during the {step}"),
+                );
+            }
+            if peer_closed(caller_fd, Duration::from_millis(50)) {
+                return (
+                    cu::OPERATING_SYSTEM,
+                    format!("the caller of the {step} of process {pid} is gone"),
+                );
+            }
+        }
+        (
+            cu::TIMEOUT,
+            format!("process {pid} did not answer the {step}"),
+        )
+    }
+
+    fn ckpt_inner(
+        &self,
+        caller: u64,
+        caller_fd: RawFd,
+        call: CkptCall,
+    ) -> Result<Reply, (u32, String)> {
         let (caller_pid, caller_uid) = {
             let reg = lock(&self.reg);
             let c = reg
@@ -658,6 +688,9 @@ impl Daemon {
             )),
         };
         match call {
+            CkptCall::GetState { .. } if self.fault(pid, FaultOp::StateHang) => {
+                Err(self.hang(caller_fd, pid, "state read"))
+            }
             CkptCall::GetState { .. } => Ok(Reply::State(state)),
             CkptCall::GetRestoreThreadId { .. } => {
                 let ns_tid = mb.get().restore_tid.load(Ordering::Acquire);
@@ -670,6 +703,9 @@ impl Daemon {
                 check_reserved(&args, 4)?;
                 want(crate::STATE_RUNNING, "running")?;
                 let timeout_ms = u32::from_le_bytes([args[0], args[1], args[2], args[3]]);
+                if self.fault(pid, FaultOp::LockHang) {
+                    return Err(self.hang(caller_fd, pid, "lock"));
+                }
                 let stall = self.fault(pid, FaultOp::LockTimeout);
                 let deadline = if timeout_ms > 0 {
                     Instant::now() + Duration::from_millis(u64::from(timeout_ms)) + LOCK_GRACE
@@ -694,6 +730,9 @@ impl Daemon {
                 }
                 if self.fault(pid, FaultOp::CheckpointFail) {
                     return Err((cu::OPERATING_SYSTEM, "injected checkpoint failure".into()));
+                }
+                if self.fault(pid, FaultOp::CheckpointHang) {
+                    return Err(self.hang(caller_fd, pid, "checkpoint"));
                 }
                 let flags = if custom { mailbox::flags::CUSTOM } else { 0 };
                 answer(
@@ -755,22 +794,9 @@ impl Daemon {
                     return Err((cu::OPERATING_SYSTEM, "injected restore failure".into()));
                 }
                 if self.fault(pid, FaultOp::RestoreHang) {
-                    // A driver that never finishes: the call returns only when the process is
-                    // gone, or after the step limit.
-                    let until = Instant::now() + STEP_LIMIT;
-                    while Instant::now() < until {
-                        if !Path::new(&format!("/proc/{pid}")).exists() {
-                            return Err((
-                                cu::OPERATING_SYSTEM,
-                                format!("process {pid} exited during the restore"),
-                            ));
-                        }
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    return Err((
-                        cu::TIMEOUT,
-                        format!("process {pid} did not answer the restore"),
-                    ));
+                    // A driver that never finishes: the call returns only when the process or
+                    // its caller is gone, or after the step limit.
+                    return Err(self.hang(caller_fd, pid, "restore"));
                 }
                 lock(&self.pending).insert(pid, map.clone());
                 mb.set_socket(&self.socket);
@@ -1379,4 +1405,16 @@ fn make_node(path: &Path) -> io::Result<()> {
         ));
     }
     std::os::unix::fs::symlink("/dev/zero", path)
+}
+
+/// Whether the peer of connection `fd` has closed it (waits up to `wait` for it to).
+fn peer_closed(fd: RawFd, wait: Duration) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd; `fd` stays open for the call (the connection's thread owns it).
+    let n = unsafe { libc::poll(&mut p, 1, wait.as_millis() as libc::c_int) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }

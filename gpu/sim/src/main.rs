@@ -63,6 +63,9 @@ enum FaultArg {
     CheckpointFail,
     RestoreFail,
     RestoreHang,
+    LockHang,
+    CheckpointHang,
+    StateHang,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +116,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 FaultArg::CheckpointFail => FaultOp::CheckpointFail,
                 FaultArg::RestoreFail => FaultOp::RestoreFail,
                 FaultArg::RestoreHang => FaultOp::RestoreHang,
+                FaultArg::LockHang => FaultOp::LockHang,
+                FaultArg::CheckpointHang => FaultOp::CheckpointHang,
+                FaultArg::StateHang => FaultOp::StateHang,
             };
             let mut c = Client::connect(&dir.join(SOCKET_NAME), Role::Control)?;
             c.ok(&Request::Fault {

@@ -110,6 +110,14 @@ pub enum FaultOp {
     /// The restore never finishes while the process lives (then CUDA_ERROR_OPERATING_SYSTEM);
     /// the process stays CHECKPOINTED.
     RestoreHang,
+    /// The lock never returns while its caller lives (a driver stuck on NCCL or P2P work). When
+    /// the caller dies the call is dropped and the process stays RUNNING, as after a failed lock.
+    LockHang,
+    /// The checkpoint never returns while its caller lives. When the caller dies the call is
+    /// dropped and the process stays LOCKED, as after a failed checkpoint (an unlock resumes it).
+    CheckpointHang,
+    /// The state read never returns while its caller lives; the process's state is unchanged.
+    StateHang,
 }
 
 /// A request to the daemon.
