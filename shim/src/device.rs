@@ -461,6 +461,7 @@ impl ContainerDevices {
                 g.free_bytes = None;
             }
             d.processes = holders.iter().map(Holder::record).collect();
+            d.driver_files = crate::driver_files::capture(&holders)?;
             Ok(d)
         })
         .await

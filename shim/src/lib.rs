@@ -10,7 +10,8 @@
 //!   restore), one file each, as steps with their undo; the modules below are the steps they
 //!   call, and never call back into a container; [`bundle`]: the bundle and its spec, read
 //!   once at Create, and the CRI annotation keys; [`device`]: the device steps (GPU processes,
-//!   lock, checkpoint, restore, unlock, GPU pairs); [`checkpoint`]: CRIU options;
+//!   lock, checkpoint, restore, unlock, GPU pairs); [`driver_files`]: the driver files they map,
+//!   recorded and held at a restore; [`checkpoint`]: CRIU options;
 //!   [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
@@ -36,6 +37,7 @@ pub mod criu;
 pub mod criu_exit;
 pub mod device;
 pub mod device_nodes;
+pub mod driver_files;
 pub mod error;
 pub mod events;
 pub mod features;

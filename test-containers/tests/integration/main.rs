@@ -17,6 +17,7 @@ mod criu_version;
 mod docs_commands;
 mod docs_messages;
 mod gpu_cdi;
+mod gpu_driver_files;
 mod gpu_hooks;
 mod gpu_process;
 mod gpu_python;
