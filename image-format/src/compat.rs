@@ -478,54 +478,57 @@ mod tests {
 
     #[test]
     fn the_containers_files_are_held_to_the_recorded_ones() {
-        let ck = profile(
-            "580.65.06",
-            vec![
-                file("libcuda.so.580.65.06", 100, "aa"),
-                file("libnvidia-ml.so.580.65.06", 50, ""),
-            ],
-        );
-        let same = [
-            file("libnvidia-ml.so.580.65.06", 50, ""),
-            file("libcuda.so.580.65.06", 100, "aa"),
+        let (cuda, nvml) = ("libcuda.so.580.65.06", "libnvidia-ml.so.580.65.06");
+        let ck = profile("580.65.06", vec![file(cuda, 100, "aa"), file(nvml, 50, "")]);
+        // Each case: what the container gets, and the (checkpoint, node) of each difference.
+        type Pairs = Vec<(String, String)>;
+        let cases: Vec<(Vec<DriverFile>, Pairs)> = vec![
+            // The same files, in another order.
+            (vec![file(nvml, 50, ""), file(cuda, 100, "aa")], vec![]),
+            // Another build at the same path.
+            (
+                vec![file(cuda, 100, "bb"), file(nvml, 50, "")],
+                vec![(
+                    format!("{LIB}/{cuda} (100 bytes, build id aa)"),
+                    format!("{LIB}/{cuda} (100 bytes, build id bb)"),
+                )],
+            ),
+            // Another version: each file named, with what the container gets instead.
+            (
+                vec![
+                    file("libcuda.so.580.65.07", 100, "cc"),
+                    file("libnvidia-ml.so.580.65.07", 50, ""),
+                ],
+                vec![
+                    (
+                        format!("{LIB}/{cuda} (driver 580.65.06)"),
+                        "driver 580.65.07 (libcuda.so.580.65.07)".into(),
+                    ),
+                    (
+                        format!("{LIB}/{nvml} (driver 580.65.06)"),
+                        "driver 580.65.07 (libnvidia-ml.so.580.65.07)".into(),
+                    ),
+                ],
+            ),
+            // No NVML at all.
+            (
+                vec![file(cuda, 100, "aa")],
+                vec![(
+                    format!("{LIB}/{nvml} (driver 580.65.06)"),
+                    "no libnvidia-ml.so.* file (driver (unknown))".into(),
+                )],
+            ),
         ];
-        assert!(driver_file_differences(&ck.devices, "580.65.06", Some(&same)).is_empty());
-        // Another build at the same path.
-        let rebuilt = [
-            file("libcuda.so.580.65.06", 100, "bb"),
-            file("libnvidia-ml.so.580.65.06", 50, ""),
-        ];
-        let d = driver_file_differences(&ck.devices, "580.65.06", Some(&rebuilt));
-        assert_eq!(d.len(), 1);
-        assert_eq!(
-            d[0].checkpoint,
-            format!("{LIB}/libcuda.so.580.65.06 (100 bytes, build id aa)")
-        );
-        assert_eq!(
-            d[0].node,
-            format!("{LIB}/libcuda.so.580.65.06 (100 bytes, build id bb)")
-        );
-        // Another version: each file named, with what the container gets instead.
-        let newer = [
-            file("libcuda.so.580.65.07", 100, "cc"),
-            file("libnvidia-ml.so.580.65.07", 50, ""),
-        ];
-        let d = driver_file_differences(&ck.devices, "", Some(&newer));
-        assert_eq!(d.len(), 2);
-        assert_eq!(
-            d[0].checkpoint,
-            format!("{LIB}/libcuda.so.580.65.06 (driver 580.65.06)")
-        );
-        assert_eq!(d[0].node, "driver 580.65.07 (libcuda.so.580.65.07)");
-        assert_eq!(d[1].node, "driver 580.65.07 (libnvidia-ml.so.580.65.07)");
-        // None at all.
-        let d = driver_file_differences(
-            &ck.devices,
-            "580.65.06",
-            Some(&[file("libcuda.so.580.65.06", 100, "aa")]),
-        );
-        assert_eq!(d.len(), 1);
-        assert_eq!(d[0].node, "no libnvidia-ml.so.* file (driver 580.65.06)");
+        for (gets, want) in cases {
+            let got: Vec<(String, String)> = driver_file_differences(&ck.devices, "", Some(&gets))
+                .into_iter()
+                .map(|d| {
+                    assert_eq!(d.field, "driver_file");
+                    (d.checkpoint, d.node)
+                })
+                .collect();
+            assert_eq!(got, want, "{gets:?}");
+        }
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! A CUDA process maps `libcuda.so.<full driver version>` and sibling libraries from the host
 //! (nvidia-container-toolkit bind-mounts them at the same path in the container). CRIU restores
 //! a file mapping by its path and checks the file it finds there, so a checkpoint restores only
-//! where the container gets the same files; [`crate::compat::driver_file_differences`] is that
-//! rule, over what [`crate::manifest::DriverFile`] records.
+//! where the container gets the same files; `compat::driver_file_differences` is that rule, over
+//! what the manifest's `DriverFile` records.
 //!
 //! The build id is read here by hand, from the ELF program headers' `PT_NOTE` segments, with every
 //! offset and size bounded by the file's: the one ELF note is all that is needed, and the ELF

@@ -159,7 +159,7 @@ pub struct Devices {
 }
 
 /// One of the driver's user-space files (`libcuda.so.580.65.06`, ...) as a checkpointed process
-/// mapped it ([`crate::driver_files`]).
+/// mapped it (see the `driver_files` module).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DriverFile {
     /// Its path in the container, as `/proc/<pid>/maps` showed it.

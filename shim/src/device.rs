@@ -461,7 +461,8 @@ impl ContainerDevices {
                 g.free_bytes = None;
             }
             d.processes = holders.iter().map(Holder::record).collect();
-            d.driver_files = crate::driver_files::capture(&holders)?;
+            let who: Vec<(i32, String)> = holders.iter().map(|h| (h.pid, h.describe())).collect();
+            d.driver_files = crate::driver_files::capture(&who)?;
             Ok(d)
         })
         .await

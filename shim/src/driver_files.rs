@@ -23,24 +23,24 @@ use image_format::manifest::{Devices, DriverFile};
 use tracing::info_span;
 
 use crate::bundle::Bundle;
-use crate::device::Holder;
 use crate::error::{Error, Result};
 
-/// The driver files the `holders` map, each once, by path.
-pub fn capture(holders: &[Holder]) -> Result<Vec<DriverFile>> {
+/// The driver files the processes `holders` map, each once, by path. Each holder is its host
+/// pid and how messages name it.
+pub fn capture(holders: &[(i32, String)]) -> Result<Vec<DriverFile>> {
     let _span = info_span!("driver_files").entered();
     let mut files: BTreeMap<String, DriverFile> = BTreeMap::new();
-    for h in holders {
-        let maps = format!("/proc/{}/maps", h.pid);
+    for (pid, who) in holders {
+        let maps = format!("/proc/{pid}/maps");
         let text = std::fs::read_to_string(&maps)
-            .map_err(|e| capture_error(format!("{}: read {maps}: {e}", h.describe())))?;
+            .map_err(|e| capture_error(format!("{who}: read {maps}: {e}")))?;
         for (range, path) in mapped_files(&text) {
             if !is_driver_file(path) || files.contains_key(path) {
                 continue;
             }
-            let through = format!("/proc/{}/map_files/{range}", h.pid);
+            let through = format!("/proc/{pid}/map_files/{range}");
             let file = read_file(path, File::open(&through), &through)
-                .map_err(|e| capture_error(format!("{}: {e}", h.describe())))?;
+                .map_err(|e| capture_error(format!("{who}: {e}")))?;
             files.insert(path.to_string(), file);
         }
     }

@@ -168,6 +168,10 @@ pub fn create_symlinks(state: impl Read, links: &[String]) -> io::Result<()> {
     Ok(())
 }
 
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
+}
+
 /// `path` opened as a directory (`O_PATH`) below `dirfd` with `resolve`'s `RESOLVE_*` flags.
 fn open_dir(dirfd: libc::c_int, path: &Path, resolve: u64) -> io::Result<OwnedFd> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
@@ -195,10 +199,6 @@ fn open_dir(dirfd: libc::c_int, path: &Path, resolve: u64) -> io::Result<OwnedFd
     Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
 }
 
-fn invalid(what: &str) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,14 +206,11 @@ mod tests {
     #[test]
     fn the_hook_links_inside_the_containers_root() {
         let bundle = tempfile::tempdir().unwrap();
-        let root = bundle.path().join("rootfs");
-        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        let config = r#"{"root": {"path": "rootfs"}}"#;
+        std::fs::write(bundle.path().join("config.json"), config).unwrap();
+        let (root, lib) = (bundle.path().join("rootfs"), "usr/lib/x86_64-linux-gnu");
+        let lib = root.join(lib);
         std::fs::create_dir_all(&lib).unwrap();
-        std::fs::write(
-            bundle.path().join("config.json"),
-            r#"{"root": {"path": "rootfs"}}"#,
-        )
-        .unwrap();
         // A link already there is replaced; a file there is left alone.
         std::os::unix::fs::symlink("old", lib.join("libnvidia-ml.so.1")).unwrap();
         std::fs::write(root.join("usr/lib/keep.so.1"), b"x").unwrap();

@@ -5,12 +5,10 @@
 //! CRIU runs, naming the file, by the shim and by `gpu-ckpt compat` alike; a node of the same
 //! version restores it.
 
-use std::path::Path;
-
 use crate::common::{gpu::*, *};
 use crate::gpu_shim::{
-    archive_manifest, checkpoint_train, create_from_archive, pod_processes, refused_restore,
-    train_spec,
+    archive_manifest, checkpoint_train, create_from_archive, gpu_ckpt_compat, pod_processes,
+    refused_restore, train_spec,
 };
 use anyhow::{ensure, Result};
 use image_format::manifest::DriverFile;
@@ -21,28 +19,6 @@ use test_containers::{
 };
 
 const LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
-
-/// `gpu-ckpt compat --libnvml` of `archive` against `sim`: (compatible, output).
-fn compat(sim: &SimNode, archive: &Path) -> Result<(bool, String)> {
-    let stack = test_containers::stack::Stack::discover()?;
-    let cli = test_containers::gpuproc::binary(&stack, "gpu-ckpt")?;
-    let out = std::process::Command::new(&cli)
-        .arg("compat")
-        .arg("--libnvml")
-        .arg(sim.libnvml())
-        .arg(archive)
-        .output()?;
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ensure!(
-        matches!(out.status.code(), Some(0 | 1)),
-        "gpu-ckpt compat failed: {text}"
-    );
-    Ok((out.status.success(), text))
-}
 
 /// The host file of `sim` that a container sees at `libcuda.so.<version>`, as the manifest
 /// must record it.
@@ -112,7 +88,7 @@ fn a_restore_onto_another_driver_release_is_refused_before_criu() -> Result<()> 
         );
 
         // gpu-ckpt compat: node B refused naming the file and both versions; node C fits.
-        let (ok, text) = compat(&sim_b, &archive)?;
+        let (ok, text) = gpu_ckpt_compat(&sim_b, &[], &archive)?;
         println!("compat on B:\n{text}");
         ensure!(
             !ok,
@@ -128,7 +104,7 @@ fn a_restore_onto_another_driver_release_is_refused_before_criu() -> Result<()> 
                 "compat does not name {needle}:\n{text}"
             );
         }
-        let (ok, text) = compat(&sim_c, &archive)?;
+        let (ok, text) = gpu_ckpt_compat(&sim_c, &[], &archive)?;
         ensure!(ok, "compat refuses node C (driver {old}):\n{text}");
 
         // The restore handler on node B: refused naming the file and both versions, nothing

@@ -716,6 +716,33 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
     Ok(())
 }
 
+/// `gpu-ckpt compat --libnvml <sim's NVML> <extra> <input>`: (compatible, what it printed).
+pub(crate) fn gpu_ckpt_compat(
+    sim: &SimNode,
+    extra: &[&str],
+    input: &Path,
+) -> Result<(bool, String)> {
+    let cli =
+        test_containers::gpuproc::binary(&test_containers::stack::Stack::discover()?, "gpu-ckpt")?;
+    let out = std::process::Command::new(&cli)
+        .arg("compat")
+        .arg("--libnvml")
+        .arg(sim.libnvml())
+        .args(extra)
+        .arg(input)
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        matches!(out.status.code(), Some(0 | 1)),
+        "gpu-ckpt compat failed: {text}"
+    );
+    Ok((out.status.success(), text))
+}
+
 /// `gpu-ckpt compat --libnvml` of a checkpoint taken on a node like `base` (its GPU 0, holding
 /// `held` bytes) against simulated nodes that differ in one field each: the field is named.
 #[test]
@@ -746,27 +773,7 @@ fn compat_names_each_field_that_differs_from_this_node() -> Result<()> {
     m.files.clear();
     let manifest = dir.path().join("manifest.json");
     std::fs::write(&manifest, serde_json::to_vec_pretty(&m)?)?;
-    let cli =
-        test_containers::gpuproc::binary(&test_containers::stack::Stack::discover()?, "gpu-ckpt")?;
-    let compat = |sim: &SimNode, extra: &[&str]| -> Result<(bool, String)> {
-        let out = std::process::Command::new(&cli)
-            .arg("compat")
-            .arg("--libnvml")
-            .arg(sim.libnvml())
-            .args(extra)
-            .arg(&manifest)
-            .output()?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ensure!(
-            matches!(out.status.code(), Some(0 | 1)),
-            "gpu-ckpt compat failed: {text}"
-        );
-        Ok((out.status.success(), text))
-    };
+    let compat = |sim: &SimNode, extra: &[&str]| gpu_ckpt_compat(sim, extra, &manifest);
     let refused = |sim: &SimNode, extra: &[&str], field: &str| -> Result<()> {
         let (ok, text) = compat(sim, extra)?;
         println!("{field}:\n{text}");
