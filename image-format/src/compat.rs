@@ -201,18 +201,7 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
             }
         }
     }
-    // A checkpoint that maps the driver's files restores only on the same full version.
-    let exact = !c.driver_files.is_empty() && c.driver_version != n.driver_version;
-    if exact || driver_branch(&c.driver_version) != driver_branch(&n.driver_version) {
-        d.push(Difference {
-            field: "driver_version".into(),
-            gpu: None,
-            checkpoint: c.driver_version.clone(),
-            node: n.driver_version.clone(),
-        });
-    }
-    let node_files = (!n.driver_files.is_empty()).then_some(n.driver_files.as_slice());
-    d.extend(driver_file_differences(c, &n.driver_version, node_files));
+    d.extend(driver_differences(c, n));
     diff(
         &mut d,
         "cuda_driver_version",
@@ -253,6 +242,24 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
         differences: d,
         gpu_map,
     }
+}
+
+/// The driver's version and files: the same branch, or, for a checkpoint that maps the driver's
+/// files, the same full version and files ([`driver_file_differences`]).
+fn driver_differences(c: &Devices, n: &Devices) -> Vec<Difference> {
+    let mut d = Vec::new();
+    let exact = !c.driver_files.is_empty() && c.driver_version != n.driver_version;
+    if exact || driver_branch(&c.driver_version) != driver_branch(&n.driver_version) {
+        d.push(Difference {
+            field: "driver_version".into(),
+            gpu: None,
+            checkpoint: c.driver_version.clone(),
+            node: n.driver_version.clone(),
+        });
+    }
+    let node_files = (!n.driver_files.is_empty()).then_some(n.driver_files.as_slice());
+    d.extend(driver_file_differences(c, &n.driver_version, node_files));
+    d
 }
 
 /// The driver files `checkpoint` recorded that a node with driver `node_version` does not give

@@ -642,39 +642,7 @@ pub fn plan(
             }
         }
     }
-    let mut notes = Vec::new();
-    let branches: BTreeSet<(String, String)> = groups
-        .iter()
-        .flat_map(|g| g.nodes.iter())
-        .map(|n| {
-            (
-                driver_branch(&n.before.driver_version).to_string(),
-                driver_branch(&n.after.driver_version).to_string(),
-            )
-        })
-        .filter(|(a, b)| a != b)
-        .collect();
-    for (from, to) in &branches {
-        notes.push(format!(
-            "the upgrade changes the driver branch from {from} to {to}: a checkpoint restores only on its own branch, so workloads move to nodes still on {from}, and those of the last group to be upgraded restart from the start"
-        ));
-    }
-    let patches: BTreeSet<(String, String)> = groups
-        .iter()
-        .flat_map(|g| g.nodes.iter())
-        .map(|n| {
-            (
-                n.before.driver_version.clone(),
-                n.after.driver_version.clone(),
-            )
-        })
-        .filter(|(a, b)| a != b && driver_branch(a) == driver_branch(b))
-        .collect();
-    for (from, to) in patches {
-        notes.push(format!(
-            "the upgrade changes the driver from {from} to {to} within its branch: a GPU checkpoint restores only on its exact driver version (its processes map the driver's files, named by it), so workloads move to nodes still on {from}, and those of the last group to be upgraded restart from the start"
-        ));
-    }
+    let notes = upgrade_notes(&groups);
     Ok(Plan {
         upgrade,
         groups,
@@ -683,6 +651,35 @@ pub fn plan(
         without_destination: without,
         notes,
     })
+}
+
+/// What the upgrade means for where checkpoints restore: a note per driver branch change, and
+/// per release change within a branch (a GPU checkpoint restores only on its exact release).
+fn upgrade_notes(groups: &[Group]) -> Vec<String> {
+    let changes: BTreeSet<(&str, &str)> = groups
+        .iter()
+        .flat_map(|g| g.nodes.iter())
+        .map(|n| {
+            (
+                n.before.driver_version.as_str(),
+                n.after.driver_version.as_str(),
+            )
+        })
+        .filter(|(a, b)| a != b)
+        .collect();
+    let mut notes: Vec<String> = Vec::new();
+    for (from, to) in changes {
+        let (fb, tb) = (driver_branch(from), driver_branch(to));
+        let note = if fb != tb {
+            format!("the upgrade changes the driver branch from {fb} to {tb}: a checkpoint restores only on its own branch, so workloads move to nodes still on {fb}, and those of the last group to be upgraded restart from the start")
+        } else {
+            format!("the upgrade changes the driver from {from} to {to} within its branch: a GPU checkpoint restores only on its exact driver version (its processes map the driver's files, named by it), so workloads move to nodes still on {from}, and those of the last group to be upgraded restart from the start")
+        };
+        if !notes.contains(&note) {
+            notes.push(note);
+        }
+    }
+    notes
 }
 
 impl<'a> Planner<'a> {
