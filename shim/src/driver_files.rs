@@ -10,7 +10,9 @@
 //!   and GNU build id.
 //! - [`differences`]: each recorded file against what the spec's mounts (where CDI puts the
 //!   driver's files) give at its path: the host source opened without following a link at its
-//!   last component, its size and build id compared by `image_format::compat`'s rule.
+//!   last component, its size and build id compared by `image_format::compat`'s rule. A spec
+//!   that mounts no driver file at all (the toolkit's legacy hook mounts them at start) is held
+//!   to the driver's full version only, by `compat::check`.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -20,7 +22,7 @@ use std::path::{Path, PathBuf};
 use image_format::compat;
 use image_format::driver_files::{is_driver_file, read_build_id};
 use image_format::manifest::{Devices, DriverFile};
-use tracing::info_span;
+use tracing::{info, info_span};
 
 use crate::bundle::Bundle;
 use crate::error::{Error, Result};
@@ -166,6 +168,13 @@ pub fn differences(bundle: &Bundle, recorded: &Devices) -> Result<Vec<String>> {
     }
     let _span = info_span!("driver_files_check").entered();
     let files = container_files(bundle, &recorded.driver_files)?;
+    if files.is_empty() {
+        // The spec mounts no driver file: a runtime hook injects them at start (the toolkit's
+        // legacy mode), so the spec cannot say which; the inventory's exact driver version
+        // (`compat::check`, run before) is all there is to hold the checkpoint to.
+        info!("the spec mounts no driver file: held to the driver version only");
+        return Ok(Vec::new());
+    }
     Ok(compat::driver_file_differences(recorded, "", Some(&files))
         .into_iter()
         .map(|d| {
@@ -277,5 +286,66 @@ mod tests {
         assert_eq!(f.size, std::fs::metadata(&real).unwrap().len());
         let err = read_file("/c/libcuda.so.1", open(&link), "link").unwrap_err();
         assert!(err.contains("open link"), "{err}");
+    }
+
+    /// A bundle whose spec bind-mounts `mounts` (destination, host source).
+    fn bundle(dir: &Path, mounts: &[(&str, &Path)]) -> Bundle {
+        let mounts: Vec<serde_json::Value> = mounts
+            .iter()
+            .map(|(d, s)| serde_json::json!({"destination": d, "source": s, "type": "bind", "options": ["ro", "bind"]}))
+            .collect();
+        let spec = serde_json::json!({"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "mounts": mounts});
+        std::fs::write(dir.join("config.json"), spec.to_string()).unwrap();
+        Bundle::load(dir).unwrap()
+    }
+
+    #[test]
+    fn the_restore_holds_the_recorded_files_to_the_specs_mounts() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = dir.path().join("libcuda.so.580.65.06");
+        std::fs::copy(std::env::current_exe().unwrap(), &host).unwrap();
+        let dest = "/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06";
+        let f = read_file(dest, File::open(&host), "host").unwrap();
+        let recorded = Devices {
+            driver_version: "580.65.06".into(),
+            driver_files: vec![f.clone()],
+            ..Devices::default()
+        };
+        let same = bundle(dir.path(), &[(dest, &host)]);
+        assert_eq!(differences(&same, &recorded).unwrap(), Vec::<String>::new());
+        // Another file at the same path: size and build id named.
+        let other = Devices {
+            driver_files: vec![DriverFile {
+                size: f.size + 1,
+                build_id: "00".into(),
+                ..f.clone()
+            }],
+            ..recorded.clone()
+        };
+        let d = differences(&same, &other).unwrap();
+        assert_eq!(d.len(), 1);
+        assert!(
+            d[0].starts_with(&format!(
+                "the checkpoint maps {dest} ({} bytes, build id 00)",
+                f.size + 1
+            )),
+            "{d:?}"
+        );
+        // Another release: the file and both versions named, as the error says it.
+        let newer = dir.path().join("libcuda.so.580.65.07");
+        std::fs::copy(&host, &newer).unwrap();
+        let b = bundle(
+            dir.path(),
+            &[("/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.07", &newer)],
+        );
+        let err = check_restore(&b, &recorded).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("the checkpoint maps {dest} (driver 580.65.06); this container gets driver 580.65.07 (libcuda.so.580.65.07)"))
+                && err.contains("restore failed at step compat"),
+            "{err}"
+        );
+        // A spec that mounts no driver file: the driver version decides (elsewhere).
+        let legacy = bundle(dir.path(), &[("/data", dir.path())]);
+        assert!(differences(&legacy, &recorded).unwrap().is_empty());
     }
 }
