@@ -555,8 +555,10 @@ fn a_driver_upgrade_across_three_node_groups() {
     let chat = pod(node(2, "gpu-c1"), "chat-0-restore");
     assert_eq!(chat.owner, None);
 
-    // Within the branch (570.86.15 -> 570.195.03) checkpoints restore on upgraded nodes too:
-    // every workload has a destination, and upgraded nodes are preferred.
+    // Within the branch (570.86.15 -> 570.195.03) a GPU checkpoint restores only on its exact
+    // driver version too (its processes map libcuda.so.570.86.15, which an upgraded node no
+    // longer has): workloads move only to nodes not yet upgraded, those of the last group have
+    // nowhere to go, each upgraded node rejected naming the versions, and a note says why.
     let plan = plan_for(
         "fleet-pods.json",
         "fleet-nodes.json",
@@ -569,26 +571,67 @@ fn a_driver_upgrade_across_three_node_groups() {
             ..opts()
         },
     );
-    assert!(plan.complete, "{:?}", plan.without_destination);
-    assert!(plan.notes.is_empty());
-    let order: Vec<String> = plan
+    assert!(!plan.complete);
+    assert!(
+        plan.notes
+            .iter()
+            .any(|n| n.contains("from 570.86.15 to 570.195.03 within its branch")),
+        "{:?}",
+        plan.notes
+    );
+    let b1 = plan
         .groups
         .iter()
-        .map(|g| g.label_value.clone().unwrap_or_default())
-        .collect();
-    assert_eq!(order, ["pool-a", "pool-b", "pool-c"]);
-    let b1 = plan.groups[1]
-        .nodes
-        .iter()
+        .flat_map(|g| g.nodes.iter())
         .find(|n| n.node == "gpu-b1")
         .unwrap();
     assert_eq!(b1.after.cuda_version, "12.8", "same branch keeps CUDA");
-    match &pod(b1, "vision-0").disposition {
-        Disposition::Migrate { destination, .. } => {
-            assert!(destination.starts_with("gpu-a"), "{destination}")
+    let mut upgraded: Vec<String> = Vec::new();
+    let (mut moved, mut stranded) = (0, 0);
+    for g in &plan.groups {
+        for n in &g.nodes {
+            for p in &n.pods {
+                match &p.disposition {
+                    Disposition::Migrate {
+                        destination,
+                        candidates,
+                    } => {
+                        moved += 1;
+                        for c in candidates.iter().chain([destination]) {
+                            assert!(!upgraded.contains(c), "{}: {c} is upgraded", p.name);
+                        }
+                    }
+                    Disposition::NoDestination { rejected, .. } => {
+                        stranded += 1;
+                        assert!(
+                            plan.without_destination
+                                .contains(&format!("{}/{} on {}", p.namespace, p.name, n.node)),
+                            "{:?}",
+                            plan.without_destination
+                        );
+                        for r in rejected.iter().filter(|r| upgraded.contains(&r.node)) {
+                            assert!(
+                                r.reasons.contains(
+                                    &r#"driver_version: checkpoint "570.86.15", node "570.195.03""#
+                                        .to_string()
+                                ),
+                                "{}: {:?}",
+                                p.name,
+                                r.reasons
+                            );
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
-        other => panic!("{other:?}"),
+        upgraded.extend(g.nodes.iter().map(|n| n.node.clone()));
     }
+    assert!(
+        moved > 0 && stranded > 0,
+        "moved {moved}, stranded {stranded}"
+    );
+    assert_eq!(plan.without_destination.len(), stranded);
     // gpu-n1 (driver 580) takes nothing: another branch.
     for g in &plan.groups {
         for n in &g.nodes {

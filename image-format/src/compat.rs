@@ -1,5 +1,8 @@
 //! Can a checkpoint restore on this node? Same GPU model and count, the same driver branch (the
 //! `580` of `580.65.06`) and CUDA driver version, same engine and model versions are required;
+//! a checkpoint whose processes mapped the driver's files ([`Devices::driver_files`]) needs the
+//! same full driver version, and the same files where the node's are known
+//! ([`driver_file_differences`]);
 //! GPU UUIDs may differ and are remapped in order (checkpoint GPU i -> node GPU i). A node GPU
 //! with less memory than the checkpointed one, or with less free memory than the checkpoint's
 //! processes held on it, is also refused (the driver needs room for the restored allocations).
@@ -8,7 +11,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::manifest::{Devices, Gpu, Manifest, Workload};
+use crate::driver_files::{name_under, version_of};
+use crate::manifest::{Devices, DriverFile, Gpu, Manifest, Workload};
 
 /// What compatibility is decided on. Built from a manifest, from OCI annotations, or from a node's
 /// inventory plus the versions the restoring pod declares.
@@ -45,6 +49,7 @@ impl Profile {
                 gpus: pick.iter().map(|g| gpu_entry(g)).collect(),
                 processes: Vec::new(),
                 node_gpus: inv.gpus.iter().map(gpu_entry).collect(),
+                driver_files: Vec::new(),
             },
             workload,
         }
@@ -81,7 +86,7 @@ pub fn driver_branch(v: &str) -> &str {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Difference {
     /// Stable field id: `gpu_count`, `gpu_model`, `gpu_memory`, `driver_version`,
-    /// `cuda_driver_version`, `engine_version`, `model_version`.
+    /// `driver_file`, `cuda_driver_version`, `engine_version`, `model_version`.
     pub field: String,
     /// For per-GPU fields, the GPU index.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -196,14 +201,7 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
             }
         }
     }
-    if driver_branch(&c.driver_version) != driver_branch(&n.driver_version) {
-        d.push(Difference {
-            field: "driver_version".into(),
-            gpu: None,
-            checkpoint: c.driver_version.clone(),
-            node: n.driver_version.clone(),
-        });
-    }
+    d.extend(driver_differences(c, n));
     diff(
         &mut d,
         "cuda_driver_version",
@@ -246,6 +244,109 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
     }
 }
 
+/// The driver's version and files: the same branch, or, for a checkpoint that maps the driver's
+/// files, the same full version and files ([`driver_file_differences`]).
+fn driver_differences(c: &Devices, n: &Devices) -> Vec<Difference> {
+    let mut d = Vec::new();
+    let exact = !c.driver_files.is_empty() && c.driver_version != n.driver_version;
+    if exact || driver_branch(&c.driver_version) != driver_branch(&n.driver_version) {
+        d.push(Difference {
+            field: "driver_version".into(),
+            gpu: None,
+            checkpoint: c.driver_version.clone(),
+            node: n.driver_version.clone(),
+        });
+    }
+    let node_files = (!n.driver_files.is_empty()).then_some(n.driver_files.as_slice());
+    d.extend(driver_file_differences(c, &n.driver_version, node_files));
+    d
+}
+
+/// The driver files `checkpoint` recorded that a node with driver `node_version` does not give
+/// its container alike, one `driver_file` difference each. `node_files`: the driver files the
+/// restoring container gets (path in the container, size, build id), where known (the shim reads
+/// them from the container's spec); otherwise the node's files are taken to be the ones its
+/// driver version names (`libcuda.so.<version>`), so only the version is compared. Empty when
+/// the checkpoint recorded no driver files (an older manifest, or no GPU process).
+pub fn driver_file_differences(
+    checkpoint: &Devices,
+    node_version: &str,
+    node_files: Option<&[DriverFile]>,
+) -> Vec<Difference> {
+    let ck_version = &checkpoint.driver_version;
+    let mut out = Vec::new();
+    for r in &checkpoint.driver_files {
+        let node = match node_files {
+            None if node_version == ck_version => continue,
+            None => match name_under(&r.path, node_version) {
+                Some(name) => format!("driver {} ({name})", show_version(node_version)),
+                None => format!("driver {}", show_version(node_version)),
+            },
+            Some(files) => match files.iter().find(|f| f.path == r.path) {
+                Some(f) if f.size == r.size && f.build_id == r.build_id => continue,
+                Some(f) => format!("{} ({})", f.path, file_identity(f)),
+                None => gets_instead(r, files, node_version),
+            },
+        };
+        let checkpoint = if node_files.is_some() && node.starts_with(&r.path) {
+            format!("{} ({})", r.path, file_identity(r))
+        } else {
+            format!("{} (driver {})", r.path, show_version(ck_version))
+        };
+        out.push(Difference {
+            field: "driver_file".into(),
+            gpu: None,
+            checkpoint,
+            node,
+        });
+    }
+    out
+}
+
+fn show_version(v: &str) -> &str {
+    if v.is_empty() {
+        "(unknown)"
+    } else {
+        v
+    }
+}
+
+/// `123 bytes, build id abcd`.
+fn file_identity(f: &DriverFile) -> String {
+    let id = if f.build_id.is_empty() {
+        "none"
+    } else {
+        &f.build_id
+    };
+    format!("{} bytes, build id {id}", f.size)
+}
+
+/// What the restoring container gets instead of `r`: `driver 580.65.07 (libcuda.so.580.65.07)`,
+/// from its driver files of the same library, or that it gets none.
+fn gets_instead(r: &DriverFile, files: &[DriverFile], node_version: &str) -> String {
+    let name = r.path.rsplit('/').next().unwrap_or(&r.path);
+    let stem = name.split_once(".so.").map_or(name, |(s, _)| s);
+    let same_lib: Vec<&DriverFile> = files
+        .iter()
+        .filter(|f| {
+            let n = f.path.rsplit('/').next().unwrap_or(&f.path);
+            n.split_once(".so.").is_some_and(|(s, _)| s == stem)
+        })
+        .collect();
+    let Some(first) = same_lib.first() else {
+        return format!(
+            "no {stem}.so.* file (driver {})",
+            show_version(node_version)
+        );
+    };
+    let version = version_of(&first.path).unwrap_or(node_version);
+    let names: Vec<&str> = same_lib
+        .iter()
+        .map(|f| f.path.rsplit('/').next().unwrap_or(&f.path))
+        .collect();
+    format!("driver {} ({})", show_version(version), names.join(", "))
+}
+
 /// OCI annotation keys that carry the profile on an image manifest.
 pub mod keys {
     pub const SCHEMA_VERSION: &str = "gpu-ckpt.io/manifest-schema-version";
@@ -260,6 +361,8 @@ pub mod keys {
     pub const MODEL_VERSION: &str = "gpu-ckpt.io/model-version";
     /// JSON array of the processes that held device state: {pid, gpus: [{uuid, bytes}]}.
     pub const DEVICE_BYTES: &str = "gpu-ckpt.io/device-processes";
+    /// JSON array of the driver files those processes mapped: {path, size, build_id}.
+    pub const DRIVER_FILES: &str = "gpu-ckpt.io/driver-files";
 }
 
 /// The `gpu-ckpt.io/` annotations for a profile.
@@ -291,6 +394,12 @@ pub fn profile_annotations(p: &Profile) -> BTreeMap<String, String> {
             serde_json::to_string(&p.devices.processes).unwrap_or_default(),
         );
     }
+    if !p.devices.driver_files.is_empty() {
+        a.insert(
+            keys::DRIVER_FILES.into(),
+            serde_json::to_string(&p.devices.driver_files).unwrap_or_default(),
+        );
+    }
     a
 }
 
@@ -312,10 +421,127 @@ pub fn profile_from_annotations(a: &BTreeMap<String, String>) -> Option<Profile>
                 .and_then(|v| serde_json::from_str(v).ok())
                 .unwrap_or_default(),
             node_gpus: Vec::new(),
+            driver_files: a
+                .get(keys::DRIVER_FILES)
+                .and_then(|v| serde_json::from_str(v).ok())
+                .unwrap_or_default(),
         },
         workload: Workload {
             engine_version: get(keys::ENGINE_VERSION),
             model_version: get(keys::MODEL_VERSION),
         },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIB: &str = "/usr/lib/x86_64-linux-gnu";
+
+    fn file(name: &str, size: u64, id: &str) -> DriverFile {
+        DriverFile {
+            path: format!("{LIB}/{name}"),
+            size,
+            build_id: id.into(),
+        }
+    }
+
+    fn profile(version: &str, files: Vec<DriverFile>) -> Profile {
+        Profile {
+            devices: Devices {
+                driver_version: version.into(),
+                cuda_driver_version: "13.0".into(),
+                gpus: vec![Gpu {
+                    uuid: "GPU-1".into(),
+                    model: "NVIDIA H100 80GB HBM3".into(),
+                    ..Gpu::default()
+                }],
+                driver_files: files,
+                ..Devices::default()
+            },
+            workload: Workload::default(),
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_that_maps_driver_files_needs_the_exact_version() {
+        let ck = profile("580.65.06", vec![file("libcuda.so.580.65.06", 100, "aa")]);
+        assert!(check(&ck, &profile("580.65.06", vec![])).compatible);
+        let v = check(&ck, &profile("580.65.07", vec![]));
+        let text: Vec<String> = v.differences.iter().map(|d| d.to_string()).collect();
+        assert_eq!(
+            text,
+            [
+                r#"driver_version: checkpoint "580.65.06", node "580.65.07""#,
+                r#"driver_file: checkpoint "/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06 (driver 580.65.06)", node "driver 580.65.07 (libcuda.so.580.65.07)""#
+            ]
+        );
+        // Without recorded files (an older manifest), the branch rule.
+        let old = profile("580.65.06", vec![]);
+        assert!(check(&old, &profile("580.65.07", vec![])).compatible);
+        assert!(!check(&old, &profile("575.57.08", vec![])).compatible);
+    }
+
+    #[test]
+    fn the_containers_files_are_held_to_the_recorded_ones() {
+        let (cuda, nvml) = ("libcuda.so.580.65.06", "libnvidia-ml.so.580.65.06");
+        let ck = profile("580.65.06", vec![file(cuda, 100, "aa"), file(nvml, 50, "")]);
+        // Each case: what the container gets, and the (checkpoint, node) of each difference.
+        type Pairs = Vec<(String, String)>;
+        let cases: Vec<(Vec<DriverFile>, Pairs)> = vec![
+            // The same files, in another order.
+            (vec![file(nvml, 50, ""), file(cuda, 100, "aa")], vec![]),
+            // Another build at the same path.
+            (
+                vec![file(cuda, 100, "bb"), file(nvml, 50, "")],
+                vec![(
+                    format!("{LIB}/{cuda} (100 bytes, build id aa)"),
+                    format!("{LIB}/{cuda} (100 bytes, build id bb)"),
+                )],
+            ),
+            // Another version: each file named, with what the container gets instead.
+            (
+                vec![
+                    file("libcuda.so.580.65.07", 100, "cc"),
+                    file("libnvidia-ml.so.580.65.07", 50, ""),
+                ],
+                vec![
+                    (
+                        format!("{LIB}/{cuda} (driver 580.65.06)"),
+                        "driver 580.65.07 (libcuda.so.580.65.07)".into(),
+                    ),
+                    (
+                        format!("{LIB}/{nvml} (driver 580.65.06)"),
+                        "driver 580.65.07 (libnvidia-ml.so.580.65.07)".into(),
+                    ),
+                ],
+            ),
+            // No NVML at all.
+            (
+                vec![file(cuda, 100, "aa")],
+                vec![(
+                    format!("{LIB}/{nvml} (driver 580.65.06)"),
+                    "no libnvidia-ml.so.* file (driver (unknown))".into(),
+                )],
+            ),
+        ];
+        for (gets, want) in cases {
+            let got: Vec<(String, String)> = driver_file_differences(&ck.devices, "", Some(&gets))
+                .into_iter()
+                .map(|d| {
+                    assert_eq!(d.field, "driver_file");
+                    (d.checkpoint, d.node)
+                })
+                .collect();
+            assert_eq!(got, want, "{gets:?}");
+        }
+    }
+
+    #[test]
+    fn driver_files_travel_in_annotations() {
+        let ck = profile("580.65.06", vec![file("libcuda.so.580.65.06", 100, "aa")]);
+        let back = profile_from_annotations(&profile_annotations(&ck)).unwrap();
+        assert_eq!(back.devices.driver_files, ck.devices.driver_files);
+    }
 }

@@ -5,6 +5,7 @@
 //!   read safely, written, verified and extracted.
 //! - [`manifest`]: the versioned gpu-ckpt manifest the shim writes next to the CRIU images.
 //! - [`compat`]: can a checkpoint restore on a node, and which field differs if not.
+//! - [`driver_files`]: the driver's user-space files a GPU process maps, and their build ids.
 //! - [`oci`]: the archive as an OCI image (layout directory or tarball), and back.
 //! - [`reference`]: image references and `RestoreSources` registry prefixes, parsed strictly (the
 //!   tag an OCI image is built under; the registry client, crate `gpu-ckpt-registry`, and the
@@ -25,6 +26,7 @@ pub mod cri;
 pub mod criu_creds;
 pub mod criu_stats;
 pub mod digest;
+pub mod driver_files;
 pub mod durable;
 pub mod error;
 pub mod fuzzing;

@@ -151,6 +151,24 @@ pub struct Devices {
     /// Every GPU of the node the checkpoint was taken on, in NVML's order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub node_gpus: Vec<Gpu>,
+    /// The driver's user-space files the processes of [`Devices::processes`] mapped (CRIU
+    /// restores those mappings by path, so a restore needs the same files). Absent in older
+    /// manifests, which are held to the driver branch only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub driver_files: Vec<DriverFile>,
+}
+
+/// One of the driver's user-space files (`libcuda.so.580.65.06`, ...) as a checkpointed process
+/// mapped it (see the `driver_files` module).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriverFile {
+    /// Its path in the container, as `/proc/<pid>/maps` showed it.
+    pub path: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its GNU build id, lower-case hex; empty for a file without one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub build_id: String,
 }
 
 impl Devices {

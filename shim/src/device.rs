@@ -539,6 +539,8 @@ impl ContainerDevices {
                 g.free_bytes = None;
             }
             d.processes = holders.iter().map(Holder::record).collect();
+            let who: Vec<(i32, String)> = holders.iter().map(|h| (h.pid, h.describe())).collect();
+            d.driver_files = crate::driver_files::capture(&who)?;
             Ok(d)
         })
         .await

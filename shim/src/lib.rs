@@ -13,7 +13,8 @@
 //!   lock, checkpoint, restore, unlock, GPU pairs); [`device_worker`]: the driver's calls in a
 //!   child process, each bounded; [`unsupported`]: what the driver cannot checkpoint (MIG,
 //!   NCCL, MPS), refused before the lock; [`memory_room`]: host memory for the staged device
-//!   memory; [`checkpoint`]: CRIU options;
+//!   memory; [`driver_files`]: the driver files they map, recorded and held at a
+//!   restore; [`checkpoint`]: CRIU options;
 //!   [`annotations`]: `gpu-ckpt.io/` keys;
 //! - [`process`]: a process's state and exit; [`restore`]: the restore handler's own restore;
 //!   [`verify_gate`]: holds restored tasks until their page images are verified;
@@ -40,6 +41,7 @@ pub mod criu_exit;
 pub mod device;
 pub mod device_nodes;
 pub mod device_worker;
+pub mod driver_files;
 pub mod error;
 pub mod events;
 pub mod features;

@@ -423,6 +423,7 @@ fn differences(
         let layer = crate::device::DeviceLayer::for_options(options)?;
         let (gpus, _) = crate::device::compare(bundle, layer.as_deref(), &manifest.devices)?;
         differences.extend(gpus);
+        differences.extend(crate::driver_files::differences(bundle, &manifest.devices)?);
     }
     Ok(differences)
 }

@@ -744,6 +744,18 @@ fn inspect(
                     .collect();
                 println!("    ├── Process {}: {}", p.pid, on.join(", "));
             }
+            for f in &m.devices.driver_files {
+                let id = if f.build_id.is_empty() {
+                    "none"
+                } else {
+                    &f.build_id
+                };
+                println!(
+                    "    ├── Driver file: {} ({}, build id {id})",
+                    f.path,
+                    human(f.size)
+                );
+            }
             if !m.devices.processes.is_empty() {
                 println!(
                     "    ├── Device bytes (staged in host memory): {}",

@@ -22,7 +22,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use image_format::compat::{self, driver_branch, Profile};
-use image_format::manifest::{Devices, Gpu, Workload};
+use image_format::manifest::{Devices, DriverFile, Gpu, Workload};
 use kube::{NodeEntry, PodEntry};
 
 /// Node label: `installed` where the node installer put the runtime on the node.
@@ -37,6 +37,8 @@ pub const DRIVER_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-driver-v
 pub const CUDA_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-cuda-version";
 /// The label a restore pod is pinned to its destination by.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+/// Where nvidia-container-toolkit mounts the driver's libraries in a container.
+const DRIVER_LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
 
 /// The RuntimeClass whose pods are checkpointed, and the one restores run on: the chart's
 /// default names (runtime-class/chart/gpu-ckpt/values.yaml); `--runtime-class` and
@@ -640,23 +642,7 @@ pub fn plan(
             }
         }
     }
-    let mut notes = Vec::new();
-    let branches: BTreeSet<(String, String)> = groups
-        .iter()
-        .flat_map(|g| g.nodes.iter())
-        .map(|n| {
-            (
-                driver_branch(&n.before.driver_version).to_string(),
-                driver_branch(&n.after.driver_version).to_string(),
-            )
-        })
-        .filter(|(a, b)| a != b)
-        .collect();
-    for (from, to) in branches {
-        notes.push(format!(
-            "the upgrade changes the driver branch from {from} to {to}: a checkpoint restores only on its own branch, so workloads move to nodes still on {from}, and those of the last group to be upgraded restart from the start"
-        ));
-    }
+    let notes = upgrade_notes(&groups);
     Ok(Plan {
         upgrade,
         groups,
@@ -665,6 +651,35 @@ pub fn plan(
         without_destination: without,
         notes,
     })
+}
+
+/// What the upgrade means for where checkpoints restore: a note per driver branch change, and
+/// per release change within a branch (a GPU checkpoint restores only on its exact release).
+fn upgrade_notes(groups: &[Group]) -> Vec<String> {
+    let changes: BTreeSet<(&str, &str)> = groups
+        .iter()
+        .flat_map(|g| g.nodes.iter())
+        .map(|n| {
+            (
+                n.before.driver_version.as_str(),
+                n.after.driver_version.as_str(),
+            )
+        })
+        .filter(|(a, b)| a != b)
+        .collect();
+    let mut notes: Vec<String> = Vec::new();
+    for (from, to) in changes {
+        let (fb, tb) = (driver_branch(from), driver_branch(to));
+        let note = if fb != tb {
+            format!("the upgrade changes the driver branch from {fb} to {tb}: a checkpoint restores only on its own branch, so workloads move to nodes still on {fb}, and those of the last group to be upgraded restart from the start")
+        } else {
+            format!("the upgrade changes the driver from {from} to {to} within its branch: a GPU checkpoint restores only on its exact driver version (its processes map the driver's files, named by it), so workloads move to nodes still on {from}, and those of the last group to be upgraded restart from the start")
+        };
+        if !notes.contains(&note) {
+            notes.push(note);
+        }
+    }
+    notes
 }
 
 impl<'a> Planner<'a> {
@@ -703,6 +718,12 @@ impl<'a> Planner<'a> {
                 driver_version: versions.driver_version.clone(),
                 cuda_driver_version: versions.cuda_version.clone(),
                 gpus,
+                // Its CUDA processes map the driver's files, named by its full version, so
+                // that the checkpoint restores only on that version (compat's rule).
+                driver_files: vec![DriverFile {
+                    path: format!("{DRIVER_LIB_DIR}/libcuda.so.{}", versions.driver_version),
+                    ..DriverFile::default()
+                }],
                 ..Devices::default()
             }
         };
@@ -723,6 +744,11 @@ impl<'a> Planner<'a> {
         // difference is said once, without the index.
         let mut out: Vec<String> = Vec::new();
         for d in &verdict.differences {
+            // The driver's files are the ones its version names: the driver_version line
+            // says it.
+            if d.field == "driver_file" {
+                continue;
+            }
             let line = compat::Difference {
                 gpu: None,
                 ..d.clone()

@@ -2,6 +2,13 @@
 //! spec injects real ones: one device node `/dev/nvidia<minor>` per GPU, the common nodes
 //! (`nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`), the two libraries, and the daemon's socket.
 //!
+//! The libraries are mounted as the toolkit mounts the driver's: the versioned file
+//! (`libcuda.so.<driver version>`) at the same name in the container, and a `createContainer`
+//! hook ([`create_symlinks`], the binary's `hook create-symlinks`, as `nvidia-ctk hook
+//! create-symlinks`) makes the loader's link `libcuda.so.1 -> libcuda.so.<version>` in the
+//! container's root. A process that loads `libcuda.so.1` then maps, and `/proc/<pid>/maps`
+//! shows, `libcuda.so.<version>`, as on a real node.
+//!
 //! The nodes' host paths are the ones the daemon makes in its directory (`dev/`). A real node's
 //! are NVIDIA's character devices (195:N per GPU, 195:255 for `nvidiactl`, the `nvidia-uvm`
 //! major for the other two); the simulator's are the character device of `/dev/zero` (1:5),
@@ -9,11 +16,14 @@
 //! already allow. The library tells the GPUs apart by the node's name, as the driver tells
 //! them apart by its minor number.
 
-use std::path::Path;
+use std::ffi::CString;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use crate::node::NodeDesc;
+use crate::node::{versioned_name, NodeDesc, LIBRARIES};
 use crate::proto::{COMMON_NODES, CONTAINER_SOCKET, DEV_DIR_NAME, ENV_SOCKET, SOCKET_NAME};
 
 /// CDI kind of the simulated GPUs (`sim.gpu-ckpt.io/gpu=0`, `=all`).
@@ -40,8 +50,9 @@ fn node(dev: &Path, name: &str) -> Value {
     })
 }
 
-/// The spec for the node whose daemon lives in `dir`.
-pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
+/// The spec for the node whose daemon lives in `dir`; `hook` is this simulator's binary, which
+/// makes the libraries' links in each container ([`create_symlinks`]).
+pub fn spec(dir: &Path, node_desc: &NodeDesc, hook: &Path) -> Value {
     let dev = dir.join(DEV_DIR_NAME);
     let gpu_node = |g: &crate::node::GpuDesc| node(&dev, &format!("nvidia{}", g.index));
     let mut devices: Vec<Value> = node_desc
@@ -62,6 +73,21 @@ pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
         },
     }));
     let lib = dir.join("lib");
+    let mut mounts = Vec::new();
+    let mut hook_args = vec![
+        "gpu-ckpt-simgpu".to_string(),
+        "hook".into(),
+        "create-symlinks".into(),
+    ];
+    for (_, name) in LIBRARIES {
+        let file = versioned_name(name, &node_desc.driver_version);
+        mounts.push(bind(
+            &lib.join(&file),
+            &format!("{CONTAINER_LIB_DIR}/{file}"),
+        ));
+        hook_args.push("--link".into());
+        hook_args.push(format!("{file}::{CONTAINER_LIB_DIR}/{name}.so.1"));
+    }
     let mut socket = bind(&dir.join(SOCKET_NAME), CONTAINER_SOCKET);
     // The socket must be writable to connect to it.
     socket["options"] = json!(["nosuid", "nodev", "bind"]);
@@ -72,11 +98,12 @@ pub fn spec(dir: &Path, node_desc: &NodeDesc) -> Value {
         "containerEdits": {
             "env": [format!("{ENV_SOCKET}={CONTAINER_SOCKET}")],
             "deviceNodes": COMMON_NODES.iter().map(|n| node(&dev, n)).collect::<Vec<_>>(),
-            "mounts": [
-                bind(&lib.join("libcuda.so.1"), &format!("{CONTAINER_LIB_DIR}/libcuda.so.1")),
-                bind(&lib.join("libnvidia-ml.so.1"), &format!("{CONTAINER_LIB_DIR}/libnvidia-ml.so.1")),
-                socket,
-            ],
+            "mounts": mounts.into_iter().chain([socket]).collect::<Vec<_>>(),
+            "hooks": [{
+                "hookName": "createContainer",
+                "path": hook.to_string_lossy(),
+                "args": hook_args,
+            }],
         },
     })
 }
@@ -114,4 +141,170 @@ pub fn mig_devices(dev: &Path, node_desc: &NodeDesc) -> Vec<Value> {
             })
         })
         .collect()
+}
+
+/// The `createContainer` hook: for each `target::link` of `links`, the symbolic link `link` (an
+/// absolute path in the container) to `target`, made in the root of the container whose OCI
+/// state is read from `state` (the runtime writes it to the hook's stdin). The link's directory
+/// is resolved inside the root (`openat2` with `RESOLVE_IN_ROOT`, so no link in the image leads
+/// out of it); a link already there is replaced, anything else there is left alone.
+pub fn create_symlinks(state: impl Read, links: &[String]) -> io::Result<()> {
+    let state: Value = serde_json::from_reader(state).map_err(io::Error::other)?;
+    let bundle = PathBuf::from(
+        state["bundle"]
+            .as_str()
+            .ok_or_else(|| invalid("the container state has no bundle"))?,
+    );
+    let config: Value = serde_json::from_slice(&std::fs::read(bundle.join("config.json"))?)
+        .map_err(io::Error::other)?;
+    let root = config["root"]["path"]
+        .as_str()
+        .ok_or_else(|| invalid("the container's config has no root.path"))?;
+    let root = bundle.join(root);
+    let root = open_dir(libc::AT_FDCWD, &root, 0)?;
+    for spec in links {
+        let (target, link) = spec
+            .split_once("::")
+            .ok_or_else(|| invalid(&format!("{spec:?} is not TARGET::LINK")))?;
+        let link = Path::new(link);
+        let (Some(parent), Some(name)) = (link.parent(), link.file_name()) else {
+            return Err(invalid(&format!("{spec:?}: no directory and name")));
+        };
+        let parent = open_dir(root.as_raw_fd(), parent, libc::RESOLVE_IN_ROOT)?;
+        let name = CString::new(name.as_encoded_bytes()).map_err(io::Error::other)?;
+        let target = CString::new(target).map_err(io::Error::other)?;
+        // SAFETY: a stat buffer for fstatat to fill; name is NUL-terminated.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        let found = unsafe {
+            libc::fstatat(
+                parent.as_raw_fd(),
+                name.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        } == 0;
+        if found {
+            if st.st_mode & libc::S_IFMT != libc::S_IFLNK {
+                eprintln!(
+                    "gpu-ckpt-simgpu hook: {} exists and is not a link: left alone",
+                    link.display()
+                );
+                continue;
+            }
+            // SAFETY: name is NUL-terminated; parent is an open directory.
+            if unsafe { libc::unlinkat(parent.as_raw_fd(), name.as_ptr(), 0) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        // SAFETY: both strings are NUL-terminated; parent is an open directory.
+        if unsafe { libc::symlinkat(target.as_ptr(), parent.as_raw_fd(), name.as_ptr()) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn invalid(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what.to_string())
+}
+
+/// `path` opened as a directory (`O_PATH`) below `dirfd` with `resolve`'s `RESOLVE_*` flags.
+fn open_dir(dirfd: libc::c_int, path: &Path, resolve: u64) -> io::Result<OwnedFd> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    // SAFETY: open_how is plain data; every field not set here is zero.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
+    how.resolve = resolve;
+    // SAFETY: c is NUL-terminated, how is a valid open_how of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dirfd,
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::new(
+            io::Error::last_os_error().kind(),
+            format!("{}: {}", path.display(), io::Error::last_os_error()),
+        ));
+    }
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_hook_links_inside_the_containers_root() {
+        let bundle = tempfile::tempdir().unwrap();
+        let config = r#"{"root": {"path": "rootfs"}}"#;
+        std::fs::write(bundle.path().join("config.json"), config).unwrap();
+        let (root, lib) = (bundle.path().join("rootfs"), "usr/lib/x86_64-linux-gnu");
+        let lib = root.join(lib);
+        std::fs::create_dir_all(&lib).unwrap();
+        // A link already there is replaced; a file there is left alone.
+        std::os::unix::fs::symlink("old", lib.join("libnvidia-ml.so.1")).unwrap();
+        std::fs::write(root.join("usr/lib/keep.so.1"), b"x").unwrap();
+        // A directory link in the image that points out of the root resolves inside it.
+        std::os::unix::fs::symlink("/usr/lib", root.join("escape")).unwrap();
+        let state = format!(r#"{{"bundle": {:?}}}"#, bundle.path());
+        create_symlinks(
+            state.as_bytes(),
+            &[
+                "libcuda.so.580.95.05::/usr/lib/x86_64-linux-gnu/libcuda.so.1".into(),
+                "libnvidia-ml.so.580.95.05::/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1".into(),
+                "other::/usr/lib/keep.so.1".into(),
+                "inside::/escape/made.so.1".into(),
+            ],
+        )
+        .unwrap();
+        let link = |p: &Path| std::fs::read_link(p).unwrap();
+        assert_eq!(
+            link(&lib.join("libcuda.so.1")),
+            Path::new("libcuda.so.580.95.05")
+        );
+        assert_eq!(
+            link(&lib.join("libnvidia-ml.so.1")),
+            Path::new("libnvidia-ml.so.580.95.05")
+        );
+        assert_eq!(std::fs::read(root.join("usr/lib/keep.so.1")).unwrap(), b"x");
+        assert_eq!(link(&root.join("usr/lib/made.so.1")), Path::new("inside"));
+    }
+
+    #[test]
+    fn the_spec_mounts_the_versioned_files_and_links_them() {
+        let node = crate::node::NodeConfig::default().describe();
+        let s = spec(Path::new("/sim"), &node, Path::new("/bin/sim"));
+        let mounts = s["containerEdits"]["mounts"].as_array().unwrap();
+        let dests: Vec<&str> = mounts
+            .iter()
+            .map(|m| m["containerPath"].as_str().unwrap())
+            .collect();
+        assert!(
+            dests.contains(&"/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05"),
+            "{dests:?}"
+        );
+        assert!(
+            dests.contains(&"/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.95.05"),
+            "{dests:?}"
+        );
+        let hook = &s["containerEdits"]["hooks"][0];
+        assert_eq!(hook["hookName"], "createContainer");
+        assert_eq!(hook["path"], "/bin/sim");
+        let args: Vec<&str> = hook["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert!(
+            args.contains(&"libcuda.so.580.95.05::/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+            "{args:?}"
+        );
+    }
 }

@@ -1327,22 +1327,7 @@ pub fn prepare_dir(
     node: &NodeDesc,
     cdi_dir: Option<&Path>,
 ) -> io::Result<()> {
-    let lib = dir.join("lib");
-    std::fs::create_dir_all(&lib)?;
-    for (src, soname, link) in [
-        ("libcuda.so", "libcuda.so.1", "libcuda.so"),
-        ("libnvidia_ml.so", "libnvidia-ml.so.1", "libnvidia-ml.so"),
-    ] {
-        let from = lib_src.join(src);
-        let tmp = lib.join(format!(".{soname}.tmp"));
-        std::fs::copy(&from, &tmp)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", from.display())))?;
-        // A rename, so that running processes keep the file they mapped.
-        std::fs::rename(&tmp, lib.join(soname))?;
-        let l = lib.join(link);
-        let _ = std::fs::remove_file(&l);
-        std::os::unix::fs::symlink(soname, &l)?;
-    }
+    crate::node::lay_out_libraries(&dir.join("lib"), lib_src, &node.driver_version)?;
     let dev = dir.join(crate::proto::DEV_DIR_NAME);
     std::fs::create_dir_all(&dev)?;
     let names = node.gpus.iter().map(|g| format!("nvidia{}", g.index));
@@ -1352,7 +1337,7 @@ pub fn prepare_dir(
     make_mig_nodes(&dev, node)?;
     if let Some(cdi) = cdi_dir {
         std::fs::create_dir_all(cdi)?;
-        let spec = crate::cdi::spec(dir, node);
+        let spec = crate::cdi::spec(dir, node, &std::env::current_exe()?);
         let path = cdi.join(crate::cdi::SPEC_FILE);
         let tmp = cdi.join(format!(".{}.tmp", crate::cdi::SPEC_FILE));
         std::fs::write(

@@ -55,6 +55,20 @@ enum Cmd {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// An OCI hook the CDI spec names (the container's state on stdin), as `nvidia-ctk hook`.
+    Hook {
+        #[command(subcommand)]
+        hook: HookCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum HookCmd {
+    /// Make each `--link TARGET::LINK` in the container's root (simgpu::cdi::create_symlinks).
+    CreateSymlinks {
+        #[arg(long = "link")]
+        links: Vec<String>,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -128,6 +142,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             })?;
             Ok(())
         }
+        Cmd::Hook {
+            hook: HookCmd::CreateSymlinks { links },
+        } => simgpu::cdi::create_symlinks(std::io::stdin().lock(), &links)
+            .context("hook create-symlinks"),
         Cmd::Status { dir } => {
             let mut c = Client::connect(&dir.join(SOCKET_NAME), Role::Control)?;
             let node = c.call(&Request::Node)?;

@@ -1,6 +1,54 @@
-//! What a simulated node's GPUs are: count, model, memory, UUIDs, PCI bus ids, versions.
+//! What a simulated node's GPUs are: count, model, memory, UUIDs, PCI bus ids, versions; and
+//! its driver's library files, named by the driver version as NVIDIA's are.
+
+use std::io;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+/// The driver's libraries the simulator provides: (file the build makes, library name). On the
+/// node they are `lib/<name>.so.<driver version>`, with the loader's links `<name>.so.1` and
+/// `<name>.so` beside them, as NVIDIA's installer and ldconfig leave a real driver.
+pub const LIBRARIES: [(&str, &str); 2] = [
+    ("libcuda.so", "libcuda"),
+    ("libnvidia_ml.so", "libnvidia-ml"),
+];
+
+/// The driver's file of library `name` under `driver_version`: `libcuda.so.580.95.05`.
+pub fn versioned_name(name: &str, driver_version: &str) -> String {
+    format!("{name}.so.{driver_version}")
+}
+
+/// Lays out `lib` for a node of `driver_version`: each of [`LIBRARIES`] copied from `lib_src`
+/// as its versioned file (a rename into place, so that running processes keep the file they
+/// mapped), then the links `<name>.so.1 -> <name>.so.<version>` and `<name>.so -> <name>.so.1`.
+pub fn lay_out_libraries(lib: &Path, lib_src: &Path, driver_version: &str) -> io::Result<()> {
+    if driver_version.is_empty() || driver_version.contains('/') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("driver version {driver_version:?} cannot name a file"),
+        ));
+    }
+    std::fs::create_dir_all(lib)?;
+    for (src, name) in LIBRARIES {
+        let file = versioned_name(name, driver_version);
+        let from = lib_src.join(src);
+        let tmp = lib.join(format!(".{file}.tmp"));
+        std::fs::copy(&from, &tmp)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", from.display())))?;
+        std::fs::rename(&tmp, lib.join(&file))?;
+        let soname = format!("{name}.so.1");
+        for (link, target) in [(soname.clone(), file), (format!("{name}.so"), soname)] {
+            let l = lib.join(&link);
+            match std::fs::remove_file(&l) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+            std::os::unix::fs::symlink(target, &l)?;
+        }
+    }
+    Ok(())
+}
 
 /// One simulated GPU as the daemon describes it to its libraries.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]

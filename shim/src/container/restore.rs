@@ -349,12 +349,14 @@ impl Container {
         let (policy, expected) = self.check_security(dir, &manifest).await?;
         // Step 1c: the checkpoint's GPUs held to the ones this container was given on this
         // node (model, count, memory, free memory, driver branch, CUDA version), and the pairs
-        // that map one onto the other, in order.
+        // that map one onto the other, in order; then the driver files its processes mapped
+        // held to the ones this container's spec mounts (`driver_files`).
         let devices = self
             .devices
             .plan_restore(&manifest.devices, &self.bundle)
             .instrument(info_span!("device_compat", id = %self.id))
             .await?;
+        crate::driver_files::check_restore(&self.bundle, &manifest.devices)?;
         let mount_policy = self.refuse_new_mounts(dir).await?;
         let tcp_close = self.tcp_close(&manifest);
         self.check_network(&manifest, tcp_close).await?;

@@ -52,7 +52,7 @@ fn step_map(log: &Path, stream: &str) -> BTreeMap<u64, String> {
 }
 
 /// The gpu-ckpt manifest inside a CRI checkpoint archive.
-fn archive_manifest(archive: &Path) -> Result<Manifest> {
+pub(crate) fn archive_manifest(archive: &Path) -> Result<Manifest> {
     let info = image_format::archive::read_info(archive, Default::default())?;
     info.manifest
         .with_context(|| format!("{} has no gpu-ckpt manifest", archive.display()))
@@ -60,7 +60,12 @@ fn archive_manifest(archive: &Path) -> Result<Manifest> {
 
 /// containerd's restore-via-create of `archive` as container `train` of `pod`, given the
 /// simulated GPU `device` through `CDI_devices`: the container is created, not started.
-async fn create_from_archive(cri: &Cri, pod: &Pod, archive: &Path, device: &str) -> Result<String> {
+pub(crate) async fn create_from_archive(
+    cri: &Cri,
+    pod: &Pod,
+    archive: &Path,
+    device: &str,
+) -> Result<String> {
     let mut config = train_spec("train", device).to_config(&pod.spec);
     config.image = Some(cri::ImageSpec {
         image: archive.display().to_string(),
@@ -76,7 +81,7 @@ async fn create_from_archive(cri: &Cri, pod: &Pod, archive: &Path, device: &str)
 
 /// Runs a GPU training pod on `node` and checkpoints it through CRI (the kubelet path); returns
 /// the archive, the pod, its container id, and the last step logged before the checkpoint.
-async fn checkpoint_train(
+pub(crate) async fn checkpoint_train(
     node: &Node,
     cri: &Cri,
     pod_name: &str,
@@ -563,7 +568,7 @@ fn a_device_restore_that_never_returns_fails_at_the_bound() -> Result<()> {
 
 /// The host processes in pod `uid`'s cgroup (`kubepods/besteffort/pod<uid>`) but its
 /// sandbox's pause process.
-fn pod_processes(uid: &str) -> Vec<i32> {
+pub(crate) fn pod_processes(uid: &str) -> Vec<i32> {
     let needle = format!("pod{uid}");
     let read = |p: i32, f: &str| std::fs::read_to_string(format!("/proc/{p}/{f}"));
     processes_matching(&[""])
@@ -711,6 +716,33 @@ fn ctr_checkpoint_live_restore_and_exit_restore_on_another_node() -> Result<()> 
     Ok(())
 }
 
+/// `gpu-ckpt compat --libnvml <sim's NVML> <extra> <input>`: (compatible, what it printed).
+pub(crate) fn gpu_ckpt_compat(
+    sim: &SimNode,
+    extra: &[&str],
+    input: &Path,
+) -> Result<(bool, String)> {
+    let cli =
+        test_containers::gpuproc::binary(&test_containers::stack::Stack::discover()?, "gpu-ckpt")?;
+    let out = std::process::Command::new(&cli)
+        .arg("compat")
+        .arg("--libnvml")
+        .arg(sim.libnvml())
+        .args(extra)
+        .arg(input)
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        matches!(out.status.code(), Some(0 | 1)),
+        "gpu-ckpt compat failed: {text}"
+    );
+    Ok((out.status.success(), text))
+}
+
 /// `gpu-ckpt compat --libnvml` of a checkpoint taken on a node like `base` (its GPU 0, holding
 /// `held` bytes) against simulated nodes that differ in one field each: the field is named.
 #[test]
@@ -741,27 +773,7 @@ fn compat_names_each_field_that_differs_from_this_node() -> Result<()> {
     m.files.clear();
     let manifest = dir.path().join("manifest.json");
     std::fs::write(&manifest, serde_json::to_vec_pretty(&m)?)?;
-    let cli =
-        test_containers::gpuproc::binary(&test_containers::stack::Stack::discover()?, "gpu-ckpt")?;
-    let compat = |sim: &SimNode, extra: &[&str]| -> Result<(bool, String)> {
-        let out = std::process::Command::new(&cli)
-            .arg("compat")
-            .arg("--libnvml")
-            .arg(sim.libnvml())
-            .args(extra)
-            .arg(&manifest)
-            .output()?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        ensure!(
-            matches!(out.status.code(), Some(0 | 1)),
-            "gpu-ckpt compat failed: {text}"
-        );
-        Ok((out.status.success(), text))
-    };
+    let compat = |sim: &SimNode, extra: &[&str]| gpu_ckpt_compat(sim, extra, &manifest);
     let refused = |sim: &SimNode, extra: &[&str], field: &str| -> Result<()> {
         let (ok, text) = compat(sim, extra)?;
         println!("{field}:\n{text}");
@@ -844,7 +856,7 @@ fn compat_names_each_field_that_differs_from_this_node() -> Result<()> {
 
 /// The restore handler on `node` restoring `source` into a pod whose container asks for the
 /// simulated GPU `device`: it must be refused, naming `field`. Returns the error.
-async fn refused_restore(
+pub(crate) async fn refused_restore(
     cri: &Cri,
     node: &Node,
     source: &str,

@@ -18,6 +18,7 @@ mod docs_commands;
 mod docs_messages;
 mod gpu_cdi;
 mod gpu_criu_plugin;
+mod gpu_driver_files;
 mod gpu_hang;
 mod gpu_hooks;
 mod gpu_memory;
