@@ -130,7 +130,7 @@ gpu-check-shim-sim: gpu-check-shim-bundle
 	target/release/gpu-ckpt-simgpu serve --dir $$d/node --cdi-dir $$d/node/cdi >$$d/serve.log 2>&1 & sim=$$!; \
 	for _ in $$(seq 200); do [ -S $$d/node/simgpu.sock ] && ls $$d/node/cdi/*.json >/dev/null 2>&1 && break; sleep 0.1; done; \
 	DRIVER_LIB=$$d/node/lib CDI_SPEC=$$(ls $$d/node/cdi/*.json) target/gpu-check-shim/shim-run.sh; rc=$$?; \
-	kill $$sim; wait $$sim; rm -rf $$d; exit $$rc
+	kill $$sim; { wait $$sim; } 2>/dev/null; rm -rf $$d; exit $$rc
 
 # gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
 bench-image-format:
