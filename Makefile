@@ -109,14 +109,28 @@ gpu-check: gpu-check-bundle
 	target/gpu-check/run.sh
 
 # The shim on a real GPU: one folder, target/gpu-check-shim (a private containerd, runc, CRIU,
-# the release shim, the gpu-workloads image), whose shim-run.sh runs a GPU container through
-# checkpoint and restore on an NVIDIA machine with nothing but the driver.
-.PHONY: gpu-check-shim gpu-check-shim-bundle
+# the release shim, the CRI client gpu-ckpt-cri, the gpu-workloads and pause images, the
+# containerd drop-ins), whose shim-run.sh runs a GPU container through checkpoint and restore
+# on an NVIDIA machine with nothing but the driver: with ctr, then as a pod through CRI,
+# restored on a second containerd through the restore RuntimeClass's handler.
+.PHONY: gpu-check-shim gpu-check-shim-bundle gpu-check-shim-sim
 gpu-check-shim-bundle: deps images release
+	$(CARGO) build --release -p gpu-ckpt-test-containers --bin gpu-ckpt-cri
 	test-containers/gpu-workloads/gpu-check/shim-bundle.sh $(CURDIR)/target/gpu-check-shim
 
 gpu-check-shim: gpu-check-shim-bundle
 	target/gpu-check-shim/shim-run.sh
+
+# The same folder on this machine without a GPU: against the simulated driver, whose node
+# directory (`gpu-ckpt-simgpu serve`) gives shim-run.sh the driver's libraries (DRIVER_LIB) and
+# the GPUs' CDI spec (CDI_SPEC).
+gpu-check-shim-sim: gpu-check-shim-bundle
+	$(CARGO) build --release -p gpu-ckpt-simgpu -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	d=$$(mktemp -d /tmp/gpu-ckpt-sim.XXXXXX); \
+	target/release/gpu-ckpt-simgpu serve --dir $$d/node --cdi-dir $$d/node/cdi >$$d/serve.log 2>&1 & sim=$$!; \
+	for _ in $$(seq 200); do [ -S $$d/node/simgpu.sock ] && ls $$d/node/cdi/*.json >/dev/null 2>&1 && break; sleep 0.1; done; \
+	DRIVER_LIB=$$d/node/lib CDI_SPEC=$$(ls $$d/node/cdi/*.json) target/gpu-check-shim/shim-run.sh; rc=$$?; \
+	kill $$sim; { wait $$sim; } 2>/dev/null; rm -rf $$d; exit $$rc
 
 # gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
 bench-image-format:
