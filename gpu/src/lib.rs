@@ -47,6 +47,16 @@ pub trait DeviceCheckpoint: Send + Sync {
     fn set_device_bytes(&self, pid: i32, bytes: u64) {
         let _ = (pid, bytes);
     }
+    /// The process a call is being made on now, for a backend that can abandon one. `None`
+    /// by default.
+    fn in_flight(&self) -> Option<i32> {
+        None
+    }
+    /// Process `pid` is being killed: a call in flight on it is abandoned, and every later
+    /// call on it fails at once (a backend that cannot abandon calls ignores this).
+    fn abandon(&self, pid: i32) {
+        let _ = pid;
+    }
 }
 
 /// What the node's GPUs are, from the driver's management library.

@@ -719,13 +719,58 @@ pub fn lock_timeout(
     annotation: Option<&str>,
     options: &RuntimeOptions,
 ) -> Result<std::time::Duration> {
-    if let Some(v) = annotation {
-        return crate::options::parse_timeout(v, "annotation gpu-ckpt.io/lock-timeout");
+    let handler = if options.device_lock_timeout.is_empty() {
+        crate::options::DEFAULT_DEVICE_LOCK_TIMEOUT
+    } else {
+        crate::options::parse_timeout(&options.device_lock_timeout, "DeviceLockTimeout")?
+    };
+    let Some(v) = annotation else {
+        return Ok(handler);
+    };
+    // The pod may ask for less than the handler's, never more: a lock's bound keeps the
+    // container's lock, and so the operator's Kill, waiting.
+    let pod = crate::options::parse_timeout(v, "annotation gpu-ckpt.io/lock-timeout")?;
+    if pod > handler {
+        return Err(Error::InvalidArgument(format!(
+            "annotation gpu-ckpt.io/lock-timeout = {v:?} is longer than the handler's DeviceLockTimeout ({}s)",
+            handler.as_secs_f64()
+        )));
     }
-    if !options.device_lock_timeout.is_empty() {
-        return crate::options::parse_timeout(&options.device_lock_timeout, "DeviceLockTimeout");
+    Ok(pod)
+}
+
+/// Kill of the container whose init is `init`: a driver call in flight on one of its
+/// processes is abandoned (its worker killed), and later calls on that process fail at once,
+/// so that the checkpoint holding the container's lock ends now rather than at the call's
+/// bound, and the Kill that waits for that lock goes on.
+pub fn abandon_calls_under(init: i32) {
+    let Some(layers) = LAYERS.get() else { return };
+    let layers: Vec<Arc<DeviceLayer>> = match layers.lock() {
+        Ok(l) => l.values().cloned().collect(),
+        Err(_) => return,
+    };
+    for layer in layers {
+        if let Some(pid) = layer.cuda.in_flight() {
+            if descends_from(pid, init) {
+                layer.cuda.abandon(pid);
+            }
+        }
     }
-    Ok(crate::options::DEFAULT_DEVICE_LOCK_TIMEOUT)
+}
+
+/// Whether `pid` is `root` or one of its descendants (parents followed up to 64 levels).
+fn descends_from(pid: i32, root: i32) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        if p == root {
+            return true;
+        }
+        match procfs::process::Process::new(p).and_then(|p| p.stat()) {
+            Ok(st) if st.ppid > 1 => p = st.ppid,
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// The GPUs the container of `bundle` was given: the createRuntime hook's record when it left
@@ -961,5 +1006,17 @@ mod tests {
         assert_eq!(lock_timeout(Some("7"), &o).unwrap(), Duration::from_secs(7));
         let err = lock_timeout(Some("soon"), &o).unwrap_err().to_string();
         assert!(err.contains("gpu-ckpt.io/lock-timeout"), "{err}");
+        // The pod may shorten the handler's, not lengthen it.
+        let err = lock_timeout(Some("3m"), &o).unwrap_err().to_string();
+        assert!(
+            err.contains("longer than the handler's DeviceLockTimeout (120s)"),
+            "{err}"
+        );
+        o.device_lock_timeout.clear();
+        assert!(lock_timeout(Some("31s"), &o).is_err());
+        assert_eq!(
+            lock_timeout(Some("30s"), &o).unwrap(),
+            Duration::from_secs(30)
+        );
     }
 }

@@ -18,10 +18,10 @@
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use containerd_shim::monitor::{monitor_subscribe, monitor_unsubscribe, Subject, Topic};
@@ -122,6 +122,18 @@ pub enum Call {
 }
 
 impl Call {
+    /// The driver's entry point the call is.
+    fn name(&self) -> &'static str {
+        match self {
+            Call::Lock { .. } => "cuCheckpointProcessLock",
+            Call::Checkpoint { .. } => "cuCheckpointProcessCheckpoint",
+            Call::Restore { .. } => "cuCheckpointProcessRestore",
+            Call::Unlock { .. } => "cuCheckpointProcessUnlock",
+            Call::State { .. } => "cuCheckpointProcessGetState",
+            Call::RestoreThreadId { .. } => "cuCheckpointProcessGetRestoreThreadId",
+        }
+    }
+
     fn pid(&self) -> i32 {
         match self {
             Call::Lock { pid, .. }
@@ -245,11 +257,80 @@ pub struct WorkerDriver {
     /// Device bytes per pid, for the checkpoint and restore bounds.
     bytes: Mutex<HashMap<i32, u64>>,
     worker: Mutex<Option<Worker>>,
+    /// The call being made: its target pid and the worker making it, for [`abandon`]
+    /// (Kill's, which does not wait for `worker`'s lock).
+    ///
+    /// [`abandon`]: DeviceCheckpoint::abandon
+    in_flight: Mutex<Option<(i32, Arc<Proc>)>>,
+    /// Processes whose calls were abandoned, with their start time (`/proc/PID/stat`), so that
+    /// a later process given the same pid is not taken for them: every call on one fails at
+    /// once.
+    abandoned: Mutex<HashMap<i32, u64>>,
+}
+
+/// A worker's process, signalled through a pidfd taken when it was spawned: once the exit
+/// monitor has reaped it, a signal fails instead of reaching whatever process has its pid since.
+struct Proc {
+    pid: i32,
+    fd: Option<OwnedFd>,
+}
+
+impl Proc {
+    fn open(pid: i32) -> Proc {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let fd = if fd < 0 {
+            // Already reaped: nothing left to signal.
+            warn!(pid, error = %std::io::Error::last_os_error(), "pidfd of the device worker");
+            None
+        } else {
+            // SAFETY: the kernel returned a new descriptor that nothing else owns.
+            Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        };
+        Proc { pid, fd }
+    }
+
+    fn kill(&self) {
+        let Some(fd) = &self.fd else { return };
+        // SAFETY: pidfd_send_signal on a pidfd this process owns, no siginfo, no flags.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                warn!(pid = self.pid, error = %e, "kill the device worker");
+            }
+        }
+    }
+}
+
+/// Clears [`WorkerDriver::in_flight`] when a call returns, whichever way.
+struct InFlight<'a>(&'a Mutex<Option<(i32, Arc<Proc>)>>);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+}
+
+/// A process's start time in clock ticks since boot, `None` when it is gone.
+fn start_time(pid: i32) -> Option<u64> {
+    procfs::process::Process::new(pid)
+        .and_then(|p| p.stat())
+        .ok()
+        .map(|s| s.starttime)
 }
 
 /// A running worker.
 struct Worker {
-    pid: i32,
+    proc: Arc<Proc>,
     stdin: ChildStdin,
     out: Lines,
 }
@@ -337,6 +418,8 @@ impl WorkerDriver {
             version: 0,
             bytes: Mutex::new(HashMap::new()),
             worker: Mutex::new(None),
+            in_flight: Mutex::new(None),
+            abandoned: Mutex::new(HashMap::new()),
         };
         let (w, library, version) = d.start()?;
         d.library = library;
@@ -364,12 +447,13 @@ impl WorkerDriver {
             .stderr(Stdio::inherit());
         let (pid, stdin, out) = spawn_reaped(cmd)
             .map_err(|e| GpuError::Worker(format!("start {}: {e}", self.program.display())))?;
+        let proc = Arc::new(Proc::open(pid));
         let (Some(stdin), Some(out)) = (stdin, out) else {
-            kill(pid);
+            proc.kill();
             return Err(GpuError::Worker("started without its pipes".into()));
         };
         let mut w = Worker {
-            pid,
+            proc: Arc::clone(&proc),
             stdin,
             out: Lines {
                 out,
@@ -386,24 +470,24 @@ impl WorkerDriver {
                 }
                 Ok(Message::Calling { .. }) => {}
                 Ok(Message::Done(Err(e))) => {
-                    kill(pid);
+                    proc.kill();
                     return Err(e);
                 }
                 Ok(m) => {
-                    kill(pid);
+                    proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {pid}) sent {m:?} before loading the driver"
                     )));
                 }
                 Err(Broken::Late) => {
-                    kill(pid);
+                    proc.kill();
                     return Err(GpuError::Worker(format!(
                         "cuInit in the device worker (pid {pid}) did not return within {}",
                         gpu::error::seconds(bound)
                     )));
                 }
                 Err(Broken::Gone(why)) => {
-                    kill(pid);
+                    proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {pid}) {why} before loading the driver"
                     )));
@@ -420,6 +504,9 @@ impl WorkerDriver {
     /// Runs `call` in the worker (started when there is none), each driver call it makes
     /// within its bound; past one, the worker is killed and the error names the call.
     fn call(&self, call: Call) -> std::result::Result<Answer, GpuError> {
+        if self.is_abandoned(call.pid()) {
+            return Err(abandoned(&call));
+        }
         let mut slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
         let mut w = match slot.take() {
             Some(w) => w,
@@ -435,11 +522,19 @@ impl WorkerDriver {
             .map_err(|e| GpuError::Worker(format!("encode {call:?}: {e}")))?;
         line.push(b'\n');
         if let Err(e) = w.stdin.write_all(&line).and_then(|_| w.stdin.flush()) {
-            kill(w.pid);
+            w.proc.kill();
             return Err(GpuError::Worker(format!(
                 "worker (pid {}) did not take {call:?}: {e}",
-                w.pid
+                w.proc.pid
             )));
+        }
+        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((target, Arc::clone(&w.proc)));
+        let _in_flight = InFlight(&self.in_flight);
+        // A Kill that came between the check above and now found nothing in flight.
+        if self.is_abandoned(target) {
+            w.proc.kill();
+            return Err(abandoned(&call));
         }
         // Until the worker names its first driver call (at once: nothing comes before it but
         // decoding the request), the plain call bound.
@@ -458,21 +553,25 @@ impl WorkerDriver {
                     return answer;
                 }
                 Ok(m) => {
-                    kill(w.pid);
+                    w.proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {}) sent {m:?} during {current}(pid {pid})",
-                        w.pid
+                        w.proc.pid
                     )));
+                }
+                Err(_) if self.is_abandoned(target) => {
+                    w.proc.kill();
+                    return Err(abandoned(&call));
                 }
                 Err(Broken::Late) => {
                     warn!(
-                        worker = w.pid,
+                        worker = w.proc.pid,
                         call = current,
                         pid,
                         bound_ms = bound.as_millis() as u64,
                         "driver call past its bound: worker killed"
                     );
-                    kill(w.pid);
+                    w.proc.kill();
                     return Err(GpuError::Unanswered {
                         call: current,
                         pid,
@@ -480,14 +579,27 @@ impl WorkerDriver {
                     });
                 }
                 Err(Broken::Gone(why)) => {
-                    kill(w.pid);
+                    w.proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {}) {why} during {current}(pid {pid})",
-                        w.pid
+                        w.proc.pid
                     )));
                 }
             }
         }
+    }
+
+    /// Whether the calls on `pid` were abandoned (and `pid` is still that process).
+    fn is_abandoned(&self, pid: i32) -> bool {
+        let mut a = self.abandoned.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(&start) = a.get(&pid) else {
+            return false;
+        };
+        if start_time(pid) == Some(start) {
+            return true;
+        }
+        a.remove(&pid);
+        false
     }
 
     fn done(&self, call: Call) -> std::result::Result<(), GpuError> {
@@ -496,6 +608,14 @@ impl WorkerDriver {
             a => Err(unexpected(a)),
         }
     }
+}
+
+fn abandoned(call: &Call) -> GpuError {
+    GpuError::Worker(format!(
+        "{}(pid {}) abandoned: the container is being killed",
+        call.name(),
+        call.pid()
+    ))
 }
 
 fn unexpected(a: Answer) -> GpuError {
@@ -542,22 +662,38 @@ impl DeviceCheckpoint for WorkerDriver {
         let mut map = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
         map.insert(pid, bytes);
     }
+
+    fn in_flight(&self) -> Option<i32> {
+        let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        f.as_ref().map(|(pid, _)| *pid)
+    }
+
+    fn abandon(&self, pid: i32) {
+        let Some(start) = start_time(pid) else { return };
+        self.abandoned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(pid, start);
+        let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((target, proc)) = f.as_ref() {
+            if *target == pid {
+                warn!(
+                    pid,
+                    worker = proc.pid,
+                    "driver call abandoned: the container is being killed"
+                );
+                proc.kill();
+            }
+        }
+    }
 }
 
 impl Drop for WorkerDriver {
     fn drop(&mut self) {
         let slot = self.worker.get_mut().unwrap_or_else(|e| e.into_inner());
         if let Some(w) = slot.take() {
-            kill(w.pid);
+            w.proc.kill();
         }
-    }
-}
-
-fn kill(pid: i32) {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
-    if let Err(e) = kill(Pid::from_raw(pid), Signal::SIGKILL) {
-        warn!(pid, error = %e, "kill the device worker");
     }
 }
 

@@ -2,7 +2,8 @@
 //! `state-hang` faults): a checkpoint through ctr and through CRI fails at the call's bound
 //! (small ones, from the node's handler options) with an error naming the call, its pid and the
 //! bound; the shim answers another request of the same container meanwhile; the workload goes on;
-//! and `ctr task kill`, CRI StopContainer and RemoveContainer then finish within seconds.
+//! and `ctr task kill`, CRI StopContainer and RemoveContainer then finish within seconds. A
+//! SIGKILL that comes while the call hangs ends it at once, long before its bound.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -264,5 +265,72 @@ fn hung_driver_calls_fail_at_their_bound_and_the_container_stays_killable() -> R
         cri.remove_pod(&pod).await
     })?;
     remove(&node, "peer");
+    Ok(())
+}
+
+/// Bounds far longer than the test: what ends the hung call must be the Kill.
+const LONG: &[(&str, &str)] = &[
+    ("DeviceLockTimeout", "2s"),
+    ("DeviceCallTimeout", "300s"),
+    ("DeviceCallTimeoutPerGiB", "1s"),
+];
+
+#[test]
+fn a_kill_during_a_hung_driver_call_ends_it_at_once() -> Result<()> {
+    let sim = sim_gpus(1, 256, "bound-kill")?;
+    let node = gpu_node("gpu-bound-kill", &sim, LONG)?;
+    let dir = node.paths().dir.clone();
+    let log = dir.join("victim.log");
+    let pid = ctr_run(&node, "victim", Some(&format!("{KIND}=0")), &log, TRAIN)?;
+    wait_steps(&log, 3)?;
+    sim.fault(Some(pid), FaultOp::CheckpointHang, true)?;
+    let image = dir.join("victim-ckpt").display().to_string();
+    let start = Instant::now();
+    let (out, took, killed) = std::thread::scope(|s| -> Result<_> {
+        let ckpt = s.spawn(|| {
+            let out = node.ctr(&["task", "checkpoint", "--image-path", &image, "victim"]);
+            (out, start.elapsed())
+        });
+        // The daemon has the checkpoint call (recorded as it arrives), which now hangs.
+        wait_until(SLACK, "the driver's checkpoint call", || {
+            sim.last_args("cuCheckpointProcessCheckpoint")
+                .ok()
+                .map(|_| ())
+        })?;
+        let t = Instant::now();
+        node.ctr_ok(&["task", "kill", "-s", "SIGKILL", "victim"])?;
+        wait_until(SLACK, "the killed task to stop", || {
+            node.task_status("victim")
+                .ok()
+                .filter(|s| s == "STOPPED")
+                .map(|_| ())
+        })?;
+        let killed = t.elapsed();
+        let (out, took) = ckpt
+            .join()
+            .map_err(|_| anyhow::anyhow!("the checkpoint thread panicked"))?;
+        Ok((out, took, killed))
+    })?;
+    let out = out?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    println!("kill during the hung checkpoint call: stopped in {killed:?}; checkpoint failed after {took:?}: {err}");
+    ensure!(
+        !out.status.success(),
+        "the checkpoint succeeded though its process was killed"
+    );
+    ensure!(
+        err.contains(&format!(
+            "cuCheckpointProcessCheckpoint(pid {pid}) abandoned: the container is being killed"
+        )),
+        "the checkpoint's error does not say its call was abandoned: {err}"
+    );
+    // Its bound is 300 s: the kill, not the bound, ended it.
+    ensure!(killed < Duration::from_secs(10), "the kill took {killed:?}");
+    ensure!(
+        took < Duration::from_secs(60),
+        "the checkpoint took {took:?}"
+    );
+    node.ctr_ok(&["task", "delete", "victim"])?;
+    node.ctr_ok(&["container", "rm", "victim"])?;
     Ok(())
 }
