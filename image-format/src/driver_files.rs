@@ -52,23 +52,29 @@ pub fn name_under(path: &str, version: &str) -> Option<String> {
     Some(format!("{stem}.so.{version}"))
 }
 
-/// Largest note segment read (a build id note is 36 bytes; the segments that hold it, a few
-/// hundred).
-const MAX_NOTE_BYTES: u64 = 1 << 20;
-/// Most program headers looked at.
-const MAX_PHDRS: u64 = 4096;
+/// Most bytes read from one file: its ELF header, the program headers looked at and its note
+/// segments together. A build id note is 36 bytes and a library's note segments a few hundred;
+/// a file that needs more is refused, so that a hostile ELF costs a few reads, not gigabytes.
+pub const MAX_READ_BYTES: u64 = 64 << 10;
+/// Most program headers looked at (a shared library has about ten).
+const MAX_PHDRS: u64 = 256;
 const PT_NOTE: u32 = 4;
 const NT_GNU_BUILD_ID: u32 = 3;
 
 /// The GNU build id (`NT_GNU_BUILD_ID`) of the ELF file `f`, as lower-case hex; `None` when `f`
-/// is an ELF file without one. An error when `f` is not an ELF file or its headers point outside
-/// it.
+/// is an ELF file without one. An error when `f` is not an ELF file, its headers point outside
+/// it, or finding the note would read more than [`MAX_READ_BYTES`]. Only the ELF header, the
+/// program headers and the `PT_NOTE` segments are read, and the first GNU build id note ends
+/// the search.
 pub fn read_build_id<R: Read + Seek>(f: &mut R) -> io::Result<Option<String>> {
     let size = f.seek(SeekFrom::End(0))?;
-    let mut ident = [0u8; 64];
-    f.seek(SeekFrom::Start(0))?;
-    let n = read_up_to(f, &mut ident)?;
-    if n < 52 || &ident[..4] != b"\x7fELF" {
+    let mut r = Bounded {
+        f,
+        size,
+        left: MAX_READ_BYTES,
+    };
+    let ident = r.read_at(0, 64.min(size))?;
+    if ident.len() < 52 || &ident[..4] != b"\x7fELF" {
         return Err(bad("not an ELF file"));
     }
     let wide = match ident[4] {
@@ -81,7 +87,7 @@ pub fn read_build_id<R: Read + Seek>(f: &mut R) -> io::Result<Option<String>> {
         2 => true,
         _ => return Err(bad("unknown ELF byte order")),
     });
-    if wide && n < 64 {
+    if wide && ident.len() < 64 {
         return Err(bad("truncated ELF header"));
     }
     let (phoff, phentsize, phnum) = if wide {
@@ -97,8 +103,10 @@ pub fn read_build_id<R: Read + Seek>(f: &mut R) -> io::Result<Option<String>> {
             e.u16(&ident[44..]),
         )
     };
+    // The fields read of each entry: up to p_align.
+    let need: u64 = if wide { 56 } else { 32 };
     let (phentsize, phnum) = (u64::from(phentsize), u64::from(phnum).min(MAX_PHDRS));
-    if phentsize < if wide { 56 } else { 32 } {
+    if phentsize < need {
         return Err(bad("program header entries too small"));
     }
     let table = phentsize
@@ -108,10 +116,8 @@ pub fn read_build_id<R: Read + Seek>(f: &mut R) -> io::Result<Option<String>> {
     if table > size {
         return Err(bad("program headers past the end of the file"));
     }
-    let mut ph = vec![0u8; phentsize as usize];
     for i in 0..phnum {
-        f.seek(SeekFrom::Start(phoff + i * phentsize))?;
-        f.read_exact(&mut ph)?;
+        let ph = r.read_at(phoff + i * phentsize, need)?;
         if e.u32(&ph) != PT_NOTE {
             continue;
         }
@@ -124,17 +130,42 @@ pub fn read_build_id<R: Read + Seek>(f: &mut R) -> io::Result<Option<String>> {
                 u64::from(e.u32(&ph[28..])),
             )
         };
-        if filesz > MAX_NOTE_BYTES || offset.checked_add(filesz).is_none_or(|end| end > size) {
-            return Err(bad("note segment past the end of the file"));
-        }
-        let mut notes = vec![0u8; filesz as usize];
-        f.seek(SeekFrom::Start(offset))?;
-        f.read_exact(&mut notes)?;
+        let notes = r.read_at(offset, filesz)?;
         if let Some(id) = find_build_id(&notes, e, if align == 8 { 8 } else { 4 }) {
             return Ok(Some(id));
         }
     }
     Ok(None)
+}
+
+/// Reads of a file within its size and a budget of bytes ([`MAX_READ_BYTES`]).
+struct Bounded<'a, R> {
+    f: &'a mut R,
+    size: u64,
+    left: u64,
+}
+
+impl<R: Read + Seek> Bounded<'_, R> {
+    /// `len` bytes at `offset`: an error when they run past the end of the file or past what
+    /// is left of the budget.
+    fn read_at(&mut self, offset: u64, len: u64) -> io::Result<Vec<u8>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(bad("note segment past the end of the file"));
+        }
+        if len > self.left {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "its ELF headers and notes are more than {MAX_READ_BYTES} bytes (a library's are a few hundred)"
+                ),
+            ));
+        }
+        self.left -= len;
+        let mut buf = vec![0u8; len as usize];
+        self.f.seek(SeekFrom::Start(offset))?;
+        self.f.read_exact(&mut buf)?;
+        Ok(buf)
+    }
 }
 
 /// The build id among the notes of one segment (`align`: the segment's note alignment).
@@ -158,17 +189,6 @@ fn find_build_id(notes: &[u8], e: Endian, align: usize) -> Option<String> {
         at = end;
     }
     None
-}
-
-fn read_up_to<R: Read>(f: &mut R, buf: &mut [u8]) -> io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 fn bad(what: &str) -> io::Error {
@@ -291,6 +311,88 @@ mod tests {
         n[4..8].copy_from_slice(&1000u32.to_le_bytes());
         assert_eq!(read_build_id(&mut Cursor::new(elf64(&n))).unwrap(), None);
         assert!(read_build_id(&mut Cursor::new(Vec::new())).is_err());
+    }
+
+    /// Counts the bytes read through it.
+    struct Counting<R> {
+        inner: R,
+        read: u64,
+    }
+
+    impl<R: Read> Read for Counting<R> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let n = self.inner.read(buf)?;
+            self.read += n as u64;
+            Ok(n)
+        }
+    }
+
+    impl<R: Seek> Seek for Counting<R> {
+        fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+            self.inner.seek(pos)
+        }
+    }
+
+    /// A little-endian ELF64 file with `count` program headers, each a PT_NOTE segment of
+    /// `seg` bytes at the same offset (the notes: `notes`, then zeros).
+    fn elf64_many(count: u16, seg: u64, notes: &[u8]) -> Vec<u8> {
+        let table = 64 + 56 * u64::from(count);
+        let mut f = vec![0u8; table as usize];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        f[32..40].copy_from_slice(&64u64.to_le_bytes());
+        f[54..56].copy_from_slice(&56u16.to_le_bytes());
+        f[56..58].copy_from_slice(&count.to_le_bytes());
+        for i in 0..usize::from(count) {
+            let ph = &mut f[64 + 56 * i..];
+            ph[..4].copy_from_slice(&PT_NOTE.to_le_bytes());
+            ph[8..16].copy_from_slice(&table.to_le_bytes());
+            ph[32..40].copy_from_slice(&seg.to_le_bytes());
+            ph[48..56].copy_from_slice(&4u64.to_le_bytes());
+        }
+        f.extend_from_slice(notes);
+        f.resize((table + seg) as usize, 0);
+        f
+    }
+
+    #[test]
+    fn a_hostile_file_costs_at_most_the_read_budget() {
+        // 65535 note segments of 1 MiB each, none with a build id: the old reader read 4 GiB.
+        let mut f = Counting {
+            inner: Cursor::new(elf64_many(u16::MAX, 1 << 20, &[])),
+            read: 0,
+        };
+        let err = read_build_id(&mut f).unwrap_err();
+        assert!(err.to_string().contains("more than 65536 bytes"), "{err}");
+        assert!(f.read <= MAX_READ_BYTES, "read {} bytes", f.read);
+        // Many small segments without a build id: the budget ends the search too.
+        let mut f = Counting {
+            inner: Cursor::new(elf64_many(u16::MAX, 1024, &[])),
+            read: 0,
+        };
+        assert!(read_build_id(&mut f).is_err());
+        assert!(f.read <= MAX_READ_BYTES, "read {} bytes", f.read);
+        // Only the first MAX_PHDRS program headers are looked at.
+        let mut f = Counting {
+            inner: Cursor::new(elf64_many(u16::MAX, 0, &[])),
+            read: 0,
+        };
+        assert_eq!(read_build_id(&mut f).unwrap(), None);
+        assert_eq!(f.read, 64 + 56 * MAX_PHDRS);
+    }
+
+    #[test]
+    fn the_first_build_id_note_ends_the_search() {
+        let mut notes = note(NT_GNU_BUILD_ID, b"GNU\0", &[0xaa; 20]);
+        notes.extend(note(NT_GNU_BUILD_ID, b"GNU\0", &[0xbb; 20]));
+        // Two thousand segments, each holding both notes: one segment read, the first note's id.
+        let mut f = Counting {
+            inner: Cursor::new(elf64_many(2000, notes.len() as u64, &notes)),
+            read: 0,
+        };
+        assert_eq!(read_build_id(&mut f).unwrap(), Some("aa".repeat(20)));
+        assert_eq!(f.read, 64 + 56 + notes.len() as u64);
     }
 
     #[test]

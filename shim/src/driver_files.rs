@@ -9,29 +9,59 @@
 //!   (`/proc/<pid>/map_files/<range>`), never by path in the container's root, then its size
 //!   and GNU build id.
 //! - [`differences`]: each recorded file against what the spec's mounts (where CDI puts the
-//!   driver's files) give at its path: the host source opened without following a link at its
-//!   last component, its size and build id compared by `image_format::compat`'s rule. A spec
-//!   that mounts no driver file at all (the toolkit's legacy hook mounts them at start) is held
-//!   to the driver's full version only, by `compat::check`.
+//!   driver's files) give at its path: the bind source (the host path the spec names) opened
+//!   without following a link at it, the path below it resolved without following any symlink
+//!   or leaving its mount (`openat2`), and only a regular file reopened for reading; its size and
+//!   build id compared by `image_format::compat`'s rule. A spec that mounts no driver file at
+//!   all (the toolkit's legacy hook mounts them at start) is held to the driver's full version
+//!   only, by `compat::check`.
+//!
+//! Limits: at most [`MAX_DRIVER_FILES`] files recorded and read (more is refused, a manifest's
+//! entries checked against the driver's file names first), each file read once per inode and
+//! at most `image_format::driver_files::MAX_READ_BYTES` of it, and a restore's check run off
+//! the runtime's thread within [`CHECK_BOUND`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use image_format::compat;
 use image_format::driver_files::{is_driver_file, read_build_id};
 use image_format::manifest::{Devices, DriverFile};
+use nix::errno::Errno;
+use nix::fcntl::{openat2, OFlag, OpenHow, ResolveFlag};
+use nix::sys::stat::{Mode, SFlag};
 use tracing::{info, info_span};
 
 use crate::bundle::Bundle;
 use crate::error::{Error, Result};
 
-/// The driver files the processes `holders` map, each once, by path. Each holder is its host
-/// pid and how messages name it.
+/// Most driver files one checkpoint records, and one restore reads. A driver has a few dozen
+/// libraries and a CUDA process maps a handful of them; a checkpoint whose processes map more
+/// is refused (recording only some would let a restore pass unchecked), and so is a manifest
+/// that records more, or a spec that mounts more, before any file is opened.
+pub const MAX_DRIVER_FILES: usize = 64;
+
+/// Longest a restore waits on the driver files' check. It opens and reads host files (the
+/// bind sources of the new spec); one on a hung network filesystem or a stuck FUSE volume would
+/// otherwise hold the restore, and the shim with it, for ever. Past the bound the restore fails
+/// and the thread reading is left to finish or hang on its own.
+pub const CHECK_BOUND: Duration = Duration::from_secs(30);
+
+/// Size and build id of the files already read, by (device, inode): a file mapped or mounted
+/// under several names is read once.
+#[derive(Default)]
+struct Seen(HashMap<(u64, u64), (u64, String)>);
+
+/// The driver files the processes `holders` map, each path once. Each holder is its host pid
+/// and how messages name it. More than [`MAX_DRIVER_FILES`] is an error.
 pub fn capture(holders: &[(i32, String)]) -> Result<Vec<DriverFile>> {
     let _span = info_span!("driver_files").entered();
     let mut files: BTreeMap<String, DriverFile> = BTreeMap::new();
+    let mut seen = Seen::default();
     for (pid, who) in holders {
         let maps = format!("/proc/{pid}/maps");
         let text = std::fs::read_to_string(&maps)
@@ -40,8 +70,22 @@ pub fn capture(holders: &[(i32, String)]) -> Result<Vec<DriverFile>> {
             if !is_driver_file(path) || files.contains_key(path) {
                 continue;
             }
+            if files.len() == MAX_DRIVER_FILES {
+                return Err(capture_error(format!(
+                    "{who} maps {path}, one driver file more than the {MAX_DRIVER_FILES} a checkpoint records (a driver has a few dozen): refused"
+                )));
+            }
             let through = format!("/proc/{pid}/map_files/{range}");
-            let file = read_file(path, File::open(&through), &through)
+            // The mapped file itself, not opened for reading until it is known to be a
+            // regular file (a device node at a driver file's name is never opened).
+            let opened = nix::fcntl::open(
+                through.as_str(),
+                OFlag::O_PATH | OFlag::O_CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(std::io::Error::from)
+            .and_then(reopen);
+            let file = read_file(path, opened, &through, &mut seen)
                 .map_err(|e| capture_error(format!("{who}: {e}")))?;
             files.insert(path.to_string(), file);
         }
@@ -67,11 +111,34 @@ fn mapped_files(maps: &str) -> impl Iterator<Item = (&str, &str)> {
     })
 }
 
-/// `path`'s record from the opened file: its size and build id.
+/// The regular file an `O_PATH` handle `fd` holds, opened for reading through the handle's own
+/// `/proc/self/fd` link (the same inode, whatever its name points at by now); anything else
+/// (a device node, a FIFO, a directory) is refused without being opened. `O_NONBLOCK` and
+/// `O_NOCTTY`: no open waits or takes a terminal.
+fn reopen(fd: OwnedFd) -> std::io::Result<File> {
+    let st = nix::sys::stat::fstat(&fd)?;
+    if crate::rootfs_changes::kind(&st) != SFlag::S_IFREG {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    let link = format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd());
+    nix::fcntl::open(
+        link.as_str(),
+        OFlag::O_RDONLY | OFlag::O_NOCTTY | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map(File::from)
+    .map_err(std::io::Error::from)
+}
+
+/// `path`'s record from the opened file: its size and build id (read once per inode).
 fn read_file(
     path: &str,
     opened: std::io::Result<File>,
     shown: &str,
+    seen: &mut Seen,
 ) -> std::result::Result<DriverFile, String> {
     let mut f = opened.map_err(|e| format!("open {shown} ({path}): {e}"))?;
     let meta = f
@@ -80,45 +147,119 @@ fn read_file(
     if !meta.is_file() {
         return Err(format!("{shown} ({path}) is not a regular file"));
     }
-    let build_id = read_build_id(&mut f)
-        .map_err(|e| format!("build id of {shown} ({path}): {e}"))?
-        .unwrap_or_default();
+    let (size, build_id) = match seen.0.get(&(meta.dev(), meta.ino())) {
+        Some(known) => known.clone(),
+        None => {
+            let id = read_build_id(&mut f)
+                .map_err(|e| format!("build id of {shown} ({path}): {e}"))?
+                .unwrap_or_default();
+            let known = (meta.len(), id);
+            seen.0.insert((meta.dev(), meta.ino()), known.clone());
+            known
+        }
+    };
     Ok(DriverFile {
         path: path.to_string(),
-        size: meta.len(),
+        size,
         build_id,
     })
 }
 
 /// The driver files the container of `bundle` gets, for the paths `recorded` names and every
-/// driver file its spec mounts: host source, size and build id of each.
+/// driver file its spec mounts: host source, size and build id of each. Each recorded path must
+/// be a driver file's name, and neither list may hold more than [`MAX_DRIVER_FILES`]: both are
+/// checked before any file is opened.
 fn container_files(bundle: &Bundle, recorded: &[DriverFile]) -> Result<Vec<DriverFile>> {
+    if let Some(r) = recorded.iter().find(|r| !is_driver_file(&r.path)) {
+        return Err(restore_error(format!(
+            "the manifest records {:?} among the driver files, which is not a driver library's name: refused",
+            r.path
+        )));
+    }
+    if recorded.len() > MAX_DRIVER_FILES {
+        return Err(restore_error(format!(
+            "the manifest records {} driver files, more than the {MAX_DRIVER_FILES} a checkpoint may: refused",
+            recorded.len()
+        )));
+    }
     let binds = spec_binds(bundle.json());
+    let mounted: Vec<&str> = binds
+        .iter()
+        .map(|(dest, _)| dest.as_str())
+        .filter(|d| is_driver_file(d))
+        .collect();
+    if mounted.len() > MAX_DRIVER_FILES {
+        return Err(restore_error(format!(
+            "this container's spec mounts {} driver files, more than the {MAX_DRIVER_FILES} a restore reads: refused",
+            mounted.len()
+        )));
+    }
     let mut wanted: Vec<&str> = recorded.iter().map(|r| r.path.as_str()).collect();
-    wanted.extend(
-        binds
-            .iter()
-            .map(|(dest, _)| dest.as_str())
-            .filter(|d| is_driver_file(d)),
-    );
+    wanted.extend(mounted);
     wanted.sort_unstable();
     wanted.dedup();
+    let mut seen = Seen::default();
     let mut out = Vec::new();
     for path in wanted {
-        let Some(host) = host_source(&binds, path) else {
+        let Some((source, rel)) = bind_of(&binds, path) else {
             continue;
         };
-        let opened = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-            .open(&host);
-        let shown = host.display().to_string();
-        match read_file(path, opened, &shown) {
+        let shown = if rel.as_os_str().is_empty() {
+            source.display().to_string()
+        } else {
+            source.join(&rel).display().to_string()
+        };
+        let opened = open_beneath(source, &rel);
+        match read_file(path, opened, &shown, &mut seen) {
             Ok(f) => out.push(f),
             Err(e) => return Err(restore_error(format!("this container's driver file {e}"))),
         }
     }
     Ok(out)
+}
+
+/// The regular file at `rel` below the bind source `source`, opened for reading: the source
+/// (the host path the spec names) without following a link at it, `rel` beneath it without
+/// following any symlink or crossing a mount (a tenant's volume decides what lies there), and
+/// the file reopened through its handle only once it is known to be a regular file.
+fn open_beneath(source: &Path, rel: &Path) -> std::io::Result<File> {
+    let src = nix::fcntl::open(
+        source,
+        OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    if rel.as_os_str().is_empty() {
+        return reopen(src);
+    }
+    if crate::rootfs_changes::kind(&nix::sys::stat::fstat(&src)?) == SFlag::S_IFLNK {
+        return Err(std::io::Error::other(format!(
+            "the bind source {} is a symlink (not followed)",
+            source.display()
+        )));
+    }
+    let fd = openat2(
+        src.as_fd(),
+        rel,
+        OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC)
+            .resolve(
+                ResolveFlag::RESOLVE_BENEATH
+                    | ResolveFlag::RESOLVE_NO_SYMLINKS
+                    | ResolveFlag::RESOLVE_NO_XDEV,
+            ),
+    )
+    .map_err(|e| match e {
+        Errno::ELOOP => std::io::Error::other(format!(
+            "a symlink on the way below the bind source {} (not followed)",
+            source.display()
+        )),
+        Errno::EXDEV => std::io::Error::other(format!(
+            "leads out of the bind source {} (another mount, or outside it)",
+            source.display()
+        )),
+        e => e.into(),
+    })?;
+    reopen(fd)
 }
 
 /// The spec's bind mounts: (destination, source).
@@ -145,23 +286,26 @@ fn spec_binds(spec: &serde_json::Value) -> Vec<(String, PathBuf)> {
 }
 
 /// Where on the host the container's `path` comes from: the last bind mount at `path` or at a
-/// directory above it (later mounts cover earlier ones).
-fn host_source(binds: &[(String, PathBuf)], path: &str) -> Option<PathBuf> {
+/// directory above it (later mounts cover earlier ones), as its source and the path below it
+/// (empty for a mount at `path` itself).
+fn bind_of<'a>(binds: &'a [(String, PathBuf)], path: &str) -> Option<(&'a Path, PathBuf)> {
     binds.iter().rev().find_map(|(dest, source)| {
         if dest == path {
-            return Some(source.clone());
+            return Some((source.as_path(), PathBuf::new()));
         }
         let rel = Path::new(path).strip_prefix(dest).ok()?;
         (!rel.as_os_str().is_empty()
             && rel
                 .components()
                 .all(|c| matches!(c, std::path::Component::Normal(_))))
-        .then(|| source.join(rel))
+        .then(|| (source.as_path(), rel.to_path_buf()))
     })
 }
 
 /// The recorded driver files the container of `bundle` does not get alike, one message each:
 /// `the checkpoint maps …; this container gets …`. Empty when the checkpoint recorded none.
+/// Opens host files: run it where a hung one cannot hold anything else ([`check_restore`],
+/// [`differences_within`]).
 pub fn differences(bundle: &Bundle, recorded: &Devices) -> Result<Vec<String>> {
     if recorded.driver_files.is_empty() {
         return Ok(Vec::new());
@@ -186,9 +330,35 @@ pub fn differences(bundle: &Bundle, recorded: &Devices) -> Result<Vec<String>> {
         .collect())
 }
 
-/// Before CRIU restores: [`differences`] as an error naming each file.
-pub fn check_restore(bundle: &Bundle, recorded: &Devices) -> Result<()> {
-    let d = differences(bundle, recorded)?;
+/// [`differences`] from a blocking context (the restore handler's admission), on a thread of
+/// its own waited on for at most `bound`: past it an error, the thread left behind.
+pub fn differences_within(
+    bundle: &Bundle,
+    recorded: &Devices,
+    bound: Duration,
+) -> Result<Vec<String>> {
+    if recorded.driver_files.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (b, r) = (bundle.clone(), recorded.clone());
+    std::thread::Builder::new()
+        .name("driver-files".into())
+        .spawn(move || {
+            let _ = tx.send(differences(&b, &r));
+        })
+        .map_err(|e| restore_error(format!("start the driver files' check: {e}")))?;
+    rx.recv_timeout(bound).map_err(|_| past_bound(bound))?
+}
+
+/// Before CRIU restores: [`differences`] as an error naming each file, on a thread of its own
+/// waited on for at most [`CHECK_BOUND`] (the runtime's thread never reads a host file).
+pub async fn check_restore(bundle: &Bundle, recorded: &Devices) -> Result<()> {
+    if recorded.driver_files.is_empty() {
+        return Ok(());
+    }
+    let (b, r) = (bundle.clone(), recorded.clone());
+    let d = bounded(CHECK_BOUND, move || differences(&b, &r)).await?;
     if d.is_empty() {
         return Ok(());
     }
@@ -196,6 +366,41 @@ pub fn check_restore(bundle: &Bundle, recorded: &Devices) -> Result<()> {
         "the checkpoint's driver files are not this container's (CRIU restores them by path): {}",
         d.join("; ")
     )))
+}
+
+/// `f` on a thread of its own, waited on for at most `bound` without holding the runtime's
+/// thread; past it an error naming the step, and `f` is abandoned (its thread finishes, or
+/// hangs, on its own). A detached thread rather than tokio's blocking pool: the runtime waits
+/// for its blocking tasks when it shuts down, so a read stuck for good would hold the shim's
+/// exit too.
+async fn bounded<T: Send + 'static>(
+    bound: Duration,
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("driver-files".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })
+        .map_err(|e| restore_error(format!("start the driver files' check: {e}")))?;
+    match tokio::time::timeout(bound, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(restore_error(
+            "the driver files' check ended without an answer".into(),
+        )),
+        Err(_) => Err(past_bound(bound)),
+    }
+}
+
+fn past_bound(bound: Duration) -> Error {
+    Error::Step {
+        operation: "restore",
+        step: "driver-files",
+        message: format!(
+            "the host files this container's spec mounts at the checkpoint's driver files were not read within {bound:?} (a hung filesystem at a bind source?): refused, the read left behind"
+        ),
+    }
 }
 
 fn capture_error(message: String) -> Error {
@@ -217,6 +422,7 @@ fn restore_error(message: String) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::OpenOptionsExt;
 
     #[test]
     fn mapped_files_of_a_maps_text() {
@@ -256,7 +462,15 @@ mod tests {
         ]});
         let binds = spec_binds(&spec);
         assert_eq!(binds.len(), 2);
-        let at = |p: &str| host_source(&binds, p);
+        let at = |p: &str| {
+            bind_of(&binds, p).map(|(s, r)| {
+                if r.as_os_str().is_empty() {
+                    s.to_path_buf()
+                } else {
+                    s.join(r)
+                }
+            })
+        };
         assert_eq!(
             at("/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06"),
             Some(PathBuf::from("/host/libcuda.so.580.65.06"))
@@ -282,9 +496,16 @@ mod tests {
                 .custom_flags(libc::O_NOFOLLOW)
                 .open(p)
         };
-        let f = read_file("/c/libcuda.so.580.65.06", open(&real), "real").unwrap();
+        let f = read_file(
+            "/c/libcuda.so.580.65.06",
+            open(&real),
+            "real",
+            &mut Seen::default(),
+        )
+        .unwrap();
         assert_eq!(f.size, std::fs::metadata(&real).unwrap().len());
-        let err = read_file("/c/libcuda.so.1", open(&link), "link").unwrap_err();
+        let err =
+            read_file("/c/libcuda.so.1", open(&link), "link", &mut Seen::default()).unwrap_err();
         assert!(err.contains("open link"), "{err}");
     }
 
@@ -299,13 +520,13 @@ mod tests {
         Bundle::load(dir).unwrap()
     }
 
-    #[test]
-    fn the_restore_holds_the_recorded_files_to_the_specs_mounts() {
+    #[tokio::test]
+    async fn the_restore_holds_the_recorded_files_to_the_specs_mounts() {
         let dir = tempfile::tempdir().unwrap();
         let host = dir.path().join("libcuda.so.580.65.06");
         std::fs::copy(std::env::current_exe().unwrap(), &host).unwrap();
         let dest = "/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.06";
-        let f = read_file(dest, File::open(&host), "host").unwrap();
+        let f = read_file(dest, File::open(&host), "host", &mut Seen::default()).unwrap();
         let recorded = Devices {
             driver_version: "580.65.06".into(),
             driver_files: vec![f.clone()],
@@ -338,7 +559,7 @@ mod tests {
             dir.path(),
             &[("/usr/lib/x86_64-linux-gnu/libcuda.so.580.65.07", &newer)],
         );
-        let err = check_restore(&b, &recorded).unwrap_err().to_string();
+        let err = check_restore(&b, &recorded).await.unwrap_err().to_string();
         assert!(
             err.contains(&format!("the checkpoint maps {dest} (driver 580.65.06); this container gets driver 580.65.07 (libcuda.so.580.65.07)"))
                 && err.contains("restore failed at step compat"),
@@ -347,5 +568,247 @@ mod tests {
         // A spec that mounts no driver file: the driver version decides (elsewhere).
         let legacy = bundle(dir.path(), &[("/data", dir.path())]);
         assert!(differences(&legacy, &recorded).unwrap().is_empty());
+    }
+
+    /// A 64-byte ELF64 header without program headers: an ELF file without a build id.
+    fn tiny_elf() -> Vec<u8> {
+        let mut f = vec![0u8; 64];
+        f[..4].copy_from_slice(b"\x7fELF");
+        f[4] = 2;
+        f[5] = 1;
+        f[54..56].copy_from_slice(&56u16.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn a_checkpoint_records_at_most_the_cap_and_reads_an_inode_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let one = dir.path().join("elf");
+        std::fs::write(&one, tiny_elf()).unwrap();
+        // Hard links to one file, each mapped by this process under its own driver name.
+        let mut maps = Vec::new();
+        let mut map = |n: usize| {
+            let link = dir.path().join(format!("libnvidia-{n}.so.1"));
+            std::fs::hard_link(&one, &link).unwrap();
+            let f = File::open(&link).unwrap();
+            // SAFETY: a private read-only mapping of a file this test made, unmapped below.
+            let at = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    64,
+                    libc::PROT_READ,
+                    libc::MAP_PRIVATE,
+                    f.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(at, libc::MAP_FAILED);
+            maps.push(at);
+        };
+        for n in 0..10 {
+            map(n);
+        }
+        let me = [(std::process::id() as i32, "this test".to_string())];
+        let files = capture(&me).unwrap();
+        let ours: Vec<&DriverFile> = files
+            .iter()
+            .filter(|f| f.path.starts_with(dir.path().to_str().unwrap()))
+            .collect();
+        assert_eq!(ours.len(), 10, "{files:?}");
+        assert!(ours.iter().all(|f| f.size == 64 && f.build_id.is_empty()));
+        for n in 10..=MAX_DRIVER_FILES {
+            map(n);
+        }
+        let err = capture(&me).unwrap_err().to_string();
+        assert!(
+            err.contains("checkpoint failed at step driver-files")
+                && err.contains("one driver file more than the 64 a checkpoint records"),
+            "{err}"
+        );
+        for at in maps {
+            // SAFETY: mapped above, 64 bytes.
+            unsafe { libc::munmap(at, 64) };
+        }
+        // A file already read (same device and inode) is not read again: the record comes from
+        // the first read, even where the file would no longer parse.
+        std::fs::write(&one, b"no longer an ELF file").unwrap();
+        let meta = std::fs::metadata(&one).unwrap();
+        let mut seen = Seen::default();
+        seen.0
+            .insert((meta.dev(), meta.ino()), (64, "c04d".to_string()));
+        let f = read_file("/c/libnvidia-1.so.1", File::open(&one), "one", &mut seen).unwrap();
+        assert_eq!((f.size, f.build_id.as_str()), (64, "c04d"));
+        let err = read_file(
+            "/c/libnvidia-1.so.1",
+            File::open(&one),
+            "one",
+            &mut Seen::default(),
+        )
+        .unwrap_err();
+        assert!(err.contains("not an ELF file"), "{err}");
+    }
+
+    fn recorded(paths: &[&str]) -> Devices {
+        Devices {
+            driver_version: "580.65.06".into(),
+            driver_files: paths
+                .iter()
+                .map(|p| DriverFile {
+                    path: p.to_string(),
+                    size: 1,
+                    build_id: "00".into(),
+                })
+                .collect(),
+            ..Devices::default()
+        }
+    }
+
+    #[test]
+    fn a_manifest_names_only_driver_files_and_at_most_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        // The bind sources do not exist: each refusal comes before anything is opened.
+        let missing = dir.path().join("missing");
+        let b = bundle(dir.path(), &[("/etc", &missing)]);
+        let err = differences(&b, &recorded(&["/etc/shadow"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("the manifest records \"/etc/shadow\" among the driver files, which is not a driver library's name"),
+            "{err}"
+        );
+        let many: Vec<String> = (0..=MAX_DRIVER_FILES)
+            .map(|n| format!("/usr/lib/libnvidia-{n}.so.580.65.06"))
+            .collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let b = bundle(dir.path(), &[("/usr/lib", &missing)]);
+        let err = differences(&b, &recorded(&many)).unwrap_err().to_string();
+        assert!(
+            err.contains("the manifest records 65 driver files, more than the 64 a checkpoint may"),
+            "{err}"
+        );
+        let mounts: Vec<(&str, &Path)> = many.iter().map(|p| (*p, missing.as_path())).collect();
+        let b = bundle(dir.path(), &mounts);
+        let err = differences(&b, &recorded(&many[..1]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(
+                "this container's spec mounts 65 driver files, more than the 64 a restore reads"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_restore_opens_only_regular_files_beneath_the_bind_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = "/usr/lib/x86_64-linux-gnu";
+        let path = format!("{lib}/libcuda.so.580.65.06");
+        let want = recorded(&[&path]);
+        let err_of = |mounts: &[(&str, &Path)]| {
+            let b = bundle(dir.path(), mounts);
+            differences(&b, &want).unwrap_err().to_string()
+        };
+        // A tenant's volume with a symlink on the way: not followed.
+        let volume = dir.path().join("volume");
+        std::fs::create_dir_all(volume.join("real")).unwrap();
+        std::fs::write(volume.join("real/libcuda.so.580.65.06"), tiny_elf()).unwrap();
+        std::os::unix::fs::symlink("real", volume.join("x86_64-linux-gnu")).unwrap();
+        let err = err_of(&[("/usr/lib", volume.as_path())]);
+        assert!(
+            err.contains("a symlink on the way below the bind source"),
+            "{err}"
+        );
+        // A symlink at the file itself: not followed either.
+        std::fs::remove_file(volume.join("x86_64-linux-gnu")).unwrap();
+        std::fs::create_dir(volume.join("x86_64-linux-gnu")).unwrap();
+        let file = volume.join("x86_64-linux-gnu/libcuda.so.580.65.06");
+        std::os::unix::fs::symlink("../real/libcuda.so.580.65.06", &file).unwrap();
+        let err = err_of(&[("/usr/lib", volume.as_path())]);
+        assert!(err.contains("not a regular file"), "{err}");
+        // A bind source that is itself a link: not followed, for a directory or a file.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(volume.join("x86_64-linux-gnu"), &link).unwrap();
+        let err = err_of(&[(lib, &link)]);
+        assert!(
+            err.contains(&format!("the bind source {} is a symlink", link.display())),
+            "{err}"
+        );
+        // A mount crossed below the source.
+        let crossing = format!("{lib}/proc/libcuda.so.580.65.06");
+        let b = bundle(dir.path(), &[(lib, Path::new("/"))]);
+        let err2 = differences(&b, &recorded(&[&crossing]))
+            .unwrap_err()
+            .to_string();
+        assert!(err2.contains("leads out of the bind source /"), "{err2}");
+        // A device node (or anything not a regular file) is never opened.
+        let err = err_of(&[(&path, Path::new("/dev/null"))]);
+        assert!(
+            err.contains("/dev/null") && err.contains("not a regular file"),
+            "{err}"
+        );
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        let err = err_of(&[(&path, &fifo)]);
+        assert!(err.contains("not a regular file"), "{err}");
+        let err = err_of(&[(&path, &link)]);
+        assert!(err.contains("not a regular file"), "{err}");
+        // The regular file beneath the source is read.
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, tiny_elf()).unwrap();
+        let b = bundle(dir.path(), &[("/usr/lib", volume.as_path())]);
+        let d = differences(&b, &want).unwrap();
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(
+            d[0].contains(&format!("this container gets {path} (64 bytes")),
+            "{d:?}"
+        );
+        assert_eq!(
+            differences_within(&b, &want, CHECK_BOUND).unwrap(),
+            d,
+            "the bounded check gives the same answer"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_hung_check_fails_at_its_bound_and_the_runtime_runs_on() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use std::sync::Arc;
+        let ticks = Arc::new(AtomicU32::new(0));
+        let ticker = tokio::spawn({
+            let ticks = ticks.clone();
+            async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    ticks.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let t = std::time::Instant::now();
+        // A read that hangs (a host file on a hung NFS server), on this current-thread runtime.
+        let err = bounded(Duration::from_millis(300), || {
+            std::thread::sleep(Duration::from_secs(5));
+            Ok(())
+        })
+        .await
+        .unwrap_err()
+        .to_string();
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        // (The test ends before the hung read does: nothing waits for it.)
+        assert!(
+            err.contains("restore failed at step driver-files")
+                && err.contains("were not read within 300ms"),
+            "{err}"
+        );
+        // The runtime's one thread kept serving other tasks while the read hung.
+        assert!(ticks.load(Ordering::Relaxed) >= 10, "{ticks:?}");
+        ticker.abort();
+        // The blocking form bounds its wait the same way.
+        let dir = tempfile::tempdir().unwrap();
+        let b = bundle(dir.path(), &[]);
+        let want = recorded(&["/usr/lib/libcuda.so.580.65.06"]);
+        assert!(differences_within(&b, &want, Duration::from_secs(5))
+            .unwrap()
+            .is_empty());
     }
 }

@@ -423,7 +423,11 @@ fn differences(
         let layer = crate::device::DeviceLayer::for_options(options)?;
         let (gpus, _) = crate::device::compare(bundle, layer.as_deref(), &manifest.devices)?;
         differences.extend(gpus);
-        differences.extend(crate::driver_files::differences(bundle, &manifest.devices)?);
+        differences.extend(crate::driver_files::differences_within(
+            bundle,
+            &manifest.devices,
+            crate::driver_files::CHECK_BOUND,
+        )?);
     }
     Ok(differences)
 }

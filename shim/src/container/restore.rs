@@ -356,7 +356,7 @@ impl Container {
             .plan_restore(&manifest.devices, &self.bundle)
             .instrument(info_span!("device_compat", id = %self.id))
             .await?;
-        crate::driver_files::check_restore(&self.bundle, &manifest.devices)?;
+        crate::driver_files::check_restore(&self.bundle, &manifest.devices).await?;
         let mount_policy = self.refuse_new_mounts(dir).await?;
         let tcp_close = self.tcp_close(&manifest);
         self.check_network(&manifest, tcp_close).await?;
