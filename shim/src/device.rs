@@ -911,10 +911,11 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_lock_past_its_bound_is_unlocked_too() {
+    /// Quiesce of pids 1 and 2 where `step` on pid 2 does not return within its bound: the
+    /// error, and the calls the driver saw.
+    fn quiesce_unanswered(step: &'static str) -> (String, Vec<String>) {
         let rec = Arc::new(Recorder {
-            fail: vec![("lock", 2)],
+            fail: vec![(step, 2)],
             unanswered: true,
             ..Default::default()
         });
@@ -923,33 +924,28 @@ mod tests {
             .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
             .unwrap_err()
             .to_string();
+        let calls = rec.calls.lock().unwrap().clone();
+        (err, calls)
+    }
+
+    #[test]
+    fn a_lock_past_its_bound_is_unlocked_too() {
+        let (err, calls) = quiesce_unanswered("lock");
         assert!(
             err.contains("device-lock")
                 && err.contains("cuCheckpointProcessLock(pid 2) did not return within 3s"),
             "{err}"
         );
         assert!(err.contains("every process is back on its GPUs"), "{err}");
-        assert_eq!(
-            *rec.calls.lock().unwrap(),
-            ["lock 1", "lock 2", "unlock 2", "unlock 1"]
-        );
+        assert_eq!(calls, ["lock 1", "lock 2", "unlock 2", "unlock 1"]);
     }
 
     #[test]
     fn a_checkpoint_past_its_bound_is_restored_too() {
-        let rec = Arc::new(Recorder {
-            fail: vec![("checkpoint", 2)],
-            unanswered: true,
-            ..Default::default()
-        });
-        let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
-        let err = l
-            .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
-            .unwrap_err()
-            .to_string();
+        let (err, calls) = quiesce_unanswered("checkpoint");
         assert!(err.contains("device-checkpoint"), "{err}");
         assert_eq!(
-            *rec.calls.lock().unwrap(),
+            calls,
             [
                 "lock 1",
                 "lock 2",
