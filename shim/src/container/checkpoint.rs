@@ -113,7 +113,7 @@ impl Container {
             return Ok(());
         }
         let pids = self.runc.ps(&self.id).await?;
-        let room = self.memory.room(self.init.pid);
+        let room = self.memory.room(self.bundle.json());
         let quiesced = self
             .devices
             .quiesce(pids, move |holders| room.make(holders))
