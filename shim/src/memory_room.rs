@@ -370,6 +370,8 @@ struct Raised {
     cgroup: Cgroup,
     limit: Option<u64>,
     memsw: Option<u64>,
+    /// A put-back has waited for it once already: later tries write at once.
+    waited: bool,
 }
 
 /// The host-memory side of one container's checkpoints and restores: the handler's choice
@@ -487,6 +489,7 @@ impl HostMemory {
             cgroup,
             limit: from,
             memsw,
+            waited: false,
         });
         Ok(())
     }
@@ -675,6 +678,7 @@ impl HostMemory {
                     cgroup,
                     limit: Some(spec.limit),
                     memsw,
+                    waited: false,
                 });
                 self.put_back().await;
             }
@@ -700,7 +704,8 @@ impl HostMemory {
     /// exited: every limit raised for them back, once what the cgroup holds beyond reclaimable
     /// cache fits under it, or after [`PUT_BACK_WAIT`] regardless (what is above it then is
     /// the tenant's own). A write the kernel refuses (v1: `EBUSY`) is logged and tried again
-    /// at the next call (every later pause, checkpoint, resume and the container's exit).
+    /// at the next call (every later pause, checkpoint, resume and the container's exit),
+    /// without waiting again.
     pub async fn put_back(&self) {
         if self.lock().is_empty() {
             return;
@@ -719,7 +724,7 @@ impl HostMemory {
                 }
                 Err(e) if r.cgroup.dir.exists() => {
                     warn!(id = %self.id, error = %e, "memory limit left raised; tried again at the next step and at exit");
-                    kept.push(r);
+                    kept.push(Raised { waited: true, ..r });
                 }
                 // The container's cgroup went with it.
                 Err(_) => {}
@@ -734,6 +739,7 @@ impl HostMemory {
 /// regardless (on v2 the kernel then reclaims or OOM-kills inside that cgroup; on v1 the
 /// write fails with `EBUSY`).
 fn put_back_one(id: &str, r: &Raised, wait: Duration) -> Result<()> {
+    let wait = if r.waited { Duration::ZERO } else { wait };
     let deadline = Instant::now() + wait;
     loop {
         let usage = r.cgroup.usage()?;
@@ -1069,5 +1075,46 @@ mod tests {
             err.contains("RaiseMemoryLimit raises the limit for the restore"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_put_back_the_kernel_refuses_is_kept_and_tried_again_without_waiting() {
+        let d = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let max_file = d.path().join("memory.max");
+        std::fs::write(&max_file, format!("{}\n", 400 * mib)).unwrap();
+        std::fs::write(d.path().join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
+        let options = RuntimeOptions {
+            raise_memory_limit: true,
+            ..Default::default()
+        };
+        let m = HostMemory::new("c1", &options);
+        let levels = [Cgroup::at(d.path(), true).level().unwrap()];
+        m.fit(
+            "checkpoint",
+            200 * mib,
+            "",
+            vec![Cgroup::at(d.path(), true)],
+            &levels,
+            Some(1 << 40),
+        )
+        .unwrap();
+        // The limit cannot be written back (as v1 answers EBUSY): kept, to try again.
+        std::fs::remove_file(&max_file).unwrap();
+        std::fs::create_dir(&max_file).unwrap();
+        m.put_back_now(Duration::ZERO);
+        assert_eq!(m.lock().len(), 1);
+        std::fs::remove_dir(&max_file).unwrap();
+        std::fs::write(&max_file, (500 * mib).to_string()).unwrap();
+        std::fs::write(d.path().join("memory.current"), format!("{}\n", 480 * mib)).unwrap();
+        // The next step writes it at once, above the use or not: it has waited already.
+        let start = Instant::now();
+        m.put_back_now(Duration::from_secs(60));
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert_eq!(
+            std::fs::read_to_string(&max_file).unwrap(),
+            (400 * mib).to_string()
+        );
+        assert!(m.lock().is_empty());
     }
 }
