@@ -890,29 +890,39 @@ mod tests {
         assert!(err.contains("RaiseMemoryLimit"), "{err}");
     }
 
-    #[test]
-    fn a_raised_limit_is_put_back_once_the_use_fits() {
-        let d = tempfile::tempdir().unwrap();
+    /// A v2 cgroup in `d` at a 400 MiB limit, 300 used, raised by a checkpoint staging 200.
+    fn raised_by_a_checkpoint(d: &Path) -> HostMemory {
         let mib = 1u64 << 20;
-        std::fs::write(d.path().join("memory.max"), format!("{}\n", 400 * mib)).unwrap();
-        std::fs::write(d.path().join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
+        std::fs::write(d.join("memory.max"), format!("{}\n", 400 * mib)).unwrap();
+        std::fs::write(d.join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
         let options = RuntimeOptions {
             raise_memory_limit: true,
             ..Default::default()
         };
         let m = HostMemory::new("c1", &options);
-        let levels = [Cgroup::at(d.path(), true).level().unwrap()];
+        let levels = [Cgroup::at(d, true).level().unwrap()];
         m.fit(
             "checkpoint",
             200 * mib,
             "",
-            vec![Cgroup::at(d.path(), true)],
+            vec![Cgroup::at(d, true)],
             &levels,
             Some(1 << 40),
         )
         .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("memory.max")).unwrap(),
+            (500 * mib).to_string()
+        );
+        m
+    }
+
+    #[test]
+    fn a_raised_limit_is_put_back_once_the_use_fits() {
+        let d = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let m = raised_by_a_checkpoint(d.path());
         let max = || std::fs::read_to_string(d.path().join("memory.max")).unwrap();
-        assert_eq!(max(), (500 * mib).to_string());
         // The staged copy is gone: the limit goes back.
         std::fs::write(d.path().join("memory.current"), format!("{}\n", 350 * mib)).unwrap();
         m.put_back_now(Duration::ZERO);
@@ -999,23 +1009,7 @@ mod tests {
     fn a_raised_limit_is_put_back_after_the_wait_even_above_the_use() {
         let d = tempfile::tempdir().unwrap();
         let mib = 1u64 << 20;
-        std::fs::write(d.path().join("memory.max"), format!("{}\n", 400 * mib)).unwrap();
-        std::fs::write(d.path().join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
-        let options = RuntimeOptions {
-            raise_memory_limit: true,
-            ..Default::default()
-        };
-        let m = HostMemory::new("c1", &options);
-        let levels = [Cgroup::at(d.path(), true).level().unwrap()];
-        m.fit(
-            "checkpoint",
-            200 * mib,
-            "",
-            vec![Cgroup::at(d.path(), true)],
-            &levels,
-            Some(1 << 40),
-        )
-        .unwrap();
+        let m = raised_by_a_checkpoint(d.path());
         // Something else filled the room while the limit was raised: the limit goes back all
         // the same (the kernel deals with the tenant's own overshoot).
         std::fs::write(d.path().join("memory.current"), format!("{}\n", 480 * mib)).unwrap();
@@ -1034,6 +1028,12 @@ mod tests {
         };
         let m = HostMemory::new("c1", &options);
         let path = "/gpu-ckpt-unit-test-none/c1";
+        let limit = Some(400 * mib);
+        let refused = |m: &HostMemory, held: &Held| {
+            m.restore_limit(held, limit, path, None)
+                .unwrap_err()
+                .to_string()
+        };
         // 600 MiB of pages, 100 of them the staged copy: 500 of its own, above a 400 MiB
         // limit: refused with the option.
         let big = Held {
@@ -1041,10 +1041,7 @@ mod tests {
             device: 100 * mib,
             processes: 1,
         };
-        let err = m
-            .restore_limit(&big, Some(400 * mib), path, None)
-            .unwrap_err()
-            .to_string();
+        let err = refused(&m, &big);
         assert!(
             err.contains(
                 "brings back 524288000 bytes (500.0 MiB) of process memory besides the staged copy"
@@ -1059,22 +1056,14 @@ mod tests {
             device: 200 * mib,
             processes: 1,
         };
-        let to = m
-            .restore_limit(&fits, Some(400 * mib), path, None)
-            .unwrap()
-            .unwrap();
+        let to = m.restore_limit(&fits, limit, path, None).unwrap().unwrap();
         assert_eq!(to, 500 * mib + CONTEXT_BYTES);
         assert!(to <= 400 * mib + 200 * mib + CONTEXT_BYTES);
         // Without the option: refused, naming the option.
         let refuse = HostMemory::new("c1", &RuntimeOptions::default());
-        let err = refuse
-            .restore_limit(&fits, Some(400 * mib), path, None)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("RaiseMemoryLimit raises the limit for the restore"),
-            "{err}"
-        );
+        let err = refused(&refuse, &fits);
+        let option = "RaiseMemoryLimit raises the limit for the restore";
+        assert!(err.contains(option), "{err}");
     }
 
     #[test]
@@ -1082,23 +1071,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let mib = 1u64 << 20;
         let max_file = d.path().join("memory.max");
-        std::fs::write(&max_file, format!("{}\n", 400 * mib)).unwrap();
-        std::fs::write(d.path().join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
-        let options = RuntimeOptions {
-            raise_memory_limit: true,
-            ..Default::default()
-        };
-        let m = HostMemory::new("c1", &options);
-        let levels = [Cgroup::at(d.path(), true).level().unwrap()];
-        m.fit(
-            "checkpoint",
-            200 * mib,
-            "",
-            vec![Cgroup::at(d.path(), true)],
-            &levels,
-            Some(1 << 40),
-        )
-        .unwrap();
+        let m = raised_by_a_checkpoint(d.path());
         // The limit cannot be written back (as v1 answers EBUSY): kept, to try again.
         std::fs::remove_file(&max_file).unwrap();
         std::fs::create_dir(&max_file).unwrap();
