@@ -7,20 +7,33 @@
 //! the lock (and before CRIU at a restore), the bytes the driver will stage are held to the room
 //! of the container's memory cgroup and of every cgroup above it (limit less use), and to the
 //! node's `MemAvailable`. Where they do not fit the step is refused, naming the container, the
-//! limit, the use and the bytes needed, and nothing is touched; or, with the handler option
-//! `RaiseMemoryLimit`, each short limit is raised by what is needed for the length of the
-//! device steps and put back after them ([`HostMemory::put_back`]), never below what the
-//! cgroup then holds that the kernel cannot reclaim (on cgroup v2 a `memory.max` below that
-//! OOM-kills).
+//! cgroup, the limit, the use and the bytes needed, and nothing is touched; or, with the handler
+//! option `RaiseMemoryLimit` and only where the container's own cgroup is the short one, its
+//! limit is raised by what is needed for the length of the device steps. A cgroup above the
+//! container's (pod, QoS class, node) is shared and is never written: where one of them is
+//! short the step is refused with or without the option.
 //!
-//! cgroups-rs finds the cgroup ([`TaskCgroup`]) and writes the limits; the arithmetic and the
-//! walk up the hierarchy are here.
+//! The raised limit is put back after the device steps have brought the staged memory back onto
+//! the GPUs, or the process has exited ([`HostMemory::put_back`]): once what the cgroup holds
+//! beyond reclaimable cache fits under it, and after [`PUT_BACK_WAIT`] regardless. What is then
+//! above the limit is the tenant's own (the container was not frozen while the limit was
+//! raised): on cgroup v2 the kernel reclaims and, failing that, OOM-kills inside that cgroup; on
+//! v1 the write fails (`EBUSY`), is logged as a warning and is tried again at every later step
+//! and at the container's exit.
+//!
+//! The container's cgroup is found from the spec's `linux.cgroupsPath` as runc reads it
+//! ([`runc_cgroup`]), never from `/proc/<pid>/cgroup` of a process of the container (which can
+//! move itself into a child cgroup it made). cgroups-rs finds the hierarchy, expands systemd
+//! slices and writes the limits; the arithmetic and the walk up the hierarchy are here.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cgroups_rs::fs::{memory::MemController, parse_max_value, MaxValue};
+use cgroups_rs::fs::{
+    cgroup::get_cgroups_relative_paths, hierarchies, memory::MemController, parse_max_value,
+    MaxValue,
+};
 use image_format::manifest::{self, Manifest};
 use procfs::Current;
 use tracing::{info, info_span, warn};
@@ -29,7 +42,7 @@ use crate::bundle::Bundle;
 use crate::device::Holder;
 use crate::error::{Error, Result};
 use crate::options::RuntimeOptions;
-use crate::stats::{dir_of, TaskCgroup};
+use crate::stats::dir_of;
 
 /// Host bytes staged per device byte, as `STAGED_NUM / STAGED_DEN`: on an H200 a process's RSS
 /// grew by 1.03 to 1.45 times its device bytes at the checkpoint (the copy, and the driver's
@@ -41,7 +54,7 @@ const STAGED_DEN: u64 = 2;
 /// holds little device memory.
 pub const CONTEXT_BYTES: u64 = 64 << 20;
 /// How long [`HostMemory::put_back`] waits for the staged copy to leave a cgroup before it
-/// lowers the limit again.
+/// lowers the limit again regardless.
 const PUT_BACK_WAIT: Duration = Duration::from_secs(10);
 /// v1 writes "unlimited" as the largest page-aligned i64.
 const V1_UNLIMITED: u64 = i64::MAX as u64 & !4095;
@@ -116,6 +129,83 @@ fn mem_available() -> Option<u64> {
     procfs::Meminfo::current().ok()?.mem_available
 }
 
+/// Where runc puts the cgroup of container `id` for the spec's `linux.cgroupsPath`: with the
+/// systemd driver `slice:prefix:name` (`system.slice:runc:<id>` when empty) is the scope
+/// `<slice, expanded>/<prefix>-<name>.scope` (a `name` ending in `.slice` is that slice),
+/// from the hierarchy's root; otherwise the path itself (the id when empty), from the root
+/// where absolute, else under the cgroup runc runs in (the shim's own).
+pub fn runc_cgroup(cgroups_path: &str, id: &str, systemd: bool) -> Result<PathBuf> {
+    let bad =
+        |why: &str| Error::InvalidArgument(format!("linux.cgroupsPath {cgroups_path:?}: {why}"));
+    if !systemd {
+        let path = Path::new(if cgroups_path.is_empty() {
+            id
+        } else {
+            cgroups_path
+        });
+        if path
+            .components()
+            .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return Err(bad("\"..\" in a cgroup path"));
+        }
+        return Ok(path.to_path_buf());
+    }
+    let default = format!("system.slice:runc:{id}");
+    let path = if cgroups_path.is_empty() {
+        &default
+    } else {
+        cgroups_path
+    };
+    let [slice, prefix, name] = path.split(':').collect::<Vec<_>>()[..] else {
+        return Err(bad("the systemd driver wants slice:prefix:name"));
+    };
+    let slice = if slice.is_empty() {
+        "system.slice"
+    } else {
+        slice
+    };
+    let slice = cgroups_rs::systemd::utils::expand_slice(slice)
+        .map_err(|e| bad(&format!("slice {slice}: {e}")))?;
+    let unit = if name.ends_with(".slice") {
+        name.to_string()
+    } else if prefix.is_empty() {
+        format!("{name}.scope")
+    } else {
+        format!("{prefix}-{name}.scope")
+    };
+    if unit.contains('/') {
+        return Err(bad("a unit name with \"/\""));
+    }
+    Ok(Path::new("/").join(slice).join(unit))
+}
+
+/// The directory of the memory cgroup runc puts container `id` in for `cgroups_path`
+/// ([`runc_cgroup`]) and whether it is v2; `None` without a memory controller (then only the
+/// node counts). The cgroup need not exist yet.
+fn container_dir(cgroups_path: &str, id: &str, systemd: bool) -> Result<Option<(PathBuf, bool)>> {
+    let path = runc_cgroup(cgroups_path, id, systemd)?;
+    let hier = hierarchies::auto();
+    let v2 = hier.v2();
+    let path = if path.is_absolute() {
+        path
+    } else {
+        let own = get_cgroups_relative_paths().map_err(|e| {
+            Error::FailedPrecondition(format!("the shim's own cgroup (/proc/self/cgroup): {e}"))
+        })?;
+        let key = if v2 { "" } else { "memory" };
+        let Some(own) = own.get(key) else {
+            return Ok(None);
+        };
+        Path::new(own).join(path)
+    };
+    let rel = path.strip_prefix("/").unwrap_or(&path).to_path_buf();
+    let cgroup = cgroups_rs::fs::Cgroup::load(hier, rel);
+    Ok(cgroup
+        .controller_of::<MemController>()
+        .map(|m| (dir_of(m), v2)))
+}
+
 /// One memory cgroup, through cgroups-rs.
 struct Cgroup {
     mem: MemController,
@@ -140,27 +230,20 @@ impl Cgroup {
         }
     }
 
-    /// The memory cgroup of `pid` and every one above it that has a limit file, innermost
-    /// first (none without a memory controller: then only the node counts).
-    fn chain_of(pid: i32) -> Result<Vec<Cgroup>> {
-        let task = TaskCgroup::of_pid(pid)?;
-        let Some(mem) = task.memory.as_ref() else {
-            return Ok(Vec::new());
-        };
-        let mut dir = dir_of(mem);
+    /// The memory cgroup at `dir` and every one above it that has a limit file, innermost
+    /// first. Those above are only read: they are shared with other containers and pods.
+    fn chain_at(dir: &Path, v2: bool) -> Vec<Cgroup> {
         let mut chain = Vec::new();
-        loop {
-            let c = Cgroup::at(&dir, task.v2);
-            if !dir.join(c.limit_file()).exists() {
+        let mut dir = Some(dir);
+        while let Some(d) = dir {
+            let c = Cgroup::at(d, v2);
+            if !d.join(c.limit_file()).exists() {
                 break;
             }
             chain.push(c);
-            match dir.parent() {
-                Some(p) => dir = p.to_path_buf(),
-                None => break,
-            }
+            dir = d.parent();
         }
-        Ok(chain)
+        chain
     }
 
     fn read(&self, file: &str) -> Result<String> {
@@ -272,19 +355,33 @@ pub struct SpecLimit {
     swap: Option<u64>,
 }
 
+/// What a checkpoint's GPU processes bring back at a restore.
+#[derive(Clone, Copy)]
+struct Held {
+    /// CRIU's page images, the staged copy of the device memory among them.
+    pages: u64,
+    /// The device memory they held.
+    device: u64,
+    processes: usize,
+}
+
 /// A limit raised for a checkpoint or restore, and what to put back.
 struct Raised {
     cgroup: Cgroup,
     limit: Option<u64>,
     memsw: Option<u64>,
+    /// A put-back has waited for it once already: later tries write at once.
+    waited: bool,
 }
 
 /// The host-memory side of one container's checkpoints and restores: the handler's choice
-/// (refuse or raise), and the limits raised until the device steps are over.
+/// (refuse or raise), and the limit raised until the device steps are over.
 #[derive(Clone)]
 pub struct HostMemory {
     id: String,
     raise: bool,
+    /// runc's systemd cgroup driver (`SystemdCgroup`): how `linux.cgroupsPath` reads.
+    systemd: bool,
     raised: Arc<Mutex<Vec<Raised>>>,
 }
 
@@ -292,8 +389,16 @@ pub struct HostMemory {
 /// and locking them ([`crate::device::ContainerDevices::quiesce`]).
 pub struct Room {
     memory: HostMemory,
-    /// The container's init (its memory cgroup is the container's).
-    pid: i32,
+    /// The spec's `linux.cgroupsPath`: where the container's memory cgroup is.
+    cgroups_path: String,
+}
+
+/// The spec's `linux.cgroupsPath` (empty where unset).
+fn cgroups_path(spec: &serde_json::Value) -> String {
+    spec["linux"]["cgroupsPath"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
 
 impl Room {
@@ -306,7 +411,7 @@ impl Room {
             .flat_map(|h| h.gpus.iter().map(|(_, b)| *b))
             .sum();
         let needed = staged_bytes(device, holders.len());
-        let chain = Cgroup::chain_of(self.pid)?;
+        let chain = self.memory.chain(&self.cgroups_path)?;
         let levels = chain
             .iter()
             .map(Cgroup::level)
@@ -327,19 +432,37 @@ impl HostMemory {
         HostMemory {
             id: id.to_string(),
             raise: options.raise_memory_limit,
+            systemd: options.systemd_cgroup,
             raised: Arc::default(),
         }
     }
 
-    /// The check of a checkpoint of the container whose init is `pid`.
-    pub fn room(&self, pid: i32) -> Room {
+    /// The check of a checkpoint of the container whose spec is `spec`.
+    pub fn room(&self, spec: &serde_json::Value) -> Room {
         Room {
             memory: self.clone(),
-            pid,
+            cgroups_path: cgroups_path(spec),
         }
     }
 
-    /// `needed` against `levels` (of `chain`) and the node: refused, or each short limit raised.
+    /// The running container's memory cgroup (from `cgroups_path`) and those above it,
+    /// innermost first; empty without a memory controller or a limit file.
+    fn chain(&self, cgroups_path: &str) -> Result<Vec<Cgroup>> {
+        let Some((dir, v2)) = container_dir(cgroups_path, &self.id, self.systemd)? else {
+            return Ok(Vec::new());
+        };
+        if !dir.is_dir() {
+            return Err(Error::FailedPrecondition(format!(
+                "container {}: its memory cgroup {} (from linux.cgroupsPath {cgroups_path:?}) does not exist",
+                self.id,
+                dir.display()
+            )));
+        }
+        Ok(Cgroup::chain_at(&dir, v2))
+    }
+
+    /// `needed` against `levels` (of `chain`, the container's first) and the node: refused, or
+    /// the container's own limit raised.
     fn fit(
         &self,
         operation: &'static str,
@@ -349,34 +472,32 @@ impl HostMemory {
         levels: &[Level],
         available: Option<u64>,
     ) -> Result<()> {
-        let short = self.judge(operation, needed, what, levels, available)?;
-        let mut chain: Vec<Option<Cgroup>> = chain.into_iter().map(Some).collect();
-        let mut raised = self.lock();
-        // Outermost first, so that no level's room is capped by one not yet raised.
-        for &(i, to) in short.iter().rev() {
-            let Some(cgroup) = chain.get_mut(i).and_then(Option::take) else {
-                continue;
-            };
-            let memsw = cgroup.memsw();
-            let from = levels[i].limit;
-            let new_memsw = memsw.map(|sw| sw + to.saturating_sub(from.unwrap_or(to)));
-            if let Err(e) = cgroup.set_limit(Some(to), new_memsw) {
-                drop(raised);
-                self.put_back_now();
-                return Err(self.refusal(operation, format!("{what}; raising the limit: {e}")));
-            }
-            info!(id = %self.id, cgroup = %cgroup.dir.display(), from = ?from, to, "memory limit raised for the {operation}");
-            raised.push(Raised {
-                cgroup,
-                limit: from,
-                memsw,
-            });
+        let Some(to) = self.judge(operation, needed, what, levels, available)? else {
+            return Ok(());
+        };
+        let Some(cgroup) = chain.into_iter().next() else {
+            return Ok(());
+        };
+        let memsw = cgroup.memsw();
+        let from = levels[0].limit;
+        let new_memsw = memsw.map(|sw| sw + to.saturating_sub(from.unwrap_or(to)));
+        if let Err(e) = cgroup.set_limit(Some(to), new_memsw) {
+            return Err(self.refusal(operation, format!("{what}; raising the limit: {e}")));
         }
+        info!(id = %self.id, cgroup = %cgroup.dir.display(), from = ?from, to, "memory limit raised for the {operation}");
+        self.lock().push(Raised {
+            cgroup,
+            limit: from,
+            memsw,
+            waited: false,
+        });
         Ok(())
     }
 
-    /// The levels that are short of `needed` (index, the limit that makes room; empty: it
-    /// fits), or the refusal where the handler does not raise limits or the node is short.
+    /// The limit that makes room in the container's own cgroup (`levels[0]`; `None`: it fits),
+    /// or the refusal: where a cgroup above it is short (never raised: shared with other
+    /// containers and pods), where the handler does not raise limits, or where the node is
+    /// short.
     fn judge(
         &self,
         operation: &'static str,
@@ -384,14 +505,14 @@ impl HostMemory {
         what: &str,
         levels: &[Level],
         available: Option<u64>,
-    ) -> Result<Vec<(usize, u64)>> {
+    ) -> Result<Option<u64>> {
         let untouched = if operation == "checkpoint" {
             "the container runs on untouched"
         } else {
             "nothing was restored"
         };
         let short = match verdict(needed, levels, available) {
-            Verdict::Fits => return Ok(Vec::new()),
+            Verdict::Fits => return Ok(None),
             Verdict::Node { available } => {
                 return Err(self.refusal(
                     operation,
@@ -403,16 +524,21 @@ impl HostMemory {
             }
             Verdict::Short(short) => short,
         };
-        if self.raise {
-            return Ok(short);
+        let parent = short.iter().find(|(i, _)| *i > 0);
+        let (i, to) = *parent.unwrap_or(&short[0]);
+        if parent.is_none() && self.raise {
+            return Ok(Some(to));
         }
-        let (i, _) = short[0];
         let l = &levels[i];
-        let whose = if i == 0 { "its" } else { "the parent" };
+        let (whose, option) = if i == 0 {
+            ("its", format!("the handler option RaiseMemoryLimit raises the limit for the {operation} instead"))
+        } else {
+            ("the parent", "a cgroup above the container's is shared and never raised: the handler option RaiseMemoryLimit raises only the container's own".to_string())
+        };
         Err(self.refusal(
             operation,
             format!(
-                "{what}, more than the {} free under {whose} memory cgroup {}: limit {}, use {}; {untouched} (the handler option RaiseMemoryLimit raises the limit for the {operation} instead)",
+                "{what}, more than the {} free under {whose} memory cgroup {}: limit {}, use {}; {untouched} ({option})",
                 bytes(l.room().unwrap_or(0)),
                 l.dir.display(),
                 bytes(l.limit.unwrap_or(0)),
@@ -424,9 +550,11 @@ impl HostMemory {
     /// Before CRIU restores `manifest`'s GPU processes into this container: CRIU brings back
     /// every page the checkpoint holds (the staged copy of the device memory among them)
     /// before the driver reads the copy onto the GPU, so the page images and a context per
-    /// process are held to the spec's memory limit (the new cgroup is empty) and the node.
-    /// Refused, or with `RaiseMemoryLimit` the limit raised in `config.json` for runc restore;
-    /// what to put back after the device restore ([`HostMemory::after_restore`]).
+    /// process are held to the spec's memory limit (the new cgroup is empty), to the cgroups
+    /// above it and to the node ([`HostMemory::restore_limit`]). Refused, or with
+    /// `RaiseMemoryLimit` the limit raised in `config.json` for runc restore by at most the
+    /// staged copy and the contexts; returns what to put back after the device restore
+    /// ([`HostMemory::after_restore`]).
     pub fn before_restore(
         &self,
         bundle: &mut Bundle,
@@ -444,9 +572,6 @@ impl HostMemory {
             .filter(|(n, _)| manifest::is_page_image(n))
             .map(|(_, f)| f.size)
             .sum();
-        let needed = pages
-            .max(device)
-            .saturating_add(CONTEXT_BYTES.saturating_mul(processes as u64));
         let json = bundle.json().clone();
         let memory = &json["linux"]["resources"]["memory"];
         let limit = memory["limit"]
@@ -454,23 +579,13 @@ impl HostMemory {
             .filter(|l| *l > 0)
             .map(|l| l as u64);
         let swap = memory["swap"].as_i64().filter(|s| *s > 0).map(|s| s as u64);
-        let cgroup = json["linux"]["cgroupsPath"]
-            .as_str()
-            .unwrap_or("")
-            .to_string();
-        let levels = [Level {
-            dir: PathBuf::from(&cgroup),
-            limit,
-            usage: 0,
-        }];
-        let what = format!(
-            "its checkpoint brings back {} of process memory for {processes} GPU processes holding {} of device memory (staged in it), {} with their contexts",
-            bytes(pages),
-            bytes(device),
-            bytes(needed)
-        );
-        let short = self.judge("restore", needed, &what, &levels, mem_available())?;
-        let (Some(&(_, to)), Some(from)) = (short.first(), limit) else {
+        let held = Held {
+            pages,
+            device,
+            processes,
+        };
+        let to = self.restore_limit(&held, limit, &cgroups_path(&json), mem_available())?;
+        let (Some(to), Some(from)) = (to, limit) else {
             return Ok(None);
         };
         let mut raised = json.clone();
@@ -489,21 +604,73 @@ impl HostMemory {
         }))
     }
 
+    /// The limit `config.json` gets for a restore of `held` into the cgroup of `cgroups_path`
+    /// under the spec's `limit` (`None`: it fits as it is), or the refusal. What the processes
+    /// hold besides the staged copy above `limit` is refused whatever the handler's choice.
+    fn restore_limit(
+        &self,
+        held: &Held,
+        limit: Option<u64>,
+        cgroups_path: &str,
+        available: Option<u64>,
+    ) -> Result<Option<u64>> {
+        let Held {
+            pages,
+            device,
+            processes,
+        } = *held;
+        let own = pages.saturating_sub(device);
+        if let Some(limit) = limit.filter(|l| own > *l) {
+            return Err(self.refusal(
+                "restore",
+                format!(
+                    "its checkpoint brings back {} of process memory besides the staged copy of its {} of device memory, more than the spec's memory limit {} for its memory cgroup {cgroups_path}; nothing was restored (the handler option RaiseMemoryLimit raises the limit only by the staged device memory)",
+                    bytes(own),
+                    bytes(device),
+                    bytes(limit)
+                ),
+            ));
+        }
+        // With `own` under the limit, the raise below is at most the staged copy and the
+        // contexts.
+        let needed = pages
+            .max(device)
+            .saturating_add(CONTEXT_BYTES.saturating_mul(processes as u64));
+        let mut levels = vec![Level {
+            dir: PathBuf::from(cgroups_path),
+            limit,
+            usage: 0,
+        }];
+        if let Some((dir, v2)) = container_dir(cgroups_path, &self.id, self.systemd)? {
+            let above = dir.parent().map(|p| Cgroup::chain_at(p, v2));
+            for c in above.unwrap_or_default() {
+                levels.push(c.level()?);
+            }
+        }
+        let what = format!(
+            "its checkpoint brings back {} of process memory for {processes} GPU processes holding {} of device memory (staged in it), {} with their contexts",
+            bytes(pages),
+            bytes(device),
+            bytes(needed)
+        );
+        self.judge("restore", needed, &what, &levels, available)
+    }
+
     /// After the restore's device steps (or its failure): `config.json` back to the spec, and
-    /// the restored container's cgroup (init `pid`, 0 when none runs) back to the spec's limit
-    /// once the staged copy has left it ([`HostMemory::put_back`] tries again at exit where it
-    /// has not).
-    pub async fn after_restore(&self, bundle: &mut Bundle, spec: Option<SpecLimit>, pid: i32) {
+    /// the restored container's cgroup (from the spec's `linux.cgroupsPath`; `running` false
+    /// when no container runs) back to the spec's limit ([`HostMemory::put_back`]).
+    pub async fn after_restore(&self, bundle: &mut Bundle, spec: Option<SpecLimit>, running: bool) {
         let Some(spec) = spec else {
             return;
         };
+        let path = cgroups_path(&spec.json);
         if let Err(e) = bundle.rewrite(spec.json) {
             warn!(id = %self.id, error = %e, "the spec's memory limit back in config.json");
         }
-        if pid <= 0 {
+        if !running {
             return;
         }
-        match Cgroup::chain_of(pid) {
+        match self.chain(&path) {
             Ok(mut chain) if !chain.is_empty() => {
                 let cgroup = chain.swap_remove(0);
                 let memsw = spec.swap.filter(|_| cgroup.memsw().is_some());
@@ -511,6 +678,7 @@ impl HostMemory {
                     cgroup,
                     limit: Some(spec.limit),
                     memsw,
+                    waited: false,
                 });
                 self.put_back().await;
             }
@@ -531,29 +699,32 @@ impl HostMemory {
         self.raised.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// After the device steps (Resume's device restore, a failed quiesce, the container's
-    /// exit): every limit raised for them back, innermost first, once what the cgroup holds
-    /// beyond reclaimable cache fits under it again. A limit that still does not fit after a
-    /// wait stays raised (lowering it would OOM-kill) and is tried again at the next call.
+    /// After the device steps have brought the staged memory back onto the GPUs (Resume's
+    /// device restore, a failed quiesce's undo, a restore's device restore) or the process has
+    /// exited: every limit raised for them back, once what the cgroup holds beyond reclaimable
+    /// cache fits under it, or after [`PUT_BACK_WAIT`] regardless (what is above it then is
+    /// the tenant's own). A write the kernel refuses (v1: `EBUSY`) is logged and tried again
+    /// at the next call (every later pause, checkpoint, resume and the container's exit),
+    /// without waiting again.
     pub async fn put_back(&self) {
         if self.lock().is_empty() {
             return;
         }
         let me = self.clone();
-        let _ = tokio::task::spawn_blocking(move || me.put_back_now()).await;
+        let _ = tokio::task::spawn_blocking(move || me.put_back_now(PUT_BACK_WAIT)).await;
     }
 
-    fn put_back_now(&self) {
+    fn put_back_now(&self, wait: Duration) {
         let mut raised = self.lock();
         let mut kept = Vec::new();
         while let Some(r) = raised.pop() {
-            match put_back_one(&r) {
+            match put_back_one(&self.id, &r, wait) {
                 Ok(()) => {
                     info!(id = %self.id, cgroup = %r.cgroup.dir.display(), limit = ?r.limit, "memory limit put back")
                 }
                 Err(e) if r.cgroup.dir.exists() => {
-                    warn!(id = %self.id, error = %e, "memory limit left raised");
-                    kept.push(r);
+                    warn!(id = %self.id, error = %e, "memory limit left raised; tried again at the next step and at exit");
+                    kept.push(Raised { waited: true, ..r });
                 }
                 // The container's cgroup went with it.
                 Err(_) => {}
@@ -564,23 +735,27 @@ impl HostMemory {
     }
 }
 
-/// `r`'s limit back, once the cgroup's unreclaimable use fits under it (waits up to
-/// [`PUT_BACK_WAIT`] for the staged copy to go).
-fn put_back_one(r: &Raised) -> Result<()> {
-    let deadline = Instant::now() + PUT_BACK_WAIT;
+/// `r`'s limit back once the cgroup's unreclaimable use fits under it, or after `wait`
+/// regardless (on v2 the kernel then reclaims or OOM-kills inside that cgroup; on v1 the
+/// write fails with `EBUSY`).
+fn put_back_one(id: &str, r: &Raised, wait: Duration) -> Result<()> {
+    let wait = if r.waited { Duration::ZERO } else { wait };
+    let deadline = Instant::now() + wait;
     loop {
         let usage = r.cgroup.usage()?;
         let held = usage.saturating_sub(r.cgroup.reclaimable());
-        if r.limit.is_none_or(|l| held <= l) {
+        let fits = r.limit.is_none_or(|l| held <= l);
+        if fits || Instant::now() >= deadline {
+            if !fits {
+                warn!(
+                    id,
+                    cgroup = %r.cgroup.dir.display(),
+                    held,
+                    limit = ?r.limit,
+                    "memory limit put back below what the container holds beyond reclaimable cache, after the device steps: the overshoot is its own"
+                );
+            }
             return r.cgroup.set_limit(r.limit, r.memsw);
-        }
-        if Instant::now() >= deadline {
-            return Err(Error::FailedPrecondition(format!(
-                "{} still holds {} beyond reclaimable cache, above its limit {}: lowering it now would OOM-kill",
-                r.cgroup.dir.display(),
-                bytes(held),
-                bytes(r.limit.unwrap_or(0))
-            )));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -715,33 +890,204 @@ mod tests {
         assert!(err.contains("RaiseMemoryLimit"), "{err}");
     }
 
-    #[test]
-    fn a_raised_limit_is_put_back_once_the_use_fits() {
-        let d = tempfile::tempdir().unwrap();
+    /// A v2 cgroup in `d` at a 400 MiB limit, 300 used, raised by a checkpoint staging 200.
+    fn raised_by_a_checkpoint(d: &Path) -> HostMemory {
         let mib = 1u64 << 20;
-        std::fs::write(d.path().join("memory.max"), format!("{}\n", 400 * mib)).unwrap();
-        std::fs::write(d.path().join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
+        std::fs::write(d.join("memory.max"), format!("{}\n", 400 * mib)).unwrap();
+        std::fs::write(d.join("memory.current"), format!("{}\n", 300 * mib)).unwrap();
         let options = RuntimeOptions {
             raise_memory_limit: true,
             ..Default::default()
         };
         let m = HostMemory::new("c1", &options);
-        let levels = [Cgroup::at(d.path(), true).level().unwrap()];
+        let levels = [Cgroup::at(d, true).level().unwrap()];
         m.fit(
             "checkpoint",
             200 * mib,
             "",
-            vec![Cgroup::at(d.path(), true)],
+            vec![Cgroup::at(d, true)],
             &levels,
             Some(1 << 40),
         )
         .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(d.join("memory.max")).unwrap(),
+            (500 * mib).to_string()
+        );
+        m
+    }
+
+    #[test]
+    fn a_raised_limit_is_put_back_once_the_use_fits() {
+        let d = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let m = raised_by_a_checkpoint(d.path());
         let max = || std::fs::read_to_string(d.path().join("memory.max")).unwrap();
-        assert_eq!(max(), (500 * mib).to_string());
         // The staged copy is gone: the limit goes back.
         std::fs::write(d.path().join("memory.current"), format!("{}\n", 350 * mib)).unwrap();
-        m.put_back_now();
+        m.put_back_now(Duration::ZERO);
         assert_eq!(max(), (400 * mib).to_string());
+        assert!(m.lock().is_empty());
+    }
+
+    #[test]
+    fn the_container_cgroup_is_where_runc_puts_it_for_the_spec() {
+        let p = |path: &str, systemd: bool| runc_cgroup(path, "c1", systemd).unwrap();
+        assert_eq!(
+            p("/kubepods/besteffort/pod1/c1", false),
+            PathBuf::from("/kubepods/besteffort/pod1/c1")
+        );
+        // Relative (under runc's own cgroup); empty: the id.
+        assert_eq!(p("", false), PathBuf::from("c1"));
+        assert_eq!(p("a/b", false), PathBuf::from("a/b"));
+        assert!(runc_cgroup("/kubepods/../../etc", "c1", false).is_err());
+        assert_eq!(
+            p("kubepods-besteffort-pod1.slice:cri-containerd:c1", true),
+            PathBuf::from(
+                "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod1.slice/cri-containerd-c1.scope"
+            )
+        );
+        assert_eq!(p("", true), PathBuf::from("/system.slice/runc-c1.scope"));
+        assert_eq!(
+            p(":cri-containerd:c1", true),
+            PathBuf::from("/system.slice/cri-containerd-c1.scope")
+        );
+        assert!(runc_cgroup("/kubepods/c1", "c1", true).is_err());
+        assert!(runc_cgroup("a.slice:p:x/../y", "c1", true).is_err());
+    }
+
+    #[test]
+    fn a_short_parent_is_refused_with_the_option_and_never_written() {
+        let d = tempfile::tempdir().unwrap();
+        let pod = d.path().to_path_buf();
+        let container = pod.join("c1");
+        std::fs::create_dir(&container).unwrap();
+        let mib = 1u64 << 20;
+        for (dir, max, current) in [
+            (&pod, 450 * mib, 300 * mib),
+            (&container, 400 * mib, 300 * mib),
+        ] {
+            std::fs::write(dir.join("memory.max"), format!("{max}\n")).unwrap();
+            std::fs::write(dir.join("memory.current"), format!("{current}\n")).unwrap();
+        }
+        let options = RuntimeOptions {
+            raise_memory_limit: true,
+            ..Default::default()
+        };
+        let m = HostMemory::new("c1", &options);
+        let chain = Cgroup::chain_at(&container, true);
+        assert_eq!(chain.len(), 2);
+        let levels = chain.iter().map(|c| c.level().unwrap()).collect::<Vec<_>>();
+        let err = m
+            .fit("checkpoint", 200 * mib, "x", chain, &levels, Some(1 << 40))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!(
+                "free under the parent memory cgroup {}",
+                pod.display()
+            )),
+            "{err}"
+        );
+        assert!(err.contains("limit 471859200 bytes (450.0 MiB)"), "{err}");
+        assert!(err.contains("never raised"), "{err}");
+        let max = |dir: &Path| std::fs::read_to_string(dir.join("memory.max")).unwrap();
+        assert_eq!(max(&pod), format!("{}\n", 450 * mib));
+        assert_eq!(max(&container), format!("{}\n", 400 * mib));
+        assert!(m.lock().is_empty());
+        // The container's own short, the parent with room: only the container's is raised.
+        std::fs::write(pod.join("memory.max"), "max\n").unwrap();
+        let chain = Cgroup::chain_at(&container, true);
+        let levels = chain.iter().map(|c| c.level().unwrap()).collect::<Vec<_>>();
+        m.fit("checkpoint", 200 * mib, "x", chain, &levels, Some(1 << 40))
+            .unwrap();
+        assert_eq!(max(&pod), "max\n");
+        assert_eq!(max(&container), (500 * mib).to_string());
+    }
+
+    #[test]
+    fn a_raised_limit_is_put_back_after_the_wait_even_above_the_use() {
+        let d = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let m = raised_by_a_checkpoint(d.path());
+        // Something else filled the room while the limit was raised: the limit goes back all
+        // the same (the kernel deals with the tenant's own overshoot).
+        std::fs::write(d.path().join("memory.current"), format!("{}\n", 480 * mib)).unwrap();
+        m.put_back_now(Duration::ZERO);
+        let max = std::fs::read_to_string(d.path().join("memory.max")).unwrap();
+        assert_eq!(max, (400 * mib).to_string());
+        assert!(m.lock().is_empty());
+    }
+
+    #[test]
+    fn a_restore_raises_only_by_the_staged_copy() {
+        let mib = 1u64 << 20;
+        let options = RuntimeOptions {
+            raise_memory_limit: true,
+            ..Default::default()
+        };
+        let m = HostMemory::new("c1", &options);
+        let path = "/gpu-ckpt-unit-test-none/c1";
+        let limit = Some(400 * mib);
+        let refused = |m: &HostMemory, held: &Held| {
+            m.restore_limit(held, limit, path, None)
+                .unwrap_err()
+                .to_string()
+        };
+        // 600 MiB of pages, 100 of them the staged copy: 500 of its own, above a 400 MiB
+        // limit: refused with the option.
+        let big = Held {
+            pages: 600 * mib,
+            device: 100 * mib,
+            processes: 1,
+        };
+        let err = refused(&m, &big);
+        assert!(
+            err.contains(
+                "brings back 524288000 bytes (500.0 MiB) of process memory besides the staged copy"
+            ),
+            "{err}"
+        );
+        assert!(err.contains("limit 419430400 bytes (400.0 MiB)"), "{err}");
+        // 300 MiB of its own, 200 staged: raised to the pages and the context, no more than
+        // the limit plus the staged copy and the context.
+        let fits = Held {
+            pages: 500 * mib,
+            device: 200 * mib,
+            processes: 1,
+        };
+        let to = m.restore_limit(&fits, limit, path, None).unwrap().unwrap();
+        assert_eq!(to, 500 * mib + CONTEXT_BYTES);
+        assert!(to <= 400 * mib + 200 * mib + CONTEXT_BYTES);
+        // Without the option: refused, naming the option.
+        let refuse = HostMemory::new("c1", &RuntimeOptions::default());
+        let err = refused(&refuse, &fits);
+        let option = "RaiseMemoryLimit raises the limit for the restore";
+        assert!(err.contains(option), "{err}");
+    }
+
+    #[test]
+    fn a_put_back_the_kernel_refuses_is_kept_and_tried_again_without_waiting() {
+        let d = tempfile::tempdir().unwrap();
+        let mib = 1u64 << 20;
+        let max_file = d.path().join("memory.max");
+        let m = raised_by_a_checkpoint(d.path());
+        // The limit cannot be written back (as v1 answers EBUSY): kept, to try again.
+        std::fs::remove_file(&max_file).unwrap();
+        std::fs::create_dir(&max_file).unwrap();
+        m.put_back_now(Duration::ZERO);
+        assert_eq!(m.lock().len(), 1);
+        std::fs::remove_dir(&max_file).unwrap();
+        std::fs::write(&max_file, (500 * mib).to_string()).unwrap();
+        std::fs::write(d.path().join("memory.current"), format!("{}\n", 480 * mib)).unwrap();
+        // The next step writes it at once, above the use or not: it has waited already.
+        let start = Instant::now();
+        m.put_back_now(Duration::from_secs(60));
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert_eq!(
+            std::fs::read_to_string(&max_file).unwrap(),
+            (400 * mib).to_string()
+        );
         assert!(m.lock().is_empty());
     }
 }

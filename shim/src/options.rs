@@ -115,10 +115,15 @@ pub struct RuntimeOptions {
     /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
     /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
     pub device_lock_timeout: String,
-    /// Where a GPU checkpoint or restore would stage more host memory than the container's
-    /// memory cgroup (or one above it) has room for: raise the limit by what is needed for the
-    /// length of the device steps and put it back after them, instead of refusing the
-    /// checkpoint (default false: refused, naming the limit, the use and the bytes needed).
+    /// Where a GPU checkpoint or restore would stage more host memory than the container's own
+    /// memory cgroup has room for: raise its limit by what is needed for the length of the
+    /// device steps, instead of refusing (default false: refused, naming the limit, the use
+    /// and the bytes needed). Never a cgroup above the container's (a short pod or QoS cgroup
+    /// is refused either way), and at a restore only by the staged device memory. The limit
+    /// goes back after the device steps once the use fits, or after 10 s regardless: the
+    /// container is not frozen meanwhile, so what it then holds above the limit is its own
+    /// (cgroup v2: the kernel reclaims or OOM-kills inside the container's cgroup; v1: the
+    /// write fails, is logged as a warning and is retried at each later step and at exit).
     pub raise_memory_limit: bool,
     /// How long past the lock timeout the driver's lock may take before the shim gives up on
     /// it, e.g. "10s". Empty: [`DEFAULT_DEVICE_LOCK_MARGIN`].

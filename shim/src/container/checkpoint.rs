@@ -113,7 +113,10 @@ impl Container {
             return Ok(());
         }
         let pids = self.runc.ps(&self.id).await?;
-        let room = self.memory.room(self.init.pid);
+        // A limit an earlier put-back could not lower (v1: EBUSY) first, so that this
+        // checkpoint is held to the container's own limit.
+        self.memory.put_back().await;
+        let room = self.memory.room(self.bundle.json());
         let quiesced = self
             .devices
             .quiesce(pids, move |holders| room.make(holders))

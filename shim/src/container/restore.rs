@@ -272,10 +272,10 @@ impl Container {
             .memory
             .before_restore(&mut self.bundle, &checked.manifest)?;
         let restored = self.restore_checked(pending, checked, deferred).await;
-        let pid = if restored.is_ok() { self.init.pid } else { 0 };
+        let running = restored.is_ok() && self.init.pid > 0;
         let memory = self.memory.clone();
         memory
-            .after_restore(&mut self.bundle, spec_limit, pid)
+            .after_restore(&mut self.bundle, spec_limit, running)
             .await;
         restored
     }
