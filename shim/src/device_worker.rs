@@ -335,6 +335,23 @@ struct Worker {
     out: Lines,
 }
 
+impl Worker {
+    /// Hands `call` to the worker, a line of JSON; a worker that does not take it is killed.
+    fn send(&mut self, call: &Call) -> std::result::Result<(), GpuError> {
+        let mut line = serde_json::to_vec(call)
+            .map_err(|e| GpuError::Worker(format!("encode {call:?}: {e}")))?;
+        line.push(b'\n');
+        if let Err(e) = self.stdin.write_all(&line).and_then(|_| self.stdin.flush()) {
+            self.proc.kill();
+            return Err(GpuError::Worker(format!(
+                "worker (pid {}) did not take {call:?}: {e}",
+                self.proc.pid
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// How reading the worker's next message failed.
 #[derive(Debug)]
 enum Broken {
@@ -518,16 +535,7 @@ impl WorkerDriver {
         };
         let target = call.pid();
         let bytes = self.bytes_of(target);
-        let mut line = serde_json::to_vec(&call)
-            .map_err(|e| GpuError::Worker(format!("encode {call:?}: {e}")))?;
-        line.push(b'\n');
-        if let Err(e) = w.stdin.write_all(&line).and_then(|_| w.stdin.flush()) {
-            w.proc.kill();
-            return Err(GpuError::Worker(format!(
-                "worker (pid {}) did not take {call:?}: {e}",
-                w.proc.pid
-            )));
-        }
+        w.send(&call)?;
         *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) =
             Some((target, Arc::clone(&w.proc)));
         let _in_flight = InFlight(&self.in_flight);
