@@ -113,7 +113,8 @@ pub struct RuntimeOptions {
     /// the dynamic loader's search (where the driver installs them).
     pub driver_library_dir: String,
     /// How long a GPU checkpoint waits for a process's device lock (in-flight work to finish),
-    /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` overrides it. Empty: 30 s.
+    /// e.g. "30s"; the pod annotation `gpu-ckpt.io/lock-timeout` may shorten it, never
+    /// lengthen it. Empty: 30 s.
     pub device_lock_timeout: String,
     /// Where a GPU checkpoint or restore would stage more host memory than the container's own
     /// memory cgroup has room for: raise its limit by what is needed for the length of the
