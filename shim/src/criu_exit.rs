@@ -138,18 +138,13 @@ fn is_criu_of(pid: i32, shim: i32, id: &str) -> bool {
     if !is_criu {
         return false;
     }
-    let Some(runc) = parent_of(pid) else {
+    let Some(runc) = crate::process::parent_of(pid) else {
         return false;
     };
     let cmdline = Process::new(runc)
         .and_then(|p| p.cmdline())
         .unwrap_or_default();
-    parent_of(runc) == Some(shim) && cmdline.last().is_some_and(|last| last == id)
-}
-
-/// The parent pid, from `/proc/<pid>/stat`.
-fn parent_of(pid: i32) -> Option<i32> {
-    Some(Process::new(pid).and_then(|p| p.stat()).ok()?.ppid)
+    crate::process::parent_of(runc) == Some(shim) && cmdline.last().is_some_and(|last| last == id)
 }
 
 /// A netlink connector socket subscribed to the process events.
@@ -307,7 +302,7 @@ mod tests {
     fn a_killed_child_is_seen_with_its_signal() {
         let me = std::process::id() as i32;
         let Some(watch) = ExitWatch::start(move |pid| {
-            parent_of(pid) == Some(me)
+            crate::process::parent_of(pid) == Some(me)
                 && Process::new(pid)
                     .and_then(|p| p.exe())
                     .is_ok_and(|e| e.file_name().is_some_and(|n| n == "sleep"))

@@ -765,8 +765,8 @@ fn descends_from(pid: i32, root: i32) -> bool {
         if p == root {
             return true;
         }
-        match procfs::process::Process::new(p).and_then(|p| p.stat()) {
-            Ok(st) if st.ppid > 1 => p = st.ppid,
+        match crate::process::parent_of(p) {
+            Some(parent) if parent > 1 => p = parent,
             _ => return false,
         }
     }

@@ -96,6 +96,13 @@ pub fn capture(holders: &[(i32, String)]) -> Result<Vec<DriverFile>> {
 /// The `(address range, path)` of each file mapping in a `/proc/<pid>/maps` text; a deleted
 /// file's path without its ` (deleted)`.
 fn mapped_files(maps: &str) -> impl Iterator<Item = (&str, &str)> {
+    file_mappings(maps)
+        .map(|(range, path)| (range, path.strip_suffix(" (deleted)").unwrap_or(path)))
+}
+
+/// The `(address range, path)` of each file mapping in a `/proc/<pid>/maps` text, the path as
+/// the kernel prints it (spaces kept, ` (deleted)` after a deleted file's).
+pub(crate) fn file_mappings(maps: &str) -> impl Iterator<Item = (&str, &str)> {
     maps.lines().filter_map(|line| {
         let mut rest = line;
         let mut fields = Vec::with_capacity(5);
@@ -106,7 +113,6 @@ fn mapped_files(maps: &str) -> impl Iterator<Item = (&str, &str)> {
             rest = &t[end..];
         }
         let path = rest.trim_start();
-        let path = path.strip_suffix(" (deleted)").unwrap_or(path);
         path.starts_with('/').then_some((fields[0], path))
     })
 }

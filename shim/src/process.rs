@@ -90,6 +90,16 @@ impl Process {
     }
 }
 
+/// The parent pid of `pid`, from `/proc/<pid>/stat`; `None` when it is gone.
+pub fn parent_of(pid: i32) -> Option<i32> {
+    Some(
+        procfs::process::Process::new(pid)
+            .and_then(|p| p.stat())
+            .ok()?
+            .ppid,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -155,15 +155,12 @@ fn maps_nccl(pid: i32) -> Option<String> {
 
 /// The first `libnccl.so*` file a `/proc/PID/maps` text names.
 fn nccl_in_maps(maps: &str) -> Option<String> {
-    maps.lines()
-        .filter_map(|l| l.splitn(6, char::is_whitespace).nth(5))
-        .map(str::trim)
+    crate::driver_files::file_mappings(maps)
+        .map(|(_, path)| path)
         .find(|path| {
-            path.starts_with('/')
-                && path
-                    .rsplit('/')
-                    .next()
-                    .is_some_and(|f| f.starts_with("libnccl.so"))
+            path.rsplit('/')
+                .next()
+                .is_some_and(|f| f.starts_with("libnccl.so"))
         })
         .map(str::to_string)
 }
