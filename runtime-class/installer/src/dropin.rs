@@ -1,10 +1,18 @@
 //! The containerd drop-ins of both handlers. Their content is runtime-class/containerd/'s
-//! files (the one source of truth, compiled in); the installer adds only the path it installed
-//! the shim to (`runtime_path`), so containerd starts that binary whatever its PATH holds.
+//! files (the one source of truth, compiled in). Both register the runc type
+//! (`io.containerd.runc.v2`, so that CRI asks the handler for its features) with the shim as
+//! `runtime_path`, each by its own name: the installer sets `runtime_path` to the handler's
+//! link in `--bin-dir` (whatever containerd's PATH holds), and runc's keys from the site
+//! options (`BinaryName`, `SystemdCgroup`); gpu-ckpt's own keys are in the side file
+//! `<runtime_path>.toml` ([`crate::site`]).
 
 use toml_edit::{DocumentMut, Item, Table};
 
 use crate::error::{Error, Result};
+use crate::site::Runc;
+
+/// The runtime type both handlers are registered with.
+pub const RUNTIME_TYPE: &str = "io.containerd.runc.v2";
 
 /// The shim's binary name.
 pub const SHIM_BINARY: &str = "containerd-shim-gpu-ckpt-v1";
@@ -18,6 +26,11 @@ pub struct Source {
     pub file: &'static str,
     /// runtime-class/containerd/<file>.
     pub text: &'static str,
+    /// The shim's name for this handler in `--bin-dir` (its `runtime_path`): the shim itself,
+    /// or a link to it. Its side file is this name with `.toml`.
+    pub binary: &'static str,
+    /// The handler restores (`Mode = "restore"` in its side file).
+    pub mode_restore: bool,
 }
 
 /// Both handlers: `gpu-ckpt` and `gpu-ckpt-restore` (`Mode = "restore"`).
@@ -26,19 +39,24 @@ pub const SOURCES: [Source; 2] = [
         handler: "gpu-ckpt",
         file: "gpu-ckpt.toml",
         text: include_str!("../../containerd/gpu-ckpt.toml"),
+        binary: SHIM_BINARY,
+        mode_restore: false,
     },
     Source {
         handler: "gpu-ckpt-restore",
         file: "gpu-ckpt-restore.toml",
         text: include_str!("../../containerd/gpu-ckpt-restore.toml"),
+        binary: "containerd-shim-gpu-ckpt-restore-v1",
+        mode_restore: true,
     },
 ];
 
 const HEADER: &str = "# Installed by gpu-ckpt-node-installer from runtime-class/containerd/; `gpu-ckpt-node-installer uninstall` removes it.\n";
 
-/// The drop-in for `src` with `runtime_path` set to `shim_path` (the shim as containerd sees
-/// it), the source's comments and layout kept.
-pub fn render(src: &Source, shim_path: &str) -> Result<String> {
+/// The drop-in for `src` with `runtime_path` set to `shim_path` (the handler's name for the
+/// shim as containerd sees it) and runc's keys from `runc`, the source's comments and layout
+/// kept.
+pub fn render(src: &Source, shim_path: &str, runc: &Runc) -> Result<String> {
     let err = |why: String| Error::DropIn {
         name: src.file.to_string(),
         why,
@@ -65,10 +83,25 @@ pub fn render(src: &Source, shim_path: &str) -> Result<String> {
             })?;
     }
     match t.get("runtime_type").and_then(Item::as_str) {
-        Some(_) => {}
-        None => return Err(err(format!("handler {} has no runtime_type", src.handler))),
+        Some(RUNTIME_TYPE) => {}
+        other => {
+            return Err(err(format!(
+                "handler {} has runtime_type {other:?}, expected {RUNTIME_TYPE:?}",
+                src.handler
+            )))
+        }
     }
     t.insert("runtime_path", toml_edit::value(shim_path));
+    let options = t
+        .get_mut("options")
+        .and_then(Item::as_table_mut)
+        .ok_or_else(|| err(format!("handler {} has no options table", src.handler)))?;
+    if let Some(b) = &runc.binary_name {
+        options.insert("BinaryName", toml_edit::value(b.as_str()));
+    }
+    if runc.systemd_cgroup {
+        options.insert("SystemdCgroup", toml_edit::value(true));
+    }
     Ok(format!("{HEADER}{doc}"))
 }
 
@@ -79,30 +112,30 @@ mod tests {
     #[test]
     fn both_handlers_render_with_the_installed_shim() {
         for src in &SOURCES {
-            let out = render(src, "/usr/local/bin/containerd-shim-gpu-ckpt-v1").unwrap();
+            let path = format!("/usr/local/bin/{}", src.binary);
+            let out = render(src, &path, &Runc::default()).unwrap();
             let doc: DocumentMut = out.parse().unwrap();
             let h = &doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
                 [src.handler];
-            assert_eq!(
-                h["runtime_path"].as_str(),
-                Some("/usr/local/bin/containerd-shim-gpu-ckpt-v1")
-            );
-            assert_eq!(
-                h["runtime_type"].as_str(),
-                Some("io.containerd.gpu-ckpt.v1")
-            );
+            assert_eq!(h["runtime_path"].as_str(), Some(path.as_str()));
+            assert_eq!(h["runtime_type"].as_str(), Some(RUNTIME_TYPE));
+            // runc's keys only: gpu-ckpt's own are in the side file.
+            assert!(h["options"].get("Mode").is_none(), "{}", src.file);
+            assert_eq!(h["options"]["BinaryName"].as_str(), Some("/usr/sbin/runc"));
             // Everything of the source is still there, comments included.
             for line in src.text.lines().filter(|l| l.trim_start().starts_with('#')) {
                 assert!(out.contains(line), "{}: lost {line:?}", src.file);
             }
         }
-        let restore = render(&SOURCES[1], "/x").unwrap();
+        let runc = Runc {
+            binary_name: Some("/usr/bin/runc".into()),
+            systemd_cgroup: true,
+        };
+        let restore = render(&SOURCES[1], "/x", &runc).unwrap();
         let doc: DocumentMut = restore.parse().unwrap();
-        assert_eq!(
-            doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
-                ["gpu-ckpt-restore"]["options"]["Mode"]
-                .as_str(),
-            Some("restore")
-        );
+        let o = &doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+            ["gpu-ckpt-restore"]["options"];
+        assert_eq!(o["BinaryName"].as_str(), Some("/usr/bin/runc"));
+        assert_eq!(o["SystemdCgroup"].as_bool(), Some(true));
     }
 }

@@ -25,6 +25,9 @@ pub enum Error {
     /// A drop-in source from runtime-class/containerd/ that does not have the shape expected.
     #[error("drop-in {name}: {why}")]
     DropIn { name: String, why: String },
+    /// A site option (trust, restore sources, registry, handler options) that cannot be used.
+    #[error("site option {what}: {why}")]
+    Site { what: String, why: String },
     /// The install record is unreadable or of another version.
     #[error("install record {path}: {why}")]
     Record { path: PathBuf, why: String },

@@ -18,6 +18,7 @@ use crate::record::{
     self, make_dir, sha256, sha256_file, sync_parent, temp_path, write_atomic, ConfigEntry,
     FileEntry, LabelEntry, Phase, Record, RECORD_PATH,
 };
+use crate::site::{self, SiteArgs};
 
 /// The commands the payload carries into `--bin-dir`.
 pub const BINARIES: [&str; 3] = [SHIM_BINARY, "gpu-ckpt", "gpu-ckpt-hook"];
@@ -46,6 +47,8 @@ pub struct Options {
     pub restart_command: String,
     pub label_node: Option<String>,
     pub service_account_dir: PathBuf,
+    /// The site's options (trust, restore sources, registry, runc, handler options).
+    pub site: SiteArgs,
 }
 
 /// What a run changed.
@@ -78,6 +81,8 @@ struct Item {
     mode: u32,
     /// containerd reads it (a drop-in): a change needs a restart.
     config: bool,
+    /// The mode of the directories made for it (root-only for the site's files).
+    dir_mode: u32,
 }
 
 impl Item {
@@ -103,6 +108,7 @@ impl Options {
             ("--dropin-dir", &self.dropin_dir),
             ("--bin-dir", &self.bin_dir),
             ("--lib-dir", &self.lib_dir),
+            ("--site-dir", &self.site.site_dir),
         ] {
             check_abs(what, p)?;
         }
@@ -148,6 +154,7 @@ impl Options {
                 },
                 mode: 0o755,
                 config: false,
+                dir_mode: 0o755,
             });
         }
         let criu_src = self.payload.join(CRIU_DIR);
@@ -161,20 +168,55 @@ impl Options {
             content: Content::Link(relative_link(&self.bin_dir, &criu_dest.join("criu"))),
             mode: 0o777,
             config: false,
+            dir_mode: 0o755,
         });
-        let shim = self.fs.for_containerd(&self.bin_dir.join(SHIM_BINARY));
+        items.extend(self.registration()?);
+        Ok(items)
+    }
+
+    /// Both handlers' registration: the drop-ins (runc-typed, each naming its own link to the
+    /// shim as `runtime_path`, runc's keys from the site options), and the site's files, the
+    /// handlers' side files among them ([`site::plan`]).
+    fn registration(&self) -> Result<Vec<Item>> {
+        let runc = self.site.runc();
+        let mut items = Vec::new();
         for src in &dropin::SOURCES {
+            let shim = self.fs.for_containerd(&self.bin_dir.join(src.binary));
             items.push(Item {
                 path: self.dropin_dir.join(src.file),
                 content: Content::Bytes(
-                    dropin::render(src, &shim.display().to_string())?.into_bytes(),
+                    dropin::render(src, &shim.display().to_string(), &runc)?.into_bytes(),
                 ),
                 mode: 0o644,
                 config: true,
+                dir_mode: 0o755,
+            });
+        }
+        let for_containerd = |p: &Path| self.fs.for_containerd(p);
+        let target = site::Target {
+            bin_dir: &self.bin_dir,
+            for_containerd: &for_containerd,
+        };
+        for f in site::plan(&self.site, &target)? {
+            items.push(Item {
+                path: f.path,
+                content: match f.content {
+                    site::Content::Bytes(b) => Content::Bytes(b),
+                    site::Content::Link(l) => Content::Link(l),
+                },
+                mode: f.mode,
+                config: false,
+                dir_mode: f.dir_mode,
             });
         }
         Ok(items)
     }
+}
+
+/// Whether the installed file at node path `p` is read by containerd (a drop-in), so that
+/// writing or removing it needs a restart; a handler's side file is read by the shim instead.
+fn containerd_reads(p: &Path) -> bool {
+    p.extension().is_some_and(|x| x == "toml") && !site::is_side_file(p)
 }
 
 fn file_sha(p: &Path) -> Result<String> {
@@ -208,6 +250,7 @@ fn walk_payload(src: &Path, dest: &Path, items: &mut Vec<Item>) -> Result<()> {
                 },
                 mode: meta.mode() & 0o755,
                 config: false,
+                dir_mode: 0o755,
             });
         } else if ft.is_symlink() {
             let target = fs::read_link(&p).map_err(Error::io("read link", &p))?;
@@ -229,6 +272,7 @@ fn walk_payload(src: &Path, dest: &Path, items: &mut Vec<Item>) -> Result<()> {
                 content: Content::Link(target),
                 mode: 0o777,
                 config: false,
+                dir_mode: 0o755,
             });
         } else {
             return Err(Error::PayloadMissing {
@@ -308,8 +352,13 @@ impl Run<'_> {
 
     fn write_item(&mut self, item: &Item) -> Result<()> {
         let _span = tracing::info_span!("write", path = %item.path.display()).entered();
+        if item.path.starts_with(&self.o.site.site_dir) {
+            // The site's directory is root-only too, not only the directories below it.
+            let site_dir = self.o.site.site_dir.clone();
+            self.ensure_dir(&site_dir, item.dir_mode)?;
+        }
         if let Some(parent) = item.path.parent() {
-            self.ensure_dir(parent, 0o755)?;
+            self.ensure_dir(parent, item.dir_mode)?;
         }
         self.rec.set_file(item.entry());
         self.save()?;
@@ -492,7 +541,7 @@ pub fn install(o: &Options) -> Result<Outcome> {
         .cloned()
         .collect();
     for e in stale {
-        if run.remove_entry(&e)? && e.path.extension().is_some_and(|x| x == "toml") {
+        if run.remove_entry(&e)? && containerd_reads(&e.path) {
             // An old drop-in that containerd may still read.
             run.rec.restart_pending = true;
         }
@@ -647,10 +696,12 @@ pub fn uninstall(o: &Options) -> Result<Outcome> {
     }
 
     let dropins = o.dropin_paths();
-    let (configs, others): (Vec<FileEntry>, Vec<FileEntry>) =
-        run.rec.files.clone().into_iter().partition(|f| {
-            dropins.contains(&f.path) || f.path.extension().is_some_and(|x| x == "toml")
-        });
+    let (configs, others): (Vec<FileEntry>, Vec<FileEntry>) = run
+        .rec
+        .files
+        .clone()
+        .into_iter()
+        .partition(|f| dropins.contains(&f.path) || containerd_reads(&f.path));
     for e in configs {
         match run.remove_entry(&e) {
             Ok(removed) => {

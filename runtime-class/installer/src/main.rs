@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use node_installer::install::{self, DEFAULT_RESTART};
 use node_installer::labels::SERVICE_ACCOUNT_DIR;
 use node_installer::paths::HostFs;
+use node_installer::site::SiteArgs;
 
 #[derive(Parser)]
 #[command(
@@ -62,6 +63,9 @@ struct Common {
     /// The pod's service account (token, ca.crt).
     #[arg(long, default_value = SERVICE_ACCOUNT_DIR)]
     service_account_dir: PathBuf,
+    /// The site's options: trust, restore sources, registry, runc, handler options.
+    #[command(flatten)]
+    site: SiteArgs,
 }
 
 impl Common {
@@ -76,6 +80,7 @@ impl Common {
             restart_command: self.restart_command,
             label_node: self.label_node.filter(|n| !n.is_empty()),
             service_account_dir: self.service_account_dir,
+            site: self.site,
         })
     }
 }

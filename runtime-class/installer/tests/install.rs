@@ -76,6 +76,7 @@ fn scratch() -> Scratch {
         restart_command: format!("echo x >> '{}'", restarts.display()),
         label_node: None,
         service_account_dir: "/nonexistent".into(),
+        site: Default::default(),
     };
     Scratch {
         _dir: dir,
@@ -248,4 +249,113 @@ fn an_uninstall_whose_label_step_fails_does_every_other_step() {
         .unwrap();
     assert_eq!(rec.labels.unwrap().node, "node-a");
     assert!(rec.files.is_empty() && rec.config.is_none());
+}
+
+#[test]
+fn site_options_are_written_root_only_kept_current_and_removed() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    let secrets = s._dir.path().join("secrets");
+    fs::create_dir_all(&secrets).unwrap();
+    fs::write(
+        secrets.join("signing.key"),
+        format!("{}\n", "ab".repeat(32)),
+    )
+    .unwrap();
+    fs::write(secrets.join(".dockerconfigjson"), r#"{"auths":{}}"#).unwrap();
+    let (a, b) = ("11".repeat(32), "22".repeat(32));
+    s.opts.site.signing_key = Some(secrets.join("signing.key"));
+    s.opts.site.trusted_keys = vec![format!("node-a={a}"), format!("node-b={b}")];
+    s.opts.site.restore_sources = vec!["registry.example.com/ckpt/".into()];
+    s.opts.site.registry_auth = Some(secrets.join(".dockerconfigjson"));
+    s.opts.site.handler_options = Some(r#"{"DeviceLockTimeout":"45s"}"#.into());
+    let out = install(&s.opts).unwrap();
+    assert!(out.restarted);
+    assert_eq!(restarts(&s), 1);
+    let mode = |p: &str| fs::symlink_metadata(s.root.join(p)).unwrap().mode() & 0o7777;
+    for f in [
+        "etc/gpu-ckpt/cluster-key/node.key",
+        "etc/gpu-ckpt/cluster-key/node.pub",
+        "etc/gpu-ckpt/trusted/node-a.pub",
+        "etc/gpu-ckpt/trusted/node-b.pub",
+        "etc/gpu-ckpt/registry/auth.json",
+        "usr/local/bin/containerd-shim-gpu-ckpt-v1.toml",
+        "usr/local/bin/containerd-shim-gpu-ckpt-restore-v1.toml",
+    ] {
+        assert_eq!(mode(f), 0o600, "{f}");
+    }
+    for d in [
+        "etc/gpu-ckpt",
+        "etc/gpu-ckpt/cluster-key",
+        "etc/gpu-ckpt/trusted",
+        "etc/gpu-ckpt/registry",
+    ] {
+        assert_eq!(mode(d), 0o700, "{d}");
+    }
+    assert_eq!(
+        fs::read_link(
+            s.root
+                .join("usr/local/bin/containerd-shim-gpu-ckpt-restore-v1")
+        )
+        .unwrap(),
+        PathBuf::from("containerd-shim-gpu-ckpt-v1")
+    );
+    let side = fs::read_to_string(
+        s.root
+            .join("usr/local/bin/containerd-shim-gpu-ckpt-restore-v1.toml"),
+    )
+    .unwrap();
+    for want in [
+        "Mode = \"restore\"",
+        "SigningKey = \"/etc/gpu-ckpt/cluster-key/node.key\"",
+        "TrustedKeysDir = \"/etc/gpu-ckpt/trusted\"",
+        "RestoreSources = [\"registry.example.com/ckpt/\"]",
+        "RegistryAuthFile = \"/etc/gpu-ckpt/registry/auth.json\"",
+        "DeviceLockTimeout = \"45s\"",
+    ] {
+        assert!(side.contains(want), "{want} not in {side}");
+    }
+    let dropin =
+        fs::read_to_string(s.root.join("etc/containerd/conf.d/gpu-ckpt-restore.toml")).unwrap();
+    assert!(
+        dropin.contains("runtime_path = \"/usr/local/bin/containerd-shim-gpu-ckpt-restore-v1\"")
+    );
+
+    // Changed values: node-b revoked, another source. The side files and the trust files are
+    // rewritten (node-b's file goes), the drop-ins are not: no restart, as the shim reads the
+    // side files at each Create.
+    s.opts.site.revoked_keys = vec![format!("ed25519:{b}")];
+    s.opts
+        .site
+        .restore_sources
+        .push("/var/lib/kubelet/checkpoints/".into());
+    let out = install(&s.opts).unwrap();
+    assert!(!out.config_changed && !out.restarted, "{out:?}");
+    assert_eq!(restarts(&s), 1);
+    assert!(!s.root.join("etc/gpu-ckpt/trusted/node-b.pub").exists());
+    assert!(s.root.join("etc/gpu-ckpt/trusted/node-a.pub").exists());
+    let revoked = fs::read_to_string(s.root.join("etc/gpu-ckpt/revoked")).unwrap();
+    assert!(
+        revoked.lines().any(|l| l.starts_with("ed25519:")),
+        "{revoked}"
+    );
+    assert_eq!(mode("etc/gpu-ckpt/revoked"), 0o600);
+    // runc's path is a drop-in key: that change restarts containerd.
+    s.opts.site.runc_path = Some("/usr/bin/runc".into());
+    let out = install(&s.opts).unwrap();
+    assert!(out.config_changed && out.restarted, "{out:?}");
+    assert_eq!(restarts(&s), 2);
+
+    // A bad option is named, and nothing is written.
+    let installed = listing(&s.root);
+    s.opts.site.handler_options = Some(r#"{"TrustedKeysDir":"/x"}"#.into());
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.starts_with("site option handler option TrustedKeysDir"),
+        "{err}"
+    );
+    assert_eq!(listing(&s.root), installed);
+
+    uninstall(&s.opts).unwrap();
+    assert_eq!(listing(&s.root), before);
 }
