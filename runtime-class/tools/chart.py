@@ -33,7 +33,7 @@ import yaml
 # template that is in neither (other than NOTES.txt) is an error, so none is left out unseen.
 MANIFEST_FILES = {
     "runtimeclasses.yaml": ["runtimeclasses.yaml"],
-    "node-installer.yaml": ["serviceaccount.yaml", "daemonset.yaml"],
+    "node-installer.yaml": ["serviceaccount.yaml", "registry-ca.yaml", "daemonset.yaml"],
     "admission.yaml": ["admission.yaml"],
 }
 MANIFESTS_RELEASE = "gpu-ckpt"

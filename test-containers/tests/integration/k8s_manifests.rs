@@ -25,7 +25,7 @@ fn repo() -> PathBuf {
     test_containers::stack::repo_root()
 }
 
-fn chart() -> PathBuf {
+pub(crate) fn chart() -> PathBuf {
     repo().join("runtime-class/chart/gpu-ckpt")
 }
 
@@ -68,7 +68,7 @@ fn chart_ok(args: &[&str]) -> Result<Value> {
 }
 
 /// `chart.py render CHART ARGS… --kube-version KUBE_VERSION`, which must succeed.
-fn render(args: &[&str]) -> Result<Value> {
+pub(crate) fn render(args: &[&str]) -> Result<Value> {
     let chart = chart();
     let mut all = vec!["render", path_str(&chart)];
     all.extend_from_slice(args);
@@ -89,7 +89,7 @@ fn prod_documents(args: &[&str]) -> Result<Vec<Value>> {
 }
 
 /// A rendering's documents, each checked valid against KUBE_VERSION's schemas.
-fn valid_documents(rendered: &Value) -> Result<Vec<Value>> {
+pub(crate) fn valid_documents(rendered: &Value) -> Result<Vec<Value>> {
     ensure!(
         rendered["kube_version"] == KUBE_VERSION,
         "validated against {}, not {KUBE_VERSION}",
@@ -115,7 +115,7 @@ fn valid_documents(rendered: &Value) -> Result<Vec<Value>> {
 }
 
 /// The one object of `kind` named `name`.
-fn object<'a>(docs: &'a [Value], kind: &str, name: &str) -> Result<&'a Value> {
+pub(crate) fn object<'a>(docs: &'a [Value], kind: &str, name: &str) -> Result<&'a Value> {
     let found: Vec<&Value> = docs
         .iter()
         .filter(|d| d["kind"] == kind && d["metadata"]["name"] == name)
@@ -155,7 +155,7 @@ fn chart_app_version() -> Result<String> {
 }
 
 /// The DaemonSet's one container.
-fn installer_container(ds: &Value) -> Result<&Value> {
+pub(crate) fn installer_container(ds: &Value) -> Result<&Value> {
     let cs = ds["spec"]["template"]["spec"]["containers"]
         .as_array()
         .context("DaemonSet without containers")?;
@@ -163,7 +163,7 @@ fn installer_container(ds: &Value) -> Result<&Value> {
     Ok(&cs[0])
 }
 
-fn strings(v: &Value) -> Vec<String> {
+pub(crate) fn strings(v: &Value) -> Vec<String> {
     v.as_array()
         .map(|a| {
             a.iter()
@@ -174,7 +174,7 @@ fn strings(v: &Value) -> Vec<String> {
 }
 
 /// `flag`'s value in the installer's arguments.
-fn flag<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+pub(crate) fn flag<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
     args.iter()
         .position(|a| a == flag)
         .and_then(|i| args.get(i + 1))
@@ -398,8 +398,19 @@ fn the_runtime_class_handlers_are_the_drop_ins_runtimes() -> Result<()> {
         let runtimes = cri(f)["containerd"]["runtimes"].clone();
         for (name, rt) in runtimes.as_object().context("no runtimes")? {
             handlers.insert(name.clone());
+            // runc's type, so that CRI asks the handler for its features; the shim by the
+            // handler's own name, whose side file holds gpu-ckpt's keys.
             ensure!(
-                rt["runtime_type"] == "io.containerd.gpu-ckpt.v1",
+                rt["runtime_type"] == "io.containerd.runc.v2",
+                "{name}: {rt}"
+            );
+            let binary = if name == "gpu-ckpt-restore" {
+                "containerd-shim-gpu-ckpt-restore-v1"
+            } else {
+                "containerd-shim-gpu-ckpt-v1"
+            };
+            ensure!(
+                rt["runtime_path"] == format!("/usr/local/bin/{binary}"),
                 "{name}: {rt}"
             );
             for key in ["pod_annotations", "container_annotations"] {
@@ -409,12 +420,11 @@ fn the_runtime_class_handlers_are_the_drop_ins_runtimes() -> Result<()> {
                     rt[key]
                 );
             }
+            // CRI sends only runc's keys for a runc-typed handler: `Mode = "restore"` is in the
+            // restore handler's side file, which the installer writes (installer/src/site.rs).
             let mode = &rt["options"]["Mode"];
-            if name == "gpu-ckpt-restore" {
-                ensure!(*mode == "restore", "gpu-ckpt-restore: Mode {mode}");
-            } else {
-                ensure!(mode.is_null(), "{name}: Mode {mode}");
-            }
+            ensure!(mode.is_null(), "{name}: Mode {mode} in the drop-in");
+            ensure!(rt["options"]["BinaryName"].is_string(), "{name}: {rt}");
         }
     }
     ensure!(
@@ -583,6 +593,85 @@ fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result
     }
     // labelNode: false.
     ensure!(!args.iter().any(|a| a == "--label-node"), "{args:?}");
+    // The site's options: trust, restore sources, registry, runc, handler options.
+    let every = |f: &str| -> Vec<&str> {
+        args.iter()
+            .enumerate()
+            .filter(|(_, a)| *a == f)
+            .filter_map(|(i, _)| args.get(i + 1).map(String::as_str))
+            .collect()
+    };
+    let trust = &all["trust"];
+    ensure!(trust["mode"] == "cluster");
+    ensure!(
+        flag(&args, "--signing-key") == Some("/etc/gpu-ckpt-installer/cluster-key/signing.key"),
+        "{args:?}"
+    );
+    let trusted: Vec<String> = trust["trustedKeys"]
+        .as_object()
+        .context("trust.trustedKeys")?
+        .iter()
+        .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or_default()))
+        .collect();
+    ensure!(every("--trusted-key") == trusted, "{args:?}");
+    ensure!(
+        every("--revoked-key") == strings(&trust["revokedKeys"]),
+        "{args:?}"
+    );
+    ensure!(
+        every("--restore-source") == strings(&all["restoreSources"]),
+        "{args:?}"
+    );
+    ensure!(
+        flag(&args, "--registry-auth") == Some("/etc/gpu-ckpt-installer/registry-auth/config.json"),
+        "{args:?}"
+    );
+    ensure!(
+        every("--registry-ca")
+            == ["registry.example.com=/etc/gpu-ckpt-installer/registry-ca/ca-0.crt"],
+        "{args:?}"
+    );
+    ensure!(flag(&args, "--runc-path") == all["runc"]["path"].as_str());
+    ensure!(args.iter().any(|a| a == "--runc-systemd-cgroup"));
+    let options: Value = serde_json::from_str(flag(&args, "--handler-options").unwrap_or("null"))?;
+    ensure!(options == all["handlerOptions"], "{options}");
+    let volumes = &pod["volumes"];
+    let volume = |name: &str| {
+        volumes
+            .as_array()
+            .and_then(|v| v.iter().find(|v| v["name"] == name))
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    ensure!(
+        volume("cluster-key")["secret"]
+            == json!({"secretName": trust["clusterKey"]["secretName"], "defaultMode": 0o400,
+                      "items": [{"key": trust["clusterKey"]["secretKey"], "path": "signing.key"}]}),
+        "{volumes}"
+    );
+    ensure!(
+        volume("registry-auth")["secret"]["secretName"] == all["registry"]["authSecretName"],
+        "{volumes}"
+    );
+    let ca_map = volume("registry-ca")["configMap"]["name"].clone();
+    let ca = object(&docs, "ConfigMap", ca_map.as_str().unwrap_or_default())?;
+    ensure!(
+        ca["data"]["ca-0.crt"] == all["registry"]["caBundles"]["registry.example.com"],
+        "{ca}"
+    );
+    for (name, at) in [
+        ("cluster-key", "/etc/gpu-ckpt-installer/cluster-key"),
+        ("registry-auth", "/etc/gpu-ckpt-installer/registry-auth"),
+        ("registry-ca", "/etc/gpu-ckpt-installer/registry-ca"),
+    ] {
+        ensure!(
+            c["volumeMounts"].as_array().is_some_and(|m| m
+                .iter()
+                .any(|m| m["name"] == name && m["mountPath"] == at && m["readOnly"] == true)),
+            "{name}: {}",
+            c["volumeMounts"]
+        );
+    }
     ensure!(c["volumeMounts"][0]["mountPath"] == paths["hostRoot"]);
     // action: uninstall, uninstallOnStop: false.
     let script = &strings(&c["command"])[2];
@@ -905,6 +994,26 @@ fn invalid_values_fail_with_the_field_named() -> Result<()> {
             r#"{"runtimeClasses":{"nodeSelector":{"node-restriction.kubernetes.io/gpu-ckpt-runtime":true}}}"#,
             "nodeSelector",
         ),
+        // The site's options.
+        (
+            r#"{"trust":{"mode":"cluster"}}"#,
+            "/trust/clusterKey/secretName",
+        ),
+        (
+            r#"{"trust":{"trustedKeys":{"gpu-a":"not-a-key"}}}"#,
+            "/trust/trustedKeys/gpu-a",
+        ),
+        (r#"{"trust":{"revokedKeys":["x"]}}"#, "/trust/revokedKeys/0"),
+        (r#"{"restoreSources":["ckpt"]}"#, "/restoreSources/0"),
+        (
+            r#"{"handlerOptions":{"Mode":"restore"}}"#,
+            "'Mode' not allowed",
+        ),
+        (
+            r#"{"handlerOptions":{"DeviceLockTimeout":"soon"}}"#,
+            "/handlerOptions/DeviceLockTimeout",
+        ),
+        (r#"{"runc":{"path":"runc"}}"#, "/runc/path"),
     ] {
         let (ok, out) = chart_py(&["render", path_str(&chart()), "--set-json", set])?;
         ensure!(!ok, "{set} rendered");
@@ -919,7 +1028,7 @@ fn invalid_values_fail_with_the_field_named() -> Result<()> {
 
 /// The DaemonSet container's command and its arguments as the kubelet passes them
 /// (`$(NODE_NAME)` expanded).
-fn pod_command(rendered: &Value, node: &str) -> Result<(Vec<String>, Vec<String>)> {
+pub(crate) fn pod_command(rendered: &Value, node: &str) -> Result<(Vec<String>, Vec<String>)> {
     let docs = valid_documents(rendered)?;
     let ds = docs
         .iter()

@@ -16,6 +16,7 @@ mod criu_oldest;
 mod criu_version;
 mod docs_commands;
 mod docs_messages;
+mod fleet;
 mod gpu_cdi;
 mod gpu_criu_plugin;
 mod gpu_driver_files;

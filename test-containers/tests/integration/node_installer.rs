@@ -85,7 +85,7 @@ fn same_listing(
 /// and the stack's CRIU with the shared libraries it needs (all but glibc's), found through
 /// the RUNPATH `$ORIGIN/lib` that patchelf writes (DT_RPATH, so that the libraries' own
 /// dependencies are found there too).
-fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
+pub(crate) fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
     fs::create_dir_all(dir.join("criu/lib"))?;
     for b in [SHIM, "gpu-ckpt", "gpu-ckpt-hook"] {
         let from = stack.shim_dir().join(b);
@@ -196,7 +196,7 @@ impl Installer {
 
 /// A scratch node root: the node's containerd configuration (the test stack's, without any
 /// gpu-ckpt handler) with an administrator's comment, and a tool of theirs in /usr/local/bin.
-fn scratch_root(builder: &NodeBuilder, root: &Path) -> Result<PathBuf> {
+pub(crate) fn scratch_root(builder: &NodeBuilder, root: &Path) -> Result<PathBuf> {
     fs::set_permissions(root, fs::Permissions::from_mode(0o755))?;
     let etc = root.join("etc/containerd");
     fs::create_dir_all(&etc)?;
@@ -224,7 +224,7 @@ fn scratch_root(builder: &NodeBuilder, root: &Path) -> Result<PathBuf> {
     Ok(config)
 }
 
-fn installer_bin(stack: &Stack) -> Result<PathBuf> {
+pub(crate) fn installer_bin(stack: &Stack) -> Result<PathBuf> {
     let bin = stack.shim_dir().join(INSTALLER);
     ensure!(
         bin.is_file(),

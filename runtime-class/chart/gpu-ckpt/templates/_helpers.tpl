@@ -65,3 +65,103 @@ node-restriction.kubernetes.io/, which a kubelet may not set on its own Node. */
 {{- define "gpu-ckpt.nodeLabelPrefix" -}}
 node-restriction.kubernetes.io/gpu-ckpt-
 {{- end -}}
+
+{{/*
+The site's options (trust, restore sources, registry, runc, handler options) as the installer's
+arguments, one per line of a YAML list, after gpu-ckpt.installerArgs. Files come from the
+volumes gpu-ckpt.siteVolumes mounts (gpu-ckpt.siteMountDir).
+*/}}
+{{- define "gpu-ckpt.siteMountDir" -}}
+/etc/gpu-ckpt-installer
+{{- end -}}
+
+{{- define "gpu-ckpt.registryCaName" -}}
+{{- printf "%s-registry-ca-%s" (include "gpu-ckpt.installerName" .) (toJson .Values.registry.caBundles | sha256sum | trunc 8) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpu-ckpt.siteArgs" -}}
+{{- $dir := include "gpu-ckpt.siteMountDir" . -}}
+{{- if eq .Values.trust.mode "cluster" }}
+- --signing-key
+- {{ printf "%s/cluster-key/signing.key" $dir | quote }}
+{{- end }}
+{{- range $name := keys .Values.trust.trustedKeys | sortAlpha }}
+- --trusted-key
+- {{ printf "%s=%s" $name (index $.Values.trust.trustedKeys $name) | quote }}
+{{- end }}
+{{- range .Values.trust.revokedKeys }}
+- --revoked-key
+- {{ . | quote }}
+{{- end }}
+{{- range .Values.restoreSources }}
+- --restore-source
+- {{ . | quote }}
+{{- end }}
+{{- if .Values.registry.authSecretName }}
+- --registry-auth
+- {{ printf "%s/registry-auth/config.json" $dir | quote }}
+{{- end }}
+{{- range $i, $host := keys .Values.registry.caBundles | sortAlpha }}
+- --registry-ca
+- {{ printf "%s=%s/registry-ca/ca-%d.crt" $host $dir $i | quote }}
+{{- end }}
+{{- with .Values.runc.path }}
+- --runc-path
+- {{ . | quote }}
+{{- end }}
+{{- if .Values.runc.systemdCgroup }}
+- --runc-systemd-cgroup
+{{- end }}
+{{- with .Values.handlerOptions }}
+- --handler-options
+- {{ toJson . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The site's Secrets and CA bundles: the container's volumeMounts (siteMounts) and the pod's
+volumes (siteVolumes), read-only, root-only. */}}
+{{- define "gpu-ckpt.siteMounts" -}}
+{{- $dir := include "gpu-ckpt.siteMountDir" . -}}
+{{- if eq .Values.trust.mode "cluster" }}
+- name: cluster-key
+  mountPath: {{ printf "%s/cluster-key" $dir }}
+  readOnly: true
+{{- end }}
+{{- if .Values.registry.authSecretName }}
+- name: registry-auth
+  mountPath: {{ printf "%s/registry-auth" $dir }}
+  readOnly: true
+{{- end }}
+{{- if .Values.registry.caBundles }}
+- name: registry-ca
+  mountPath: {{ printf "%s/registry-ca" $dir }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "gpu-ckpt.siteVolumes" -}}
+{{- if eq .Values.trust.mode "cluster" }}
+- name: cluster-key
+  secret:
+    secretName: {{ .Values.trust.clusterKey.secretName }}
+    defaultMode: 0400
+    items:
+      - key: {{ .Values.trust.clusterKey.secretKey }}
+        path: signing.key
+{{- end }}
+{{- if .Values.registry.authSecretName }}
+- name: registry-auth
+  secret:
+    secretName: {{ .Values.registry.authSecretName }}
+    defaultMode: 0400
+    items:
+      - key: .dockerconfigjson
+        path: config.json
+{{- end }}
+{{- if .Values.registry.caBundles }}
+- name: registry-ca
+  configMap:
+    name: {{ include "gpu-ckpt.registryCaName" . }}
+    defaultMode: 0444
+{{- end }}
+{{- end -}}
