@@ -3,9 +3,10 @@
 # binaries unpacked in $W/bin): two containerds with CRI on this machine, node A and node B,
 # each configured as the node installer configures a node: the project's drop-ins
 # (runtime-class/containerd/gpu-ckpt.toml and gpu-ckpt-restore.toml, as they are) reached
-# through `imports`, and a file of this machine's paths after them (runtime_path of the
-# bundled shim, as the installer adds it; runc, the runc roots, the restore handler's sources
-# and staging directory; the driver library when DRIVER_LIB_OPTION names one). CDI comes from
+# through `imports`, and a file of this machine's paths after them (runtime_path, each handler's
+# link to the bundled shim, as the installer sets it; runc and the runc roots), and beside each
+# link its side file (the restore handler's mode, sources and staging directory; the driver
+# library when DRIVER_LIB_OPTION names one). CDI comes from
 # the drop-in's spec directories, where shim-run.sh wrote the GPU's spec. No network: the pods
 # use the host's network (no CNI), the pause and gpu-workloads images are imported.
 #
@@ -47,22 +48,30 @@ node() {
     local rt="plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes"
     local driver=""
     [ -n "${DRIVER_LIB_OPTION:-}" ] && driver="DriverLibraryDir = '$DRIVER_LIB_OPTION'"
+    # Both handlers are runc-typed (as the installer registers them): each reaches the shim by a
+    # name of its own, and gpu-ckpt's keys are in the side file beside it (`<runtime_path>.toml`).
+    mkdir -p "$d/shim"
+    ln -sf "$SHIM" "$d/shim/containerd-shim-gpu-ckpt-v1"
+    ln -sf "$SHIM" "$d/shim/containerd-shim-gpu-ckpt-restore-v1"
+    printf '%s\n' "$driver" > "$d/shim/containerd-shim-gpu-ckpt-v1.toml"
+    cat > "$d/shim/containerd-shim-gpu-ckpt-restore-v1.toml" <<EOC
+Mode = 'restore'
+RestoreSources = ['$C/checkpoints/']
+RestoreStagingDir = '$d/restore-staging'
+$driver
+EOC
     cat > "$d/conf.d/local.toml" <<EOC
 # This machine's paths, over the drop-ins (later imports win).
 [$rt.gpu-ckpt]
-  runtime_path = '$SHIM'
+  runtime_path = '$d/shim/containerd-shim-gpu-ckpt-v1'
 [$rt.gpu-ckpt.options]
   BinaryName = '$W/bin/runc'
   Root = '$d/gpu-ckpt-runc'
-  $driver
 [$rt.gpu-ckpt-restore]
-  runtime_path = '$SHIM'
+  runtime_path = '$d/shim/containerd-shim-gpu-ckpt-restore-v1'
 [$rt.gpu-ckpt-restore.options]
   BinaryName = '$W/bin/runc'
   Root = '$d/gpu-ckpt-restore-runc'
-  RestoreSources = ['$C/checkpoints/']
-  RestoreStagingDir = '$d/restore-staging'
-  $driver
 EOC
     # Where root may not lower an oom_score_adj (a sandboxed machine), runc could not give the
     # pause container kubelet's -998: CRI then keeps each container's at or above its own.
