@@ -108,7 +108,6 @@ impl Options {
             ("--dropin-dir", &self.dropin_dir),
             ("--bin-dir", &self.bin_dir),
             ("--lib-dir", &self.lib_dir),
-            ("--site-dir", &self.site.site_dir),
         ] {
             check_abs(what, p)?;
         }
@@ -352,9 +351,9 @@ impl Run<'_> {
 
     fn write_item(&mut self, item: &Item) -> Result<()> {
         let _span = tracing::info_span!("write", path = %item.path.display()).entered();
-        if item.path.starts_with(&self.o.site.site_dir) {
+        let site_dir = self.o.site.site_dir();
+        if item.path.starts_with(&site_dir) {
             // The site's directory is root-only too, not only the directories below it.
-            let site_dir = self.o.site.site_dir.clone();
             self.ensure_dir(&site_dir, item.dir_mode)?;
         }
         if let Some(parent) = item.path.parent() {

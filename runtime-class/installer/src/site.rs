@@ -56,12 +56,12 @@ const RUNC_KEYS: [&str; 10] = [
 /// The site options, as the command line gives them. Files named here (`--signing-key`,
 /// `--registry-auth`, `--registry-ca`) are read where the installer runs (mounted Secrets);
 /// they are read at install only.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct SiteArgs {
     /// The node directory for the site's files (trusted keys, revocation list, registry login
-    /// and CAs, the cluster key).
-    #[arg(long, default_value = DEFAULT_SITE_DIR)]
-    pub site_dir: PathBuf,
+    /// and CAs, the cluster key). Default: /etc/gpu-ckpt.
+    #[arg(long, value_name = "PATH")]
+    pub site_dir: Option<PathBuf>,
     /// The cluster signing key (a file holding the 64-hex-digit Ed25519 seed, as `gpu-ckpt key`
     /// writes it): every node signs with it and trusts its public key.
     #[arg(long, value_name = "FILE")]
@@ -97,24 +97,6 @@ pub struct SiteArgs {
     /// `{"DeviceLockTimeout":"45s"}`).
     #[arg(long, value_name = "JSON")]
     pub handler_options: Option<String>,
-}
-
-impl Default for SiteArgs {
-    /// No site options, the site's files in [`DEFAULT_SITE_DIR`].
-    fn default() -> SiteArgs {
-        SiteArgs {
-            site_dir: DEFAULT_SITE_DIR.into(),
-            signing_key: None,
-            trusted_keys: Vec::new(),
-            revoked_keys: Vec::new(),
-            restore_sources: Vec::new(),
-            registry_auth: None,
-            registry_cas: Vec::new(),
-            runc_path: None,
-            runc_systemd_cgroup: false,
-            handler_options: None,
-        }
-    }
 }
 
 /// runc's keys for the drop-ins.
@@ -277,6 +259,13 @@ pub struct Target<'a> {
 }
 
 impl SiteArgs {
+    /// `--site-dir`, or [`DEFAULT_SITE_DIR`].
+    pub fn site_dir(&self) -> PathBuf {
+        self.site_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SITE_DIR))
+    }
+
     /// runc's keys for the drop-ins.
     pub fn runc(&self) -> Runc {
         Runc {
@@ -316,11 +305,11 @@ impl SiteArgs {
 /// The site's files for the node, the side files of both handlers and the restore handler's
 /// link among them. Every input is checked before anything is planned; an error names it.
 pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
-    let _span = tracing::info_span!("site_plan", site_dir = %args.site_dir.display()).entered();
-    crate::paths::check_abs("--site-dir", &args.site_dir)?;
     let l = Layout {
-        site: args.site_dir.clone(),
+        site: args.site_dir(),
     };
+    let _span = tracing::info_span!("site_plan", site_dir = %l.site.display()).entered();
+    crate::paths::check_abs("--site-dir", &l.site)?;
     let shown = |p: &Path| (t.for_containerd)(p).display().to_string();
     let mut files = Vec::new();
     let mut common: Vec<(String, Value)> = Vec::new();
@@ -571,7 +560,7 @@ mod tests {
         let a = [1u8; 32];
         let b = [2u8; 32];
         let args = SiteArgs {
-            site_dir: DEFAULT_SITE_DIR.into(),
+            site_dir: None,
             signing_key: Some(key_file),
             trusted_keys: vec![
                 format!("node-a={}", hex::encode(a)),
@@ -621,38 +610,34 @@ mod tests {
             "a revoked key is written as trusted"
         );
         assert!(text(&files, "/etc/gpu-ckpt/revoked").contains(&key_id(&b)));
-        let main = text(&files, "/usr/local/bin/containerd-shim-gpu-ckpt-v1.toml");
-        let doc: DocumentMut = main.parse().unwrap();
-        assert_eq!(
-            doc["SigningKey"].as_str(),
-            Some("/host/etc/gpu-ckpt/cluster-key/node.key")
-        );
-        assert_eq!(
-            doc["TrustedKeysDir"].as_str(),
-            Some("/host/etc/gpu-ckpt/trusted")
-        );
-        assert_eq!(
-            doc["RevokedKeysFile"].as_str(),
-            Some("/host/etc/gpu-ckpt/revoked")
-        );
-        assert_eq!(doc["DeviceLockTimeout"].as_str(), Some("45s"));
-        assert!(doc.get("RestoreSources").is_none() && doc.get("Mode").is_none());
-        let restore: DocumentMut = text(
-            &files,
-            "/usr/local/bin/containerd-shim-gpu-ckpt-restore-v1.toml",
-        )
-        .parse()
-        .unwrap();
-        assert_eq!(restore["Mode"].as_str(), Some("restore"));
+        let side = |binary: &str| -> DocumentMut {
+            text(&files, &format!("/usr/local/bin/{binary}.toml"))
+                .parse()
+                .unwrap()
+        };
+        let main = side("containerd-shim-gpu-ckpt-v1");
+        let restore = side("containerd-shim-gpu-ckpt-restore-v1");
+        for (doc, key, want) in [
+            (
+                &main,
+                "SigningKey",
+                "/host/etc/gpu-ckpt/cluster-key/node.key",
+            ),
+            (&main, "TrustedKeysDir", "/host/etc/gpu-ckpt/trusted"),
+            (&main, "RevokedKeysFile", "/host/etc/gpu-ckpt/revoked"),
+            (&main, "DeviceLockTimeout", "45s"),
+            (&restore, "Mode", "restore"),
+            (
+                &restore,
+                "RegistryAuthFile",
+                "/host/etc/gpu-ckpt/registry/auth.json",
+            ),
+            (&restore, "RegistryHostsDir", "/host/etc/gpu-ckpt/certs.d"),
+        ] {
+            assert_eq!(doc[key].as_str(), Some(want), "{key}");
+        }
+        assert!(main.get("RestoreSources").is_none() && main.get("Mode").is_none());
         assert_eq!(restore["RestoreSources"].as_array().unwrap().len(), 2);
-        assert_eq!(
-            restore["RegistryAuthFile"].as_str(),
-            Some("/host/etc/gpu-ckpt/registry/auth.json")
-        );
-        assert_eq!(
-            restore["RegistryHostsDir"].as_str(),
-            Some("/host/etc/gpu-ckpt/certs.d")
-        );
         assert_eq!(restore["NamespaceMoves"].as_array().unwrap().len(), 1);
         assert!(
             text(&files, "/etc/gpu-ckpt/certs.d/reg:5443/hosts.toml").contains("ca = \"ca.crt\"")

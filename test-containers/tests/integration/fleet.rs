@@ -26,12 +26,13 @@ use std::process::Command;
 use crate::common::*;
 use crate::k8s_manifests::{installer_container, object, render, strings, valid_documents};
 use crate::node_installer::{installer_bin, make_payload, scratch_root};
+use crate::registry::cli_push;
 use anyhow::{bail, ensure, Context, Result};
 use image_format::sign::{key_id, NodeKey};
 use serde_json::{json, Value};
-use test_containers::cri::{Cri, PodSpec};
+use test_containers::cri::Cri;
 use test_containers::registry::TlsRegistry;
-use test_containers::stack::{Node, Stack, GPU_CKPT_HANDLER, RUNC_HANDLER};
+use test_containers::stack::{Node, Stack, GPU_CKPT_HANDLER};
 
 const REPO: &str = "gpuckpt-fleet";
 /// The Secrets the values name, as `kubectl create secret` would hold them.
@@ -264,17 +265,8 @@ async fn checkpoint_and_push(
     let _ = fs::remove_file(&archive);
     cri.checkpoint_container(&id, &archive, 120).await?;
     cri.remove_pod(&pod).await?;
-    let out = run_ok(Command::new(gpu_ckpt_cli()).args([
-        "build",
-        &archive.display().to_string(),
-        "--ref",
-        reference,
-        "--push",
-        "--hosts-dir",
-        &hosts.display().to_string(),
-        "--authfile",
-        &auth.display().to_string(),
-    ]))?;
+    let out = cli_push(&archive, reference, hosts, auth)?;
+    let out = String::from_utf8_lossy(&out.stdout);
     ensure!(
         out.contains(&format!("pushed {reference}@sha256:")),
         "{out}"
@@ -297,50 +289,6 @@ async fn restores(node: &Node, reference: &str, before: u64) -> Result<()> {
         node.name()
     );
     Ok(())
-}
-
-/// Both handlers advertise runc's features, and a pod with a recursive read-only mount runs on
-/// the installed gpu-ckpt handler, read-only all the way down (what critest's recursive
-/// read-only specs check).
-async fn recursive_read_only_runs(node: &Node) -> Result<()> {
-    let cri = Cri::connect(node.socket()).await?;
-    let features = handler_features(&cri).await?;
-    let runc = *features.get(RUNC_HANDLER).context("no runc handler")?;
-    ensure!(
-        runc.0,
-        "runc supports recursive read-only mounts here: {features:?}"
-    );
-    for h in [GPU_CKPT_HANDLER, RESTORE_HANDLER] {
-        let f = features
-            .get(h)
-            .with_context(|| format!("no {h} handler: {features:?}"))?;
-        ensure!(*f == runc, "{h} reports {f:?}, runc {runc:?}");
-    }
-    let host = NestedMount::new()?;
-    cri.pull_image(workloads()).await?;
-    let pod = cri
-        .run_pod(&PodSpec::new("rro", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-        .await?;
-    let id = cri
-        .run_container(
-            &pod,
-            &counter_with(mount(
-                host.path(),
-                true,
-                true,
-                k8s_cri::v1::MountPropagation::PropagationPrivate,
-            )),
-        )
-        .await
-        .context("a pod with a recursive read-only mount on the installed gpu-ckpt handler")?;
-    ensure!(
-        !node
-            .shim_processes("containerd-shim-gpu-ckpt-v1")
-            .is_empty(),
-        "the pod runs under the gpu-ckpt shim"
-    );
-    expect_rro(&cri, &id).await?;
-    cri.remove_pod(&pod).await
 }
 
 #[test]
@@ -401,7 +349,13 @@ fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key()
     let ref_b = format!("{}/{REPO}/counter-b:{tag}", reg.addr);
     let rt = rt();
     rt.block_on(async {
-        recursive_read_only_runs(a.node()?).await?;
+        // Both handlers advertise runc's features, and a pod with a recursive read-only mount
+        // runs on the installed gpu-ckpt handler, read-only all the way down (what critest's
+        // recursive read-only specs check).
+        let cri_a = Cri::connect(a.node()?.socket()).await?;
+        expect_runc_features(&cri_a, &[GPU_CKPT_HANDLER, RESTORE_HANDLER]).await?;
+        let host = NestedMount::new()?;
+        expect_rro_counter(&cri_a, a.node()?, GPU_CKPT_HANDLER, host.path()).await?;
         let before_a = checkpoint_and_push(a.node()?, &ref_a, &hosts, &auth).await?;
         let before_b = checkpoint_and_push(b.node()?, &ref_b, &hosts, &auth).await?;
         restores(b.node()?, &ref_a, before_a).await?;

@@ -54,7 +54,12 @@ fn outcome(out: &Output) -> std::result::Result<String, String> {
 
 /// `gpu-ckpt build ARCHIVE --ref REFERENCE --push`, through the host directory `hosts` with the
 /// logins of `auth`.
-fn cli_push(archive: &Path, reference: &str, hosts: &Path, auth: &Path) -> Result<Output> {
+pub(crate) fn cli_push(
+    archive: &Path,
+    reference: &str,
+    hosts: &Path,
+    auth: &Path,
+) -> Result<Output> {
     run_cli(&[
         "build",
         &archive.display().to_string(),

@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 
 use crate::common;
 use crate::common::{counter_spec, node_with, workloads};
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use test_containers::cri::{Cri, PodSpec};
-use test_containers::stack::{Node, Stack, RUNC_HANDLER};
+use test_containers::stack::{Node, Stack};
 
 const HANDLER: &str = "gpu-ckpt-rt";
 const RESTORE_HANDLER: &str = "gpu-ckpt-restore-rt";
@@ -80,20 +80,7 @@ fn both_handlers_advertise_runcs_features_and_restore_across_nodes() -> Result<(
     rt()?.block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
-        let features = common::handler_features(&cri_b).await?;
-        let runc = *features
-            .get(RUNC_HANDLER)
-            .context("no runc handler in CRI's status")?;
-        ensure!(
-            runc.0,
-            "runc supports recursive read-only mounts here: {features:?}"
-        );
-        for h in [HANDLER, RESTORE_HANDLER] {
-            let f = features
-                .get(h)
-                .with_context(|| format!("no {h} handler: {features:?}"))?;
-            ensure!(*f == runc, "{h} reports {f:?}, runc {runc:?}");
-        }
+        common::expect_runc_features(&cri_b, &[HANDLER, RESTORE_HANDLER]).await?;
 
         // A checkpoint through CRI under the runc-typed gpu-ckpt handler...
         cri_a.pull_image(workloads()).await?;

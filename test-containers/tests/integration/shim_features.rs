@@ -9,8 +9,8 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::common::{
-    can_write, counter_with, expect_rro, handler_features, mount, node_with, restore_node_with,
-    runc_typed_handler, workloads, NestedMount, RUNC_TYPED,
+    can_write, counter_with, expect_rro_counter, handler_features, mount, node_with,
+    restore_node_with, runc_typed_handler, workloads, NestedMount, RUNC_TYPED,
 };
 use anyhow::{bail, ensure, Context, Result};
 use containerd_shim_protos::protobuf::well_known_types::any::Any;
@@ -157,12 +157,9 @@ fn recursive_read_only_mounts_hold_under_the_gpu_ckpt_shim() -> Result<()> {
     let host = NestedMount::new()?;
     rt()?.block_on(async {
         let cri = Cri::connect(node.socket()).await?;
-        // The counter with the host's nested mount bound read-only, recursively or not.
-        let read_only = |recursive| {
-            let private = cri::MountPropagation::PropagationPrivate;
-            counter_with(mount(host.path(), true, recursive, private))
-        };
-        let plain = read_only(false);
+        // The counter with the host's nested mount bound read-only, not recursively.
+        let private = cri::MountPropagation::PropagationPrivate;
+        let plain = counter_with(mount(host.path(), true, false, private));
         let (pod, id) = run_counter(&cri, &node, RUNC_TYPED, &plain).await?;
         ensure!(
             !can_write(&cri, &id, "/data/top").await?,
@@ -174,16 +171,7 @@ fn recursive_read_only_mounts_hold_under_the_gpu_ckpt_shim() -> Result<()> {
         );
         cri.remove_pod(&pod).await?;
 
-        let rro = read_only(true);
-        let (pod, id) = run_counter(&cri, &node, RUNC_TYPED, &rro).await?;
-        ensure!(
-            !node
-                .shim_processes("containerd-shim-gpu-ckpt-v1")
-                .is_empty(),
-            "the pod runs under the gpu-ckpt shim"
-        );
-        expect_rro(&cri, &id).await?;
-        cri.remove_pod(&pod).await
+        expect_rro_counter(&cri, &node, RUNC_TYPED, host.path()).await
     })
 }
 

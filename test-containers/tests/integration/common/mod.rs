@@ -516,6 +516,48 @@ pub async fn handler_features(
         .collect())
 }
 
+/// CRI on `cri`'s node reports for each of `handlers` runc's features, and runc's include
+/// recursive read-only mounts (so the comparison means something).
+pub async fn expect_runc_features(cri: &Cri, handlers: &[&str]) -> Result<()> {
+    let features = handler_features(cri).await?;
+    let runc = *features
+        .get(test_containers::stack::RUNC_HANDLER)
+        .context("no runc handler in CRI's status")?;
+    ensure!(
+        runc.0,
+        "runc supports recursive read-only mounts here: {features:?}"
+    );
+    for h in handlers {
+        let f = features
+            .get(*h)
+            .with_context(|| format!("no {h} handler: {features:?}"))?;
+        ensure!(*f == runc, "{h} reports {f:?}, runc {runc:?}");
+    }
+    Ok(())
+}
+
+/// A counter in a pod on `handler` with `host` bound recursively read-only at `/data` runs under
+/// the gpu-ckpt shim, read-only all the way down ([`expect_rro`]); the pod is removed.
+pub async fn expect_rro_counter(cri: &Cri, node: &Node, handler: &str, host: &Path) -> Result<()> {
+    cri.pull_image(workloads()).await?;
+    let pod = cri
+        .run_pod(&test_containers::cri::PodSpec::new("rro", node.pod_log_root()).handler(handler))
+        .await?;
+    let private = cri::MountPropagation::PropagationPrivate;
+    let id = cri
+        .run_container(&pod, &counter_with(mount(host, true, true, private)))
+        .await
+        .with_context(|| format!("a pod with a recursive read-only mount on handler {handler}"))?;
+    ensure!(
+        !node
+            .shim_processes("containerd-shim-gpu-ckpt-v1")
+            .is_empty(),
+        "the pod runs under the gpu-ckpt shim"
+    );
+    expect_rro(cri, &id).await?;
+    cri.remove_pod(&pod).await
+}
+
 /// The counter workload as CRI container `counter`: a tick every 100 ms, its count in
 /// `/counter.txt`.
 pub fn counter_spec() -> ContainerSpec {
