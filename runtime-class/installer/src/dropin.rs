@@ -4,12 +4,18 @@
 //! `runtime_path`, each by its own name: the installer sets `runtime_path` to the handler's
 //! link in `--bin-dir` (whatever containerd's PATH holds), and runc's keys from the site
 //! options (`BinaryName`, `SystemdCgroup`); gpu-ckpt's own keys are in the side file
-//! `<runtime_path>.toml` ([`crate::site`]).
+//! `<runtime_path>.toml`, which the installer writes from the site options.
 
 use toml_edit::{DocumentMut, Item, Table};
 
 use crate::error::{Error, Result};
-use crate::site::Runc;
+
+/// runc's keys for the drop-ins.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Runc {
+    pub binary_name: Option<String>,
+    pub systemd_cgroup: bool,
+}
 
 /// The runtime type both handlers are registered with.
 pub const RUNTIME_TYPE: &str = "io.containerd.runc.v2";

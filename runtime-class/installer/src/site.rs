@@ -22,21 +22,21 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use toml_edit::{Array, DocumentMut, Value};
 
-use crate::dropin::{self, SHIM_BINARY};
+use crate::dropin::{self, Runc, SHIM_BINARY};
 use crate::error::{Error, Result};
 
 /// Where the site's files go on the node when `--site-dir` names no other directory.
 pub const DEFAULT_SITE_DIR: &str = "/etc/gpu-ckpt";
 
-/// Keys the installer sets itself from the dedicated options; `--handler-options` may not.
-const RESERVED: [&str; 7] = [
+/// Keys the installer sets itself from the dedicated options; `--handler-options` may not
+/// (nor `RegistryHostsDir` with `--registry-ca`).
+const RESERVED: [&str; 6] = [
     "Mode",
     "SigningKey",
     "TrustedKeysDir",
     "RevokedKeysFile",
     "RestoreSources",
     "RegistryAuthFile",
-    "RegistryHostsDir",
 ];
 /// runc's keys: under the runc-typed registration they are in the drop-in's options, which CRI
 /// sends over the side file's.
@@ -97,13 +97,6 @@ pub struct SiteArgs {
     /// `{"DeviceLockTimeout":"45s"}`).
     #[arg(long, value_name = "JSON")]
     pub handler_options: Option<String>,
-}
-
-/// runc's keys for the drop-ins.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Runc {
-    pub binary_name: Option<String>,
-    pub systemd_cgroup: bool,
 }
 
 /// What a file the site plan puts on the node holds.
@@ -310,112 +303,161 @@ pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
     };
     let _span = tracing::info_span!("site_plan", site_dir = %l.site.display()).entered();
     crate::paths::check_abs("--site-dir", &l.site)?;
-    let shown = |p: &Path| (t.for_containerd)(p).display().to_string();
-    let mut files = Vec::new();
-    let mut common: Vec<(String, Value)> = Vec::new();
-    let mut restore: Vec<(String, Value)> = Vec::new();
+    // The free-form options, for both handlers: checked before any file is read.
+    let mut extra = Vec::new();
+    for (k, v) in &args.handler_options()? {
+        if k == "RegistryHostsDir" && !args.registry_cas.is_empty() {
+            return Err(bad(
+                format!("handler option {k}"),
+                "set by the installer from --registry-ca (the chart's registry.caBundles)",
+            ));
+        }
+        extra.push((k.clone(), toml_value(k, v)?));
+    }
+    let mut p = Planner {
+        l,
+        t,
+        files: Vec::new(),
+        common: Vec::new(),
+        restore: Vec::new(),
+    };
+    p.cluster_key(args)?;
+    p.trusted_and_revoked(args)?;
+    p.registry(args)?;
+    p.common.extend(extra);
+    Ok(p.side_files())
+}
 
-    // Trust: the cluster key, the trusted and the revoked keys.
-    if let Some(src) = &args.signing_key {
+/// The files planned so far, and the side files' keys: `common` for both handlers, `restore`
+/// for the restore handler only.
+struct Planner<'a> {
+    l: Layout,
+    t: &'a Target<'a>,
+    files: Vec<SiteFile>,
+    common: Vec<(String, Value)>,
+    restore: Vec<(String, Value)>,
+}
+
+impl Planner<'_> {
+    /// A node path as the shim sees it, for a side file.
+    fn shown(&self, p: &Path) -> Value {
+        Value::from((self.t.for_containerd)(p).display().to_string())
+    }
+
+    /// The cluster signing key and its public key (`SigningKey`).
+    fn cluster_key(&mut self, args: &SiteArgs) -> Result<()> {
+        let Some(src) = &args.signing_key else {
+            return Ok(());
+        };
+        let what = || format!("--signing-key {}", src.display());
         let text = String::from_utf8(read_local("--signing-key", src)?)
-            .map_err(|_| bad(format!("--signing-key {}", src.display()), "not text"))?;
+            .map_err(|_| bad(what(), "not text"))?;
         let seed = parse_key(&text).ok_or_else(|| {
             bad(
-                format!("--signing-key {}", src.display()),
+                what(),
                 "expected the 64 hex digits of an Ed25519 seed (`gpu-ckpt key` writes one)",
             )
         })?;
         let public = ed25519_dalek::SigningKey::from_bytes(&seed)
             .verifying_key()
             .to_bytes();
-        let key = l.cluster_key();
-        files.push(SiteFile::private(
+        let key = self.l.cluster_key();
+        self.files.push(SiteFile::private(
             key.clone(),
             format!("{}\n", hex::encode(seed)),
         ));
-        files.push(SiteFile::private(
+        self.files.push(SiteFile::private(
             key.with_file_name("node.pub"),
             format!("{}\n", hex::encode(public)),
         ));
-        common.push(("SigningKey".into(), Value::from(shown(&key))));
-    }
-    let revoked: Vec<String> = args
-        .revoked_keys
-        .iter()
-        .map(|r| revoked_id(r))
-        .collect::<Result<_>>()?;
-    let mut trusted = BTreeMap::new();
-    for entry in &args.trusted_keys {
-        let (name, key) = entry
-            .split_once('=')
-            .ok_or_else(|| bad(format!("--trusted-key {entry:?}"), "expected NAME=KEY"))?;
-        check_name("--trusted-key name", name)?;
-        let key = parse_key(key).ok_or_else(|| {
-            bad(
-                format!("--trusted-key {name}"),
-                "expected 64 hex digits, optionally after ed25519:",
-            )
-        })?;
-        if trusted.insert(name.to_string(), key).is_some() {
-            return Err(bad(format!("--trusted-key {name}"), "given twice"));
-        }
-    }
-    if !trusted.is_empty() {
-        for (name, key) in &trusted {
-            // A revoked key is never written as trusted (and a file an earlier run wrote for
-            // it goes, as every file no longer planned).
-            if revoked.contains(&key_id(key)) {
-                tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
-                continue;
-            }
-            files.push(SiteFile::private(
-                l.trusted().join(format!("{name}.pub")),
-                format!("{}\n", hex::encode(key)),
-            ));
-        }
-        common.push(("TrustedKeysDir".into(), Value::from(shown(&l.trusted()))));
-    }
-    if !revoked.is_empty() {
-        let mut body = String::from(
-            "# Revoked keys, from the chart's trust.revokedKeys (gpu-ckpt-node-installer).\n",
-        );
-        for id in &revoked {
-            body.push_str(id);
-            body.push('\n');
-        }
-        files.push(SiteFile::private(l.revoked(), body));
-        common.push(("RevokedKeysFile".into(), Value::from(shown(&l.revoked()))));
+        let v = self.shown(&key);
+        self.common.push(("SigningKey".into(), v));
+        Ok(())
     }
 
-    // The restore handler's sources and registry.
-    if !args.restore_sources.is_empty() {
-        let mut a = Array::new();
-        for s in &args.restore_sources {
-            if s.trim().is_empty() {
-                return Err(bad("--restore-source", "empty"));
+    /// The trusted keys (`TrustedKeysDir`), but the revoked ones, and the revoked-keys list
+    /// (`RevokedKeysFile`).
+    fn trusted_and_revoked(&mut self, args: &SiteArgs) -> Result<()> {
+        let revoked: Vec<String> = args
+            .revoked_keys
+            .iter()
+            .map(|r| revoked_id(r))
+            .collect::<Result<_>>()?;
+        let mut trusted = BTreeMap::new();
+        for entry in &args.trusted_keys {
+            let (name, key) = entry
+                .split_once('=')
+                .ok_or_else(|| bad(format!("--trusted-key {entry:?}"), "expected NAME=KEY"))?;
+            check_name("--trusted-key name", name)?;
+            let key = parse_key(key).ok_or_else(|| {
+                bad(
+                    format!("--trusted-key {name}"),
+                    "expected 64 hex digits, optionally after ed25519:",
+                )
+            })?;
+            if trusted.insert(name.to_string(), key).is_some() {
+                return Err(bad(format!("--trusted-key {name}"), "given twice"));
             }
-            a.push(s.as_str());
         }
-        restore.push(("RestoreSources".into(), Value::Array(a)));
-    }
-    if let Some(src) = &args.registry_auth {
-        let body = read_local("--registry-auth", src)?;
-        let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| {
-            bad(
-                format!("--registry-auth {}", src.display()),
-                format!("not a docker config.json: {e}"),
-            )
-        })?;
-        if !v.is_object() {
-            return Err(bad(
-                format!("--registry-auth {}", src.display()),
-                "not a docker config.json (a JSON object with `auths`)",
-            ));
+        if !trusted.is_empty() {
+            for (name, key) in &trusted {
+                // A revoked key is never written as trusted (and a file an earlier run wrote
+                // for it goes, as every file no longer planned).
+                if revoked.contains(&key_id(key)) {
+                    tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
+                    continue;
+                }
+                self.files.push(SiteFile::private(
+                    self.l.trusted().join(format!("{name}.pub")),
+                    format!("{}\n", hex::encode(key)),
+                ));
+            }
+            let v = self.shown(&self.l.trusted());
+            self.common.push(("TrustedKeysDir".into(), v));
         }
-        files.push(SiteFile::private(l.auth(), body));
-        restore.push(("RegistryAuthFile".into(), Value::from(shown(&l.auth()))));
+        if !revoked.is_empty() {
+            let mut body = String::from(
+                "# Revoked keys, from the chart's trust.revokedKeys (gpu-ckpt-node-installer).\n",
+            );
+            for id in &revoked {
+                body.push_str(id);
+                body.push('\n');
+            }
+            self.files.push(SiteFile::private(self.l.revoked(), body));
+            let v = self.shown(&self.l.revoked());
+            self.common.push(("RevokedKeysFile".into(), v));
+        }
+        Ok(())
     }
-    if !args.registry_cas.is_empty() {
+
+    /// The restore handler's sources, registry login and CAs.
+    fn registry(&mut self, args: &SiteArgs) -> Result<()> {
+        if !args.restore_sources.is_empty() {
+            let mut a = Array::new();
+            for s in &args.restore_sources {
+                if s.trim().is_empty() {
+                    return Err(bad("--restore-source", "empty"));
+                }
+                a.push(s.as_str());
+            }
+            self.restore
+                .push(("RestoreSources".into(), Value::Array(a)));
+        }
+        if let Some(src) = &args.registry_auth {
+            let body = read_local("--registry-auth", src)?;
+            let what = || format!("--registry-auth {}", src.display());
+            let v: serde_json::Value = serde_json::from_slice(&body)
+                .map_err(|e| bad(what(), format!("not a docker config.json: {e}")))?;
+            if !v.is_object() {
+                return Err(bad(
+                    what(),
+                    "not a docker config.json (a JSON object with `auths`)",
+                ));
+            }
+            self.files.push(SiteFile::private(self.l.auth(), body));
+            let v = self.shown(&self.l.auth());
+            self.restore.push(("RegistryAuthFile".into(), v));
+        }
         for entry in &args.registry_cas {
             let (host, src) = entry
                 .split_once('=')
@@ -425,54 +467,51 @@ pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
             if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
                 return Err(bad(format!("--registry-ca {host}"), "no PEM certificate"));
             }
-            let dir = l.certs().join(host);
-            files.push(SiteFile::private(dir.join("ca.crt"), pem));
-            files.push(SiteFile::private(
+            let dir = self.l.certs().join(host);
+            self.files.push(SiteFile::private(dir.join("ca.crt"), pem));
+            self.files.push(SiteFile::private(
                 dir.join("hosts.toml"),
                 format!(
                     "# gpu-ckpt-node-installer: the chart's registry.caBundles.\nserver = \"https://{host}\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  ca = \"ca.crt\"\n"
                 ),
             ));
         }
-        restore.push(("RegistryHostsDir".into(), Value::from(shown(&l.certs()))));
+        if !args.registry_cas.is_empty() {
+            let v = self.shown(&self.l.certs());
+            self.restore.push(("RegistryHostsDir".into(), v));
+        }
+        Ok(())
     }
 
-    // The free-form options, for both handlers.
-    let extra = args.handler_options()?;
-    for (k, v) in &extra {
-        common.push((k.clone(), toml_value(k, v)?));
-    }
-
-    // The side files, and the restore handler's link (the shim by another name).
-    for src in &dropin::SOURCES {
-        let mut doc = DocumentMut::new();
-        if src.mode_restore {
-            doc.insert("Mode", toml_edit::value("restore"));
-        }
-        for (k, v) in common.iter().chain(if src.mode_restore {
-            restore.iter()
-        } else {
-            [].iter()
-        }) {
-            doc.insert(k, toml_edit::Item::Value(v.clone()));
-        }
-        let path = t.bin_dir.join(format!("{}.toml", src.binary));
-        files.push(SiteFile {
-            path,
-            content: Content::Bytes(format!("{}{doc}", side_header(src.handler)).into_bytes()),
-            mode: 0o600,
-            dir_mode: 0o755,
-        });
-        if src.binary != SHIM_BINARY {
-            files.push(SiteFile {
-                path: t.bin_dir.join(src.binary),
-                content: Content::Link(PathBuf::from(SHIM_BINARY)),
-                mode: 0o777,
+    /// The planned files with each handler's side file, and the restore handler's link (the
+    /// shim by another name).
+    fn side_files(mut self) -> Vec<SiteFile> {
+        for src in &dropin::SOURCES {
+            let mut doc = DocumentMut::new();
+            if src.mode_restore {
+                doc.insert("Mode", toml_edit::value("restore"));
+            }
+            let own: &[(String, Value)] = if src.mode_restore { &self.restore } else { &[] };
+            for (k, v) in self.common.iter().chain(own) {
+                doc.insert(k, toml_edit::Item::Value(v.clone()));
+            }
+            self.files.push(SiteFile {
+                path: self.t.bin_dir.join(format!("{}.toml", src.binary)),
+                content: Content::Bytes(format!("{}{doc}", side_header(src.handler)).into_bytes()),
+                mode: 0o600,
                 dir_mode: 0o755,
             });
+            if src.binary != SHIM_BINARY {
+                self.files.push(SiteFile {
+                    path: self.t.bin_dir.join(src.binary),
+                    content: Content::Link(PathBuf::from(SHIM_BINARY)),
+                    mode: 0o777,
+                    dir_mode: 0o755,
+                });
+            }
         }
+        self.files
     }
-    Ok(files)
 }
 
 fn side_header(handler: &str) -> String {
@@ -694,6 +733,14 @@ mod tests {
                     ..base.clone()
                 },
                 "runc option",
+            ),
+            (
+                SiteArgs {
+                    handler_options: Some(r#"{"RegistryHostsDir":"/x"}"#.into()),
+                    registry_cas: vec!["reg=/nonexistent".into()],
+                    ..base.clone()
+                },
+                "handler option RegistryHostsDir: set by the installer from --registry-ca",
             ),
             (
                 SiteArgs {

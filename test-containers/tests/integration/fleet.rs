@@ -51,45 +51,37 @@ fn cluster_key(dir: &Path) -> Result<(Vec<u8>, String)> {
     Ok((fs::read(&path)?, key_id(&key.public_key())))
 }
 
-/// One rendering's installer, as the kubelet would run it on `node`: the arguments with
-/// `$(NODE_NAME)` expanded and each volume mount's path mapped to a local directory holding what
-/// the volume holds (the host's `/` is the scratch root; a Secret's items from `secrets`, a
-/// ConfigMap's data from the rendering), the payload directory mapped to `payload`, and
-/// `--host-root` for the private containerd.
-fn installer_args(
+/// The installer pod's volume mounts, each mapped to a local directory holding what the volume
+/// holds: the host's `/` is the scratch root, a Secret's items come from `secrets`, a
+/// ConfigMap's data from the rendering. (mount path, local directory), the longest path first.
+fn mounted_files(
     docs: &[Value],
-    node: &str,
+    ds: &Value,
     root: &Path,
-    payload: &Path,
     secrets: &Secrets,
-    files: &Path,
-) -> Result<Vec<String>> {
-    let ds = docs
-        .iter()
-        .find(|d| d["kind"] == "DaemonSet")
-        .context("no DaemonSet in the rendering")?;
-    let pod = &ds["spec"]["template"]["spec"];
-    let c = installer_container(ds)?;
-    let volumes = pod["volumes"].as_array().context("no volumes")?;
+    local_dir: &Path,
+) -> Result<Vec<(String, PathBuf)>> {
+    let volumes = ds["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .context("no volumes")?;
     let mut mapped: Vec<(String, PathBuf)> = Vec::new();
-    for m in c["volumeMounts"].as_array().context("no volumeMounts")? {
+    for m in installer_container(ds)?["volumeMounts"]
+        .as_array()
+        .context("no volumeMounts")?
+    {
         let name = m["name"].as_str().unwrap_or_default();
         let at = m["mountPath"].as_str().unwrap_or_default().to_string();
         let v = volumes
             .iter()
             .find(|v| v["name"] == name)
             .with_context(|| format!("no volume {name}"))?;
-        let local = files.join(node).join(name);
-        let write = |file: &str, data: &[u8]| -> Result<()> {
-            fs::create_dir_all(&local)?;
-            fs::write(local.join(file), data)?;
-            fs::set_permissions(local.join(file), fs::Permissions::from_mode(0o400))?;
-            Ok(())
-        };
         if v["hostPath"]["path"] == "/" {
             mapped.push((at, root.to_path_buf()));
             continue;
-        } else if let Some(secret) = v["secret"]["secretName"].as_str() {
+        }
+        let local = local_dir.join(name);
+        let mut items: Vec<(String, Vec<u8>)> = Vec::new();
+        if let Some(secret) = v["secret"]["secretName"].as_str() {
             let data = secrets.get(secret).with_context(|| {
                 format!("the rendering mounts Secret {secret}, the test has none")
             })?;
@@ -98,20 +90,54 @@ fn installer_args(
                 let bytes = data
                     .get(key)
                     .with_context(|| format!("Secret {secret} has no key {key}"))?;
-                write(item["path"].as_str().unwrap_or_default(), bytes)?;
+                items.push((
+                    item["path"].as_str().unwrap_or_default().into(),
+                    bytes.clone(),
+                ));
             }
         } else if let Some(cm) = v["configMap"]["name"].as_str() {
             let cm = object(docs, "ConfigMap", cm)?;
             for (k, data) in cm["data"].as_object().context("ConfigMap data")? {
-                write(k, data.as_str().unwrap_or_default().as_bytes())?;
+                items.push((k.clone(), data.as_str().unwrap_or_default().into()));
             }
         } else {
             bail!("volume {name} is neither the host's / nor a Secret nor a ConfigMap: {v}");
         }
+        fs::create_dir_all(&local)?;
+        for (file, data) in items {
+            fs::write(local.join(&file), data)?;
+            fs::set_permissions(local.join(&file), fs::Permissions::from_mode(0o400))?;
+        }
         mapped.push((at, local));
     }
-    // The longest mount path first, so that one below another maps to its own directory.
     mapped.sort_by_key(|(at, _)| std::cmp::Reverse(at.len()));
+    Ok(mapped)
+}
+
+/// The installer's arguments and environment.
+struct Invocation {
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+/// One rendering's installer as the kubelet would run it on `node`: the DaemonSet container's
+/// arguments with `$(NODE_NAME)` expanded and each mount path mapped ([`mounted_files`]), the
+/// payload directory mapped to `payload`, and `--host-root` for the private containerd; and its
+/// environment (each `fieldRef: spec.nodeName` is `node`).
+fn installer_invocation(
+    docs: &[Value],
+    node: &str,
+    root: &Path,
+    payload: &Path,
+    secrets: &Secrets,
+    files: &Path,
+) -> Result<Invocation> {
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet in the rendering")?;
+    let c = installer_container(ds)?;
+    let mapped = mounted_files(docs, ds, root, secrets, &files.join(node))?;
     let map = |arg: &str| -> String {
         for (at, local) in &mapped {
             let local = local.display().to_string();
@@ -139,7 +165,17 @@ fn installer_args(
         .context("no --payload")?;
     args[i + 1] = payload.display().to_string();
     args.extend(["--host-root".to_string(), root.display().to_string()]);
-    Ok(args)
+    let mut env = Vec::new();
+    for e in c["env"].as_array().context("no env")? {
+        let name = e["name"].as_str().unwrap_or_default().to_string();
+        let value = match (&e["value"], &e["valueFrom"]["fieldRef"]["fieldPath"]) {
+            (Value::String(v), _) => v.clone(),
+            (_, f) if f == "spec.nodeName" => node.to_string(),
+            _ => bail!("env {name}: neither a value nor the node's name: {e}"),
+        };
+        env.push((name, value));
+    }
+    Ok(Invocation { args, env })
 }
 
 /// A scratch node: its root, the payload, and its containerd once started.
@@ -168,12 +204,12 @@ impl FleetNode {
     /// The rendered installer's `install` on this node; its JSON summary.
     fn install(&self, docs: &[Value], secrets: &Secrets, files: &Path) -> Result<Value> {
         let stack = Stack::discover()?;
-        let args = installer_args(docs, &self.name, &self.root, &self.payload, secrets, files)?;
+        let i = installer_invocation(docs, &self.name, &self.root, &self.payload, secrets, files)?;
         let out = run_ok(
             Command::new(installer_bin(&stack)?)
                 .arg("install")
-                .args(&args)
-                .env("NODE_NAME", &self.name),
+                .args(&i.args)
+                .envs(i.env),
         )?;
         let line = out.lines().last().unwrap_or_default();
         serde_json::from_str(line).with_context(|| format!("install printed {out:?}"))
@@ -291,6 +327,91 @@ async fn restores(node: &Node, reference: &str, before: u64) -> Result<()> {
     Ok(())
 }
 
+/// The Secrets the values name: the cluster key, a second one to rotate to, the registry login
+/// (a dockerconfigjson); and the first key's id.
+fn fleet_secrets(s: &Path, reg: &TlsRegistry) -> Result<(Secrets, String)> {
+    let (key1, id1) = cluster_key(&s.join("key1"))?;
+    let (key2, _) = cluster_key(&s.join("key2"))?;
+    let login = fs::read(reg.auth_file(&s.join("login/config.json"), Some(reg.password()))?)?;
+    let mut secrets = Secrets::new();
+    for (name, key, data) in [
+        (KEY_SECRET, "signing.key", key1),
+        (NEW_KEY_SECRET, "signing.key", key2),
+        (LOGIN_SECRET, ".dockerconfigjson", login),
+    ] {
+        secrets.insert(name.into(), BTreeMap::from([(key.to_string(), data)]));
+    }
+    Ok((secrets, id1))
+}
+
+/// What each install reads: the scratch directory, the fleet's values file, the Secrets, where
+/// the mounted files go.
+struct Fleet<'a> {
+    dir: &'a Path,
+    values: &'a Path,
+    secrets: &'a Secrets,
+    files: &'a Path,
+}
+
+/// On node `c`, which restores `ref_a` (signed by the cluster key `id1`): the cluster key rotated
+/// (a new Secret, the former key trusted by name) changes only the site's files and the
+/// checkpoint still restores; the former key revoked, it is refused with the shim's trust error.
+async fn rotate_then_revoke(
+    fleet: &Fleet<'_>,
+    c: &FleetNode,
+    ref_a: &str,
+    before_a: u64,
+    id1: &str,
+) -> Result<()> {
+    let (s, values_file, secrets, files) = (fleet.dir, fleet.values, fleet.secrets, fleet.files);
+    // The cluster key rotated: a new Secret, the former key trusted by name.
+    let former_key = fs::read_to_string(s.join("key1/node.pub"))?;
+    let rotated = write_yaml(
+        &s.join("rotated.yaml"),
+        &json!({
+            "trust": {
+                "clusterKey": { "secretName": NEW_KEY_SECRET },
+                "trustedKeys": { "former-cluster-key": former_key.trim() },
+            },
+        }),
+    )?;
+    let docs2 = rendered(&[values_file, &rotated])?;
+    let out = c.install(&docs2, secrets, files)?;
+    ensure!(
+        out["config_changed"] == false && out["restarted"] == false,
+        "the site's files changed, not containerd's: {out}"
+    );
+    let former = c.root.join("etc/gpu-ckpt/trusted/former-cluster-key.pub");
+    ensure!(former.is_file(), "{} not written", former.display());
+    restores(c.node()?, ref_a, before_a).await?;
+
+    // The former key revoked: refused with the shim's trust error; not trusted any more.
+    let revoked = write_yaml(
+        &s.join("revoked.yaml"),
+        &json!({ "trust": { "revokedKeys": [id1] } }),
+    )?;
+    let docs3 = rendered(&[values_file, &rotated, &revoked])?;
+    let out = c.install(&docs3, secrets, files)?;
+    ensure!(out["restarted"] == false, "{out}");
+    ensure!(!former.exists(), "a revoked key is still in TrustedKeysDir");
+    let cri = Cri::connect(c.node()?.socket()).await?;
+    let msg = try_restore(&cri, c.node()?, RESTORE_HANDLER, "default", ref_a)
+        .await?
+        .err()
+        .context("a checkpoint signed by a revoked key restored")?;
+    refusal_text(&msg, ref_a)?;
+    ensure!(
+        refusal_logged(
+            c.node()?,
+            ref_a,
+            &[&format!("signed by key {id1}, which is revoked")]
+        ),
+        "no refusal naming the revoked key in {}'s log",
+        c.name
+    );
+    Ok(())
+}
+
 #[test]
 fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key() -> Result<()> {
     let stack = Stack::discover()?;
@@ -300,23 +421,7 @@ fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key()
     let files = s.join("mounted");
     let restart_log = s.join("restarts");
 
-    // The Secrets: the cluster key, the registry login (a dockerconfigjson).
-    let (key1, id1) = cluster_key(&s.join("key1"))?;
-    let (key2, _) = cluster_key(&s.join("key2"))?;
-    let login = fs::read(reg.auth_file(&s.join("login/config.json"), Some(reg.password()))?)?;
-    let mut secrets = Secrets::new();
-    secrets.insert(
-        KEY_SECRET.into(),
-        BTreeMap::from([("signing.key".into(), key1)]),
-    );
-    secrets.insert(
-        NEW_KEY_SECRET.into(),
-        BTreeMap::from([("signing.key".into(), key2)]),
-    );
-    secrets.insert(
-        LOGIN_SECRET.into(),
-        BTreeMap::from([(".dockerconfigjson".into(), login)]),
-    );
+    let (secrets, id1) = fleet_secrets(s, &reg)?;
     // The pipeline's own pushes.
     let hosts = reg.hosts_dir(&s.join("pipeline/certs.d"), true)?;
     let auth = reg.auth_file(&s.join("pipeline/auth.json"), Some(reg.password()))?;
@@ -368,46 +473,13 @@ fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key()
         restores(c.node()?, &ref_a, before_a).await?;
         ensure!(restarts(&restart_log, "fleet-c") == 1);
 
-        // The cluster key rotated: a new Secret, the former key trusted by name.
-        let rotated = write_yaml(
-            &s.join("rotated.yaml"),
-            &json!({
-                "trust": {
-                    "clusterKey": { "secretName": NEW_KEY_SECRET },
-                    "trustedKeys": { "former-cluster-key": fs::read_to_string(s.join("key1/node.pub"))?.trim() },
-                },
-            }),
-        )?;
-        let docs2 = rendered(&[&values_file, &rotated])?;
-        let out = c.install(&docs2, &secrets, &files)?;
-        ensure!(
-            out["config_changed"] == false && out["restarted"] == false,
-            "the site's files changed, not containerd's: {out}"
-        );
-        let former = c.root.join("etc/gpu-ckpt/trusted/former-cluster-key.pub");
-        ensure!(former.is_file(), "{} not written", former.display());
-        restores(c.node()?, &ref_a, before_a).await?;
-
-        // The former key revoked: refused with the shim's trust error; not trusted any more.
-        let revoked = write_yaml(
-            &s.join("revoked.yaml"),
-            &json!({ "trust": { "revokedKeys": [id1.clone()] } }),
-        )?;
-        let docs3 = rendered(&[&values_file, &rotated, &revoked])?;
-        let out = c.install(&docs3, &secrets, &files)?;
-        ensure!(out["restarted"] == false, "{out}");
-        ensure!(!former.exists(), "a revoked key is still in TrustedKeysDir");
-        let cri = Cri::connect(c.node()?.socket()).await?;
-        let msg = try_restore(&cri, c.node()?, RESTORE_HANDLER, "default", &ref_a)
-            .await?
-            .err()
-            .context("a checkpoint signed by a revoked key restored")?;
-        refusal_text(&msg, &ref_a)?;
-        ensure!(
-            refusal_logged(c.node()?, &ref_a, &[&format!("signed by key {id1}, which is revoked")]),
-            "no refusal naming the revoked key in {}'s log",
-            c.name
-        );
+        let fleet = Fleet {
+            dir: s,
+            values: &values_file,
+            secrets: &secrets,
+            files: &files,
+        };
+        rotate_then_revoke(&fleet, &c, &ref_a, before_a, &id1).await?;
         ensure!(restarts(&restart_log, "fleet-c") == 1, "C was restarted");
         Ok(())
     })
