@@ -10,8 +10,11 @@ pub mod dropin;
 pub mod error;
 pub mod install;
 pub mod labels;
+pub mod ldcache;
+pub mod lifecycle;
 pub mod paths;
 pub mod record;
+pub mod status;
 
 pub use error::{Error, Result};
 pub use install::{install, uninstall, Options, Outcome};

@@ -76,6 +76,7 @@ fn scratch() -> Scratch {
         restart_command: format!("echo x >> '{}'", restarts.display()),
         label_node: None,
         service_account_dir: "/nonexistent".into(),
+        driver_root: "/".into(),
     };
     Scratch {
         _dir: dir,
