@@ -9,7 +9,7 @@ use std::path::Path;
 use crate::config;
 use crate::error::{Error, Result};
 use crate::install::{self, read_opt, Options};
-use crate::record::{make_dir, write_atomic, Phase, Record};
+use crate::record::{write_atomic, Phase, Record};
 
 /// The ready marker's default path, in the installer container's own filesystem: a new
 /// container (a new pod, a restarted one) starts without it.
@@ -18,9 +18,7 @@ pub const READY_FILE: &str = "/run/gpu-ckpt-node-installer/ready";
 /// Writes the marker `ready` (`summary`: what the install did), creating its directory.
 pub fn mark_ready(ready: &Path, summary: &str) -> Result<()> {
     if let Some(dir) = ready.parent() {
-        if !dir.is_dir() {
-            make_dir(dir, 0o755)?;
-        }
+        std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
     }
     write_atomic(ready, format!("{summary}\n").as_bytes(), 0o644)
 }
