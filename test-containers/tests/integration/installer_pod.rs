@@ -366,10 +366,7 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     let api = FakeApi::start(&s.dir.join("api"))?;
     let rendered = s.render(json!({"driverRoot": "/run/nvidia/driver"}))?;
     // The simulated driver's socket, as its device nodes are for a real one.
-    let sim_env = [(
-        "GPU_CKPT_SIM_SOCKET",
-        sim.socket().display().to_string(),
-    )];
+    let sim_env = [("GPU_CKPT_SIM_SOCKET", sim.socket().display().to_string())];
 
     // Not ready before the install.
     let (ready, said) = probe(&rendered)?;
@@ -419,7 +416,11 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     let code = pod.stop()?;
     ensure!(code == 0, "the stopped pod exited {code}");
     ensure!(daemonset_gets(&api) == 1, "{:#?}", api.requests());
-    ensure!(s.installed()?, "the update's stop uninstalled: {}", s.config()?);
+    ensure!(
+        s.installed()?,
+        "the update's stop uninstalled: {}",
+        s.config()?
+    );
     ensure!(label_patches(&api).len() == 1, "the labels were touched");
     ensure!(!s.ready.exists(), "the stopped pod left its ready marker");
 
@@ -517,7 +518,11 @@ fn the_watch_puts_back_the_imports_another_agent_removed_and_unknown_gpus_get_no
     std::thread::sleep(Duration::from_secs(3));
     ensure!(s.restarts() == 2, "restarts: {}", s.restarts());
     ensure!(
-        pod.summaries().iter().filter(|v| v["action"] == "repair").count() == 1,
+        pod.summaries()
+            .iter()
+            .filter(|v| v["action"] == "repair")
+            .count()
+            == 1,
         "{}",
         pod.stdout()
     );

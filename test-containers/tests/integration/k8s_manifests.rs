@@ -1262,7 +1262,9 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
     // The watch: `repair` every checkIntervalSeconds (60).
     let script = &strings(&c["command"])[2];
     ensure!(
-        script.contains(r#"while :; do sleep 60 & wait $!; gpu-ckpt-node-installer repair "$@"; done"#),
+        script.contains(
+            r#"while :; do sleep 60 & wait $!; gpu-ckpt-node-installer repair "$@"; done"#
+        ),
         "{script}"
     );
     // get on its own DaemonSet, in its namespace, for the ServiceAccount.
@@ -1276,7 +1278,10 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
         role["rules"]
     );
     let binding = object(&docs, "RoleBinding", "gpu-ckpt-node-installer")?;
-    ensure!(binding["roleRef"]["kind"] == "Role" && binding["roleRef"]["name"] == "gpu-ckpt-node-installer");
+    ensure!(
+        binding["roleRef"]["kind"] == "Role"
+            && binding["roleRef"]["name"] == "gpu-ckpt-node-installer"
+    );
     ensure!(
         binding["subjects"]
             == json!([{"kind": "ServiceAccount", "name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"}]),
@@ -1289,11 +1294,17 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
         "--set-json",
         r#"{"nodeInstaller":{"checkIntervalSeconds":0,"driverRoot":"/run/nvidia/driver"}}"#,
     ])?)?;
-    let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").context("no DaemonSet")?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
     let c = installer_container(ds)?;
     ensure!(flag(&strings(&c["args"]), "--driver-root") == Some("/run/nvidia/driver"));
     let script = &strings(&c["command"])[2];
-    ensure!(!script.contains("repair") && script.contains("sleep 3600"), "{script}");
+    ensure!(
+        !script.contains("repair") && script.contains("sleep 3600"),
+        "{script}"
+    );
 
     // action uninstall, uninstallOnStop off (ci/all-values.yaml): no probe, no repair, and the
     // uninstall asks for no DaemonSet.
@@ -1312,7 +1323,10 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
         "--set-json",
         r#"{"nodeInstaller":{"uninstallOnStop":false}}"#,
     ])?)?;
-    let ds = docs.iter().find(|d| d["kind"] == "DaemonSet").context("no DaemonSet")?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
     ensure!(flag(&strings(&installer_container(ds)?["args"]), "--daemonset").is_none());
     Ok(())
 }

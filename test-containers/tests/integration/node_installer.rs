@@ -692,7 +692,10 @@ fn serve_one(
         ensure!(n > 0, "connection closed inside the request body");
         body.extend_from_slice(&chunk[..n]);
     }
-    let code = match (&daemonset, line.starts_with("GET /apis/apps/v1/namespaces/")) {
+    let code = match (
+        &daemonset,
+        line.starts_with("GET /apis/apps/v1/namespaces/"),
+    ) {
         (None, true) => 404,
         _ => code,
     };
