@@ -26,7 +26,7 @@ use simgpu::testing::SimConfig;
 
 use crate::common::gpu::sim_node;
 use crate::k8s_manifests::{
-    installer_container, path_str, render, strings, valid_documents, workspace_bin,
+    installer_container, path_str, render, strings, stub_payload, valid_documents, workspace_bin,
 };
 use crate::node_installer::FakeApi;
 
@@ -48,7 +48,6 @@ struct Scratch {
 
 impl Scratch {
     fn new() -> Result<Scratch> {
-        use std::os::unix::fs::PermissionsExt;
         let tmp = tempfile::tempdir()?;
         let dir = tmp.path().to_path_buf();
         let root = dir.join("node");
@@ -61,18 +60,7 @@ impl Scratch {
             .to_string();
         fs::write(root.join("etc/containerd/config.toml"), &original_config)?;
         let payload = dir.join("payload");
-        fs::create_dir_all(payload.join("criu/lib"))?;
-        for f in [
-            "containerd-shim-gpu-ckpt-v1",
-            "gpu-ckpt",
-            "gpu-ckpt-hook",
-            "criu/criu",
-            "criu/lib/libnl-3.so.200",
-        ] {
-            let p = payload.join(f);
-            fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
-            fs::set_permissions(&p, fs::Permissions::from_mode(0o755))?;
-        }
+        stub_payload(&payload)?;
         Ok(Scratch {
             restarts: dir.join("restarts.log"),
             ready: dir.join("pod/run/ready"),

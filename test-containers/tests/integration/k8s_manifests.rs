@@ -1125,9 +1125,26 @@ fn listing(root: &Path) -> Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
+/// A payload of stand-ins at `payload`: every file the installer copies, each a small script.
+pub(crate) fn stub_payload(payload: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(payload.join("criu/lib"))?;
+    for f in [
+        "containerd-shim-gpu-ckpt-v1",
+        "gpu-ckpt",
+        "gpu-ckpt-hook",
+        "criu/criu",
+        "criu/lib/libnl-3.so.200",
+    ] {
+        let p = payload.join(f);
+        std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
     let bin = workspace_bin("gpu-ckpt-node-installer")?;
     let tmp = tempfile::tempdir()?;
     // A node: containerd's configuration and the directories a node has.
@@ -1143,18 +1160,7 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
     )?;
     // What the image carries.
     let payload = tmp.path().join("payload");
-    std::fs::create_dir_all(payload.join("criu/lib"))?;
-    for f in [
-        "containerd-shim-gpu-ckpt-v1",
-        "gpu-ckpt",
-        "gpu-ckpt-hook",
-        "criu/criu",
-        "criu/lib/libnl-3.so.200",
-    ] {
-        let p = payload.join(f);
-        std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
-    }
+    stub_payload(&payload)?;
     let restarts = tmp.path().join("restarts.log");
     let before = listing(&root)?;
 
