@@ -49,6 +49,9 @@ pub struct Options {
     pub service_account_dir: PathBuf,
     /// The site's options (trust, restore sources, registry, runc, handler options).
     pub site: SiteArgs,
+    /// The node's driver root (a node path): where NVML's library is, as the NVIDIA container
+    /// toolkit (`/`) or the GPU operator's driver container (`/run/nvidia/driver`) has it.
+    pub driver_root: PathBuf,
 }
 
 /// What a run changed.
@@ -108,6 +111,7 @@ impl Options {
             ("--dropin-dir", &self.dropin_dir),
             ("--bin-dir", &self.bin_dir),
             ("--lib-dir", &self.lib_dir),
+            ("--driver-root", &self.driver_root),
         ] {
             check_abs(what, p)?;
         }
@@ -122,7 +126,7 @@ impl Options {
     }
 
     /// The `imports` entries: the drop-ins as containerd reads them.
-    fn import_entries(&self) -> Vec<String> {
+    pub(crate) fn import_entries(&self) -> Vec<String> {
         self.dropin_paths()
             .iter()
             .map(|p| self.fs.for_containerd(p).display().to_string())
@@ -131,6 +135,15 @@ impl Options {
 
     fn record_file(&self) -> Result<PathBuf> {
         self.fs.resolve(Path::new(RECORD_PATH))
+    }
+
+    /// Every file and link `install` puts on the node, with what it records for each.
+    pub(crate) fn planned_entries(&self) -> Result<Vec<(PathBuf, FileEntry)>> {
+        Ok(self
+            .plan()?
+            .iter()
+            .map(|i| (i.path.clone(), i.entry()))
+            .collect())
     }
 
     fn plan(&self) -> Result<Vec<Item>> {
@@ -300,7 +313,7 @@ fn relative_link(from: &Path, to: &Path) -> PathBuf {
 }
 
 /// What is at `at` now, compared with what the installer would write.
-fn matches(at: &Path, e: &FileEntry) -> Result<bool> {
+pub(crate) fn matches(at: &Path, e: &FileEntry) -> Result<bool> {
     let meta = match fs::symlink_metadata(at) {
         Ok(m) => m,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -472,7 +485,7 @@ pub fn restart(command: &str) -> Result<()> {
     Ok(())
 }
 
-fn read_opt(p: &Path) -> Result<Option<(String, u32)>> {
+pub(crate) fn read_opt(p: &Path) -> Result<Option<(String, u32)>> {
     match fs::read(p) {
         Ok(b) => {
             let mode = fs::metadata(p).map_err(Error::io("stat", p))?.mode() & 0o7777;
@@ -591,7 +604,12 @@ pub fn install(o: &Options) -> Result<Outcome> {
 
     if let Some(node) = &o.label_node {
         let _span = tracing::info_span!("label_node", node).entered();
-        let inventory = labels::read_inventory();
+        // A node whose GPUs are unknown (a driver that does not answer) gets no GPU labels,
+        // and loses those of an earlier run: its GPUs are unknown, not absent.
+        let inventory = match labels::read_gpus(&o.fs, &o.driver_root) {
+            labels::GpuReading::Gpus(inv) => Some(inv),
+            labels::GpuReading::NoGpus | labels::GpuReading::Unknown(_) => None,
+        };
         let set = labels::labels_for(inventory.as_ref());
         // Keys an earlier run set that this node no longer has (a driver removed).
         let remove: Vec<String> = run

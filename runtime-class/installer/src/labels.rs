@@ -1,6 +1,8 @@
 //! The node's labels: `node-restriction.kubernetes.io/gpu-ckpt-runtime=installed` and, where an NVIDIA driver answers, the
-//! GPU model, driver and CUDA versions (read through NVML with the gpu crate). Set and removed
-//! with a JSON merge patch of the Node through the API server, with the pod's service account.
+//! GPU model, driver and CUDA versions (read through NVML with the gpu crate, from the
+//! node's driver root: the library its loader cache or usual directories hold, loaded by that
+//! path). Set and removed with a JSON merge patch of the Node through the API server, with the
+//! pod's service account.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,6 +12,8 @@ use gpu::Inventory;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
+use crate::ldcache;
+use crate::paths::HostFs;
 
 pub const RUNTIME_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-runtime";
 pub const RUNTIME_INSTALLED: &str = "installed";
@@ -71,24 +75,131 @@ pub fn labels_for(inventory: Option<&gpu::NodeInventory>) -> BTreeMap<String, St
     l
 }
 
-/// The node's GPUs through NVML, `None` when no driver is there (a GPU-less node gets only
-/// the runtime label). Any other NVML failure is logged and treated the same way: labels are
-/// a scheduling hint, and the runtime works without them.
-pub fn read_inventory() -> Option<gpu::NodeInventory> {
-    let _span = tracing::info_span!("read_gpu_inventory").entered();
-    match gpu::NvmlInventory::load().and_then(|n| n.node()) {
-        Ok(inv) => Some(inv),
-        Err(gpu::GpuError::NoDriver { .. }) => {
-            tracing::info!("no NVIDIA driver on this node: labelling without GPU versions");
-            None
+/// The name NVML's library has in a driver root.
+pub const NVML_LIBRARY: &str = gpu::nvml::DEFAULT_LIBRARY;
+
+/// Where a driver root keeps its libraries when its loader cache does not say: the
+/// directories NVIDIA's container toolkit searches (the multiarch ones of Debian and Ubuntu,
+/// Debian's `nvidia/current`, and the 64-bit ones of RHEL and Amazon Linux).
+pub const LIBRARY_DIRS: [&str; 10] = [
+    "/usr/lib64",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib/x86_64-linux-gnu/nvidia/current",
+    "/usr/lib/aarch64-linux-gnu/nvidia/current",
+    "/usr/lib",
+    "/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/lib",
+];
+
+/// What the node's driver said about its GPUs.
+#[derive(Debug)]
+pub enum GpuReading {
+    /// NVML answered.
+    Gpus(gpu::NodeInventory),
+    /// No driver, and nothing of one on the node (no `/dev/nvidia*`, no
+    /// `/proc/driver/nvidia`): a node without NVIDIA GPUs.
+    NoGpus,
+    /// The node has NVIDIA device nodes or a loaded driver, but no driver answered: what the
+    /// GPUs are is unknown. Why, in words.
+    Unknown(String),
+}
+
+/// `libnvidia-ml.so.1` in the driver root `driver` (its `/` as reachable here, symlinks
+/// resolved inside it): where its loader cache (`/etc/ld.so.cache`) puts it, else the first
+/// of [`LIBRARY_DIRS`] that has it. `None`: neither has it.
+pub fn find_nvml(driver: &HostFs) -> Result<Option<PathBuf>> {
+    let _span = tracing::info_span!("find_nvml", driver_root = %driver.root.display()).entered();
+    let cache = driver.resolve(Path::new("/etc/ld.so.cache"))?;
+    let mut candidates: Vec<PathBuf> = match std::fs::read(&cache) {
+        Ok(data) => ldcache::lookup(&data, NVML_LIBRARY)
+            .into_iter()
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(Error::io("read the loader cache", &cache)(e)),
+    };
+    candidates.extend(LIBRARY_DIRS.iter().map(|d| Path::new(d).join(NVML_LIBRARY)));
+    for c in candidates {
+        let here = driver.resolve(&c)?;
+        if here.is_file() {
+            tracing::info!(library = %c.display(), at = %here.display(), "found NVML");
+            return Ok(Some(here));
+        }
+    }
+    Ok(None)
+}
+
+/// What on the node (`fs`) shows an NVIDIA driver or GPU: `/proc/driver/nvidia`, or a
+/// `/dev/nvidiactl` or `/dev/nvidia<N>` device node. `None`: nothing does.
+pub fn driver_traces(fs: &HostFs) -> Result<Option<String>> {
+    let proc_dir = fs.resolve(Path::new("/proc/driver/nvidia"))?;
+    if proc_dir.exists() {
+        return Ok(Some("/proc/driver/nvidia exists".into()));
+    }
+    let dev = fs.resolve(Path::new("/dev"))?;
+    let Ok(entries) = std::fs::read_dir(&dev) else {
+        return Ok(None);
+    };
+    let mut nodes: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| {
+            n == "nvidiactl"
+                || n.strip_prefix("nvidia")
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect();
+    nodes.sort();
+    Ok((!nodes.is_empty()).then(|| format!("the node has /dev/{}", nodes.join(", /dev/"))))
+}
+
+/// The node's GPUs through the NVML library of the driver root `driver_root` (a node path,
+/// reached under `fs`), loaded by its path. A node without a driver that shows no trace of
+/// one has no GPUs; one with traces of a driver that does not answer is [`GpuReading::Unknown`],
+/// logged with the reason.
+pub fn read_gpus(fs: &HostFs, driver_root: &Path) -> GpuReading {
+    let _span =
+        tracing::info_span!("read_gpu_inventory", driver_root = %driver_root.display()).entered();
+    let why = match fs
+        .resolve(driver_root)
+        .and_then(|r| HostFs::new(&r, Path::new("/")))
+        .and_then(|d| find_nvml(&d))
+    {
+        Ok(Some(lib)) => match gpu::NvmlInventory::load_from(&lib).and_then(|n| n.node()) {
+            Ok(inv) => return GpuReading::Gpus(inv),
+            Err(e) => format!("NVML at {} did not answer: {e}", lib.display()),
+        },
+        Ok(None) => format!(
+            "no {NVML_LIBRARY} under the driver root {} (neither in its /etc/ld.so.cache nor in {})",
+            driver_root.display(),
+            LIBRARY_DIRS.join(", ")
+        ),
+        Err(e) => format!("cannot look for {NVML_LIBRARY} under the driver root {}: {e}", driver_root.display()),
+    };
+    match driver_traces(fs) {
+        Ok(Some(trace)) => {
+            let why = format!("{trace}, but {why}");
+            tracing::warn!(
+                reason = %why,
+                "the node's GPUs are unknown: the GPU labels are left off (set nodeInstaller.driverRoot to where the driver is)"
+            );
+            GpuReading::Unknown(why)
+        }
+        Ok(None) => {
+            tracing::info!(reason = %why, "no NVIDIA driver or GPU on this node: labelling without GPU versions");
+            GpuReading::NoGpus
         }
         Err(e) => {
-            tracing::warn!(error = %e, "cannot read the GPUs through NVML: labelling without GPU versions");
-            None
+            let why = format!("cannot tell whether the node has GPUs ({e}), and {why}");
+            tracing::warn!(reason = %why, "the node's GPUs are unknown: the GPU labels are left off");
+            GpuReading::Unknown(why)
         }
     }
 }
-
 /// The JSON merge patch (RFC 7386) that sets `set` and removes `remove` among the node's labels.
 pub fn patch_body(set: &BTreeMap<String, String>, remove: &[String]) -> Value {
     let mut labels = serde_json::Map::new();
@@ -152,53 +263,75 @@ impl ApiServer {
     /// Sends `body` as a JSON merge patch of node `node`.
     pub fn patch_node(&self, node: &str, body: &Value) -> Result<()> {
         let _span = tracing::info_span!("patch_node", node, api = %self.url).entered();
-        let err = |why: String| Error::Label {
-            node: node.to_string(),
-            why,
-        };
+        let (status, message) = self
+            .send(
+                reqwest::Method::PATCH,
+                &format!("/api/v1/nodes/{node}"),
+                Some(body),
+            )
+            .map_err(|why| Error::Label {
+                node: node.to_string(),
+                why,
+            })?;
+        if !status.is_success() {
+            return Err(Error::Label {
+                node: node.to_string(),
+                why: self.answered(status, &message),
+            });
+        }
+        Ok(())
+    }
+
+    /// `the API server at URL answered STATUS: MESSAGE`.
+    pub fn answered(&self, status: reqwest::StatusCode, body: &str) -> String {
+        let message = serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v["message"].as_str().map(str::to_string))
+            .unwrap_or_else(|| body.to_string());
+        format!(
+            "the API server at {} answered {status}: {}",
+            self.url,
+            message.trim()
+        )
+    }
+
+    /// One request to `path` (a JSON merge patch when `body` is given); the status and the
+    /// body of the answer, or why there was none.
+    pub fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> std::result::Result<(reqwest::StatusCode, String), String> {
         // reqwest is built without a default crypto provider; ring is the workspace's.
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let ca = reqwest::Certificate::from_pem(&self.ca_pem).map_err(|e| {
-            err(format!(
-                "the service account's CA is not a PEM certificate: {e}"
-            ))
-        })?;
+        let ca = reqwest::Certificate::from_pem(&self.ca_pem)
+            .map_err(|e| format!("the service account's CA is not a PEM certificate: {e}"))?;
         let client = reqwest::blocking::Client::builder()
             .tls_certs_only([ca])
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(30))
             .build()
-            .map_err(|e| err(format!("cannot build the HTTP client: {e}")))?;
-        let url = format!("{}/api/v1/nodes/{node}", self.url);
-        let resp = client
-            .patch(&url)
-            .header("Content-Type", "application/merge-patch+json")
+            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+        let mut req = client
+            .request(method, format!("{}{path}", self.url))
             .header("Accept", "application/json")
-            .bearer_auth(&self.token)
-            .body(body.to_string())
-            .send()
-            .map_err(|e| {
-                // `{:#}`: the error and its causes, `a: b: c`.
-                err(format!(
-                    "the API server at {} is not reachable: {:#}",
-                    self.url,
-                    anyhow::Error::from(e)
-                ))
-            })?;
-        let status = resp.status();
-        if !status.is_success() {
-            let text = resp.text().unwrap_or_default();
-            let message = serde_json::from_str::<Value>(&text)
-                .ok()
-                .and_then(|v| v["message"].as_str().map(str::to_string))
-                .unwrap_or(text);
-            return Err(err(format!(
-                "the API server at {} answered {status}: {}",
-                self.url,
-                message.trim()
-            )));
+            .bearer_auth(&self.token);
+        if let Some(body) = body {
+            req = req
+                .header("Content-Type", "application/merge-patch+json")
+                .body(body.to_string());
         }
-        Ok(())
+        let resp = req.send().map_err(|e| {
+            // `{:#}`: the error and its causes, `a: b: c`.
+            format!(
+                "the API server at {} is not reachable: {:#}",
+                self.url,
+                anyhow::Error::from(e)
+            )
+        })?;
+        let status = resp.status();
+        Ok((status, resp.text().unwrap_or_default()))
     }
 }
 
@@ -274,6 +407,56 @@ mod tests {
         assert_eq!(cuda_version(12080), "12.8");
         let mixed = labels_for(Some(&inventory(&["A10", "L4"])));
         assert_eq!(mixed[GPU_MODEL_LABEL], "A10_L4");
+    }
+
+    #[test]
+    fn nvml_is_found_in_the_driver_roots_library_dirs_through_its_links() {
+        let d = tempfile::tempdir().unwrap();
+        let driver = d.path().join("run/nvidia/driver");
+        let lib = driver.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        let fs = HostFs::new(&driver, Path::new("/")).unwrap();
+        assert_eq!(find_nvml(&fs).unwrap(), None);
+        std::fs::write(lib.join("libnvidia-ml.so.580.65.06"), "elf").unwrap();
+        std::os::unix::fs::symlink("libnvidia-ml.so.580.65.06", lib.join("libnvidia-ml.so.1"))
+            .unwrap();
+        assert_eq!(
+            find_nvml(&fs).unwrap(),
+            Some(lib.join("libnvidia-ml.so.580.65.06"))
+        );
+        // /usr/lib64 comes first.
+        std::fs::create_dir_all(driver.join("usr/lib64")).unwrap();
+        std::fs::write(driver.join("usr/lib64/libnvidia-ml.so.1"), "elf").unwrap();
+        assert_eq!(
+            find_nvml(&fs).unwrap(),
+            Some(driver.join("usr/lib64/libnvidia-ml.so.1"))
+        );
+    }
+
+    #[test]
+    fn a_node_with_device_nodes_and_no_driver_is_unknown() {
+        let d = tempfile::tempdir().unwrap();
+        let root = d.path();
+        std::fs::create_dir_all(root.join("dev")).unwrap();
+        std::fs::write(root.join("dev/null"), "").unwrap();
+        let fs = HostFs::new(root, Path::new("/")).unwrap();
+        assert!(matches!(read_gpus(&fs, Path::new("/")), GpuReading::NoGpus));
+        std::fs::write(root.join("dev/nvidia0"), "").unwrap();
+        std::fs::write(root.join("dev/nvidiactl"), "").unwrap();
+        match read_gpus(&fs, Path::new("/run/nvidia/driver")) {
+            GpuReading::Unknown(why) => assert!(
+                why.starts_with("the node has /dev/nvidia0, /dev/nvidiactl, but no libnvidia-ml.so.1 under the driver root /run/nvidia/driver"),
+                "{why}"
+            ),
+            r => panic!("{r:?}"),
+        }
+        std::fs::remove_file(root.join("dev/nvidia0")).unwrap();
+        std::fs::remove_file(root.join("dev/nvidiactl")).unwrap();
+        std::fs::create_dir_all(root.join("proc/driver/nvidia")).unwrap();
+        assert!(matches!(
+            read_gpus(&fs, Path::new("/")),
+            GpuReading::Unknown(_)
+        ));
     }
 
     #[test]

@@ -11,9 +11,12 @@ pub mod dropin;
 pub mod error;
 pub mod install;
 pub mod labels;
+pub mod ldcache;
+pub mod lifecycle;
 pub mod paths;
 pub mod record;
 pub mod site;
+pub mod status;
 
 pub use error::{Error, Result};
 pub use install::{install, uninstall, Options, Outcome};

@@ -77,6 +77,7 @@ fn scratch() -> Scratch {
         label_node: None,
         service_account_dir: "/nonexistent".into(),
         site: Default::default(),
+        driver_root: "/".into(),
     };
     Scratch {
         _dir: dir,
@@ -358,4 +359,48 @@ fn site_options_are_written_root_only_kept_current_and_removed() {
 
     uninstall(&s.opts).unwrap();
     assert_eq!(listing(&s.root), before);
+}
+
+#[test]
+fn status_needs_the_ready_marker_and_an_unchanged_node() {
+    use node_installer::status::{clear_ready, drift, mark_ready, status};
+    let s = scratch();
+    let o = &s.opts;
+    let ready = s.root.join("../pod/run/ready");
+    let problems = status(o, &ready).unwrap();
+    assert!(problems.len() == 2, "{problems:?}");
+    assert!(problems[0].starts_with("no ready marker"), "{problems:?}");
+    assert!(
+        problems[1].starts_with("nothing is installed"),
+        "{problems:?}"
+    );
+
+    install(o).unwrap();
+    mark_ready(&ready, "{}").unwrap();
+    assert_eq!(status(o, &ready).unwrap(), Vec::<String>::new());
+
+    // Another agent rewrites config.toml without the imports, and changes a binary.
+    let cfg = s.root.join("etc/containerd/config.toml");
+    fs::write(&cfg, "version = 3\n").unwrap();
+    fs::write(s.root.join("usr/local/bin/gpu-ckpt"), "changed").unwrap();
+    let found = drift(o).unwrap();
+    assert_eq!(
+        found,
+        [
+            "/usr/local/bin/gpu-ckpt is missing or changed since the install",
+            "containerd's configuration /etc/containerd/config.toml does not import /etc/containerd/conf.d/gpu-ckpt.toml",
+            "containerd's configuration /etc/containerd/config.toml does not import /etc/containerd/conf.d/gpu-ckpt-restore.toml",
+        ]
+    );
+    assert_eq!(status(o, &ready).unwrap(), found);
+    // install repairs both, restarting containerd once.
+    let before = restarts(&s);
+    let out = install(o).unwrap();
+    assert!(out.config_changed && out.restarted, "{out:?}");
+    assert_eq!(restarts(&s), before + 1);
+    assert!(drift(o).unwrap().is_empty());
+
+    clear_ready(&ready).unwrap();
+    clear_ready(&ready).unwrap();
+    assert!(status(o, &ready).unwrap()[0].starts_with("no ready marker"));
 }

@@ -76,7 +76,7 @@ pub(crate) fn render(args: &[&str]) -> Result<Value> {
     chart_ok(&all)
 }
 
-fn path_str(p: &Path) -> &str {
+pub(crate) fn path_str(p: &Path) -> &str {
     p.to_str().expect("repository paths are UTF-8")
 }
 
@@ -245,6 +245,8 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
         ("ServiceAccount", 1),
         ("ClusterRole", 1),
         ("ClusterRoleBinding", 1),
+        ("Role", 1),
+        ("RoleBinding", 1),
         ("DaemonSet", 1),
         ("ValidatingAdmissionPolicy", 2),
         ("ValidatingAdmissionPolicyBinding", 2),
@@ -1188,7 +1190,7 @@ fn the_installer_pod_installs_then_uninstalls_when_stopped() -> Result<()> {
 }
 
 /// A workspace binary next to the test executable's directory (target/<profile>/).
-fn workspace_bin(name: &str) -> Result<PathBuf> {
+pub(crate) fn workspace_bin(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let mut dir = exe.parent();
     for _ in 0..2 {
@@ -1232,9 +1234,26 @@ fn listing(root: &Path) -> Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
+/// A payload of stand-ins at `payload`: every file the installer copies, each a small script.
+pub(crate) fn stub_payload(payload: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(payload.join("criu/lib"))?;
+    for f in [
+        "containerd-shim-gpu-ckpt-v1",
+        "gpu-ckpt",
+        "gpu-ckpt-hook",
+        "criu/criu",
+        "criu/lib/libnl-3.so.200",
+    ] {
+        let p = payload.join(f);
+        std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
     let bin = workspace_bin("gpu-ckpt-node-installer")?;
     let tmp = tempfile::tempdir()?;
     // A node: containerd's configuration and the directories a node has.
@@ -1250,18 +1269,7 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
     )?;
     // What the image carries.
     let payload = tmp.path().join("payload");
-    std::fs::create_dir_all(payload.join("criu/lib"))?;
-    for f in [
-        "containerd-shim-gpu-ckpt-v1",
-        "gpu-ckpt",
-        "gpu-ckpt-hook",
-        "criu/criu",
-        "criu/lib/libnl-3.so.200",
-    ] {
-        let p = payload.join(f);
-        std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
-    }
+    stub_payload(&payload)?;
     let restarts = tmp.path().join("restarts.log");
     let before = listing(&root)?;
 
@@ -1336,5 +1344,104 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
         "containerd restarted {} times",
         restarts_seen()
     );
+    Ok(())
+}
+
+#[test]
+fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_uninstalls(
+) -> Result<()> {
+    let docs = valid_documents(&render(&[
+        "--release",
+        "gpu-ckpt",
+        "--namespace",
+        "gpu-ckpt-system",
+    ])?)?;
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-node-installer")?;
+    let c = installer_container(ds)?;
+    let args = strings(&c["args"]);
+    for (f, v) in [
+        ("--driver-root", "/"),
+        ("--ready-file", "/run/gpu-ckpt-node-installer/ready"),
+        ("--daemonset", "gpu-ckpt-system/gpu-ckpt-node-installer"),
+    ] {
+        ensure!(flag(&args, f) == Some(v), "{f}: {args:?}");
+    }
+    // The readiness probe: `status` with the installer's own flags.
+    let probe = &c["readinessProbe"];
+    let cmd = strings(&probe["exec"]["command"]);
+    ensure!(
+        cmd.len() > 2 && cmd[..2] == ["gpu-ckpt-node-installer", "status"] && cmd[2..] == args[..],
+        "probe {probe}"
+    );
+    ensure!(probe["failureThreshold"] == 1, "{probe}");
+    // The watch: `repair` every checkIntervalSeconds (60).
+    let script = &strings(&c["command"])[2];
+    ensure!(
+        script.contains(
+            r#"while :; do sleep 60 & wait $!; gpu-ckpt-node-installer repair "$@"; done"#
+        ),
+        "{script}"
+    );
+    // get on its own DaemonSet, in its namespace, for the ServiceAccount.
+    let role = object(&docs, "Role", "gpu-ckpt-node-installer")?;
+    ensure!(role["metadata"]["namespace"] == "gpu-ckpt-system");
+    ensure!(
+        role["rules"]
+            == json!([{"apiGroups": ["apps"], "resources": ["daemonsets"],
+                       "resourceNames": ["gpu-ckpt-node-installer"], "verbs": ["get"]}]),
+        "rules {}",
+        role["rules"]
+    );
+    let binding = object(&docs, "RoleBinding", "gpu-ckpt-node-installer")?;
+    ensure!(
+        binding["roleRef"]["kind"] == "Role"
+            && binding["roleRef"]["name"] == "gpu-ckpt-node-installer"
+    );
+    ensure!(
+        binding["subjects"]
+            == json!([{"kind": "ServiceAccount", "name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"}]),
+        "{}",
+        binding["subjects"]
+    );
+
+    // No check (0), and the operator's driver root.
+    let docs = valid_documents(&render(&[
+        "--set-json",
+        r#"{"nodeInstaller":{"checkIntervalSeconds":0,"driverRoot":"/run/nvidia/driver"}}"#,
+    ])?)?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
+    let c = installer_container(ds)?;
+    ensure!(flag(&strings(&c["args"]), "--driver-root") == Some("/run/nvidia/driver"));
+    let script = &strings(&c["command"])[2];
+    ensure!(
+        !script.contains("repair") && script.contains("sleep 3600"),
+        "{script}"
+    );
+
+    // action uninstall, uninstallOnStop off (ci/all-values.yaml): no probe, no repair, and the
+    // uninstall asks for no DaemonSet.
+    let all = yaml_file(&all_values())?;
+    let docs = prod_documents(&["--values", path_str(&all_values())])?;
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-node-installer")?;
+    let c = installer_container(ds)?;
+    let args = strings(&c["args"]);
+    ensure!(flag(&args, "--driver-root") == all["nodeInstaller"]["driverRoot"].as_str());
+    ensure!(flag(&args, "--ready-file") == all["nodeInstaller"]["readyFile"].as_str());
+    ensure!(flag(&args, "--daemonset").is_none(), "{args:?}");
+    ensure!(c.get("readinessProbe").is_none(), "{c}");
+    ensure!(!strings(&c["command"])[2].contains("repair"));
+    // action install with uninstallOnStop off: no DaemonSet to ask.
+    let docs = valid_documents(&render(&[
+        "--set-json",
+        r#"{"nodeInstaller":{"uninstallOnStop":false}}"#,
+    ])?)?;
+    let ds = docs
+        .iter()
+        .find(|d| d["kind"] == "DaemonSet")
+        .context("no DaemonSet")?;
+    ensure!(flag(&strings(&installer_container(ds)?["args"]), "--daemonset").is_none());
     Ok(())
 }

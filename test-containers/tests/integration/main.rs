@@ -27,6 +27,7 @@ mod gpu_process;
 mod gpu_python;
 mod gpu_shim;
 mod gpu_unsupported;
+mod installer_pod;
 mod k8s_manifests;
 mod key_rotation;
 mod log_uri;

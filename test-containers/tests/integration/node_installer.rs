@@ -446,30 +446,32 @@ fn uninstall_keeps_an_administrators_edit_of_the_configuration() -> Result<()> {
 
 /// One request the fake API server received.
 #[derive(Debug, Clone)]
-struct ApiRequest {
+pub(crate) struct ApiRequest {
     /// "PATCH /api/v1/nodes/node-a"
-    line: String,
-    authorization: String,
-    content_type: String,
-    body: serde_json::Value,
+    pub(crate) line: String,
+    pub(crate) authorization: String,
+    pub(crate) content_type: String,
+    pub(crate) body: serde_json::Value,
 }
 
 /// A stand-in for the Kubernetes API server on 127.0.0.1: HTTPS with a certificate of a CA made
 /// for it (openssl), and the service account files (`token`, `ca.crt`) the installer reads in
 /// a pod. Every request gets the status in `status`, with a Kubernetes Status body for an
-/// error; each is recorded. Stops when dropped.
-struct FakeApi {
+/// error; each is recorded. A GET of a DaemonSet gets the object in `daemonset` (404 when there
+/// is none). Stops when dropped.
+pub(crate) struct FakeApi {
     port: u16,
     sa_dir: PathBuf,
-    token: String,
+    pub(crate) token: String,
     status: std::sync::Arc<std::sync::atomic::AtomicU16>,
+    daemonset: std::sync::Arc<std::sync::Mutex<Option<serde_json::Value>>>,
     requests: std::sync::Arc<std::sync::Mutex<Vec<ApiRequest>>>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl FakeApi {
-    fn start(dir: &Path) -> Result<FakeApi> {
+    pub(crate) fn start(dir: &Path) -> Result<FakeApi> {
         use rustls::pki_types::{pem::PemObject, CertificateDer, PrivateKeyDer};
         use std::sync::atomic::{AtomicBool, AtomicU16};
         use std::sync::{Arc, Mutex};
@@ -551,10 +553,12 @@ impl FakeApi {
         listener.set_nonblocking(true)?;
         let port = listener.local_addr()?.port();
         let status = Arc::new(AtomicU16::new(200));
+        let daemonset = Arc::new(Mutex::new(None));
         let requests = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (status, requests, stop) = (status.clone(), requests.clone(), stop.clone());
+            let daemonset = daemonset.clone();
             std::thread::spawn(move || {
                 // Bounded: the test drops the server when it is done, within its own time.
                 let deadline = std::time::Instant::now() + std::time::Duration::from_secs(600);
@@ -564,7 +568,8 @@ impl FakeApi {
                     match listener.accept() {
                         Ok((sock, _)) => {
                             let code = status.load(std::sync::atomic::Ordering::SeqCst);
-                            match serve_one(sock, config.clone(), code) {
+                            let ds = daemonset.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                            match serve_one(sock, config.clone(), code, ds) {
                                 Ok(r) => requests.lock().unwrap_or_else(|e| e.into_inner()).push(r),
                                 Err(e) => eprintln!("fake API server: {e:#}"),
                             }
@@ -585,17 +590,36 @@ impl FakeApi {
             sa_dir,
             token,
             status,
+            daemonset,
             requests,
             stop,
             thread: Some(thread),
         })
     }
 
+    /// What a GET of a DaemonSet answers: `ds` (200), or 404 when `None`.
+    pub(crate) fn set_daemonset(&self, ds: Option<serde_json::Value>) {
+        *self.daemonset.lock().unwrap_or_else(|e| e.into_inner()) = ds;
+    }
+
+    /// The pod's environment for the installer: where the API server is.
+    pub(crate) fn env(&self) -> [(&'static str, String); 2] {
+        [
+            ("KUBERNETES_SERVICE_HOST", "127.0.0.1".to_string()),
+            ("KUBERNETES_SERVICE_PORT", self.port.to_string()),
+        ]
+    }
+
+    /// The service account directory (token, ca.crt).
+    pub(crate) fn sa_dir(&self) -> &Path {
+        &self.sa_dir
+    }
+
     fn set_status(&self, code: u16) {
         self.status.store(code, std::sync::atomic::Ordering::SeqCst);
     }
 
-    fn requests(&self) -> Vec<ApiRequest> {
+    pub(crate) fn requests(&self) -> Vec<ApiRequest> {
         self.requests
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -624,11 +648,12 @@ impl Drop for FakeApi {
 }
 
 /// Reads one HTTP/1.1 request over TLS on `sock` (headers and a Content-Length body, at most
-/// 1 MiB) and answers it with `code`.
+/// 1 MiB) and answers it with `code`; a GET of a DaemonSet with `daemonset` (404 when `None`).
 fn serve_one(
     sock: std::net::TcpStream,
     config: std::sync::Arc<rustls::ServerConfig>,
     code: u16,
+    daemonset: Option<serde_json::Value>,
 ) -> Result<ApiRequest> {
     use std::io::{Read, Write};
     sock.set_nonblocking(false)?;
@@ -667,7 +692,19 @@ fn serve_one(
         ensure!(n > 0, "connection closed inside the request body");
         body.extend_from_slice(&chunk[..n]);
     }
+    let code = match (
+        &daemonset,
+        line.starts_with("GET /apis/apps/v1/namespaces/"),
+    ) {
+        (None, true) => 404,
+        _ => code,
+    };
     let (reason, answer) = match code {
+        200 if line.starts_with("GET ") => ("OK", daemonset.unwrap_or_default()),
+        404 => (
+            "Not Found",
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": "not found", "reason": "NotFound", "code": 404}),
+        ),
         200 => (
             "OK",
             serde_json::json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": "node-a"}}),

@@ -58,6 +58,14 @@ install|uninstall; runtime-class/installer/). $(NODE_NAME) is expanded by the ku
 - --label-node
 - $(NODE_NAME)
 {{- end }}
+- --driver-root
+- {{ .Values.nodeInstaller.driverRoot | quote }}
+- --ready-file
+- {{ .Values.nodeInstaller.readyFile | quote }}
+{{- if and (eq .Values.nodeInstaller.action "install") .Values.nodeInstaller.uninstallOnStop }}
+- --daemonset
+- {{ printf "%s/%s" .Release.Namespace (include "gpu-ckpt.installerName" .) | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* The prefix of every node label the installer sets (values.yaml lists them): under

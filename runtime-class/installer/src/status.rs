@@ -1,0 +1,98 @@
+//! Whether the node is as the installer left it, for the DaemonSet's readiness probe
+//! (`gpu-ckpt-node-installer status`) and its watch (`repair`, every
+//! `nodeInstaller.checkIntervalSeconds`): the ready marker, written by a pod's install once the
+//! node is installed and labelled, and the node compared with the payload and the record (every
+//! file, containerd's imports).
+
+use std::path::Path;
+
+use crate::config;
+use crate::error::{Error, Result};
+use crate::install::{self, read_opt, Options};
+use crate::record::{write_atomic, Phase, Record};
+
+/// The ready marker's default path, in the installer container's own filesystem: a new
+/// container (a new pod, a restarted one) starts without it.
+pub const READY_FILE: &str = "/run/gpu-ckpt-node-installer/ready";
+
+/// Writes the marker `ready` (`summary`: what the install did), creating its directory.
+pub fn mark_ready(ready: &Path, summary: &str) -> Result<()> {
+    if let Some(dir) = ready.parent() {
+        std::fs::create_dir_all(dir).map_err(Error::io("create directory", dir))?;
+    }
+    write_atomic(ready, format!("{summary}\n").as_bytes(), 0o644)
+}
+
+/// Removes the marker `ready` (there or not).
+pub fn clear_ready(ready: &Path) -> Result<()> {
+    match std::fs::remove_file(ready) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io("remove the ready marker", ready)(e)),
+    }
+}
+
+/// What differs between the node and what `install` would leave there, each in words: empty
+/// when everything is in place. Reads only; a drift is repaired by `install`.
+pub fn drift(o: &Options) -> Result<Vec<String>> {
+    let _span = tracing::info_span!("check", root = %o.fs.root.display()).entered();
+    let at = install::record_path(&o.fs)?;
+    let Some(rec) = Record::load(&at)? else {
+        return Ok(vec![format!(
+            "nothing is installed: there is no install record {}",
+            at.display()
+        )]);
+    };
+    let mut found = Vec::new();
+    if rec.phase != Phase::Installed {
+        found.push(format!("the install record is in phase {:?}", rec.phase));
+    }
+    if rec.restart_pending {
+        found.push("containerd has not been restarted since its configuration changed".into());
+    }
+    for (path, want) in o.planned_entries()? {
+        if rec.file(&path) != Some(&want) {
+            found.push(format!(
+                "{} is not the payload's: the payload changed since the install",
+                path.display()
+            ));
+        } else if !install::matches(&o.fs.resolve_parent(&path)?, &want)? {
+            found.push(format!(
+                "{} is missing or changed since the install",
+                path.display()
+            ));
+        }
+    }
+    let cfg = o.fs.resolve(&o.containerd_config)?;
+    match read_opt(&cfg)? {
+        None => found.push(format!(
+            "containerd's configuration {} is gone",
+            o.containerd_config.display()
+        )),
+        Some((text, _)) => {
+            for entry in o.import_entries() {
+                if !config::imports(&o.containerd_config, &text, &entry)? {
+                    found.push(format!(
+                        "containerd's configuration {} does not import {entry}",
+                        o.containerd_config.display()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// The readiness probe: the marker `ready` is there (this container's install finished,
+/// labels included) and the node has not drifted. Each problem, in words; empty: ready.
+pub fn status(o: &Options, ready: &Path) -> Result<Vec<String>> {
+    let mut problems = Vec::new();
+    if !ready.is_file() {
+        problems.push(format!(
+            "no ready marker {}: this container's install has not finished",
+            ready.display()
+        ));
+    }
+    problems.extend(drift(o)?);
+    Ok(problems)
+}
