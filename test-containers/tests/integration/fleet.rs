@@ -164,6 +164,12 @@ fn installer_invocation(
         .position(|a| a == "--payload")
         .context("no --payload")?;
     args[i + 1] = payload.display().to_string();
+    // The ready marker is a path in the pod's own filesystem: one per node here.
+    let i = args
+        .iter()
+        .position(|a| a == "--ready-file")
+        .context("no --ready-file")?;
+    args[i + 1] = files.join(node).join("ready").display().to_string();
     args.extend(["--host-root".to_string(), root.display().to_string()]);
     let mut env = Vec::new();
     for e in c["env"].as_array().context("no env")? {
@@ -213,6 +219,38 @@ impl FleetNode {
         )?;
         let line = out.lines().last().unwrap_or_default();
         serde_json::from_str(line).with_context(|| format!("install printed {out:?}"))
+    }
+
+    /// The rendered DaemonSet's readiness probe on this node: its exec command must be
+    /// `status` with the container's own arguments (site options included, or the probe
+    /// would judge a node with site files as changed), run here with them mapped as for
+    /// `install`. Whether it passed, and its output.
+    fn probe(&self, docs: &[Value], secrets: &Secrets, files: &Path) -> Result<(bool, String)> {
+        let stack = Stack::discover()?;
+        let ds = docs
+            .iter()
+            .find(|d| d["kind"] == "DaemonSet")
+            .context("no DaemonSet in the rendering")?;
+        let c = installer_container(ds)?;
+        let cmd = strings(&c["readinessProbe"]["exec"]["command"]);
+        ensure!(
+            cmd.get(1).map(String::as_str) == Some("status") && cmd[2..] == strings(&c["args"])[..],
+            "the probe is not `status` with the container's arguments: {cmd:?}"
+        );
+        let i = installer_invocation(docs, &self.name, &self.root, &self.payload, secrets, files)?;
+        let out = Command::new(installer_bin(&stack)?)
+            .arg("status")
+            .args(&i.args)
+            .envs(i.env)
+            .output()?;
+        Ok((
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ))
     }
 
     /// Starts a private containerd on the configuration the installer wrote (the node's
@@ -437,6 +475,12 @@ fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key()
         let out = n.install(&docs, &secrets, &files)?;
         ensure!(out["restarted"] == true, "{}: {out}", n.name);
     }
+    // Ready, as the DaemonSet's probe sees it, with the site's files in place.
+    let (ready, out) = a.probe(&docs, &secrets, &files)?;
+    ensure!(
+        ready,
+        "the readiness probe fails on an installed node: {out}"
+    );
     // Root-only, and the trust the values give.
     let side = a
         .root
