@@ -29,6 +29,9 @@ const CHECKPOINT_OPTIONS_TYPE: &str = "containerd.runc.v1.CheckpointOptions";
 pub const CRIU_CONFIG_ANNOTATION: &str = "org.criu.config";
 /// The shim's CRIU configuration file in the bundle, named by [`CRIU_CONFIG_ANNOTATION`].
 pub const CRIU_CONF_FILE: &str = "gpu-ckpt-criu.conf";
+/// The directory containerd's CRI archives, below the container's CRI directory
+/// ([`cri_container_dir`]).
+pub const CRI_CHECKPOINT_DIR: &str = "ctrd-checkpoint";
 /// Where a failed dump's or restore's CRIU log is kept, as containerd's runc shim does.
 pub const DUMP_LOG_COPY: &str = "criu-dump.log";
 pub const RESTORE_LOG_COPY: &str = "criu-restore.log";
@@ -355,12 +358,14 @@ pub fn log_summary(path: &Path, tail: usize) -> String {
 }
 
 /// Where containerd's CRI keeps a container's own files: `<cri root>/containers/<id>`. Its
-/// CheckpointContainer copies `stats-dump` from there to the archive's top level, where
-/// checkpointctl's `inspect --stats` reads it (containerd 2.1.0 to 2.1.8 fail the checkpoint
-/// without it). containerd names that directory only to runc-typed runtimes, as the checkpoint's
-/// work path; for the shim's own type it is found from the spec: CRI mounts the sandbox's
-/// `hostname`, `resolv.conf` and `hosts` from `<cri root>/sandboxes/<sandbox id>/`. None outside
-/// CRI, or when the directory is not containerd's (no `status` file of its own in it).
+/// CheckpointContainer archives [`CRI_CHECKPOINT_DIR`] below it (2.1.9, 2.2.5, 2.3.2 and later,
+/// which create it afresh just before the runtime's checkpoint), or copies `stats-dump` from the
+/// directory itself (2.1.0 to 2.1.8, which fail the checkpoint without it), to the archive's top
+/// level, where checkpointctl's `inspect --stats` reads it. containerd names that directory
+/// only to runc-typed runtimes, as the checkpoint's work path; for the shim's own type it is
+/// found from the spec: CRI mounts the sandbox's `hostname`, `resolv.conf` and `hosts` from
+/// `<cri root>/sandboxes/<sandbox id>/`. None outside CRI, or when the directory is not
+/// containerd's (no `status` file of its own in it).
 pub fn cri_container_dir(
     spec: &oci_spec::runtime::Spec,
     sandbox_id: &str,

@@ -435,8 +435,10 @@ impl Container {
     }
 
     /// A copy of CRIU's statistics where containerd's CRI takes them for the archive's top
-    /// level (checkpointctl's `inspect --stats` reads them there): the container's CRI
-    /// directory. A runc-typed registration gets it as the work path, where CRIU wrote them.
+    /// level (checkpointctl's `inspect --stats` reads them there): the directory it archives
+    /// (`ctrd-checkpoint`) where it made one, else the container's CRI directory
+    /// ([`checkpoint::cri_container_dir`]). A runc-typed registration gets the former as the
+    /// work path, where CRIU wrote them.
     /// The archive's verify checks that copy against `checkpoint/stats-dump`'s manifest entry.
     fn stats_for_cri(&self, stats: &Path) {
         let cri = self.bundle.cri(&self.id);
@@ -444,6 +446,12 @@ impl Container {
             checkpoint::cri_container_dir(self.bundle.spec(), &cri.sandbox_id, &self.id)
         else {
             return;
+        };
+        let archived = dir.join(checkpoint::CRI_CHECKPOINT_DIR);
+        let dir = if std::fs::symlink_metadata(&archived).is_ok_and(|m| m.is_dir()) {
+            archived
+        } else {
+            dir
         };
         let _span = info_span!("stats_for_cri", id = %self.id, dir = %dir.display()).entered();
         let tmp = dir.join(".stats-dump.gpu-ckpt-tmp");
