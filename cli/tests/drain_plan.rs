@@ -8,7 +8,8 @@ mod command;
 use std::path::{Path, PathBuf};
 
 use gpu_ckpt_cli::drain_plan::{
-    self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
+    self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, SkippedNode, StepKind,
+    Upgrade,
 };
 use serde_json::Value;
 
@@ -32,6 +33,26 @@ fn load(pods: &str, nodes: &str) -> (Vec<kube::PodEntry>, Vec<kube::NodeEntry>) 
 fn plan_for(pods: &str, nodes: &str, opts: Options) -> Plan {
     let (p, n) = load(pods, nodes);
     drain_plan::plan(&p, &n, &opts).unwrap()
+}
+
+/// The plan of draining one node.
+fn plan_node(pods: &str, nodes: &str, node: &str) -> Plan {
+    plan_for(
+        pods,
+        nodes,
+        Options {
+            nodes: vec![node.into()],
+            ..opts()
+        },
+    )
+}
+
+/// `(node, why)` of a list of nodes and reasons.
+fn whys(nodes: &[SkippedNode]) -> Vec<(&str, &str)> {
+    nodes
+        .iter()
+        .map(|s| (s.node.as_str(), s.why.as_str()))
+        .collect()
 }
 
 fn opts() -> Options {
@@ -80,20 +101,22 @@ fn drain_plan_cli(pods: &str, nodes: &str, node: &str, extra: &[&str]) -> (i32, 
     gpu_ckpt(&args)
 }
 
+/// The plan as JSON (`--output json` after `extra`), the command having exited `code`.
+fn json_plan(pods: &str, nodes: &str, node: &str, extra: &[&str], code: i32) -> Value {
+    let mut args = extra.to_vec();
+    args.extend(["--output", "json"]);
+    let (got, out, err) = drain_plan_cli(pods, nodes, node, &args);
+    assert_eq!(got, code, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
 fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
     command::run(args, &[])
 }
 
 #[test]
 fn a_mixed_node_gets_ordered_steps_and_every_pod_a_fate() {
-    let plan = plan_for(
-        "mixed-pods.json",
-        "mixed-nodes.json",
-        Options {
-            nodes: vec!["gpu-a".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("mixed-pods.json", "mixed-nodes.json", "gpu-a");
     assert!(plan.complete, "{:?}", plan.without_destination);
     assert_eq!(plan.groups.len(), 1);
     let n = &plan.groups[0].nodes[0];
@@ -398,14 +421,7 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
 #[test]
 fn a_kernel_patch_with_nowhere_else_to_go_restores_on_the_node_after_uncordon() {
     // Same cluster, no upgrade: the node keeps its versions, so it takes its workloads back.
-    let plan = plan_for(
-        "nodest-pods.json",
-        "nodest-nodes.json",
-        Options {
-            nodes: vec!["a100-1".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("nodest-pods.json", "nodest-nodes.json", "a100-1");
     assert!(plan.complete);
     let n = &plan.groups[0].nodes[0];
     let p = pod(n, "llm-finetune-0");
@@ -441,11 +457,7 @@ fn a_driver_upgrade_across_three_node_groups() {
         },
     );
     // gpu-n1 already runs the target, cpu-1 is no gpu-ckpt node.
-    let skipped: Vec<(&str, &str)> = plan
-        .skipped_nodes
-        .iter()
-        .map(|s| (s.node.as_str(), s.why.as_str()))
-        .collect();
+    let skipped = whys(&plan.skipped_nodes);
     assert_eq!(
         skipped,
         [
@@ -730,14 +742,13 @@ fn malformed_input_gets_an_error_naming_the_field() {
 
 #[test]
 fn the_json_output_is_the_plan() {
-    let (code, out, err) = drain_plan_cli(
+    let v = json_plan(
         "mixed-pods.json",
         "mixed-nodes.json",
         "gpu-a",
-        &["--checkpoint-timeout", "1200", "--output", "json"],
+        &["--checkpoint-timeout", "1200"],
+        0,
     );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["complete"], true);
     let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
     assert_eq!(steps[0]["kind"], "cordon");
@@ -766,20 +777,19 @@ fn the_json_output_is_the_plan() {
 fn a_renamed_restore_runtime_class_is_the_restore_pods() {
     // The chart renamed the restore class (runtimeClasses.restore.name): the restore pods get
     // that name, and pods already on it are gpu-ckpt pods.
-    let (code, out, err) = drain_plan_cli(
+    let v = json_plan(
         "mixed-pods.json",
         "mixed-nodes.json",
         "gpu-a",
-        &["--restore-runtime-class", "ml-restore", "--output", "json"],
+        &["--restore-runtime-class", "ml-restore"],
+        0,
     );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
     let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
     let creates: Vec<&Value> = steps
         .iter()
         .filter(|s| s["kind"] == "create-restore-pod")
         .collect();
-    assert!(!creates.is_empty(), "no restore pod in {out}");
+    assert!(!creates.is_empty(), "no restore pod in {v}");
     for s in creates {
         assert_eq!(
             s["manifest"]["spec"]["runtimeClassName"], "ml-restore",
@@ -813,21 +823,10 @@ fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_h
     // Draining the node whose labels are unknown: its GPU workload's checkpoint would carry
     // unknown versions, so it has no destination (gpu-z, whose labels are as empty as gpu-x's,
     // is not offered); a workload without GPUs moves, but not to an unknown node.
-    let plan = plan_for(
-        "unknown-pods.json",
-        "unknown-nodes.json",
-        Options {
-            nodes: vec!["gpu-x".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("unknown-pods.json", "unknown-nodes.json", "gpu-x");
     assert!(!plan.complete);
     assert_eq!(plan.without_destination, ["ml/llm-0 on gpu-x"]);
-    let unknown: Vec<(&str, &str)> = plan
-        .unknown_nodes
-        .iter()
-        .map(|s| (s.node.as_str(), s.why.as_str()))
-        .collect();
+    let unknown = whys(&plan.unknown_nodes);
     assert_eq!(
         unknown,
         [("gpu-x", UNKNOWN_GPU_X), ("gpu-z", UNKNOWN_GPU_X)]
@@ -868,14 +867,7 @@ fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_h
 
     // Draining a node with known labels: the unknown nodes are rejected with the reason, the
     // workload waits for its own node.
-    let plan = plan_for(
-        "unknown-pods.json",
-        "unknown-nodes.json",
-        Options {
-            nodes: vec!["gpu-y".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("unknown-pods.json", "unknown-nodes.json", "gpu-y");
     let n = &plan.groups[0].nodes[0];
     assert_eq!(n.gpu_labels_unknown, None);
     let Disposition::RestoreAfterMaintenance { rejected } = &pod(n, "embed-0").disposition else {
@@ -931,14 +923,7 @@ fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_h
         "{out}"
     );
     // JSON: the same, and the same exit code.
-    let (code, out, err) = drain_plan_cli(
-        "unknown-pods.json",
-        "unknown-nodes.json",
-        "gpu-x",
-        &["--output", "json"],
-    );
-    assert_eq!(code, 1, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
+    let v = json_plan("unknown-pods.json", "unknown-nodes.json", "gpu-x", &[], 1);
     assert_eq!(v["complete"], false);
     assert_eq!(
         v["without_destination"],
@@ -962,14 +947,7 @@ fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_h
         .unwrap()
         .starts_with(UNKNOWN_GPU_X));
     // A node with known labels carries no such field.
-    let (code, out, err) = drain_plan_cli(
-        "unknown-pods.json",
-        "unknown-nodes.json",
-        "gpu-y",
-        &["--output", "json"],
-    );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
+    let v = json_plan("unknown-pods.json", "unknown-nodes.json", "gpu-y", &[], 0);
     assert!(v["groups"][0]["nodes"][0]
         .get("gpu_labels_unknown")
         .is_none());
@@ -979,14 +957,7 @@ fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_h
 fn a_read_write_once_claim_is_moved_by_deleting_the_original_before_the_restore() {
     // `kubectl get pods,pvc -A -o json`: db-0 mounts a ReadWriteOnce claim, trainer-1 a
     // ReadWriteMany and a ReadOnlyMany one (read-only), legacy-0 one the list does not hold.
-    let plan = plan_for(
-        "rwo-pods.json",
-        "mixed-nodes.json",
-        Options {
-            nodes: vec!["gpu-a".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("rwo-pods.json", "mixed-nodes.json", "gpu-a");
     assert!(plan.complete, "{:?}", plan.without_destination);
     let n = &plan.groups[0].nodes[0];
     let names: Vec<&str> = n.pods.iter().map(|p| p.name.as_str()).collect();
@@ -1102,14 +1073,7 @@ fn a_read_write_once_claim_is_moved_by_deleting_the_original_before_the_restore(
     assert!(out.contains("    ml/db-0 [gpu-ckpt, 1 GPU(s), StatefulSet/db]\n      checkpoint, delete the original, restore as db-0-restore on gpu-b (nodes that can take it: gpu-b, gpu-d)\n      downtime: from the deletion of ml/db-0 until ml/db-0-restore is Ready on gpu-b: "), "{out}");
     assert!(out.contains("    ml/trainer-1 [gpu-ckpt, 2 GPU(s)]\n      checkpoint, restore as trainer-1-restore on gpu-b"), "{out}");
     assert!(out.contains("    4. delete ml/db-0 so that claim(s) \"data-db-0\" detach from gpu-a: its checkpoint is taken; the workload is down from here until ml/db-0-restore is Ready\n       $ kubectl delete pod -n ml db-0 --wait=true --timeout=900s\n    5. on gpu-a, as root: gpu-ckpt build"), "{out}");
-    let (code, out, err) = drain_plan_cli(
-        "rwo-pods.json",
-        "mixed-nodes.json",
-        "gpu-a",
-        &["--output", "json"],
-    );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
+    let v = json_plan("rwo-pods.json", "mixed-nodes.json", "gpu-a", &[], 0);
     let node = &v["groups"][0]["nodes"][0];
     let steps: Vec<(String, String)> = node["steps"]
         .as_array()

@@ -726,7 +726,20 @@ pub fn plan(
         }
     }
     let notes = upgrade_notes(&groups);
-    let unknown_nodes = nodes
+    Ok(Plan {
+        upgrade,
+        groups,
+        skipped_nodes: skipped,
+        complete: without.is_empty(),
+        without_destination: without,
+        unknown_nodes: unknown_nodes(nodes),
+        notes,
+    })
+}
+
+/// Every node whose GPU labels are unknown, and why ([`gpu_labels_unknown`]).
+fn unknown_nodes(nodes: &[NodeEntry]) -> Vec<SkippedNode> {
+    nodes
         .iter()
         .filter_map(|n| {
             gpu_labels_unknown(n).map(|why| SkippedNode {
@@ -734,16 +747,7 @@ pub fn plan(
                 why,
             })
         })
-        .collect();
-    Ok(Plan {
-        upgrade,
-        groups,
-        skipped_nodes: skipped,
-        complete: without.is_empty(),
-        without_destination: without,
-        unknown_nodes,
-        notes,
-    })
+        .collect()
 }
 
 /// What the upgrade means for where checkpoints restore: a note per driver branch change, and
@@ -1082,7 +1086,71 @@ impl<'a> Planner<'a> {
             )),
             _ => None,
         };
-        // Where can it go?
+        let (candidates, mut rejected) = Self::destinations(sim, p, node, members, before);
+        let restore_name = restore_pod_name(&sp.name);
+        let images: BTreeMap<String, String> = p
+            .pod
+            .spec
+            .containers
+            .iter()
+            .map(|c| {
+                (
+                    c.name.clone(),
+                    image_ref(&self.opts.registry, p.namespace(), &sp.name, &c.name, node),
+                )
+            })
+            .collect();
+        if let Some(dest) = self.choose(sim, &candidates) {
+            plan.disposition = Disposition::Migrate {
+                destination: dest.clone(),
+                candidates,
+            };
+            if let Some(names) = single_node_move(&mut plan, p, node, &dest, &restore_name) {
+                // Not the drain's eviction but the deletion makes the controller start
+                // another pod, and that one may take the volumes first.
+                owner_note = owner.as_ref().filter(|_| !sp.moved).map(|o| {
+                    format!("owned by {o}: deleting the original makes {o} start a replacement, which may attach claim(s) {names} before the restore pod does, and the restore pod has no owner: scale {o} down by one before the deletion")
+                });
+            }
+            plan.images = images;
+            plan.restore_pod = Some(restore_name);
+            plan.notes.extend(owner_note);
+            return (plan, Some(dest));
+        }
+        // This node itself, after its maintenance?
+        let here = match sim.nodes.get(node) {
+            Some(SimNode {
+                unknown: Some(u), ..
+            }) => vec![u.clone()],
+            n => Self::reasons(p, before, after_v, Some(n.map(|n| n.gpus).unwrap_or(0))),
+        };
+        if here.is_empty() {
+            plan.disposition = Disposition::RestoreAfterMaintenance { rejected };
+            plan.images = images;
+            plan.restore_pod = Some(restore_name);
+            plan.notes.extend(owner_note);
+            return (plan, None);
+        }
+        rejected.push(Rejection {
+            node: format!("{node} (after the maintenance)"),
+            reasons: here,
+        });
+        plan.disposition = Disposition::NoDestination {
+            rejected,
+            then: format!("not checkpointed: no node can restore it. {}", then_fresh()),
+        };
+        (plan, None)
+    }
+
+    /// Where a workload of `node` (checkpointed under `before`) can go among the other nodes,
+    /// and why not for each that cannot.
+    fn destinations(
+        sim: &Sim,
+        p: &PodEntry,
+        node: &str,
+        members: &[String],
+        before: &Versions,
+    ) -> (Vec<String>, Vec<Rejection>) {
         let mut candidates = Vec::new();
         let mut rejected = Vec::new();
         for (name, n) in &sim.nodes {
@@ -1114,75 +1182,7 @@ impl<'a> Planner<'a> {
                 });
             }
         }
-        let restore_name = restore_pod_name(&sp.name);
-        let images: BTreeMap<String, String> = p
-            .pod
-            .spec
-            .containers
-            .iter()
-            .map(|c| {
-                (
-                    c.name.clone(),
-                    image_ref(&self.opts.registry, p.namespace(), &sp.name, &c.name, node),
-                )
-            })
-            .collect();
-        if let Some(dest) = self.choose(sim, &candidates) {
-            plan.disposition = Disposition::Migrate {
-                destination: dest.clone(),
-                candidates,
-            };
-            let single: Vec<&ClaimUse> = p
-                .claims
-                .iter()
-                .filter(|c| c.attach() != Attach::Shared)
-                .collect();
-            if !single.is_empty() {
-                let names = quoted(single.iter().map(|c| c.claim.as_str()));
-                plan.downtime = Some(format!(
-                    "from the deletion of {}/{} until {}/{restore_name} is Ready on {dest}: claim(s) {names} attach to one node at a time, so the original is deleted after its checkpoint and its volumes detach from {node}; then the images are built and pushed, and the restore pod attaches the volumes on {dest} and restores",
-                    p.namespace(),
-                    sp.name,
-                    p.namespace()
-                ));
-                // Not the drain's eviction but the deletion makes the controller start
-                // another pod, and that one may take the volumes first.
-                owner_note = match (&owner, sp.moved) {
-                    (Some(o), false) => Some(format!(
-                        "owned by {o}: deleting the original makes {o} start a replacement, which may attach claim(s) {names} before the restore pod does, and the restore pod has no owner: scale {o} down by one before the deletion"
-                    )),
-                    _ => None,
-                };
-                plan.single_node_claims = single.iter().map(|c| c.claim.clone()).collect();
-            }
-            plan.images = images;
-            plan.restore_pod = Some(restore_name);
-            plan.notes.extend(owner_note);
-            return (plan, Some(dest));
-        }
-        // This node itself, after its maintenance?
-        let here = match sim.nodes.get(node) {
-            Some(SimNode {
-                unknown: Some(u), ..
-            }) => vec![u.clone()],
-            n => Self::reasons(p, before, after_v, Some(n.map(|n| n.gpus).unwrap_or(0))),
-        };
-        if here.is_empty() {
-            plan.disposition = Disposition::RestoreAfterMaintenance { rejected };
-            plan.images = images;
-            plan.restore_pod = Some(restore_name);
-            plan.notes.extend(owner_note);
-            return (plan, None);
-        }
-        rejected.push(Rejection {
-            node: format!("{node} (after the maintenance)"),
-            reasons: here,
-        });
-        plan.disposition = Disposition::NoDestination {
-            rejected,
-            then: format!("not checkpointed: no node can restore it. {}", then_fresh()),
-        };
-        (plan, None)
+        (candidates, rejected)
     }
 
     /// Among the candidates: nodes this plan does not maintain or has maintained already (the
@@ -1277,7 +1277,6 @@ impl<'a> Planner<'a> {
         } else {
             np.kubelet.clone()
         };
-        let t = self.opts.checkpoint_timeout_s;
         let mut later = Vec::new();
         for pp in &np.pods {
             let dest = match &pp.disposition {
@@ -1286,49 +1285,7 @@ impl<'a> Planner<'a> {
                 _ => continue,
             };
             let id = format!("{}/{}", pp.namespace, pp.name);
-            let mut checkpoints = Vec::new();
-            let mut builds = Vec::new();
-            for c in &pp.containers {
-                let path = format!("/checkpoint/{}/{}/{c}", pp.namespace, pp.name);
-                checkpoints.push(Step {
-                    number: 0,
-                    kind: StepKind::Checkpoint,
-                    text: format!(
-                        "checkpoint container {c} of {id}: POST https://{host}:{}{path}?timeout={t} (the pod keeps running)",
-                        self.opts.kubelet_port
-                    ),
-                    pod: Some(id.clone()),
-                    container: Some(c.clone()),
-                    kubelet: Some(KubeletCall {
-                        method: "POST".into(),
-                        url: format!("https://{host}:{}{path}?timeout={t}", self.opts.kubelet_port),
-                        timeout_s: t,
-                        answers: "{\"items\":[\"/var/lib/kubelet/checkpoints/checkpoint-<pod>_<namespace>-<container>-<time>.tar\"]}".into(),
-                    }),
-                    command: None,
-                    manifest: None,
-                });
-                let image = pp.images.get(c).cloned().unwrap_or_default();
-                builds.push(Step {
-                    number: 0,
-                    kind: StepKind::BuildPush,
-                    text: format!(
-                        "on {node}, as root: gpu-ckpt build <the archive the kubelet answered> --ref {image} --push"
-                    ),
-                    pod: Some(id.clone()),
-                    container: Some(c.clone()),
-                    kubelet: None,
-                    command: Some(vec![
-                        "gpu-ckpt".into(),
-                        "build".into(),
-                        "ARCHIVE".into(),
-                        "--ref".into(),
-                        image,
-                        "--push".into(),
-                    ]),
-                    manifest: None,
-                });
-            }
+            let (mut checkpoints, mut builds) = self.checkpoint_steps(pp, node, &host, &id);
             if pp.deleted_before_restore() {
                 // The volumes attach to one node at a time: every container's checkpoint, then
                 // the original goes (nothing written to the volume after the checkpoint is
@@ -1493,6 +1450,62 @@ impl<'a> Planner<'a> {
         all
     }
 
+    /// Per container of `pp` on `node` (kubelet at `host`): the kubelet's checkpoint call, and
+    /// the build and push of its image.
+    fn checkpoint_steps(
+        &self,
+        pp: &PodPlan,
+        node: &str,
+        host: &str,
+        id: &str,
+    ) -> (Vec<Step>, Vec<Step>) {
+        let t = self.opts.checkpoint_timeout_s;
+        let mut checkpoints = Vec::new();
+        let mut builds = Vec::new();
+        for c in &pp.containers {
+            let path = format!("/checkpoint/{}/{}/{c}", pp.namespace, pp.name);
+            checkpoints.push(Step {
+                number: 0,
+                kind: StepKind::Checkpoint,
+                text: format!(
+                    "checkpoint container {c} of {id}: POST https://{host}:{}{path}?timeout={t} (the pod keeps running)",
+                    self.opts.kubelet_port
+                ),
+                pod: Some(id.to_string()),
+                container: Some(c.clone()),
+                kubelet: Some(KubeletCall {
+                    method: "POST".into(),
+                    url: format!("https://{host}:{}{path}?timeout={t}", self.opts.kubelet_port),
+                    timeout_s: t,
+                    answers: "{\"items\":[\"/var/lib/kubelet/checkpoints/checkpoint-<pod>_<namespace>-<container>-<time>.tar\"]}".into(),
+                }),
+                command: None,
+                manifest: None,
+            });
+            let image = pp.images.get(c).cloned().unwrap_or_default();
+            builds.push(Step {
+                number: 0,
+                kind: StepKind::BuildPush,
+                text: format!(
+                    "on {node}, as root: gpu-ckpt build <the archive the kubelet answered> --ref {image} --push"
+                ),
+                pod: Some(id.to_string()),
+                container: Some(c.clone()),
+                kubelet: None,
+                command: Some(vec![
+                    "gpu-ckpt".into(),
+                    "build".into(),
+                    "ARCHIVE".into(),
+                    "--ref".into(),
+                    image,
+                    "--push".into(),
+                ]),
+                manifest: None,
+            });
+        }
+        (checkpoints, builds)
+    }
+
     /// Deleting the original of a move whose claims attach to one node at a time: `kubectl
     /// delete` returns once the kubelet has unmounted its volumes, and the attach-detach
     /// controller then detaches them for the restore pod's node.
@@ -1598,6 +1611,34 @@ impl<'a> Planner<'a> {
             "spec": spec,
         }))
     }
+}
+
+/// A move of `p` from `node` to `dest` whose claims attach to one node at a time: the claims
+/// and the downtime go into the plan. Returns the claims' names, quoted; None when every claim
+/// is shared.
+fn single_node_move(
+    plan: &mut PodPlan,
+    p: &PodEntry,
+    node: &str,
+    dest: &str,
+    restore: &str,
+) -> Option<String> {
+    let single: Vec<&ClaimUse> = p
+        .claims
+        .iter()
+        .filter(|c| c.attach() != Attach::Shared)
+        .collect();
+    if single.is_empty() {
+        return None;
+    }
+    let names = quoted(single.iter().map(|c| c.claim.as_str()));
+    let ns = p.namespace();
+    plan.downtime = Some(format!(
+        "from the deletion of {ns}/{} until {ns}/{restore} is Ready on {dest}: claim(s) {names} attach to one node at a time, so the original is deleted after its checkpoint and its volumes detach from {node}; then the images are built and pushed, and the restore pod attaches the volumes on {dest} and restores",
+        plan.name
+    ));
+    plan.single_node_claims = single.iter().map(|c| c.claim.clone()).collect();
+    Some(names)
 }
 
 /// What a pod's PersistentVolumeClaim means for its move.
