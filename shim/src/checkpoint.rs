@@ -423,7 +423,7 @@ mod tests {
             .unwrap()
         };
         let hostname = cri.join("sandboxes/s1/hostname");
-        // Without containerd's own status file the directory is not taken for its.
+        // Without containerd's own status file the directory is not taken for containerd's.
         assert_eq!(
             cri_container_dir(&spec("/etc/hostname", &hostname), "s1", "c1"),
             None
