@@ -1,13 +1,15 @@
 //! `gpu-ckpt drain-plan` on recorded `kubectl get pods -o json` / `kubectl get nodes -o json`
 //! lists (tests/fixtures/drain-plan/): a mixed node, a node whose workloads have nowhere to go, a
-//! driver upgrade across three node pools, and malformed input.
+//! driver upgrade across three node pools, malformed input, nodes whose GPU labels are unknown,
+//! and pods with ReadWriteOnce / ReadWriteMany claims (`kubectl get pods,pvc -A -o json`).
 
 mod command;
 
 use std::path::{Path, PathBuf};
 
 use gpu_ckpt_cli::drain_plan::{
-    self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, StepKind, Upgrade,
+    self, kube, Disposition, NodePlan, Options, Plan, PodClass, PodPlan, SkippedNode, StepKind,
+    Upgrade,
 };
 use serde_json::Value;
 
@@ -31,6 +33,26 @@ fn load(pods: &str, nodes: &str) -> (Vec<kube::PodEntry>, Vec<kube::NodeEntry>) 
 fn plan_for(pods: &str, nodes: &str, opts: Options) -> Plan {
     let (p, n) = load(pods, nodes);
     drain_plan::plan(&p, &n, &opts).unwrap()
+}
+
+/// The plan of draining one node.
+fn plan_node(pods: &str, nodes: &str, node: &str) -> Plan {
+    plan_for(
+        pods,
+        nodes,
+        Options {
+            nodes: vec![node.into()],
+            ..opts()
+        },
+    )
+}
+
+/// `(node, why)` of a list of nodes and reasons.
+fn whys(nodes: &[SkippedNode]) -> Vec<(&str, &str)> {
+    nodes
+        .iter()
+        .map(|s| (s.node.as_str(), s.why.as_str()))
+        .collect()
 }
 
 fn opts() -> Options {
@@ -79,20 +101,22 @@ fn drain_plan_cli(pods: &str, nodes: &str, node: &str, extra: &[&str]) -> (i32, 
     gpu_ckpt(&args)
 }
 
+/// The plan as JSON (`--output json` after `extra`), the command having exited `code`.
+fn json_plan(pods: &str, nodes: &str, node: &str, extra: &[&str], code: i32) -> Value {
+    let mut args = extra.to_vec();
+    args.extend(["--output", "json"]);
+    let (got, out, err) = drain_plan_cli(pods, nodes, node, &args);
+    assert_eq!(got, code, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
 fn gpu_ckpt(args: &[&str]) -> (i32, String, String) {
     command::run(args, &[])
 }
 
 #[test]
 fn a_mixed_node_gets_ordered_steps_and_every_pod_a_fate() {
-    let plan = plan_for(
-        "mixed-pods.json",
-        "mixed-nodes.json",
-        Options {
-            nodes: vec!["gpu-a".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("mixed-pods.json", "mixed-nodes.json", "gpu-a");
     assert!(plan.complete, "{:?}", plan.without_destination);
     assert_eq!(plan.groups.len(), 1);
     let n = &plan.groups[0].nodes[0];
@@ -397,14 +421,7 @@ fn workloads_without_a_compatible_destination_are_named_with_the_field_that_diff
 #[test]
 fn a_kernel_patch_with_nowhere_else_to_go_restores_on_the_node_after_uncordon() {
     // Same cluster, no upgrade: the node keeps its versions, so it takes its workloads back.
-    let plan = plan_for(
-        "nodest-pods.json",
-        "nodest-nodes.json",
-        Options {
-            nodes: vec!["a100-1".into()],
-            ..opts()
-        },
-    );
+    let plan = plan_node("nodest-pods.json", "nodest-nodes.json", "a100-1");
     assert!(plan.complete);
     let n = &plan.groups[0].nodes[0];
     let p = pod(n, "llm-finetune-0");
@@ -440,11 +457,7 @@ fn a_driver_upgrade_across_three_node_groups() {
         },
     );
     // gpu-n1 already runs the target, cpu-1 is no gpu-ckpt node.
-    let skipped: Vec<(&str, &str)> = plan
-        .skipped_nodes
-        .iter()
-        .map(|s| (s.node.as_str(), s.why.as_str()))
-        .collect();
+    let skipped = whys(&plan.skipped_nodes);
     assert_eq!(
         skipped,
         [
@@ -729,14 +742,13 @@ fn malformed_input_gets_an_error_naming_the_field() {
 
 #[test]
 fn the_json_output_is_the_plan() {
-    let (code, out, err) = drain_plan_cli(
+    let v = json_plan(
         "mixed-pods.json",
         "mixed-nodes.json",
         "gpu-a",
-        &["--checkpoint-timeout", "1200", "--output", "json"],
+        &["--checkpoint-timeout", "1200"],
+        0,
     );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["complete"], true);
     let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
     assert_eq!(steps[0]["kind"], "cordon");
@@ -765,20 +777,19 @@ fn the_json_output_is_the_plan() {
 fn a_renamed_restore_runtime_class_is_the_restore_pods() {
     // The chart renamed the restore class (runtimeClasses.restore.name): the restore pods get
     // that name, and pods already on it are gpu-ckpt pods.
-    let (code, out, err) = drain_plan_cli(
+    let v = json_plan(
         "mixed-pods.json",
         "mixed-nodes.json",
         "gpu-a",
-        &["--restore-runtime-class", "ml-restore", "--output", "json"],
+        &["--restore-runtime-class", "ml-restore"],
+        0,
     );
-    assert_eq!(code, 0, "{err}");
-    let v: Value = serde_json::from_str(&out).unwrap();
     let steps = v["groups"][0]["nodes"][0]["steps"].as_array().unwrap();
     let creates: Vec<&Value> = steps
         .iter()
         .filter(|s| s["kind"] == "create-restore-pod")
         .collect();
-    assert!(!creates.is_empty(), "no restore pod in {out}");
+    assert!(!creates.is_empty(), "no restore pod in {v}");
     for s in creates {
         assert_eq!(
             s["manifest"]["spec"]["runtimeClassName"], "ml-restore",
@@ -801,4 +812,312 @@ fn a_renamed_restore_runtime_class_is_the_restore_pods() {
     );
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("--restore-runtime-class is empty"), "{err}");
+}
+
+/// The labels the node installer sets from NVML, as `unknown-nodes.json` misses them: gpu-x has
+/// only the runtime label (the installer could not read its GPUs), gpu-z has them empty.
+const UNKNOWN_GPU_X: &str = "GPU labels unknown: node-restriction.kubernetes.io/gpu-ckpt-gpu-model, node-restriction.kubernetes.io/gpu-ckpt-driver-version, node-restriction.kubernetes.io/gpu-ckpt-cuda-version missing or empty on a node with GPUs (8 nvidia.com/gpu); the node installer could not read its GPUs";
+
+#[test]
+fn a_gpu_node_with_unknown_labels_is_never_a_destination_and_its_gpu_workloads_have_none() {
+    // Draining the node whose labels are unknown: its GPU workload's checkpoint would carry
+    // unknown versions, so it has no destination (gpu-z, whose labels are as empty as gpu-x's,
+    // is not offered); a workload without GPUs moves, but not to an unknown node.
+    let plan = plan_node("unknown-pods.json", "unknown-nodes.json", "gpu-x");
+    assert!(!plan.complete);
+    assert_eq!(plan.without_destination, ["ml/llm-0 on gpu-x"]);
+    let unknown = whys(&plan.unknown_nodes);
+    assert_eq!(
+        unknown,
+        [("gpu-x", UNKNOWN_GPU_X), ("gpu-z", UNKNOWN_GPU_X)]
+    );
+    let n = &plan.groups[0].nodes[0];
+    assert_eq!(n.gpu_labels_unknown.as_deref(), Some(UNKNOWN_GPU_X));
+    let llm = pod(n, "llm-0");
+    let Disposition::NoDestination { rejected, then } = &llm.disposition else {
+        panic!("llm-0: {:?}", llm.disposition)
+    };
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert_eq!(rejected[0].node, "gpu-x (the pod's node)");
+    assert_eq!(
+        rejected[0].reasons,
+        [format!("{UNKNOWN_GPU_X}: the GPU model, driver and CUDA versions its checkpoint would carry are unknown, so no node can be judged able to restore it")]
+    );
+    assert!(
+        then.starts_with("not checkpointed: its GPU versions are unknown. evicted by the drain"),
+        "{then}"
+    );
+    assert!(llm.images.is_empty() && llm.restore_pod.is_none());
+    assert_eq!(
+        pod(n, "tokenizer").disposition,
+        Disposition::Migrate {
+            destination: "cpu-1".into(),
+            candidates: vec!["cpu-1".into(), "gpu-w".into(), "gpu-y".into()],
+        }
+    );
+    // Only the workload that moves is checkpointed.
+    assert_eq!(
+        kinds(n)
+            .iter()
+            .filter(|(k, _, _)| *k == StepKind::Checkpoint)
+            .map(|(_, p, _)| p.clone())
+            .collect::<Vec<_>>(),
+        [Some("ml/tokenizer".to_string())]
+    );
+
+    // Draining a node with known labels: the unknown nodes are rejected with the reason, the
+    // workload waits for its own node.
+    let plan = plan_node("unknown-pods.json", "unknown-nodes.json", "gpu-y");
+    let n = &plan.groups[0].nodes[0];
+    assert_eq!(n.gpu_labels_unknown, None);
+    let Disposition::RestoreAfterMaintenance { rejected } = &pod(n, "embed-0").disposition else {
+        panic!("embed-0: {:?}", pod(n, "embed-0").disposition)
+    };
+    let why: Vec<(&str, Vec<&str>)> = rejected
+        .iter()
+        .map(|r| {
+            (
+                r.node.as_str(),
+                r.reasons.iter().map(String::as_str).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        why,
+        [
+            ("cpu-1", vec!["no GPUs (nvidia.com/gpu)"]),
+            (
+                "gpu-w",
+                vec!["free GPUs: the workload needs 1, the node has 0 free"]
+            ),
+            ("gpu-x", vec![UNKNOWN_GPU_X]),
+            ("gpu-z", vec![UNKNOWN_GPU_X]),
+        ]
+    );
+
+    // The command: the text names the unknown nodes and the reason, and exits 1 as for any
+    // workload without a destination.
+    let (code, out, err) = drain_plan_cli("unknown-pods.json", "unknown-nodes.json", "gpu-x", &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(out.contains(&format!(
+        "Nodes whose GPU labels are unknown (never a destination):\n  gpu-x: {UNKNOWN_GPU_X}\n  gpu-z: {UNKNOWN_GPU_X}\n"
+    )), "{out}");
+    assert!(
+        out.contains(&format!(
+            "\nNode gpu-x (kubelet 10.128.0.31): {UNKNOWN_GPU_X}\n"
+        )),
+        "{out}"
+    );
+    assert!(!out.contains("no GPUs, driver , CUDA "), "{out}");
+    assert!(out.contains("    ml/llm-0 [gpu-ckpt, 2 GPU(s), StatefulSet/llm]\n      NO COMPATIBLE DESTINATION: not checkpointed: its GPU versions are unknown."), "{out}");
+    assert!(
+        out.contains(&format!(
+            "\n        gpu-x (the pod's node): {UNKNOWN_GPU_X}: the GPU model"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "1 gpu-ckpt workload(s) have no compatible destination:\n  ml/llm-0 on gpu-x\n"
+        ),
+        "{out}"
+    );
+    // JSON: the same, and the same exit code.
+    let v = json_plan("unknown-pods.json", "unknown-nodes.json", "gpu-x", &[], 1);
+    assert_eq!(v["complete"], false);
+    assert_eq!(
+        v["without_destination"],
+        serde_json::json!(["ml/llm-0 on gpu-x"])
+    );
+    assert_eq!(v["unknown_nodes"][0]["node"], "gpu-x");
+    assert_eq!(v["unknown_nodes"][0]["why"], UNKNOWN_GPU_X);
+    assert_eq!(v["unknown_nodes"][1]["node"], "gpu-z");
+    let node = &v["groups"][0]["nodes"][0];
+    assert_eq!(node["gpu_labels_unknown"], UNKNOWN_GPU_X);
+    let llm = node["pods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "llm-0")
+        .unwrap();
+    assert_eq!(llm["action"], "no-destination");
+    assert_eq!(llm["rejected"][0]["node"], "gpu-x (the pod's node)");
+    assert!(llm["rejected"][0]["reasons"][0]
+        .as_str()
+        .unwrap()
+        .starts_with(UNKNOWN_GPU_X));
+    // A node with known labels carries no such field.
+    let v = json_plan("unknown-pods.json", "unknown-nodes.json", "gpu-y", &[], 0);
+    assert!(v["groups"][0]["nodes"][0]
+        .get("gpu_labels_unknown")
+        .is_none());
+}
+
+#[test]
+fn a_read_write_once_claim_is_moved_by_deleting_the_original_before_the_restore() {
+    // `kubectl get pods,pvc -A -o json`: db-0 mounts a ReadWriteOnce claim, trainer-1 a
+    // ReadWriteMany and a ReadOnlyMany one (read-only), legacy-0 one the list does not hold.
+    let plan = plan_node("rwo-pods.json", "mixed-nodes.json", "gpu-a");
+    assert!(plan.complete, "{:?}", plan.without_destination);
+    let n = &plan.groups[0].nodes[0];
+    let names: Vec<&str> = n.pods.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["db-0", "trainer-1", "legacy-0"]);
+    let db = pod(n, "db-0");
+    assert!(
+        matches!(&db.disposition, Disposition::Migrate { destination, .. } if destination == "gpu-b")
+    );
+    assert_eq!(db.single_node_claims, ["data-db-0"]);
+    assert_eq!(
+        db.downtime.as_deref(),
+        Some("from the deletion of ml/db-0 until ml/db-0-restore is Ready on gpu-b: claim(s) \"data-db-0\" attach to one node at a time, so the original is deleted after its checkpoint and its volumes detach from gpu-a; then the images are built and pushed, and the restore pod attaches the volumes on gpu-b and restores")
+    );
+    assert_eq!(
+        db.notes,
+        [
+            "volume \"data\" is PersistentVolumeClaim \"data-db-0\" (ReadWriteOnce): it attaches to one node at a time, so a move to another node deletes the original after its checkpoint, before the restore pod is created",
+            "owned by StatefulSet/db: deleting the original makes StatefulSet/db start a replacement, which may attach claim(s) \"data-db-0\" before the restore pod does, and the restore pod has no owner: scale StatefulSet/db down by one before the deletion",
+        ]
+    );
+    let tr = pod(n, "trainer-1");
+    assert!(tr.single_node_claims.is_empty() && tr.downtime.is_none());
+    assert_eq!(
+        tr.notes,
+        [
+            "volume \"datasets\" is PersistentVolumeClaim \"datasets\" (ReadWriteMany): it must be attachable on the destination; the restore pod mounts it there while the original still runs, until the drain",
+            "volume \"models\" is PersistentVolumeClaim \"models\" (ReadOnlyMany): it must be attachable on the destination; the restore pod mounts it there while the original still runs, until the drain",
+        ]
+    );
+    let legacy = pod(n, "legacy-0");
+    assert_eq!(legacy.single_node_claims, ["legacy-state"]);
+    assert!(legacy.downtime.is_some());
+    assert_eq!(
+        legacy.notes,
+        ["volume \"state\" is PersistentVolumeClaim \"legacy-state\", which is not in the pod list: its access modes are unknown, so it is planned as ReadWriteOnce (give `kubectl get pods,pvc -A -o json` for its modes)"]
+    );
+
+    // The order: a single-node claim's pod is checkpointed (every container), deleted, and only
+    // then restored; the shared claims' pod keeps the order that restores before the drain.
+    let s = |k: StepKind, p: &str, c: Option<&str>| (k, Some(p.to_string()), c.map(String::from));
+    let none = |k: StepKind| (k, None, None);
+    assert_eq!(
+        kinds(n),
+        [
+            none(StepKind::Cordon),
+            s(StepKind::Checkpoint, "ml/db-0", Some("db")),
+            s(StepKind::Checkpoint, "ml/db-0", Some("backup")),
+            s(StepKind::DeleteOriginal, "ml/db-0", None),
+            s(StepKind::BuildPush, "ml/db-0", Some("db")),
+            s(StepKind::BuildPush, "ml/db-0", Some("backup")),
+            s(StepKind::CreateRestorePod, "ml/db-0", None),
+            s(StepKind::WaitReady, "ml/db-0", None),
+            s(StepKind::Checkpoint, "ml/trainer-1", Some("main")),
+            s(StepKind::BuildPush, "ml/trainer-1", Some("main")),
+            s(StepKind::CreateRestorePod, "ml/trainer-1", None),
+            s(StepKind::WaitReady, "ml/trainer-1", None),
+            s(StepKind::Checkpoint, "ml/legacy-0", Some("main")),
+            s(StepKind::DeleteOriginal, "ml/legacy-0", None),
+            s(StepKind::BuildPush, "ml/legacy-0", Some("main")),
+            s(StepKind::CreateRestorePod, "ml/legacy-0", None),
+            s(StepKind::WaitReady, "ml/legacy-0", None),
+            none(StepKind::Drain),
+            none(StepKind::Maintenance),
+            none(StepKind::Uncordon),
+        ]
+    );
+    let delete = &n.steps[3];
+    assert_eq!(
+        delete.text,
+        "delete ml/db-0 so that claim(s) \"data-db-0\" detach from gpu-a: its checkpoint is taken; the workload is down from here until ml/db-0-restore is Ready"
+    );
+    assert_eq!(
+        delete.command.as_deref().unwrap(),
+        [
+            "kubectl",
+            "delete",
+            "pod",
+            "-n",
+            "ml",
+            "db-0",
+            "--wait=true",
+            "--timeout=900s"
+        ]
+    );
+    // The restore pod mounts the claim.
+    let m = n.steps[6].manifest.as_ref().unwrap();
+    assert_eq!(
+        m["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"],
+        "data-db-0"
+    );
+    // The drain evicts only what is still there: trainer-1, which has no controller.
+    let drain = &n.steps[17];
+    assert!(
+        drain.text.starts_with("drain gpu-a: evicts its 1 pod(s)"),
+        "{}",
+        drain.text
+    );
+    assert_eq!(
+        drain.command.as_deref().unwrap(),
+        [
+            "kubectl",
+            "drain",
+            "gpu-a",
+            "--ignore-daemonsets",
+            "--force",
+            "--timeout=900s"
+        ]
+    );
+
+    // Text and JSON; a complete plan exits 0.
+    let (code, out, err) = drain_plan_cli("rwo-pods.json", "mixed-nodes.json", "gpu-a", &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("    ml/db-0 [gpu-ckpt, 1 GPU(s), StatefulSet/db]\n      checkpoint, delete the original, restore as db-0-restore on gpu-b (nodes that can take it: gpu-b, gpu-d)\n      downtime: from the deletion of ml/db-0 until ml/db-0-restore is Ready on gpu-b: "), "{out}");
+    assert!(out.contains("    ml/trainer-1 [gpu-ckpt, 2 GPU(s)]\n      checkpoint, restore as trainer-1-restore on gpu-b"), "{out}");
+    assert!(out.contains("    4. delete ml/db-0 so that claim(s) \"data-db-0\" detach from gpu-a: its checkpoint is taken; the workload is down from here until ml/db-0-restore is Ready\n       $ kubectl delete pod -n ml db-0 --wait=true --timeout=900s\n    5. on gpu-a, as root: gpu-ckpt build"), "{out}");
+    let v = json_plan("rwo-pods.json", "mixed-nodes.json", "gpu-a", &[], 0);
+    let node = &v["groups"][0]["nodes"][0];
+    let steps: Vec<(String, String)> = node["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["kind"].as_str().unwrap().to_string(),
+                s["pod"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let at = |kind: &str, pod: &str| {
+        steps
+            .iter()
+            .position(|(k, p)| k == kind && p == pod)
+            .unwrap_or_else(|| panic!("no {kind} of {pod} in {steps:?}"))
+    };
+    assert!(at("checkpoint", "ml/db-0") < at("delete-original", "ml/db-0"));
+    assert!(at("delete-original", "ml/db-0") < at("create-restore-pod", "ml/db-0"));
+    assert!(at("create-restore-pod", "ml/db-0") < at("wait-ready", "ml/db-0"));
+    assert!(at("wait-ready", "ml/trainer-1") < at("drain", ""));
+    assert!(!steps
+        .iter()
+        .any(|(k, p)| k == "delete-original" && p == "ml/trainer-1"));
+    let pods = node["pods"].as_array().unwrap();
+    let db = pods.iter().find(|p| p["name"] == "db-0").unwrap();
+    assert_eq!(db["action"], "migrate");
+    assert_eq!(db["single_node_claims"], serde_json::json!(["data-db-0"]));
+    assert!(db["downtime"]
+        .as_str()
+        .unwrap()
+        .starts_with("from the deletion of ml/db-0 until ml/db-0-restore is Ready on gpu-b"));
+    let tr = pods.iter().find(|p| p["name"] == "trainer-1").unwrap();
+    assert!(tr.get("single_node_claims").is_none() && tr.get("downtime").is_none());
+
+    // A list with another kind of object is refused, naming it.
+    let err = kube::parse_pods(
+        "pods.json",
+        br#"{"kind":"List","items":[{"kind":"Service","metadata":{"name":"s"}}]}"#,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "pods.json: items[0].kind: \"Service\": expected \"Pod\" or \"PersistentVolumeClaim\" (the output of `kubectl get pods,pvc -o json`)"
+    );
 }

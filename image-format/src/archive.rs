@@ -522,6 +522,7 @@ pub fn verify_stream<R: Read>(
     let mut ar = tar::Archive::new(r);
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
     let mut uncovered = BTreeMap::new();
+    let mut stats_copy = None;
     let mut manifest = None;
     let mut buf = vec![0u8; COPY_BUF];
     let mut bytes = 0u64;
@@ -550,6 +551,7 @@ pub fn verify_stream<R: Read>(
             Some(name) if !name.contains('/') => {
                 found.insert(name.to_string(), d);
             }
+            _ if e.path == names::STATS_DUMP => stats_copy = Some(d),
             _ => {
                 uncovered.insert(e.path.clone(), d);
             }
@@ -561,8 +563,9 @@ pub fn verify_stream<R: Read>(
         name: names::MANIFEST_PATH.into(),
     })?;
     compare_files(&manifest, &found)?;
+    let copies = check_stats_copy(&manifest, stats_copy, &mut uncovered)?;
     Ok(VerifyReport {
-        files_verified: found.len(),
+        files_verified: found.len() + copies,
         manifest,
         bytes,
         uncovered,
@@ -574,13 +577,40 @@ pub fn verify_stream<R: Read>(
 /// before the page images), else with both digests, since the entry may list either; a member
 /// the manifest does not cover with sha256, for the report.
 fn hasher_for(manifest: Option<&Manifest>, path: &str) -> FileHasher {
-    match path.strip_prefix("checkpoint/") {
-        Some(name) if !name.contains('/') => manifest
-            .and_then(|m| m.files.get(name))
-            .map_or_else(FileHasher::every, FileHasher::checking),
-        _ => FileHasher::sha256(),
+    let listed = match path.strip_prefix("checkpoint/") {
+        Some(name) if !name.contains('/') => name,
+        _ if path == names::STATS_DUMP => names::STATS_DUMP,
+        _ => return FileHasher::sha256(),
+    };
+    manifest
+        .and_then(|m| m.files.get(listed))
+        .map_or_else(FileHasher::every, FileHasher::checking)
+}
+
+/// The archive's top-level `stats-dump` (where containerd's CRI puts CRIU's statistics and
+/// checkpointctl reads them) is a copy of `checkpoint/stats-dump`: where the manifest lists
+/// that file, the copy is checked against its entry and counts as verified; otherwise it is
+/// reported as uncovered.
+fn check_stats_copy(
+    m: &Manifest,
+    copy: Option<FileDigest>,
+    uncovered: &mut BTreeMap<String, FileDigest>,
+) -> Result<usize> {
+    let Some(got) = copy else { return Ok(0) };
+    match m.files.get(names::STATS_DUMP) {
+        Some(want) => {
+            crate::manifest::check_digest(STATS_COPY, want, &got)?;
+            Ok(1)
+        }
+        None => {
+            uncovered.insert(names::STATS_DUMP.to_string(), got);
+            Ok(0)
+        }
     }
 }
+
+/// How errors name the top-level `stats-dump` (the manifest's names are those of `checkpoint/`).
+const STATS_COPY: &str = "stats-dump (the archive's top-level copy of checkpoint/stats-dump)";
 
 /// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.
 pub fn compare_files(m: &Manifest, found: &BTreeMap<String, FileDigest>) -> Result<()> {
@@ -829,6 +859,7 @@ fn extract_inner<R: Read>(
     let mut out = Vec::new();
     let mut symlinks = Vec::new();
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
+    let mut stats_copy = None;
     // Listed: the admitted manifest decides from the first member on.
     let mut manifest = match select {
         Select::Listed(l) => Some(l.manifest.clone()),
@@ -896,6 +927,8 @@ fn extract_inner<R: Read>(
                     if opts.verify && !name.contains('/') {
                         found.insert(name.to_string(), hasher.finish());
                     }
+                } else if opts.verify && e.path == names::STATS_DUMP {
+                    stats_copy = Some(hasher.finish());
                 }
             }
             EntryKind::Hardlink(t) => {
@@ -923,6 +956,7 @@ fn extract_inner<R: Read>(
             name: names::MANIFEST_PATH.into(),
         })?;
         compare_files(&m, &found)?;
+        check_stats_copy(&m, stats_copy, &mut BTreeMap::new())?;
     }
     progress(total, total);
     Ok(out)

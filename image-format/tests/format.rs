@@ -95,6 +95,71 @@ fn archive_round_trip() {
     assert_eq!((diff.size, diff.blake3.as_str()), (5000, ""));
 }
 
+/// CRIU's statistics at the archive's top level (where containerd's CRI puts them and
+/// checkpointctl's `inspect --stats` reads them) are checked against `checkpoint/stats-dump`'s
+/// manifest entry: the copy verifies, a changed copy is refused by verify and by a verifying
+/// extract.
+#[test]
+fn the_top_level_stats_dump_is_covered_by_the_manifest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let stats = b"\x6b\x5e\x30\x51 criu dump statistics".to_vec();
+    let ck = tmp.path().join("ckdir");
+    std::fs::create_dir_all(&ck).unwrap();
+    std::fs::write(ck.join("stats-dump"), &stats).unwrap();
+    let m = make_checkpoint_dir(&ck);
+    assert!(m.files.contains_key("stats-dump"));
+    let write = |copy: &[u8], name: &str| {
+        let mut members = BTreeMap::new();
+        members.insert(
+            "stats-dump".to_string(),
+            archive::Member::Bytes(copy.to_vec()),
+        );
+        let spec = archive::ArchiveSpec {
+            checkpoint_dir: Some(ck.clone()),
+            config_dump: Some(config_dump()),
+            spec_dump: Some(spec_dump_containerd()),
+            members,
+            mtime: 1_788_000_000,
+            ..Default::default()
+        };
+        let out = tmp.path().join(name);
+        archive::write_archive(&spec, &out).unwrap();
+        out
+    };
+    let good = write(&stats, "good.tar");
+    let r = archive::verify_archive(&good, Limits::default(), &mut no_progress).unwrap();
+    assert_eq!(r.files_verified, m.files.len() + 1);
+    assert!(!r.uncovered.contains_key("stats-dump"), "{:?}", r.uncovered);
+    assert!(r.uncovered.contains_key("spec.dump"));
+
+    let mut changed = stats.clone();
+    changed[5] ^= 1;
+    let bad = write(&changed, "bad.tar");
+    let err = archive::verify_archive(&bad, Limits::default(), &mut no_progress).unwrap_err();
+    assert!(
+        matches!(&err, Error::DigestMismatch { name, .. } if name == "stats-dump (the archive's top-level copy of checkpoint/stats-dump)"),
+        "{err}"
+    );
+    let err = archive::extract_archive(
+        &bad,
+        &tmp.path().join("x"),
+        ExtractOptions {
+            limits: Limits::default(),
+            verify: true,
+        },
+        &mut no_progress,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("top-level copy of checkpoint/stats-dump"),
+        "{err}"
+    );
+    let longer = write(&[&stats[..], b"!"].concat(), "longer.tar");
+    let err = archive::verify_archive(&longer, Limits::default(), &mut no_progress).unwrap_err();
+    assert!(matches!(err, Error::SizeMismatch { .. }), "{err}");
+}
+
 #[test]
 fn reads_a_crio_archive() {
     let spec = serde_json::json!({

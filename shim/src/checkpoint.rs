@@ -29,6 +29,9 @@ const CHECKPOINT_OPTIONS_TYPE: &str = "containerd.runc.v1.CheckpointOptions";
 pub const CRIU_CONFIG_ANNOTATION: &str = "org.criu.config";
 /// The shim's CRIU configuration file in the bundle, named by [`CRIU_CONFIG_ANNOTATION`].
 pub const CRIU_CONF_FILE: &str = "gpu-ckpt-criu.conf";
+/// The directory containerd's CRI archives, below the container's CRI directory
+/// ([`cri_container_dir`]).
+pub const CRI_CHECKPOINT_DIR: &str = "ctrd-checkpoint";
 /// Where a failed dump's or restore's CRIU log is kept, as containerd's runc shim does.
 pub const DUMP_LOG_COPY: &str = "criu-dump.log";
 pub const RESTORE_LOG_COPY: &str = "criu-restore.log";
@@ -354,9 +357,104 @@ pub fn log_summary(path: &Path, tail: usize) -> String {
     out.join("\n")
 }
 
+/// Where containerd's CRI keeps a container's own files: `<cri root>/containers/<id>`. Its
+/// CheckpointContainer archives [`CRI_CHECKPOINT_DIR`] below it (2.1.9, 2.2.5, 2.3.2 and later,
+/// which create it afresh just before the runtime's checkpoint), or copies `stats-dump` from the
+/// directory itself (2.1.0 to 2.1.8, which fail the checkpoint without it), to the archive's top
+/// level, where checkpointctl's `inspect --stats` reads it. containerd names that directory
+/// only to runc-typed runtimes, as the checkpoint's work path; for the shim's own type it is
+/// found from the spec: CRI mounts the sandbox's `hostname`, `resolv.conf` and `hosts` from
+/// `<cri root>/sandboxes/<sandbox id>/`. None outside CRI, or when the directory is not
+/// containerd's (no `status` file of its own in it).
+pub fn cri_container_dir(
+    spec: &oci_spec::runtime::Spec,
+    sandbox_id: &str,
+    id: &str,
+) -> Option<PathBuf> {
+    let plain = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if !plain(sandbox_id) || !plain(id) {
+        return None;
+    }
+    let mounts = spec.mounts().as_deref().unwrap_or_default();
+    let root = mounts.iter().find_map(|m| {
+        let file = match m.destination().to_str()? {
+            "/etc/hostname" => "hostname",
+            "/etc/resolv.conf" => "resolv.conf",
+            "/etc/hosts" => "hosts",
+            _ => return None,
+        };
+        let src = m.source().as_deref()?;
+        let sandbox = src.parent()?;
+        let sandboxes = sandbox.parent()?;
+        let cri_root = sandboxes.parent()?;
+        let from_cri = src.file_name()? == file
+            && sandbox.file_name()? == sandbox_id
+            && sandboxes.file_name()? == "sandboxes"
+            && src.is_absolute();
+        from_cri.then(|| cri_root.to_path_buf())
+    })?;
+    let dir = root.join("containers").join(id);
+    let is = |p: &Path, dir: bool| {
+        std::fs::symlink_metadata(p).is_ok_and(|m| if dir { m.is_dir() } else { m.is_file() })
+    };
+    (is(&dir, true) && is(&dir.join("status"), false)).then_some(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cri_container_directory_is_found_from_the_sandbox_mounts() {
+        let root = tempfile::tempdir().unwrap();
+        let cri = root.path().join("io.containerd.grpc.v1.cri");
+        let dir = cri.join("containers").join("c1");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::create_dir_all(cri.join("sandboxes").join("s1")).unwrap();
+        let spec = |dest: &str, src: &Path| -> oci_spec::runtime::Spec {
+            serde_json::from_value(serde_json::json!({
+                "ociVersion": "1.0.2",
+                "mounts": [{"destination": dest, "source": src, "type": "bind"}]
+            }))
+            .unwrap()
+        };
+        let hostname = cri.join("sandboxes/s1/hostname");
+        // Without containerd's own status file the directory is not taken for containerd's.
+        assert_eq!(
+            cri_container_dir(&spec("/etc/hostname", &hostname), "s1", "c1"),
+            None
+        );
+        std::fs::write(dir.join("status"), b"{}").unwrap();
+        assert_eq!(
+            cri_container_dir(&spec("/etc/hostname", &hostname), "s1", "c1"),
+            Some(dir.clone())
+        );
+        // Another sandbox's file, another file, a hostile id, another destination: no.
+        assert_eq!(
+            cri_container_dir(&spec("/etc/hostname", &hostname), "s2", "c1"),
+            None
+        );
+        assert_eq!(
+            cri_container_dir(
+                &spec("/etc/hostname", &cri.join("sandboxes/s1/hosts")),
+                "s1",
+                "c1"
+            ),
+            None
+        );
+        assert_eq!(
+            cri_container_dir(&spec("/etc/hostname", &hostname), "s1", "../c1"),
+            None
+        );
+        assert_eq!(
+            cri_container_dir(&spec("/etc/motd", &hostname), "s1", "c1"),
+            None
+        );
+    }
 
     fn ann(pairs: &[(&str, &str)]) -> Annotations {
         Annotations::from_spec(

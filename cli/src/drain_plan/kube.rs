@@ -4,6 +4,10 @@
 //! (`serde_path_to_error`), so a bad document gets one line naming the field
 //! (`pods.json: items[3].spec.containers: missing`). Fields not named here are ignored; the
 //! raw JSON of each pod is kept to write its restore pod from.
+//!
+//! The pod list may also hold the PersistentVolumeClaims its pods mount
+//! (`kubectl get pods,pvc -A -o json` prints one `List` of both): their access modes decide the
+//! order a pod with a claim is moved in.
 
 use std::collections::BTreeMap;
 
@@ -14,15 +18,10 @@ use super::DrainPlanError;
 
 /// The NVIDIA device plugin's extended resource.
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
+/// GPU feature discovery's (and the GPU operator's) label on nodes with NVIDIA GPUs.
+pub const GPU_PRESENT_LABEL: &str = "nvidia.com/gpu.present";
 /// MIG slices are advertised as `nvidia.com/mig-<profile>` (mixed strategy).
 pub const MIG_RESOURCE_PREFIX: &str = "nvidia.com/mig-";
-
-/// A v1 List (`kind: List`, as `kubectl get -o json` prints it, or `PodList` / `NodeList` from
-/// the API server).
-#[derive(Debug, Deserialize)]
-pub(crate) struct List<T> {
-    pub items: Vec<T>,
-}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -93,7 +92,83 @@ pub struct Volume {
     #[serde(default)]
     pub host_path: Option<Value>,
     #[serde(default)]
-    pub persistent_volume_claim: Option<Value>,
+    pub persistent_volume_claim: Option<ClaimSource>,
+}
+
+/// A pod volume's `persistentVolumeClaim`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimSource {
+    pub claim_name: String,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// The parts of a PersistentVolumeClaim a plan reads: its access modes.
+#[derive(Debug, Deserialize)]
+pub struct PersistentVolumeClaim {
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: ClaimModes,
+    #[serde(default)]
+    pub status: ClaimModes,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimModes {
+    #[serde(default)]
+    pub access_modes: Vec<String>,
+}
+
+/// How a claim's volume attaches, for the order of a move.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attach {
+    /// `ReadWriteMany`, or `ReadOnlyMany` mounted read-only: the restore pod mounts it on
+    /// another node while the original still runs.
+    Shared,
+    /// `ReadWriteOnce`, `ReadWriteOncePod` (or `ReadOnlyMany` mounted read-write): on one node
+    /// at a time; it detaches only when the original pod is gone.
+    SingleNode,
+    /// The claim is not in the pod list: its access modes are unknown.
+    Unknown,
+}
+
+/// A PersistentVolumeClaim a pod mounts, with what the pod list says of it.
+#[derive(Debug, Clone)]
+pub struct ClaimUse {
+    /// The pod's volume name.
+    pub volume: String,
+    pub claim: String,
+    pub read_only: bool,
+    /// The claim's access modes (its status's, the bound volume's, else its spec's); None when
+    /// the claim is not in the pod list.
+    pub access_modes: Option<Vec<String>>,
+}
+
+impl ClaimUse {
+    pub fn attach(&self) -> Attach {
+        let Some(modes) = &self.access_modes else {
+            return Attach::Unknown;
+        };
+        let has = |m: &str| modes.iter().any(|x| x == m);
+        let read_only_many =
+            has("ReadOnlyMany") && (self.read_only || modes.iter().all(|m| m == "ReadOnlyMany"));
+        if has("ReadWriteMany") || read_only_many {
+            Attach::Shared
+        } else {
+            Attach::SingleNode
+        }
+    }
+
+    /// `ReadWriteOnce`, `ReadWriteMany, ReadOnlyMany`, or `access modes unknown`.
+    pub fn modes(&self) -> String {
+        match &self.access_modes {
+            Some(m) if !m.is_empty() => m.join(", "),
+            Some(_) => "no access modes".into(),
+            None => "access modes unknown".into(),
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -165,6 +240,8 @@ pub struct PodEntry {
     /// GPUs the pod holds (`nvidia.com/gpu`, limits, else requests; init containers as the
     /// scheduler counts them).
     pub gpus: u32,
+    /// The PersistentVolumeClaims it mounts, in the order of its volumes.
+    pub claims: Vec<ClaimUse>,
 }
 
 impl PodEntry {
@@ -234,6 +311,13 @@ impl NodeEntry {
         }
         self.name().to_string()
     }
+    /// Whether something says the node has NVIDIA GPUs: an `nvidia.com/gpu` resource, GPU
+    /// feature discovery's `nvidia.com/gpu.present=true`, or one of `gpu_labels`.
+    pub fn has_gpus(&self, gpu_labels: &[&str]) -> bool {
+        self.gpus > 0
+            || self.label(GPU_PRESENT_LABEL) == Some("true")
+            || gpu_labels.iter().any(|k| self.label(k).is_some())
+    }
     /// `Ready` is `True`.
     pub fn ready(&self) -> bool {
         self.node
@@ -247,28 +331,81 @@ impl NodeEntry {
 /// Most a pod or node list may be: far more than any real cluster's `kubectl get -o json`.
 pub const MAX_INPUT_BYTES: usize = 256 << 20;
 
-/// Parses `bytes` as a v1 List of Pods; `what` names the input in errors (its file name).
+/// Parses `bytes` as a v1 List of Pods, and of the PersistentVolumeClaims they mount where the
+/// list has them (`kubectl get pods,pvc -A -o json`); `what` names the input in errors (its file
+/// name).
 pub fn parse_pods(what: &str, bytes: &[u8]) -> Result<Vec<PodEntry>, DrainPlanError> {
-    let (raw_items, list) = parse_list::<Pod>(what, bytes, "PodList")?;
-    let mut out = Vec::with_capacity(list.items.len());
-    for (i, (pod, raw)) in list.items.into_iter().zip(raw_items).enumerate() {
-        let gpus = pod_gpus(what, i, &pod)?;
-        out.push(PodEntry {
-            index: i,
-            pod,
-            raw,
-            gpus,
-        });
+    let items = parse_list(what, bytes, "PodList")?;
+    let mut pods = Vec::with_capacity(items.len());
+    let mut claims: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for (i, raw) in items.into_iter().enumerate() {
+        match raw.get("kind").and_then(Value::as_str) {
+            None | Some("Pod") => {
+                let pod: Pod = item(what, i, &raw)?;
+                let gpus = pod_gpus(what, i, &pod)?;
+                pods.push((i, pod, raw, gpus));
+            }
+            Some("PersistentVolumeClaim") => {
+                let c: PersistentVolumeClaim = item(what, i, &raw)?;
+                let ns = c.metadata.namespace.unwrap_or_else(|| "default".into());
+                let modes = if c.status.access_modes.is_empty() {
+                    c.spec.access_modes
+                } else {
+                    c.status.access_modes
+                };
+                claims.insert((ns, c.metadata.name), modes);
+            }
+            Some(other) => {
+                return Err(DrainPlanError::Field {
+                    input: what.to_string(),
+                    field: format!("items[{i}].kind"),
+                    problem: format!(
+                        "{other:?}: expected \"Pod\" or \"PersistentVolumeClaim\" (the output of `kubectl get pods,pvc -o json`)"
+                    ),
+                })
+            }
+        }
     }
-    Ok(out)
+    Ok(pods
+        .into_iter()
+        .map(|(index, pod, raw, gpus)| {
+            let ns = pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into());
+            let claims = pod
+                .spec
+                .volumes
+                .iter()
+                .filter_map(|v| {
+                    let src = v.persistent_volume_claim.as_ref()?;
+                    Some(ClaimUse {
+                        volume: v.name.clone(),
+                        claim: src.claim_name.clone(),
+                        read_only: src.read_only,
+                        access_modes: claims.get(&(ns.clone(), src.claim_name.clone())).cloned(),
+                    })
+                })
+                .collect();
+            PodEntry {
+                index,
+                pod,
+                raw,
+                gpus,
+                claims,
+            }
+        })
+        .collect())
 }
 
 /// Parses `bytes` as a v1 List of Nodes.
 pub fn parse_nodes(what: &str, bytes: &[u8]) -> Result<Vec<NodeEntry>, DrainPlanError> {
-    let (_, list) = parse_list::<Node>(what, bytes, "NodeList")?;
-    let mut out = Vec::with_capacity(list.items.len());
+    let items = parse_list(what, bytes, "NodeList")?;
+    let mut out = Vec::with_capacity(items.len());
     let mut seen = std::collections::BTreeSet::new();
-    for (i, node) in list.items.into_iter().enumerate() {
+    for (i, raw) in items.iter().enumerate() {
+        let node: Node = item(what, i, raw)?;
         if !seen.insert(node.metadata.name.clone()) {
             return Err(DrainPlanError::Field {
                 input: what.to_string(),
@@ -301,11 +438,9 @@ pub fn parse_nodes(what: &str, bytes: &[u8]) -> Result<Vec<NodeEntry>, DrainPlan
     Ok(out)
 }
 
-fn parse_list<T: serde::de::DeserializeOwned>(
-    what: &str,
-    bytes: &[u8],
-    list_kind: &str,
-) -> Result<(Vec<Value>, List<T>), DrainPlanError> {
+/// The items of a v1 List (`kind: List`, as `kubectl get -o json` prints it, or `PodList` /
+/// `NodeList` from the API server), after the checks every input gets.
+fn parse_list(what: &str, bytes: &[u8], list_kind: &str) -> Result<Vec<Value>, DrainPlanError> {
     if bytes.len() > MAX_INPUT_BYTES {
         return Err(DrainPlanError::Input {
             input: what.to_string(),
@@ -316,7 +451,7 @@ fn parse_list<T: serde::de::DeserializeOwned>(
             ),
         });
     }
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| DrainPlanError::Input {
+    let mut value: Value = serde_json::from_slice(bytes).map_err(|e| DrainPlanError::Input {
         input: what.to_string(),
         problem: format!("not JSON: {e}"),
     })?;
@@ -338,15 +473,36 @@ fn parse_list<T: serde::de::DeserializeOwned>(
             ),
         });
     }
-    let list: List<T> = serde_path_to_error::deserialize(&value).map_err(|e| {
+    match value.get_mut("items").map(Value::take) {
+        Some(Value::Array(items)) => Ok(items),
+        Some(Value::Null) | None => Err(DrainPlanError::Field {
+            input: what.to_string(),
+            field: "items".into(),
+            problem: "missing".into(),
+        }),
+        Some(other) => Err(DrainPlanError::Field {
+            input: what.to_string(),
+            field: "items".into(),
+            problem: format!("expected a list, found {other}"),
+        }),
+    }
+}
+
+/// Item `i` of a list as a `T`; an error names the field under `items[i]`.
+fn item<T: serde::de::DeserializeOwned>(
+    what: &str,
+    i: usize,
+    raw: &Value,
+) -> Result<T, DrainPlanError> {
+    serde_path_to_error::deserialize(raw).map_err(|e| {
         let path = e.path().to_string();
+        let path = if path.is_empty() || path == "." {
+            format!("items[{i}]")
+        } else {
+            format!("items[{i}].{path}")
+        };
         field_error(what, &path, &e.into_inner().to_string())
-    })?;
-    let raw = match value.get("items").and_then(Value::as_array) {
-        Some(a) => a.clone(),
-        None => Vec::new(),
-    };
-    Ok((raw, list))
+    })
 }
 
 /// serde's "missing field `x`" at `a.b` reads `a.b.x: missing`; anything else is kept with its

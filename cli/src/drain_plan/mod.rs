@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use image_format::compat::{self, driver_branch, Profile};
 use image_format::manifest::{Devices, DriverFile, Gpu, Workload};
-use kube::{NodeEntry, PodEntry};
+use kube::{Attach, ClaimUse, NodeEntry, PodEntry};
 
 /// Node label: `installed` where the node installer put the runtime on the node.
 pub const RUNTIME_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-runtime";
@@ -35,6 +35,8 @@ pub const GPU_MODEL_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-gpu-m
 pub const DRIVER_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-driver-version";
 /// Node label: the CUDA driver version (`13.0`).
 pub const CUDA_LABEL: &str = "node-restriction.kubernetes.io/gpu-ckpt-cuda-version";
+/// The GPU labels: a GPU node without all three has unknown GPU versions.
+pub const GPU_LABELS: [&str; 3] = [GPU_MODEL_LABEL, DRIVER_LABEL, CUDA_LABEL];
 /// The label a restore pod is pinned to its destination by.
 pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 /// Where nvidia-container-toolkit mounts the driver's libraries in a container.
@@ -97,6 +99,41 @@ impl Versions {
             cuda_version: get(CUDA_LABEL),
         }
     }
+
+    /// The GPU labels these versions lack (missing or empty).
+    fn missing(&self) -> Vec<&'static str> {
+        [
+            (GPU_MODEL_LABEL, &self.gpu_model),
+            (DRIVER_LABEL, &self.driver_version),
+            (CUDA_LABEL, &self.cuda_version),
+        ]
+        .into_iter()
+        .filter(|(_, v)| v.is_empty())
+        .map(|(k, _)| k)
+        .collect()
+    }
+}
+
+/// Why a node's GPU versions are unknown: something says it has GPUs (an `nvidia.com/gpu`
+/// resource, `nvidia.com/gpu.present=true`, another GPU label) but a GPU label is missing or
+/// empty, as where the node installer could not read the GPUs through NVML. Such a node is never
+/// a destination, and what it runs cannot be judged compatible anywhere.
+fn gpu_labels_unknown(n: &NodeEntry) -> Option<String> {
+    let missing = Versions::of(n).missing();
+    if missing.is_empty() || !n.has_gpus(&GPU_LABELS) {
+        return None;
+    }
+    let evidence = if n.gpus > 0 {
+        format!("{} {}", n.gpus, kube::GPU_RESOURCE)
+    } else if n.label(kube::GPU_PRESENT_LABEL).is_some() {
+        format!("{}={}", kube::GPU_PRESENT_LABEL, "true")
+    } else {
+        "other GPU labels set".to_string()
+    };
+    Some(format!(
+        "GPU labels unknown: {} missing or empty on a node with GPUs ({evidence}); the node installer could not read its GPUs",
+        missing.join(", ")
+    ))
 }
 
 /// `--upgrade driver=580.95.05,cuda=13.0`.
@@ -238,6 +275,10 @@ pub struct Plan {
     pub complete: bool,
     /// `namespace/pod on node` for every gpu-ckpt workload that has nowhere to resume.
     pub without_destination: Vec<String>,
+    /// Nodes whose GPU labels are unknown (a GPU node without all of them), and why: never a
+    /// destination.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unknown_nodes: Vec<SkippedNode>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
 }
@@ -264,6 +305,9 @@ pub struct NodePlan {
     pub kubelet: String,
     pub before: Versions,
     pub after: Versions,
+    /// Why its GPU labels are unknown, where they are.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_labels_unknown: Option<String>,
     pub pods: Vec<PodPlan>,
     pub steps: Vec<Step>,
 }
@@ -337,6 +381,14 @@ pub struct PodPlan {
     /// The restore pod's name.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restore_pod: Option<String>,
+    /// The claims that attach to one node at a time (ReadWriteOnce, or access modes unknown),
+    /// where the pod moves to another node: the original is deleted after its checkpoint and
+    /// before the restore pod is created.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub single_node_claims: Vec<String>,
+    /// The downtime that order implies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub downtime: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
     /// Its index in the pod list.
@@ -344,11 +396,22 @@ pub struct PodPlan {
     pub entry: usize,
 }
 
+impl PodPlan {
+    /// It moves to another node with claims that attach to one node at a time: the original is
+    /// deleted after its checkpoint, before its restore pod is created (and before the drain).
+    pub fn deleted_before_restore(&self) -> bool {
+        matches!(self.disposition, Disposition::Migrate { .. })
+            && !self.single_node_claims.is_empty()
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum StepKind {
     Cordon,
     Checkpoint,
+    /// Delete the original, so that its single-node volumes detach.
+    DeleteOriginal,
     BuildPush,
     CreateRestorePod,
     WaitReady,
@@ -396,6 +459,25 @@ struct SimNode {
     used: u32,
     /// Why it takes no restore pod (not installed, not Ready, cordoned); None when it does.
     unavailable: Option<String>,
+    /// Why its GPU labels are unknown ([`gpu_labels_unknown`]).
+    unknown: Option<String>,
+}
+
+impl SimNode {
+    /// Why this node's labels cannot give the GPU versions a workload holding `gpus` GPUs runs
+    /// under: they are unknown, or they say no GPUs while it holds some.
+    fn unknown_for(&self, gpus: u32) -> Option<String> {
+        if self.unknown.is_some() {
+            return self.unknown.clone();
+        }
+        let missing = self.versions.missing();
+        (gpus > 0 && !missing.is_empty()).then(|| {
+            format!(
+                "GPU labels say no GPUs ({} not set) while the workload holds {gpus} GPU(s)",
+                missing.join(", ")
+            )
+        })
+    }
 }
 
 /// A pod in the simulation: where it runs now and under which name.
@@ -472,6 +554,7 @@ pub fn plan(
                 gpus: n.gpus,
                 used: 0,
                 unavailable,
+                unknown: gpu_labels_unknown(n),
             },
         );
     }
@@ -649,8 +732,22 @@ pub fn plan(
         skipped_nodes: skipped,
         complete: without.is_empty(),
         without_destination: without,
+        unknown_nodes: unknown_nodes(nodes),
         notes,
     })
+}
+
+/// Every node whose GPU labels are unknown, and why ([`gpu_labels_unknown`]).
+fn unknown_nodes(nodes: &[NodeEntry]) -> Vec<SkippedNode> {
+    nodes
+        .iter()
+        .filter_map(|n| {
+            gpu_labels_unknown(n).map(|why| SkippedNode {
+                node: n.name().to_string(),
+                why,
+            })
+        })
+        .collect()
 }
 
 /// What the upgrade means for where checkpoints restore: a note per driver branch change, and
@@ -851,6 +948,7 @@ impl<'a> Planner<'a> {
                 kubelet,
                 before,
                 after: after_v,
+                gpu_labels_unknown: sim.nodes.get(node.as_str()).and_then(|n| n.unknown.clone()),
                 pods: pod_plans,
                 steps: Vec::new(),
             };
@@ -890,6 +988,8 @@ impl<'a> Planner<'a> {
             disposition: Disposition::Finished,
             images: BTreeMap::new(),
             restore_pod: None,
+            single_node_claims: Vec::new(),
+            downtime: None,
             notes: Vec::new(),
             entry: sp.entry,
         };
@@ -958,49 +1058,35 @@ impl<'a> Planner<'a> {
                     "volume {:?} is a hostPath: the restored pod sees the destination node's directory",
                     v.name
                 ));
-            } else if v.persistent_volume_claim.is_some() {
-                plan.notes.push(format!(
-                    "volume {:?} is a PersistentVolumeClaim: it must be attachable on the destination (ReadWriteOnce volumes detach only when the old pod is gone)",
-                    v.name
-                ));
+            } else if let Some(c) = p.claims.iter().find(|c| c.volume == v.name) {
+                plan.notes.push(claim_note(c));
             }
         }
-        let owner_note = match (&owner, sp.moved) {
+        // A GPU workload on a node whose GPU versions are unknown: its checkpoint's are too.
+        if p.gpus > 0 {
+            if let Some(why) = sim.nodes.get(node).and_then(|n| n.unknown_for(p.gpus)) {
+                plan.disposition = Disposition::NoDestination {
+                    rejected: vec![Rejection {
+                        node: format!("{node} (the pod's node)"),
+                        reasons: vec![format!(
+                            "{why}: the GPU model, driver and CUDA versions its checkpoint would carry are unknown, so no node can be judged able to restore it"
+                        )],
+                    }],
+                    then: format!(
+                        "not checkpointed: its GPU versions are unknown. {}",
+                        then_fresh()
+                    ),
+                };
+                return (plan, None);
+            }
+        }
+        let mut owner_note = match (&owner, sp.moved) {
             (Some(o), false) => Some(format!(
                 "owned by {o}: when the drain evicts the pod its controller starts a new one as well; the restore pod has no owner (scale {o} down by one, or delete the new pod)"
             )),
             _ => None,
         };
-        // Where can it go?
-        let mut candidates = Vec::new();
-        let mut rejected = Vec::new();
-        for (name, n) in &sim.nodes {
-            if name == node {
-                continue;
-            }
-            if members.contains(name) {
-                rejected.push(Rejection {
-                    node: name.clone(),
-                    reasons: vec!["maintained in the same group".into()],
-                });
-                continue;
-            }
-            let reasons = if let Some(u) = &n.unavailable {
-                vec![u.clone()]
-            } else if p.gpus > 0 && n.gpus == 0 {
-                vec![format!("no GPUs ({})", kube::GPU_RESOURCE)]
-            } else {
-                Self::reasons(p, before, &n.versions, Some(n.gpus.saturating_sub(n.used)))
-            };
-            if reasons.is_empty() {
-                candidates.push(name.clone());
-            } else {
-                rejected.push(Rejection {
-                    node: name.clone(),
-                    reasons,
-                });
-            }
-        }
+        let (candidates, mut rejected) = Self::destinations(sim, p, node, members, before);
         let restore_name = restore_pod_name(&sp.name);
         let images: BTreeMap<String, String> = p
             .pod
@@ -1019,14 +1105,25 @@ impl<'a> Planner<'a> {
                 destination: dest.clone(),
                 candidates,
             };
+            if let Some(names) = single_node_move(&mut plan, p, node, &dest, &restore_name) {
+                // Not the drain's eviction but the deletion makes the controller start
+                // another pod, and that one may take the volumes first.
+                owner_note = owner.as_ref().filter(|_| !sp.moved).map(|o| {
+                    format!("owned by {o}: deleting the original makes {o} start a replacement, which may attach claim(s) {names} before the restore pod does, and the restore pod has no owner: scale {o} down by one before the deletion")
+                });
+            }
             plan.images = images;
             plan.restore_pod = Some(restore_name);
             plan.notes.extend(owner_note);
             return (plan, Some(dest));
         }
         // This node itself, after its maintenance?
-        let own = sim.nodes.get(node).map(|n| n.gpus).unwrap_or(0);
-        let here = Self::reasons(p, before, after_v, Some(own));
+        let here = match sim.nodes.get(node) {
+            Some(SimNode {
+                unknown: Some(u), ..
+            }) => vec![u.clone()],
+            n => Self::reasons(p, before, after_v, Some(n.map(|n| n.gpus).unwrap_or(0))),
+        };
         if here.is_empty() {
             plan.disposition = Disposition::RestoreAfterMaintenance { rejected };
             plan.images = images;
@@ -1043,6 +1140,49 @@ impl<'a> Planner<'a> {
             then: format!("not checkpointed: no node can restore it. {}", then_fresh()),
         };
         (plan, None)
+    }
+
+    /// Where a workload of `node` (checkpointed under `before`) can go among the other nodes,
+    /// and why not for each that cannot.
+    fn destinations(
+        sim: &Sim,
+        p: &PodEntry,
+        node: &str,
+        members: &[String],
+        before: &Versions,
+    ) -> (Vec<String>, Vec<Rejection>) {
+        let mut candidates = Vec::new();
+        let mut rejected = Vec::new();
+        for (name, n) in &sim.nodes {
+            if name == node {
+                continue;
+            }
+            if members.contains(name) {
+                rejected.push(Rejection {
+                    node: name.clone(),
+                    reasons: vec!["maintained in the same group".into()],
+                });
+                continue;
+            }
+            let reasons = if let Some(u) = &n.unavailable {
+                vec![u.clone()]
+            } else if let Some(u) = &n.unknown {
+                vec![u.clone()]
+            } else if p.gpus > 0 && n.gpus == 0 {
+                vec![format!("no GPUs ({})", kube::GPU_RESOURCE)]
+            } else {
+                Self::reasons(p, before, &n.versions, Some(n.gpus.saturating_sub(n.used)))
+            };
+            if reasons.is_empty() {
+                candidates.push(name.clone());
+            } else {
+                rejected.push(Rejection {
+                    node: name.clone(),
+                    reasons,
+                });
+            }
+        }
+        (candidates, rejected)
     }
 
     /// Among the candidates: nodes this plan does not maintain or has maintained already (the
@@ -1137,7 +1277,6 @@ impl<'a> Planner<'a> {
         } else {
             np.kubelet.clone()
         };
-        let t = self.opts.checkpoint_timeout_s;
         let mut later = Vec::new();
         for pp in &np.pods {
             let dest = match &pp.disposition {
@@ -1146,46 +1285,19 @@ impl<'a> Planner<'a> {
                 _ => continue,
             };
             let id = format!("{}/{}", pp.namespace, pp.name);
-            for c in &pp.containers {
-                let path = format!("/checkpoint/{}/{}/{c}", pp.namespace, pp.name);
-                all.push(Step {
-                    number: 0,
-                    kind: StepKind::Checkpoint,
-                    text: format!(
-                        "checkpoint container {c} of {id}: POST https://{host}:{}{path}?timeout={t} (the pod keeps running)",
-                        self.opts.kubelet_port
-                    ),
-                    pod: Some(id.clone()),
-                    container: Some(c.clone()),
-                    kubelet: Some(KubeletCall {
-                        method: "POST".into(),
-                        url: format!("https://{host}:{}{path}?timeout={t}", self.opts.kubelet_port),
-                        timeout_s: t,
-                        answers: "{\"items\":[\"/var/lib/kubelet/checkpoints/checkpoint-<pod>_<namespace>-<container>-<time>.tar\"]}".into(),
-                    }),
-                    command: None,
-                    manifest: None,
-                });
-                let image = pp.images.get(c).cloned().unwrap_or_default();
-                all.push(Step {
-                    number: 0,
-                    kind: StepKind::BuildPush,
-                    text: format!(
-                        "on {node}, as root: gpu-ckpt build <the archive the kubelet answered> --ref {image} --push"
-                    ),
-                    pod: Some(id.clone()),
-                    container: Some(c.clone()),
-                    kubelet: None,
-                    command: Some(vec![
-                        "gpu-ckpt".into(),
-                        "build".into(),
-                        "ARCHIVE".into(),
-                        "--ref".into(),
-                        image,
-                        "--push".into(),
-                    ]),
-                    manifest: None,
-                });
+            let (mut checkpoints, mut builds) = self.checkpoint_steps(pp, node, &host, &id);
+            if pp.deleted_before_restore() {
+                // The volumes attach to one node at a time: every container's checkpoint, then
+                // the original goes (nothing written to the volume after the checkpoint is
+                // lost to a restore that expects it), then the images.
+                all.append(&mut checkpoints);
+                all.push(self.delete_original(pp, node, &id));
+                all.append(&mut builds);
+            } else {
+                for (c, b) in checkpoints.into_iter().zip(builds) {
+                    all.push(c);
+                    all.push(b);
+                }
             }
             let restore = pp.restore_pod.clone().unwrap_or_default();
             let on = dest.clone().unwrap_or_else(|| node.clone());
@@ -1231,11 +1343,11 @@ impl<'a> Planner<'a> {
                 later.push(wait);
             }
         }
-        let force = np
-            .pods
-            .iter()
+        // Pods deleted before the drain are not the drain's.
+        let drained = || np.pods.iter().filter(|p| !p.deleted_before_restore());
+        let force = drained()
             .any(|p| matches!(p.class, PodClass::Plain | PodClass::GpuCkpt) && p.owner.is_none());
-        let empty_dir = np.pods.iter().any(|p| {
+        let empty_dir = drained().any(|p| {
             !matches!(p.class, PodClass::DaemonSet | PodClass::Static)
                 && self
                     .pods
@@ -1255,9 +1367,7 @@ impl<'a> Planner<'a> {
             drain.push("--force".into());
         }
         drain.push(format!("--timeout={}s", self.opts.ready_timeout_s));
-        let evicted = np
-            .pods
-            .iter()
+        let evicted = drained()
             .filter(|p| !matches!(p.disposition, Disposition::Stays { .. }))
             .count();
         all.push(Step {
@@ -1340,6 +1450,92 @@ impl<'a> Planner<'a> {
         all
     }
 
+    /// Per container of `pp` on `node` (kubelet at `host`): the kubelet's checkpoint call, and
+    /// the build and push of its image.
+    fn checkpoint_steps(
+        &self,
+        pp: &PodPlan,
+        node: &str,
+        host: &str,
+        id: &str,
+    ) -> (Vec<Step>, Vec<Step>) {
+        let t = self.opts.checkpoint_timeout_s;
+        let mut checkpoints = Vec::new();
+        let mut builds = Vec::new();
+        for c in &pp.containers {
+            let path = format!("/checkpoint/{}/{}/{c}", pp.namespace, pp.name);
+            checkpoints.push(Step {
+                number: 0,
+                kind: StepKind::Checkpoint,
+                text: format!(
+                    "checkpoint container {c} of {id}: POST https://{host}:{}{path}?timeout={t} (the pod keeps running)",
+                    self.opts.kubelet_port
+                ),
+                pod: Some(id.to_string()),
+                container: Some(c.clone()),
+                kubelet: Some(KubeletCall {
+                    method: "POST".into(),
+                    url: format!("https://{host}:{}{path}?timeout={t}", self.opts.kubelet_port),
+                    timeout_s: t,
+                    answers: "{\"items\":[\"/var/lib/kubelet/checkpoints/checkpoint-<pod>_<namespace>-<container>-<time>.tar\"]}".into(),
+                }),
+                command: None,
+                manifest: None,
+            });
+            let image = pp.images.get(c).cloned().unwrap_or_default();
+            builds.push(Step {
+                number: 0,
+                kind: StepKind::BuildPush,
+                text: format!(
+                    "on {node}, as root: gpu-ckpt build <the archive the kubelet answered> --ref {image} --push"
+                ),
+                pod: Some(id.to_string()),
+                container: Some(c.clone()),
+                kubelet: None,
+                command: Some(vec![
+                    "gpu-ckpt".into(),
+                    "build".into(),
+                    "ARCHIVE".into(),
+                    "--ref".into(),
+                    image,
+                    "--push".into(),
+                ]),
+                manifest: None,
+            });
+        }
+        (checkpoints, builds)
+    }
+
+    /// Deleting the original of a move whose claims attach to one node at a time: `kubectl
+    /// delete` returns once the kubelet has unmounted its volumes, and the attach-detach
+    /// controller then detaches them for the restore pod's node.
+    fn delete_original(&self, pp: &PodPlan, node: &str, id: &str) -> Step {
+        let restore = pp.restore_pod.clone().unwrap_or_default();
+        let claims = quoted(pp.single_node_claims.iter().map(String::as_str));
+        Step {
+            number: 0,
+            kind: StepKind::DeleteOriginal,
+            text: format!(
+                "delete {id} so that claim(s) {claims} detach from {node}: its checkpoint is taken; the workload is down from here until {}/{restore} is Ready",
+                pp.namespace
+            ),
+            pod: Some(id.to_string()),
+            container: None,
+            kubelet: None,
+            command: Some(vec![
+                "kubectl".into(),
+                "delete".into(),
+                "pod".into(),
+                "-n".into(),
+                pp.namespace.clone(),
+                pp.name.clone(),
+                "--wait=true".into(),
+                format!("--timeout={}s", self.opts.ready_timeout_s),
+            ]),
+            manifest: None,
+        }
+    }
+
     /// The restore pod: the pod as it was (its spec, labels and annotations), without what the
     /// API server and its controller set, on the restore RuntimeClass (`Options::restore_runtime_class`), with the checkpoint
     /// images in `gpu-ckpt.io/restore-from`, held to `node` by node affinity.
@@ -1415,6 +1611,61 @@ impl<'a> Planner<'a> {
             "spec": spec,
         }))
     }
+}
+
+/// A move of `p` from `node` to `dest` whose claims attach to one node at a time: the claims
+/// and the downtime go into the plan. Returns the claims' names, quoted; None when every claim
+/// is shared.
+fn single_node_move(
+    plan: &mut PodPlan,
+    p: &PodEntry,
+    node: &str,
+    dest: &str,
+    restore: &str,
+) -> Option<String> {
+    let single: Vec<&ClaimUse> = p
+        .claims
+        .iter()
+        .filter(|c| c.attach() != Attach::Shared)
+        .collect();
+    if single.is_empty() {
+        return None;
+    }
+    let names = quoted(single.iter().map(|c| c.claim.as_str()));
+    let ns = p.namespace();
+    plan.downtime = Some(format!(
+        "from the deletion of {ns}/{} until {ns}/{restore} is Ready on {dest}: claim(s) {names} attach to one node at a time, so the original is deleted after its checkpoint and its volumes detach from {node}; then the images are built and pushed, and the restore pod attaches the volumes on {dest} and restores",
+        plan.name
+    ));
+    plan.single_node_claims = single.iter().map(|c| c.claim.clone()).collect();
+    Some(names)
+}
+
+/// What a pod's PersistentVolumeClaim means for its move.
+fn claim_note(c: &ClaimUse) -> String {
+    match c.attach() {
+        Attach::Shared => format!(
+            "volume {:?} is PersistentVolumeClaim {:?} ({}): it must be attachable on the destination; the restore pod mounts it there while the original still runs, until the drain",
+            c.volume, c.claim, c.modes()
+        ),
+        Attach::SingleNode => format!(
+            "volume {:?} is PersistentVolumeClaim {:?} ({}): it attaches to one node at a time, so a move to another node deletes the original after its checkpoint, before the restore pod is created",
+            c.volume, c.claim, c.modes()
+        ),
+        Attach::Unknown => format!(
+            "volume {:?} is PersistentVolumeClaim {:?}, which is not in the pod list: its access modes are unknown, so it is planned as ReadWriteOnce (give `kubectl get pods,pvc -A -o json` for its modes)",
+            c.volume, c.claim
+        ),
+    }
+}
+
+/// `"a", "b"`.
+fn quoted<'s>(names: impl IntoIterator<Item = &'s str>) -> String {
+    names
+        .into_iter()
+        .map(|c| format!("{c:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn restore_annotation_text(pp: &PodPlan) -> String {

@@ -37,6 +37,15 @@ pub fn render(plan: &Plan) -> String {
             let _ = writeln!(out, "  {}.{label} {}", g.number, names.join(", "));
         }
     }
+    if !plan.unknown_nodes.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nNodes whose GPU labels are unknown (never a destination):"
+        );
+        for s in &plan.unknown_nodes {
+            let _ = writeln!(out, "  {}: {}", s.node, s.why);
+        }
+    }
     if !plan.skipped_nodes.is_empty() {
         let _ = writeln!(out, "\nNodes not maintained:");
         for s in &plan.skipped_nodes {
@@ -74,15 +83,22 @@ pub fn render(plan: &Plan) -> String {
 }
 
 fn node(out: &mut String, n: &NodePlan) {
-    let _ = writeln!(
-        out,
-        "\nNode {} (kubelet {}): {} GPUs, driver {}, CUDA {}",
-        n.node,
-        n.kubelet,
-        n.before.gpu_model_or_none(),
-        n.before.driver_version,
-        n.before.cuda_version
-    );
+    match &n.gpu_labels_unknown {
+        Some(why) => {
+            let _ = writeln!(out, "\nNode {} (kubelet {}): {why}", n.node, n.kubelet);
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "\nNode {} (kubelet {}): {} GPUs, driver {}, CUDA {}",
+                n.node,
+                n.kubelet,
+                n.before.gpu_model_or_none(),
+                n.before.driver_version,
+                n.before.cuda_version
+            );
+        }
+    }
     if n.after != n.before {
         let _ = writeln!(
             out,
@@ -136,7 +152,12 @@ fn pod(out: &mut String, p: &PodPlan) {
         } => {
             let _ = writeln!(
                 out,
-                "      checkpoint, restore as {} on {destination} (nodes that can take it: {})",
+                "      checkpoint, {}restore as {} on {destination} (nodes that can take it: {})",
+                if p.single_node_claims.is_empty() {
+                    ""
+                } else {
+                    "delete the original, "
+                },
                 p.restore_pod.as_deref().unwrap_or(""),
                 candidates.join(", ")
             );
@@ -169,6 +190,9 @@ fn pod(out: &mut String, p: &PodPlan) {
         Disposition::Finished => {
             let _ = writeln!(out, "      finished: the drain deletes it");
         }
+    }
+    if let Some(d) = &p.downtime {
+        let _ = writeln!(out, "      downtime: {d}");
     }
     for note in &p.notes {
         let _ = writeln!(out, "      note: {note}");

@@ -427,8 +427,41 @@ impl Container {
             if let Err(e) = std::fs::copy(&stats, image.path.join("stats-dump")) {
                 warn!(id = %self.id, error = %e, "keep CRIU's dump statistics");
             }
+            if plan.work_path.is_none() {
+                self.stats_for_cri(&stats);
+            }
         }
         Ok((node, followed))
+    }
+
+    /// A copy of CRIU's statistics where containerd's CRI takes them for the archive's top
+    /// level (checkpointctl's `inspect --stats` reads them there): the directory it archives
+    /// (`ctrd-checkpoint`) where it made one, else the container's CRI directory
+    /// ([`checkpoint::cri_container_dir`]). A runc-typed registration gets the former as the
+    /// work path, where CRIU wrote them.
+    /// The archive's verify checks that copy against `checkpoint/stats-dump`'s manifest entry.
+    fn stats_for_cri(&self, stats: &Path) {
+        let cri = self.bundle.cri(&self.id);
+        let Some(dir) =
+            checkpoint::cri_container_dir(self.bundle.spec(), &cri.sandbox_id, &self.id)
+        else {
+            return;
+        };
+        let archived = dir.join(checkpoint::CRI_CHECKPOINT_DIR);
+        let dir = if std::fs::symlink_metadata(&archived).is_ok_and(|m| m.is_dir()) {
+            archived
+        } else {
+            dir
+        };
+        let _span = info_span!("stats_for_cri", id = %self.id, dir = %dir.display()).entered();
+        let tmp = dir.join(".stats-dump.gpu-ckpt-tmp");
+        let copied = std::fs::copy(stats, &tmp)
+            .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)))
+            .and_then(|()| std::fs::rename(&tmp, dir.join("stats-dump")));
+        if let Err(e) = copied {
+            let _ = std::fs::remove_file(&tmp);
+            warn!(id = %self.id, error = %e, "CRIU's dump statistics not put where containerd's CRI takes them: the archive has them only under checkpoint/");
+        }
     }
 
     async fn write_manifest(

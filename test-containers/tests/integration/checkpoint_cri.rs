@@ -352,7 +352,8 @@ fn ensure_inspect_agrees(t: &serde_json::Value, o: &serde_json::Value, label: &s
 }
 
 /// `gpu-ckpt inspect --json` against checkpointctl on real archives: gpu-ckpt's own, and
-/// containerd-shim-runc-v2's (which carries CRIU's statistics where checkpointctl reads them).
+/// containerd-shim-runc-v2's; both carry CRIU's statistics where checkpointctl reads them (the
+/// top-level `stats-dump`), gpu-ckpt's covered by its manifest.
 #[test]
 fn inspect_agrees_with_checkpointctl() -> Result<()> {
     let node = node("cri-inspect")?;
@@ -372,11 +373,11 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
             let _ = std::fs::remove_file(&archive);
             cri.checkpoint_container(&id, &archive, 60).await?;
             let a = archive.display().to_string();
-            // checkpointctl's --stats reads a top-level stats-dump, which containerd writes only
-            // for runc-v2 (gpu-ckpt's statistics are under checkpoint/, where CRI puts what the
-            // shim writes).
+            // checkpointctl's --stats reads a top-level stats-dump: containerd's CRI copies it
+            // from the container's CRI directory, where runc-v2's CRIU writes it and gpu-ckpt's
+            // shim puts a copy of checkpoint/stats-dump.
             let runc = handler == test_containers::stack::RUNC_HANDLER;
-            let (theirs, ours) = inspect_both(&node, &a, runc)?;
+            let (theirs, ours) = inspect_both(&node, &a, true)?;
             let (t, o) = (&theirs[0], &ours[0]);
             ensure_inspect_agrees(t, o, handler)?;
             if !runc {
@@ -392,11 +393,11 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
                 );
                 ensure_inspect_agrees(&theirs[0], &ours[0], "CRI-O")?;
             }
-            if runc {
+            {
                 let ts = &t["statistics"];
                 ensure!(
                     ts.is_object(),
-                    "checkpointctl shows no statistics for runc-v2: {t}"
+                    "checkpointctl shows no statistics for {handler}: {t}"
                 );
                 for key in [
                     "freezing_time",
@@ -413,17 +414,86 @@ fn inspect_agrees_with_checkpointctl() -> Result<()> {
                         o["statistics"][key]
                     );
                 }
-            } else {
+            }
+            if !runc {
                 // gpu-ckpt keeps CRIU's statistics beside the images.
                 ensure!(
                     o["statistics"]["frozen_time"].as_u64().unwrap_or(0) > 0,
                     "no CRIU statistics: {o}"
                 );
+                stats_dump_is_where_checkpointctl_reads_it(&node, &archive)?;
             }
             cri.remove_pod(&pod).await?;
         }
         Ok(())
     })
+}
+
+/// gpu-ckpt's archive carries CRIU's statistics at its top level, the same bytes as
+/// `checkpoint/stats-dump`: `checkpointctl inspect --stats` prints them (exit 0), verify checks
+/// the copy against the manifest, and refuses the archive when the copy was changed.
+fn stats_dump_is_where_checkpointctl_reads_it(node: &Node, archive: &Path) -> Result<()> {
+    use image_format::archive::names::{CHECKPOINT_STATS_DUMP, STATS_DUMP};
+    let mut members = std::collections::BTreeMap::new();
+    rewrite_archive(
+        archive,
+        &node.paths().dir.join("stats-scan.tar"),
+        |name, data| {
+            if name == STATS_DUMP || name == CHECKPOINT_STATS_DUMP {
+                members.insert(name.to_string(), data.clone());
+            }
+            Ok(Some(data))
+        },
+    )?;
+    let (top, inner) = (members.get(STATS_DUMP), members.get(CHECKPOINT_STATS_DUMP));
+    ensure!(
+        top.is_some() && top == inner,
+        "the archive's top-level stats-dump ({:?} bytes) is not checkpoint/stats-dump ({:?} bytes)",
+        top.map(Vec::len),
+        inner.map(Vec::len)
+    );
+    let text = checkpointctl(
+        node,
+        &["inspect", "--stats", &archive.display().to_string()],
+    )?;
+    for want in ["CRIU dump statistics", "Freezing time", "Pages written"] {
+        ensure!(
+            text.contains(want),
+            "checkpointctl inspect --stats does not show {want:?}:\n{text}"
+        );
+    }
+    let report = image_format::archive::verify(archive).context("verify the archive")?;
+    ensure!(
+        !report.uncovered.contains_key(STATS_DUMP),
+        "the top-level stats-dump is not covered by the manifest: {:?}",
+        report.uncovered.keys().collect::<Vec<_>>()
+    );
+    let changed = node.paths().dir.join("stats-changed.tar");
+    rewrite_archive(archive, &changed, |name, mut data| {
+        if name == STATS_DUMP {
+            if let Some(b) = data.last_mut() {
+                *b ^= 1;
+            }
+        }
+        Ok(Some(data))
+    })?;
+    let err = match image_format::archive::verify(&changed) {
+        Ok(_) => anyhow::bail!("verify accepts an archive whose top-level stats-dump was changed"),
+        Err(e) => e.to_string(),
+    };
+    ensure!(
+        err.contains("top-level copy of checkpoint/stats-dump") && err.contains("mismatch"),
+        "verify of a changed stats-dump: {err}"
+    );
+    let out = std::process::Command::new(gpu_ckpt_cli())
+        .args(["verify", &changed.display().to_string()])
+        .output()?;
+    ensure!(
+        !out.status.success(),
+        "gpu-ckpt verify accepts a changed stats-dump: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(())
 }
 
 /// Rewrites a containerd archive as CRI-O lays it out: `io.container.manager: cri-o` and CRI-O's
