@@ -293,7 +293,7 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
     ensure!(
         c["image"]
             == format!(
-                "localhost:5000/gpu-ckpt-node-installer:{}",
+                "ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:{}",
                 chart_app_version()?
             ),
         "image {}",
