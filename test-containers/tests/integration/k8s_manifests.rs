@@ -1139,16 +1139,11 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n  \
          runtime_type = 'io.containerd.runc.v2'\n",
     )?;
-    // What the image carries.
+    // What the image carries: stand-ins for the Rust binaries, and CRIU bundled as the payload
+    // bundles it (the installer gives it its interpreter).
     let payload = tmp.path().join("payload");
-    std::fs::create_dir_all(payload.join("criu/lib"))?;
-    for f in [
-        "containerd-shim-gpu-ckpt-v1",
-        "gpu-ckpt",
-        "gpu-ckpt-hook",
-        "criu/criu",
-        "criu/lib/libnl-3.so.200",
-    ] {
+    crate::common::bundle_criu(&test_containers::stack::Stack::discover()?, &payload.join("criu"))?;
+    for f in ["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"] {
         let p = payload.join(f);
         std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;

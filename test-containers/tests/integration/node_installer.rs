@@ -96,14 +96,7 @@ fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
             )
         })?;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime-class/installer/payload.sh");
-    run_ok(
-        Command::new(script)
-            .arg("criu")
-            .arg(stack.criu_bin())
-            .arg(dir.join("criu")),
-    )?;
-    Ok(())
+    bundle_criu(stack, &dir.join("criu"))
 }
 
 /// The installed CRIU, run as runc runs it (`criu` from PATH, here `<bin>/criu`), maps only the
