@@ -221,13 +221,16 @@ fn a_half_install_is_undone_by_uninstall() {
 
 #[test]
 fn a_payload_without_criu_is_named() {
-    let s = scratch();
-    fs::remove_file(s.opts.payload.join("criu/criu")).unwrap();
-    let err = install(&s.opts).unwrap_err().to_string();
-    assert!(
-        err.ends_with("has no criu/criu: the image must carry it"),
-        "{err}"
-    );
+    // CRIU, and the loader it is given as interpreter.
+    for missing in ["criu/criu", "criu/lib/ld-linux-x86-64.so.2"] {
+        let s = scratch();
+        fs::remove_file(s.opts.payload.join(missing)).unwrap();
+        let err = install(&s.opts).unwrap_err().to_string();
+        assert!(
+            err.ends_with(&format!("has no {missing}: the image must carry it")),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -317,15 +320,4 @@ fn a_lib_dir_too_long_for_the_interpreter_is_refused_before_anything_is_written(
         "{err}"
     );
     assert_eq!(listing(&s.root), before, "nothing was written");
-}
-
-#[test]
-fn a_payload_without_the_loader_is_named() {
-    let s = scratch();
-    fs::remove_file(s.opts.payload.join("criu/lib/ld-linux-x86-64.so.2")).unwrap();
-    let err = install(&s.opts).unwrap_err().to_string();
-    assert!(
-        err.ends_with("has no criu/lib/ld-linux-x86-64.so.2: the image must carry it"),
-        "{err}"
-    );
 }

@@ -1142,7 +1142,10 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
     // What the image carries: stand-ins for the Rust binaries, and CRIU bundled as the payload
     // bundles it (the installer gives it its interpreter).
     let payload = tmp.path().join("payload");
-    crate::common::bundle_criu(&test_containers::stack::Stack::discover()?, &payload.join("criu"))?;
+    crate::common::bundle_criu(
+        &test_containers::stack::Stack::discover()?,
+        &payload.join("criu"),
+    )?;
     for f in ["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"] {
         let p = payload.join(f);
         std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;

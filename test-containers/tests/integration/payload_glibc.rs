@@ -41,12 +41,9 @@ const GLIBC: &[&str] = &[
 const SYSTEM_LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
 /// The placeholder payload.sh gives CRIU for interpreter.
 const CRIU_INTERP_PLACEHOLDER: &str = "/gpu-ckpt-node-installer-sets-this-path-at-install";
-const HOST_RESOLVED: &[&str] = &[
-    "payload/containerd-shim-gpu-ckpt-v1",
-    "payload/gpu-ckpt",
-    "payload/gpu-ckpt-hook",
-    "installer/gpu-ckpt-node-installer",
-];
+/// The Rust programs in the payload, and the installer beside it.
+const PROGRAMS: &[&str] = &["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"];
+const INSTALLER: &str = "installer/gpu-ckpt-node-installer";
 
 /// What the dynamic loader needs to know of one ELF file.
 #[derive(Debug, Default)]
@@ -162,11 +159,7 @@ fn host_resolved_problems(name: &str, d: &Dynamic) -> Vec<String> {
 
 /// What is wrong with CRIU or one of its bundled libraries, `bundled` being every file of
 /// criu/lib by name.
-fn bundled_problems(
-    name: &str,
-    d: &Dynamic,
-    bundled: &BTreeMap<String, Dynamic>,
-) -> Vec<String> {
+fn bundled_problems(name: &str, d: &Dynamic, bundled: &BTreeMap<String, Dynamic>) -> Vec<String> {
     let mut out = Vec::new();
     for lib in &d.needed {
         if !bundled.contains_key(lib) {
@@ -212,12 +205,17 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
             ));
         }
     }
-    host_resolved.insert("installer/gpu-ckpt-node-installer".into());
+    host_resolved.insert(INSTALLER.into());
+    let expected: BTreeSet<String> = PROGRAMS
+        .iter()
+        .map(|p| format!("payload/{p}"))
+        .chain([INSTALLER.to_string()])
+        .collect();
     ensure!(
-        host_resolved == HOST_RESOLVED.iter().map(|s| s.to_string()).collect(),
-        "the payload's programs are {host_resolved:?}, expected {HOST_RESOLVED:?}"
+        host_resolved == expected,
+        "the payload's programs are {host_resolved:?}, expected {expected:?}"
     );
-    for name in HOST_RESOLVED {
+    for name in &expected {
         let p = dir.join(name);
         let d = dynamic(&p)?.with_context(|| format!("{} is not an ELF file", p.display()))?;
         let newest = d
@@ -237,7 +235,11 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
     let mut bundled = BTreeMap::new();
     for e in fs::read_dir(&lib).with_context(|| format!("{} is missing: {hint}", lib.display()))? {
         let p = e?.path();
-        let name = p.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let name = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         let d = dynamic(&p)?.with_context(|| format!("{} is not an ELF file", p.display()))?;
         bundled.insert(name, d);
     }

@@ -191,7 +191,13 @@ pub fn memhog_verified(pid: i32, timeout: Duration, what: &str) -> Result<String
 pub fn bundle_criu(stack: &Stack, dir: &Path) -> Result<()> {
     let script =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime-class/installer/payload.sh");
-    run_ok(Command::new(script).arg("criu").arg(stack.criu_bin()).arg(dir)).map(|_| ())
+    run_ok(
+        Command::new(script)
+            .arg("criu")
+            .arg(stack.criu_bin())
+            .arg(dir),
+    )
+    .map(|_| ())
 }
 
 /// Runs a command and returns its output, failing with its stderr when it fails.
