@@ -22,7 +22,8 @@ repo="$(cd "$here/../.." && pwd)"
 STACK="${GPU_CKPT_STACK:-$repo/.stack}"
 CARGO="${CARGO:-cargo}"
 # The glibc floor of the shipped binaries (tests/integration/payload_glibc.rs checks it).
-TARGET=x86_64-unknown-linux-gnu.2.28
+TRIPLE=x86_64-unknown-linux-gnu
+TARGET=$TRIPLE.2.28
 OUT="$repo/target/payload"
 PAYLOAD_BINARIES=(containerd-shim-gpu-ckpt-v1 gpu-ckpt gpu-ckpt-hook)
 INSTALLER=gpu-ckpt-node-installer
@@ -84,7 +85,7 @@ build() {
   (cd "$repo" && PATH="$py:$PATH" "$CARGO" zigbuild --release --locked --target "$TARGET" \
     --target-dir "$OUT" -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks \
     -p gpu-ckpt-node-installer "${bins[@]}")
-  local built="$OUT/${TARGET%.*}/release"
+  local built="$OUT/$TRIPLE/release"
   rm -rf "$OUT/payload" "$OUT/installer"
   mkdir -p "$OUT/payload" "$OUT/installer"
   for b in "${PAYLOAD_BINARIES[@]}"; do install -m 0755 "$built/$b" "$OUT/payload/$b"; done
