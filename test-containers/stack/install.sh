@@ -12,6 +12,7 @@
 #   $STACK/py                                                       Python venv (system python3) with the pinned
 #                                                                   CUDA/NVML client libraries the GPU simulator's
 #                                                                   tests run (test-containers/tests/integration/gpu_python.rs)
+#   $STACK/py/bin/cargo-zigbuild                                    cargo-zigbuild and zig (ziglang) for `make payload`
 #   $STACK/env.sh, $STACK/versions.txt
 #
 # Host packages come from bookworm (the system's own apt sources). Packages from trixie and sid are only
