@@ -51,14 +51,22 @@ images: workloads build
 release-images: workloads release-tools
 	$(call build-images,$(CURDIR)/target/release)
 
-# The node installer's image (runtime-class/installer/README.md): the release binaries and the
-# stack's CRIU with its libraries, as $(IMAGES_DIR)/gpu-ckpt-node-installer-<version>.tar, the Helm
-# chart's default image (not in images.json: the tests do not import it).
+# The shipped binaries (shim, gpu-ckpt, gpu-ckpt-hook, gpu-ckpt-node-installer) for glibc 2.28 and
+# later, built by cargo-zigbuild with zig as the linker into target/payload/ (never the workspace's
+# own target directories), and the stack's CRIU with its libraries and glibc's loader:
+# target/payload/payload is the installer image's /payload (runtime-class/installer/payload.sh;
+# tests/integration/payload_glibc.rs checks every ELF of it against the floor).
+.PHONY: payload
+payload: deps
+	GPU_CKPT_STACK=$(STACK) CARGO="$(CARGO)" runtime-class/installer/payload.sh build
+
+# The node installer's image (runtime-class/installer/README.md): the payload above, as
+# $(IMAGES_DIR)/gpu-ckpt-node-installer-<version>.tar, the Helm chart's default image (not in
+# images.json: the tests do not import it).
 .PHONY: installer-image
-installer-image: deps
-	$(CARGO) build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks
+installer-image: payload
 	$(CARGO) build -p gpu-ckpt-test-containers --bin gpu-ckpt-images
-	target/debug/gpu-ckpt-images --node-installer-bins target/release --criu $(STACK)/bin/criu --out $(IMAGES_DIR)
+	target/debug/gpu-ckpt-images --node-installer-bins target/payload/installer --payload target/payload/payload --out $(IMAGES_DIR)
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -68,12 +76,12 @@ unit-test:
 	$(CARGO) test --workspace --lib --bins
 
 # Integration tests start their own containerd nodes; the registry is started around them.
-integration-test: deps build images
+integration-test: deps build images payload
 	test-containers/stack/test.sh
 
 # One build from scratch: incremental compilation's caches would only double target/'s size.
 test: export CARGO_INCREMENTAL = 0
-test: deps lint build images
+test: deps lint build images payload
 	test-containers/stack/test.sh
 
 demo: deps release-images

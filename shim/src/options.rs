@@ -32,7 +32,9 @@ const RUNTIME_OPTIONS_TYPE: &str = "runtimeoptions.v1.Options";
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "PascalCase", deny_unknown_fields, default)]
 pub struct RuntimeOptions {
-    /// The runc binary: a path, or a name looked up in PATH. Default `runc`.
+    /// The runc binary: a path, or a name looked up in PATH. Default `runc`, looked up in the
+    /// PATH containerd gives the shim, as containerd's runc shim does (go-runc runs
+    /// `exec.Command("runc", ...)` when `BinaryName` is empty); never a fixed path.
     pub binary_name: String,
     /// runc's state root; the namespace is appended. Default: see [`RuntimeOptions::runc_root`].
     pub root: String,

@@ -12,6 +12,7 @@
 #   $STACK/py                                                       Python venv (system python3) with the pinned
 #                                                                   CUDA/NVML client libraries the GPU simulator's
 #                                                                   tests run (test-containers/tests/integration/gpu_python.rs)
+#   $STACK/py/bin/cargo-zigbuild                                    cargo-zigbuild and zig (ziglang) for `make payload`
 #   $STACK/env.sh, $STACK/versions.txt
 #
 # Host packages come from bookworm (the system's own apt sources). Packages from trixie and sid are only
@@ -59,6 +60,13 @@ PY_PINS+=(nvidia-nccl-cu13==2.32.6)
 NCCL_LIB="nvidia/nccl/lib/libnccl.so.2"
 NCCL_LIB_SHA256="f567b7aa83bc1ccb123fd873a3a6d838410240763e12e1577c7b77adeea9ac8d"
 PY_IMPORTS="cuda.bindings.driver, pynvml, helm_python, kubernetes_validate"
+# The payload's build (`make payload`, runtime-class/installer/payload.sh): cargo-zigbuild with zig
+# as the linker, so that the shipped binaries need no glibc newer than 2.28. Installed into the
+# same venv with --require-hashes (the wheels' sha256 on PyPI), without touching the pins above.
+ZIG_PINS=(
+  "cargo-zigbuild==0.24.1 --hash=sha256:238a1ab54a95053a4eadc34775c81f795a8ad75f80bfed63f3f445f518102375"
+  "ziglang==0.17.1 --hash=sha256:ea6cc5d87b033cf0aedfbc8f9549a908cae6c50ac31f1698188fa48a74524b54"
+)
 
 COMPONENT="setup"
 # Progress goes to stderr so that functions whose stdout is captured can log too.
@@ -606,6 +614,38 @@ install_pyvenv() {
   log "python venv ($want) -> $STACK/py"
 }
 
+# cargo-zigbuild and zig (ZIG_PINS) into $STACK/py, its own stamp: the venv is not rebuilt.
+install_zigbuild() {
+  COMPONENT="cargo-zigbuild"
+  local py="$STACK/py/bin/python" want="" p
+  for p in "${ZIG_PINS[@]}"; do want+="${want:+ }${p%% *}"; done
+  if stamp_valid zigbuild "$STACK/py/bin/cargo-zigbuild" &&
+    [ "$(stamp_get zigbuild)" = "$want" ]; then
+    log "cargo-zigbuild, zig ($want) -> $STACK/py/bin (installed)"
+    return
+  fi
+  [ -x "$py" ] || die "$py is missing: the python venv comes first"
+  rm -f "$STACK/stamps/zigbuild"
+  printf '%s\n' "${ZIG_PINS[@]}" >"$STACK/build/zigbuild-requirements.txt"
+  log "cargo-zigbuild: pip install $want (hashes checked)"
+  mkdir -p "$CACHE/pip"
+  if ! PIP_CACHE_DIR="$CACHE/pip" "$py" -m pip install --no-input --disable-pip-version-check --only-binary=:all: \
+    --no-deps --require-hashes -r "$STACK/build/zigbuild-requirements.txt" >"$STACK/build/zigbuild.log" 2>&1; then
+    tail -n 30 "$STACK/build/zigbuild.log" >&2
+    die "pip install $want failed (log: $STACK/build/zigbuild.log)"
+  fi
+  local got
+  got=$("$py" -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('cargo-zigbuild', 'ziglang')))") ||
+    die "the venv cannot report cargo-zigbuild's and ziglang's versions"
+  [ "$got" = "$want" ] || die "the venv holds $got, expected $want"
+  # cargo-zigbuild runs zig as `python3 -m ziglang` (the venv's python3, first on PATH in
+  # payload.sh) when no `zig` is on PATH.
+  "$STACK/py/bin/cargo-zigbuild" --version >/dev/null 2>&1 || die "cargo-zigbuild --version does not run"
+  "$py" -m ziglang version >/dev/null 2>&1 || die "zig (python -m ziglang version) does not run"
+  stamp_set zigbuild "$want"
+  log "cargo-zigbuild, zig ($want) -> $STACK/py/bin"
+}
+
 write_env() {
   COMPONENT="env.sh"
   local q
@@ -634,6 +674,7 @@ EOF
     echo "hyperfine $(host_version hyperfine)"
     echo "python3 $(host_version python3)"
     echo "python-venv $(stamp_get pyvenv)"
+    echo "zigbuild $(stamp_get zigbuild)"
   } >"$STACK/versions.txt.new"
   mv "$STACK/versions.txt.new" "$STACK/versions.txt"
   log "env -> $STACK/env.sh; versions -> $STACK/versions.txt"
@@ -651,6 +692,7 @@ install_checkpointctl
 install_registry
 install_cni
 install_pyvenv
+install_zigbuild
 write_env
 COMPONENT="done"
 log "stack ready in $STACK ($(($(date +%s) - started)) s)"

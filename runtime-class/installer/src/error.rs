@@ -19,6 +19,9 @@ pub enum Error {
     /// The payload lacks something the node needs.
     #[error("payload {payload} has no {name}: the image must carry it")]
     PayloadMissing { payload: PathBuf, name: String },
+    /// The payload's CRIU cannot be given the bundled loader as its interpreter.
+    #[error("payload CRIU {path}: {why}")]
+    PayloadCriu { path: PathBuf, why: String },
     /// containerd's configuration could not be read or changed.
     #[error("containerd config {path}: {why}")]
     Config { path: PathBuf, why: String },

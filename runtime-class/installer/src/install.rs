@@ -11,6 +11,7 @@ use sha2::{Digest, Sha256};
 
 use crate::config;
 use crate::dropin::{self, SHIM_BINARY};
+use crate::elf;
 use crate::error::{Error, Result};
 use crate::labels;
 use crate::paths::{check_abs, HostFs};
@@ -22,10 +23,12 @@ use crate::site::{self, SiteArgs};
 
 /// The commands the payload carries into `--bin-dir`.
 pub const BINARIES: [&str; 3] = [SHIM_BINARY, "gpu-ckpt", "gpu-ckpt-hook"];
-/// The payload's CRIU directory (the binary `criu` and the libraries it needs in `lib/`, found
-/// through its RUNPATH `$ORIGIN/lib`); installed to `<lib-dir>/criu`, with `<bin-dir>/criu` a
-/// relative link to it.
+/// The payload's CRIU directory (the binary `criu`, and in `lib/` every library it needs and
+/// glibc's loader, found through its RPATH `$ORIGIN/lib`); installed to `<lib-dir>/criu`, with
+/// `<bin-dir>/criu` a relative link to it.
 pub const CRIU_DIR: &str = "criu";
+/// The bundled loader in [`CRIU_DIR`]: the installed `criu`'s interpreter.
+pub const CRIU_LOADER: &str = "lib/ld-linux-x86-64.so.2";
 
 /// containerd's restart on a node: systemd in the host's namespaces, from a privileged pod
 /// with the host's PID namespace.
@@ -169,19 +172,7 @@ impl Options {
                 dir_mode: 0o755,
             });
         }
-        let criu_src = self.payload.join(CRIU_DIR);
-        if !criu_src.join("criu").is_file() {
-            return Err(missing("criu/criu"));
-        }
-        let criu_dest = self.lib_dir.join(CRIU_DIR);
-        walk_payload(&criu_src, &criu_dest, &mut items)?;
-        items.push(Item {
-            path: self.bin_dir.join("criu"),
-            content: Content::Link(relative_link(&self.bin_dir, &criu_dest.join("criu"))),
-            mode: 0o777,
-            config: false,
-            dir_mode: 0o755,
-        });
+        self.criu_items(&mut items)?;
         items.extend(self.registration()?);
         Ok(items)
     }
@@ -229,6 +220,45 @@ impl Options {
 /// writing or removing it needs a restart; a handler's side file is read by the shim instead.
 fn containerd_reads(p: &Path) -> bool {
     p.extension().is_some_and(|x| x == "toml") && !site::is_side_file(p)
+}
+
+impl Options {
+    /// The payload's CRIU tree under `<lib-dir>/criu`, its `criu` given the bundled loader as
+    /// the node sees it for interpreter ([`elf`]), and `<bin-dir>/criu` a relative link to it:
+    /// runc runs `criu` from PATH, and the process is CRIU itself (`/proc/PID/exe`), with the
+    /// bundled libraries through its RPATH `$ORIGIN/lib` and nothing in its environment.
+    fn criu_items(&self, items: &mut Vec<Item>) -> Result<()> {
+        let _span = tracing::info_span!("criu", lib_dir = %self.lib_dir.display()).entered();
+        let src = self.payload.join(CRIU_DIR);
+        for name in ["criu", CRIU_LOADER] {
+            if !src.join(name).is_file() {
+                return Err(Error::PayloadMissing {
+                    payload: self.payload.clone(),
+                    name: format!("{CRIU_DIR}/{name}"),
+                });
+            }
+        }
+        let dest = self.lib_dir.join(CRIU_DIR);
+        let first = items.len();
+        walk_payload(&src, &dest, items)?;
+        let bin = dest.join("criu");
+        let loader = self.fs.for_containerd(&dest.join(CRIU_LOADER));
+        if let Some(item) = items[first..].iter_mut().find(|i| i.path == bin) {
+            let source = src.join("criu");
+            let bytes = fs::read(&source).map_err(Error::io("read", &source))?;
+            let patched = elf::with_interpreter(&bytes, &loader)
+                .map_err(|why| Error::PayloadCriu { path: source, why })?;
+            item.content = Content::Bytes(patched);
+        }
+        items.push(Item {
+            path: self.bin_dir.join("criu"),
+            content: Content::Link(relative_link(&self.bin_dir, &bin)),
+            mode: 0o777,
+            config: false,
+            dir_mode: 0o755,
+        });
+        Ok(())
+    }
 }
 
 fn file_sha(p: &Path) -> Result<String> {

@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod dropin;
+pub mod elf;
 pub mod error;
 pub mod install;
 pub mod labels;

@@ -38,6 +38,37 @@ struct Scratch {
     opts: Options,
 }
 
+/// A stand-in for the payload's CRIU: an ELF header and one program header, PT_INTERP, naming a
+/// placeholder of 512 bytes as runtime-class/installer/payload.sh leaves it.
+fn criu_stand_in() -> Vec<u8> {
+    const INTERP_LEN: u64 = 512;
+    let mut e = Vec::new();
+    e.extend_from_slice(b"\x7fELF\x02\x01\x01");
+    e.resize(16, 0);
+    e.extend_from_slice(&2u16.to_le_bytes()); // e_type: executable
+    e.extend_from_slice(&62u16.to_le_bytes()); // e_machine: x86-64
+    e.extend_from_slice(&1u32.to_le_bytes()); // e_version
+    e.extend_from_slice(&0u64.to_le_bytes()); // e_entry
+    e.extend_from_slice(&64u64.to_le_bytes()); // e_phoff
+    e.extend_from_slice(&0u64.to_le_bytes()); // e_shoff
+    e.extend_from_slice(&0u32.to_le_bytes()); // e_flags
+    for half in [64u16, 56, 1, 64, 0, 0] {
+        // e_ehsize, e_phentsize, e_phnum, e_shentsize, e_shnum, e_shstrndx
+        e.extend_from_slice(&half.to_le_bytes());
+    }
+    e.extend_from_slice(&3u32.to_le_bytes()); // p_type: PT_INTERP
+    e.extend_from_slice(&4u32.to_le_bytes()); // p_flags: R
+    for word in [120u64, 120, 120, INTERP_LEN, INTERP_LEN, 1] {
+        // p_offset, p_vaddr, p_paddr, p_filesz, p_memsz, p_align
+        e.extend_from_slice(&word.to_le_bytes());
+    }
+    let mut placeholder = b"/gpu-ckpt-node-installer-sets-this-path-at-install".to_vec();
+    placeholder.resize(INTERP_LEN as usize - 1, b'_');
+    e.extend_from_slice(&placeholder);
+    e.push(0);
+    e
+}
+
 fn scratch() -> Scratch {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("node");
@@ -52,6 +83,8 @@ fn scratch() -> Scratch {
         fs::write(payload.join(b), format!("#!/bin/sh\n# {b}\n")).unwrap();
         fs::set_permissions(payload.join(b), fs::Permissions::from_mode(0o755)).unwrap();
     }
+    fs::write(payload.join("criu/criu"), criu_stand_in()).unwrap();
+    fs::write(payload.join("criu/lib/ld-linux-x86-64.so.2"), "loader").unwrap();
     fs::write(payload.join("criu/lib/libnet.so.1"), "lib").unwrap();
     std::os::unix::fs::symlink("libnet.so.1", payload.join("criu/lib/libnet.so")).unwrap();
     fs::create_dir_all(root.join("etc/containerd")).unwrap();
@@ -190,13 +223,16 @@ fn a_half_install_is_undone_by_uninstall() {
 
 #[test]
 fn a_payload_without_criu_is_named() {
-    let s = scratch();
-    fs::remove_file(s.opts.payload.join("criu/criu")).unwrap();
-    let err = install(&s.opts).unwrap_err().to_string();
-    assert!(
-        err.ends_with("has no criu/criu: the image must carry it"),
-        "{err}"
-    );
+    // CRIU, and the loader it is given as interpreter.
+    for missing in ["criu/criu", "criu/lib/ld-linux-x86-64.so.2"] {
+        let s = scratch();
+        fs::remove_file(s.opts.payload.join(missing)).unwrap();
+        let err = install(&s.opts).unwrap_err().to_string();
+        assert!(
+            err.ends_with(&format!("has no {missing}: the image must carry it")),
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -403,4 +439,40 @@ fn status_needs_the_ready_marker_and_an_unchanged_node() {
     clear_ready(&ready).unwrap();
     clear_ready(&ready).unwrap();
     assert!(status(o, &ready).unwrap()[0].starts_with("no ready marker"));
+}
+
+#[test]
+fn the_installed_criu_runs_through_the_bundled_loader() {
+    let s = scratch();
+    let placeholder = fs::read(s.opts.payload.join("criu/criu")).unwrap();
+    assert!(node_installer::elf::interpreter(&placeholder)
+        .unwrap()
+        .to_string_lossy()
+        .starts_with("/gpu-ckpt-node-installer-sets-this-path-at-install_"));
+    install(&s.opts).unwrap();
+    let installed = fs::read(s.root.join("usr/local/lib/gpu-ckpt/criu/criu")).unwrap();
+    assert_eq!(
+        node_installer::elf::interpreter(&installed).unwrap(),
+        PathBuf::from("/usr/local/lib/gpu-ckpt/criu/lib/ld-linux-x86-64.so.2")
+    );
+    assert_eq!(installed.len(), placeholder.len(), "written in place");
+    assert!(s
+        .root
+        .join("usr/local/lib/gpu-ckpt/criu/lib/ld-linux-x86-64.so.2")
+        .is_file());
+    // The same payload, installed again: nothing to do.
+    assert!(install(&s.opts).unwrap().files_changed.is_empty());
+}
+
+#[test]
+fn a_lib_dir_too_long_for_the_interpreter_is_refused_before_anything_is_written() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    s.opts.lib_dir = PathBuf::from(format!("/{}", "d".repeat(500)));
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.starts_with("payload CRIU ") && err.ends_with("(choose a shorter --lib-dir)"),
+        "{err}"
+    );
+    assert_eq!(listing(&s.root), before, "nothing was written");
 }

@@ -14,15 +14,14 @@
 //!   and its applets; default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the
 //!   CDI spec of the (simulated) driver mounts it at run time, as the NVIDIA toolkit does.
 //!
-//! `gpu-ckpt-images --node-installer-bins DIR --criu PATH --out DIR` builds only the node
-//! installer's image instead, `localhost:5000/gpu-ckpt-node-installer:<version>` (the Helm
+//! `gpu-ckpt-images --node-installer-bins DIR --payload DIR --out DIR` builds only the node
+//! installer's image instead, `ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:<version>` (the Helm
 //! chart's default image) in `<out>/gpu-ckpt-node-installer-<version>.tar` (not listed in
-//! `images.json`, which the tests import into every node): `gpu-ckpt-node-installer` as its
-//! entrypoint (default argument `install`) with the glibc it needs, busybox's `sh`, `sleep` and
-//! `nsenter` (the default restart command), and the payload in
-//! /payload: the shim, `gpu-ckpt` and `gpu-ckpt-hook` from DIR (a release build), and CRIU as
-//! `/payload/criu/criu` with every library it needs but glibc's in `/payload/criu/lib`, found
-//! through the RPATH `$ORIGIN/lib` that `patchelf` writes into the copy.
+//! `images.json`, which the tests import into every node): `gpu-ckpt-node-installer` from the
+//! first DIR as its entrypoint (default argument `install`) with the glibc it needs, busybox's
+//! `sh`, `sleep` and `nsenter` (the default restart command), and the payload DIR (`make
+//! payload`: runtime-class/installer/payload.sh) as it is in /payload: the shim, `gpu-ckpt`,
+//! `gpu-ckpt-hook`, and CRIU with its libraries and loader in `criu/`.
 
 use std::path::{Path, PathBuf};
 
@@ -108,13 +107,13 @@ struct Args {
     /// Also write each image as an OCI layout directory next to its tarball.
     #[arg(long)]
     layout_dirs: bool,
-    /// Build only the node installer's image, with gpu-ckpt-node-installer, the shim, gpu-ckpt
-    /// and gpu-ckpt-hook from this directory (target/release).
-    #[arg(long, value_name = "DIR", requires = "criu")]
+    /// Build only the node installer's image, with gpu-ckpt-node-installer from this directory
+    /// (target/payload/installer).
+    #[arg(long, value_name = "DIR", requires = "payload")]
     node_installer_bins: Option<PathBuf>,
-    /// The CRIU for the node installer's payload ($GPU_CKPT_STACK/bin/criu).
-    #[arg(long, value_name = "PATH")]
-    criu: Option<PathBuf>,
+    /// The payload the node installer's image carries in /payload (target/payload/payload).
+    #[arg(long, value_name = "DIR")]
+    payload: Option<PathBuf>,
 }
 
 fn check_static(path: &Path, what: &str, hint: &str) -> Result<()> {
@@ -213,32 +212,23 @@ fn gpu_workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
 /// Reference of the node installer's image: the Helm chart's default `image.repository`, tagged
 /// with its `appVersion` (the workspace version).
 const NODE_INSTALLER_REF: &str = concat!(
-    "localhost:5000/gpu-ckpt-node-installer:",
+    "ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:",
     env!("CARGO_PKG_VERSION")
 );
 const NODE_INSTALLER: &str = "gpu-ckpt-node-installer";
 /// What the installer copies onto a node from /payload (runtime-class/installer/README.md).
-const PAYLOAD_BINARIES: &[&str] = &["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"];
-/// glibc's own libraries: a node has them, so the payload's CRIU does not carry them.
-const GLIBC_OWN: &[&str] = &[
-    "libc.so.6",
-    "libm.so.6",
-    "libdl.so.2",
-    "libpthread.so.0",
-    "librt.so.1",
-    "libresolv.so.2",
-    "ld-linux-x86-64.so.2",
+const PAYLOAD_FILES: &[&str] = &[
+    "containerd-shim-gpu-ckpt-v1",
+    "gpu-ckpt",
+    "gpu-ckpt-hook",
+    "criu/criu",
+    "criu/lib/ld-linux-x86-64.so.2",
 ];
 
-fn node_installer_image(
-    bins: &Path,
-    criu: &Path,
-    busybox: &Path,
-    scratch: &Path,
-) -> Result<ImageBuilder> {
+fn node_installer_image(bins: &Path, payload: &Path, busybox: &Path) -> Result<ImageBuilder> {
     let installer = bins.join(NODE_INSTALLER);
-    let hint = "build them with `cargo build --release -p gpu-ckpt-node-installer -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks`";
-    for p in std::iter::once(installer.clone()).chain(PAYLOAD_BINARIES.iter().map(|b| bins.join(b)))
+    let hint = "build them with `make payload`";
+    for p in std::iter::once(installer.clone()).chain(PAYLOAD_FILES.iter().map(|b| payload.join(b)))
     {
         if !p.is_file() {
             bail!("{} is missing: {hint}", p.display());
@@ -247,7 +237,7 @@ fn node_installer_image(
     let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
     let libs = HostLibraries::resolve(std::slice::from_ref(&installer), &[], &dirs)
         .context("finding the shared libraries of gpu-ckpt-node-installer")?;
-    let mut b = ImageBuilder::new(NODE_INSTALLER_REF)
+    let b = ImageBuilder::new(NODE_INSTALLER_REF)
         .dir_mode("/tmp", 0o1777)
         .file("/usr/bin/busybox", busybox, 0o755)
         .symlink("/bin", "usr/bin")
@@ -265,39 +255,30 @@ fn node_installer_image(
         .entrypoint([format!("/usr/bin/{NODE_INSTALLER}")])
         .cmd(["install"])
         .label("org.opencontainers.image.title", "gpu-ckpt node installer");
-    for name in PAYLOAD_BINARIES {
-        b = b.file(format!("/payload/{name}"), bins.join(name), 0o755);
-    }
-    // CRIU with its libraries beside it, found through its RPATH.
-    if !criu.is_file() {
-        bail!(
-            "CRIU {} is missing: run test-containers/stack/install.sh",
-            criu.display()
-        );
-    }
-    std::fs::create_dir_all(scratch).with_context(|| format!("creating {}", scratch.display()))?;
-    let patched = scratch.join("criu");
-    std::fs::copy(criu, &patched)
-        .with_context(|| format!("copying {} to {}", criu.display(), patched.display()))?;
-    let status = std::process::Command::new("patchelf")
-        .args(["--force-rpath", "--set-rpath", "$ORIGIN/lib"])
-        .arg(&patched)
-        .status()
-        .context("running patchelf (apt-get install patchelf)")?;
-    if !status.success() {
-        bail!(
-            "patchelf --set-rpath on {} failed: {status}",
-            patched.display()
-        );
-    }
-    b = b.file("/payload/criu/criu", std::fs::read(&patched)?, 0o755);
-    let criu_libs = HostLibraries::resolve(&[criu.to_path_buf()], &[], &dirs)
-        .with_context(|| format!("finding the shared libraries of {}", criu.display()))?;
-    for (name, path) in &criu_libs.libs {
-        if GLIBC_OWN.contains(&name.as_str()) {
-            continue;
+    add_tree(b, payload, "/payload")
+}
+
+/// `dir`'s files (their modes kept) and links under `at` in the image.
+fn add_tree(mut b: ImageBuilder, dir: &Path, at: &str) -> Result<ImageBuilder> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .and_then(|d| d.collect::<std::io::Result<Vec<_>>>())
+        .with_context(|| format!("reading {}", dir.display()))?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let path = e.path();
+        let name = e.file_name();
+        let to = format!("{at}/{}", name.to_string_lossy());
+        let meta = std::fs::symlink_metadata(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if meta.is_dir() {
+            b = add_tree(b.dir(to.clone()), &path, &to)?;
+        } else if meta.file_type().is_symlink() {
+            let target = std::fs::read_link(&path)?;
+            b = b.symlink(to, target.to_string_lossy().into_owned());
+        } else {
+            use std::os::unix::fs::PermissionsExt;
+            b = b.file(to, path.as_path(), meta.permissions().mode() & 0o755);
         }
-        b = b.file(format!("/payload/criu/lib/{name}"), path.as_path(), 0o644);
     }
     Ok(b)
 }
@@ -367,12 +348,9 @@ fn run(args: &Args) -> Result<()> {
         .canonicalize()
         .with_context(|| format!("resolving {}", args.out.display()))?;
     if let Some(bins) = &args.node_installer_bins {
-        let criu = args.criu.as_deref().context("--criu is required")?;
-        let scratch = out.join(".node-installer");
-        let img = node_installer_image(bins, criu, &args.busybox, &scratch)?;
-        let blobs = img.build()?;
-        let _ = std::fs::remove_dir_all(&scratch);
-        write_image(&blobs, &out, args.layout_dirs)?;
+        let payload = args.payload.as_deref().context("--payload is required")?;
+        let img = node_installer_image(bins, payload, &args.busybox)?;
+        write_image(&img.build()?, &out, args.layout_dirs)?;
         return Ok(());
     }
     let workloads_dir = args

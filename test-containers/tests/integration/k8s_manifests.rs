@@ -295,7 +295,7 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
     ensure!(
         c["image"]
             == format!(
-                "localhost:5000/gpu-ckpt-node-installer:{}",
+                "ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:{}",
                 chart_app_version()?
             ),
         "image {}",
@@ -1237,19 +1237,17 @@ fn listing(root: &Path) -> Result<BTreeMap<String, String>> {
 /// A payload of stand-ins at `payload`: every file the installer copies, each a small script.
 pub(crate) fn stub_payload(payload: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(payload.join("criu/lib"))?;
-    for f in [
-        "containerd-shim-gpu-ckpt-v1",
-        "gpu-ckpt",
-        "gpu-ckpt-hook",
-        "criu/criu",
-        "criu/lib/libnl-3.so.200",
-    ] {
+    std::fs::create_dir_all(payload)?;
+    for f in ["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"] {
         let p = payload.join(f);
         std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
     }
-    Ok(())
+    // CRIU as `make payload` bundles it: the installer gives it the bundled loader.
+    crate::common::bundle_criu(
+        &test_containers::stack::Stack::discover()?,
+        &payload.join("criu"),
+    )
 }
 
 #[test]
@@ -1267,7 +1265,8 @@ fn the_installer_pod_runs_the_real_installer_with_the_charts_flags() -> Result<(
          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]\n  \
          runtime_type = 'io.containerd.runc.v2'\n",
     )?;
-    // What the image carries.
+    // What the image carries: stand-ins for the Rust binaries, and CRIU bundled as the payload
+    // bundles it (the installer gives it its interpreter).
     let payload = tmp.path().join("payload");
     stub_payload(&payload)?;
     let restarts = tmp.path().join("restarts.log");

@@ -33,6 +33,7 @@ mod key_rotation;
 mod log_uri;
 mod node_installer;
 mod nonroot_caps;
+mod payload_glibc;
 mod registry;
 mod restarts;
 mod restore_bound;

@@ -13,7 +13,7 @@
 //! sets), which shows an uninstall whose label removal is refused (401: the ServiceAccount was
 //! deleted first) still removing everything else.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -82,11 +82,11 @@ fn same_listing(
 }
 
 /// The payload the installer image carries: the workspace's shim, gpu-ckpt and gpu-ckpt-hook,
-/// and the stack's CRIU with the shared libraries it needs (all but glibc's), found through
-/// the RUNPATH `$ORIGIN/lib` that patchelf writes (DT_RPATH, so that the libraries' own
-/// dependencies are found there too).
+/// and the stack's CRIU bundled as `make payload` bundles it (runtime-class/installer/payload.sh:
+/// every library it needs and glibc's loader in criu/lib, its RPATH `$ORIGIN/lib`, its
+/// interpreter a placeholder the installer replaces).
 pub(crate) fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
-    fs::create_dir_all(dir.join("criu/lib"))?;
+    fs::create_dir_all(dir)?;
     for b in [SHIM, "gpu-ckpt", "gpu-ckpt-hook"] {
         let from = stack.shim_dir().join(b);
         fs::copy(&from, dir.join(b)).with_context(|| {
@@ -96,39 +96,80 @@ pub(crate) fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
             )
         })?;
     }
-    let criu = dir.join("criu/criu");
-    fs::copy(stack.criu_bin(), &criu)?;
-    let ldd = run_ok(Command::new("ldd").arg(stack.criu_bin()))?;
-    for line in ldd.lines() {
-        // "libfoo.so.1 => /lib/x86_64-linux-gnu/libfoo.so.1 (0x...)"
-        let Some((name, rest)) = line.trim().split_once(" => ") else {
-            continue;
-        };
-        let Some(path) = rest.split_whitespace().next() else {
-            continue;
-        };
-        let glibc = [
-            "libc.so",
-            "libm.so",
-            "libdl.so",
-            "libpthread.so",
-            "librt.so",
-            "ld-linux",
-        ];
-        if glibc.iter().any(|g| name.starts_with(g)) || !path.starts_with('/') {
-            continue;
-        }
-        fs::copy(path, dir.join("criu/lib").join(name))
-            .with_context(|| format!("copy CRIU's library {path}"))?;
-    }
-    run_ok(
-        Command::new("patchelf")
-            .args(["--force-rpath", "--set-rpath", "$ORIGIN/lib"])
-            .arg(&criu),
-    )?;
-    // It runs from the payload with its own libraries.
+    bundle_criu(stack, &dir.join("criu"))
+}
+
+/// The installed CRIU, run as runc runs it (`criu` from PATH, here `<bin>/criu`), maps only the
+/// bundled loader and libraries, glibc's included, and none of the host's: `criu service` (which
+/// stays up until stopped) has its /proc/PID/maps read; `criu --version` runs and `criu check`
+/// says "Looks good." with them.
+fn check_bundled_criu(bin_dir: &Path, criu_dir: &Path) -> Result<()> {
+    let criu = bin_dir.join("criu");
     let v = run_ok(Command::new(&criu).arg("--version"))?;
     ensure!(v.contains("Version"), "criu --version: {v}");
+    let check = Command::new(&criu).arg("check").output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    ensure!(
+        check.status.success() && said.contains("Looks good."),
+        "the installed criu check: {}: {said}",
+        check.status
+    );
+    let scratch = tempfile::tempdir()?;
+    let mut service = Command::new(&criu)
+        .args(["service", "--address"])
+        .arg(scratch.path().join("criu.sock"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let pid = service.id();
+    let maps = (|| -> Result<BTreeSet<PathBuf>> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            // Up once it listens: its libraries are mapped by then.
+            if scratch.path().join("criu.sock").exists() {
+                let text = fs::read_to_string(format!("/proc/{pid}/maps"))?;
+                return Ok(text
+                    .lines()
+                    .filter_map(|l| l.split_whitespace().nth(5))
+                    .filter(|p| p.starts_with('/'))
+                    .map(PathBuf::from)
+                    .collect());
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "criu service did not listen within 10 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    })();
+    let exe = fs::read_link(format!("/proc/{pid}/exe"));
+    let _ = service.kill();
+    let _ = service.wait();
+    let maps = maps?;
+    ensure!(
+        exe? == criu_dir.join("criu"),
+        "the running CRIU is not the installed binary itself"
+    );
+    let libs = criu_dir.join("lib");
+    for want in ["ld-linux-x86-64.so.2", "libc.so.6", "libnet.so.1"] {
+        ensure!(
+            maps.contains(&libs.join(want)),
+            "criu service does not map the bundled {want}: {maps:?}"
+        );
+    }
+    // Shared objects (a name with `.so`): only the bundled ones.
+    let foreign: Vec<_> = maps
+        .iter()
+        .filter(|p| p.to_string_lossy().contains(".so") && !p.starts_with(&libs))
+        .collect();
+    ensure!(
+        foreign.is_empty(),
+        "criu service maps shared objects that are not the bundled ones (the host's libc?): {foreign:?}"
+    );
     Ok(())
 }
 
@@ -324,6 +365,14 @@ fn install_run_checkpoint_restore_uninstall_leaves_the_node_as_it_was() -> Resul
         "the installed criu does not load libnet.so.1 from {}: {debug}",
         lib_dir.display()
     );
+    // With its own glibc: the bundled libc, and no other, through the bundled loader.
+    ensure!(
+        debug.contains(&format!("calling init: {}/libc.so.6", lib_dir.display()))
+            && !debug.contains("/lib/x86_64-linux-gnu/libc.so.6"),
+        "the installed criu does not load only the bundled libc.so.6 from {}: {debug}",
+        lib_dir.display()
+    );
+    check_bundled_criu(&bin_dir, &root.join("usr/local/lib/gpu-ckpt/criu"))?;
 
     // containerd on that configuration.
     let node = node_with(builder.config_file(&config))?;

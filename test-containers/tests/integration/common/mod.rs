@@ -184,6 +184,22 @@ pub fn memhog_verified(pid: i32, timeout: Duration, what: &str) -> Result<String
     })
 }
 
+/// The stack's CRIU bundled into `dir` as `make payload` bundles it for the node installer's
+/// payload (`runtime-class/installer/payload.sh criu`): `dir/criu` with every library it needs
+/// and glibc's loader in `dir/lib`, its RPATH `$ORIGIN/lib`, its interpreter a placeholder the
+/// installer replaces.
+pub fn bundle_criu(stack: &Stack, dir: &Path) -> Result<()> {
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../runtime-class/installer/payload.sh");
+    run_ok(
+        Command::new(script)
+            .arg("criu")
+            .arg(stack.criu_bin())
+            .arg(dir),
+    )
+    .map(|_| ())
+}
+
 /// Runs a command and returns its output, failing with its stderr when it fails.
 pub fn run_ok(cmd: &mut std::process::Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("run {cmd:?}"))?;
