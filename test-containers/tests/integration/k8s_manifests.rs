@@ -426,7 +426,10 @@ fn the_runtime_class_handlers_are_the_drop_ins_runtimes() -> Result<()> {
             // restore handler's side file, which the installer writes (installer/src/site.rs).
             let mode = &rt["options"]["Mode"];
             ensure!(mode.is_null(), "{name}: Mode {mode} in the drop-in");
-            ensure!(rt["options"]["BinaryName"].is_string(), "{name}: {rt}");
+            // No BinaryName: runc from containerd's PATH, as containerd's runc shim finds it
+            // (the chart's runc.path, written by the installer, pins one).
+            ensure!(rt["options"]["BinaryName"].is_null(), "{name}: {rt}");
+            ensure!(rt["options"]["Root"].is_string(), "{name}: {rt}");
         }
     }
     ensure!(
