@@ -56,8 +56,8 @@ pub struct DrainPlanArgs {
         default_value = super::RESTORE_RUNTIME_CLASS
     )]
     pub restore_runtime_class: String,
-    /// text (default) or json.
-    #[arg(long, value_name = "FORMAT", default_value = "text")]
+    /// text (default), json or yaml.
+    #[arg(short = 'o', long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json", "yaml"])]
     pub output: String,
 }
 
