@@ -116,13 +116,20 @@ fn clap_error(e: clap::Error) -> ExitCode {
     if !e.use_stderr() || format == Format::Text {
         e.exit();
     }
+    // The message, up to clap's usage lines, on one line.
     let text = e.to_string();
-    let first = text
+    let message: Vec<&str> = text
         .lines()
-        .next()
-        .unwrap_or_default()
-        .trim_start_matches("error: ");
-    output::print_error(format, "", first, ExitClass::Usage);
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let message = message.join(" ");
+    output::print_error(
+        format,
+        "",
+        message.trim_start_matches("error: "),
+        ExitClass::Usage,
+    );
     ExitClass::Usage.exit_code()
 }
 

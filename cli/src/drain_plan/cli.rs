@@ -92,9 +92,9 @@ pub fn make_plan(args: &DrainPlanArgs) -> Result<Plan, DrainPlanError> {
             "--restore-runtime-class is empty: name the RuntimeClass restore pods run on".into(),
         ));
     }
-    if args.output != "text" && args.output != "json" {
+    if !["text", "json", "yaml"].contains(&args.output.as_str()) {
         return Err(DrainPlanError::Usage(format!(
-            "--output {:?}: expected text or json",
+            "--output {:?}: expected text, json or yaml",
             args.output
         )));
     }
