@@ -142,3 +142,53 @@ fn format_class(e: &image_format::Error) -> ExitClass {
         _ => ExitClass::Integrity,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_error_kind_maps_to_its_class() {
+        let class = |e: anyhow::Error| classify(&e.context("doing it"));
+        let io = || std::io::Error::from(std::io::ErrorKind::NotFound);
+        assert_eq!(
+            class(image_format::Error::io("opening", "/x", io()).into()),
+            ExitClass::Io
+        );
+        assert_eq!(class(io().into()), ExitClass::Io);
+        assert_eq!(
+            class(
+                image_format::Error::MissingFile {
+                    name: "core-1.img".into()
+                }
+                .into()
+            ),
+            ExitClass::Integrity
+        );
+        assert_eq!(
+            class(
+                image_format::Error::Signature {
+                    reason: "does not match".into()
+                }
+                .into()
+            ),
+            ExitClass::Trust
+        );
+        assert_eq!(
+            class(
+                image_format::Error::Registry {
+                    url: "https://r".into(),
+                    reason: "refused".into()
+                }
+                .into()
+            ),
+            ExitClass::Registry
+        );
+        assert_eq!(
+            class(CliError::Usage("nothing to do".into()).into()),
+            ExitClass::Usage
+        );
+        let codes: Vec<u8> = ExitClass::ALL.iter().map(|c| c.code()).collect();
+        assert_eq!(codes, [0, 1, 2, 3, 4, 5, 6]);
+    }
+}

@@ -156,3 +156,32 @@ impl Text {
         self.0.push('\n');
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_that_prints_its_source_says_it_once() {
+        let io = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let said = io.to_string();
+        let e = anyhow::Error::new(image_format::Error::io("opening", "/x.tar", io))
+            .context("inspecting /x.tar");
+        let text = error_text(&e);
+        assert_eq!(text, format!("inspecting /x.tar: opening /x.tar: {said}"));
+        assert_eq!(text.matches(&said).count(), 1);
+    }
+
+    #[test]
+    fn the_format_is_read_from_any_spelling_of_the_flag() {
+        let f = |args: &[&str]| {
+            Format::from_args(&args.iter().map(|a| a.to_string()).collect::<Vec<_>>())
+        };
+        assert_eq!(f(&["verify"]), Format::Text);
+        assert_eq!(f(&["verify", "--json"]), Format::Json);
+        assert_eq!(f(&["verify", "-o", "yaml"]), Format::Yaml);
+        assert_eq!(f(&["verify", "-oyaml"]), Format::Yaml);
+        assert_eq!(f(&["verify", "--output=json"]), Format::Json);
+        assert_eq!(f(&["verify", "-o", "text"]), Format::Text);
+    }
+}
