@@ -245,20 +245,6 @@ fn verify_refuses_a_signer_a_node_would_refuse() {
     assert!(err.contains("INVALID"), "{err}");
 }
 
-fn checkpointctl() -> PathBuf {
-    let p = std::env::var_os("GPU_CKPT_CHECKPOINTCTL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.stack/bin/checkpointctl")
-        });
-    assert!(
-        p.is_file(),
-        "checkpointctl not found at {}: run `make deps` or set GPU_CKPT_CHECKPOINTCTL",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn inspect_fails_on_a_truncated_archive_and_on_no_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
@@ -275,7 +261,7 @@ fn inspect_fails_on_a_truncated_archive_and_on_no_checkpoint() {
         .position(|w| w == [7u8; 8])
         .expect("the page image's data");
     std::fs::write(&cut, &data[..pages + 1000]).unwrap();
-    let o = std::process::Command::new(checkpointctl())
+    let o = std::process::Command::new(common::checkpointctl())
         .arg("inspect")
         .arg(&cut)
         .output()
@@ -307,15 +293,13 @@ fn inspect_fails_on_a_truncated_archive_and_on_no_checkpoint() {
 fn build_verifies_its_input() {
     let tmp = tempfile::tempdir().unwrap();
     let a = common::make_archive(tmp.path());
+    let build = |to: &[&str]| {
+        let mut args = vec!["build", s(&a), "--ref", "localhost:5000/x:1"];
+        args.extend_from_slice(to);
+        run(&args)
+    };
     let good = tmp.path().join("good.tar");
-    let (rc, _, err) = run(&[
-        "build",
-        s(&a),
-        "--ref",
-        "localhost:5000/x:1",
-        "--tarball",
-        s(&good),
-    ]);
+    let (rc, _, err) = build(&["--tarball", s(&good)]);
     assert_eq!(rc, 0, "{err}");
     // `verify` of the image checks the archive inside as well as the layer's digest.
     let (rc, out, err) = run(&["verify", s(&good)]);
@@ -329,16 +313,7 @@ fn build_verifies_its_input() {
     tamper(&a, &[CORE]);
     let bad = tmp.path().join("bad.tar");
     let layout = tmp.path().join("layout");
-    let (rc, out, err) = run(&[
-        "build",
-        s(&a),
-        "--ref",
-        "localhost:5000/x:1",
-        "--tarball",
-        s(&bad),
-        "--layout",
-        s(&layout),
-    ]);
+    let (rc, out, err) = build(&["--tarball", s(&bad), "--layout", s(&layout)]);
     assert_eq!(rc, 4, "{out}{err}");
     assert!(err.contains("file \"core-1.img\": "), "{err}");
     assert!(!bad.exists() && !layout.exists(), "an image was written");

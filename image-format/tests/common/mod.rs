@@ -234,3 +234,19 @@ pub fn tree(root: &Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// The test stack's checkpointctl (the reference reader of checkpoint archives; `make deps`
+/// installs it in .stack/bin) or $GPU_CKPT_CHECKPOINTCTL; a test fails, not skips, without it.
+pub fn checkpointctl() -> PathBuf {
+    let p = std::env::var_os("GPU_CKPT_CHECKPOINTCTL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.stack/bin/checkpointctl")
+        });
+    assert!(
+        p.is_file(),
+        "checkpointctl not found at {}: run `make deps` (test-containers/stack/install.sh) or set GPU_CKPT_CHECKPOINTCTL",
+        p.display()
+    );
+    p
+}
