@@ -310,6 +310,27 @@ fn build_verifies_its_input() {
         "{out}"
     );
 
+    // Another engine's checkpoint (no gpu-ckpt manifest): nothing to hold its files to, so its
+    // headers are checked and it is built, saying so.
+    let plain = tmp.path().join("plain.tar");
+    let config = serde_json::to_vec(&common::config_dump()).unwrap();
+    let spec = serde_json::to_vec(&common::spec_dump_containerd()).unwrap();
+    let raw = common::RawTar::new()
+        .file("config.dump", &config)
+        .file("spec.dump", &spec)
+        .file("checkpoint/pages-1.img", &[7u8; 4096])
+        .finish();
+    std::fs::write(&plain, raw).unwrap();
+    let plain_image = tmp.path().join("plain-image.tar");
+    let mut args = vec!["build", s(&plain), "--ref", "localhost:5000/x:2"];
+    args.extend_from_slice(&["--tarball", s(&plain_image)]);
+    let (rc, out, err) = run(&args);
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains("not verified: the archive has no gpu-ckpt manifest"),
+        "{out}"
+    );
+
     tamper(&a, &[CORE]);
     let bad = tmp.path().join("bad.tar");
     let layout = tmp.path().join("layout");

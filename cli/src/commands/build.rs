@@ -10,7 +10,6 @@ use image_format::safe::Limits;
 use image_format::sign;
 use registry::RegistryOptions;
 
-use super::node::no_manifest;
 use crate::exit::CliError;
 use crate::output::{OutputArgs, Report, Text};
 use crate::progress::{human, Bar};
@@ -60,18 +59,23 @@ pub struct BuildArgs {
     pub out: OutputArgs,
 }
 
-/// The archive is whole and as its manifest says: every header, every file of `checkpoint/`
-/// against the manifest (all differences named), and the manifest's signature where it has
-/// one. An image is never built from a checkpoint that `verify` would refuse for its content.
-fn check_input(a: &BuildArgs) -> Result<usize> {
+/// The archive is whole and as its manifest says: every header (a truncated or hostile archive
+/// is refused), and, where it has gpu-ckpt's manifest, the manifest's signature where it has
+/// one and every file of `checkpoint/` against it (all differences named). An image is never
+/// built from a checkpoint that `verify` would refuse for its content. Returns the files
+/// verified, none for an archive without the manifest (another engine's checkpoint: nothing to
+/// hold its files to).
+fn check_input(a: &BuildArgs) -> Result<Option<usize>> {
     let info = archive::read_info(&a.archive, Limits::default())?;
-    let json = info.manifest_json.ok_or_else(|| no_manifest(&a.archive))?;
+    let Some(json) = info.manifest_json else {
+        return Ok(None);
+    };
     sign::verify_json(&json)?;
     let mut bar = Bar::new("verify");
     let r =
         archive::verify_archive_every(&a.archive, Limits::default(), &mut |d, t| bar.update(d, t));
     bar.finish();
-    Ok(r?.files_verified)
+    Ok(Some(r?.files_verified))
 }
 
 pub fn run(a: &BuildArgs) -> Result<Report> {
@@ -124,6 +128,12 @@ pub fn run(a: &BuildArgs) -> Result<Report> {
         human(built.layer.size)
     ));
     t.line(format!("  container {}", built.container_name));
+    match verified {
+        Some(n) => t.line(format!(
+            "  verified: {n} checkpoint files match the manifest"
+        )),
+        None => t.line("  not verified: the archive has no gpu-ckpt manifest"),
+    }
     if let Some(p) = &a.tarball {
         t.line(format!("  tarball {}", p.display()));
     }
