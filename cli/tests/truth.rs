@@ -60,6 +60,13 @@ fn tamper(path: &Path, edits: &[(&[u8], &[u8])]) {
     std::fs::write(path, data).unwrap();
 }
 
+/// A scratch directory with the format tests' archive in it.
+fn scratch_archive() -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = common::make_archive(tmp.path());
+    (tmp, a)
+}
+
 const CORE: (&[u8], &[u8]) = (b"core of pid 1", b"CORE of pid 1");
 const INVENTORY: (&[u8], &[u8]) = (b"criu inventory", b"CRIU inventory");
 
@@ -131,8 +138,7 @@ fn each_failure_exits_with_its_class_and_says_its_error_once() {
 
 #[test]
 fn verify_names_every_differing_file() {
-    let tmp = tempfile::tempdir().unwrap();
-    let a = common::make_archive(tmp.path());
+    let (tmp, a) = scratch_archive();
     let dir = tmp.path().join("x");
     let (rc, _, err) = run(&["extract", s(&a), "--to", s(&dir)]);
     assert_eq!(rc, 0, "{err}");
@@ -247,8 +253,7 @@ fn verify_refuses_a_signer_a_node_would_refuse() {
 
 #[test]
 fn inspect_fails_on_a_truncated_archive_and_on_no_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
-    let a = common::make_archive(tmp.path());
+    let (tmp, a) = scratch_archive();
     let (rc, _, err) = run(&["inspect", s(&a)]);
     assert_eq!(rc, 0, "{err}");
 
@@ -291,8 +296,7 @@ fn inspect_fails_on_a_truncated_archive_and_on_no_checkpoint() {
 
 #[test]
 fn build_verifies_its_input() {
-    let tmp = tempfile::tempdir().unwrap();
-    let a = common::make_archive(tmp.path());
+    let (tmp, a) = scratch_archive();
     let build = |to: &[&str]| {
         let mut args = vec!["build", s(&a), "--ref", "localhost:5000/x:1"];
         args.extend_from_slice(to);
