@@ -342,6 +342,13 @@ fn build_verifies_its_input() {
     assert_eq!(rc, 4, "{out}{err}");
     assert!(err.contains("file \"core-1.img\": "), "{err}");
     assert!(!bad.exists() && !layout.exists(), "an image was written");
+    // Packaged as it is on request, the image still does not verify: the archive inside is
+    // checked.
+    let (rc, _, err) = build(&["--tarball", s(&bad), "--no-verify"]);
+    assert_eq!(rc, 0, "{err}");
+    let (rc, out, err) = run(&["verify", s(&bad)]);
+    assert_eq!(rc, 4, "{out}{err}");
+    assert!(err.contains("file \"core-1.img\": "), "{err}");
 }
 
 fn write_json(path: &Path, v: &impl serde::Serialize) {

@@ -53,6 +53,10 @@ pub struct BuildArgs {
     /// Push to the registry named in --ref.
     #[arg(long)]
     pub push: bool,
+    /// Do not verify the archive first: package it as it is (a restore, and `verify` of the
+    /// image, still check it).
+    #[arg(long)]
+    pub no_verify: bool,
     #[command(flatten)]
     pub registry: RegistryArgs,
     #[command(flatten)]
@@ -85,8 +89,12 @@ pub fn run(a: &BuildArgs) -> Result<Report> {
         )
         .into());
     }
-    let verified = check_input(a)
-        .with_context(|| format!("{}: refused as the input of an image", a.archive.display()))?;
+    let verified = match a.no_verify {
+        true => None,
+        false => check_input(a).with_context(|| {
+            format!("{}: refused as the input of an image", a.archive.display())
+        })?,
+    };
     let opts = BuildOptions {
         reference: a.reference.clone(),
         limits: Limits::default(),
@@ -132,6 +140,7 @@ pub fn run(a: &BuildArgs) -> Result<Report> {
         Some(n) => t.line(format!(
             "  verified: {n} checkpoint files match the manifest"
         )),
+        None if a.no_verify => t.line("  not verified (--no-verify)"),
         None => t.line("  not verified: the archive has no gpu-ckpt manifest"),
     }
     if let Some(p) = &a.tarball {
