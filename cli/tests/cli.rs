@@ -154,11 +154,12 @@ fn inspect_verify_compat_build_extract() {
         .iter()
         .any(|f| f["path"] == "checkpoint/gpu-ckpt-manifest.json"));
 
-    // Errors exit 2 and name the problem.
+    // Errors exit with their class's code (a hostile archive: integrity, 4) and name the
+    // problem.
     let bad = tmp.path().join("bad.tar");
     std::fs::write(&bad, common::RawTar::new().file("../evil", b"x").finish()).unwrap();
     let (rc, _, err) = run(&["verify", bad.to_str().unwrap()]);
-    assert_eq!(rc, 2);
+    assert_eq!(rc, 4);
     assert!(err.contains("entry \"../evil\": path traversal"), "{err}");
 }
 

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::digest::{no_progress, FileHasher, Progress, COPY_BUF};
-use crate::error::{Error, Result};
+use crate::error::{Error, Findings, Result};
 use crate::manifest::{FileDigest, Manifest, MANIFEST_FILE};
 use crate::safe::{for_each_checked, EntryInfo, EntryKind, Limits, SafeRoot};
 
@@ -326,18 +326,44 @@ pub fn read_info(path: &Path, limits: Limits) -> Result<ArchiveInfo> {
 }
 
 /// [`read_info`] over any seekable reader.
+///
+/// Data skipped by seeking is not read, so an archive cut short inside a member's data is found
+/// by its length: the stream must reach the end of every member's data.
 pub fn read_info_from<R: Read + Seek>(r: R, limits: Limits) -> Result<ArchiveInfo> {
     let mut ar = tar::Archive::new(r);
     let mut info = ArchiveInfo::default();
+    // The member whose data ends last, and where.
+    let mut data_end: Option<(String, u64)> = None;
     let entries = ar.entries_with_seek().map_err(|e| tar_err(None, e))?;
     for_each_checked(entries, limits, |ent, e| {
         add_sizes(&mut info.sizes, &e);
+        let end = ent.raw_file_position() + ent.size();
+        if data_end.as_ref().is_none_or(|(_, at)| end > *at) {
+            data_end = Some((e.path.clone(), end));
+        }
         if e.kind == EntryKind::File {
             info.take_member(&e.path, || read_small(ent, &e.path, e.size))?;
         }
         info.entries.push(e);
         Ok(())
     })?;
+    if let Some((entry, end)) = data_end {
+        let len = ar
+            .into_inner()
+            .seek(io::SeekFrom::End(0))
+            .map_err(|e| tar_err(None, e))?;
+        if len < end {
+            return Err(tar_err(
+                Some(&entry),
+                io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "the archive ends at byte {len}, inside this member's data, which ends at byte {end}: it is truncated"
+                    ),
+                ),
+            ));
+        }
+    }
     Ok(info)
 }
 
@@ -512,6 +538,20 @@ pub fn verify_archive(path: &Path, limits: Limits, progress: Progress<'_>) -> Re
     verify_stream(f, total, limits, progress)
 }
 
+/// [`verify_archive`], naming every file of `checkpoint/` that differs from the manifest, not
+/// only the first ([`Error::FilesDiffer`] when several do).
+pub fn verify_archive_every(
+    path: &Path,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<VerifyReport> {
+    let f = File::open(path).map_err(|e| Error::io("opening", path, e))?;
+    let total = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let r = hash_stream(f, total, limits, progress)?;
+    compare_every_file(&r.manifest, &r.found)?;
+    Ok(r.report())
+}
+
 /// [`verify_archive`] over any reader (`total` only feeds progress).
 pub fn verify_stream<R: Read>(
     r: R,
@@ -519,6 +559,39 @@ pub fn verify_stream<R: Read>(
     limits: Limits,
     progress: Progress<'_>,
 ) -> Result<VerifyReport> {
+    let r = hash_stream(r, total, limits, progress)?;
+    compare_files(&r.manifest, &r.found)?;
+    Ok(r.report())
+}
+
+/// What one pass over an archive found: its manifest, and the digests of `checkpoint/`'s files
+/// and of the other members.
+struct Hashed {
+    manifest: Manifest,
+    found: BTreeMap<String, FileDigest>,
+    /// Verified copies of `checkpoint/` files elsewhere (the top-level `stats-dump`).
+    copies: usize,
+    uncovered: BTreeMap<String, FileDigest>,
+    bytes: u64,
+}
+
+impl Hashed {
+    fn report(self) -> VerifyReport {
+        VerifyReport {
+            files_verified: self.found.len() + self.copies,
+            manifest: self.manifest,
+            bytes: self.bytes,
+            uncovered: self.uncovered,
+        }
+    }
+}
+
+fn hash_stream<R: Read>(
+    r: R,
+    total: u64,
+    limits: Limits,
+    progress: Progress<'_>,
+) -> Result<Hashed> {
     let mut ar = tar::Archive::new(r);
     let mut found: BTreeMap<String, FileDigest> = BTreeMap::new();
     let mut uncovered = BTreeMap::new();
@@ -562,13 +635,14 @@ pub fn verify_stream<R: Read>(
     let manifest = manifest.ok_or_else(|| Error::MissingEntry {
         name: names::MANIFEST_PATH.into(),
     })?;
-    compare_files(&manifest, &found)?;
+    // The top-level copy of checkpoint/stats-dump is checked here, against the manifest's entry.
     let copies = check_stats_copy(&manifest, stats_copy, &mut uncovered)?;
-    Ok(VerifyReport {
-        files_verified: found.len() + copies,
+    Ok(Hashed {
+        copies,
         manifest,
-        bytes,
+        found,
         uncovered,
+        bytes,
     })
 }
 
@@ -614,15 +688,36 @@ const STATS_COPY: &str = "stats-dump (the archive's top-level copy of checkpoint
 
 /// Compare what was found under `checkpoint/` with the manifest; first mismatch in name order.
 pub fn compare_files(m: &Manifest, found: &BTreeMap<String, FileDigest>) -> Result<()> {
+    let mut f = Findings::new(false);
+    compare_into(m, found, &mut f)?;
+    f.finish()
+}
+
+/// [`compare_files`], naming every file that differs ([`Error::FilesDiffer`] when several do).
+pub fn compare_every_file(m: &Manifest, found: &BTreeMap<String, FileDigest>) -> Result<()> {
+    let mut f = Findings::new(true);
+    compare_into(m, found, &mut f)?;
+    f.finish()
+}
+
+fn compare_into(
+    m: &Manifest,
+    found: &BTreeMap<String, FileDigest>,
+    f: &mut Findings,
+) -> Result<()> {
     for (name, want) in &m.files {
-        let Some(got) = found.get(name) else {
-            return Err(Error::MissingFile { name: name.clone() });
-        };
-        crate::manifest::check_digest(name, want, got)?;
+        match found.get(name) {
+            None => f.add(Error::MissingFile { name: name.clone() })?,
+            Some(got) => {
+                if let Err(e) = crate::manifest::check_digest(name, want, got) {
+                    f.add(e)?;
+                }
+            }
+        }
     }
     for name in found.keys() {
         if !m.files.contains_key(name) {
-            return Err(Error::UnlistedFile { name: name.clone() });
+            f.add(Error::UnlistedFile { name: name.clone() })?;
         }
     }
     Ok(())

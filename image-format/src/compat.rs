@@ -209,21 +209,7 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
         &c.cuda_driver_version,
         &n.cuda_driver_version,
     );
-    let (cw, nw) = (&checkpoint.workload, &node.workload);
-    diff(
-        &mut d,
-        "engine_version",
-        None,
-        &cw.engine_version,
-        &nw.engine_version,
-    );
-    diff(
-        &mut d,
-        "model_version",
-        None,
-        &cw.model_version,
-        &nw.model_version,
-    );
+    d.extend(workload_differences(&checkpoint.workload, &node.workload));
     let compatible = d.is_empty();
     let gpu_map = if compatible {
         c.gpus
@@ -242,6 +228,131 @@ pub fn check(checkpoint: &Profile, node: &Profile) -> Verdict {
         differences: d,
         gpu_map,
     }
+}
+
+/// The engine and model versions the checkpoint recorded against those the restoring pod
+/// declares (`gpu-ckpt.io/engine-version`, `gpu-ckpt.io/model-version`): equal, or absent on both.
+pub fn workload_differences(checkpoint: &Workload, node: &Workload) -> Vec<Difference> {
+    let mut d = Vec::new();
+    diff(
+        &mut d,
+        "engine_version",
+        None,
+        &checkpoint.engine_version,
+        &node.engine_version,
+    );
+    diff(
+        &mut d,
+        "model_version",
+        None,
+        &checkpoint.model_version,
+        &node.model_version,
+    );
+    d
+}
+
+/// The GPUs a restoring container gets on a node, as [`restore_check`] reads them.
+#[derive(Debug, Clone, Copy)]
+pub enum NodeGpus<'a> {
+    /// The node has no NVIDIA driver.
+    NoDriver,
+    /// The node's inventory and the GPUs the container is given, in its order.
+    Given(&'a gpu::NodeInventory, &'a [gpu::GpuUuid]),
+    /// Only a profile of the GPUs the container is given (OCI annotations, a recorded
+    /// profile): no MIG modes.
+    Profile(&'a Devices),
+}
+
+/// What [`restore_check`] decided.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreCheck {
+    /// [`check`]'s verdict on the GPUs (not compatible where `refusal` is set).
+    #[serde(flatten)]
+    pub verdict: Verdict,
+    /// A refusal no field difference holds: the node has no driver, or a GPU given is in MIG
+    /// mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refusal: Option<String>,
+}
+
+impl RestoreCheck {
+    fn of(verdict: Verdict) -> RestoreCheck {
+        RestoreCheck {
+            verdict,
+            refusal: None,
+        }
+    }
+
+    fn refused(why: String) -> RestoreCheck {
+        RestoreCheck {
+            verdict: Verdict {
+                compatible: false,
+                differences: Vec::new(),
+                gpu_map: Vec::new(),
+            },
+            refusal: Some(why),
+        }
+    }
+
+    pub fn compatible(&self) -> bool {
+        self.refusal.is_none() && self.verdict.compatible
+    }
+
+    /// Why not, one line each: the refusal, then each difference (`field: checkpoint …, node …`).
+    pub fn reasons(&self) -> Vec<String> {
+        self.refusal
+            .iter()
+            .cloned()
+            .chain(self.verdict.differences.iter().map(Difference::to_string))
+            .collect()
+    }
+}
+
+/// The rule a restore holds a checkpoint's GPUs to before CRIU runs: the shim's compatibility
+/// step, and `gpu-ckpt compat` and `inspect`. A checkpoint without GPUs needs nothing of the
+/// node's (neither a driver nor its versions); one with GPUs needs a driver, none of the GPUs
+/// given in MIG mode, and [`check`]'s fields to match. The workload versions are not part of
+/// it ([`workload_differences`]: the restoring pod declares them).
+pub fn restore_check(checkpoint: &Devices, node: NodeGpus<'_>) -> RestoreCheck {
+    if checkpoint.gpus.is_empty() {
+        return RestoreCheck::of(Verdict {
+            compatible: true,
+            differences: Vec::new(),
+            gpu_map: Vec::new(),
+        });
+    }
+    let devices = match node {
+        NodeGpus::NoDriver => {
+            return RestoreCheck::refused(format!(
+                "gpu_count: checkpoint {}, node 0 (no NVIDIA driver on this node)",
+                checkpoint.gpus.len()
+            ))
+        }
+        NodeGpus::Given(inv, gpus) => {
+            if let Some(why) = onto_mig(inv, gpus) {
+                return RestoreCheck::refused(why);
+            }
+            Profile::from_inventory(inv, gpus, Workload::default()).devices
+        }
+        NodeGpus::Profile(d) => d.clone(),
+    };
+    let profile = |devices: Devices| Profile {
+        devices,
+        workload: Workload::default(),
+    };
+    RestoreCheck::of(check(&profile(checkpoint.clone()), &profile(devices)))
+}
+
+/// The refusal a MIG-mode GPU among `gpus` (a container's, on this node) makes at a restore.
+pub fn onto_mig(inv: &gpu::NodeInventory, gpus: &[gpu::GpuUuid]) -> Option<String> {
+    let g = inv
+        .gpus
+        .iter()
+        .find(|g| g.mig_enabled == Some(true) && gpus.contains(&g.uuid))?;
+    Some(format!(
+        "mig: checkpoint on GPUs without MIG, node GPU {} (index {}) in MIG mode (the CUDA driver cannot restore onto a MIG instance)",
+        g.uuid, g.index
+    ))
 }
 
 /// The driver's version and files: the same branch, or, for a checkpoint that maps the driver's
@@ -462,6 +573,58 @@ mod tests {
             },
             workload: Workload::default(),
         }
+    }
+
+    fn inventory(mig: bool) -> gpu::NodeInventory {
+        gpu::NodeInventory {
+            driver_version: "580.65.06".into(),
+            cuda_driver_version: 13000,
+            gpus: vec![gpu::GpuInfo {
+                index: 0,
+                uuid: gpu::GpuUuid([1; 16]),
+                name: "NVIDIA H100 80GB HBM3".into(),
+                architecture: None,
+                compute_capability: None,
+                memory_total_bytes: 0,
+                memory_free_bytes: None,
+                minor_number: Some(0),
+                pci_bus_id: String::new(),
+                persistence_mode: None,
+                mig_enabled: Some(mig),
+            }],
+        }
+    }
+
+    #[test]
+    fn the_restore_rule_asks_nothing_of_a_node_for_a_checkpoint_without_gpus() {
+        let none = Devices::default();
+        let with = profile("580.65.06", vec![]).devices;
+        assert!(restore_check(&none, NodeGpus::NoDriver).compatible());
+        assert!(restore_check(&none, NodeGpus::Profile(&with)).compatible());
+        let r = restore_check(&with, NodeGpus::NoDriver);
+        assert!(!r.compatible());
+        assert_eq!(
+            r.reasons(),
+            ["gpu_count: checkpoint 1, node 0 (no NVIDIA driver on this node)"]
+        );
+        assert!(restore_check(&with, NodeGpus::Profile(&with)).compatible());
+    }
+
+    #[test]
+    fn a_restore_onto_a_mig_mode_gpu_is_refused() {
+        let uuid = gpu::GpuUuid([1; 16]);
+        let ck = profile("580.65.06", vec![]).devices;
+        assert_eq!(onto_mig(&inventory(false), &[uuid]), None);
+        assert_eq!(onto_mig(&inventory(true), &[]), None);
+        let r = restore_check(&ck, NodeGpus::Given(&inventory(true), &[uuid]));
+        let why = r.refusal.clone().unwrap();
+        assert!(
+            why.starts_with("mig: ") && why.contains(&uuid.to_string()),
+            "{why}"
+        );
+        assert!(!r.compatible());
+        let r = restore_check(&ck, NodeGpus::Given(&inventory(false), &[uuid]));
+        assert!(r.compatible(), "{:?}", r.reasons());
     }
 
     #[test]

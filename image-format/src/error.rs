@@ -111,6 +111,10 @@ pub enum Error {
     #[error("file {name:?}: present but not listed in the manifest")]
     UnlistedFile { name: String },
 
+    /// More than one file differs from the manifest: each difference, in the order found.
+    #[error("{} files differ from the manifest: {}", .0.len(), joined(.0))]
+    FilesDiffer(Vec<Error>),
+
     /// A member read a second time is not what the first read found (the archive was changed
     /// in between).
     #[error("entry {entry:?}: changed since it was checked ({reason})")]
@@ -181,6 +185,48 @@ pub enum Error {
     /// list) that cannot be read, made or parsed, or is open to others than its owner.
     #[error("key file {path}: {reason}")]
     Key { path: PathBuf, reason: String },
+}
+
+fn joined(errors: &[Error]) -> String {
+    errors
+        .iter()
+        .map(Error::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The differences a verification finds: the first only (`every` false: it stops there), or
+/// every one, given back as one error ([`Error::FilesDiffer`] when there are several).
+pub(crate) struct Findings {
+    every: bool,
+    errors: Vec<Error>,
+}
+
+impl Findings {
+    pub(crate) fn new(every: bool) -> Findings {
+        Findings {
+            every,
+            errors: Vec::new(),
+        }
+    }
+
+    /// Notes a difference: `Err` at once when only the first is wanted.
+    pub(crate) fn add(&mut self, e: Error) -> Result<()> {
+        if self.every {
+            self.errors.push(e);
+            Ok(())
+        } else {
+            Err(e)
+        }
+    }
+
+    pub(crate) fn finish(mut self) -> Result<()> {
+        match self.errors.len() {
+            0 => Ok(()),
+            1 => Err(self.errors.remove(0)),
+            _ => Err(Error::FilesDiffer(self.errors)),
+        }
+    }
 }
 
 fn entry_suffix(e: &Option<String>) -> String {

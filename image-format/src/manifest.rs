@@ -22,7 +22,7 @@ use crate::digest::{
 };
 pub use crate::digest::{is_page_image, FileDigest};
 use crate::durable::{Durability, RealFs, SyncFs};
-use crate::error::{Error, Result};
+use crate::error::{Error, Findings, Result};
 
 /// File name of the manifest inside the checkpoint directory.
 pub const MANIFEST_FILE: &str = "gpu-ckpt-manifest.json";
@@ -931,13 +931,34 @@ pub fn verify_dir_staged(
     defer: &dyn Fn(&str) -> bool,
     progress: Progress<'_>,
 ) -> Result<(Manifest, DeferredDigests)> {
+    let mut f = Findings::new(false);
+    let r = verify_dir_into(dir, defer, progress, &mut f)?;
+    f.finish()?;
+    Ok(r)
+}
+
+/// [`verify_dir`], naming every file that differs from the manifest, not only the first
+/// ([`Error::FilesDiffer`] when several do).
+pub fn verify_dir_every(dir: &Path, progress: Progress<'_>) -> Result<Manifest> {
+    let mut f = Findings::new(true);
+    let (m, _) = verify_dir_into(dir, &|_| false, progress, &mut f)?;
+    f.finish()?;
+    Ok(m)
+}
+
+fn verify_dir_into(
+    dir: &Path,
+    defer: &dyn Fn(&str) -> bool,
+    progress: Progress<'_>,
+    found: &mut Findings,
+) -> Result<(Manifest, DeferredDigests)> {
     let m = Manifest::read_from(dir)?;
     // Unlisted files first: cheap, and a stray file is as much a mismatch as a bad digest.
     for ent in fs::read_dir(dir).map_err(|e| Error::io("listing", dir, e))? {
         let ent = ent.map_err(|e| Error::io("listing", dir, e))?;
         let name = ent.file_name().to_string_lossy().into_owned();
         if !is_manifest_or_temp(&name) && !m.files.contains_key(&name) {
-            return Err(Error::UnlistedFile { name });
+            found.add(Error::UnlistedFile { name })?;
         }
     }
     let mut deferred = DeferredDigests {
@@ -950,22 +971,25 @@ pub fn verify_dir_staged(
         let meta = match fs::symlink_metadata(&path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::MissingFile { name: name.clone() })
+                found.add(Error::MissingFile { name: name.clone() })?;
+                continue;
             }
             Err(e) => return Err(Error::io("reading", &path, e)),
         };
         if !meta.file_type().is_file() {
-            return Err(Error::NotFlat {
+            found.add(Error::NotFlat {
                 name: name.clone(),
                 reason: "not a regular file",
-            });
+            })?;
+            continue;
         }
         if meta.len() != want.size {
-            return Err(Error::SizeMismatch {
+            found.add(Error::SizeMismatch {
                 name: name.clone(),
                 expected: want.size,
                 actual: meta.len(),
-            });
+            })?;
+            continue;
         }
         if defer(name) {
             deferred.files.push((name.clone(), want.clone()));
@@ -980,7 +1004,9 @@ pub fn verify_dir_staged(
             progress(base + d, total)
         })?;
         base += got.size;
-        check_digest(name, want, &got)?;
+        if let Err(e) = check_digest(name, want, &got) {
+            found.add(e)?;
+        }
     }
     Ok((m, deferred))
 }

@@ -4,26 +4,11 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
-
-fn checkpointctl() -> PathBuf {
-    let p = std::env::var_os("GPU_CKPT_CHECKPOINTCTL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.stack/bin/checkpointctl")
-        });
-    assert!(
-        p.is_file(),
-        "checkpointctl not found at {}: run `make deps` (test-containers/stack/install.sh) or set GPU_CKPT_CHECKPOINTCTL",
-        p.display()
-    );
-    p
-}
 
 #[test]
 fn checkpointctl_inspects_our_archive() {
-    let bin = checkpointctl();
+    let bin = common::checkpointctl();
     let tmp = tempfile::tempdir().unwrap();
     let a = common::make_archive(tmp.path());
 

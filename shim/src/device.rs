@@ -608,32 +608,21 @@ pub fn compare(
     if recorded.gpus.is_empty() {
         return Ok((Vec::new(), RestorePlan::default()));
     }
-    let Some(layer) = layer else {
-        return Ok((
-            vec![format!(
-                "gpu_count: checkpoint {}, node 0 (no NVIDIA driver on this node)",
-                recorded.gpus.len()
-            )],
-            RestorePlan::default(),
-        ));
+    // The library's restore rule, which `gpu-ckpt compat` applies too.
+    let (inv, gpus);
+    let node = match layer {
+        None => compat::NodeGpus::NoDriver,
+        Some(layer) => {
+            inv = layer.inventory()?;
+            gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
+            compat::NodeGpus::Given(&inv, &gpus)
+        }
     };
-    let inv = layer.inventory()?;
-    let gpus = assigned(bundle, &inv)?.map(|a| a.gpus).unwrap_or_default();
-    if let Some(d) = crate::unsupported::onto_mig(&inv, &gpus) {
-        return Ok((vec![d], RestorePlan::default()));
+    let check = compat::restore_check(recorded, node);
+    if !check.compatible() {
+        return Ok((check.reasons(), RestorePlan::default()));
     }
-    let ckpt = Profile {
-        devices: recorded.clone(),
-        workload: Default::default(),
-    };
-    let node = Profile::from_inventory(&inv, &gpus, Default::default());
-    let verdict = compat::check(&ckpt, &node);
-    if !verdict.compatible {
-        return Ok((
-            verdict.differences.iter().map(|d| d.to_string()).collect(),
-            RestorePlan::default(),
-        ));
-    }
+    let verdict = check.verdict;
     let mut plan = RestorePlan::default();
     for p in &verdict.gpu_map {
         plan.pairs.push(GpuPair {

@@ -11,7 +11,8 @@
 //!
 //! Called once per checkpoint or Pause, between finding the holders and locking them
 //! (`device.rs`, `ContainerDevices::quiesce`). At a restore, a MIG-mode GPU among the
-//! container's is a difference of the compatibility check, before CRIU ([`onto_mig`]).
+//! container's is a refusal of the compatibility check, before CRIU
+//! (`image_format::compat::onto_mig`).
 
 use std::sync::Arc;
 
@@ -123,19 +124,6 @@ fn mig<P: Process>(
             P::other(pid, Vec::new()).describe()
         ))
     })
-}
-
-/// At a restore: the difference a MIG-mode GPU among `gpus` (this container's, on this node)
-/// makes, for the compatibility check before CRIU runs.
-pub fn onto_mig(inv: &NodeInventory, gpus: &[GpuUuid]) -> Option<String> {
-    let g = inv
-        .gpus
-        .iter()
-        .find(|g| g.mig_enabled == Some(true) && gpus.contains(&g.uuid))?;
-    Some(format!(
-        "mig: checkpoint on GPUs without MIG, node GPU {} (index {}) in MIG mode (the CUDA driver cannot restore onto a MIG instance)",
-        g.uuid, g.index
-    ))
 }
 
 /// A MIG device node among process `pid`'s open files.
@@ -269,19 +257,6 @@ mod tests {
         assert!(
             err.contains(&format!("pid {}", me())) && err.contains("MIG mode"),
             "{err}"
-        );
-    }
-
-    #[test]
-    fn a_restore_onto_a_mig_mode_gpu_is_a_difference() {
-        let node = |mig| node(mig, Vec::new()).node().unwrap();
-        let gpu = GpuUuid([1; 16]);
-        assert_eq!(onto_mig(&node(false), &[gpu]), None);
-        assert_eq!(onto_mig(&node(true), &[]), None);
-        let d = onto_mig(&node(true), &[gpu]).unwrap();
-        assert!(
-            d.starts_with("mig: ") && d.contains(&gpu.to_string()),
-            "{d}"
         );
     }
 

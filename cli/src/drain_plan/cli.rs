@@ -56,8 +56,8 @@ pub struct DrainPlanArgs {
         default_value = super::RESTORE_RUNTIME_CLASS
     )]
     pub restore_runtime_class: String,
-    /// text (default) or json.
-    #[arg(long, value_name = "FORMAT", default_value = "text")]
+    /// text (default), json or yaml.
+    #[arg(short = 'o', long, value_name = "FORMAT", default_value = "text", value_parser = ["text", "json", "yaml"])]
     pub output: String,
 }
 
@@ -92,9 +92,9 @@ pub fn make_plan(args: &DrainPlanArgs) -> Result<Plan, DrainPlanError> {
             "--restore-runtime-class is empty: name the RuntimeClass restore pods run on".into(),
         ));
     }
-    if args.output != "text" && args.output != "json" {
+    if !["text", "json", "yaml"].contains(&args.output.as_str()) {
         return Err(DrainPlanError::Usage(format!(
-            "--output {:?}: expected text or json",
+            "--output {:?}: expected text, json or yaml",
             args.output
         )));
     }

@@ -116,8 +116,17 @@ pub fn config_dump() -> ConfigDump {
 
 /// Build a complete containerd-2.1-style archive in `tmp`; returns its path.
 pub fn make_archive(tmp: &Path) -> PathBuf {
+    make_archive_signed(tmp, None)
+}
+
+/// [`make_archive`], its manifest signed by `key` where one is given.
+pub fn make_archive_signed(tmp: &Path, key: Option<&image_format::sign::NodeKey>) -> PathBuf {
     let ck = tmp.join("ckdir");
-    make_checkpoint_dir(&ck);
+    let mut m = make_checkpoint_dir(&ck);
+    if let Some(key) = key {
+        key.sign_manifest(&mut m).unwrap();
+        m.write_to(&ck).unwrap();
+    }
     let mut members = BTreeMap::new();
     members.insert("status".into(), Member::Bytes(b"{\"Pid\":1}".to_vec()));
     members.insert(
@@ -224,4 +233,20 @@ pub fn tree(root: &Path) -> Vec<String> {
     walk(root, root, &mut out);
     out.sort();
     out
+}
+
+/// The test stack's checkpointctl (the reference reader of checkpoint archives; `make deps`
+/// installs it in .stack/bin) or $GPU_CKPT_CHECKPOINTCTL; a test fails, not skips, without it.
+pub fn checkpointctl() -> PathBuf {
+    let p = std::env::var_os("GPU_CKPT_CHECKPOINTCTL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.stack/bin/checkpointctl")
+        });
+    assert!(
+        p.is_file(),
+        "checkpointctl not found at {}: run `make deps` (test-containers/stack/install.sh) or set GPU_CKPT_CHECKPOINTCTL",
+        p.display()
+    );
+    p
 }

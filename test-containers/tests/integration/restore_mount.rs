@@ -40,14 +40,21 @@ fn mount_node(name: &str) -> Result<Node> {
     )
 }
 
-/// `gpu-ckpt build ARCHIVE --ref REFERENCE --push` with the registry's CA in the hosts
+/// `gpu-ckpt build ARCHIVE --ref REFERENCE --push FLAGS` with the registry's CA in the hosts
 /// directory `hosts` and its login in the auth file `auth`; its output.
-fn build_push(archive: &Path, reference: &str, hosts: &Path, auth: &Path) -> Result<String> {
+fn build_push(
+    archive: &Path,
+    reference: &str,
+    flags: &[&str],
+    hosts: &Path,
+    auth: &Path,
+) -> Result<String> {
     run_ok(
         std::process::Command::new(gpu_ckpt_cli())
             .arg("build")
             .arg(archive)
             .args(["--ref", reference, "--push"])
+            .args(flags)
             .arg("--hosts-dir")
             .arg(hosts)
             .arg("--authfile")
@@ -117,7 +124,7 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             registry.addr,
             test_containers::cri::new_uid()
         );
-        let out = build_push(&archive, &reference, &hosts, &auth)?;
+        let out = build_push(&archive, &reference, &[], &hosts, &auth)?;
         println!("{out}");
 
         // Without the pod's login the pull fails; with it (an imagePullSecret), it works.
@@ -252,7 +259,8 @@ fn an_image_volume_pulled_with_the_pods_login_restores_and_is_not_in_the_restore
             registry.addr,
             test_containers::cri::new_uid()
         );
-        build_push(&tampered, &reference, &hosts, &auth)?;
+        // `build` verifies its input and refuses this one; --no-verify packages it as it is.
+        build_push(&tampered, &reference, &["--no-verify"], &hosts, &auth)?;
         let image = cri
             .pull_image_with_auth(&reference, registry.user(), registry.password())
             .await?;

@@ -202,14 +202,24 @@ fn checkpoints_are_bound_to_their_namespace_and_signer_and_refused_when_changed(
         .await?;
         println!("untrusted: {msg}");
         ensure!(b_key.exists(), "node B made no key at {}", b_key.display());
-        let out = run_ok(
-            std::process::Command::new(&cli)
-                .arg("verify")
-                .arg(&archive)
-                .arg("--key")
-                .arg(&b_key),
-        )?;
-        ensure!(out.contains("NOT trusted"), "{out}");
+        // Verified with B's key: a trust failure (exit 5), never `verify ok`.
+        let out = std::process::Command::new(&cli)
+            .arg("verify")
+            .arg(&archive)
+            .arg("--key")
+            .arg(&b_key)
+            .output()?;
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        ensure!(
+            out.status.code() == Some(5)
+                && stderr.contains("NOT trusted")
+                && !stdout.contains("verify ok"),
+            "verify with B's key: {:?} {stdout}{stderr}",
+            out.status
+        );
 
         // containerd's restore-via-create (the image is the archive) through B's gpu-ckpt
         // handler: refused by the shim's verify step at Start.
