@@ -236,6 +236,51 @@ fn the_chart_lints_with_helms_engine() -> Result<()> {
     Ok(())
 }
 
+/// The chart's `kubeVersion` floor (`>=X.Y.0-0` in Chart.yaml) is the oldest Kubernetes whose
+/// API has every object the chart renders: at X.Y every document of the default rendering is
+/// valid, one minor version below some is not (the admission policies are
+/// admissionregistration.k8s.io/v1 from 1.30 on).
+#[test]
+fn the_charts_kube_version_floor_is_the_oldest_that_has_its_objects() -> Result<()> {
+    let meta = std::fs::read_to_string(chart().join("Chart.yaml"))?;
+    let floor = meta
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeVersion:"))
+        .context("Chart.yaml has no kubeVersion")?
+        .trim()
+        .trim_matches('"');
+    let minor = floor
+        .strip_prefix(">=1.")
+        .and_then(|r| r.strip_suffix(".0-0"))
+        .and_then(|m| m.parse::<u32>().ok())
+        .with_context(|| format!("kubeVersion {floor:?} is not >=1.Y.0-0"))?;
+    let invalid_at = |minor: u32| -> Result<Vec<String>> {
+        let kv = format!("1.{minor}");
+        let out = chart_ok(&["render", path_str(&chart()), "--kube-version", kv.as_str()])?;
+        let docs = out["documents"].as_array().context("no documents")?;
+        ensure!(!docs.is_empty(), "no documents: {out}");
+        Ok(docs
+            .iter()
+            .filter(|d| d["valid"] != true)
+            .map(|d| format!("{} {}: {}", d["kind"], d["name"], d["error"]))
+            .collect())
+    };
+    let at_floor = invalid_at(minor)?;
+    ensure!(
+        at_floor.is_empty(),
+        "the chart says it works on Kubernetes 1.{minor}, whose API lacks: {at_floor:?}"
+    );
+    let below = invalid_at(minor - 1)?;
+    ensure!(
+        below
+            .iter()
+            .any(|d| d.contains("ValidatingAdmissionPolicy")),
+        "Kubernetes 1.{} has every object the chart renders ({below:?}): the floor {floor} is too high",
+        minor - 1
+    );
+    Ok(())
+}
+
 #[test]
 fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer() -> Result<()> {
     let rendered = render(&["--release", "gpu-ckpt", "--namespace", "gpu-ckpt-system"])?;
