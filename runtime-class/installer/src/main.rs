@@ -106,6 +106,7 @@ impl Common {
             service_account_dir: self.service_account_dir.clone(),
             driver_root: self.driver_root.clone(),
             site: self.site.clone(),
+            min_restart_interval: None,
         })
     }
 }
