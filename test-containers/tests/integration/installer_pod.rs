@@ -332,6 +332,36 @@ fn label_patches(api: &FakeApi) -> Vec<serde_json::Map<String, Value>> {
         .collect()
 }
 
+/// The installer's DaemonSet as the API server answers a GET, with `metadata` added to its
+/// metadata (a generation, a deletionTimestamp).
+fn daemonset_object(metadata: Value) -> Value {
+    let mut ds = json!({
+        "kind": "DaemonSet", "apiVersion": "apps/v1",
+        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"},
+    });
+    if let (Some(m), Some(extra)) = (ds["metadata"].as_object_mut(), metadata.as_object()) {
+        m.extend(extra.clone());
+    }
+    ds
+}
+
+/// Stops `pod`, which asks for its DaemonSet (the `gets`th GET) and uninstalls: nothing of
+/// gpu-ckpt is left, and containerd was restarted `restarts` times in all.
+fn stop_uninstalls(
+    pod: Pod,
+    s: &Scratch,
+    api: &FakeApi,
+    gets: usize,
+    restarts: usize,
+) -> Result<()> {
+    let code = pod.stop()?;
+    ensure!(code == 0, "the stopped pod exited {code}");
+    ensure!(daemonset_gets(api) == gets, "{:#?}", api.requests());
+    s.uninstalled()?;
+    ensure!(s.restarts() == restarts, "restarts: {}", s.restarts());
+    Ok(())
+}
+
 fn daemonset_gets(api: &FakeApi) -> usize {
     api.requests()
         .iter()
@@ -419,11 +449,7 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     // A rolling update: the DaemonSet has a newer template (generation 2) than the pod's (1).
     // The stop leaves the node installed.
     fs::write(&s.restarts, "")?;
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system",
-                     "generation": 2},
-    })));
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
     let code = pod.stop()?;
     ensure!(code == 0, "the stopped pod exited {code}");
     ensure!(daemonset_gets(&api) == 1, "{:#?}", api.requests());
@@ -452,15 +478,10 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     ensure!(probe(&rendered)?.0, "the new pod is not ready");
 
     // helm uninstall with foreground deletion: the DaemonSet has a deletionTimestamp.
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system",
-                     "deletionTimestamp": "2026-12-05T18:00:00Z"},
-    })));
-    ensure!(pod.stop()? == 0);
-    ensure!(daemonset_gets(&api) == 2);
-    s.uninstalled()?;
-    ensure!(s.restarts() == 1, "restarts: {}", s.restarts());
+    api.set_daemonset(Some(daemonset_object(
+        json!({"deletionTimestamp": "2026-12-05T18:00:00Z"}),
+    )));
+    stop_uninstalls(pod, &s, &api, 2, 1)?;
     let last = label_patches(&api).pop().unwrap_or_default();
     ensure!(
         last.len() == 4 && last.values().all(Value::is_null),
@@ -472,25 +493,15 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     let pod = Pod::start(&s, &rendered, "pod3", 2, Some(&api), &sim_env)?;
     ensure!(s.installed()? && s.restarts() == 2);
     api.set_daemonset(None);
-    ensure!(pod.stop()? == 0);
-    ensure!(daemonset_gets(&api) == 3);
-    s.uninstalled()?;
-    ensure!(s.restarts() == 3, "restarts: {}", s.restarts());
+    stop_uninstalls(pod, &s, &api, 3, 3)?;
 
     // The DaemonSet exists with this pod's template (generation 2): the pod stopped because the
     // node no longer matches it (a node label, its nodeSelector), and no pod will manage the
     // node any more. It uninstalls, labels included.
     let pod = Pod::start(&s, &rendered, "pod4", 2, Some(&api), &sim_env)?;
     ensure!(s.installed()? && s.restarts() == 4);
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system",
-                     "generation": 2},
-    })));
-    ensure!(pod.stop()? == 0);
-    ensure!(daemonset_gets(&api) == 4);
-    s.uninstalled()?;
-    ensure!(s.restarts() == 5, "restarts: {}", s.restarts());
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
+    stop_uninstalls(pod, &s, &api, 4, 5)?;
     let last = label_patches(&api).pop().unwrap_or_default();
     ensure!(
         last.values().all(Value::is_null)
@@ -508,11 +519,7 @@ fn the_uninstall_action_is_ready_only_once_the_node_is_uninstalled() -> Result<(
     // Installed by an install pod, left so by a rolling update (a newer template).
     let pod = Pod::start(&s, &rendered, "install", 1, Some(&api), &[])?;
     ensure!(s.installed()?, "not installed: {}", s.config()?);
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system",
-                     "generation": 2},
-    })));
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
     ensure!(pod.stop()? == 0);
     ensure!(s.installed()?, "the update's stop uninstalled");
 
