@@ -55,6 +55,13 @@ pub struct Options {
     /// The node's driver root (a node path): where NVML's library is, as the NVIDIA container
     /// toolkit (`/`) or the GPU operator's driver container (`/run/nvidia/driver`) has it.
     pub driver_root: PathBuf,
+    /// The least time between two restarts of containerd by the watch (`repair`): a restart
+    /// due sooner than that after the watch's last one is deferred (containerd's configuration
+    /// is fixed, the restart stays pending and is reported, and the first check after the
+    /// interval restarts), so that an agent that keeps rewriting the configuration does not
+    /// get containerd restarted at every check. `None`: restart whenever needed (`install`,
+    /// `uninstall`).
+    pub min_restart_interval: Option<std::time::Duration>,
 }
 
 /// What a run changed.
@@ -66,6 +73,8 @@ pub struct Outcome {
     pub config_changed: bool,
     /// The restart command ran.
     pub restarted: bool,
+    /// A restart was due but deferred ([`Options::min_restart_interval`]); why.
+    pub restart_deferred: Option<String>,
     /// The node's labels were patched.
     pub labelled: bool,
 }
@@ -216,10 +225,31 @@ impl Options {
     }
 }
 
-/// Whether the installed file at node path `p` is read by containerd (a drop-in), so that
-/// writing or removing it needs a restart; a handler's side file is read by the shim instead.
+/// Whether the installed file at node path `p` is read by containerd: a drop-in (by its name,
+/// so that one under an earlier `--dropin-dir` counts too), so that writing or removing it
+/// needs a restart. Nothing else the installer writes is containerd's configuration: a
+/// handler's side file is read by the shim, a registry's `hosts.toml` by the shim's pulls.
 fn containerd_reads(p: &Path) -> bool {
-    p.extension().is_some_and(|x| x == "toml") && !site::is_side_file(p)
+    p.file_name()
+        .is_some_and(|n| dropin::SOURCES.iter().any(|s| n == s.file))
+}
+
+/// Whether what is at `at` has `e`'s bytes (or link target), whatever its mode.
+fn same_content(at: &Path, e: &FileEntry) -> Result<bool> {
+    let mode = match fs::symlink_metadata(at) {
+        Ok(m) => m.mode() & 0o7777,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(err) => return Err(Error::io("stat", at)(err)),
+    };
+    matches(at, &FileEntry { mode, ..e.clone() })
+}
+
+/// Seconds since the epoch.
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Options {
@@ -446,9 +476,26 @@ impl Run<'_> {
         if !self.rec.restart_pending {
             return Ok(());
         }
+        let now = now_secs();
+        let min = self.o.min_restart_interval;
+        if let (Some(min), Some(last)) = (min, self.rec.last_repair_restart) {
+            let since = now.saturating_sub(last);
+            if since < min.as_secs() {
+                let why = format!(
+                    "containerd was restarted {since} s ago, the least interval between restarts is {} s: the restart waits (is another agent rewriting containerd's configuration?)",
+                    min.as_secs()
+                );
+                tracing::warn!(reason = %why, "containerd's restart deferred");
+                self.out.restart_deferred = Some(why);
+                return Ok(());
+            }
+        }
         restart(&self.o.restart_command)?;
         self.out.restarted = true;
         self.rec.restart_pending = false;
+        if min.is_some() {
+            self.rec.last_repair_restart = Some(now);
+        }
         self.save()
     }
 }
@@ -561,14 +608,20 @@ pub fn install(o: &Options) -> Result<Outcome> {
     for item in &plan {
         let dest = o.fs.resolve_parent(&item.path)?;
         let want = item.entry();
-        if run.rec.file(&item.path) == Some(&want) && matches(&dest, &want)? {
+        let recorded = run.rec.file(&item.path);
+        if recorded == Some(&want) && matches(&dest, &want)? {
             continue;
         }
-        if item.config {
+        // containerd reads the bytes: a drop-in whose bytes are as recorded and wanted (only
+        // its mode changed) is put right without a restart.
+        let same_bytes = recorded.is_some_and(|r| r.sha256 == want.sha256 && r.link == want.link)
+            && same_content(&dest, &want)?;
+        let restart = item.config && !same_bytes;
+        if restart {
             run.rec.restart_pending = true;
         }
         run.write_item(item)?;
-        if item.config {
+        if restart {
             run.out.config_changed = true;
         }
     }

@@ -1,13 +1,22 @@
 //! What a stopped installer pod does to its node. The pod's container is stopped for a rolling
-//! update (`helm upgrade`), a node shutdown or an eviction as well as for `helm uninstall`; only
-//! the last one should take gpu-ckpt off the node. So on SIGTERM the installer asks the API
-//! server (with the pod's service account) about its DaemonSet: while it exists and is not being
-//! deleted, the node stays installed and the next pod finds it so (an unchanged payload changes
-//! and restarts nothing); when it is gone (404) or has a deletionTimestamp, it uninstalls.
+//! update (`helm upgrade`) as well as for `helm uninstall`, a node that no longer matches the
+//! DaemonSet (its nodeSelector, affinity or tolerations changed, or the node's labels), an
+//! eviction or a node shutdown. Only the rolling update has a next pod on this node that keeps
+//! it managed; after any other stop nothing would run `repair` there any more, so later changes
+//! (trust, options) would never reach it. So on SIGTERM the installer asks the API server (with
+//! the pod's service account) about its DaemonSet, and keeps the node installed only when the
+//! DaemonSet is not being deleted and has a newer pod template than this pod's: its
+//! `metadata.generation` is above the pod's `pod-template-generation` label (which the
+//! DaemonSet controller sets to the generation it created the pod from; the chart passes it
+//! through the downward API). Then the next pod finds the node installed, and an unchanged
+//! payload changes and restarts nothing. Gone (404), being deleted, or the same template: it
+//! uninstalls (an eviction or a node shutdown costs one reinstall of that node).
 //!
-//! When the API server cannot be asked (not reachable, no service account, or 401/403 because
-//! the release's ServiceAccount or Role went first), it uninstalls: a node is never left with a
-//! runtime that nothing manages any more, and being wrong costs one reinstall of that node.
+//! When the API server cannot be asked (not reachable, 5xx, 401/403), the installer asks again
+//! with a doubling pause for at most `--owner-retry-seconds` (default 30 s, well inside the
+//! chart's 120 s grace period, which the uninstall itself needs too). If it still cannot tell,
+//! it uninstalls: a node is never left with a runtime that nothing manages, and being wrong
+//! costs one reinstall of that node.
 
 use std::path::Path;
 
@@ -48,8 +57,8 @@ impl std::fmt::Display for DaemonSetRef {
 /// What the API server said about the DaemonSet.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Owner {
-    /// It exists and is not being deleted: a rolling update, a node shutdown, an eviction.
-    Exists,
+    /// It exists and is not being deleted; its `metadata.generation` (absent: none).
+    Exists(Option<u64>),
     /// It is being deleted (its deletionTimestamp).
     Deleting(String),
     /// 404.
@@ -59,10 +68,40 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// Whether the stopped pod uninstalls: unless the DaemonSet exists and is not being
-    /// deleted.
-    pub fn uninstall(&self) -> bool {
-        !matches!(self, Owner::Exists)
+    /// Whether a pod made from template generation `pod` (its `pod-template-generation`
+    /// label; `None`: unknown) uninstalls when it stops: unless the DaemonSet exists, is not
+    /// being deleted and has a newer template, so that a rolling update replaces this pod.
+    pub fn uninstall(&self, pod: Option<u64>) -> bool {
+        !matches!((self, pod), (Owner::Exists(Some(ds)), Some(pod)) if *ds > pod)
+    }
+
+    /// Whether asking again may answer: the API server could not be asked.
+    fn retry(&self) -> bool {
+        matches!(self, Owner::Unknown(_))
+    }
+}
+
+/// Asks with `ask` until it answers other than [`Owner::Unknown`] or `budget` is spent, with a
+/// doubling pause (from `first`, at most 8 s) passed to `sleep`; the last answer.
+pub fn ask_with_retry(
+    mut ask: impl FnMut() -> Owner,
+    budget: std::time::Duration,
+    first: std::time::Duration,
+    mut sleep: impl FnMut(std::time::Duration),
+) -> Owner {
+    let mut spent = std::time::Duration::ZERO;
+    let mut pause = first;
+    loop {
+        let owner = ask();
+        if !owner.retry() || spent + pause > budget {
+            return owner;
+        }
+        if let Owner::Unknown(why) = &owner {
+            tracing::warn!(reason = %why, retry_in = ?pause, "cannot ask the API server about the DaemonSet: asking again");
+        }
+        sleep(pause);
+        spent += pause;
+        pause = (pause * 2).min(std::time::Duration::from_secs(8));
     }
 }
 
@@ -84,7 +123,9 @@ pub fn owner(ds: &DaemonSetRef, sa_dir: &Path) -> Owner {
         Ok((status, body)) if status.is_success() => match serde_json::from_str::<Value>(&body) {
             Ok(v) => match v["metadata"]["deletionTimestamp"].as_str() {
                 Some(t) => Owner::Deleting(t.to_string()),
-                None if v["kind"] == "DaemonSet" => Owner::Exists,
+                None if v["kind"] == "DaemonSet" => {
+                    Owner::Exists(v["metadata"]["generation"].as_u64())
+                }
                 None => Owner::Unknown(format!(
                     "the API server at {} answered {path} with a {} object, not a DaemonSet",
                     api.url, v["kind"]
@@ -99,13 +140,29 @@ pub fn owner(ds: &DaemonSetRef, sa_dir: &Path) -> Owner {
     }
 }
 
-/// Whether a pod of `ds` that is being stopped uninstalls, logged with the reason.
-pub fn uninstall_on_stop(ds: &DaemonSetRef, sa_dir: &Path) -> bool {
-    let owner = owner(ds, sa_dir);
+/// Whether a pod of `ds` made from template generation `pod` that is being stopped
+/// uninstalls, logged with the reason; the API server is asked for at most `retry`.
+pub fn uninstall_on_stop(
+    ds: &DaemonSetRef,
+    sa_dir: &Path,
+    pod: Option<u64>,
+    retry: std::time::Duration,
+) -> bool {
+    let owner = ask_with_retry(
+        || owner(ds, sa_dir),
+        retry,
+        std::time::Duration::from_secs(1),
+        std::thread::sleep,
+    );
+    let uninstall = owner.uninstall(pod);
     match &owner {
-        Owner::Exists => tracing::info!(
-            daemonset = %ds,
-            "the DaemonSet still exists (a rolling update, a node shutdown or an eviction): gpu-ckpt stays installed for the next pod"
+        Owner::Exists(generation) if !uninstall => tracing::info!(
+            daemonset = %ds, generation = ?generation, pod_template_generation = ?pod,
+            "the DaemonSet has a newer pod template (a rolling update): gpu-ckpt stays installed for the next pod"
+        ),
+        Owner::Exists(generation) => tracing::info!(
+            daemonset = %ds, generation = ?generation, pod_template_generation = ?pod,
+            "the DaemonSet has no newer pod template than this pod's (the node no longer matches it, an eviction, a node shutdown): uninstalling, so that no node keeps a runtime nothing manages"
         ),
         Owner::Deleting(t) => tracing::info!(
             daemonset = %ds, deletion = %t,
@@ -113,11 +170,11 @@ pub fn uninstall_on_stop(ds: &DaemonSetRef, sa_dir: &Path) -> bool {
         ),
         Owner::Gone => tracing::info!(daemonset = %ds, "the DaemonSet is gone: uninstalling"),
         Owner::Unknown(why) => tracing::warn!(
-            daemonset = %ds, reason = %why,
+            daemonset = %ds, reason = %why, asked_for = ?retry,
             "cannot ask the API server whether the DaemonSet still exists: uninstalling, so that no node keeps a runtime nothing manages"
         ),
     }
-    owner.uninstall()
+    uninstall
 }
 
 #[cfg(test)]
@@ -139,11 +196,68 @@ mod tests {
     }
 
     #[test]
-    fn only_an_existing_daemonset_keeps_the_node_installed() {
-        assert!(!Owner::Exists.uninstall());
-        assert!(Owner::Gone.uninstall());
-        assert!(Owner::Deleting("2026-12-05T10:00:00Z".into()).uninstall());
-        assert!(Owner::Unknown("unreachable".into()).uninstall());
+    fn only_a_rolling_update_keeps_the_node_installed() {
+        // A newer template than this pod's: the rolling update's next pod takes over.
+        assert!(!Owner::Exists(Some(3)).uninstall(Some(2)));
+        // The same template: the pod stopped because the node no longer matches, an
+        // eviction, a shutdown; nothing would manage the node.
+        assert!(Owner::Exists(Some(2)).uninstall(Some(2)));
+        assert!(Owner::Exists(None).uninstall(Some(2)));
+        assert!(Owner::Exists(Some(3)).uninstall(None));
+        assert!(Owner::Gone.uninstall(Some(1)));
+        assert!(Owner::Deleting("2026-12-05T10:00:00Z".into()).uninstall(Some(1)));
+        assert!(Owner::Unknown("unreachable".into()).uninstall(Some(1)));
+    }
+
+    #[test]
+    fn an_unreachable_api_server_is_asked_again_within_a_bound() {
+        use std::time::Duration;
+        // Answers on the third try.
+        let mut asked = 0;
+        let mut slept = Vec::new();
+        let got = ask_with_retry(
+            || {
+                asked += 1;
+                if asked < 3 {
+                    Owner::Unknown("503".into())
+                } else {
+                    Owner::Exists(Some(2))
+                }
+            },
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            |d| slept.push(d),
+        );
+        assert_eq!(got, Owner::Exists(Some(2)));
+        assert_eq!(asked, 3);
+        assert_eq!(slept, [Duration::from_secs(1), Duration::from_secs(2)]);
+        // Never answers: the pauses stay within the budget, then the last answer.
+        let mut asked = 0;
+        let mut slept = Duration::ZERO;
+        let got = ask_with_retry(
+            || {
+                asked += 1;
+                Owner::Unknown("401".into())
+            },
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            |d| slept += d,
+        );
+        assert_eq!(got, Owner::Unknown("401".into()));
+        assert!(slept <= Duration::from_secs(30), "{slept:?}");
+        assert_eq!(asked, 6, "1+2+4+8+8 s of pauses");
+        // An answer is not asked again.
+        let mut asked = 0;
+        ask_with_retry(
+            || {
+                asked += 1;
+                Owner::Gone
+            },
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            |_| panic!("slept"),
+        );
+        assert_eq!(asked, 1);
     }
 
     #[test]

@@ -33,8 +33,15 @@ enum Cmd {
     Uninstall(Common),
     /// The readiness probe: exit 0 when this container's install finished (the ready marker)
     /// and the node is still as installed (every file, containerd's imports); else name what
-    /// is not, and exit 1.
-    Status(Common),
+    /// is not, and exit 1. With `--uninstalled` (the uninstall action's probe): when this
+    /// container's uninstall finished and nothing of gpu-ckpt is left on the node.
+    Status {
+        #[command(flatten)]
+        common: Common,
+        /// Check that the node is uninstalled instead.
+        #[arg(long)]
+        uninstalled: bool,
+    },
     /// The watch: when the node is no longer as installed (another agent rewrote containerd's
     /// configuration, a file changed), say what changed and install again (restarting
     /// containerd when its configuration changed); nothing when nothing changed.
@@ -86,10 +93,24 @@ struct Common {
     /// included) succeeded, removed at an uninstall or a failure.
     #[arg(long, default_value = READY_FILE)]
     ready_file: PathBuf,
-    /// The DaemonSet this runs in, NAMESPACE/NAME: `uninstall` leaves the node installed while
-    /// it exists and is not being deleted (the pod stopped for a rolling update).
+    /// The DaemonSet this runs in, NAMESPACE/NAME: `uninstall` leaves the node installed only
+    /// while it is not being deleted and has a newer pod template than this pod's
+    /// (`--pod-template-generation`): the pod stopped for a rolling update.
     #[arg(long)]
     daemonset: Option<DaemonSetRef>,
+    /// This pod's `pod-template-generation` label (the DaemonSet's generation it was made
+    /// from). Empty or not a number: unknown, and `uninstall --daemonset` uninstalls.
+    #[arg(long, default_value = "")]
+    pod_template_generation: String,
+    /// `repair` restarts containerd at most once in this many seconds: a restart due sooner
+    /// (another agent keeps rewriting containerd's configuration) waits, reported in the log
+    /// and by `status`, and the next check after the interval restarts. 0: no limit.
+    #[arg(long, default_value_t = 300)]
+    min_restart_interval_seconds: u64,
+    /// For how long `uninstall --daemonset` asks the API server again (a doubling pause from
+    /// 1 s) while it cannot be asked, before it uninstalls; inside the pod's grace period.
+    #[arg(long, default_value_t = 30)]
+    owner_retry_seconds: u64,
 }
 
 impl Common {
@@ -106,6 +127,7 @@ impl Common {
             service_account_dir: self.service_account_dir.clone(),
             driver_root: self.driver_root.clone(),
             site: self.site.clone(),
+            min_restart_interval: None,
         })
     }
 }
@@ -127,11 +149,19 @@ fn main() {
 fn run() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Install(c) => install_ready(&c, "install", Vec::new()),
+        Cmd::Install(c) => install_ready(&c, "install", Vec::new(), None),
         Cmd::Uninstall(c) => {
             status::clear_ready(&c.ready_file)?;
             if let Some(ds) = &c.daemonset {
-                if !lifecycle::uninstall_on_stop(ds, &c.service_account_dir) {
+                let generation = c.pod_template_generation.trim().parse::<u64>().ok();
+                if generation.is_none() {
+                    tracing::warn!(
+                        value = %c.pod_template_generation,
+                        "no pod template generation: this pod's template cannot be compared with the DaemonSet's"
+                    );
+                }
+                let retry = std::time::Duration::from_secs(c.owner_retry_seconds);
+                if !lifecycle::uninstall_on_stop(ds, &c.service_account_dir, generation, retry) {
                     println!(
                         "{}",
                         summary("uninstall", &install::Outcome::default())
@@ -141,11 +171,21 @@ fn run() -> Result<()> {
                 }
             }
             let out = install::uninstall(&c.options()?)?;
-            println!("{}", summary("uninstall", &out));
+            let line = summary("uninstall", &out);
+            // The uninstall action's readiness probe (`status --uninstalled`) needs it.
+            status::mark_ready(&c.ready_file, &line.to_string())?;
+            println!("{line}");
             Ok(())
         }
-        Cmd::Status(c) => {
-            let problems = status::status(&c.options()?, &c.ready_file)?;
+        Cmd::Status {
+            common: c,
+            uninstalled,
+        } => {
+            let problems = if uninstalled {
+                status::uninstalled(&c.options()?, &c.ready_file)?
+            } else {
+                status::status(&c.options()?, &c.ready_file)?
+            };
             println!(
                 "{}",
                 serde_json::json!({"ready": problems.is_empty(), "problems": problems})
@@ -161,19 +201,32 @@ fn run() -> Result<()> {
             for f in &found {
                 tracing::warn!(found = %f, "the node is no longer as installed: installing again");
             }
-            install_ready(&c, "repair", found)
+            let min = std::time::Duration::from_secs(c.min_restart_interval_seconds);
+            install_ready(&c, "repair", found, (!min.is_zero()).then_some(min))
         }
     }
 }
 
 /// Installs; the ready marker is removed first and written once the install (labels included)
 /// succeeded.
-fn install_ready(c: &Common, action: &str, found: Vec<String>) -> Result<()> {
+/// `min_restart_interval`: see [`install::Options::min_restart_interval`].
+fn install_ready(
+    c: &Common,
+    action: &str,
+    found: Vec<String>,
+    min_restart_interval: Option<std::time::Duration>,
+) -> Result<()> {
     status::clear_ready(&c.ready_file)?;
-    let out = install::install(&c.options()?)?;
+    let out = install::install(&install::Options {
+        min_restart_interval,
+        ..c.options()?
+    })?;
     let mut line = summary(action, &out);
     if !found.is_empty() {
         line = line.with("found", found.into());
+    }
+    if let Some(why) = &out.restart_deferred {
+        line = line.with("restart_deferred", why.as_str().into());
     }
     status::mark_ready(&c.ready_file, &line.to_string())?;
     println!("{line}");

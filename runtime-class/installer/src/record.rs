@@ -78,6 +78,10 @@ pub struct Record {
     pub restart_pending: bool,
     #[serde(default)]
     pub labels: Option<LabelEntry>,
+    /// When the watch (`repair`) last restarted containerd (seconds since the epoch), for its
+    /// least interval between restarts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_repair_restart: Option<u64>,
 }
 
 impl Record {
@@ -90,6 +94,7 @@ impl Record {
             config: None,
             restart_pending: false,
             labels: None,
+            last_repair_restart: None,
         }
     }
 

@@ -96,3 +96,42 @@ pub fn status(o: &Options, ready: &Path) -> Result<Vec<String>> {
     problems.extend(drift(o)?);
     Ok(problems)
 }
+
+/// The readiness probe of the uninstall action (`status --uninstalled`): the marker `ready` is
+/// there (this container's uninstall finished) and nothing of gpu-ckpt is left on the node: no
+/// install record, none of the files as the installer writes them, no imports entry of a
+/// drop-in in containerd's configuration. Each problem, in words; empty: ready.
+pub fn uninstalled(o: &Options, ready: &Path) -> Result<Vec<String>> {
+    let _span = tracing::info_span!("check_uninstalled", root = %o.fs.root.display()).entered();
+    let mut problems = Vec::new();
+    if !ready.is_file() {
+        problems.push(format!(
+            "no ready marker {}: this container's uninstall has not finished",
+            ready.display()
+        ));
+    }
+    let at = install::record_path(&o.fs)?;
+    if at.exists() {
+        problems.push(format!(
+            "the install record {} is still there",
+            at.display()
+        ));
+    }
+    for (path, want) in o.planned_entries()? {
+        if install::matches(&o.fs.resolve_parent(&path)?, &want)? {
+            problems.push(format!("{} is still installed", path.display()));
+        }
+    }
+    let cfg = o.fs.resolve(&o.containerd_config)?;
+    if let Some((text, _)) = read_opt(&cfg)? {
+        for entry in o.import_entries() {
+            if config::imports(&o.containerd_config, &text, &entry)? {
+                problems.push(format!(
+                    "containerd's configuration {} still imports {entry}",
+                    o.containerd_config.display()
+                ));
+            }
+        }
+    }
+    Ok(problems)
+}

@@ -111,6 +111,7 @@ fn scratch() -> Scratch {
         service_account_dir: "/nonexistent".into(),
         site: Default::default(),
         driver_root: "/".into(),
+        min_restart_interval: None,
     };
     Scratch {
         _dir: dir,
@@ -475,4 +476,85 @@ fn a_lib_dir_too_long_for_the_interpreter_is_refused_before_anything_is_written(
         "{err}"
     );
     assert_eq!(listing(&s.root), before, "nothing was written");
+}
+
+#[test]
+fn only_containerds_own_configuration_restarts_it_and_the_watch_backs_off() {
+    use node_installer::status::drift;
+    use std::time::Duration;
+    let mut s = scratch();
+    let before = listing(&s.root);
+    let original = fs::read_to_string(s.root.join("etc/containerd/config.toml")).unwrap();
+    let ca = s._dir.path().join("ca.pem");
+    fs::write(
+        &ca,
+        "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    s.opts.site.registry_cas = vec![format!("reg:5443={}", ca.display())];
+    install(&s.opts).unwrap();
+    assert_eq!(restarts(&s), 1);
+    let hosts = s.root.join("etc/gpu-ckpt/certs.d/reg:5443/hosts.toml");
+    assert!(hosts.is_file());
+
+    // Another agent's chmod of a drop-in: the mode is put right, containerd's bytes are the
+    // same, so no restart.
+    let dropin = s.root.join("etc/containerd/conf.d/gpu-ckpt.toml");
+    fs::set_permissions(&dropin, fs::Permissions::from_mode(0o600)).unwrap();
+    let out = install(&s.opts).unwrap();
+    assert!(!out.config_changed && !out.restarted, "{out:?}");
+    assert_eq!(
+        out.files_changed,
+        [PathBuf::from("/etc/containerd/conf.d/gpu-ckpt.toml")]
+    );
+    assert_eq!(fs::metadata(&dropin).unwrap().mode() & 0o7777, 0o644);
+    assert_eq!(restarts(&s), 1);
+
+    // The registry's CA taken out of the values: its hosts.toml goes, which containerd never
+    // reads (the shim's pulls do): no restart.
+    s.opts.site.registry_cas.clear();
+    let out = install(&s.opts).unwrap();
+    assert!(!hosts.exists());
+    assert!(!out.config_changed && !out.restarted, "{out:?}");
+    assert_eq!(restarts(&s), 1);
+
+    // The watch, restarting at most once an hour: the imports removed puts them back with a
+    // restart; removed again within the hour, they are put back and the restart waits,
+    // reported, and still pending for the probe.
+    let watch = Options {
+        min_restart_interval: Some(Duration::from_secs(3600)),
+        ..s.opts.clone()
+    };
+    let cfg = s.root.join("etc/containerd/config.toml");
+    fs::write(&cfg, &original).unwrap();
+    let out = install(&watch).unwrap();
+    assert!(out.config_changed && out.restarted, "{out:?}");
+    assert_eq!(restarts(&s), 2);
+    fs::write(&cfg, &original).unwrap();
+    let out = install(&watch).unwrap();
+    assert!(out.config_changed && !out.restarted, "{out:?}");
+    let why = out
+        .restart_deferred
+        .expect("the deferred restart is reported");
+    assert!(
+        why.contains("the least interval between restarts is 3600 s"),
+        "{why}"
+    );
+    assert_eq!(restarts(&s), 2);
+    assert_eq!(
+        drift(&watch).unwrap(),
+        ["containerd has not been restarted since its configuration changed"]
+    );
+    // The hour passed: the next check restarts.
+    let at = node_installer::install::record_path(&s.opts.fs).unwrap();
+    let mut rec = Record::load(&at).unwrap().unwrap();
+    rec.last_repair_restart = rec.last_repair_restart.map(|t| t - 3600);
+    rec.save(&at).unwrap();
+    let out = install(&watch).unwrap();
+    assert!(out.restarted && out.restart_deferred.is_none(), "{out:?}");
+    assert_eq!(restarts(&s), 3);
+    assert!(drift(&watch).unwrap().is_empty());
+
+    uninstall(&s.opts).unwrap();
+    assert_eq!(listing(&s.root), before);
 }

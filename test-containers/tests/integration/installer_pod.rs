@@ -8,11 +8,14 @@
 //!   `/etc/ld.so.cache` names (made by ldconfig), the simulator serving its GPUs.
 //! - The readiness probe fails before the install, passes after it, fails while containerd's
 //!   configuration has lost the imports.
-//! - A pod stopped while its DaemonSet exists (a rolling update) leaves the node installed, and
-//!   the next pod, with the same payload, changes and restarts nothing; a DaemonSet with a
-//!   deletionTimestamp, or gone (404), and the stopped pod uninstalls.
+//! - A pod stopped while its DaemonSet has a newer template (a rolling update) leaves the node
+//!   installed, and the next pod, with the same payload, changes and restarts nothing; a
+//!   DaemonSet with a deletionTimestamp, gone (404), or with this pod's own template (the node
+//!   no longer selected), and the stopped pod uninstalls.
 //! - The watch: config.toml rewritten without the imports while the pod waits gets them back,
-//!   with one restart of containerd.
+//!   with one restart of containerd; rewritten again within minRestartIntervalSeconds, they are
+//!   put back and the restart waits, reported in the log and by the probe.
+//! - The uninstall action's probe passes only once nothing of gpu-ckpt is left on the node.
 //! - A node with /dev/nvidia* and no driver answering gets no GPU labels, and the log says why.
 
 use std::fs;
@@ -159,6 +162,7 @@ impl Pod {
         s: &Scratch,
         rendered: &Value,
         name: &str,
+        generation: u64,
         api: Option<&FakeApi>,
         env: &[(&str, String)],
     ) -> Result<Pod> {
@@ -189,6 +193,23 @@ impl Pod {
                 path_str(api.sa_dir()).to_string(),
             ]);
             cmd.envs(api.env());
+        }
+        // The container's environment as the kubelet fills it in: the downward API's node name
+        // and this pod's label pod-template-generation (`generation`).
+        for e in c["env"].as_array().into_iter().flatten() {
+            let var = e["name"].as_str().context("an env entry without a name")?;
+            let value = match (
+                e["value"].as_str(),
+                e["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+            ) {
+                (Some(v), _) => v.to_string(),
+                (None, Some("spec.nodeName")) => NODE.to_string(),
+                (None, Some("metadata.labels['pod-template-generation']")) => {
+                    generation.to_string()
+                }
+                _ => bail!("the container's env {e}: not one this test fills in"),
+            };
+            cmd.env(var, value);
         }
         cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())));
         let child = cmd
@@ -311,6 +332,36 @@ fn label_patches(api: &FakeApi) -> Vec<serde_json::Map<String, Value>> {
         .collect()
 }
 
+/// The installer's DaemonSet as the API server answers a GET, with `metadata` added to its
+/// metadata (a generation, a deletionTimestamp).
+fn daemonset_object(metadata: Value) -> Value {
+    let mut ds = json!({
+        "kind": "DaemonSet", "apiVersion": "apps/v1",
+        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"},
+    });
+    if let (Some(m), Some(extra)) = (ds["metadata"].as_object_mut(), metadata.as_object()) {
+        m.extend(extra.clone());
+    }
+    ds
+}
+
+/// Stops `pod`, which asks for its DaemonSet (the `gets`th GET) and uninstalls: nothing of
+/// gpu-ckpt is left, and containerd was restarted `restarts` times in all.
+fn stop_uninstalls(
+    pod: Pod,
+    s: &Scratch,
+    api: &FakeApi,
+    gets: usize,
+    restarts: usize,
+) -> Result<()> {
+    let code = pod.stop()?;
+    ensure!(code == 0, "the stopped pod exited {code}");
+    ensure!(daemonset_gets(api) == gets, "{:#?}", api.requests());
+    s.uninstalled()?;
+    ensure!(s.restarts() == restarts, "restarts: {}", s.restarts());
+    Ok(())
+}
+
 fn daemonset_gets(api: &FakeApi) -> usize {
     api.requests()
         .iter()
@@ -361,7 +412,7 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     ensure!(!ready, "ready before the install: {said}");
     ensure!(said.contains("no ready marker"), "{said}");
 
-    let pod = Pod::start(&s, &rendered, "pod1", Some(&api), &sim_env)?;
+    let pod = Pod::start(&s, &rendered, "pod1", 1, Some(&api), &sim_env)?;
     let patches = label_patches(&api);
     ensure!(patches.len() == 1, "{patches:?}\n{}", pod.stderr());
     let want = json!({
@@ -395,12 +446,10 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     fs::write(s.root.join("etc/containerd/config.toml"), &installed_config)?;
     ensure!(probe(&rendered)?.0, "not ready with the imports back");
 
-    // A rolling update: the DaemonSet exists. The stop leaves the node installed.
+    // A rolling update: the DaemonSet has a newer template (generation 2) than the pod's (1).
+    // The stop leaves the node installed.
     fs::write(&s.restarts, "")?;
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system"},
-    })));
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
     let code = pod.stop()?;
     ensure!(code == 0, "the stopped pod exited {code}");
     ensure!(daemonset_gets(&api) == 1, "{:#?}", api.requests());
@@ -413,7 +462,7 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     ensure!(!s.ready.exists(), "the stopped pod left its ready marker");
 
     // The new pod, with the same payload: nothing changes, containerd is not restarted.
-    let pod = Pod::start(&s, &rendered, "pod2", Some(&api), &sim_env)?;
+    let pod = Pod::start(&s, &rendered, "pod2", 2, Some(&api), &sim_env)?;
     let summary = pod.summaries().first().cloned().unwrap_or_default();
     ensure!(
         summary["action"] == "install"
@@ -429,15 +478,10 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     ensure!(probe(&rendered)?.0, "the new pod is not ready");
 
     // helm uninstall with foreground deletion: the DaemonSet has a deletionTimestamp.
-    api.set_daemonset(Some(json!({
-        "kind": "DaemonSet", "apiVersion": "apps/v1",
-        "metadata": {"name": "gpu-ckpt-node-installer", "namespace": "gpu-ckpt-system",
-                     "deletionTimestamp": "2026-12-05T18:00:00Z"},
-    })));
-    ensure!(pod.stop()? == 0);
-    ensure!(daemonset_gets(&api) == 2);
-    s.uninstalled()?;
-    ensure!(s.restarts() == 1, "restarts: {}", s.restarts());
+    api.set_daemonset(Some(daemonset_object(
+        json!({"deletionTimestamp": "2026-12-05T18:00:00Z"}),
+    )));
+    stop_uninstalls(pod, &s, &api, 2, 1)?;
     let last = label_patches(&api).pop().unwrap_or_default();
     ensure!(
         last.len() == 4 && last.values().all(Value::is_null),
@@ -446,13 +490,65 @@ fn the_pod_labels_the_simulators_gpus_through_the_driver_root_and_an_upgrade_res
     ensure!(!probe(&rendered)?.0, "ready after the uninstall");
 
     // kubectl delete (background): the DaemonSet is gone (404).
-    let pod = Pod::start(&s, &rendered, "pod3", Some(&api), &sim_env)?;
+    let pod = Pod::start(&s, &rendered, "pod3", 2, Some(&api), &sim_env)?;
     ensure!(s.installed()? && s.restarts() == 2);
     api.set_daemonset(None);
+    stop_uninstalls(pod, &s, &api, 3, 3)?;
+
+    // The DaemonSet exists with this pod's template (generation 2): the pod stopped because the
+    // node no longer matches it (a node label, its nodeSelector), and no pod will manage the
+    // node any more. It uninstalls, labels included.
+    let pod = Pod::start(&s, &rendered, "pod4", 2, Some(&api), &sim_env)?;
+    ensure!(s.installed()? && s.restarts() == 4);
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
+    stop_uninstalls(pod, &s, &api, 4, 5)?;
+    let last = label_patches(&api).pop().unwrap_or_default();
+    ensure!(
+        last.values().all(Value::is_null)
+            && last.contains_key("node-restriction.kubernetes.io/gpu-ckpt-runtime"),
+        "the labels were not removed: {last:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_uninstall_action_is_ready_only_once_the_node_is_uninstalled() -> Result<()> {
+    let s = Scratch::new()?;
+    let api = FakeApi::start(&s.dir.join("api"))?;
+    let rendered = s.render(json!({}))?;
+    // Installed by an install pod, left so by a rolling update (a newer template).
+    let pod = Pod::start(&s, &rendered, "install", 1, Some(&api), &[])?;
+    ensure!(s.installed()?, "not installed: {}", s.config()?);
+    api.set_daemonset(Some(daemonset_object(json!({"generation": 2}))));
     ensure!(pod.stop()? == 0);
-    ensure!(daemonset_gets(&api) == 3);
+    ensure!(s.installed()?, "the update's stop uninstalled");
+
+    // `helm upgrade --set nodeInstaller.action=uninstall`: its probe fails until the
+    // uninstall finished, so that `kubectl rollout status` waits for it.
+    let rendered = s.render(json!({"action": "uninstall"}))?;
+    let (ready, said) = probe(&rendered)?;
+    ensure!(
+        !ready,
+        "the uninstall action is ready before its uninstall: {said}"
+    );
+    ensure!(
+        said.contains("still installed") && said.contains("still imports"),
+        "{said}"
+    );
+    let pod = Pod::start(&s, &rendered, "uninstall", 2, Some(&api), &[])?;
     s.uninstalled()?;
-    ensure!(s.restarts() == 3, "restarts: {}", s.restarts());
+    let (ready, said) = probe(&rendered)?;
+    ensure!(ready, "not ready after the uninstall: {said}");
+    // Readiness follows the node: gpu-ckpt put back (another install) is not uninstalled.
+    let install = s.render(json!({}))?;
+    let again = Pod::start(&s, &install, "again", 2, Some(&api), &[])?;
+    drop(again);
+    let (ready, said) = probe(&rendered)?;
+    ensure!(
+        !ready && said.contains("still"),
+        "ready while installed: {said}"
+    );
+    drop(pod);
     Ok(())
 }
 
@@ -465,7 +561,7 @@ fn the_watch_puts_back_the_imports_another_agent_removed_and_unknown_gpus_get_no
     fs::write(s.root.join("dev/nvidiactl"), "")?;
     let api = FakeApi::start(&s.dir.join("api"))?;
     let rendered = s.render(json!({"checkIntervalSeconds": 1}))?;
-    let mut pod = Pod::start(&s, &rendered, "pod", Some(&api), &[])?;
+    let mut pod = Pod::start(&s, &rendered, "pod", 1, Some(&api), &[])?;
     let patches = label_patches(&api);
     ensure!(
         patches.len() == 1
@@ -515,6 +611,33 @@ fn the_watch_puts_back_the_imports_another_agent_removed_and_unknown_gpus_get_no
         pod.stdout()
     );
     ensure!(probe(&rendered)?.0, "not ready after the repair");
+
+    // The agent does it again within minRestartIntervalSeconds (300): the imports are put
+    // back, the restart waits, and the log and the probe say so.
+    fs::write(
+        s.root.join("etc/containerd/config.toml"),
+        &s.original_config,
+    )?;
+    pod.wait_for("restart_deferred")?;
+    ensure!(s.installed()?, "the imports are not back: {}", s.config()?);
+    ensure!(s.restarts() == 2, "restarts: {}", s.restarts());
+    let deferred = pod
+        .summaries()
+        .into_iter()
+        .find(|v| v.get("restart_deferred").is_some())
+        .context("no deferred restart")?;
+    ensure!(
+        deferred["restarted"] == false
+            && deferred["restart_deferred"]
+                .as_str()
+                .is_some_and(|w| w.contains("the least interval between restarts is 300 s")),
+        "{deferred}"
+    );
+    let (ready, said) = probe(&rendered)?;
+    ensure!(
+        !ready && said.contains("containerd has not been restarted"),
+        "ready with a restart pending: {said}"
+    );
 
     // The DaemonSet is gone: uninstall.
     api.set_daemonset(None);

@@ -236,6 +236,51 @@ fn the_chart_lints_with_helms_engine() -> Result<()> {
     Ok(())
 }
 
+/// The chart's `kubeVersion` floor (`>=X.Y.0-0` in Chart.yaml) is the oldest Kubernetes whose
+/// API has every object the chart renders: at X.Y every document of the default rendering is
+/// valid, one minor version below some is not (the admission policies are
+/// admissionregistration.k8s.io/v1 from 1.30 on).
+#[test]
+fn the_charts_kube_version_floor_is_the_oldest_that_has_its_objects() -> Result<()> {
+    let meta = std::fs::read_to_string(chart().join("Chart.yaml"))?;
+    let floor = meta
+        .lines()
+        .find_map(|l| l.strip_prefix("kubeVersion:"))
+        .context("Chart.yaml has no kubeVersion")?
+        .trim()
+        .trim_matches('"');
+    let minor = floor
+        .strip_prefix(">=1.")
+        .and_then(|r| r.strip_suffix(".0-0"))
+        .and_then(|m| m.parse::<u32>().ok())
+        .with_context(|| format!("kubeVersion {floor:?} is not >=1.Y.0-0"))?;
+    let invalid_at = |minor: u32| -> Result<Vec<String>> {
+        let kv = format!("1.{minor}");
+        let out = chart_ok(&["render", path_str(&chart()), "--kube-version", kv.as_str()])?;
+        let docs = out["documents"].as_array().context("no documents")?;
+        ensure!(!docs.is_empty(), "no documents: {out}");
+        Ok(docs
+            .iter()
+            .filter(|d| d["valid"] != true)
+            .map(|d| format!("{} {}: {}", d["kind"], d["name"], d["error"]))
+            .collect())
+    };
+    let at_floor = invalid_at(minor)?;
+    ensure!(
+        at_floor.is_empty(),
+        "the chart says it works on Kubernetes 1.{minor}, whose API lacks: {at_floor:?}"
+    );
+    let below = invalid_at(minor - 1)?;
+    ensure!(
+        below
+            .iter()
+            .any(|d| d.contains("ValidatingAdmissionPolicy")),
+        "Kubernetes 1.{} has every object the chart renders ({below:?}): the floor {floor} is too high",
+        minor - 1
+    );
+    Ok(())
+}
+
 #[test]
 fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer() -> Result<()> {
     let rendered = render(&["--release", "gpu-ckpt", "--namespace", "gpu-ckpt-system"])?;
@@ -321,7 +366,9 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
     ensure!(flag(&args, "--restart-command").is_none(), "{args:?}");
     ensure!(
         c["env"]
-            == json!([{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]),
+            == json!([{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                      {"name": "POD_TEMPLATE_GENERATION", "valueFrom": {"fieldRef":
+                          {"fieldPath": "metadata.labels['pod-template-generation']"}}}]),
         "env {}",
         c["env"]
     );
@@ -335,9 +382,10 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
         script.contains(r#"gpu-ckpt-node-installer install "$@" || exit 1"#),
         "the script does not install: {script}"
     );
-    // Uninstall on SIGTERM, and the trap is set before the install starts.
+    // Uninstall on SIGTERM (with the pod's template generation), and the trap is set before
+    // the install starts.
     let trap = script
-        .find(r#"trap 'gpu-ckpt-node-installer uninstall "$@"; exit $?' TERM"#)
+        .find(r#"trap 'gpu-ckpt-node-installer uninstall "$@" --pod-template-generation "$POD_TEMPLATE_GENERATION"; exit $?' TERM"#)
         .context(format!("no uninstall on SIGTERM: {script}"))?;
     ensure!(
         trap < script.find("install \"$@\"").unwrap_or(0),
@@ -1082,6 +1130,7 @@ fn run_pod(
             format!("{}:/usr/sbin:/usr/bin:/sbin:/bin", bin.display()),
         )
         .env("NODE_NAME", node)
+        .env("POD_TEMPLATE_GENERATION", "3")
         .stdout(std::fs::File::create(&out)?)
         .stderr(std::fs::File::create(&err)?)
         .process_group(0)
@@ -1162,12 +1211,17 @@ fn the_installer_pod_installs_then_uninstalls_when_stopped() -> Result<()> {
     let shells: [&[&str]; 2] = [&["/bin/busybox", "sh"], &["/bin/sh"]];
     let defaults = render(&[])?;
     for shell in shells {
-        // Default values: install, wait, uninstall with the same flags on SIGTERM, exit 0.
+        // Default values: install, wait, uninstall with the same flags on SIGTERM and the pod's
+        // template generation (POD_TEMPLATE_GENERATION, 3 here), exit 0.
         let (code, calls, args) = run_installer_pod(&defaults, shell, 0)?;
         let joined = args.join(" ");
         ensure!(joined.contains("--label-node node-a"), "{joined}");
         ensure!(
-            calls == [format!("install {joined}"), format!("uninstall {joined}")],
+            calls
+                == [
+                    format!("install {joined}"),
+                    format!("uninstall {joined} --pod-template-generation 3")
+                ],
             "{shell:?}: {calls:?}"
         );
         ensure!(code == 0, "{shell:?}: exit status {code}");
@@ -1365,9 +1419,26 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
         ("--driver-root", "/"),
         ("--ready-file", "/run/gpu-ckpt-node-installer/ready"),
         ("--daemonset", "gpu-ckpt-system/gpu-ckpt-node-installer"),
+        ("--min-restart-interval-seconds", "300"),
     ] {
         ensure!(flag(&args, f) == Some(v), "{f}: {args:?}");
     }
+    // The stop's uninstall compares this pod's template generation (its label, through the
+    // downward API) with the DaemonSet's.
+    ensure!(
+        c["env"].as_array().is_some_and(|e| e.iter().any(|e| e
+            == &json!({"name": "POD_TEMPLATE_GENERATION", "valueFrom": {"fieldRef":
+                {"fieldPath": "metadata.labels['pod-template-generation']"}}}))),
+        "{}",
+        c["env"]
+    );
+    ensure!(
+        strings(&c["command"])[2].contains(
+            r#"gpu-ckpt-node-installer uninstall "$@" --pod-template-generation "$POD_TEMPLATE_GENERATION""#
+        ),
+        "{}",
+        c["command"]
+    );
     // The readiness probe: `status` with the installer's own flags.
     let probe = &c["readinessProbe"];
     let cmd = strings(&probe["exec"]["command"]);
@@ -1423,8 +1494,8 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
         "{script}"
     );
 
-    // action uninstall, uninstallOnStop off (ci/all-values.yaml): no probe, no repair, and the
-    // uninstall asks for no DaemonSet.
+    // action uninstall, uninstallOnStop off (ci/all-values.yaml): the probe checks that the node
+    // is uninstalled, no repair, and the uninstall asks for no DaemonSet.
     let all = yaml_file(&all_values())?;
     let docs = prod_documents(&["--values", path_str(&all_values())])?;
     let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-node-installer")?;
@@ -1433,7 +1504,17 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
     ensure!(flag(&args, "--driver-root") == all["nodeInstaller"]["driverRoot"].as_str());
     ensure!(flag(&args, "--ready-file") == all["nodeInstaller"]["readyFile"].as_str());
     ensure!(flag(&args, "--daemonset").is_none(), "{args:?}");
-    ensure!(c.get("readinessProbe").is_none(), "{c}");
+    ensure!(
+        flag(&args, "--min-restart-interval-seconds") == Some("900"),
+        "{args:?}"
+    );
+    let cmd = strings(&c["readinessProbe"]["exec"]["command"]);
+    ensure!(
+        cmd.len() > 3
+            && cmd[..3] == ["gpu-ckpt-node-installer", "status", "--uninstalled"]
+            && cmd[3..] == args[..],
+        "{c}"
+    );
     ensure!(!strings(&c["command"])[2].contains("repair"));
     // action install with uninstallOnStop off: no DaemonSet to ask.
     let docs = valid_documents(&render(&[

@@ -62,6 +62,8 @@ install|uninstall; runtime-class/installer/). $(NODE_NAME) is expanded by the ku
 - {{ .Values.nodeInstaller.driverRoot | quote }}
 - --ready-file
 - {{ .Values.nodeInstaller.readyFile | quote }}
+- --min-restart-interval-seconds
+- {{ .Values.nodeInstaller.minRestartIntervalSeconds | int | quote }}
 {{- if and (eq .Values.nodeInstaller.action "install") .Values.nodeInstaller.uninstallOnStop }}
 - --daemonset
 - {{ printf "%s/%s" .Release.Namespace (include "gpu-ckpt.installerName" .) | quote }}
