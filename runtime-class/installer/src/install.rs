@@ -425,14 +425,16 @@ impl Run<'_> {
     }
 
     /// Removes a recorded file if it is still what the installer wrote; a changed one is left
-    /// (someone else's now) with a warning.
+    /// (someone else's now) with a warning. A trusted key is removed whatever it holds now: a
+    /// key no longer in the values must not stay trusted.
     fn remove_entry(&mut self, e: &FileEntry) -> Result<bool> {
         let at = self.o.fs.resolve_parent(&e.path)?;
         let _ = fs::remove_file(temp_path(&at));
         if !exists(&at) {
             return Ok(false);
         }
-        if !matches(&at, e)? {
+        let trust = site::is_trusted_key_file(&self.o.site.site_dir(), &e.path);
+        if !trust && !matches(&at, e)? {
             tracing::warn!(path = %e.path.display(), "changed since it was installed: left in place");
             return Ok(false);
         }

@@ -514,6 +514,20 @@ impl Planner<'_> {
     }
 }
 
+/// Whether the node path `path` is a trusted key the installer writes (`<site>/trusted/*.pub`).
+pub fn is_trusted_key_file(site_dir: &Path, path: &Path) -> bool {
+    path.parent() == Some(trusted_dir(site_dir).as_path())
+        && path.extension().is_some_and(|x| x == "pub")
+}
+
+/// The installer's trusted-keys directory under `site_dir`.
+pub fn trusted_dir(site_dir: &Path) -> PathBuf {
+    Layout {
+        site: site_dir.to_path_buf(),
+    }
+    .trusted()
+}
+
 fn side_header(handler: &str) -> String {
     format!(
         "# The {handler} handler's gpu-ckpt options (the shim reads this file, `<runtime_path>.toml`, at each\n# container's Create). Written by gpu-ckpt-node-installer from the chart's values; it is rewritten\n# at each install and removed at uninstall.\n"

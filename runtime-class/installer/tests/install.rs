@@ -441,6 +441,31 @@ fn status_needs_the_ready_marker_and_an_unchanged_node() {
     assert!(status(o, &ready).unwrap()[0].starts_with("no ready marker"));
 }
 
+/// A key taken off the values stops being trusted even where its file was changed on the node,
+/// and a key file put into the installer's trusted directory by hand is drift.
+#[test]
+fn a_trusted_key_off_the_values_is_removed_and_an_unknown_one_is_drift() {
+    use node_installer::status::drift;
+    let mut s = scratch();
+    let (a, b, c) = ("11".repeat(32), "22".repeat(32), "33".repeat(32));
+    s.opts.site.trusted_keys = vec![format!("node-a={a}"), format!("node-b={b}")];
+    install(&s.opts).unwrap();
+    assert!(drift(&s.opts).unwrap().is_empty());
+    // node-b's file rewritten on the node (another key in it), then node-b taken off the values.
+    let b_file = s.root.join("etc/gpu-ckpt/trusted/node-b.pub");
+    fs::write(&b_file, format!("{c}\n")).unwrap();
+    s.opts.site.trusted_keys = vec![format!("node-a={a}")];
+    install(&s.opts).unwrap();
+    assert!(!b_file.exists(), "a key no longer in the values is still trusted");
+    assert!(s.root.join("etc/gpu-ckpt/trusted/node-a.pub").exists());
+    // A key put there by hand: drift, named.
+    fs::write(s.root.join("etc/gpu-ckpt/trusted/extra.pub"), format!("{c}\n")).unwrap();
+    assert_eq!(
+        drift(&s.opts).unwrap(),
+        ["/etc/gpu-ckpt/trusted/extra.pub is a trusted key the values do not give (trust.trustedKeys): the restore handler trusts it"]
+    );
+}
+
 #[test]
 fn the_installed_criu_runs_through_the_bundled_loader() {
     let s = scratch();
