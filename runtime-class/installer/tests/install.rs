@@ -466,6 +466,41 @@ fn a_trusted_key_off_the_values_is_removed_and_an_unknown_one_is_drift() {
     );
 }
 
+/// An existing directory that trust files or CRIU would go into is adopted only if root's alone
+/// to write (0700 for the site's); else the install refuses it, naming it.
+#[test]
+fn a_directory_others_may_write_is_refused_for_trust_and_criu() {
+    let mut s = scratch();
+    s.opts.site.trusted_keys = vec![format!("node-a={}", "11".repeat(32))];
+    // The site's directory, there already and readable by others.
+    let site = s.root.join("etc/gpu-ckpt");
+    fs::create_dir_all(&site).unwrap();
+    fs::set_permissions(&site, fs::Permissions::from_mode(0o755)).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.contains("refusing to use directory /etc/gpu-ckpt") && err.contains("0700"),
+        "{err}"
+    );
+    assert!(!site.join("trusted").exists());
+    fs::set_permissions(&site, fs::Permissions::from_mode(0o700)).unwrap();
+    // The bin directory, group-writable: the side files and CRIU's link go there.
+    let bin = s.root.join("usr/local/bin");
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o775)).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.contains("refusing to use directory /usr/local/bin")
+            && err.contains("writable by group or others"),
+        "{err}"
+    );
+    // Owned by another user.
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&bin, Some(1000), None).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(err.contains("owned by uid 1000"), "{err}");
+    std::os::unix::fs::chown(&bin, Some(0), None).unwrap();
+    install(&s.opts).unwrap();
+}
+
 #[test]
 fn the_installed_criu_runs_through_the_bundled_loader() {
     let s = scratch();
