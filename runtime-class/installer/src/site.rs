@@ -361,6 +361,18 @@ impl Planner<'_> {
         let public = ed25519_dalek::SigningKey::from_bytes(&seed)
             .verifying_key()
             .to_bytes();
+        // Every node would sign with a key every node refuses.
+        for r in &args.revoked_keys {
+            if revoked_id(r)? == key_id(&public) {
+                return Err(bad(
+                    what(),
+                    format!(
+                        "the cluster signing key {} is listed in --revoked-key (the chart's trust.revokedKeys): give a new signing key, or take it off the list",
+                        key_id(&public)
+                    ),
+                ));
+            }
+        }
         let key = self.l.cluster_key();
         self.files.push(SiteFile::private(
             key.clone(),
@@ -399,19 +411,22 @@ impl Planner<'_> {
                 return Err(bad(format!("--trusted-key {name}"), "given twice"));
             }
         }
-        if !trusted.is_empty() {
-            for (name, key) in &trusted {
-                // A revoked key is never written as trusted (and a file an earlier run wrote
-                // for it goes, as every file no longer planned).
-                if revoked.contains(&key_id(key)) {
-                    tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
-                    continue;
-                }
-                self.files.push(SiteFile::private(
-                    self.l.trusted().join(format!("{name}.pub")),
-                    format!("{}\n", hex::encode(key)),
-                ));
+        let mut written = 0;
+        for (name, key) in &trusted {
+            // A revoked key is never written as trusted (and a file an earlier run wrote for
+            // it goes, as every file no longer planned).
+            if revoked.contains(&key_id(key)) {
+                tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
+                continue;
             }
+            self.files.push(SiteFile::private(
+                self.l.trusted().join(format!("{name}.pub")),
+                format!("{}\n", hex::encode(key)),
+            ));
+            written += 1;
+        }
+        // Only a directory that holds a key: with every trusted key revoked there is none.
+        if written > 0 {
             let v = self.shown(&self.l.trusted());
             self.common.push(("TrustedKeysDir".into(), v));
         }
@@ -702,6 +717,61 @@ mod tests {
                 systemd_cgroup: true
             }
         );
+    }
+
+    /// A cluster signing key that the values also revoke: every node would sign with a key
+    /// every node refuses.
+    #[test]
+    fn a_revoked_cluster_key_is_refused() {
+        let (bin, f) = target();
+        let t = Target {
+            bin_dir: &bin,
+            for_containerd: &f,
+        };
+        let d = tempfile::tempdir().unwrap();
+        let seed = [9u8; 32];
+        let key_file = d.path().join("signing.key");
+        std::fs::write(&key_file, format!("{}\n", hex::encode(seed))).unwrap();
+        let public = ed25519_dalek::SigningKey::from_bytes(&seed)
+            .verifying_key()
+            .to_bytes();
+        let args = SiteArgs {
+            signing_key: Some(key_file),
+            revoked_keys: vec![hex::encode(public)],
+            ..Default::default()
+        };
+        let err = plan(&args, &t).unwrap_err().to_string();
+        assert!(
+            err.contains("cluster signing key") && err.contains(&key_id(&public)),
+            "{err}"
+        );
+    }
+
+    /// With every trusted key revoked no key file is written, and no side file names the
+    /// trusted-keys directory.
+    #[test]
+    fn no_trusted_keys_dir_without_a_trusted_key() {
+        let (bin, f) = target();
+        let b = [2u8; 32];
+        let args = SiteArgs {
+            trusted_keys: vec![format!("node-b={}", hex::encode(b))],
+            revoked_keys: vec![key_id(&b)],
+            ..Default::default()
+        };
+        let files = plan(
+            &args,
+            &Target {
+                bin_dir: &bin,
+                for_containerd: &f,
+            },
+        )
+        .unwrap();
+        assert!(!files.iter().any(|f| f.path.starts_with("/etc/gpu-ckpt/trusted")));
+        for binary in [SHIM_BINARY, "containerd-shim-gpu-ckpt-restore-v1"] {
+            let side = text(&files, &format!("/usr/local/bin/{binary}.toml"));
+            assert!(!side.contains("TrustedKeysDir"), "{side}");
+            assert!(side.contains("RevokedKeysFile"), "{side}");
+        }
     }
 
     #[test]
