@@ -325,7 +325,7 @@ pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
     p.trusted_and_revoked(args)?;
     p.registry(args)?;
     p.common.extend(extra);
-    Ok(p.side_files())
+    p.side_files()
 }
 
 /// The files planned so far, and the side files' keys: `common` for both handlers, `restore`
@@ -499,8 +499,10 @@ impl Planner<'_> {
     }
 
     /// The planned files with each handler's side file, and the restore handler's link (the
-    /// shim by another name).
-    fn side_files(mut self) -> Vec<SiteFile> {
+    /// shim by another name). Each side file is read back by the shim's own options type, as
+    /// the shim reads it at Create: a key it does not know (they are case-sensitive) or a value
+    /// it refuses fails the install here instead of every container's start.
+    fn side_files(mut self) -> Result<Vec<SiteFile>> {
         for src in &dropin::SOURCES {
             let mut doc = DocumentMut::new();
             if src.mode_restore {
@@ -510,6 +512,8 @@ impl Planner<'_> {
             for (k, v) in self.common.iter().chain(own) {
                 doc.insert(k, toml_edit::Item::Value(v.clone()));
             }
+            gpu_ckpt_shim::options::RuntimeOptions::from_toml(&doc.to_string(), src.handler)
+                .map_err(|e| bad("--handler-options", e.to_string()))?;
             self.files.push(SiteFile {
                 path: self.t.bin_dir.join(format!("{}.toml", src.binary)),
                 content: Content::Bytes(format!("{}{doc}", side_header(src.handler)).into_bytes()),
@@ -525,7 +529,7 @@ impl Planner<'_> {
                 });
             }
         }
-        self.files
+        Ok(self.files)
     }
 }
 
@@ -717,6 +721,30 @@ mod tests {
                 systemd_cgroup: true
             }
         );
+    }
+
+    /// What the shim would refuse at every Create is refused at install: a key it does not know
+    /// (case-sensitively, as it reads them), a value it refuses.
+    #[test]
+    fn handler_options_the_shim_refuses_are_refused_at_install() {
+        let (bin, f) = target();
+        let t = Target {
+            bin_dir: &bin,
+            for_containerd: &f,
+        };
+        for (opts, needle) in [
+            (r#"{"mode":"restore"}"#, "unknown field `mode`"),
+            (r#"{"Bogus":1}"#, "unknown field `Bogus`"),
+            (r#"{"TcpMode":"sometimes"}"#, "invalid TcpMode"),
+            (r#"{"RestoreStagingDir":"rel"}"#, "RestoreStagingDir"),
+        ] {
+            let args = SiteArgs {
+                handler_options: Some(opts.into()),
+                ..Default::default()
+            };
+            let err = plan(&args, &t).unwrap_err().to_string();
+            assert!(err.contains(needle), "{opts}: {err}");
+        }
     }
 
     /// A cluster signing key that the values also revoke: every node would sign with a key
