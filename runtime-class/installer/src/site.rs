@@ -487,7 +487,7 @@ impl Planner<'_> {
             self.files.push(SiteFile::private(
                 dir.join("hosts.toml"),
                 format!(
-                    "# gpu-ckpt-node-installer: the chart's registry.caBundles.\nserver = \"https://{host}\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  ca = \"ca.crt\"\n"
+                    "# gpu-ckpt-node-installer: the chart's registry.caBundles.\nserver = \"https://{host}\"\nca = \"ca.crt\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\", \"push\"]\n  ca = \"ca.crt\"\n"
                 ),
             ));
         }
@@ -800,6 +800,45 @@ mod tests {
             assert!(!side.contains("TrustedKeysDir"), "{side}");
             assert!(side.contains("RevokedKeysFile"), "{side}");
         }
+    }
+
+    /// The site's `hosts.toml` serves pushes through the site's CA too: the host may push, and
+    /// the `server` (where containerd's and gpu-ckpt's push falls back) carries the CA.
+    #[test]
+    fn the_sites_hosts_toml_lets_push_use_the_ca() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = d.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let (bin, f) = target();
+        let args = SiteArgs {
+            registry_cas: vec![format!("reg:5443={}", ca.display())],
+            ..Default::default()
+        };
+        let files = plan(
+            &args,
+            &Target {
+                bin_dir: &bin,
+                for_containerd: &f,
+            },
+        )
+        .unwrap();
+        let doc: DocumentMut = text(&files, "/etc/gpu-ckpt/certs.d/reg:5443/hosts.toml")
+            .parse()
+            .unwrap();
+        assert_eq!(doc["ca"].as_str(), Some("ca.crt"));
+        let host = &doc["host"]["https://reg:5443"];
+        assert_eq!(host["ca"].as_str(), Some("ca.crt"));
+        let caps: Vec<&str> = host["capabilities"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.as_str())
+            .collect();
+        assert_eq!(caps, ["pull", "resolve", "push"]);
     }
 
     #[test]
