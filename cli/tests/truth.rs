@@ -288,13 +288,22 @@ fn verify_takes_the_handlers_trust_from_its_options_file() {
     std::fs::copy(a_dir.join("node.pub"), trusted.join("a.pub")).unwrap();
     let (rc, out, err) = verify();
     assert_eq!(rc, 0, "{err}");
-    assert!(out.contains("verify ok: ") && out.contains("a.pub"), "{out}");
+    assert!(
+        out.contains("verify ok: ") && out.contains("a.pub"),
+        "{out}"
+    );
     let (rc, out, err) = run(&["inspect", s(&signed), "--handler-config", s(&side)]);
     assert_eq!(rc, 0, "{err}");
     assert!(out.contains("trusted: ") && out.contains("a.pub"), "{out}");
     // Revoked in the node's own list beside SigningKey (where `key revoke` writes by default),
     // which RevokedKeysFile does not name: refused all the same.
-    let (rc, _, err) = run(&["key", "revoke", s(&trusted.join("a.pub")), "--key", s(&b_key)]);
+    let (rc, _, err) = run(&[
+        "key",
+        "revoke",
+        s(&trusted.join("a.pub")),
+        "--key",
+        s(&b_key),
+    ]);
     assert_eq!(rc, 0, "{err}");
     let (rc, out, err) = verify();
     assert_eq!(rc, 5, "{out}");

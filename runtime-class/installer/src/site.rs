@@ -794,7 +794,9 @@ mod tests {
             },
         )
         .unwrap();
-        assert!(!files.iter().any(|f| f.path.starts_with("/etc/gpu-ckpt/trusted")));
+        assert!(!files
+            .iter()
+            .any(|f| f.path.starts_with("/etc/gpu-ckpt/trusted")));
         for binary in [SHIM_BINARY, "containerd-shim-gpu-ckpt-restore-v1"] {
             let side = text(&files, &format!("/usr/local/bin/{binary}.toml"));
             assert!(!side.contains("TrustedKeysDir"), "{side}");

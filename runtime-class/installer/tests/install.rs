@@ -456,10 +456,17 @@ fn a_trusted_key_off_the_values_is_removed_and_an_unknown_one_is_drift() {
     fs::write(&b_file, format!("{c}\n")).unwrap();
     s.opts.site.trusted_keys = vec![format!("node-a={a}")];
     install(&s.opts).unwrap();
-    assert!(!b_file.exists(), "a key no longer in the values is still trusted");
+    assert!(
+        !b_file.exists(),
+        "a key no longer in the values is still trusted"
+    );
     assert!(s.root.join("etc/gpu-ckpt/trusted/node-a.pub").exists());
     // A key put there by hand: drift, named.
-    fs::write(s.root.join("etc/gpu-ckpt/trusted/extra.pub"), format!("{c}\n")).unwrap();
+    fs::write(
+        s.root.join("etc/gpu-ckpt/trusted/extra.pub"),
+        format!("{c}\n"),
+    )
+    .unwrap();
     assert_eq!(
         drift(&s.opts).unwrap(),
         ["/etc/gpu-ckpt/trusted/extra.pub is a trusted key the values do not give (trust.trustedKeys): the restore handler trusts it"]

@@ -620,7 +620,10 @@ mod tests {
         let m = std::fs::symlink_metadata(dir.join("stats-dump")).unwrap();
         assert!(m.file_type().is_file());
         assert_eq!(m.permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read_to_string(dir.join("stats-dump")).unwrap(), "STATS");
+        assert_eq!(
+            std::fs::read_to_string(dir.join("stats-dump")).unwrap(),
+            "STATS"
+        );
         assert!(!dir.join(STATS_TMP).exists());
         // The directory reached through a link: refused.
         let link = d.path().join("cri-link");
