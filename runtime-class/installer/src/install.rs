@@ -411,8 +411,13 @@ impl Run<'_> {
                 }
                 continue;
             }
-            // Only the last one gets `mode` (the record's directory is root-only).
-            let m = if host.as_path() == dir { mode } else { 0o755 };
+            // Only the last one gets `mode` (the record's directory is root-only), and every
+            // one in the site's directory (root's alone, as the check above wants them).
+            let m = if host.as_path() == dir || (guarded && host.starts_with(&site_dir)) {
+                mode
+            } else {
+                0o755
+            };
             make_dir(&here, m)?;
             self.rec.dirs_created.push(host.clone());
         }

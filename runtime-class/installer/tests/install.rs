@@ -479,6 +479,14 @@ fn a_trusted_key_off_the_values_is_removed_and_an_unknown_one_is_drift() {
 fn a_directory_others_may_write_is_refused_for_trust_and_criu() {
     let mut s = scratch();
     s.opts.site.trusted_keys = vec![format!("node-a={}", "11".repeat(32))];
+    // A CA: its files go two levels below the site's directory (certs.d/HOST/).
+    let ca = s._dir.path().join("ca.pem");
+    fs::write(
+        &ca,
+        "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    s.opts.site.registry_cas = vec![format!("reg:5443={}", ca.display())];
     // The site's directory, there already and readable by others.
     let site = s.root.join("etc/gpu-ckpt");
     fs::create_dir_all(&site).unwrap();
@@ -505,6 +513,16 @@ fn a_directory_others_may_write_is_refused_for_trust_and_criu() {
     let err = install(&s.opts).unwrap_err().to_string();
     assert!(err.contains("owned by uid 1000"), "{err}");
     std::os::unix::fs::chown(&bin, Some(0), None).unwrap();
+    install(&s.opts).unwrap();
+    // Every directory the installer made in the site's is root's alone, and a second run
+    // adopts them.
+    for d in ["etc/gpu-ckpt/certs.d", "etc/gpu-ckpt/certs.d/reg:5443"] {
+        assert_eq!(
+            fs::metadata(s.root.join(d)).unwrap().mode() & 0o777,
+            0o700,
+            "{d}"
+        );
+    }
     install(&s.opts).unwrap();
 }
 
