@@ -573,6 +573,18 @@ mod tests {
         })
     }
 
+    /// [`plan`] for the test target.
+    fn plan_here(args: &SiteArgs) -> Result<Vec<SiteFile>> {
+        let (bin, f) = target();
+        plan(
+            args,
+            &Target {
+                bin_dir: &bin,
+                for_containerd: &f,
+            },
+        )
+    }
+
     fn text(files: &[SiteFile], path: &str) -> String {
         let f = files
             .iter()
@@ -727,11 +739,6 @@ mod tests {
     /// (case-sensitively, as it reads them), a value it refuses.
     #[test]
     fn handler_options_the_shim_refuses_are_refused_at_install() {
-        let (bin, f) = target();
-        let t = Target {
-            bin_dir: &bin,
-            for_containerd: &f,
-        };
         for (opts, needle) in [
             (r#"{"mode":"restore"}"#, "unknown field `mode`"),
             (r#"{"Bogus":1}"#, "unknown field `Bogus`"),
@@ -742,7 +749,7 @@ mod tests {
                 handler_options: Some(opts.into()),
                 ..Default::default()
             };
-            let err = plan(&args, &t).unwrap_err().to_string();
+            let err = plan_here(&args).unwrap_err().to_string();
             assert!(err.contains(needle), "{opts}: {err}");
         }
     }
@@ -751,11 +758,6 @@ mod tests {
     /// every node refuses.
     #[test]
     fn a_revoked_cluster_key_is_refused() {
-        let (bin, f) = target();
-        let t = Target {
-            bin_dir: &bin,
-            for_containerd: &f,
-        };
         let d = tempfile::tempdir().unwrap();
         let seed = [9u8; 32];
         let key_file = d.path().join("signing.key");
@@ -768,7 +770,7 @@ mod tests {
             revoked_keys: vec![hex::encode(public)],
             ..Default::default()
         };
-        let err = plan(&args, &t).unwrap_err().to_string();
+        let err = plan_here(&args).unwrap_err().to_string();
         assert!(
             err.contains("cluster signing key") && err.contains(&key_id(&public)),
             "{err}"
@@ -779,21 +781,13 @@ mod tests {
     /// trusted-keys directory.
     #[test]
     fn no_trusted_keys_dir_without_a_trusted_key() {
-        let (bin, f) = target();
         let b = [2u8; 32];
         let args = SiteArgs {
             trusted_keys: vec![format!("node-b={}", hex::encode(b))],
             revoked_keys: vec![key_id(&b)],
             ..Default::default()
         };
-        let files = plan(
-            &args,
-            &Target {
-                bin_dir: &bin,
-                for_containerd: &f,
-            },
-        )
-        .unwrap();
+        let files = plan_here(&args).unwrap();
         assert!(!files
             .iter()
             .any(|f| f.path.starts_with("/etc/gpu-ckpt/trusted")));
@@ -815,19 +809,11 @@ mod tests {
             "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
         )
         .unwrap();
-        let (bin, f) = target();
         let args = SiteArgs {
             registry_cas: vec![format!("reg:5443={}", ca.display())],
             ..Default::default()
         };
-        let files = plan(
-            &args,
-            &Target {
-                bin_dir: &bin,
-                for_containerd: &f,
-            },
-        )
-        .unwrap();
+        let files = plan_here(&args).unwrap();
         let doc: DocumentMut = text(&files, "/etc/gpu-ckpt/certs.d/reg:5443/hosts.toml")
             .parse()
             .unwrap();
