@@ -178,14 +178,28 @@ fn node_key(tmp: &Path, name: &str) -> (NodeKey, PathBuf) {
     (key, dir)
 }
 
-#[test]
-fn verify_refuses_a_signer_a_node_would_refuse() {
+/// `gpu-ckpt key revoke KEYFILE --key KEY EXTRA...`, which succeeds.
+fn key_revoke(key_ref: &Path, key: &Path, extra: &[&str]) {
+    let mut args = vec!["key", "revoke", s(key_ref), "--key", s(key)];
+    args.extend_from_slice(extra);
+    let (rc, _, err) = run(&args);
+    assert_eq!(rc, 0, "{err}");
+}
+
+/// Node keys A and B in a scratch directory, and an archive A signed.
+fn signed_by_a() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let (a_key, a_dir) = node_key(tmp.path(), "keys-a");
     let (_, b_dir) = node_key(tmp.path(), "keys-b");
     let work = tmp.path().join("signed");
     std::fs::create_dir(&work).unwrap();
     let signed = common::make_archive_signed(&work, Some(&a_key));
+    (tmp, a_dir, b_dir, signed)
+}
+
+#[test]
+fn verify_refuses_a_signer_a_node_would_refuse() {
+    let (tmp, a_dir, b_dir, signed) = signed_by_a();
 
     // Signed by A: trusted with A's key.
     let (rc, out, err) = run(&["verify", s(&signed), "--key", s(&a_dir.join("node.pub"))]);
@@ -217,14 +231,7 @@ fn verify_refuses_a_signer_a_node_would_refuse() {
     assert_eq!(rc, 0, "{err}");
     assert!(out.contains("verify ok: "), "{out}");
     let b_key = b_dir.join("node.key");
-    let (rc, _, err) = run(&[
-        "key",
-        "revoke",
-        s(&trusted.join("a.pub")),
-        "--key",
-        s(&b_key),
-    ]);
-    assert_eq!(rc, 0, "{err}");
+    key_revoke(&trusted.join("a.pub"), &b_key, &[]);
     let (rc, out, err) = with_b(&[]);
     assert_eq!(rc, 5, "{out}");
     assert!(err.contains("revoked"), "{err}");
@@ -249,6 +256,83 @@ fn verify_refuses_a_signer_a_node_would_refuse() {
     let (rc, _, err) = run(&["verify", s(&signed), "--key", s(&a_dir.join("node.pub"))]);
     assert_eq!(rc, 5, "{err}");
     assert!(err.contains("INVALID"), "{err}");
+}
+
+/// `verify` and `inspect` with no key flags take the trust of a handler options file
+/// (`--handler-config`, on a node the restore handler's), as the shim reads it: its SigningKey,
+/// its TrustedKeysDir, and both revoked-keys lists (RevokedKeysFile and the node's own beside
+/// the signing key).
+#[test]
+fn verify_takes_the_handlers_trust_from_its_options_file() {
+    let (tmp, a_dir, b_dir, signed) = signed_by_a();
+    let trusted = tmp.path().join("trusted");
+    std::fs::create_dir(&trusted).unwrap();
+    let site_revoked = tmp.path().join("site-revoked");
+    std::fs::write(&site_revoked, "# none\n").unwrap();
+    let side = tmp.path().join("containerd-shim-gpu-ckpt-restore-v1.toml");
+    let b_key = b_dir.join("node.key");
+    std::fs::write(
+        &side,
+        format!(
+            "Mode = \"restore\"\nSigningKey = \"{}\"\nTrustedKeysDir = \"{}\"\nRevokedKeysFile = \"{}\"\n",
+            b_key.display(),
+            trusted.display(),
+            site_revoked.display()
+        ),
+    )
+    .unwrap();
+    let verify = || run(&["verify", s(&signed), "--handler-config", s(&side)]);
+    // B's handler does not trust A yet: refused as the shim would.
+    let (rc, out, err) = verify();
+    assert_eq!(rc, 5, "{out}{err}");
+    assert!(err.contains("NOT trusted"), "{err}");
+    // A's key in the handler's TrustedKeysDir: trusted, by that file.
+    std::fs::copy(a_dir.join("node.pub"), trusted.join("a.pub")).unwrap();
+    let (rc, out, err) = verify();
+    assert_eq!(rc, 0, "{err}");
+    assert!(
+        out.contains("verify ok: ") && out.contains("a.pub"),
+        "{out}"
+    );
+    let (rc, out, err) = run(&["inspect", s(&signed), "--handler-config", s(&side)]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(out.contains("trusted: ") && out.contains("a.pub"), "{out}");
+    // Revoked in the node's own list beside SigningKey (where `key revoke` writes by default),
+    // which RevokedKeysFile does not name: refused all the same.
+    key_revoke(&trusted.join("a.pub"), &b_key, &[]);
+    let (rc, out, err) = verify();
+    assert_eq!(rc, 5, "{out}");
+    assert!(
+        err.contains("revoked") && err.contains(s(&b_dir.join("revoked"))),
+        "{err}"
+    );
+    // Revoked in RevokedKeysFile only: refused too.
+    std::fs::remove_file(b_dir.join("revoked")).unwrap();
+    assert_eq!(verify().0, 0);
+    std::fs::copy(a_dir.join("node.pub"), tmp.path().join("a.pub")).unwrap();
+    key_revoke(
+        &tmp.path().join("a.pub"),
+        &b_key,
+        &["--revoked", s(&site_revoked)],
+    );
+    let (rc, out, err) = verify();
+    assert_eq!(rc, 5, "{out}");
+    assert!(err.contains(s(&site_revoked)), "{err}");
+    // A key flag overrides the file: A's own key trusts A.
+    let (rc, _, err) = run(&[
+        "verify",
+        s(&signed),
+        "--handler-config",
+        s(&side),
+        "--key",
+        s(&a_dir.join("node.pub")),
+    ]);
+    assert_eq!(rc, 0, "{err}");
+    // Unsigned: refused, as the handler has no AllowUnsigned.
+    let unsigned = common::make_archive(tmp.path());
+    let (rc, _, err) = run(&["verify", s(&unsigned), "--handler-config", s(&side)]);
+    assert_eq!(rc, 5, "{err}");
+    assert!(err.contains("unsigned"), "{err}");
 }
 
 #[test]

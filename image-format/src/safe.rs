@@ -386,6 +386,53 @@ impl SafeRoot {
         })
     }
 
+    /// Open the existing directory `dir` without following a symlink at its last component
+    /// (`O_NOFOLLOW | O_DIRECTORY`); nothing is created.
+    pub fn open_existing(dir: &Path) -> io::Result<SafeRoot> {
+        let c = CString::new(dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in path"))?;
+        // SAFETY: valid C string; result checked.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: fresh descriptor.
+        Ok(SafeRoot {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    /// Remove the entry `name` of the root directory (a link itself, never what it points to);
+    /// absent is no error.
+    pub fn remove_file(&self, name: &str) -> io::Result<()> {
+        let c = cstr(name)?;
+        // SAFETY: valid C string and dir fd.
+        if unsafe { libc::unlinkat(self.fd.as_raw_fd(), c.as_ptr(), 0) } < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::NotFound {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Rename the entry `from` of the root directory to `to` there (replacing what `to` is,
+    /// a link included, without following it).
+    pub fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let (f, t) = (cstr(from)?, cstr(to)?);
+        let fd = self.fd.as_raw_fd();
+        // SAFETY: valid strings and dir fd.
+        if unsafe { libc::renameat(fd, f.as_ptr(), fd, t.as_ptr()) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Open the directory `rel` ('/'-separated, normalized), creating missing components with mode
     /// 0700; never follows a symlink.
     fn dir(&self, rel: &str) -> io::Result<Option<OwnedFd>> {

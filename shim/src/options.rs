@@ -440,14 +440,31 @@ impl RuntimeOptions {
         Path::new(DEFAULT_KEY_DIR).join(image_format::sign::NODE_KEY_FILE)
     }
 
-    /// The revoked-keys list: `RevokedKeysFile`, else `revoked` beside the signing key
-    /// (`/var/lib/gpu-ckpt/keys/revoked`), where `gpu-ckpt key revoke` writes by default.
+    /// The configured revoked-keys list: `RevokedKeysFile`, else `revoked` beside the signing
+    /// key (`/var/lib/gpu-ckpt/keys/revoked`), where `gpu-ckpt key revoke` writes by default.
     pub fn revoked_keys_path(&self) -> PathBuf {
         if !self.revoked_keys_file.is_empty() {
             return PathBuf::from(&self.revoked_keys_file);
         }
+        self.default_revoked_keys_path()
+    }
+
+    /// `revoked` beside the signing key: the node's own list (`gpu-ckpt key revoke`'s default).
+    fn default_revoked_keys_path(&self) -> PathBuf {
         self.signing_key_path()
             .with_file_name(image_format::sign::REVOKED_FILE)
+    }
+
+    /// Every revoked-keys list the node reads: `RevokedKeysFile` (an installer-managed list) and
+    /// always the node's own list beside the signing key as well. Revocation only adds: a key
+    /// revoked on the node stays revoked whatever `RevokedKeysFile` names.
+    pub fn revoked_keys_paths(&self) -> Vec<PathBuf> {
+        let mut paths = vec![self.revoked_keys_path()];
+        let own = self.default_revoked_keys_path();
+        if !paths.contains(&own) {
+            paths.push(own);
+        }
+        paths
     }
 
     /// Whether checkpoints are signed (`SignCheckpoints`, default true).
@@ -769,6 +786,15 @@ mod tests {
         let r = RuntimeOptions::from_toml("RevokedKeysFile = \"/etc/gpu-ckpt/revoked\"\n", "t")
             .unwrap();
         assert_eq!(r.revoked_keys_path(), Path::new("/etc/gpu-ckpt/revoked"));
+        // Both lists are read: the configured one and the node's own beside the signing key.
+        assert_eq!(
+            r.revoked_keys_paths(),
+            vec![
+                PathBuf::from("/etc/gpu-ckpt/revoked"),
+                PathBuf::from("/var/lib/gpu-ckpt/keys/revoked")
+            ]
+        );
+        assert_eq!(o.revoked_keys_paths(), vec![PathBuf::from("/k/revoked")]);
         assert!(RuntimeOptions::from_toml("RevokedKeysFile = \"revoked\"\n", "t").is_err());
         let d = RuntimeOptions::default();
         assert_eq!(d.restore_sources(), vec!["/var/lib/kubelet/checkpoints/"]);

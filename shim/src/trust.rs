@@ -35,8 +35,8 @@ pub fn node_key(options: &RuntimeOptions) -> Result<NodeKey> {
 }
 
 /// The keys this node trusts: its own and its retired ones (from their public key files beside
-/// the signing key), and every key in `TrustedKeysDir`; and the keys it revoked
-/// (`RevokedKeysFile`), which are refused even so.
+/// the signing key), and every key in `TrustedKeysDir`; and the keys it revoked (the union of
+/// `RevokedKeysFile` and the node's own list beside the signing key), which are refused even so.
 pub fn trusted_keys(options: &RuntimeOptions) -> Result<TrustedKeys> {
     let key_path = options.signing_key_path();
     let mut keys = TrustedKeys::default();
@@ -44,7 +44,9 @@ pub fn trusted_keys(options: &RuntimeOptions) -> Result<TrustedKeys> {
     if !options.trusted_keys_dir.is_empty() {
         keys.add_dir(Path::new(&options.trusted_keys_dir))?;
     }
-    keys.add_revoked(&options.revoked_keys_path())?;
+    for list in options.revoked_keys_paths() {
+        keys.add_revoked(&list)?;
+    }
     Ok(keys)
 }
 
@@ -618,6 +620,13 @@ mod tests {
         // Revoked on this node (in the default list, beside its key): refused though trusted.
         let (id, _) =
             sign::revoke(&o.revoked_keys_path(), &sign::key_id(&other.public_key())).unwrap();
+        let err = reason(check_signature(&m.to_json(), &o, "s", true).unwrap_err());
+        assert!(err.contains("revoked") && err.contains(&id), "{err}");
+        // With a RevokedKeysFile (installer-managed) that does not name it, the node's own
+        // revocation still holds: the lists add up.
+        let site = dir.path().join("site-revoked");
+        std::fs::write(&site, "# none\n").unwrap();
+        o.revoked_keys_file = site.display().to_string();
         let err = reason(check_signature(&m.to_json(), &o, "s", true).unwrap_err());
         assert!(err.contains("revoked") && err.contains(&id), "{err}");
         // A changed manifest: refused the same way.

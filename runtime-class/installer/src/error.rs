@@ -16,6 +16,10 @@ pub enum Error {
     /// A file the installer would write is there and is not one it installed.
     #[error("refusing to overwrite {path}: the file is not one gpu-ckpt-node-installer installed (remove or move it, then run again)")]
     Foreign { path: PathBuf },
+    /// A directory the installer would write trust files or CRIU into is there and is not
+    /// root's alone to write.
+    #[error("refusing to use directory {path}: {why} (trust files and CRIU go only into directories that root owns and nobody else may write to; fix or remove it, then run again)")]
+    ForeignDir { path: PathBuf, why: String },
     /// The payload lacks something the node needs.
     #[error("payload {payload} has no {name}: the image must carry it")]
     PayloadMissing { payload: PathBuf, name: String },

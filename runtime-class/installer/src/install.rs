@@ -400,22 +400,54 @@ struct Run<'a> {
     out: Outcome,
 }
 
+/// Whether the existing directory `here` (node path `host`) may hold trust files or CRIU: owned
+/// by root, not writable by group or others, and (`private`, the site's) root's alone.
+fn check_dir_owner(here: &Path, host: &Path, private: bool) -> Result<()> {
+    let m = fs::metadata(here).map_err(Error::io("stat", here))?;
+    let mode = m.mode() & 0o7777;
+    let why = if m.uid() != 0 {
+        format!("owned by uid {}, not root", m.uid())
+    } else if private && mode & 0o077 != 0 {
+        format!("mode {mode:04o}: the site's directories must be root's alone (0700)")
+    } else if mode & 0o022 != 0 {
+        format!("mode {mode:04o}: writable by group or others")
+    } else {
+        return Ok(());
+    };
+    Err(Error::ForeignDir {
+        path: host.to_path_buf(),
+        why,
+    })
+}
+
 impl Run<'_> {
     fn save(&self) -> Result<()> {
         self.rec.save(&self.at)
     }
 
-    /// Creates the missing directories of node path `dir`, recording each.
-    fn ensure_dir(&mut self, dir: &Path, mode: u32) -> Result<()> {
+    /// Creates the missing directories of node path `dir`, recording each. Where `guarded` (the
+    /// directories of trust files, side files and CRIU), an existing directory is adopted only if
+    /// root owns it and neither group nor others may write to it, and one of the site's only if
+    /// it is root's alone (0700): else it is refused as foreign.
+    fn ensure_dir(&mut self, dir: &Path, mode: u32, guarded: bool) -> Result<()> {
+        let site_dir = self.o.site.site_dir();
         let mut host = PathBuf::from("/");
         for c in dir.components().skip(1) {
             host.push(c);
             let here = self.o.fs.resolve(&host)?;
             if here.is_dir() {
+                if guarded {
+                    check_dir_owner(&here, &host, host.starts_with(&site_dir))?;
+                }
                 continue;
             }
-            // Only the last one gets `mode` (the record's directory is root-only).
-            let m = if host.as_path() == dir { mode } else { 0o755 };
+            // Only the last one gets `mode` (the record's directory is root-only), and every
+            // one in the site's directory (root's alone, as the check above wants them).
+            let m = if host.as_path() == dir || (guarded && host.starts_with(&site_dir)) {
+                mode
+            } else {
+                0o755
+            };
             make_dir(&here, m)?;
             self.rec.dirs_created.push(host.clone());
         }
@@ -425,12 +457,18 @@ impl Run<'_> {
     fn write_item(&mut self, item: &Item) -> Result<()> {
         let _span = tracing::info_span!("write", path = %item.path.display()).entered();
         let site_dir = self.o.site.site_dir();
-        if item.path.starts_with(&site_dir) {
+        let in_site = item.path.starts_with(&site_dir);
+        if in_site {
             // The site's directory is root-only too, not only the directories below it.
-            self.ensure_dir(&site_dir, item.dir_mode)?;
+            self.ensure_dir(&site_dir, item.dir_mode, true)?;
         }
         if let Some(parent) = item.path.parent() {
-            self.ensure_dir(parent, item.dir_mode)?;
+            // Trust (the site's files, the side files beside the shim) and CRIU: nobody but
+            // root may have put or may change what is read from there.
+            let guarded = in_site
+                || parent == self.o.bin_dir
+                || item.path.starts_with(self.o.lib_dir.join(CRIU_DIR));
+            self.ensure_dir(parent, item.dir_mode, guarded)?;
         }
         self.rec.set_file(item.entry());
         self.save()?;
@@ -455,14 +493,16 @@ impl Run<'_> {
     }
 
     /// Removes a recorded file if it is still what the installer wrote; a changed one is left
-    /// (someone else's now) with a warning.
+    /// (someone else's now) with a warning. A trusted key is removed whatever it holds now: a
+    /// key no longer in the values must not stay trusted.
     fn remove_entry(&mut self, e: &FileEntry) -> Result<bool> {
         let at = self.o.fs.resolve_parent(&e.path)?;
         let _ = fs::remove_file(temp_path(&at));
         if !exists(&at) {
             return Ok(false);
         }
-        if !matches(&at, e)? {
+        let trust = site::is_trusted_key_file(&self.o.site.site_dir(), &e.path);
+        if !trust && !matches(&at, e)? {
             tracing::warn!(path = %e.path.display(), "changed since it was installed: left in place");
             return Ok(false);
         }
@@ -602,7 +642,7 @@ pub fn install(o: &Options) -> Result<Outcome> {
         }
     }
     let record_dir = Path::new(RECORD_PATH).parent().unwrap_or(Path::new("/"));
-    run.ensure_dir(record_dir, 0o700)?;
+    run.ensure_dir(record_dir, 0o700, false)?;
     run.save()?;
 
     for item in &plan {
@@ -674,7 +714,7 @@ pub fn install(o: &Options) -> Result<Outcome> {
                 }
             }
             if let Some(parent) = o.containerd_config.parent() {
-                run.ensure_dir(parent, 0o755)?;
+                run.ensure_dir(parent, 0o755, false)?;
             }
             run.rec.restart_pending = true;
             run.save()?;

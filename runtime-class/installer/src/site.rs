@@ -325,7 +325,7 @@ pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
     p.trusted_and_revoked(args)?;
     p.registry(args)?;
     p.common.extend(extra);
-    Ok(p.side_files())
+    p.side_files()
 }
 
 /// The files planned so far, and the side files' keys: `common` for both handlers, `restore`
@@ -361,6 +361,18 @@ impl Planner<'_> {
         let public = ed25519_dalek::SigningKey::from_bytes(&seed)
             .verifying_key()
             .to_bytes();
+        // Every node would sign with a key every node refuses.
+        for r in &args.revoked_keys {
+            if revoked_id(r)? == key_id(&public) {
+                return Err(bad(
+                    what(),
+                    format!(
+                        "the cluster signing key {} is listed in --revoked-key (the chart's trust.revokedKeys): give a new signing key, or take it off the list",
+                        key_id(&public)
+                    ),
+                ));
+            }
+        }
         let key = self.l.cluster_key();
         self.files.push(SiteFile::private(
             key.clone(),
@@ -399,19 +411,22 @@ impl Planner<'_> {
                 return Err(bad(format!("--trusted-key {name}"), "given twice"));
             }
         }
-        if !trusted.is_empty() {
-            for (name, key) in &trusted {
-                // A revoked key is never written as trusted (and a file an earlier run wrote
-                // for it goes, as every file no longer planned).
-                if revoked.contains(&key_id(key)) {
-                    tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
-                    continue;
-                }
-                self.files.push(SiteFile::private(
-                    self.l.trusted().join(format!("{name}.pub")),
-                    format!("{}\n", hex::encode(key)),
-                ));
+        let mut written = 0;
+        for (name, key) in &trusted {
+            // A revoked key is never written as trusted (and a file an earlier run wrote for
+            // it goes, as every file no longer planned).
+            if revoked.contains(&key_id(key)) {
+                tracing::info!(name, key = %key_id(key), "revoked: not written as trusted");
+                continue;
             }
+            self.files.push(SiteFile::private(
+                self.l.trusted().join(format!("{name}.pub")),
+                format!("{}\n", hex::encode(key)),
+            ));
+            written += 1;
+        }
+        // Only a directory that holds a key: with every trusted key revoked there is none.
+        if written > 0 {
             let v = self.shown(&self.l.trusted());
             self.common.push(("TrustedKeysDir".into(), v));
         }
@@ -472,7 +487,7 @@ impl Planner<'_> {
             self.files.push(SiteFile::private(
                 dir.join("hosts.toml"),
                 format!(
-                    "# gpu-ckpt-node-installer: the chart's registry.caBundles.\nserver = \"https://{host}\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  ca = \"ca.crt\"\n"
+                    "# gpu-ckpt-node-installer: the chart's registry.caBundles.\nserver = \"https://{host}\"\nca = \"ca.crt\"\n\n[host.\"https://{host}\"]\n  capabilities = [\"pull\", \"resolve\", \"push\"]\n  ca = \"ca.crt\"\n"
                 ),
             ));
         }
@@ -484,8 +499,10 @@ impl Planner<'_> {
     }
 
     /// The planned files with each handler's side file, and the restore handler's link (the
-    /// shim by another name).
-    fn side_files(mut self) -> Vec<SiteFile> {
+    /// shim by another name). Each side file is read back by the shim's own options type, as
+    /// the shim reads it at Create: a key it does not know (they are case-sensitive) or a value
+    /// it refuses fails the install here instead of every container's start.
+    fn side_files(mut self) -> Result<Vec<SiteFile>> {
         for src in &dropin::SOURCES {
             let mut doc = DocumentMut::new();
             if src.mode_restore {
@@ -495,6 +512,8 @@ impl Planner<'_> {
             for (k, v) in self.common.iter().chain(own) {
                 doc.insert(k, toml_edit::Item::Value(v.clone()));
             }
+            gpu_ckpt_shim::options::RuntimeOptions::from_toml(&doc.to_string(), src.handler)
+                .map_err(|e| bad("--handler-options", e.to_string()))?;
             self.files.push(SiteFile {
                 path: self.t.bin_dir.join(format!("{}.toml", src.binary)),
                 content: Content::Bytes(format!("{}{doc}", side_header(src.handler)).into_bytes()),
@@ -510,8 +529,22 @@ impl Planner<'_> {
                 });
             }
         }
-        self.files
+        Ok(self.files)
     }
+}
+
+/// Whether the node path `path` is a trusted key the installer writes (`<site>/trusted/*.pub`).
+pub fn is_trusted_key_file(site_dir: &Path, path: &Path) -> bool {
+    path.parent() == Some(trusted_dir(site_dir).as_path())
+        && path.extension().is_some_and(|x| x == "pub")
+}
+
+/// The installer's trusted-keys directory under `site_dir`.
+pub fn trusted_dir(site_dir: &Path) -> PathBuf {
+    Layout {
+        site: site_dir.to_path_buf(),
+    }
+    .trusted()
 }
 
 fn side_header(handler: &str) -> String {
@@ -538,6 +571,18 @@ mod tests {
         (PathBuf::from("/usr/local/bin"), |p: &Path| {
             Path::new("/host").join(p.strip_prefix("/").unwrap())
         })
+    }
+
+    /// [`plan`] for the test target.
+    fn plan_here(args: &SiteArgs) -> Result<Vec<SiteFile>> {
+        let (bin, f) = target();
+        plan(
+            args,
+            &Target {
+                bin_dir: &bin,
+                for_containerd: &f,
+            },
+        )
     }
 
     fn text(files: &[SiteFile], path: &str) -> String {
@@ -688,6 +733,100 @@ mod tests {
                 systemd_cgroup: true
             }
         );
+    }
+
+    /// What the shim would refuse at every Create is refused at install: a key it does not know
+    /// (case-sensitively, as it reads them), a value it refuses.
+    #[test]
+    fn handler_options_the_shim_refuses_are_refused_at_install() {
+        for (opts, needle) in [
+            (r#"{"mode":"restore"}"#, "unknown field `mode`"),
+            (r#"{"Bogus":1}"#, "unknown field `Bogus`"),
+            (r#"{"TcpMode":"sometimes"}"#, "invalid TcpMode"),
+            (r#"{"RestoreStagingDir":"rel"}"#, "RestoreStagingDir"),
+        ] {
+            let args = SiteArgs {
+                handler_options: Some(opts.into()),
+                ..Default::default()
+            };
+            let err = plan_here(&args).unwrap_err().to_string();
+            assert!(err.contains(needle), "{opts}: {err}");
+        }
+    }
+
+    /// A cluster signing key that the values also revoke: every node would sign with a key
+    /// every node refuses.
+    #[test]
+    fn a_revoked_cluster_key_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let seed = [9u8; 32];
+        let key_file = d.path().join("signing.key");
+        std::fs::write(&key_file, format!("{}\n", hex::encode(seed))).unwrap();
+        let public = ed25519_dalek::SigningKey::from_bytes(&seed)
+            .verifying_key()
+            .to_bytes();
+        let args = SiteArgs {
+            signing_key: Some(key_file),
+            revoked_keys: vec![hex::encode(public)],
+            ..Default::default()
+        };
+        let err = plan_here(&args).unwrap_err().to_string();
+        assert!(
+            err.contains("cluster signing key") && err.contains(&key_id(&public)),
+            "{err}"
+        );
+    }
+
+    /// With every trusted key revoked no key file is written, and no side file names the
+    /// trusted-keys directory.
+    #[test]
+    fn no_trusted_keys_dir_without_a_trusted_key() {
+        let b = [2u8; 32];
+        let args = SiteArgs {
+            trusted_keys: vec![format!("node-b={}", hex::encode(b))],
+            revoked_keys: vec![key_id(&b)],
+            ..Default::default()
+        };
+        let files = plan_here(&args).unwrap();
+        assert!(!files
+            .iter()
+            .any(|f| f.path.starts_with("/etc/gpu-ckpt/trusted")));
+        for binary in [SHIM_BINARY, "containerd-shim-gpu-ckpt-restore-v1"] {
+            let side = text(&files, &format!("/usr/local/bin/{binary}.toml"));
+            assert!(!side.contains("TrustedKeysDir"), "{side}");
+            assert!(side.contains("RevokedKeysFile"), "{side}");
+        }
+    }
+
+    /// The site's `hosts.toml` serves pushes through the site's CA too: the host may push, and
+    /// the `server` (where containerd's and gpu-ckpt's push falls back) carries the CA.
+    #[test]
+    fn the_sites_hosts_toml_lets_push_use_the_ca() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = d.path().join("ca.pem");
+        std::fs::write(
+            &ca,
+            "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+        )
+        .unwrap();
+        let args = SiteArgs {
+            registry_cas: vec![format!("reg:5443={}", ca.display())],
+            ..Default::default()
+        };
+        let files = plan_here(&args).unwrap();
+        let doc: DocumentMut = text(&files, "/etc/gpu-ckpt/certs.d/reg:5443/hosts.toml")
+            .parse()
+            .unwrap();
+        assert_eq!(doc["ca"].as_str(), Some("ca.crt"));
+        let host = &doc["host"]["https://reg:5443"];
+        assert_eq!(host["ca"].as_str(), Some("ca.crt"));
+        let caps: Vec<&str> = host["capabilities"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.as_str())
+            .collect();
+        assert_eq!(caps, ["pull", "resolve", "push"]);
     }
 
     #[test]

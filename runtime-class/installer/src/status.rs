@@ -4,12 +4,13 @@
 //! node is installed and labelled, and the node compared with the payload and the record (every
 //! file, containerd's imports).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::config;
 use crate::error::{Error, Result};
 use crate::install::{self, read_opt, Options};
-use crate::record::{write_atomic, Phase, Record};
+use crate::record::{write_atomic, FileEntry, Phase, Record};
+use crate::site;
 
 /// The ready marker's default path, in the installer container's own filesystem: a new
 /// container (a new pod, a restarted one) starts without it.
@@ -50,7 +51,9 @@ pub fn drift(o: &Options) -> Result<Vec<String>> {
     if rec.restart_pending {
         found.push("containerd has not been restarted since its configuration changed".into());
     }
-    for (path, want) in o.planned_entries()? {
+    let planned = o.planned_entries()?;
+    found.extend(unknown_trusted_keys(o, &planned)?);
+    for (path, want) in planned {
         if rec.file(&path) != Some(&want) {
             found.push(format!(
                 "{} is not the payload's: the payload changed since the install",
@@ -80,6 +83,33 @@ pub fn drift(o: &Options) -> Result<Vec<String>> {
             }
         }
     }
+    Ok(found)
+}
+
+/// Each `*.pub` in the installer's trusted-keys directory that the values do not give: the
+/// shim trusts every key there, so one put there by hand is trust nobody set through the chart.
+fn unknown_trusted_keys(o: &Options, planned: &[(PathBuf, FileEntry)]) -> Result<Vec<String>> {
+    let dir = site::trusted_dir(&o.site.site_dir());
+    let at = o.fs.resolve(&dir)?;
+    let entries = match std::fs::read_dir(&at) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io("read directory", &at)(e)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let name = entry.map_err(Error::io("read directory", &at))?.file_name();
+        let path = dir.join(&name);
+        if site::is_trusted_key_file(&o.site.site_dir(), &path)
+            && !planned.iter().any(|(p, _)| *p == path)
+        {
+            found.push(format!(
+                "{} is a trusted key the values do not give (trust.trustedKeys): the restore handler trusts it",
+                path.display()
+            ));
+        }
+    }
+    found.sort();
     Ok(found)
 }
 

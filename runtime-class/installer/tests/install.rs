@@ -442,6 +442,91 @@ fn status_needs_the_ready_marker_and_an_unchanged_node() {
     assert!(status(o, &ready).unwrap()[0].starts_with("no ready marker"));
 }
 
+/// A key taken off the values stops being trusted even where its file was changed on the node,
+/// and a key file put into the installer's trusted directory by hand is drift.
+#[test]
+fn a_trusted_key_off_the_values_is_removed_and_an_unknown_one_is_drift() {
+    use node_installer::status::drift;
+    let mut s = scratch();
+    let (a, b, c) = ("11".repeat(32), "22".repeat(32), "33".repeat(32));
+    s.opts.site.trusted_keys = vec![format!("node-a={a}"), format!("node-b={b}")];
+    install(&s.opts).unwrap();
+    assert!(drift(&s.opts).unwrap().is_empty());
+    // node-b's file rewritten on the node (another key in it), then node-b taken off the values.
+    let b_file = s.root.join("etc/gpu-ckpt/trusted/node-b.pub");
+    fs::write(&b_file, format!("{c}\n")).unwrap();
+    s.opts.site.trusted_keys = vec![format!("node-a={a}")];
+    install(&s.opts).unwrap();
+    assert!(
+        !b_file.exists(),
+        "a key no longer in the values is still trusted"
+    );
+    assert!(s.root.join("etc/gpu-ckpt/trusted/node-a.pub").exists());
+    // A key put there by hand: drift, named.
+    fs::write(
+        s.root.join("etc/gpu-ckpt/trusted/extra.pub"),
+        format!("{c}\n"),
+    )
+    .unwrap();
+    assert_eq!(
+        drift(&s.opts).unwrap(),
+        ["/etc/gpu-ckpt/trusted/extra.pub is a trusted key the values do not give (trust.trustedKeys): the restore handler trusts it"]
+    );
+}
+
+/// An existing directory that trust files or CRIU would go into is adopted only if root's alone
+/// to write (0700 for the site's); else the install refuses it, naming it.
+#[test]
+fn a_directory_others_may_write_is_refused_for_trust_and_criu() {
+    let mut s = scratch();
+    s.opts.site.trusted_keys = vec![format!("node-a={}", "11".repeat(32))];
+    // A CA: its files go two levels below the site's directory (certs.d/HOST/).
+    let ca = s._dir.path().join("ca.pem");
+    fs::write(
+        &ca,
+        "-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    s.opts.site.registry_cas = vec![format!("reg:5443={}", ca.display())];
+    // The site's directory, there already and readable by others.
+    let site = s.root.join("etc/gpu-ckpt");
+    fs::create_dir_all(&site).unwrap();
+    fs::set_permissions(&site, fs::Permissions::from_mode(0o755)).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.contains("refusing to use directory /etc/gpu-ckpt") && err.contains("0700"),
+        "{err}"
+    );
+    assert!(!site.join("trusted").exists());
+    fs::set_permissions(&site, fs::Permissions::from_mode(0o700)).unwrap();
+    // The bin directory, group-writable: the side files and CRIU's link go there.
+    let bin = s.root.join("usr/local/bin");
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o775)).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.contains("refusing to use directory /usr/local/bin")
+            && err.contains("writable by group or others"),
+        "{err}"
+    );
+    // Owned by another user.
+    fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&bin, Some(1000), None).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(err.contains("owned by uid 1000"), "{err}");
+    std::os::unix::fs::chown(&bin, Some(0), None).unwrap();
+    install(&s.opts).unwrap();
+    // Every directory the installer made in the site's is root's alone, and a second run
+    // adopts them.
+    for d in ["etc/gpu-ckpt/certs.d", "etc/gpu-ckpt/certs.d/reg:5443"] {
+        assert_eq!(
+            fs::metadata(s.root.join(d)).unwrap().mode() & 0o777,
+            0o700,
+            "{d}"
+        );
+    }
+    install(&s.opts).unwrap();
+}
+
 #[test]
 fn the_installed_criu_runs_through_the_bundled_loader() {
     let s = scratch();

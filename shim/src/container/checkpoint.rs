@@ -454,12 +454,7 @@ impl Container {
             dir
         };
         let _span = info_span!("stats_for_cri", id = %self.id, dir = %dir.display()).entered();
-        let tmp = dir.join(".stats-dump.gpu-ckpt-tmp");
-        let copied = std::fs::copy(stats, &tmp)
-            .and_then(|_| std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)))
-            .and_then(|()| std::fs::rename(&tmp, dir.join("stats-dump")));
-        if let Err(e) = copied {
-            let _ = std::fs::remove_file(&tmp);
+        if let Err(e) = put_stats_dump(stats, &dir) {
             warn!(id = %self.id, error = %e, "CRIU's dump statistics not put where containerd's CRI takes them: the archive has them only under checkpoint/");
         }
     }
@@ -582,4 +577,57 @@ async fn node_info(runc: &Runc) -> manifest::Node {
 
 fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+/// The temp name of the stats-dump copy in containerd's directory.
+const STATS_TMP: &str = ".stats-dump.gpu-ckpt-tmp";
+
+/// Copies `stats` to `dir/stats-dump` (mode 0600) through a temp file made new (`O_CREAT |
+/// O_EXCL | O_NOFOLLOW`) in `dir` opened without following a link, then renamed: a link
+/// someone put at either name is replaced, never written through.
+fn put_stats_dump(stats: &Path, dir: &Path) -> std::io::Result<()> {
+    let root = image_format::safe::SafeRoot::open_existing(dir)?;
+    root.remove_file(STATS_TMP)?;
+    let copied = (|| {
+        let mut out = root.create_file(STATS_TMP)?;
+        std::io::copy(&mut std::fs::File::open(stats)?, &mut out)?;
+        root.rename(STATS_TMP, "stats-dump")
+    })();
+    if copied.is_err() {
+        let _ = root.remove_file(STATS_TMP);
+    }
+    copied
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Links at the temp name, at `stats-dump` and at the directory itself are never followed.
+    #[test]
+    fn the_stats_dump_copy_follows_no_link() {
+        let d = tempfile::tempdir().unwrap();
+        let stats = d.path().join("stats");
+        std::fs::write(&stats, "STATS").unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        let dir = d.path().join("cri");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(STATS_TMP)).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("stats-dump")).unwrap();
+        put_stats_dump(&stats, &dir).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        let m = std::fs::symlink_metadata(dir.join("stats-dump")).unwrap();
+        assert!(m.file_type().is_file());
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::read_to_string(dir.join("stats-dump")).unwrap(),
+            "STATS"
+        );
+        assert!(!dir.join(STATS_TMP).exists());
+        // The directory reached through a link: refused.
+        let link = d.path().join("cri-link");
+        std::os::unix::fs::symlink(&dir, &link).unwrap();
+        assert!(put_stats_dump(&stats, &link).is_err());
+    }
 }

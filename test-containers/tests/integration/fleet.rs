@@ -506,7 +506,10 @@ fn a_fleet_set_up_by_the_chart_restores_across_nodes_and_refuses_a_revoked_key()
         let host = NestedMount::new()?;
         expect_rro_counter(&cri_a, a.node()?, GPU_CKPT_HANDLER, host.path()).await?;
         let before_a = checkpoint_and_push(a.node()?, &ref_a, &hosts, &auth).await?;
-        let before_b = checkpoint_and_push(b.node()?, &ref_b, &hosts, &auth).await?;
+        // B's push goes through B's own certs.d, as the installer wrote it: the site's CA
+        // serves pushes too, not only the restore handler's pulls.
+        let b_hosts = b.root.join("etc/gpu-ckpt/certs.d");
+        let before_b = checkpoint_and_push(b.node()?, &ref_b, &b_hosts, &auth).await?;
         restores(b.node()?, &ref_a, before_a).await?;
         restores(a.node()?, &ref_b, before_b).await?;
 
