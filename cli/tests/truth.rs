@@ -13,6 +13,7 @@ mod command;
 #[path = "../../image-format/tests/common/mod.rs"]
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use gpu_ckpt_cli::exit::ExitClass;
@@ -333,6 +334,23 @@ fn verify_takes_the_handlers_trust_from_its_options_file() {
     let (rc, _, err) = run(&["verify", s(&unsigned), "--handler-config", s(&side)]);
     assert_eq!(rc, 5, "{err}");
     assert!(err.contains("unsigned"), "{err}");
+    // A handler file that cannot be read allows no unsigned checkpoint either.
+    let broken = tmp.path().join("broken.toml");
+    std::fs::write(&broken, "NoSuchOption = 1\n").unwrap();
+    let (rc, _, err) = run(&["verify", s(&unsigned), "--handler-config", s(&broken)]);
+    assert_eq!(rc, 5, "{err}");
+    assert!(err.contains("unsigned"), "{err}");
+    // A trusted signer while a revoked list cannot be read (others may write it): the shim
+    // refuses every signed restore, and so does verify.
+    std::fs::write(&site_revoked, "# none\n").unwrap();
+    assert_eq!(verify().0, 0);
+    std::fs::set_permissions(&site_revoked, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let (rc, out, err) = verify();
+    assert_eq!(rc, 5, "{out}");
+    assert!(
+        err.contains("cannot be read in full") && err.contains(s(&site_revoked)),
+        "{err}"
+    );
 }
 
 #[test]

@@ -455,14 +455,20 @@ impl RuntimeOptions {
             .with_file_name(image_format::sign::REVOKED_FILE)
     }
 
-    /// Every revoked-keys list the node reads: `RevokedKeysFile` (an installer-managed list) and
-    /// always the node's own list beside the signing key as well. Revocation only adds: a key
-    /// revoked on the node stays revoked whatever `RevokedKeysFile` names.
+    /// Every revoked-keys list the node reads: `RevokedKeysFile` (an installer-managed list),
+    /// always the list beside the signing key, and always the node's default list
+    /// (`/var/lib/gpu-ckpt/keys/revoked`, where `gpu-ckpt key revoke` writes without flags, also
+    /// when `SigningKey` names a cluster key elsewhere). Revocation only adds: a key revoked on
+    /// the node stays revoked whatever `RevokedKeysFile` or `SigningKey` name.
     pub fn revoked_keys_paths(&self) -> Vec<PathBuf> {
         let mut paths = vec![self.revoked_keys_path()];
-        let own = self.default_revoked_keys_path();
-        if !paths.contains(&own) {
-            paths.push(own);
+        for own in [
+            self.default_revoked_keys_path(),
+            Path::new(DEFAULT_KEY_DIR).join(image_format::sign::REVOKED_FILE),
+        ] {
+            if !paths.contains(&own) {
+                paths.push(own);
+            }
         }
         paths
     }
@@ -794,7 +800,27 @@ mod tests {
                 PathBuf::from("/var/lib/gpu-ckpt/keys/revoked")
             ]
         );
-        assert_eq!(o.revoked_keys_paths(), vec![PathBuf::from("/k/revoked")]);
+        assert_eq!(
+            o.revoked_keys_paths(),
+            vec![
+                PathBuf::from("/k/revoked"),
+                PathBuf::from("/var/lib/gpu-ckpt/keys/revoked")
+            ]
+        );
+        // A cluster signing key elsewhere: its list, and the node's default list still.
+        let c = RuntimeOptions::from_toml(
+            "SigningKey = \"/etc/gpu-ckpt/cluster-key/node.key\"\nRevokedKeysFile = \"/etc/gpu-ckpt/revoked\"\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(
+            c.revoked_keys_paths(),
+            vec![
+                PathBuf::from("/etc/gpu-ckpt/revoked"),
+                PathBuf::from("/etc/gpu-ckpt/cluster-key/revoked"),
+                PathBuf::from("/var/lib/gpu-ckpt/keys/revoked")
+            ]
+        );
         assert!(RuntimeOptions::from_toml("RevokedKeysFile = \"revoked\"\n", "t").is_err());
         let d = RuntimeOptions::default();
         assert_eq!(d.restore_sources(), vec!["/var/lib/kubelet/checkpoints/"]);

@@ -107,12 +107,17 @@ pub fn signer_report(json: Option<&[u8]>, trust: &TrustArgs) -> serde_json::Valu
     let signer = match sign::verify_json(json) {
         Ok(Some(s)) => s,
         Ok(None) => {
-            // A node's handler options say whether it restores unsigned checkpoints.
-            let handler = trust.keys().ok().and_then(|k| k.handler);
+            // A node's handler options say whether it restores unsigned checkpoints; a file
+            // that cannot be read allows nothing.
+            let (handler, problems) = match trust.keys() {
+                Ok(k) => (k.handler, Vec::new()),
+                Err(e) => (trust.handler_file().map(|f| (f, false)), vec![e]),
+            };
             return serde_json::json!({"signed": false, "valid": false,
                 "summary": "unsigned (restored only where AllowUnsigned = true)",
                 "handler_config": handler.as_ref().map(|h| &h.0),
-                "handler_allows_unsigned": handler.is_some_and(|h| h.1)});
+                "handler_allows_unsigned": handler.is_some_and(|h| h.1),
+                "key_problems": problems});
         }
         Err(e) => {
             return serde_json::json!({"signed": true, "valid": false,
@@ -201,13 +206,22 @@ pub fn refusal(
             text("revoked_in")
         )));
     }
+    let problems: Vec<&str> = signer["key_problems"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.as_str())
+        .collect();
+    // The shim reads every trust source or refuses: a key found while another source (a
+    // revoked list, the trusted directory) could not be read is no pass here either.
+    if signer["signed"] == true && signer["trusted"] == true && !problems.is_empty() {
+        return Some(CliError::Trust(format!(
+            "{}, but the node's trust cannot be read in full ({}): a node refuses every signed restore until it can",
+            text("summary"),
+            problems.join("; ")
+        )));
+    }
     if signer["signed"] == true && signer["trusted"] == false {
-        let problems: Vec<&str> = signer["key_problems"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|p| p.as_str())
-            .collect();
         let problems = if problems.is_empty() {
             String::new()
         } else {
