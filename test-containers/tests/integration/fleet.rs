@@ -243,14 +243,7 @@ impl FleetNode {
             .args(&i.args)
             .envs(i.env)
             .output()?;
-        Ok((
-            out.status.success(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        ))
+        Ok(crate::installer_pod::passed(&out))
     }
 
     /// Starts a private containerd on the configuration the installer wrote (the node's

@@ -313,14 +313,7 @@ fn probe(rendered: &Value) -> Result<(bool, String)> {
         .env_clear()
         .env("PATH", path_env()?)
         .output()?;
-    Ok((
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    ))
+    Ok(passed(&out))
 }
 
 /// The label patches the API server received, as maps of labels.
@@ -645,4 +638,16 @@ fn the_watch_puts_back_the_imports_another_agent_removed_and_unknown_gpus_get_no
     s.uninstalled()?;
     ensure!(s.restarts() == 3, "restarts: {}", s.restarts());
     Ok(())
+}
+
+/// Whether a probe's run passed, and what it printed (stdout, then stderr).
+pub(crate) fn passed(out: &std::process::Output) -> (bool, String) {
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
 }
