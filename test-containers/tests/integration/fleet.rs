@@ -123,7 +123,7 @@ struct Invocation {
 /// One rendering's installer as the kubelet would run it on `node`: the DaemonSet container's
 /// arguments with `$(NODE_NAME)` expanded and each mount path mapped ([`mounted_files`]), the
 /// payload directory mapped to `payload`, and `--host-root` for the private containerd; and its
-/// environment (each `fieldRef: spec.nodeName` is `node`).
+/// environment (each `fieldRef: spec.nodeName` is `node`, the pod's `pod-template-generation` 1).
 fn installer_invocation(
     docs: &[Value],
     node: &str,
@@ -177,7 +177,9 @@ fn installer_invocation(
         let value = match (&e["value"], &e["valueFrom"]["fieldRef"]["fieldPath"]) {
             (Value::String(v), _) => v.clone(),
             (_, f) if f == "spec.nodeName" => node.to_string(),
-            _ => bail!("env {name}: neither a value nor the node's name: {e}"),
+            // A pod of the DaemonSet's first template.
+            (_, f) if f == "metadata.labels['pod-template-generation']" => "1".to_string(),
+            _ => bail!("env {name}: not one this test fills in: {e}"),
         };
         env.push((name, value));
     }
