@@ -19,7 +19,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
+// Key ids as `gpu-ckpt verify` prints them and the shim compares them.
+use image_format::sign::key_id;
 use toml_edit::{Array, DocumentMut, Value};
 
 use crate::dropin::{self, Runc, SHIM_BINARY};
@@ -144,12 +145,6 @@ fn parse_key(s: &str) -> Option<[u8; 32]> {
         .then(|| hex::decode_to_slice(s, &mut out).ok())
         .flatten()
         .map(|_| out)
-}
-
-/// The key id of a public key, as `gpu-ckpt verify` prints it and the shim compares:
-/// `ed25519:` and 16 bytes of its sha256, in hex.
-pub fn key_id(public_key: &[u8; 32]) -> String {
-    format!("ed25519:{}", hex::encode(&Sha256::digest(public_key)[..16]))
 }
 
 /// The key id a revocation entry names: itself when it is a key id, else its public key's.
