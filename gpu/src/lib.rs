@@ -7,9 +7,11 @@ pub mod cuda;
 pub mod error;
 pub mod nvml;
 pub mod state;
+pub mod storage;
 pub mod uuid;
 pub mod version;
 
+use std::path::Path;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -18,6 +20,7 @@ pub use cuda::CudaDriver;
 pub use error::GpuError;
 pub use nvml::NvmlInventory;
 pub use state::ProcessState;
+pub use storage::DeviceMemoryFile;
 pub use uuid::{GpuPair, GpuUuid};
 
 /// The CUDA driver's checkpoint API for one process (`cuCheckpointProcess*`).
@@ -56,6 +59,40 @@ pub trait DeviceCheckpoint: Send + Sync {
     /// call on it fails at once (a backend that cannot abandon calls ignores this).
     fn abandon(&self, pid: i32) {
         let _ = pid;
+    }
+    /// Whether the driver offers custom storage (CUDA 13.4 and later, with
+    /// `cuCheckpointOperationComplete`). False by default.
+    fn custom_storage(&self) -> bool {
+        false
+    }
+    /// LOCKED → CHECKPOINTED by custom storage: each GPU's range of the process's device memory
+    /// written to a new file `{prefix}-{n}.bin` in `dir` (n: the range's index), synced and
+    /// hashed as it is written; nothing of it is staged in the process's memory.
+    fn checkpoint_to(
+        &self,
+        pid: i32,
+        dir: &Path,
+        prefix: &str,
+    ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
+        let _ = (dir, prefix);
+        Err(GpuError::InvalidArgument(format!(
+            "checkpoint_to(pid {pid}): this backend has no custom storage"
+        )))
+    }
+    /// CHECKPOINTED → LOCKED by custom storage, onto the GPUs `pairs` name (empty: the same
+    /// GPUs): every range filled from its file in `dir`; a file whose bytes differ from its
+    /// BLAKE3 fails the call.
+    fn restore_from(
+        &self,
+        pid: i32,
+        pairs: &[GpuPair],
+        dir: &Path,
+        files: &[DeviceMemoryFile],
+    ) -> Result<(), GpuError> {
+        let _ = (pairs, dir, files);
+        Err(GpuError::InvalidArgument(format!(
+            "restore_from(pid {pid}): this backend has no custom storage"
+        )))
     }
 }
 
