@@ -22,8 +22,11 @@ pub const ENGINE_VERSION: &str = "gpu-ckpt.io/engine-version";
 pub const MODEL_VERSION: &str = "gpu-ckpt.io/model-version";
 /// Device lock timeout (GPU checkpoints).
 pub const LOCK_TIMEOUT: &str = "gpu-ckpt.io/lock-timeout";
+/// `true`/`false`: resume the container as soon as its checkpoint is written, before
+/// containerd's copy (the runtime option `ResumeAfterDump`, overridden per pod).
+pub const RESUME_AFTER_DUMP: &str = "gpu-ckpt.io/resume-after-dump";
 
-const KNOWN: [&str; 8] = [
+const KNOWN: [&str; 9] = [
     RESTORE_FROM,
     ON_INCOMPATIBLE,
     TCP,
@@ -32,6 +35,7 @@ const KNOWN: [&str; 8] = [
     ENGINE_VERSION,
     MODEL_VERSION,
     LOCK_TIMEOUT,
+    RESUME_AFTER_DUMP,
 ];
 
 /// The gpu-ckpt annotations of a container, checked.
@@ -72,7 +76,7 @@ impl Annotations {
                 )));
             }
         }
-        for key in [FILE_LOCKS, EXT_UNIX_SK] {
+        for key in [FILE_LOCKS, EXT_UNIX_SK, RESUME_AFTER_DUMP] {
             a.flag(key)?;
         }
         Ok(a)
@@ -131,6 +135,12 @@ mod tests {
         assert!(of(&[(TCP, "open")]).unwrap_err().to_string().contains(TCP));
         assert!(of(&[(FILE_LOCKS, "yes")]).is_err());
         assert!(of(&[(ON_INCOMPATIBLE, "cold-start")]).is_ok());
+        assert!(of(&[(RESUME_AFTER_DUMP, "true")]).is_ok());
+        let err = of(&[(RESUME_AFTER_DUMP, "yes")]).unwrap_err().to_string();
+        assert!(
+            err.contains("annotation gpu-ckpt.io/resume-after-dump is \"yes\": expected \"true\" or \"false\""),
+            "{err}"
+        );
     }
 
     #[test]

@@ -13,7 +13,11 @@ use containerd_shim::protos::{
     protobuf::{well_known_types::any::Any, Message},
     shim::oci::CheckpointOptions,
 };
-use image_format::{digest::PageDigests, durable::Durability, manifest::CriuOptions};
+use image_format::{
+    digest::PageDigests,
+    durable::Durability,
+    manifest::{CriuOptions, Manifest},
+};
 use procfs::net::{DeviceStatus, TcpNetEntry, TcpState};
 
 use crate::{
@@ -50,6 +54,32 @@ pub struct CheckpointPlan {
     /// with the runtime option `SyncCheckpoint` on; `None` for containerd's temporary directory,
     /// which containerd copies into its content store and removes).
     pub durability: Durability,
+    /// Resume a paused task as soon as the dump and the signed copy of its rootfs changes are
+    /// done, in a leave-running checkpoint (runtime option `ResumeAfterDump`, annotation
+    /// `gpu-ckpt.io/resume-after-dump` over it).
+    pub resume_after_dump: bool,
+}
+
+/// The manifest's step timing of a resume right after the dump ([`CheckpointPlan::
+/// resume_after_dump`]): how long the thaw and the device resume took. A checkpoint that has
+/// it was resumed before containerd took its copy and rootfs diff.
+pub const RESUME_AFTER_DUMP_STEP: &str = "resume-after-dump";
+
+/// Refuses containerd's own restore (`ctr container restore`, CRI's restore-via-create) of a
+/// checkpoint whose container was resumed right after the dump: containerd lays its
+/// rootfs-diff.tar over the rootfs, taken after the resume, so it can hold files the
+/// checkpointed processes never saw.
+pub fn refuse_containerd_restore(manifest: &Manifest, source: &str) -> Result<()> {
+    if !manifest
+        .timings
+        .iter()
+        .any(|t| t.step == RESUME_AFTER_DUMP_STEP)
+    {
+        return Ok(());
+    }
+    Err(Error::FailedPrecondition(format!(
+        "restore of checkpoint {source} refused: its container was resumed right after the dump (resume-after-dump), so containerd's rootfs-diff.tar was taken while it ran on and may hold later changes; restore it through the restore handler (gpu-ckpt-restore), which applies the signed copy of the rootfs changes of the dump's moment, or checkpoint with resume-after-dump off"
+    )))
 }
 
 impl CheckpointPlan {
@@ -114,6 +144,10 @@ impl CheckpointPlan {
                 work_path = Some(PathBuf::from(o.work_path));
             }
         }
+        let resume_after_dump = ann
+            .flag(annotations::RESUME_AFTER_DUMP)?
+            .unwrap_or(runtime.resume_after_dump)
+            && criu.leave_running;
         let page_digests = if runtime.sha256_page_images {
             PageDigests::Sha256AndBlake3
         } else {
@@ -125,6 +159,7 @@ impl CheckpointPlan {
             criu,
             page_digests,
             durability: Durability::from_flag(caller_named && runtime.sync_checkpoint()),
+            resume_after_dump,
         })
     }
 
@@ -407,6 +442,59 @@ pub fn cri_container_dir(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pod's annotation over the handler's option; `--exit` (no task left to resume)
+    /// never resumes; only a manifest with the resume's timing is refused to containerd.
+    #[test]
+    fn resume_after_dump_comes_from_the_pod_over_the_handler_and_only_leave_running() {
+        let ann = |v: Option<&str>| {
+            let mut all = HashMap::new();
+            if let Some(v) = v {
+                all.insert(annotations::RESUME_AFTER_DUMP.to_string(), v.to_string());
+            }
+            Annotations::from_spec(&all).unwrap()
+        };
+        let on = RuntimeOptions {
+            resume_after_dump: true,
+            ..Default::default()
+        };
+        let off = RuntimeOptions::default();
+        let plan = |o: &RuntimeOptions, a: &Annotations, options: Option<&Any>| {
+            CheckpointPlan::resolve("/ck", options, o, a, false)
+                .unwrap()
+                .resume_after_dump
+        };
+        assert!(!plan(&off, &ann(None), None));
+        assert!(plan(&on, &ann(None), None));
+        assert!(plan(&off, &ann(Some("true")), None));
+        assert!(!plan(&on, &ann(Some("false")), None));
+        let exit = CheckpointOptions {
+            exit: true,
+            ..Default::default()
+        };
+        let exit = Any {
+            type_url: format!("type.googleapis.com/{CHECKPOINT_OPTIONS_TYPE}"),
+            value: exit.write_to_bytes().unwrap(),
+            ..Default::default()
+        };
+        assert!(!plan(&on, &ann(Some("true")), Some(&exit)));
+
+        let mut m = Manifest::new(
+            "",
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        );
+        m.add_timing("criu-dump", 10.0);
+        assert!(refuse_containerd_restore(&m, "/ck").is_ok());
+        m.add_timing(RESUME_AFTER_DUMP_STEP, 5.0);
+        let err = refuse_containerd_restore(&m, "/ck").unwrap_err().to_string();
+        assert!(
+            err.contains("resumed right after the dump") && err.contains("gpu-ckpt-restore"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn the_cri_container_directory_is_found_from_the_sandbox_mounts() {

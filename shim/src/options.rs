@@ -144,6 +144,17 @@ pub struct RuntimeOptions {
     /// The bound on a restore's waits (CRIU, the gate's verdicts, page verification), e.g.
     /// "5m". Empty: a minute plus 10 s per GiB of checkpoint. Past it the restore fails.
     pub restore_timeout: String,
+    /// Resume a container as soon as its checkpoint is written (default false): in a
+    /// leave-running checkpoint of a paused task (CRI CheckpointContainer, `ctr task
+    /// checkpoint` without `--exit`), the shim thaws the container and puts its device state
+    /// back on its GPUs, unlocked, once CRIU's dump and the signed copy of the rootfs changes
+    /// are done, instead of waiting for containerd's Resume; containerd's copy of the
+    /// checkpoint and its rootfs diff then run while the application works, and its Resume is
+    /// answered as done. The pod annotation `gpu-ckpt.io/resume-after-dump` overrides it.
+    /// containerd's own restore (`ctr container restore`, CRI's restore-via-create) of such
+    /// a checkpoint is refused: its rootfs-diff.tar was taken after the resume; the restore
+    /// handler restores it from the signed copy.
+    pub resume_after_dump: bool,
     /// The device steps of a checkpoint (default true). `false` only for tests: a checkpoint
     /// then shows what happens without them (CRIU cannot dump a process that holds a GPU).
     pub device_steps: Option<bool>,
@@ -841,6 +852,17 @@ mod tests {
             let key = bad.split(' ').next().unwrap();
             assert!(err.contains(key), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn resume_after_dump_is_off_unless_the_handler_turns_it_on() {
+        assert!(!RuntimeOptions::default().resume_after_dump);
+        assert!(
+            RuntimeOptions::from_toml("ResumeAfterDump = true", "t")
+                .unwrap()
+                .resume_after_dump
+        );
+        assert!(RuntimeOptions::from_toml("ResumeAfterDump = \"yes\"", "t").is_err());
     }
 
     #[test]

@@ -95,6 +95,7 @@ pub fn check_dir(
         .cloned()
         .unwrap_or_default();
     let (_, manifest) = crate::trust::check_dir(dir, options, &namespace, false)?;
+    crate::checkpoint::refuse_containerd_restore(&manifest, &dir.display().to_string())?;
     check(
         spec,
         &manifest.container.annotations,

@@ -510,9 +510,17 @@ impl Tasks {
     }
 
     /// Pauses (`pause`) or resumes the container's processes (cgroup freezer through runc).
+    /// A Resume after a checkpoint that resumed the container right after its dump
+    /// (`ResumeAfterDump`) is answered as done, once, with no second event: containerd's
+    /// client sends it after its copy, as it would to a task it left paused.
     async fn set_paused(&self, id: &str, pause: bool) -> Result<()> {
         let container = self.container(id).await?;
         let mut c = container.lock().await;
+        if !pause && c.resumed_after_dump && c.init.status != Status::Paused {
+            c.resumed_after_dump = false;
+            info!(%id, "resume: already resumed right after the checkpoint's dump");
+            return Ok(());
+        }
         let (from, to, state) = if pause {
             (Status::Running, Status::Paused, "running")
         } else {
@@ -670,6 +678,17 @@ impl Tasks {
                     Ok(plan) => c.checkpoint(&plan).await.map(|m| (plan, m)),
                     Err(e) => Err(e),
                 };
+                // Resumed right after the dump (`ResumeAfterDump`): containerd sees the task
+                // running from here, and its Resume after the copy has nothing to do.
+                if c.resumed_after_dump {
+                    service.events.send(
+                        TASK_RESUMED_EVENT_TOPIC,
+                        TaskResumed {
+                            container_id: c.id.clone(),
+                            ..Default::default()
+                        },
+                    );
+                }
                 if let Ok((plan, manifest)) = &result {
                     let total: u64 = manifest.files.values().map(|f| f.size).sum();
                     info!(

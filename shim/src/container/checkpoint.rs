@@ -93,7 +93,9 @@ impl Container {
     /// freeze. containerd pauses a task before it checkpoints it (ctr, the containerd client,
     /// CRI), so this is where a checkpoint's device steps run. Undo: device resume.
     pub async fn pause(&mut self) -> Result<()> {
+        let quiesce = Instant::now();
         self.quiesce_devices().await?;
+        let quiesced = quiesce.elapsed();
         if let Err(e) = self.runc.pause(&self.id).await {
             if let Err(de) = self.devices.resume().await {
                 warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
@@ -101,6 +103,8 @@ impl Container {
             self.memory.put_back().await;
             return Err(e);
         }
+        self.paused_devices = self.devices.is_quiesced().then_some(quiesced);
+        self.resumed_after_dump = false;
         Ok(())
     }
 
@@ -152,9 +156,11 @@ impl Container {
     ///
     /// 0. device quiesce, for a running container (a paused one had it at Pause). Undo: device
     ///    resume.
-    /// 1. to 3. image directory, CRIU dump, manifest ([`Container::checkpoint_files`]).
+    /// 1. to 3. image directory, CRIU dump, manifest ([`Container::checkpoint_files`]); with
+    ///    `ResumeAfterDump`, a paused container is resumed once the dump and the copy of its
+    ///    rootfs changes are done ([`Container::resume_after_dump`]).
     /// 4. leave-running: device resume of what step 0 quiesced (a paused container's waits for
-    ///    Resume); `--exit`: nothing is left to resume.
+    ///    Resume, unless it was resumed after the dump); `--exit`: nothing is left to resume.
     ///
     /// On failure the container runs on as before, with its device memory back on its GPUs.
     pub async fn checkpoint(&mut self, plan: &CheckpointPlan) -> Result<Manifest> {
@@ -167,11 +173,12 @@ impl Container {
         // A CRIU older than the minimum fails here, before anything is touched.
         crate::criu::version().await?;
         let here = self.init.status == Status::Running;
+        self.resumed_after_dump = false;
         if here {
             self.quiesce_devices().await?;
         }
         let result = match self.devices.record(&self.bundle).await {
-            Ok(devices) => self.checkpoint_files(plan, devices).await,
+            Ok(devices) => self.checkpoint_files(plan, devices, !here).await,
             Err(e) => Err(e),
         };
         let result = result.map_err(|e| match (self.devices.left_alone(), e) {
@@ -212,11 +219,13 @@ impl Container {
 
     /// Steps 1 to 3 of a checkpoint: CRIU dump, then the manifest (with `devices`) written
     /// last, so a directory without a manifest is never a complete checkpoint. On failure
-    /// every file the checkpoint wrote is removed and the container runs on as before.
+    /// every file the checkpoint wrote is removed and the container runs on as before (or,
+    /// resumed after the dump, runs).
     async fn checkpoint_files(
-        &self,
+        &mut self,
         plan: &CheckpointPlan,
         devices: manifest::Devices,
+        paused: bool,
     ) -> Result<Manifest> {
         // Step 1: the image directory, the CRIU configuration of this dump, the addresses.
         // Undo: remove what the checkpoint wrote; the CRIU configuration back.
@@ -235,6 +244,9 @@ impl Container {
         };
         // Step 2: CRIU dump. Undo: remove what it wrote; CRIU resumes the tasks.
         let mut timings = Vec::new();
+        if let Some(quiesced) = self.paused_devices.filter(|_| paused) {
+            timings.push(("device-quiesce", quiesced));
+        }
         let (node, followed) = match self.dump(plan, &image, &work, &setup, &mut timings).await {
             Ok(dumped) => dumped,
             Err(e) => {
@@ -243,9 +255,19 @@ impl Container {
             }
         };
         // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
+        let early = plan.resume_after_dump && paused;
+        let span = info_span!("manifest", id = %self.id);
         let written = self
-            .write_manifest(plan, node, devices, followed, setup.addresses, &mut timings)
-            .instrument(info_span!("manifest", id = %self.id))
+            .write_manifest(
+                plan,
+                node,
+                devices,
+                followed,
+                setup.addresses,
+                &mut timings,
+                early,
+            )
+            .instrument(span)
             .await;
         if plan.work_path.is_none() {
             let _ = std::fs::remove_dir_all(&work);
@@ -459,14 +481,52 @@ impl Container {
         }
     }
 
+    /// `ResumeAfterDump`, inside step 3 of a checkpoint of a paused container: once CRIU's dump
+    /// and the copy of the rootfs changes are done, the container is thawed and its device
+    /// state put back on its GPUs and unlocked ([`Container::resume`]), so that containerd's
+    /// copy of the checkpoint and its rootfs diff run while the application works. Without a
+    /// copy of the rootfs changes (a rootfs that is no overlay) containerd's diff is the only
+    /// record of them, and the container waits for containerd's Resume as before; so it does
+    /// when the resume fails (containerd's Resume tries again). How long the resume took.
+    async fn resume_after_dump(
+        &mut self,
+        copied: bool,
+        timings: &mut Vec<(&'static str, Duration)>,
+    ) -> Duration {
+        if !copied {
+            warn!(id = %self.id, "no resume after the dump: the rootfs has no copy of its changes (no overlay), so the container waits for containerd's Resume");
+            return Duration::ZERO;
+        }
+        let t = Instant::now();
+        let span = info_span!("resume_after_dump", id = %self.id);
+        let resumed = self.resume().instrument(span).await;
+        let took = t.elapsed();
+        match resumed {
+            Ok(()) => {
+                self.init.status = Status::Running;
+                self.resumed_after_dump = true;
+                timings.push((checkpoint::RESUME_AFTER_DUMP_STEP, took));
+                info!(id = %self.id, ms = took.as_millis() as u64, "resumed right after the dump");
+            }
+            Err(e) => {
+                warn!(id = %self.id, error = %e, "resume right after the dump failed: the container waits for containerd's Resume")
+            }
+        }
+        took
+    }
+
+    /// Step 3: the copy of the rootfs changes, then (with `resume_after_dump`) the resume,
+    /// then the manifest hashed, signed and written.
+    #[allow(clippy::too_many_arguments)]
     async fn write_manifest(
-        &self,
+        &mut self,
         plan: &CheckpointPlan,
         node: manifest::Node,
         devices: manifest::Devices,
         followed: BTreeMap<String, manifest::FileDigest>,
         addresses: Option<Vec<String>>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
+        resume_after_dump: bool,
     ) -> Result<Manifest> {
         let started = Instant::now();
         let image = plan.image_path.clone();
@@ -509,20 +569,30 @@ impl Container {
         let upper = self.upperdir.clone();
         // Owners are recorded as the container sees them (its user namespace mappings).
         let ids = spec_check::Policy::from_bundle(&self.bundle)?;
+        let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
+        let copied = tokio::task::spawn_blocking(move || -> Result<bool> {
+            let Some(upper) = upper.filter(|u| u.is_dir()) else {
+                return Ok(false);
+            };
+            let _ = std::fs::remove_file(&copy);
+            crate::rootfs_changes::write(&upper, &copy, &ids)?;
+            Ok(true)
+        })
+        .await
+        .map_err(|e| Error::FailedPrecondition(format!("copy the rootfs changes: {e}")))??;
+        let mut resumed_for = Duration::ZERO;
+        if resume_after_dump {
+            resumed_for = self.resume_after_dump(copied, timings).await;
+        }
         let mut m = tokio::task::spawn_blocking(move || -> Result<Manifest> {
             let mut m = m;
-            if let Some(upper) = upper.filter(|u| u.is_dir()) {
-                let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
-                let _ = std::fs::remove_file(&copy);
-                crate::rootfs_changes::write(&upper, &copy, &ids)?;
-            }
             restrict_files(&image)?;
             m.files = manifest::hash_dir_flat_with(&image, followed, pages, &mut no_progress)?;
             Ok(m)
         })
         .await
         .map_err(|e| Error::FailedPrecondition(format!("hash checkpoint: {e}")))??;
-        timings.push(("manifest-hash", started.elapsed()));
+        timings.push(("manifest-hash", started.elapsed().saturating_sub(resumed_for)));
         for (step, d) in timings.iter() {
             m.add_timing(*step, d.as_secs_f64() * 1000.0);
         }

@@ -115,6 +115,8 @@ impl Container {
             upperdir: None,
             devices,
             memory,
+            paused_devices: None,
+            resumed_after_dump: false,
         })
     }
 

@@ -77,6 +77,12 @@ pub struct Container {
     /// Host memory for what the device steps stage, and the limits raised for them
     /// (`memory_room.rs`).
     memory: HostMemory,
+    /// How long the last Pause's device quiesce took, for the manifest of the checkpoint
+    /// that follows it.
+    paused_devices: Option<std::time::Duration>,
+    /// A checkpoint resumed the container right after its dump (`ResumeAfterDump`): the
+    /// Resume containerd sends after its copy has nothing left to do.
+    pub resumed_after_dump: bool,
 }
 
 impl Container {
