@@ -20,6 +20,7 @@ mod fleet;
 mod gpu_cdi;
 mod gpu_criu_plugin;
 mod gpu_driver_files;
+mod gpu_early_resume;
 mod gpu_hang;
 mod gpu_hooks;
 mod gpu_memory;

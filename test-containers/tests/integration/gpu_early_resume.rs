@@ -1,0 +1,322 @@
+//! `gpu-ckpt.io/resume-after-dump` (the runtime option `ResumeAfterDump` per pod): a CRI
+//! CheckpointContainer of a GPU pod resumes it once CRIU's dump and the shim's signed copy of
+//! the rootfs changes are done, while containerd still copies the checkpoint and takes its
+//! rootfs diff. The workload shows it with its own timestamps (its CRI log lines); the archive
+//! restores on another node through the restore handler with the rootfs of the dump's moment
+//! and the training going on from its checkpointed step; containerd's own restore-via-create
+//! of it is refused (its rootfs-diff.tar was taken after the resume). Without the annotation
+//! the same pod stays frozen through containerd's copy.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::common::{gpu::*, *};
+use crate::gpu_shim::{archive_manifest, create_from_archive, expect_continues, keeps_training};
+use anyhow::{bail, ensure, Context, Result};
+use test_containers::{
+    containerd::{Containerd, EventStream},
+    cri::{ContainerSpec, Cri, Pod, PodSpec},
+    stack::{Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
+};
+
+const ANNOTATION: &str = "gpu-ckpt.io/resume-after-dump";
+
+/// What the shim logs when containerd's Resume comes after a resume right after the dump.
+const NO_OP_RESUME: &str = "resume: already resumed right after the checkpoint's dump";
+
+/// gpu-train on simulated GPU `device` with a shell beside it that writes `/before-dump.txt`
+/// first, then every 20 ms or so a file `/marks/<n>-<epoch second>` and the line `mark <name>`
+/// (so each mark's CRI log time is after its file was written); `resume` sets the annotation.
+fn spec(device: &str, resume: Option<&str>) -> ContainerSpec {
+    let script = "mkdir -p /marks; echo before > /before-dump.txt; \
+        /usr/bin/gpu-train --elements 4194304 --interval-ms 100 & \
+        i=0; while :; do i=$((i+1)); n=$i-$(date +%s); echo $n > /marks/$n; echo \"mark $n\"; sleep 0.02; done";
+    let s = ContainerSpec::new("train", GPU_WORKLOADS_IMAGE)
+        .command(&["/bin/sh", "-c", script])
+        .annotation(
+            &format!("cdi.k8s.io/gpu-ckpt-sim_train-{device}"),
+            &format!("{KIND}={device}"),
+        );
+    match resume {
+        Some(v) => s.annotation(ANNOTATION, v),
+        None => s,
+    }
+}
+
+/// The marks of CRI log `log`: (time, index, name), in order.
+fn marks(log: &Path) -> Vec<(SystemTime, u64, String)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let time = humantime::parse_rfc3339(l.split(' ').next()?).ok()?;
+            let name = l.split("mark ").nth(1)?.trim().to_string();
+            let index = name.split('-').next()?.parse().ok()?;
+            Some((time, index, name))
+        })
+        .collect()
+}
+
+/// The time of the first line of the node's log (from byte `from`) that contains `needle`
+/// (the shim's lines start with their RFC 3339 time).
+fn node_log_time(node: &Node, from: u64, needle: &str) -> Option<SystemTime> {
+    let text = std::fs::read(&node.paths().log).ok()?;
+    let text = String::from_utf8_lossy(text.get(from as usize..)?).into_owned();
+    text.lines()
+        .filter(|l| l.contains(needle))
+        .find_map(|l| humantime::parse_rfc3339(l.split_whitespace().next()?).ok())
+}
+
+/// The publish time of the first `topic` event about container `id`.
+async fn event_time(events: &mut EventStream, id: &str, topic: &str) -> Result<SystemTime> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Some(e) = events.next_timeout(left).await? else {
+            bail!("no {topic} event of {id}");
+        };
+        if e.topic != topic || e.container_id() != Some(id) {
+            continue;
+        }
+        let ts = e.timestamp.context("event without a time")?;
+        return Ok(SystemTime::UNIX_EPOCH
+            + Duration::new(ts.seconds.try_into()?, ts.nanos.try_into()?));
+    }
+}
+
+/// One CRI checkpoint of a running pod, with the moments that place its marks.
+struct Checkpointed {
+    archive: PathBuf,
+    pod: Pod,
+    id: String,
+    /// The last training step logged before the checkpoint.
+    step: u64,
+    /// The last mark logged before the task was paused (its file was written before).
+    last_before: u64,
+    /// When the shim resumed the task (`/tasks/resumed`: right after the dump with the
+    /// option, at containerd's Resume without it).
+    resumed: SystemTime,
+    /// When containerd's Resume came, after its copy and rootfs diff.
+    containerd_resume: SystemTime,
+    /// When CheckpointContainer returned.
+    returned: SystemTime,
+}
+
+impl Checkpointed {
+    /// Marks that were surely written after the task was thawed (the one after
+    /// `last_before` may have been written before the pause and logged after it) and
+    /// logged while containerd still copied the checkpoint (before its Resume).
+    fn during_copy(&self, log: &Path) -> Vec<(SystemTime, u64, String)> {
+        marks(log)
+            .into_iter()
+            .filter(|(t, i, _)| *i >= self.last_before + 2 && *t < self.containerd_resume)
+            .collect()
+    }
+}
+
+/// Runs the pod `name` on `node` (`resume`: the annotation's value) and checkpoints it
+/// through CRI.
+async fn checkpoint(
+    node: &Node,
+    cri: &Cri,
+    api: &Containerd,
+    name: &str,
+    resume: Option<&str>,
+) -> Result<Checkpointed> {
+    cri.pull_image(GPU_WORKLOADS_IMAGE).await?;
+    let pod = cri
+        .run_pod(&PodSpec::new(name, node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+        .await?;
+    let id = cri.run_container(&pod, &spec("0", resume)).await?;
+    let log = pod.container_log("train");
+    wait_steps(&log, 3)?;
+    let archive = node.paths().dir.join(format!("{name}.tar"));
+    let _ = std::fs::remove_file(&archive);
+    let mut events = api.subscribe_tasks().await?;
+    let from = std::fs::metadata(&node.paths().log).map_or(0, |m| m.len());
+    cri.checkpoint_container(&id, &archive, 120).await?;
+    let returned = SystemTime::now();
+    let paused = event_time(&mut events, &id, "/tasks/paused").await?;
+    let resumed = event_time(&mut events, &id, "/tasks/resumed").await?;
+    // With the option the shim's Resume has nothing to do and says so; without it, containerd's
+    // Resume is the resume.
+    let containerd_resume = match resume {
+        Some("true") => wait_until(Duration::from_secs(10), "the no-op Resume's log line", || {
+            node_log_time(node, from, NO_OP_RESUME)
+        })?,
+        _ => resumed,
+    };
+    let last_before = marks(&log)
+        .iter()
+        .filter(|(t, _, _)| *t < paused)
+        .map(|(_, i, _)| *i)
+        .max()
+        .context("no mark before the checkpoint")?;
+    let step = last_step(&log).map(|s| s.0).unwrap_or_default();
+    Ok(Checkpointed {
+        archive,
+        pod,
+        id,
+        step,
+        last_before,
+        resumed,
+        containerd_resume,
+        returned,
+    })
+}
+
+/// Whether `path` exists in CRI container `id`.
+async fn exists_in(cri: &Cri, id: &str, path: &str) -> Result<bool> {
+    let r = cri.exec_sync(id, &["test", "-e", path], 10).await?;
+    Ok(r.exit_code == 0)
+}
+
+#[test]
+fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dumps_moment(
+) -> Result<()> {
+    let (_sim_a, sim_b, a, b) = two_gpu_nodes("early", 1)?;
+    rt().block_on(async {
+        let cri_a = Cri::connect(a.socket()).await?;
+        let cri_b = Cri::connect(b.socket()).await?;
+        let api = Containerd::connect(a.socket(), "k8s.io").await?;
+
+        // With the annotation: the workload runs on while containerd copies.
+        let on = checkpoint(&a, &cri_a, &api, "early-on", Some("true")).await?;
+        let log_on = on.pod.container_log("train");
+        let m = archive_manifest(&on.archive)?;
+        let steps: Vec<&str> = m.timings.iter().map(|t| t.step.as_str()).collect();
+        ensure!(
+            steps.contains(&"resume-after-dump") && steps.contains(&"device-quiesce"),
+            "the manifest's timings {steps:?} do not record the resume after the dump and the Pause's device steps"
+        );
+        let during = on.during_copy(&log_on);
+        println!(
+            "with the option: resumed {:?} before containerd's Resume, {} marks logged in between (first {:?}), CheckpointContainer returned {:?} after containerd's Resume",
+            on.containerd_resume.duration_since(on.resumed).unwrap_or_default(),
+            during.len(),
+            during.first().map(|m| &m.2),
+            on.returned.duration_since(on.containerd_resume).unwrap_or_default(),
+        );
+        ensure!(
+            on.resumed < on.containerd_resume && !during.is_empty(),
+            "with {ANNOTATION}: no mark was written while containerd copied the checkpoint (resumed at {:?}, containerd's Resume at {:?}); marks: {:?}",
+            on.resumed,
+            on.containerd_resume,
+            marks(&log_on)
+        );
+        // The original trains on with correct results; containerd sees it running.
+        keeps_training(&log_on, 3, "the checkpointed original")?;
+        ensure!(
+            cri_a.container_state(&on.id).await?
+                == test_containers::cri::v1::ContainerState::ContainerRunning,
+            "CRI does not show the checkpointed container running"
+        );
+
+        // containerd's own restore-via-create reads its rootfs-diff.tar, taken after the
+        // resume: refused, saying why and what to use instead.
+        let pod_v = cri_b
+            .run_pod(&PodSpec::new("early-rvc", b.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        cri_b.pull_image(GPU_WORKLOADS_IMAGE).await?;
+        let refused = match create_from_archive(&cri_b, &pod_v, &on.archive, "0").await {
+            Ok(id) => cri_b.start_container(&id).await.err(),
+            Err(e) => Some(e),
+        };
+        let msg = format!("{:#}", refused.context("restore-via-create of a checkpoint resumed after its dump ran")?);
+        ensure!(
+            msg.contains("resumed right after the dump") && msg.contains("gpu-ckpt-restore"),
+            "the refusal does not say why: {msg}"
+        );
+        cri_b.remove_pod(&pod_v).await?;
+
+        // The restore handler on node B: the rootfs of the dump's moment, the training on
+        // from its checkpointed step.
+        cri_a.remove_pod(&on.pod).await?;
+        let pod_r = cri_b
+            .run_pod(&restore_pod("early-on", &b, &on.archive.display().to_string()))
+            .await?;
+        let since = SystemTime::now();
+        let id_r = cri_b.run_container(&pod_r, &spec("0", Some("true"))).await?;
+        expect_continues(
+            &pod_r.container_log("train"),
+            since,
+            on.step,
+            &log_on,
+            "restore handler",
+        )?;
+        ensure!(
+            exists_in(&cri_b, &id_r, "/before-dump.txt").await?,
+            "/before-dump.txt, written before the dump, is missing from the restored container"
+        );
+        let before: Vec<String> = marks(&log_on)
+            .into_iter()
+            .filter(|(_, i, _)| *i <= on.last_before)
+            .map(|m| m.2)
+            .collect();
+        for name in before.iter().rev().take(3) {
+            ensure!(
+                exists_in(&cri_b, &id_r, &format!("/marks/{name}")).await?,
+                "mark {name}, written before the dump, is missing from the restored container"
+            );
+        }
+        for (_, _, name) in &during {
+            ensure!(
+                !exists_in(&cri_b, &id_r, &format!("/marks/{name}")).await?,
+                "mark {name}, written after the resume while containerd copied, is in the restored container"
+            );
+        }
+        let pid_r = cri_pid(&cri_b, &id_r).await?;
+        ensure!(
+            gpus_of(&sim_b, pid_r)? == vec![sim_b.node().gpus[0].uuid],
+            "the restored process does not run on node B's GPU"
+        );
+        cri_b.remove_pod(&pod_r).await?;
+
+        // The same pod without the annotation stays frozen through containerd's copy: no
+        // mark between the pause and containerd's Resume.
+        let off = checkpoint(&a, &cri_a, &api, "early-off", None).await?;
+        let log_off = off.pod.container_log("train");
+        let m = archive_manifest(&off.archive)?;
+        ensure!(
+            !m.timings.iter().any(|t| t.step == "resume-after-dump"),
+            "without the option the manifest records a resume after the dump: {:?}",
+            m.timings
+        );
+        let during = off.during_copy(&log_off);
+        println!(
+            "without the option: {} marks before containerd's Resume after the pause",
+            during.len()
+        );
+        ensure!(
+            during.is_empty(),
+            "without {ANNOTATION} the workload ran while containerd copied: {during:?}"
+        );
+        cri_a.remove_pod(&off.pod).await?;
+        Ok(())
+    })
+}
+
+/// A bad value of the annotation is refused at Create, naming it.
+#[test]
+fn a_bad_resume_after_dump_value_is_refused_at_create() -> Result<()> {
+    let node = node("early-bad")?;
+    rt().block_on(async {
+        let cri = Cri::connect(node.socket()).await?;
+        let pod = cri
+            .run_pod(&PodSpec::new("early-bad", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let created = cri
+            .run_container(&pod, &counter_spec().annotation(ANNOTATION, "yes"))
+            .await;
+        cri.remove_pod(&pod).await?;
+        let msg = match created {
+            Ok(id) => bail!("a container with {ANNOTATION}: \"yes\" ran ({id})"),
+            Err(e) => format!("{e:#}").replace("\\\"", "\""),
+        };
+        ensure!(
+            msg.contains("annotation gpu-ckpt.io/resume-after-dump is \"yes\": expected \"true\" or \"false\""),
+            "the refusal does not name the annotation and its value: {msg}"
+        );
+        Ok(())
+    })
+}
