@@ -265,10 +265,13 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
                 "mark {name}, written after the resume while containerd copied, is in the restored container"
             );
         }
-        let pid_r = cri_pid(&cri_b, &id_r).await?;
+        // gpu-train (the shell's child) holds node B's GPU.
+        let held = wait_until(Duration::from_secs(20), "node B's GPU to be held", || {
+            sim_b.processes().ok().filter(|p| !p.is_empty())
+        })?;
         ensure!(
-            gpus_of(&sim_b, pid_r)? == vec![sim_b.node().gpus[0].uuid],
-            "the restored process does not run on node B's GPU"
+            held.iter().all(|p| p.gpu == sim_b.node().gpus[0].uuid),
+            "the restored training does not run on node B's GPU: {held:?}"
         );
         cri_b.remove_pod(&pod_r).await?;
 

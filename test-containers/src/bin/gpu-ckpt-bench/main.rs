@@ -19,6 +19,8 @@
 //!   shim (ctr and the containerd API) of a container holding N GiB of device memory (gpu-fill)
 //!   against one holding N GiB of host memory (memhog), and the CRI freeze of each, next to
 //!   runc-v2's freeze of the host-memory one; with where the time went, from the shim's spans.
+//! - `freeze-resume`: the CRI freeze of a GPU pod with `gpu-ckpt.io/resume-after-dump` and
+//!   without it, each over the sum of its device steps and CRIU's dump (`freeze_resume.rs`).
 
 use std::{
     path::{Path, PathBuf},
@@ -26,6 +28,8 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+
+mod freeze_resume;
 use clap::{Parser, Subcommand};
 use test_containers::{
     containerd::{Containerd, EventStream},
@@ -103,6 +107,14 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// The CRI freeze of a GPU pod with `gpu-ckpt.io/resume-after-dump` and without it, each
+    /// against the sum of its device steps and CRIU's dump.
+    FreezeResume {
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -114,6 +126,7 @@ fn main() -> Result<()> {
             pipe_kib,
         } => return device_bench::bench(gib, rounds, pipe_kib),
         What::DeviceContainer { gib, runs } => return device_container(gib, runs),
+        What::FreezeResume { mib, runs } => return freeze_resume::bench(mib, runs),
         _ => {}
     }
     let stack = Stack::discover()?;
@@ -131,7 +144,7 @@ fn main() -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
         What::Sync { mib, runs } => sync_cost(&node, mib, runs),
-        What::Gpu { .. } | What::DeviceContainer { .. } => {
+        What::Gpu { .. } | What::DeviceContainer { .. } | What::FreezeResume { .. } => {
             unreachable!("run before the node is started")
         }
     }
@@ -1270,6 +1283,8 @@ struct Freeze {
     device_pause: Duration,
     /// … and Resume's restore and unlock, after it is thawed and before `/tasks/resumed`.
     device_resume: Duration,
+    /// The step timings of the gpu-ckpt manifest in the archive (none for runc-v2).
+    timings: Vec<image_format::manifest::StepTiming>,
 }
 
 /// A container (CRI name `app`) that holds `mib` MiB of host memory and ticks every `tick_ms`
@@ -1331,6 +1346,10 @@ async fn freeze_once(
     let to = std::time::SystemTime::now();
     let frozen = longest_gap(&log_times(&log), from, to);
     let criu = criu_dump_time(&archive)?;
+    let timings = image_format::archive::read_info(&archive, Default::default())?
+        .manifest
+        .map(|m| m.timings)
+        .unwrap_or_default();
     let shim_log = log_since(node, log_from);
     let device_span = |rpc: &str, span: &str| {
         let path = format!("task{{rpc=\"{rpc}\" id={id}}}:{span}{{id={id}}}");
@@ -1351,6 +1370,7 @@ async fn freeze_once(
         criu,
         device_pause,
         device_resume,
+        timings,
     })
 }
 
@@ -1521,21 +1541,37 @@ fn shim_steps(log: &str, id: &str) -> ShimSteps {
 /// (CRI: the handler's options; ctr: the handler options file), then the ctr rounds and the CRI
 /// freeze runs.
 fn device_container(gib: u64, runs: usize) -> Result<()> {
-    use simgpu::testing::{SimConfig, SimNode};
     anyhow::ensure!(gib >= 1, "--gib must be at least 1");
     anyhow::ensure!(runs >= 1, "--runs must be at least 1");
-    let stack = Stack::discover()?;
     // Room for the filled memory and the driver's own, never for two fills at once.
     let memory_mib = gib * 1024 + 512;
+    let (sim, node) = sim_gpu_node("bench-gpu", memory_mib)?;
+    println!(
+        "One containerd node (debug logging) with one simulated GPU of {memory_mib} MiB; \
+         gpu-ckpt loads the simulated driver (`DriverLibraryDir`). Device: gpu-fill of {gib} GiB \
+         on GPU 0 (`/usr/bin/gpu-fill --gib {gib} --devices 0`); host: memhog of {} MiB.\n",
+        gib * 1024
+    );
+    tokio::runtime::Runtime::new()?.block_on(async {
+        container_rounds(&node, &sim, gib, runs).await?;
+        container_freeze(&node, gib, runs).await
+    })
+}
+
+/// One containerd node `name` (debug logging, so that the shim logs each step's time) with one
+/// simulated GPU of `memory_mib` MiB, whose gpu-ckpt handlers load its driver (CRI: the
+/// handler's options; ctr: the handler options file).
+fn sim_gpu_node(name: &str, memory_mib: u64) -> Result<(simgpu::testing::SimNode, Node)> {
+    use simgpu::testing::{SimConfig, SimNode};
+    let stack = Stack::discover()?;
     let sim = SimNode::start(SimConfig {
         gpus: 1,
         memory_mib,
-        uuid_seed: "bench-gpu".into(),
+        uuid_seed: name.into(),
         cdi: true,
         ..SimConfig::default()
     })
     .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
-    let name = "bench-gpu";
     let lib_dir = sim.lib_dir().display().to_string();
     // ctr sends no runtime options: its containers' shims read this file.
     let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
@@ -1557,16 +1593,7 @@ fn device_container(gib: u64, runs: usize) -> Result<()> {
                 &handler_file.display().to_string(),
             ),
     )?;
-    println!(
-        "One containerd node (debug logging) with one simulated GPU of {memory_mib} MiB; \
-         gpu-ckpt loads the simulated driver (`DriverLibraryDir`). Device: gpu-fill of {gib} GiB \
-         on GPU 0 (`/usr/bin/gpu-fill --gib {gib} --devices 0`); host: memhog of {} MiB.\n",
-        gib * 1024
-    );
-    tokio::runtime::Runtime::new()?.block_on(async {
-        container_rounds(&node, &sim, gib, runs).await?;
-        container_freeze(&node, gib, runs).await
-    })
+    Ok((sim, node))
 }
 
 /// Waits until no process holds memory on the simulated GPU (the last round's is gone).
