@@ -25,12 +25,13 @@ const ANNOTATION: &str = "gpu-ckpt.io/resume-after-dump";
 const NO_OP_RESUME: &str = "resume: already resumed right after the checkpoint's dump";
 
 /// gpu-train on simulated GPU `device` with a shell beside it that writes `/before-dump.txt`
-/// first, then every 20 ms or so a file `/marks/<n>-<epoch second>` and the line `mark <name>`
-/// (so each mark's CRI log time is after its file was written); `resume` sets the annotation.
+/// first, then every 20 ms or so a file `/marks/<n>-<uptime>` (the workload's own clock: the
+/// node's uptime in hundredths of a second, read just before the file is written) and the
+/// line `mark <name>`; `resume` sets the annotation.
 fn spec(device: &str, resume: Option<&str>) -> ContainerSpec {
     let script = "mkdir -p /marks; echo before > /before-dump.txt; \
         /usr/bin/gpu-train --elements 4194304 --interval-ms 100 & \
-        i=0; while :; do i=$((i+1)); n=$i-$(date +%s); echo $n > /marks/$n; echo \"mark $n\"; sleep 0.02; done";
+        i=0; while :; do i=$((i+1)); n=$i-$(cut -d' ' -f1 /proc/uptime); echo $n > /marks/$n; echo \"mark $n\"; sleep 0.02; done";
     let s = ContainerSpec::new("train", GPU_WORKLOADS_IMAGE)
         .command(&["/bin/sh", "-c", script])
         .annotation(
@@ -43,16 +44,30 @@ fn spec(device: &str, resume: Option<&str>) -> ContainerSpec {
     }
 }
 
-/// The marks of CRI log `log`: (time, index, name), in order.
-fn marks(log: &Path) -> Vec<(SystemTime, u64, String)> {
+/// When the node booted, on the wall clock (`/proc/uptime` is CLOCK_BOOTTIME).
+fn boot_time() -> Result<SystemTime> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `ts`, which lives through the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    let up = Duration::new(ts.tv_sec.try_into()?, ts.tv_nsec.try_into()?);
+    Ok(SystemTime::now() - up)
+}
+
+/// The marks of CRI log `log`: (when the workload wrote it, by its own clock read before the
+/// write and cut to 10 ms, so never later than the write; name), in order.
+fn marks(log: &Path, boot: SystemTime) -> Vec<(SystemTime, String)> {
     std::fs::read_to_string(log)
         .unwrap_or_default()
         .lines()
         .filter_map(|l| {
-            let time = humantime::parse_rfc3339(l.split(' ').next()?).ok()?;
             let name = l.split("mark ").nth(1)?.trim().to_string();
-            let index = name.split('-').next()?.parse().ok()?;
-            Some((time, index, name))
+            let uptime: f64 = name.split('-').nth(1)?.parse().ok()?;
+            Some((boot + Duration::from_secs_f64(uptime), name))
         })
         .collect()
 }
@@ -91,8 +106,8 @@ struct Checkpointed {
     id: String,
     /// The last training step logged before the checkpoint.
     step: u64,
-    /// The last mark logged before the task was paused (its file was written before).
-    last_before: u64,
+    /// When the task was paused (`/tasks/paused`, published once it is frozen).
+    paused: SystemTime,
     /// When the shim resumed the task (`/tasks/resumed`: right after the dump with the
     /// option, at containerd's Resume without it).
     resumed: SystemTime,
@@ -103,13 +118,21 @@ struct Checkpointed {
 }
 
 impl Checkpointed {
-    /// Marks that were surely written after the task was thawed (the one after
-    /// `last_before` may have been written before the pause and logged after it) and
-    /// logged while containerd still copied the checkpoint (before its Resume).
-    fn during_copy(&self, log: &Path) -> Vec<(SystemTime, u64, String)> {
-        marks(log)
+    /// Marks written after the task was frozen for the checkpoint and before containerd's
+    /// Resume, that is while containerd still copied the checkpoint.
+    fn during_copy(&self, log: &Path, boot: SystemTime) -> Vec<(SystemTime, String)> {
+        marks(log, boot)
             .into_iter()
-            .filter(|(t, i, _)| *i >= self.last_before + 2 && *t < self.containerd_resume)
+            .filter(|(t, _)| *t > self.paused && *t < self.containerd_resume)
+            .collect()
+    }
+
+    /// Marks written (their clock 10 ms on) before the task was frozen.
+    fn before_pause(&self, log: &Path, boot: SystemTime) -> Vec<String> {
+        marks(log, boot)
+            .into_iter()
+            .filter(|(t, _)| *t + Duration::from_millis(10) < self.paused)
+            .map(|m| m.1)
             .collect()
     }
 }
@@ -146,19 +169,13 @@ async fn checkpoint(
         })?,
         _ => resumed,
     };
-    let last_before = marks(&log)
-        .iter()
-        .filter(|(t, _, _)| *t < paused)
-        .map(|(_, i, _)| *i)
-        .max()
-        .context("no mark before the checkpoint")?;
     let step = last_step(&log).map(|s| s.0).unwrap_or_default();
     Ok(Checkpointed {
         archive,
         pod,
         id,
         step,
-        last_before,
+        paused,
         resumed,
         containerd_resume,
         returned,
@@ -179,6 +196,7 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
         let api = Containerd::connect(a.socket(), "k8s.io").await?;
+        let boot = boot_time()?;
 
         // With the annotation: the workload runs on while containerd copies.
         let on = checkpoint(&a, &cri_a, &api, "early-on", Some("true")).await?;
@@ -189,12 +207,12 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             steps.contains(&"resume-after-dump") && steps.contains(&"device-quiesce"),
             "the manifest's timings {steps:?} do not record the resume after the dump and the Pause's device steps"
         );
-        let during = on.during_copy(&log_on);
+        let during = on.during_copy(&log_on, boot);
         println!(
             "with the option: resumed {:?} before containerd's Resume, {} marks logged in between (first {:?}), CheckpointContainer returned {:?} after containerd's Resume",
             on.containerd_resume.duration_since(on.resumed).unwrap_or_default(),
             during.len(),
-            during.first().map(|m| &m.2),
+            during.first().map(|m| &m.1),
             on.returned.duration_since(on.containerd_resume).unwrap_or_default(),
         );
         ensure!(
@@ -202,7 +220,12 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             "with {ANNOTATION}: no mark was written while containerd copied the checkpoint (resumed at {:?}, containerd's Resume at {:?}); marks: {:?}",
             on.resumed,
             on.containerd_resume,
-            marks(&log_on)
+            marks(&log_on, boot)
+        );
+        ensure!(
+            during.iter().all(|(t, _)| *t > on.resumed),
+            "marks written while the task was paused: {during:?} (resumed at {:?})",
+            on.resumed
         );
         // The original trains on with correct results; containerd sees it running.
         keeps_training(&log_on, 3, "the checkpointed original")?;
@@ -248,18 +271,15 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             exists_in(&cri_b, &id_r, "/before-dump.txt").await?,
             "/before-dump.txt, written before the dump, is missing from the restored container"
         );
-        let before: Vec<String> = marks(&log_on)
-            .into_iter()
-            .filter(|(_, i, _)| *i <= on.last_before)
-            .map(|m| m.2)
-            .collect();
+        let before = on.before_pause(&log_on, boot);
+        ensure!(!before.is_empty(), "no mark before the checkpoint");
         for name in before.iter().rev().take(3) {
             ensure!(
                 exists_in(&cri_b, &id_r, &format!("/marks/{name}")).await?,
                 "mark {name}, written before the dump, is missing from the restored container"
             );
         }
-        for (_, _, name) in &during {
+        for (_, name) in &during {
             ensure!(
                 !exists_in(&cri_b, &id_r, &format!("/marks/{name}")).await?,
                 "mark {name}, written after the resume while containerd copied, is in the restored container"
@@ -285,7 +305,7 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             "without the option the manifest records a resume after the dump: {:?}",
             m.timings
         );
-        let during = off.during_copy(&log_off);
+        let during = off.during_copy(&log_off, boot);
         println!(
             "without the option: {} marks before containerd's Resume after the pause",
             during.len()
