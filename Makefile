@@ -107,6 +107,14 @@ bench-gpu-container: deps images release-tools
 	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-container --gib 1 --runs 3
 
+# The CRI freeze of a GPU pod holding 1 GiB of simulated device memory with
+# `gpu-ckpt.io/resume-after-dump: "true"` and without it, each over the sum of its device steps
+# and CRIU's dump from the manifest's timings, as ratios (docs/benchmarks.md).
+.PHONY: bench-freeze-resume
+bench-freeze-resume: deps images release-tools
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench freeze-resume --mib 1024 --runs 3
+
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
 # driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.
 .PHONY: gpu-check gpu-check-bundle
