@@ -515,6 +515,9 @@ impl Tasks {
     /// client sends it after its copy, as it would to a task it left paused.
     async fn set_paused(&self, id: &str, pause: bool) -> Result<()> {
         let container = self.container(id).await?;
+        if !pause {
+            info!(%id, "resume requested");
+        }
         let mut c = container.lock().await;
         if !pause && c.resumed_after_dump && c.init.status != Status::Paused {
             c.resumed_after_dump = false;

@@ -21,7 +21,9 @@ use test_containers::{
 
 const ANNOTATION: &str = "gpu-ckpt.io/resume-after-dump";
 
-/// What the shim logs when containerd's Resume comes after a resume right after the dump.
+/// What the shim logs when containerd's Resume arrives, and when it has nothing to do after a
+/// resume right after the dump.
+const RESUME_REQUESTED: &str = "resume requested";
 const NO_OP_RESUME: &str = "resume: already resumed right after the checkpoint's dump";
 
 /// gpu-train on simulated GPU `device` with a shell beside it that writes `/before-dump.txt`
@@ -72,13 +74,13 @@ fn marks(log: &Path, boot: SystemTime) -> Vec<(SystemTime, String)> {
         .collect()
 }
 
-/// The time of the first line of the node's log (from byte `from`) that contains `needle`
-/// (the shim's lines start with their RFC 3339 time).
-fn node_log_time(node: &Node, from: u64, needle: &str) -> Option<SystemTime> {
+/// The time of the first line of the node's log (from byte `from`) that contains `needle` and
+/// names container `id` (the shim's lines start with their RFC 3339 time).
+fn node_log_time(node: &Node, from: u64, needle: &str, id: &str) -> Option<SystemTime> {
     let text = std::fs::read(&node.paths().log).ok()?;
     let text = String::from_utf8_lossy(text.get(from as usize..)?).into_owned();
     text.lines()
-        .filter(|l| l.contains(needle))
+        .filter(|l| l.contains(needle) && l.contains(&format!("id={id}")))
         .find_map(|l| humantime::parse_rfc3339(l.split_whitespace().next()?).ok())
 }
 
@@ -111,19 +113,21 @@ struct Checkpointed {
     /// When the shim said the task was resumed (`/tasks/resumed`: with the option, as its
     /// Checkpoint returns, just after the resume; without it, at containerd's Resume).
     resumed: SystemTime,
-    /// When containerd's Resume came, after its copy and rootfs diff.
+    /// When containerd's Resume came, after its copy and rootfs diff (the shim's log).
     containerd_resume: SystemTime,
     /// When CheckpointContainer returned.
     returned: SystemTime,
 }
 
 impl Checkpointed {
-    /// Marks written after the task was frozen for the checkpoint and before containerd's
-    /// Resume, that is while containerd still copied the checkpoint.
+    /// Marks written after the task was frozen for the checkpoint and (their clock 10 ms on)
+    /// before containerd's Resume arrived, that is while containerd still copied the checkpoint.
     fn during_copy(&self, log: &Path, boot: SystemTime) -> Vec<(SystemTime, String)> {
         marks(log, boot)
             .into_iter()
-            .filter(|(t, _)| *t > self.paused && *t < self.containerd_resume)
+            .filter(|(t, _)| {
+                *t > self.paused && *t + Duration::from_millis(10) < self.containerd_resume
+            })
             .collect()
     }
 
@@ -161,14 +165,18 @@ async fn checkpoint(
     let returned = SystemTime::now();
     let paused = event_time(&mut events, &id, "/tasks/paused").await?;
     let resumed = event_time(&mut events, &id, "/tasks/resumed").await?;
-    // With the option the shim's Resume has nothing to do and says so; without it, containerd's
-    // Resume is the resume.
-    let containerd_resume = match resume {
-        Some("true") => wait_until(Duration::from_secs(10), "the no-op Resume's log line", || {
-            node_log_time(node, from, NO_OP_RESUME)
-        })?,
-        _ => resumed,
-    };
+    let containerd_resume = wait_until(Duration::from_secs(10), "the Resume's log line", || {
+        node_log_time(node, from, RESUME_REQUESTED, &id)
+    })?;
+    // With the option the shim's Resume has nothing to do, and says so.
+    let no_op = wait_until(Duration::from_secs(2), "the no-op Resume's log line", || {
+        node_log_time(node, from, NO_OP_RESUME, &id)
+    })
+    .is_ok();
+    ensure!(
+        no_op == (resume == Some("true")),
+        "containerd's Resume after the copy was answered as a no-op: {no_op}"
+    );
     let step = last_step(&log).map(|s| s.0).unwrap_or_default();
     Ok(Checkpointed {
         archive,
@@ -312,9 +320,13 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             "without the option: {} marks before containerd's Resume after the pause",
             during.len()
         );
+        let after = |t: &SystemTime| t.duration_since(off.paused).unwrap_or_default();
         ensure!(
             during.is_empty(),
-            "without {ANNOTATION} the workload ran while containerd copied: {during:?}"
+            "without {ANNOTATION} the workload ran while containerd copied: {:?} after the pause; resumed {:?} after it; timings {:?}",
+            during.iter().map(|(t, n)| (after(t), n)).collect::<Vec<_>>(),
+            after(&off.resumed),
+            m.timings
         );
         cri_a.remove_pod(&off.pod).await?;
         Ok(())
