@@ -489,7 +489,9 @@ mod tests {
         m.add_timing("criu-dump", 10.0);
         assert!(refuse_containerd_restore(&m, "/ck").is_ok());
         m.add_timing(RESUME_AFTER_DUMP_STEP, 5.0);
-        let err = refuse_containerd_restore(&m, "/ck").unwrap_err().to_string();
+        let err = refuse_containerd_restore(&m, "/ck")
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("resumed right after the dump") && err.contains("gpu-ckpt-restore"),
             "{err}"

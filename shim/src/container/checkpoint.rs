@@ -515,6 +515,26 @@ impl Container {
         took
     }
 
+    /// The copy of the container's rootfs changes (its overlay's upper directory) into the
+    /// image directory `image`, so that the signature covers them (containerd's
+    /// rootfs-diff.tar comes after the shim returns); whether there was one to copy. Owners are
+    /// recorded as the container sees them (its user namespace mappings).
+    async fn copy_rootfs_changes(&self, image: &Path) -> Result<bool> {
+        let upper = self.upperdir.clone();
+        let ids = spec_check::Policy::from_bundle(&self.bundle)?;
+        let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
+        tokio::task::spawn_blocking(move || -> Result<bool> {
+            let Some(upper) = upper.filter(|u| u.is_dir()) else {
+                return Ok(false);
+            };
+            let _ = std::fs::remove_file(&copy);
+            crate::rootfs_changes::write(&upper, &copy, &ids)?;
+            Ok(true)
+        })
+        .await
+        .map_err(|e| Error::FailedPrecondition(format!("copy the rootfs changes: {e}")))?
+    }
+
     /// Step 3: the copy of the rootfs changes, then (with `resume_after_dump`) the resume,
     /// then the manifest hashed, signed and written.
     #[allow(clippy::too_many_arguments)]
@@ -558,28 +578,13 @@ impl Container {
         // The security context it ran under, for the restore's check against its new spec.
         m.security = Some(spec_check::security_record(&self.bundle));
         let pages = plan.page_digests;
-        // The node key (made on first use), and a copy of the container's rootfs changes in the
-        // image directory, so that the signature covers them (containerd's rootfs-diff.tar comes
-        // after the shim returns).
+        // The node key (made on first use), and a copy of the container's rootfs changes.
         let key = if self.options.sign_checkpoints() {
             Some(crate::trust::node_key(&self.options)?)
         } else {
             None
         };
-        let upper = self.upperdir.clone();
-        // Owners are recorded as the container sees them (its user namespace mappings).
-        let ids = spec_check::Policy::from_bundle(&self.bundle)?;
-        let copy = image.join(manifest::ROOTFS_CHANGES_FILE);
-        let copied = tokio::task::spawn_blocking(move || -> Result<bool> {
-            let Some(upper) = upper.filter(|u| u.is_dir()) else {
-                return Ok(false);
-            };
-            let _ = std::fs::remove_file(&copy);
-            crate::rootfs_changes::write(&upper, &copy, &ids)?;
-            Ok(true)
-        })
-        .await
-        .map_err(|e| Error::FailedPrecondition(format!("copy the rootfs changes: {e}")))??;
+        let copied = self.copy_rootfs_changes(&image).await?;
         let mut resumed_for = Duration::ZERO;
         if resume_after_dump {
             resumed_for = self.resume_after_dump(copied, timings).await;
@@ -592,7 +597,10 @@ impl Container {
         })
         .await
         .map_err(|e| Error::FailedPrecondition(format!("hash checkpoint: {e}")))??;
-        timings.push(("manifest-hash", started.elapsed().saturating_sub(resumed_for)));
+        timings.push((
+            "manifest-hash",
+            started.elapsed().saturating_sub(resumed_for),
+        ));
         for (step, d) in timings.iter() {
             m.add_timing(*step, d.as_secs_f64() * 1000.0);
         }

@@ -96,8 +96,9 @@ async fn event_time(events: &mut EventStream, id: &str, topic: &str) -> Result<S
             continue;
         }
         let ts = e.timestamp.context("event without a time")?;
-        return Ok(SystemTime::UNIX_EPOCH
-            + Duration::new(ts.seconds.try_into()?, ts.nanos.try_into()?));
+        return Ok(
+            SystemTime::UNIX_EPOCH + Duration::new(ts.seconds.try_into()?, ts.nanos.try_into()?)
+        );
     }
 }
 
@@ -169,9 +170,11 @@ async fn checkpoint(
         node_log_time(node, from, RESUME_REQUESTED, &id)
     })?;
     // With the option the shim's Resume has nothing to do, and says so.
-    let no_op = wait_until(Duration::from_secs(2), "the no-op Resume's log line", || {
-        node_log_time(node, from, NO_OP_RESUME, &id)
-    })
+    let no_op = wait_until(
+        Duration::from_secs(2),
+        "the no-op Resume's log line",
+        || node_log_time(node, from, NO_OP_RESUME, &id),
+    )
     .is_ok();
     ensure!(
         no_op == (resume == Some("true")),
