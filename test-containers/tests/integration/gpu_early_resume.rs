@@ -5,7 +5,8 @@
 //! restores on another node through the restore handler with the rootfs of the dump's moment
 //! and the training going on from its checkpointed step; containerd's own restore-via-create
 //! of it is refused (its rootfs-diff.tar was taken after the resume). Without the annotation
-//! the same pod stays frozen through containerd's copy.
+//! the same pod stays frozen through containerd's copy; a value other than true or false is
+//! refused at Create.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant, SystemTime};
@@ -209,6 +210,23 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
         let api = Containerd::connect(a.socket(), "k8s.io").await?;
         let boot = boot_time()?;
 
+        // A value other than true or false is refused at Create, naming it.
+        let bad = cri_a
+            .run_pod(&PodSpec::new("early-bad", a.pod_log_root()).handler(GPU_CKPT_HANDLER))
+            .await?;
+        let created = cri_a
+            .run_container(&bad, &counter_spec().annotation(ANNOTATION, "yes"))
+            .await;
+        cri_a.remove_pod(&bad).await?;
+        let msg = match created {
+            Ok(id) => bail!("a container with {ANNOTATION}: \"yes\" ran ({id})"),
+            Err(e) => format!("{e:#}").replace("\\\"", "\""),
+        };
+        ensure!(
+            msg.contains("annotation gpu-ckpt.io/resume-after-dump is \"yes\": expected \"true\" or \"false\""),
+            "the refusal does not name the annotation and its value: {msg}"
+        );
+
         // With the annotation: the workload runs on while containerd copies.
         let on = checkpoint(&a, &cri_a, &api, "early-on", Some("true")).await?;
         let log_on = on.pod.container_log("train");
@@ -332,31 +350,6 @@ fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dum
             m.timings
         );
         cri_a.remove_pod(&off.pod).await?;
-        Ok(())
-    })
-}
-
-/// A bad value of the annotation is refused at Create, naming it.
-#[test]
-fn a_bad_resume_after_dump_value_is_refused_at_create() -> Result<()> {
-    let node = node("early-bad")?;
-    rt().block_on(async {
-        let cri = Cri::connect(node.socket()).await?;
-        let pod = cri
-            .run_pod(&PodSpec::new("early-bad", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
-            .await?;
-        let created = cri
-            .run_container(&pod, &counter_spec().annotation(ANNOTATION, "yes"))
-            .await;
-        cri.remove_pod(&pod).await?;
-        let msg = match created {
-            Ok(id) => bail!("a container with {ANNOTATION}: \"yes\" ran ({id})"),
-            Err(e) => format!("{e:#}").replace("\\\"", "\""),
-        };
-        ensure!(
-            msg.contains("annotation gpu-ckpt.io/resume-after-dump is \"yes\": expected \"true\" or \"false\""),
-            "the refusal does not name the annotation and its value: {msg}"
-        );
         Ok(())
     })
 }

@@ -156,19 +156,30 @@ pub fn bench(mib: u64, runs: usize) -> Result<()> {
                 .collect::<Vec<_>>()
         };
         let goal = median_f64(frozen(0)) / median_f64(sums(0));
-        println!(
-            "\nfreeze / (device steps + CRIU's dump), with resume-after-dump: {} (goal ≤ 1.2: {})",
-            ratio_line(&frozen(0), &sums(0)),
-            if goal <= 1.2 { "met" } else { "missed" }
-        );
-        println!(
-            "freeze / (device steps + CRIU's dump), without: {}",
-            ratio_line(&frozen(1), &sums(1))
-        );
-        println!(
-            "freeze with / without resume-after-dump: {}",
-            ratio_line(&frozen(0), &frozen(1))
-        );
+        let verdict = if goal <= 1.2 { "met" } else { "missed" };
+        let lines = [
+            (
+                "\nfreeze / (device steps + CRIU's dump), with resume-after-dump",
+                frozen(0),
+                sums(0),
+                format!(" (goal ≤ 1.2: {verdict})"),
+            ),
+            (
+                "freeze / (device steps + CRIU's dump), without",
+                frozen(1),
+                sums(1),
+                String::new(),
+            ),
+            (
+                "freeze with / without resume-after-dump",
+                frozen(0),
+                frozen(1),
+                String::new(),
+            ),
+        ];
+        for (what, a, b, after) in lines {
+            println!("{what}: {}{after}", ratio_line(&a, &b));
+        }
         Ok(())
     })
 }
