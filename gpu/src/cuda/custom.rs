@@ -396,6 +396,30 @@ impl Dir {
         self.open_at(name, libc::O_RDONLY, "open")
     }
 
+    /// Whether `name` exists in the directory (a link counts; it is not followed).
+    fn exists(&self, name: &str) -> Result<bool, GpuError> {
+        let c = flat_name(name)?;
+        // SAFETY: an all-zero `stat` is a valid buffer for fstatat to fill.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstatat on a directory descriptor this struct owns and a flat name.
+        let r = unsafe {
+            libc::fstatat(
+                self.fd.as_raw_fd(),
+                c.as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
+        if r == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENOENT) => Ok(false),
+            _ => Err(self.err(name, "stat", e)),
+        }
+    }
+
     fn remove(&self, name: &str) {
         let Ok(c) = flat_name(name) else { return };
         // SAFETY: unlinkat on a directory descriptor this struct owns and a flat name.
@@ -547,8 +571,9 @@ impl CudaDriver {
     /// LOCKED → CHECKPOINTED through files: see [`crate::DeviceCheckpoint::checkpoint_to`].
     ///
     /// What a failure leaves:
-    /// - before or in `cuCheckpointProcessCheckpoint` (a bad `prefix` or `dir`, no primary
-    ///   context, the driver's refusal): the process LOCKED, nothing written;
+    /// - before or in `cuCheckpointProcessCheckpoint` (a bad `prefix` or `dir`, a file name
+    ///   already taken, no primary context, the driver's refusal): the process LOCKED, nothing
+    ///   written;
     /// - once the driver has mapped the ranges (the process CHECKPOINTING, its device memory
     ///   held only in the ranges mapped here): a file that cannot be created or reserved to its
     ///   full size (ENOSPC comes here, before any byte moves), a copy or write or sync that
@@ -570,6 +595,17 @@ impl CudaDriver {
         flat_name(&format!("{prefix}-0.bin"))?;
         let dir = Dir::open(dir)?;
         let prim = Primaries::retain(self, api, None)?;
+        // At most one range per GPU: a name already taken is refused while the process is
+        // still LOCKED (O_EXCL below refuses it anyway, but by then the driver has mapped it).
+        for n in 0..prim.held.len() {
+            let name = format!("{prefix}-{n}.bin");
+            if dir.exists(&name)? {
+                return Err(GpuError::Storage {
+                    file: dir.path_of(&name),
+                    reason: "already exists".into(),
+                });
+            }
+        }
         let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
         let mut args = CUcheckpointCheckpointArgsCustom {
             custom_storage_info_out: &mut info,
