@@ -964,6 +964,10 @@ fn pipes(child: &mut Child) -> Spawned {
 }
 
 #[cfg(test)]
+#[path = "device_worker_sim.rs"]
+mod sim_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
