@@ -577,12 +577,15 @@ impl CudaDriver {
     /// - once the driver has mapped the ranges (the process CHECKPOINTING, its device memory
     ///   held only in the ranges mapped here): a file that cannot be created or reserved to its
     ///   full size (ENOSPC comes here, before any byte moves), a copy or write or sync that
-    ///   fails: every file this call created is removed and the operation is not completed, so
-    ///   the process stays CHECKPOINTING. NVIDIA's API has no abort and completing would release
-    ///   the only copy of the device memory; what the driver does with a target whose caller
-    ///   goes away is not documented. Such a process cannot be resumed: the caller kills it.
+    ///   fails: every file this call created is removed, and the device memory goes back to the
+    ///   process through this process's memory (see `rescue`), leaving it LOCKED as before the
+    ///   call, for the caller's undo (unlock). NVIDIA's API has no abort, and what the driver
+    ///   does with a target whose caller goes away is not documented: if that way back fails
+    ///   too (no memory for the bytes, a driver error), the process is left where it stopped
+    ///   (CHECKPOINTING, or CHECKPOINTED or RESTORING on the way back), logged, and cannot be
+    ///   resumed: the caller kills it. The error returned is the first one, in every case.
     /// - `cuCheckpointOperationComplete` failing, or the state read back not CHECKPOINTED:
-    ///   that error, the files written and synced (and removed).
+    ///   that error, the files removed.
     pub(super) fn custom_checkpoint(
         &self,
         pid: i32,
@@ -620,27 +623,37 @@ impl CudaDriver {
             .map(|n| format!("{prefix}-{n}.bin"))
             .collect();
         let mut created: Vec<&str> = Vec::new();
-        let written = self.write_ranges(api, pid, &dir, &op, &names, &mut created);
-        let files = match written.and_then(|f| {
-            dir.sync()?;
-            self.complete(
-                api,
-                "checkpoint_to",
-                pid,
-                op.handle,
-                ProcessState::CHECKPOINTED,
-            )?;
-            Ok(f)
-        }) {
+        let written = self
+            .write_ranges(api, pid, &dir, &op, &names, &mut created)
+            .and_then(|f| dir.sync().map(|_| f));
+        let files = match written {
             Ok(f) => f,
             Err(e) => {
                 for name in created {
                     dir.remove(name);
                 }
-                tracing::warn!(error = %e, "checkpoint to files failed");
+                tracing::warn!(error = %e, "checkpoint to files failed: the device memory goes back");
+                match self.rescue(api, pid, &prim, &op) {
+                    Ok(()) => tracing::info!("the process is locked with its device memory"),
+                    Err(r) => {
+                        tracing::warn!(error = %r, "the device memory could not go back");
+                    }
+                }
                 return Err(e);
             }
         };
+        if let Err(e) = self.complete(
+            api,
+            "checkpoint_to",
+            pid,
+            op.handle,
+            ProcessState::CHECKPOINTED,
+        ) {
+            for f in &files {
+                dir.remove(&f.name);
+            }
+            return Err(e);
+        }
         let bytes: u64 = files.iter().map(|f| f.size).sum();
         tracing::info!(
             elapsed_ms = start.elapsed().as_millis() as u64,
@@ -649,6 +662,100 @@ impl CudaDriver {
             "checkpointed to files"
         );
         Ok(files)
+    }
+
+    /// After a failure between the driver's mapping and the completion of a checkpoint: the
+    /// process back to LOCKED with its device memory, held meanwhile in this process's memory
+    /// (NVIDIA's API has no abort): every range copied here, the checkpoint completed
+    /// (CHECKPOINTED), a custom-storage restore onto the same GPUs (RESTORING), the bytes copied
+    /// back, completed (LOCKED). Fails, leaving the process where that step left it, when the
+    /// memory cannot be had or a call fails.
+    fn rescue(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        prim: &Primaries,
+        op: &Operation,
+    ) -> Result<(), GpuError> {
+        let _span = tracing::info_span!("rescue", pid).entered();
+        let mut saved: Vec<Vec<u8>> = Vec::with_capacity(op.ranges.len());
+        for r in &op.ranges {
+            let mut v: Vec<u8> = Vec::new();
+            v.try_reserve_exact(r.size as usize).map_err(|e| {
+                GpuError::InvalidArgument(format!(
+                    "no memory to hold {} bytes of device memory: {e}",
+                    r.size
+                ))
+            })?;
+            v.resize(r.size as usize, 0);
+            self.copy_range(api, pid, r, v.as_mut_ptr().cast(), true)?;
+            saved.push(v);
+        }
+        self.complete(
+            api,
+            "checkpoint_to",
+            pid,
+            op.handle,
+            ProcessState::CHECKPOINTED,
+        )?;
+        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
+        let mut args = CUcheckpointRestoreArgsCustom {
+            gpu_pairs: std::ptr::null(),
+            gpu_pairs_count: 0,
+            padding0: 0,
+            custom_storage_info_out: &mut info,
+            reserved: [0; 40],
+        };
+        // SAFETY: the 13.4 layout, zero but for the out pointer, which outlives the call.
+        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
+            (api.restore)(pid, &mut args)
+        })?;
+        let back = Operation::read(info, prim)?;
+        for r in &back.ranges {
+            let i = op
+                .ranges
+                .iter()
+                .position(|o| o.gpu == r.gpu && o.size == r.size)
+                .ok_or_else(|| {
+                    GpuError::InvalidArgument(format!(
+                        "the restore mapped {} bytes on GPU {}, which the checkpoint did not",
+                        r.size, r.gpu
+                    ))
+                })?;
+            self.copy_range(api, pid, r, saved[i].as_mut_ptr().cast(), false)?;
+        }
+        self.complete(api, "checkpoint_to", pid, back.handle, ProcessState::LOCKED)
+    }
+
+    /// A whole range to (`out`) or from host memory at `host`, on its stream, synchronized.
+    fn copy_range(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        r: &Range,
+        host: *mut c_void,
+        out: bool,
+    ) -> Result<(), GpuError> {
+        let stream = r.stream as CUstream;
+        let n = r.size as usize;
+        // SAFETY: a retained primary context, made current on this thread; `n` bytes between
+        // the mapped range and `n` bytes at `host`, the caller's; the stream synchronized
+        // before `host` is touched again.
+        self.call("cuCtxSetCurrent", None, || unsafe {
+            (api.set_current)(r.ctx as CUcontext)
+        })?;
+        if out {
+            self.call("cuMemcpyDtoHAsync", Some(pid), || unsafe {
+                (api.dtoh)(host, r.dev_ptr, n, stream)
+            })?;
+        } else {
+            self.call("cuMemcpyHtoDAsync", Some(pid), || unsafe {
+                (api.htod)(r.dev_ptr, host, n, stream)
+            })?;
+        }
+        self.call("cuStreamSynchronize", Some(pid), || unsafe {
+            (api.stream_sync)(stream)
+        })
     }
 
     /// Creates and reserves every file, then writes each range to its file, one thread per GPU.
