@@ -293,7 +293,7 @@ impl<'a> Pinned<'a> {
             ptr: p.cast(),
             len,
         };
-        if p.is_null() || (p as usize) % ALIGN != 0 {
+        if p.is_null() || !(p as usize).is_multiple_of(ALIGN) {
             return Err(GpuError::InvalidArgument(format!(
                 "cuMemHostAlloc gave {p:?}, not a {ALIGN}-byte aligned buffer"
             )));
@@ -481,7 +481,7 @@ fn chunks(size: u64, chunk: usize) -> impl Iterator<Item = (u64, usize)> {
 
 /// The buffer size for a range: a chunk, or the whole range rounded up to the alignment.
 fn buffer_len(size: u64) -> usize {
-    let n = (size as usize).min(CHUNK_BYTES).max(1);
+    let n = (size as usize).clamp(1, CHUNK_BYTES);
     n.div_ceil(ALIGN) * ALIGN
 }
 
@@ -870,7 +870,7 @@ impl CudaDriver {
         let drained = sync();
         result?;
         drained?;
-        if direct && r.size % ALIGN as u64 != 0 {
+        if direct && !r.size.is_multiple_of(ALIGN as u64) {
             file.set_len(r.size)
                 .map_err(|e| dir.err(name, "truncate", e))?;
         }
