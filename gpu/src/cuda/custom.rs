@@ -698,19 +698,7 @@ impl CudaDriver {
             op.handle,
             ProcessState::CHECKPOINTED,
         )?;
-        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
-        let mut args = CUcheckpointRestoreArgsCustom {
-            gpu_pairs: std::ptr::null(),
-            gpu_pairs_count: 0,
-            padding0: 0,
-            custom_storage_info_out: &mut info,
-            reserved: [0; 40],
-        };
-        // SAFETY: the 13.4 layout, zero but for the out pointer, which outlives the call.
-        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
-            (api.restore)(pid, &mut args)
-        })?;
-        let back = Operation::read(info, prim)?;
+        let back = self.start_restore(api, pid, &[], prim)?;
         for r in &back.ranges {
             let i = op
                 .ranges
@@ -725,6 +713,31 @@ impl CudaDriver {
             self.copy_range(api, pid, r, saved[i].as_mut_ptr().cast(), false)?;
         }
         self.complete(api, "checkpoint_to", pid, back.handle, ProcessState::LOCKED)
+    }
+
+    /// `cuCheckpointProcessRestore` with custom storage (the process RESTORING): the operation
+    /// it started.
+    fn start_restore(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        c_pairs: &[CUcheckpointGpuPair],
+        prim: &Primaries,
+    ) -> Result<Operation, GpuError> {
+        let (gpu_pairs, gpu_pairs_count) = super::pairs_arg(c_pairs)?;
+        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
+        let mut args = CUcheckpointRestoreArgsCustom {
+            gpu_pairs,
+            gpu_pairs_count,
+            padding0: 0,
+            custom_storage_info_out: &mut info,
+            reserved: [0; 40],
+        };
+        // SAFETY: the 13.4 layout; the pairs and the out pointer outlive the call.
+        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
+            (api.restore)(pid, &mut args)
+        })?;
+        Operation::read(info, prim)
     }
 
     /// A whole range to (`out`) or from host memory at `host`, on its stream, synchronized.
@@ -785,14 +798,7 @@ impl CudaDriver {
                     s.spawn(move || self.save_range(api, pid, r, file, direct, dir, name))
                 })
                 .collect();
-            threads
-                .into_iter()
-                .map(|t| {
-                    t.join().unwrap_or_else(|_| {
-                        Err(GpuError::InvalidArgument("a copy thread panicked".into()))
-                    })
-                })
-                .collect()
+            joined(threads)
         });
         let mut out = Vec::with_capacity(results.len());
         for ((r, name), hash) in op.ranges.iter().zip(names).zip(results) {
@@ -804,6 +810,22 @@ impl CudaDriver {
             });
         }
         Ok(out)
+    }
+
+    /// On a copy thread: the range's context made current, and its pinned buffers.
+    fn buffers_for<'a>(
+        &'a self,
+        api: &'a CustomApi,
+        r: &Range,
+    ) -> Result<Vec<Pinned<'a>>, GpuError> {
+        // SAFETY: a retained primary context, made current on this thread.
+        self.call("cuCtxSetCurrent", None, || unsafe {
+            (api.set_current)(r.ctx as CUcontext)
+        })?;
+        let len = buffer_len(r.size);
+        (0..BUFFERS)
+            .map(|_| Pinned::alloc(self, api, len))
+            .collect()
     }
 
     /// One range to its file: chunk k+1 copied while chunk k is hashed and written.
@@ -819,15 +841,7 @@ impl CudaDriver {
         name: &str,
     ) -> Result<String, GpuError> {
         let _span = tracing::info_span!("save_range", pid, gpu = %r.gpu, bytes = r.size).entered();
-        // SAFETY: a retained primary context, made current on this thread.
-        self.call("cuCtxSetCurrent", None, || unsafe {
-            (api.set_current)(r.ctx as CUcontext)
-        })?;
-        let len = buffer_len(r.size);
-        let mut bufs = Vec::with_capacity(BUFFERS);
-        for _ in 0..BUFFERS {
-            bufs.push(Pinned::alloc(self, api, len)?);
-        }
+        let mut bufs = self.buffers_for(api, r)?;
         let mut hasher = blake3::Hasher::new();
         let plan: Vec<(u64, usize)> = chunks(r.size, CHUNK_BYTES).collect();
         let stream = r.stream as CUstream;
@@ -890,9 +904,9 @@ impl CudaDriver {
     pub(super) fn custom_restore(
         &self,
         pid: i32,
-        pairs: &[GpuPair],
         dir: &Path,
         files: &[DeviceMemoryFile],
+        pairs: &[GpuPair],
     ) -> Result<(), GpuError> {
         let _span =
             tracing::info_span!("cuda_restore_from", pid, dir = %dir.display(), files = files.len())
@@ -927,25 +941,7 @@ impl CudaDriver {
             })
             .collect();
         let prim = Primaries::retain(self, api, Some(&targets))?;
-        let count = u32::try_from(c_pairs.len())
-            .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", c_pairs.len())))?;
-        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
-        let mut args = CUcheckpointRestoreArgsCustom {
-            gpu_pairs: if c_pairs.is_empty() {
-                std::ptr::null()
-            } else {
-                c_pairs.as_ptr()
-            },
-            gpu_pairs_count: count,
-            padding0: 0,
-            custom_storage_info_out: &mut info,
-            reserved: [0; 40],
-        };
-        // SAFETY: the 13.4 layout; the pairs and the out pointer outlive the call.
-        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
-            (api.restore)(pid, &mut args)
-        })?;
-        let op = Operation::read(info, &prim)?;
+        let op = self.start_restore(api, pid, &c_pairs, &prim)?;
         let order = match_files(&op.ranges, files, &targets)?;
         let results: Vec<Result<(), GpuError>> = std::thread::scope(|s| {
             let threads: Vec<_> = op
@@ -958,14 +954,7 @@ impl CudaDriver {
                     s.spawn(move || self.load_range(api, pid, r, file, *direct, dir, f))
                 })
                 .collect();
-            threads
-                .into_iter()
-                .map(|t| {
-                    t.join().unwrap_or_else(|_| {
-                        Err(GpuError::InvalidArgument("a copy thread panicked".into()))
-                    })
-                })
-                .collect()
+            joined(threads)
         });
         for r in results {
             r?;
@@ -992,15 +981,7 @@ impl CudaDriver {
         f: &DeviceMemoryFile,
     ) -> Result<(), GpuError> {
         let _span = tracing::info_span!("load_range", pid, gpu = %r.gpu, bytes = r.size).entered();
-        // SAFETY: a retained primary context, made current on this thread.
-        self.call("cuCtxSetCurrent", None, || unsafe {
-            (api.set_current)(r.ctx as CUcontext)
-        })?;
-        let len = buffer_len(r.size);
-        let mut bufs = Vec::with_capacity(BUFFERS);
-        for _ in 0..BUFFERS {
-            bufs.push(Pinned::alloc(self, api, len)?);
-        }
+        let mut bufs = self.buffers_for(api, r)?;
         let stream = r.stream as CUstream;
         let sync = || {
             // SAFETY: a stream of the operation.
@@ -1041,6 +1022,19 @@ impl CudaDriver {
         }
         Ok(())
     }
+}
+
+/// The results of copy threads, in their order.
+fn joined<T>(
+    threads: Vec<std::thread::ScopedJoinHandle<'_, Result<T, GpuError>>>,
+) -> Vec<Result<T, GpuError>> {
+    threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
+        })
+        .collect()
 }
 
 /// Reads at least `need` bytes at `off` into `buf` (more may come, up to its length).
@@ -1110,35 +1104,26 @@ mod tests {
 
     #[test]
     fn layouts_of_cuda_13_4() {
-        assert_eq!(offset_of!(CUcheckpointCustomStorageInfo, handle), 0);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStorageInfo, per_device_data),
-            8
-        );
-        assert_eq!(offset_of!(CUcheckpointCustomStorageInfo, device_count), 16);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStoragePerDeviceData, dev_ptr),
-            0
-        );
-        assert_eq!(offset_of!(CUcheckpointCustomStoragePerDeviceData, size), 8);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStoragePerDeviceData, stream),
-            16
-        );
-        assert_eq!(
-            offset_of!(CUcheckpointCheckpointArgsCustom, custom_storage_info_out),
-            0
-        );
-        assert_eq!(offset_of!(CUcheckpointRestoreArgsCustom, gpu_pairs), 0);
-        assert_eq!(
-            offset_of!(CUcheckpointRestoreArgsCustom, gpu_pairs_count),
-            8
-        );
-        assert_eq!(offset_of!(CUcheckpointRestoreArgsCustom, padding0), 12);
-        assert_eq!(
-            offset_of!(CUcheckpointRestoreArgsCustom, custom_storage_info_out),
-            16
-        );
+        type Info = CUcheckpointCustomStorageInfo;
+        type Per = CUcheckpointCustomStoragePerDeviceData;
+        type Ckpt = CUcheckpointCheckpointArgsCustom;
+        type Rest = CUcheckpointRestoreArgsCustom;
+        let offsets = [
+            (offset_of!(Info, handle), 0),
+            (offset_of!(Info, per_device_data), 8),
+            (offset_of!(Info, device_count), 16),
+            (offset_of!(Per, dev_ptr), 0),
+            (offset_of!(Per, size), 8),
+            (offset_of!(Per, stream), 16),
+            (offset_of!(Ckpt, custom_storage_info_out), 0),
+            (offset_of!(Rest, gpu_pairs), 0),
+            (offset_of!(Rest, gpu_pairs_count), 8),
+            (offset_of!(Rest, padding0), 12),
+            (offset_of!(Rest, custom_storage_info_out), 16),
+        ];
+        for (i, (got, want)) in offsets.into_iter().enumerate() {
+            assert_eq!(got, want, "field {i}");
+        }
     }
 
     #[test]
