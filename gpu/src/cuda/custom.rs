@@ -908,21 +908,7 @@ impl CudaDriver {
         let api = self.custom_api("restore_from", pid)?;
         let c_pairs = super::restore_pairs(pid, self.loaded.driver_version, pairs)?;
         let dir = Dir::open(dir)?;
-        let mut opened = Vec::with_capacity(files.len());
-        for f in files {
-            let (file, direct) = dir.open_read(&f.name)?;
-            let len = file
-                .metadata()
-                .map_err(|e| dir.err(&f.name, "stat", e))?
-                .len();
-            if len != f.size {
-                return Err(GpuError::Storage {
-                    file: dir.path_of(&f.name),
-                    reason: format!("{len} bytes, the checkpoint recorded {}", f.size),
-                });
-            }
-            opened.push((file, direct));
-        }
+        let opened = open_files(&dir, files)?;
         // The GPU each file's range goes to: its checkpointed GPU, or the new one a pair names.
         let targets: Vec<GpuUuid> = files
             .iter()
@@ -1042,6 +1028,27 @@ fn joined<T>(
         .map(|t| {
             t.join()
                 .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
+        })
+        .collect()
+}
+
+/// Every file of a restore opened, and its size checked against its entry.
+fn open_files(dir: &Dir, files: &[DeviceMemoryFile]) -> Result<Vec<(File, bool)>, GpuError> {
+    files
+        .iter()
+        .map(|f| {
+            let (file, direct) = dir.open_read(&f.name)?;
+            let len = file
+                .metadata()
+                .map_err(|e| dir.err(&f.name, "stat", e))?
+                .len();
+            if len != f.size {
+                return Err(GpuError::Storage {
+                    file: dir.path_of(&f.name),
+                    reason: format!("{len} bytes, the checkpoint recorded {}", f.size),
+                });
+            }
+            Ok((file, direct))
         })
         .collect()
 }
