@@ -11,7 +11,7 @@ use std::fs;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
@@ -21,7 +21,7 @@ use crate::digest::{
     digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
 };
 pub use crate::digest::{is_page_image, FileDigest};
-use crate::durable::{Durability, RealFs, SyncFs};
+use crate::durable::{Durability, RealFs, SyncFs, Writeback};
 use crate::error::{Error, Findings, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -726,6 +726,9 @@ pub fn hash_dir_flat_with(
 /// concurrent append. [`AppendHasher::finish`] returns a digest only for a file still of the
 /// size that was hashed and still at the same inode; anything else (a file truncated,
 /// rewritten or replaced) is left out, for [`hash_dir_flat_with`] to hash in full.
+///
+/// With [`AppendHasher::writing_back`], what it has hashed is also handed to the disk as it
+/// goes ([`crate::durable::Writeback`]), so that the syncs before the manifest find little left.
 pub struct AppendHasher {
     dir: PathBuf,
     select: fn(&str) -> bool,
@@ -733,11 +736,14 @@ pub struct AppendHasher {
     pages: PageDigests,
     files: BTreeMap<String, Followed>,
     buf: Vec<u8>,
+    /// Where the writeback of hashed bytes starts; `None`: no writeback.
+    writeback: Option<Arc<dyn SyncFs + Send>>,
 }
 
 struct Followed {
     file: fs::File,
     hasher: FileHasher,
+    written_back: Writeback,
 }
 
 impl AppendHasher {
@@ -756,7 +762,24 @@ impl AppendHasher {
             pages,
             files: BTreeMap::new(),
             buf: vec![0u8; COPY_BUF],
+            writeback: None,
         }
+    }
+
+    /// Starts the writeback of what is hashed when the files will be synced (`durability`):
+    /// what a follower reads is what the writer has written, and will not change.
+    pub fn writing_back(self, durability: Durability) -> Self {
+        if durability.syncs() {
+            self.writing_back_through(Arc::new(RealFs))
+        } else {
+            self
+        }
+    }
+
+    /// [`AppendHasher::writing_back`] through a given file system (tests record the calls).
+    pub fn writing_back_through(mut self, fs: Arc<dyn SyncFs + Send>) -> Self {
+        self.writeback = Some(fs);
+        self
     }
 
     /// Picks up new files and hashes what was appended since the last call; returns the number
@@ -790,7 +813,15 @@ impl AppendHasher {
                 }
             };
             let hasher = FileHasher::recording(&name, self.pages);
-            self.files.insert(name, Followed { file, hasher });
+            let written_back = Writeback::default();
+            self.files.insert(
+                name,
+                Followed {
+                    file,
+                    hasher,
+                    written_back,
+                },
+            );
         }
         let mut hashed = 0u64;
         for (name, f) in self.files.iter_mut() {
@@ -804,6 +835,15 @@ impl AppendHasher {
                 }
                 f.hasher.update(&self.buf[..n]);
                 hashed += n as u64;
+                if let Some(fs) = &self.writeback {
+                    let path = self.dir.join(name);
+                    let started = f
+                        .written_back
+                        .advance(&**fs, &f.file, &path, f.hasher.size());
+                    if let Err(e) = started {
+                        self.writeback = writeback_failed(&path, e);
+                    }
+                }
             }
         }
         Ok(hashed)
@@ -830,7 +870,14 @@ impl AppendHasher {
     pub fn finish(mut self) -> Result<BTreeMap<String, FileDigest>> {
         self.poll()?;
         let mut out = BTreeMap::new();
-        for (name, f) in self.files {
+        for (name, mut f) in self.files {
+            if let Some(fs) = &self.writeback {
+                let path = self.dir.join(&name);
+                let size = f.hasher.size();
+                if let Err(e) = f.written_back.finish(&**fs, &f.file, &path, size) {
+                    self.writeback = writeback_failed(&path, e);
+                }
+            }
             let held = f
                 .file
                 .metadata()
@@ -843,6 +890,13 @@ impl AppendHasher {
         }
         Ok(out)
     }
+}
+
+/// A writeback that could not start stops for the rest of the follow (the syncs before the
+/// manifest do all the work, and report a real I/O error).
+fn writeback_failed(path: &Path, e: std::io::Error) -> Option<Arc<dyn SyncFs + Send>> {
+    tracing::warn!(file = %path.display(), error = %e, "starting the writeback of hashed bytes; left to the syncs");
+    None
 }
 
 /// The writer's side of [`AppendHasher::follow_until`]: set once the writer is done.
@@ -1041,6 +1095,84 @@ pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> R
 mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
+
+    /// The follower starts the writeback of what it hashed, in the order written; the syncs
+    /// before the manifest still cover every listed file, each after its last writeback and
+    /// before the manifest's rename. A follower without a synced durability starts none.
+    #[test]
+    fn the_follower_writes_back_what_it_hashed_and_every_file_is_still_synced_first() {
+        use std::io::Write;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let rec = Arc::new(Recording::default());
+        let step = Writeback::STEP as usize;
+        let mut follower =
+            AppendHasher::new(dir, is_page_image, HashSet::new(), PageDigests::default())
+                .writing_back_through(rec.clone());
+        let mut idle =
+            AppendHasher::new(dir, is_page_image, HashSet::new(), PageDigests::default())
+                .writing_back(Durability::None);
+        let mut pages = fs::File::create(dir.join("pages-1.img")).unwrap();
+        // Appended in three parts, polled in between, as CRIU writes and the follower reads.
+        for part in [step + 100, step, 12345] {
+            pages.write_all(&vec![3u8; part]).unwrap();
+            follower.poll().unwrap();
+            idle.poll().unwrap();
+        }
+        fs::write(dir.join("core-1.img"), "core").unwrap();
+        let total = (2 * step + 100 + 12345) as u64;
+        let page = dir.join("pages-1.img");
+        let followed = follower.finish().unwrap();
+        assert_eq!(followed["pages-1.img"].size, total);
+        assert_eq!(
+            idle.finish().unwrap()["pages-1.img"],
+            followed["pages-1.img"]
+        );
+        let started: Vec<(u64, u64)> = rec
+            .ops()
+            .into_iter()
+            .map(|op| match op {
+                Op::StartWriteback(p, off, len) if p == page => (off, len),
+                other => panic!("only the page image's writeback so far: {other:?}"),
+            })
+            .collect();
+        // Contiguous from 0 to the end, at least two ranges before the end.
+        assert!(started.len() >= 3, "{started:?}");
+        let mut at = 0;
+        for (off, len) in &started {
+            assert_eq!(*off, at, "{started:?}");
+            at += len;
+        }
+        assert_eq!(at, total);
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices::default(),
+            Workload::default(),
+        );
+        m.files =
+            hash_dir_flat_with(dir, followed, PageDigests::default(), &mut no_progress).unwrap();
+        m.write_with(&*rec, dir, Durability::Sync).unwrap();
+        let ops = rec.ops();
+        let manifest = dir.join(MANIFEST_FILE);
+        let rename = ops
+            .iter()
+            .position(|o| matches!(o, Op::Rename(_, to) if to == &manifest))
+            .unwrap();
+        let last_writeback = ops
+            .iter()
+            .rposition(|o| matches!(o, Op::StartWriteback(..)))
+            .unwrap();
+        for n in m.files.keys() {
+            let at = ops
+                .iter()
+                .position(|o| o == &Op::SyncFile(dir.join(n)))
+                .unwrap_or_else(|| panic!("{n} not synced: {ops:?}"));
+            assert!(at > last_writeback && at < rename, "{n}: {ops:?}");
+        }
+        verify_dir(dir).unwrap();
+    }
 
     #[test]
     fn every_listed_file_is_synced_before_the_manifest_and_the_directory_after_its_rename() {
