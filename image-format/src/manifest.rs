@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 // The file digests and the page-image rule live with the hashing; they stay reachable here,
 // where the manifest's users have always found them.
 use crate::digest::{
-    digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
+    digest_file, digest_open_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
 };
 pub use crate::digest::{is_page_image, FileDigest};
 use crate::durable::{Durability, RealFs, SyncFs, Writeback};
@@ -964,16 +964,58 @@ impl DeferredDigests {
 
     /// Hashes the deferred files and compares them with the manifest. Stops with
     /// [`Error::Cancelled`] when `cancel` is set.
+    ///
+    /// The files are read ahead of the hash and left in the page cache
+    /// ([`crate::digest::digest_open_cancellable`]): CRIU, which reads them during or right
+    /// after the hash, finds them in memory. A file written, truncated or replaced while it
+    /// was hashed is refused ([`Error::ChangedWhileVerified`]).
     pub fn verify(&self, cancel: &AtomicBool) -> Result<()> {
         for (name, want) in &self.files {
             if cancel.load(Ordering::Relaxed) {
                 return Err(Error::Cancelled { name: name.clone() });
             }
             let path = self.dir.join(name);
-            let got = digest_file_cancellable(&path, name, FileHasher::checking(want), cancel)?;
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| Error::io("opening", &path, e))?;
+            let before = Identity::of(&file, &path)?;
+            let held = file
+                .try_clone()
+                .map_err(|e| Error::io("opening", &path, e))?;
+            let got =
+                digest_open_cancellable(file, &path, name, FileHasher::checking(want), cancel)?;
+            let after = Identity::of(&held, &path)?;
+            let named = fs::symlink_metadata(&path).map_err(|e| Error::io("reading", &path, e))?;
+            if before != after || (named.dev(), named.ino()) != (after.dev, after.ino) {
+                return Err(Error::ChangedWhileVerified { name: name.clone() });
+            }
             check_digest(name, want, &got)?;
         }
         Ok(())
+    }
+}
+
+/// What changes when a file is written, truncated or replaced: its inode, size, and change
+/// time (which a write sets and no caller can set back).
+#[derive(Debug, PartialEq, Eq)]
+struct Identity {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+}
+
+impl Identity {
+    fn of(file: &fs::File, path: &Path) -> Result<Identity> {
+        let m = file.metadata().map_err(|e| Error::io("reading", path, e))?;
+        Ok(Identity {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
     }
 }
 
@@ -1095,6 +1137,112 @@ pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> R
 mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
+
+    /// A checkpoint directory with one page image of `size` bytes, its manifest written, and
+    /// the page image deferred by a staged verify.
+    fn staged_page_image(dir: &Path, size: usize) -> DeferredDigests {
+        fs::write(dir.join("core-1.img"), "core").unwrap();
+        let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        fs::write(dir.join("pages-1.img"), body).unwrap();
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices::default(),
+            Workload::default(),
+        );
+        m.hash_dir(dir).unwrap();
+        m.write_to(dir).unwrap();
+        let (_, deferred) = verify_dir_staged(dir, &is_page_image, &mut no_progress).unwrap();
+        assert_eq!(deferred.bytes(), size as u64);
+        deferred
+    }
+
+    /// Pages of `path` in the page cache, and its page count (`mincore` of a mapping).
+    fn resident_pages(path: &Path) -> (usize, usize) {
+        use std::os::fd::AsRawFd;
+        let f = fs::File::open(path).unwrap();
+        let len = f.metadata().unwrap().len() as usize;
+        let pages = len.div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: a read-only shared mapping of an open file, unmapped before return; mincore
+        // fills one byte per page of it.
+        unsafe {
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            );
+            assert_ne!(at, libc::MAP_FAILED);
+            assert_eq!(libc::mincore(at, len, vec.as_mut_ptr()), 0);
+            libc::munmap(at, len);
+        }
+        (vec.iter().filter(|b| **b & 1 == 1).count(), pages)
+    }
+
+    /// The deferred verify reads a page image from the disk into the page cache and leaves it
+    /// there, for CRIU to read from memory: no direct I/O, nothing dropped behind the hash.
+    #[test]
+    fn the_deferred_verify_leaves_the_page_images_in_the_page_cache() {
+        use std::os::fd::AsRawFd;
+        let d = tempfile::tempdir().unwrap();
+        let deferred = staged_page_image(d.path(), 8 << 20);
+        let path = d.path().join("pages-1.img");
+        // Out of the page cache first (written back, then dropped).
+        let f = fs::File::open(&path).unwrap();
+        f.sync_all().unwrap();
+        // SAFETY: a valid descriptor; advice only.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let (cold, pages) = resident_pages(&path);
+        assert!(cold < pages / 2, "{cold} of {pages} pages still cached: not a cold start");
+        deferred.verify(&AtomicBool::new(false)).unwrap();
+        let (warm, _) = resident_pages(&path);
+        assert_eq!(
+            warm, pages,
+            "{warm} of {pages} pages cached after the verify ({cold} before)"
+        );
+    }
+
+    /// A page image written while it is hashed is refused, even when the bytes written are the
+    /// ones it held (a writer could put them back after the hash read them otherwise).
+    #[test]
+    fn a_page_image_written_while_it_is_hashed_is_refused() {
+        use std::sync::atomic::AtomicBool;
+        let d = tempfile::tempdir().unwrap();
+        let deferred = staged_page_image(d.path(), 32 << 20);
+        let path = d.path().join("pages-1.img");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (started, writing) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn({
+            let (path, stop) = (path.clone(), stop.clone());
+            move || {
+                let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+                let same: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
+                f.write_at(&same, 0).unwrap();
+                started.send(()).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    f.write_at(&same, 0).unwrap();
+                }
+            }
+        });
+        writing.recv().unwrap();
+        let e = deferred.verify(&AtomicBool::new(false)).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert!(
+            matches!(&e, Error::ChangedWhileVerified { name } if name == "pages-1.img"),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "file \"pages-1.img\": changed while it was verified"
+        );
+        // Left alone, the same file passes.
+        deferred.verify(&AtomicBool::new(false)).unwrap();
+    }
 
     /// The follower starts the writeback of what it hashed, in the order written; the syncs
     /// before the manifest still cover every listed file, each after its last writeback and
