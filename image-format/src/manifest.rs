@@ -1197,7 +1197,10 @@ mod tests {
         // SAFETY: a valid descriptor; advice only.
         unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let (cold, pages) = resident_pages(&path);
-        assert!(cold < pages / 2, "{cold} of {pages} pages still cached: not a cold start");
+        assert!(
+            cold < pages / 2,
+            "{cold} of {pages} pages still cached: not a cold start"
+        );
         deferred.verify(&AtomicBool::new(false)).unwrap();
         let (warm, _) = resident_pages(&path);
         assert_eq!(
