@@ -19,7 +19,7 @@
 //! syncs every listed file.
 
 use std::fs;
-use std::io::Write;
+use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -63,16 +63,10 @@ pub trait SyncFs: Sync {
     fn rename(&self, from: &Path, to: &Path) -> std::io::Result<()>;
     /// Flush the directory's entries to the disk (a rename or a new file in it).
     fn sync_dir(&self, path: &Path) -> std::io::Result<()>;
-    /// Start writing the dirty pages of `file` (`path` names it) in `offset..offset + len` to
+    /// Start writing the dirty pages of `file` (`path` names it) in `at..at + len` to
     /// the disk, without waiting for them: a later sync of the file has that much less to do.
     /// No substitute for [`SyncFs::sync_file`]: it flushes no metadata and waits for nothing.
-    fn start_writeback(
-        &self,
-        file: &fs::File,
-        path: &Path,
-        offset: u64,
-        len: u64,
-    ) -> std::io::Result<()>;
+    fn start_writeback(&self, file: &fs::File, path: &Path, at: u64, len: u64) -> io::Result<()>;
 }
 
 /// The real file system.
@@ -105,14 +99,8 @@ impl SyncFs for RealFs {
             .sync_all()
     }
 
-    fn start_writeback(
-        &self,
-        file: &fs::File,
-        _path: &Path,
-        offset: u64,
-        len: u64,
-    ) -> std::io::Result<()> {
-        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+    fn start_writeback(&self, file: &fs::File, _: &Path, at: u64, len: u64) -> io::Result<()> {
+        let (Ok(offset), Ok(len)) = (i64::try_from(at), i64::try_from(len)) else {
             return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
         };
         // SAFETY: a valid open descriptor and plain integers. SYNC_FILE_RANGE_WRITE alone
@@ -183,15 +171,9 @@ impl SyncFs for Recording {
         Ok(())
     }
 
-    fn start_writeback(
-        &self,
-        file: &fs::File,
-        path: &Path,
-        offset: u64,
-        len: u64,
-    ) -> std::io::Result<()> {
-        RealFs.start_writeback(file, path, offset, len)?;
-        self.push(Op::StartWriteback(path.to_path_buf(), offset, len));
+    fn start_writeback(&self, file: &fs::File, path: &Path, at: u64, len: u64) -> io::Result<()> {
+        RealFs.start_writeback(file, path, at, len)?;
+        self.push(Op::StartWriteback(path.to_path_buf(), at, len));
         Ok(())
     }
 }
@@ -209,35 +191,29 @@ impl Writeback {
     /// How far the final bytes run ahead before their writeback starts: large enough that the
     /// calls cost nothing next to the copy, small enough that the disk starts early.
     pub const STEP: u64 = 8 << 20;
-    /// Ranges end on this boundary (the page size) but at [`Writeback::finish`].
+    /// Ranges end on this boundary (the page size) but the last.
     const PAGE: u64 = 4096;
 
-    /// The file's first `final_len` bytes will not change: starts the writeback of those not
-    /// yet started once they make a [`Writeback::STEP`].
+    /// The file's first `len` bytes will not change (`done`: the writer is done with it):
+    /// starts the writeback of those not yet started once they make a [`Writeback::STEP`] of
+    /// whole pages, or of all of them when `done`.
     pub fn advance(
         &mut self,
         fs: &dyn SyncFs,
         file: &fs::File,
         path: &Path,
-        final_len: u64,
-    ) -> std::io::Result<()> {
-        let end = final_len & !(Self::PAGE - 1);
-        if end >= self.started + Self::STEP {
-            self.start(fs, file, path, end)?;
-        }
-        Ok(())
-    }
-
-    /// The writer is done at `len` bytes: starts the writeback of the rest.
-    pub fn finish(
-        &mut self,
-        fs: &dyn SyncFs,
-        file: &fs::File,
-        path: &Path,
         len: u64,
-    ) -> std::io::Result<()> {
-        if len > self.started {
-            self.start(fs, file, path, len)?;
+        done: bool,
+    ) -> io::Result<()> {
+        let (end, due) = if done {
+            (len, len > self.started)
+        } else {
+            let end = len & !(Self::PAGE - 1);
+            (end, end >= self.started + Self::STEP)
+        };
+        if due {
+            fs.start_writeback(file, path, self.started, end - self.started)?;
+            self.started = end;
         }
         Ok(())
     }
@@ -245,18 +221,6 @@ impl Writeback {
     /// Bytes whose writeback has been started.
     pub fn started(&self) -> u64 {
         self.started
-    }
-
-    fn start(
-        &mut self,
-        fs: &dyn SyncFs,
-        file: &fs::File,
-        path: &Path,
-        end: u64,
-    ) -> std::io::Result<()> {
-        fs.start_writeback(file, path, self.started, end - self.started)?;
-        self.started = end;
-        Ok(())
     }
 }
 
@@ -427,17 +391,20 @@ mod tests {
         let rec = Recording::default();
         let mut wb = Writeback::default();
         // Less than a step: nothing yet.
-        wb.advance(&rec, &file, &path, step - 1).unwrap();
+        wb.advance(&rec, &file, &path, step - 1, false).unwrap();
         assert!(rec.ops().is_empty());
         // A step and a bit more: the whole pages of it.
-        wb.advance(&rec, &file, &path, step + 4096 + 100).unwrap();
+        wb.advance(&rec, &file, &path, step + 4096 + 100, false)
+            .unwrap();
         // Not a step further: nothing.
-        wb.advance(&rec, &file, &path, 2 * step).unwrap();
-        wb.advance(&rec, &file, &path, 2 * step + 4096 + 5000)
+        wb.advance(&rec, &file, &path, 2 * step, false).unwrap();
+        wb.advance(&rec, &file, &path, 2 * step + 4096 + 5000, false)
             .unwrap();
         // The end: the rest, partial page included.
-        wb.finish(&rec, &file, &path, 2 * step + 9096).unwrap();
-        wb.finish(&rec, &file, &path, 2 * step + 9096).unwrap();
+        wb.advance(&rec, &file, &path, 2 * step + 9096, true)
+            .unwrap();
+        wb.advance(&rec, &file, &path, 2 * step + 9096, true)
+            .unwrap();
         assert_eq!(
             rec.ops(),
             vec![

@@ -837,9 +837,9 @@ impl AppendHasher {
                 hashed += n as u64;
                 if let Some(fs) = &self.writeback {
                     let path = self.dir.join(name);
-                    let started = f
-                        .written_back
-                        .advance(&**fs, &f.file, &path, f.hasher.size());
+                    let started =
+                        f.written_back
+                            .advance(&**fs, &f.file, &path, f.hasher.size(), false);
                     if let Err(e) = started {
                         self.writeback = writeback_failed(&path, e);
                     }
@@ -874,7 +874,7 @@ impl AppendHasher {
             if let Some(fs) = &self.writeback {
                 let path = self.dir.join(&name);
                 let size = f.hasher.size();
-                if let Err(e) = f.written_back.finish(&**fs, &f.file, &path, size) {
+                if let Err(e) = f.written_back.advance(&**fs, &f.file, &path, size, true) {
                     self.writeback = writeback_failed(&path, e);
                 }
             }
@@ -1138,19 +1138,24 @@ mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
 
+    /// A manifest with nothing but its date, for the files to be added.
+    fn empty_manifest() -> Manifest {
+        Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices::default(),
+            Workload::default(),
+        )
+    }
+
     /// A checkpoint directory with one page image of `size` bytes, its manifest written, and
     /// the page image deferred by a staged verify.
     fn staged_page_image(dir: &Path, size: usize) -> DeferredDigests {
         fs::write(dir.join("core-1.img"), "core").unwrap();
         let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
         fs::write(dir.join("pages-1.img"), body).unwrap();
-        let mut m = Manifest::new(
-            "2026-01-01T00:00:00Z",
-            Container::default(),
-            Node::default(),
-            Devices::default(),
-            Workload::default(),
-        );
+        let mut m = empty_manifest();
         m.hash_dir(dir).unwrap();
         m.write_to(dir).unwrap();
         let (_, deferred) = verify_dir_staged(dir, &is_page_image, &mut no_progress).unwrap();
@@ -1295,13 +1300,7 @@ mod tests {
             at += len;
         }
         assert_eq!(at, total);
-        let mut m = Manifest::new(
-            "2026-01-01T00:00:00Z",
-            Container::default(),
-            Node::default(),
-            Devices::default(),
-            Workload::default(),
-        );
+        let mut m = empty_manifest();
         m.files =
             hash_dir_flat_with(dir, followed, PageDigests::default(), &mut no_progress).unwrap();
         m.write_with(&*rec, dir, Durability::Sync).unwrap();
@@ -1332,13 +1331,7 @@ mod tests {
         for (n, body) in [("core-1.img", "core"), ("pages-1.img", "pages")] {
             fs::write(dir.join(n), body).unwrap();
         }
-        let mut m = Manifest::new(
-            "2026-01-01T00:00:00Z",
-            Container::default(),
-            Node::default(),
-            Devices::default(),
-            Workload::default(),
-        );
+        let mut m = empty_manifest();
         m.hash_dir(dir).unwrap();
         let rec = Recording::default();
         m.write_with(&rec, dir, Durability::Sync).unwrap();
