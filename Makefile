@@ -98,6 +98,12 @@ bench-gpu: deps release-tools
 	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
 	target/release/gpu-ckpt-bench gpu --gib 1 --rounds 12
 
+# gpu-ckpt's synced host-memory checkpoint of 1 GiB against runc-v2's, and the restore of the
+# same images through each, read from the disk, with a control pair (docs/benchmarks.md).
+.PHONY: bench-host-memory
+bench-host-memory: deps release-images
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench host-memory --mib 1024 --runs 10
+
 # A container holding 1 GiB of simulated device memory (gpu-fill) against one holding 1 GiB of host
 # memory (memhog), through the release shim: checkpoint, restore and the CRI freeze, next to
 # runc-v2's freeze (docs/benchmarks.md). The simulated libcuda.so and libnvidia_ml.so (cdylibs)

@@ -236,9 +236,15 @@ pub fn digest_file(
     Ok(hasher.finish())
 }
 
-/// Like [`digest_file`], but stops between reads (every [`COPY_BUF`] bytes) once `cancel` is
-/// set, with [`Error::Cancelled`] naming `name`.
-pub fn digest_file_cancellable(
+/// Like [`digest_file`] on the open `file` (`path` names it), but stops between reads (every
+/// [`COPY_BUF`] bytes) once `cancel` is set, with [`Error::Cancelled`] naming `name`.
+///
+/// For a file another reader takes next (a page image that CRIU restores from while it is
+/// hashed, or right after): the kernel is asked to read [`READ_AHEAD`] bytes ahead of the hash
+/// (`POSIX_FADV_WILLNEED`), and what is read stays in the page cache (no direct I/O, nothing
+/// dropped), so the file comes from the disk once and the other reader finds it in memory.
+pub fn digest_open_cancellable(
+    file: std::fs::File,
     path: &Path,
     name: &str,
     mut hasher: FileHasher,
@@ -247,19 +253,39 @@ pub fn digest_file_cancellable(
     struct Stoppable<'a> {
         inner: std::fs::File,
         cancel: &'a AtomicBool,
+        /// Bytes read, and how far the kernel has been asked to read ahead.
+        at: u64,
+        advised: u64,
     }
     impl Read for Stoppable<'_> {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
             if self.cancel.load(Ordering::Relaxed) {
                 return Err(io::Error::other(CANCELLED));
             }
-            self.inner.read(buf)
+            if self.at + READ_AHEAD / 2 >= self.advised {
+                // Advice only: a failure changes nothing the hash relies on.
+                advise(
+                    &self.inner,
+                    self.advised,
+                    READ_AHEAD,
+                    libc::POSIX_FADV_WILLNEED,
+                );
+                self.advised += READ_AHEAD;
+            }
+            let n = self.inner.read(buf)?;
+            self.at += n as u64;
+            Ok(n)
         }
     }
     const CANCELLED: &str = "verification cancelled";
-    let inner = std::fs::File::open(path).map_err(|e| Error::io("opening", path, e))?;
-    let total = inner.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut r = Stoppable { inner, cancel };
+    let total = file.metadata().map(|m| m.len()).unwrap_or(0);
+    advise(&file, 0, 0, libc::POSIX_FADV_SEQUENTIAL);
+    let mut r = Stoppable {
+        inner: file,
+        cancel,
+        at: 0,
+        advised: 0,
+    };
     match stream(&mut r, &mut io::sink(), total, &mut no_progress, &mut |b| {
         hasher.update(b)
     }) {
@@ -268,6 +294,21 @@ pub fn digest_file_cancellable(
             name: name.to_string(),
         }),
         Err(e) => Err(Error::io("reading", path, e)),
+    }
+}
+
+/// How far [`digest_open_cancellable`] has the kernel read ahead of the hash.
+pub const READ_AHEAD: u64 = 64 << 20;
+
+/// `posix_fadvise` of `len` bytes from `offset` (0: to the end); the result is ignored.
+fn advise(file: &std::fs::File, offset: u64, len: u64, advice: libc::c_int) {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+        return;
+    };
+    // SAFETY: a valid open descriptor and plain integers; advice never changes the file.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), offset, len, advice);
     }
 }
 

@@ -107,6 +107,11 @@ pub enum Error {
     #[error("file {name:?}: verification cancelled")]
     Cancelled { name: String },
 
+    /// A file was written, truncated or replaced while it was hashed: what a later reader
+    /// finds may not be what was verified.
+    #[error("file {name:?}: changed while it was verified")]
+    ChangedWhileVerified { name: String },
+
     /// A file is present but not listed in the manifest.
     #[error("file {name:?}: present but not listed in the manifest")]
     UnlistedFile { name: String },

@@ -11,17 +11,17 @@ use std::fs;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 
 use serde::{Deserialize, Serialize};
 
 // The file digests and the page-image rule live with the hashing; they stay reachable here,
 // where the manifest's users have always found them.
 use crate::digest::{
-    digest_file, digest_file_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
+    digest_file, digest_open_cancellable, no_progress, FileHasher, PageDigests, Progress, COPY_BUF,
 };
 pub use crate::digest::{is_page_image, FileDigest};
-use crate::durable::{Durability, RealFs, SyncFs};
+use crate::durable::{Durability, RealFs, SyncFs, Writeback};
 use crate::error::{Error, Findings, Result};
 
 /// File name of the manifest inside the checkpoint directory.
@@ -726,6 +726,9 @@ pub fn hash_dir_flat_with(
 /// concurrent append. [`AppendHasher::finish`] returns a digest only for a file still of the
 /// size that was hashed and still at the same inode; anything else (a file truncated,
 /// rewritten or replaced) is left out, for [`hash_dir_flat_with`] to hash in full.
+///
+/// With [`AppendHasher::writing_back`], what it has hashed is also handed to the disk as it
+/// goes ([`crate::durable::Writeback`]), so that the syncs before the manifest find little left.
 pub struct AppendHasher {
     dir: PathBuf,
     select: fn(&str) -> bool,
@@ -733,11 +736,14 @@ pub struct AppendHasher {
     pages: PageDigests,
     files: BTreeMap<String, Followed>,
     buf: Vec<u8>,
+    /// Where the writeback of hashed bytes starts; `None`: no writeback.
+    writeback: Option<Arc<dyn SyncFs + Send>>,
 }
 
 struct Followed {
     file: fs::File,
     hasher: FileHasher,
+    written_back: Writeback,
 }
 
 impl AppendHasher {
@@ -756,7 +762,24 @@ impl AppendHasher {
             pages,
             files: BTreeMap::new(),
             buf: vec![0u8; COPY_BUF],
+            writeback: None,
         }
+    }
+
+    /// Starts the writeback of what is hashed when the files will be synced (`durability`):
+    /// what a follower reads is what the writer has written, and will not change.
+    pub fn writing_back(self, durability: Durability) -> Self {
+        if durability.syncs() {
+            self.writing_back_through(Arc::new(RealFs))
+        } else {
+            self
+        }
+    }
+
+    /// [`AppendHasher::writing_back`] through a given file system (tests record the calls).
+    pub fn writing_back_through(mut self, fs: Arc<dyn SyncFs + Send>) -> Self {
+        self.writeback = Some(fs);
+        self
     }
 
     /// Picks up new files and hashes what was appended since the last call; returns the number
@@ -790,7 +813,15 @@ impl AppendHasher {
                 }
             };
             let hasher = FileHasher::recording(&name, self.pages);
-            self.files.insert(name, Followed { file, hasher });
+            let written_back = Writeback::default();
+            self.files.insert(
+                name,
+                Followed {
+                    file,
+                    hasher,
+                    written_back,
+                },
+            );
         }
         let mut hashed = 0u64;
         for (name, f) in self.files.iter_mut() {
@@ -804,6 +835,15 @@ impl AppendHasher {
                 }
                 f.hasher.update(&self.buf[..n]);
                 hashed += n as u64;
+                if let Some(fs) = &self.writeback {
+                    let path = self.dir.join(name);
+                    let started =
+                        f.written_back
+                            .advance(&**fs, &f.file, &path, f.hasher.size(), false);
+                    if let Err(e) = started {
+                        self.writeback = writeback_failed(&path, e);
+                    }
+                }
             }
         }
         Ok(hashed)
@@ -830,7 +870,14 @@ impl AppendHasher {
     pub fn finish(mut self) -> Result<BTreeMap<String, FileDigest>> {
         self.poll()?;
         let mut out = BTreeMap::new();
-        for (name, f) in self.files {
+        for (name, mut f) in self.files {
+            if let Some(fs) = &self.writeback {
+                let path = self.dir.join(&name);
+                let size = f.hasher.size();
+                if let Err(e) = f.written_back.advance(&**fs, &f.file, &path, size, true) {
+                    self.writeback = writeback_failed(&path, e);
+                }
+            }
             let held = f
                 .file
                 .metadata()
@@ -843,6 +890,13 @@ impl AppendHasher {
         }
         Ok(out)
     }
+}
+
+/// A writeback that could not start stops for the rest of the follow (the syncs before the
+/// manifest do all the work, and report a real I/O error).
+fn writeback_failed(path: &Path, e: std::io::Error) -> Option<Arc<dyn SyncFs + Send>> {
+    tracing::warn!(file = %path.display(), error = %e, "starting the writeback of hashed bytes; left to the syncs");
+    None
 }
 
 /// The writer's side of [`AppendHasher::follow_until`]: set once the writer is done.
@@ -910,16 +964,58 @@ impl DeferredDigests {
 
     /// Hashes the deferred files and compares them with the manifest. Stops with
     /// [`Error::Cancelled`] when `cancel` is set.
+    ///
+    /// The files are read ahead of the hash and left in the page cache
+    /// ([`crate::digest::digest_open_cancellable`]): CRIU, which reads them during or right
+    /// after the hash, finds them in memory. A file written, truncated or replaced while it
+    /// was hashed is refused ([`Error::ChangedWhileVerified`]).
     pub fn verify(&self, cancel: &AtomicBool) -> Result<()> {
         for (name, want) in &self.files {
             if cancel.load(Ordering::Relaxed) {
                 return Err(Error::Cancelled { name: name.clone() });
             }
             let path = self.dir.join(name);
-            let got = digest_file_cancellable(&path, name, FileHasher::checking(want), cancel)?;
+            let file = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+                .map_err(|e| Error::io("opening", &path, e))?;
+            let before = Identity::of(&file, &path)?;
+            let held = file
+                .try_clone()
+                .map_err(|e| Error::io("opening", &path, e))?;
+            let got =
+                digest_open_cancellable(file, &path, name, FileHasher::checking(want), cancel)?;
+            let after = Identity::of(&held, &path)?;
+            let named = fs::symlink_metadata(&path).map_err(|e| Error::io("reading", &path, e))?;
+            if before != after || (named.dev(), named.ino()) != (after.dev, after.ino) {
+                return Err(Error::ChangedWhileVerified { name: name.clone() });
+            }
             check_digest(name, want, &got)?;
         }
         Ok(())
+    }
+}
+
+/// What changes when a file is written, truncated or replaced: its inode, size, and change
+/// time (which a write sets and no caller can set back).
+#[derive(Debug, PartialEq, Eq)]
+struct Identity {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    ctime: (i64, i64),
+}
+
+impl Identity {
+    fn of(file: &fs::File, path: &Path) -> Result<Identity> {
+        let m = file.metadata().map_err(|e| Error::io("reading", path, e))?;
+        Ok(Identity {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
     }
 }
 
@@ -1042,6 +1138,192 @@ mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
 
+    /// A manifest with nothing but its date, for the files to be added.
+    fn empty_manifest() -> Manifest {
+        Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices::default(),
+            Workload::default(),
+        )
+    }
+
+    /// A checkpoint directory with one page image of `size` bytes, its manifest written, and
+    /// the page image deferred by a staged verify.
+    fn staged_page_image(dir: &Path, size: usize) -> DeferredDigests {
+        fs::write(dir.join("core-1.img"), "core").unwrap();
+        let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        fs::write(dir.join("pages-1.img"), body).unwrap();
+        let mut m = empty_manifest();
+        m.hash_dir(dir).unwrap();
+        m.write_to(dir).unwrap();
+        let (_, deferred) = verify_dir_staged(dir, &is_page_image, &mut no_progress).unwrap();
+        assert_eq!(deferred.bytes(), size as u64);
+        deferred
+    }
+
+    /// Pages of `path` in the page cache, and its page count (`mincore` of a mapping).
+    fn resident_pages(path: &Path) -> (usize, usize) {
+        use std::os::fd::AsRawFd;
+        let f = fs::File::open(path).unwrap();
+        let len = f.metadata().unwrap().len() as usize;
+        let pages = len.div_ceil(4096);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: a read-only shared mapping of an open file, unmapped before return; mincore
+        // fills one byte per page of it.
+        unsafe {
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            );
+            assert_ne!(at, libc::MAP_FAILED);
+            assert_eq!(libc::mincore(at, len, vec.as_mut_ptr()), 0);
+            libc::munmap(at, len);
+        }
+        (vec.iter().filter(|b| **b & 1 == 1).count(), pages)
+    }
+
+    /// The deferred verify reads a page image from the disk into the page cache and leaves it
+    /// there, for CRIU to read from memory: no direct I/O, nothing dropped behind the hash.
+    #[test]
+    fn the_deferred_verify_leaves_the_page_images_in_the_page_cache() {
+        use std::os::fd::AsRawFd;
+        let d = tempfile::tempdir().unwrap();
+        let deferred = staged_page_image(d.path(), 8 << 20);
+        let path = d.path().join("pages-1.img");
+        // Out of the page cache first (written back, then dropped).
+        let f = fs::File::open(&path).unwrap();
+        f.sync_all().unwrap();
+        // SAFETY: a valid descriptor; advice only.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let (cold, pages) = resident_pages(&path);
+        assert!(
+            cold < pages / 2,
+            "{cold} of {pages} pages still cached: not a cold start"
+        );
+        deferred.verify(&AtomicBool::new(false)).unwrap();
+        let (warm, _) = resident_pages(&path);
+        assert_eq!(
+            warm, pages,
+            "{warm} of {pages} pages cached after the verify ({cold} before)"
+        );
+    }
+
+    /// A page image written while it is hashed is refused, even when the bytes written are the
+    /// ones it held (a writer could put them back after the hash read them otherwise).
+    #[test]
+    fn a_page_image_written_while_it_is_hashed_is_refused() {
+        use std::sync::atomic::AtomicBool;
+        let d = tempfile::tempdir().unwrap();
+        let deferred = staged_page_image(d.path(), 32 << 20);
+        let path = d.path().join("pages-1.img");
+        let stop = Arc::new(AtomicBool::new(false));
+        let (started, writing) = std::sync::mpsc::channel();
+        let writer = std::thread::spawn({
+            let (path, stop) = (path.clone(), stop.clone());
+            move || {
+                let f = fs::OpenOptions::new().write(true).open(&path).unwrap();
+                let same: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
+                f.write_at(&same, 0).unwrap();
+                started.send(()).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    f.write_at(&same, 0).unwrap();
+                }
+            }
+        });
+        writing.recv().unwrap();
+        let e = deferred.verify(&AtomicBool::new(false)).unwrap_err();
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert!(
+            matches!(&e, Error::ChangedWhileVerified { name } if name == "pages-1.img"),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "file \"pages-1.img\": changed while it was verified"
+        );
+        // Left alone, the same file passes.
+        deferred.verify(&AtomicBool::new(false)).unwrap();
+    }
+
+    /// The follower starts the writeback of what it hashed, in the order written; the syncs
+    /// before the manifest still cover every listed file, each after its last writeback and
+    /// before the manifest's rename. A follower without a synced durability starts none.
+    #[test]
+    fn the_follower_writes_back_what_it_hashed_and_every_file_is_still_synced_first() {
+        use std::io::Write;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let rec = Arc::new(Recording::default());
+        let step = Writeback::STEP as usize;
+        let mut follower =
+            AppendHasher::new(dir, is_page_image, HashSet::new(), PageDigests::default())
+                .writing_back_through(rec.clone());
+        let mut idle =
+            AppendHasher::new(dir, is_page_image, HashSet::new(), PageDigests::default())
+                .writing_back(Durability::None);
+        let mut pages = fs::File::create(dir.join("pages-1.img")).unwrap();
+        // Appended in three parts, polled in between, as CRIU writes and the follower reads.
+        for part in [step + 100, step, 12345] {
+            pages.write_all(&vec![3u8; part]).unwrap();
+            follower.poll().unwrap();
+            idle.poll().unwrap();
+        }
+        fs::write(dir.join("core-1.img"), "core").unwrap();
+        let total = (2 * step + 100 + 12345) as u64;
+        let page = dir.join("pages-1.img");
+        let followed = follower.finish().unwrap();
+        assert_eq!(followed["pages-1.img"].size, total);
+        assert_eq!(
+            idle.finish().unwrap()["pages-1.img"],
+            followed["pages-1.img"]
+        );
+        let started: Vec<(u64, u64)> = rec
+            .ops()
+            .into_iter()
+            .map(|op| match op {
+                Op::StartWriteback(p, off, len) if p == page => (off, len),
+                other => panic!("only the page image's writeback so far: {other:?}"),
+            })
+            .collect();
+        // Contiguous from 0 to the end, at least two ranges before the end.
+        assert!(started.len() >= 3, "{started:?}");
+        let mut at = 0;
+        for (off, len) in &started {
+            assert_eq!(*off, at, "{started:?}");
+            at += len;
+        }
+        assert_eq!(at, total);
+        let mut m = empty_manifest();
+        m.files =
+            hash_dir_flat_with(dir, followed, PageDigests::default(), &mut no_progress).unwrap();
+        m.write_with(&*rec, dir, Durability::Sync).unwrap();
+        let ops = rec.ops();
+        let manifest = dir.join(MANIFEST_FILE);
+        let rename = ops
+            .iter()
+            .position(|o| matches!(o, Op::Rename(_, to) if to == &manifest))
+            .unwrap();
+        let last_writeback = ops
+            .iter()
+            .rposition(|o| matches!(o, Op::StartWriteback(..)))
+            .unwrap();
+        for n in m.files.keys() {
+            let at = ops
+                .iter()
+                .position(|o| o == &Op::SyncFile(dir.join(n)))
+                .unwrap_or_else(|| panic!("{n} not synced: {ops:?}"));
+            assert!(at > last_writeback && at < rename, "{n}: {ops:?}");
+        }
+        verify_dir(dir).unwrap();
+    }
+
     #[test]
     fn every_listed_file_is_synced_before_the_manifest_and_the_directory_after_its_rename() {
         let d = tempfile::tempdir().unwrap();
@@ -1049,13 +1331,7 @@ mod tests {
         for (n, body) in [("core-1.img", "core"), ("pages-1.img", "pages")] {
             fs::write(dir.join(n), body).unwrap();
         }
-        let mut m = Manifest::new(
-            "2026-01-01T00:00:00Z",
-            Container::default(),
-            Node::default(),
-            Devices::default(),
-            Workload::default(),
-        );
+        let mut m = empty_manifest();
         m.hash_dir(dir).unwrap();
         let rec = Recording::default();
         m.write_with(&rec, dir, Durability::Sync).unwrap();

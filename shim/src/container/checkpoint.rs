@@ -395,10 +395,11 @@ impl Container {
         let t = Instant::now();
         let dumped_all = Arc::new(manifest::WriterDone::default());
         let follower = tokio::task::spawn_blocking({
-            let (path, dumped_all, pages) = (
+            let (path, dumped_all, pages, durability) = (
                 image.path.to_path_buf(),
                 dumped_all.clone(),
                 plan.page_digests,
+                plan.durability,
             );
             let skip = image
                 .before
@@ -406,7 +407,10 @@ impl Container {
                 .filter_map(|n| n.to_str().map(str::to_string))
                 .collect();
             move || -> image_format::Result<BTreeMap<String, manifest::FileDigest>> {
+                // The writeback of what it hashed starts behind CRIU: the syncs before the
+                // manifest then find little left to write.
                 manifest::AppendHasher::new(&path, manifest::is_page_image, skip, pages)
+                    .writing_back(durability)
                     .follow_until(&dumped_all, FOLLOW_INTERVAL)
             }
         });

@@ -1,6 +1,7 @@
 //! Crash-safe checkpoints (docs/architecture.md, "Crash safety"), as far as a test can go
-//! without cutting the power: the order in which a real checkpoint's shim syncs its files and
-//! renames its manifest (seen by strace attached to the shim), and a checkpoint whose page
+//! without cutting the power: the order in which a real checkpoint's shim starts the writeback
+//! of its page images, syncs its files and renames its manifest (seen by strace attached to
+//! the shim), and a checkpoint whose page
 //! image lost its tail after the manifest was written, refused at restore through the
 //! containerd API (`CriuImagePath`) and through the restore handler.
 
@@ -29,6 +30,8 @@ enum Event {
     Sync(PathBuf),
     /// rename(at)(2) from, to.
     Rename(PathBuf, PathBuf),
+    /// sync_file_range(2): the writeback of a range started (the page follower's, behind CRIU).
+    Writeback(PathBuf),
 }
 
 /// strace attached to every thread of a process and the threads it starts, tracing the calls
@@ -47,7 +50,7 @@ impl Trace {
             .arg(out)
             .args([
                 "-e",
-                "trace=fsync,fdatasync,syncfs,rename,renameat,renameat2",
+                "trace=fsync,fdatasync,syncfs,rename,renameat,renameat2,sync_file_range",
                 "-p",
                 &pid.to_string(),
             ])
@@ -162,6 +165,11 @@ fn parse_strace(text: &str, dir: &Path) -> Vec<Event> {
                     events.push(Event::Sync(p));
                 }
             }
+            "sync_file_range" => {
+                if let Some(p) = paths.into_iter().next() {
+                    events.push(Event::Writeback(p));
+                }
+            }
             "rename" | "renameat" | "renameat2" if paths.len() == 2 => {
                 events.push(Event::Rename(paths[0].clone(), paths[1].clone()));
             }
@@ -234,6 +242,17 @@ fn every_listed_file_is_synced_before_the_manifest_is_renamed_and_the_directory_
             at < rename,
             "{name} was synced after the manifest's rename: {events:#?}"
         );
+        // A page image's writeback started behind CRIU, and its sync still came after.
+        if name.starts_with("pages-") {
+            let started = events
+                .iter()
+                .position(|e| e == &Event::Writeback(dir.join(name)))
+                .with_context(|| format!("{name}: no writeback started: {events:#?}"))?;
+            ensure!(
+                started < at,
+                "{name}: writeback started after its sync: {events:#?}"
+            );
+        }
     }
     let tmp_sync = synced_at(tmp).context("the manifest's temp file was never synced")?;
     ensure!(tmp_sync < rename, "temp manifest synced after its rename");
@@ -275,7 +294,7 @@ fn every_listed_file_is_synced_before_the_manifest_is_renamed_and_the_directory_
     let tmpdir = to.parent().context("manifest without a directory")?;
     let syncs: Vec<&Event> = events
         .iter()
-        .filter(|e| matches!(e, Event::Sync(p) if p.starts_with(tmpdir)))
+        .filter(|e| matches!(e, Event::Sync(p) | Event::Writeback(p) if p.starts_with(tmpdir)))
         .collect();
     ensure!(
         syncs.is_empty(),

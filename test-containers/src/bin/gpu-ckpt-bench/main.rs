@@ -21,6 +21,8 @@
 //!   runc-v2's freeze of the host-memory one; with where the time went, from the shim's spans.
 //! - `freeze-resume`: the CRI freeze of a GPU pod with `gpu-ckpt.io/resume-after-dump` and
 //!   without it, each over the sum of its device steps and CRIU's dump (`freeze_resume.rs`).
+//! - `host-memory` (host_memory.rs): gpu-ckpt's synced checkpoint of a memhog against
+//!   runc-v2's, and the restore of the same images through each, read from the disk.
 
 use std::{
     path::{Path, PathBuf},
@@ -31,6 +33,8 @@ use anyhow::{bail, Context, Result};
 
 mod freeze_resume;
 use clap::{Parser, Subcommand};
+
+mod host_memory;
 use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
@@ -89,6 +93,14 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Host memory: gpu-ckpt's synced checkpoint vs runc-v2's, and the restore of gpu-ckpt's
+    /// images through each, read from the disk; with a runc-v2 control pair.
+    HostMemory {
+        #[arg(long, default_value_t = 1024)]
+        mib: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
     /// Device memory through the simulated driver's checkpoint and restore vs a pipe.
     Gpu {
         #[arg(long, default_value_t = 1)]
@@ -144,6 +156,9 @@ fn main() -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
         What::Sync { mib, runs } => sync_cost(&node, mib, runs),
+        What::HostMemory { mib, runs } => {
+            tokio::runtime::Runtime::new()?.block_on(host_memory::bench(&node, mib, runs))
+        }
         What::Gpu { .. } | What::DeviceContainer { .. } | What::FreezeResume { .. } => {
             unreachable!("run before the node is started")
         }
