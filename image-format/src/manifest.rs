@@ -1128,6 +1128,53 @@ mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
 
+    /// A device-memory file is listed in `device_state` and `files` with the BLAKE3 taken as it
+    /// was written (no sha256); `verify` holds it to that digest; a manifest whose
+    /// `device_state` digest is not the one `files` lists is refused.
+    #[test]
+    fn device_memory_files_are_listed_verified_and_held_to_files() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let data = vec![0x5au8; 4096];
+        fs::write(dir.join("device-memory-1-0.bin"), &data).unwrap();
+        let blake3 = blake3::hash(&data).to_hex().to_string();
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices {
+                storage: STORAGE_CUSTOM.into(),
+                ..Devices::default()
+            },
+            Workload::default(),
+        );
+        m.add_device_memory("device-memory-1-0.bin", "GPU-x", 1, 4096, &blake3)
+            .unwrap();
+        assert!(m
+            .add_device_memory("pages-1.img", "GPU-x", 1, 1, &blake3)
+            .is_err());
+        assert!(m.devices.custom_storage());
+        assert_eq!(m.device_memory_of(1).count(), 1);
+        assert!(m.files["device-memory-1-0.bin"].sha256.is_empty());
+        m.write_to(dir).unwrap();
+        assert_eq!(verify_dir(dir).unwrap(), m);
+        let json = String::from_utf8(m.to_json()).unwrap();
+        assert!(json.contains("\"storage\": \"custom\""), "{json}");
+        // One changed byte: refused.
+        let mut changed = data.clone();
+        changed[100] ^= 1;
+        fs::write(dir.join("device-memory-1-0.bin"), &changed).unwrap();
+        let err = verify_dir(dir).unwrap_err().to_string();
+        assert!(err.contains("device-memory-1-0.bin"), "{err}");
+        // A device_state digest that files does not list: refused.
+        let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+        v["device_state"][0]["blake3"] = "0".repeat(64).into();
+        let err = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device_state[0].blake3"), "{err}");
+    }
+
     #[test]
     fn every_listed_file_is_synced_before_the_manifest_and_the_directory_after_its_rename() {
         let d = tempfile::tempdir().unwrap();
