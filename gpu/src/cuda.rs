@@ -21,9 +21,17 @@ use libloading::Library;
 
 use crate::error::GpuError;
 use crate::state::ProcessState;
+use crate::storage::DeviceMemoryFile;
 use crate::uuid::GpuPair;
 pub use crate::version::CudaVersion;
 use crate::DeviceCheckpoint;
+
+mod custom;
+pub use custom::{
+    CUcheckpointCheckpointArgsCustom, CUcheckpointCustomStorageInfo,
+    CUcheckpointCustomStoragePerDeviceData, CUcheckpointRestoreArgsCustom, CHUNK_BYTES,
+    CUSTOM_STORAGE_MIN_VERSION,
+};
 
 /// The library loaded when no path is given (the dynamic loader's search applies).
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
@@ -206,6 +214,8 @@ struct Loaded {
     unlock: Sym<PidFn<CUcheckpointUnlockArgs>>,
     get_state: Sym<PidFn<c_uint>>,
     get_restore_tid: Sym<PidFn<c_int>>,
+    /// Custom storage's entry points, or the first one missing (symbol, reason).
+    custom: Result<custom::CustomApi, (String, String)>,
     /// Keeps the function pointers above valid; never dropped (the cache is never emptied).
     _lib: Library,
 }
@@ -455,6 +465,29 @@ impl DeviceCheckpoint for CudaDriver {
     fn driver_version(&self) -> Result<i32, GpuError> {
         Ok(self.loaded.driver_version)
     }
+
+    fn custom_storage(&self) -> bool {
+        self.has_custom_storage()
+    }
+
+    fn checkpoint_to(
+        &self,
+        pid: i32,
+        dir: &Path,
+        prefix: &str,
+    ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
+        self.custom_checkpoint(pid, dir, prefix)
+    }
+
+    fn restore_from(
+        &self,
+        pid: i32,
+        pairs: &[GpuPair],
+        dir: &Path,
+        files: &[DeviceMemoryFile],
+    ) -> Result<(), GpuError> {
+        self.custom_restore(pid, pairs, dir, files)
+    }
 }
 
 /// `cuGetErrorName`, else the built-in table.
@@ -586,6 +619,7 @@ fn load_library(path: Option<&Path>) -> Result<Loaded, GpuError> {
         unlock: sym(&lib, "cuCheckpointProcessUnlock"),
         get_state: sym(&lib, "cuCheckpointProcessGetState"),
         get_restore_tid: sym(&lib, "cuCheckpointProcessGetRestoreThreadId"),
+        custom: custom::CustomApi::load(&lib),
         library,
         _lib: lib,
     };
