@@ -22,17 +22,18 @@ use test_containers::{
     stack::{Node, GPU_CKPT_HANDLER, GPU_WORKLOADS_IMAGE},
 };
 
-/// Device memory each gpu-fill process fills on its GPU: four 64 MiB chunks (memset, words,
-/// memset, words), so that the first is a seeded value the process's host memory never held.
-const FILL_MIB: u64 = 256;
+/// Device memory each gpu-fill process fills on its GPU: eight 64 MiB chunks (memset, words,
+/// …), so that the first is a seeded value the process's host memory never held (its own
+/// buffers, up to two chunks, stay far below the device memory).
+const FILL_MIB: u64 = 512;
 /// The two processes: (GPU ordinal, seed).
 const FILLS: [(u32, u64); 2] = [(0, 1), (1, 2)];
 
-/// A simulated node of two 512 MiB GPUs at CUDA `cuda`, UUIDs from `seed`.
+/// A simulated node of two 1 GiB GPUs at CUDA `cuda`, UUIDs from `seed`.
 fn sim_at(cuda: i32, seed: &str) -> Result<SimNode> {
     sim_node(SimConfig {
         cuda_version: cuda,
-        ..gpus_config(2, 512, seed)
+        ..gpus_config(2, 1024, seed)
     })
 }
 
