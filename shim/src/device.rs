@@ -541,6 +541,16 @@ impl Quiesced {
     }
 }
 
+/// A container deleted while its processes were quiesced (killed while paused, say): their
+/// device-memory files go with it.
+impl Drop for ContainerDevices {
+    fn drop(&mut self) {
+        if let Some(q) = self.quiesced.take() {
+            q.remove_files();
+        }
+    }
+}
+
 /// What a restore does on this node's GPUs, decided before CRIU runs.
 #[derive(Debug, Default)]
 pub struct RestorePlan {
@@ -561,16 +571,15 @@ impl ContainerDevices {
     }
 
     /// The same, with custom storage writing under `dir` (`device_storage::dir_for`).
-    pub fn stored_under(self, dir: Option<PathBuf>) -> Self {
-        ContainerDevices {
-            storage_dir: dir,
-            ..self
-        }
+    pub fn stored_under(mut self, dir: Option<PathBuf>) -> Self {
+        self.storage_dir = dir;
+        self
     }
 
     /// The same, for a container given GPUs as `given` says.
-    pub fn given(self, given: crate::unsupported::Given) -> Self {
-        ContainerDevices { given, ..self }
+    pub fn given(mut self, given: crate::unsupported::Given) -> Self {
+        self.given = given;
+        self
     }
 
     /// The layer, loaded once (`cuInit` can take a while on a real driver, so off the
@@ -1057,10 +1066,13 @@ mod tests {
         fail: Vec<(&'static str, i32)>,
         /// The failures are calls that did not return within their bound.
         unanswered: bool,
+        /// How long each call takes.
+        delay: Duration,
     }
 
     impl Recorder {
         fn call(&self, what: &'static str, pid: i32) -> std::result::Result<(), GpuError> {
+            std::thread::sleep(self.delay);
             self.calls.lock().unwrap().push(format!("{what} {pid}"));
             if self.fail.contains(&(what, pid)) && self.unanswered {
                 return Err(GpuError::Unanswered {
@@ -1186,35 +1198,11 @@ mod tests {
     /// as long as one process's, not four times that.
     #[test]
     fn the_steps_of_every_process_run_at_once() {
-        struct Slow;
-        impl DeviceCheckpoint for Slow {
-            fn lock(&self, _: i32, _: Option<Duration>) -> std::result::Result<(), GpuError> {
-                std::thread::sleep(Duration::from_millis(200));
-                Ok(())
-            }
-            fn checkpoint(&self, _: i32) -> std::result::Result<(), GpuError> {
-                std::thread::sleep(Duration::from_millis(200));
-                Ok(())
-            }
-            fn restore(&self, _: i32, _: &[GpuPair]) -> std::result::Result<(), GpuError> {
-                std::thread::sleep(Duration::from_millis(200));
-                Ok(())
-            }
-            fn unlock(&self, _: i32) -> std::result::Result<(), GpuError> {
-                std::thread::sleep(Duration::from_millis(200));
-                Ok(())
-            }
-            fn state(&self, _: i32) -> std::result::Result<ProcessState, GpuError> {
-                Ok(ProcessState::RUNNING)
-            }
-            fn restore_thread_id(&self, pid: i32) -> std::result::Result<i32, GpuError> {
-                Ok(pid)
-            }
-            fn driver_version(&self) -> std::result::Result<i32, GpuError> {
-                Ok(13000)
-            }
-        }
-        let l = DeviceLayer::new(Box::new(Slow), Box::new(NoGpus));
+        let rec = Arc::new(Recorder {
+            delay: Duration::from_millis(200),
+            ..Default::default()
+        });
+        let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
         let holders: Vec<Holder> = (1..=4).map(holder).collect();
         let t = Instant::now();
         let q = l
@@ -1222,9 +1210,10 @@ mod tests {
             .unwrap();
         l.resume(&holders, &Storage::Staged, &q.files).unwrap();
         let took = t.elapsed();
-        // Four steps of 200 ms each, one after another for every process would take 3.2 s.
+        // Four steps of 200 ms each, one process after another, would take 3.2 s.
         assert!(took < Duration::from_millis(1600), "{took:?}");
         assert!(q.lock >= Duration::from_millis(200) && q.checkpoint >= Duration::from_millis(200));
+        assert_eq!(rec.calls.lock().unwrap().len(), 16);
     }
 
     #[test]

@@ -256,12 +256,18 @@ mod tests {
         h.finish().blake3
     }
 
-    #[test]
-    fn files_are_renamed_or_copied_verified_and_a_rename_undone() {
+    /// A temporary directory with `from` and `image` made in it.
+    fn two_dirs() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let tmp = tempfile::tempdir().unwrap();
         let (from, image) = (tmp.path().join("from"), tmp.path().join("image"));
         std::fs::create_dir_all(&from).unwrap();
         std::fs::create_dir_all(&image).unwrap();
+        (tmp, from, image)
+    }
+
+    #[test]
+    fn files_are_renamed_or_copied_verified_and_a_rename_undone() {
+        let (_tmp, from, image) = two_dirs();
         let s = stored(&from, &[("device-memory-1-0.bin", b"abc")]);
         // Kept: copied, the original stays for the resume.
         let p = place(&s, &image, true).unwrap();
@@ -285,10 +291,7 @@ mod tests {
 
     #[test]
     fn a_copy_that_differs_from_the_digest_is_refused_and_removed() {
-        let tmp = tempfile::tempdir().unwrap();
-        let (from, image) = (tmp.path().join("from"), tmp.path().join("image"));
-        std::fs::create_dir_all(&from).unwrap();
-        std::fs::create_dir_all(&image).unwrap();
+        let (_tmp, from, image) = two_dirs();
         let mut s = stored(&from, &[("device-memory-1-0.bin", b"abc")]);
         s.files[0].1.blake3 = blake3_hex(b"abd");
         let err = place(&s, &image, true).unwrap_err().to_string();

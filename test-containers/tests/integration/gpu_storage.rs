@@ -73,30 +73,22 @@ fn fill_command(out: &str) -> String {
 /// `ctr <verb> --device all … sh -c <fill_command>` on `node` (`verb`: `run -d` or `container
 /// create`), logging into a tmpfs at /out that travels with the checkpoint.
 fn ctr_fill(node: &Node, verb: &[&str], id: &str) -> Result<()> {
-    let flags: Vec<String> = if verb[0] == "run" {
-        run_flags(node)
-    } else {
-        vec!["--runtime".into(), RUNTIME.into()]
-    };
     let all = format!("{KIND}=all");
-    let cmd = fill_command("/out");
-    let mut args: Vec<&str> = verb.to_vec();
-    args.extend(["--device", &all]);
-    args.extend([
-        "--mount",
-        "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m",
-    ]);
-    args.extend(flags.iter().map(String::as_str));
-    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", &cmd]);
-    let out = node.ctr_cdi("default", &args)?;
-    ensure!(
-        out.status.success(),
-        "ctr {} failed: {}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    Ok(())
+    crate::gpu_shim::ctr_sh(node, verb, &all, id, &fill_command("/out"))
+}
+
+/// `ctr run -d` of the two gpu-fill processes as `fill` on `node`, once both have filled their
+/// GPUs: the container's init and the two processes.
+fn run_ctr_fill(node: &Node) -> Result<(i32, Vec<i32>)> {
+    ctr_fill(node, &["run", "-d"], "fill")?;
+    let init = node.task_pid("fill")?;
+    let pids = both_fills(init)?;
+    for g in [0, 1] {
+        wait_until(Duration::from_secs(30), "gpu-fill filled", || {
+            ctr_fill_log(init, g).contains("filled").then_some(())
+        })?;
+    }
+    Ok((init, pids))
 }
 
 /// The gpu-fill processes of the container whose init is `init`: init and its children.
@@ -308,14 +300,7 @@ fn ctr_checkpoint_by_custom_storage_restores_on_another_node() -> Result<()> {
     let sim_b = sim_at(13050, "storage-ctr-b")?;
     let (a, dir_a) = storage_node("gpu-storage-ctr-a", &sim_a)?;
     let (b, _) = storage_node("gpu-storage-ctr-b", &sim_b)?;
-    ctr_fill(&a, &["run", "-d"], "fill")?;
-    let init = a.task_pid("fill")?;
-    let pids = both_fills(init)?;
-    for g in [0, 1] {
-        wait_until(Duration::from_secs(30), "gpu-fill filled", || {
-            ctr_fill_log(init, g).contains("filled").then_some(())
-        })?;
-    }
+    let (init, pids) = run_ctr_fill(&a)?;
 
     // 1. Pause: the device memory goes to the files, not into the processes' memory.
     let before: Vec<u64> = pids.iter().map(|p| rss(*p)).collect::<Result<_>>()?;
@@ -533,14 +518,7 @@ fn before_cuda_13_4_the_staged_path_still_checkpoints_and_restores() -> Result<(
     let sim_b = sim_at(13000, "storage-staged-b")?;
     let (a, _) = storage_node("gpu-storage-staged-a", &sim_a)?;
     let (b, _) = storage_node("gpu-storage-staged-b", &sim_b)?;
-    ctr_fill(&a, &["run", "-d"], "fill")?;
-    let init = a.task_pid("fill")?;
-    both_fills(init)?;
-    for g in [0, 1] {
-        wait_until(Duration::from_secs(30), "gpu-fill filled", || {
-            ctr_fill_log(init, g).contains("filled").then_some(())
-        })?;
-    }
+    run_ctr_fill(&a)?;
     let image = a.paths().dir.join("staged-exit");
     a.checkpoint_task_exit("fill", &image)?;
     let m = Manifest::read_from(&image)?;
