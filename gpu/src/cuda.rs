@@ -148,6 +148,20 @@ pub fn restore_pairs(
     }
 }
 
+/// `gpuPairs` and `gpuPairsCount` of a restore's arguments: NULL and 0 for no pairs.
+fn pairs_arg(
+    pairs: &[CUcheckpointGpuPair],
+) -> Result<(*const CUcheckpointGpuPair, c_uint), GpuError> {
+    let count = u32::try_from(pairs.len())
+        .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", pairs.len())))?;
+    let ptr = if pairs.is_empty() {
+        std::ptr::null()
+    } else {
+        pairs.as_ptr()
+    };
+    Ok((ptr, count))
+}
+
 /// The name of a common `CUresult`, for drivers whose `cuGetErrorName` fails or is missing.
 pub fn fallback_error_name(code: CUresult) -> Option<&'static str> {
     Some(match code {
@@ -407,15 +421,10 @@ impl DeviceCheckpoint for CudaDriver {
         // Decided before any call: an old driver cannot move a process to other GPUs.
         let c_pairs = restore_pairs(pid, self.loaded.driver_version, pairs)?;
         let f = self.sym(&self.loaded.restore)?;
-        let count = u32::try_from(c_pairs.len())
-            .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", c_pairs.len())))?;
+        let (gpu_pairs, gpu_pairs_count) = pairs_arg(&c_pairs)?;
         let mut args = CUcheckpointRestoreArgs {
-            gpu_pairs: if c_pairs.is_empty() {
-                std::ptr::null()
-            } else {
-                c_pairs.as_ptr()
-            },
-            gpu_pairs_count: count,
+            gpu_pairs,
+            gpu_pairs_count,
             ..Default::default()
         };
         for p in pairs {
@@ -473,7 +482,7 @@ impl DeviceCheckpoint for CudaDriver {
     fn checkpoint_to(
         &self,
         pid: i32,
-        dir: &Path,
+        dir: &std::path::Path,
         prefix: &str,
     ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
         self.custom_checkpoint(pid, dir, prefix)
@@ -482,11 +491,11 @@ impl DeviceCheckpoint for CudaDriver {
     fn restore_from(
         &self,
         pid: i32,
-        pairs: &[GpuPair],
+        pairs: &[crate::GpuPair],
         dir: &Path,
         files: &[DeviceMemoryFile],
     ) -> Result<(), GpuError> {
-        self.custom_restore(pid, pairs, dir, files)
+        self.custom_restore(pid, dir, files, pairs)
     }
 }
 

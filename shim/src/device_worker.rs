@@ -896,7 +896,7 @@ impl DeviceCheckpoint for WorkerDriver {
     fn restore_from(
         &self,
         pid: i32,
-        pairs: &[GpuPair],
+        pairs: &[gpu::GpuPair],
         dir: &Path,
         files: &[DeviceMemoryFile],
     ) -> std::result::Result<(), GpuError> {

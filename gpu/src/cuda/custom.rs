@@ -293,7 +293,7 @@ impl<'a> Pinned<'a> {
             ptr: p.cast(),
             len,
         };
-        if p.is_null() || (p as usize) % ALIGN != 0 {
+        if p.is_null() || !(p as usize).is_multiple_of(ALIGN) {
             return Err(GpuError::InvalidArgument(format!(
                 "cuMemHostAlloc gave {p:?}, not a {ALIGN}-byte aligned buffer"
             )));
@@ -481,7 +481,7 @@ fn chunks(size: u64, chunk: usize) -> impl Iterator<Item = (u64, usize)> {
 
 /// The buffer size for a range: a chunk, or the whole range rounded up to the alignment.
 fn buffer_len(size: u64) -> usize {
-    let n = (size as usize).min(CHUNK_BYTES).max(1);
+    let n = (size as usize).clamp(1, CHUNK_BYTES);
     n.div_ceil(ALIGN) * ALIGN
 }
 
@@ -577,12 +577,15 @@ impl CudaDriver {
     /// - once the driver has mapped the ranges (the process CHECKPOINTING, its device memory
     ///   held only in the ranges mapped here): a file that cannot be created or reserved to its
     ///   full size (ENOSPC comes here, before any byte moves), a copy or write or sync that
-    ///   fails: every file this call created is removed and the operation is not completed, so
-    ///   the process stays CHECKPOINTING. NVIDIA's API has no abort and completing would release
-    ///   the only copy of the device memory; what the driver does with a target whose caller
-    ///   goes away is not documented. Such a process cannot be resumed: the caller kills it.
+    ///   fails: every file this call created is removed, and the device memory goes back to the
+    ///   process through this process's memory (see `rescue`), leaving it LOCKED as before the
+    ///   call, for the caller's undo (unlock). NVIDIA's API has no abort, and what the driver
+    ///   does with a target whose caller goes away is not documented: if that way back fails
+    ///   too (no memory for the bytes, a driver error), the process is left where it stopped
+    ///   (CHECKPOINTING, or CHECKPOINTED or RESTORING on the way back), logged, and cannot be
+    ///   resumed: the caller kills it. The error returned is the first one, in every case.
     /// - `cuCheckpointOperationComplete` failing, or the state read back not CHECKPOINTED:
-    ///   that error, the files written and synced (and removed).
+    ///   that error, the files removed.
     pub(super) fn custom_checkpoint(
         &self,
         pid: i32,
@@ -620,27 +623,37 @@ impl CudaDriver {
             .map(|n| format!("{prefix}-{n}.bin"))
             .collect();
         let mut created: Vec<&str> = Vec::new();
-        let written = self.write_ranges(api, pid, &dir, &op, &names, &mut created);
-        let files = match written.and_then(|f| {
-            dir.sync()?;
-            self.complete(
-                api,
-                "checkpoint_to",
-                pid,
-                op.handle,
-                ProcessState::CHECKPOINTED,
-            )?;
-            Ok(f)
-        }) {
+        let written = self
+            .write_ranges(api, pid, &dir, &op, &names, &mut created)
+            .and_then(|f| dir.sync().map(|_| f));
+        let files = match written {
             Ok(f) => f,
             Err(e) => {
                 for name in created {
                     dir.remove(name);
                 }
-                tracing::warn!(error = %e, "checkpoint to files failed");
+                tracing::warn!(error = %e, "checkpoint to files failed: the device memory goes back");
+                match self.rescue(api, pid, &prim, &op) {
+                    Ok(()) => tracing::info!("the process is locked with its device memory"),
+                    Err(r) => {
+                        tracing::warn!(error = %r, "the device memory could not go back");
+                    }
+                }
                 return Err(e);
             }
         };
+        if let Err(e) = self.complete(
+            api,
+            "checkpoint_to",
+            pid,
+            op.handle,
+            ProcessState::CHECKPOINTED,
+        ) {
+            for f in &files {
+                dir.remove(&f.name);
+            }
+            return Err(e);
+        }
         let bytes: u64 = files.iter().map(|f| f.size).sum();
         tracing::info!(
             elapsed_ms = start.elapsed().as_millis() as u64,
@@ -649,6 +662,113 @@ impl CudaDriver {
             "checkpointed to files"
         );
         Ok(files)
+    }
+
+    /// After a failure between the driver's mapping and the completion of a checkpoint: the
+    /// process back to LOCKED with its device memory, held meanwhile in this process's memory
+    /// (NVIDIA's API has no abort): every range copied here, the checkpoint completed
+    /// (CHECKPOINTED), a custom-storage restore onto the same GPUs (RESTORING), the bytes copied
+    /// back, completed (LOCKED). Fails, leaving the process where that step left it, when the
+    /// memory cannot be had or a call fails.
+    fn rescue(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        prim: &Primaries,
+        op: &Operation,
+    ) -> Result<(), GpuError> {
+        let _span = tracing::info_span!("rescue", pid).entered();
+        let mut saved: Vec<Vec<u8>> = Vec::with_capacity(op.ranges.len());
+        for r in &op.ranges {
+            let mut v: Vec<u8> = Vec::new();
+            v.try_reserve_exact(r.size as usize).map_err(|e| {
+                GpuError::InvalidArgument(format!(
+                    "no memory to hold {} bytes of device memory: {e}",
+                    r.size
+                ))
+            })?;
+            v.resize(r.size as usize, 0);
+            self.copy_range(api, pid, r, v.as_mut_ptr().cast(), true)?;
+            saved.push(v);
+        }
+        self.complete(
+            api,
+            "checkpoint_to",
+            pid,
+            op.handle,
+            ProcessState::CHECKPOINTED,
+        )?;
+        let back = self.start_restore(api, pid, &[], prim)?;
+        for r in &back.ranges {
+            let i = op
+                .ranges
+                .iter()
+                .position(|o| o.gpu == r.gpu && o.size == r.size)
+                .ok_or_else(|| {
+                    GpuError::InvalidArgument(format!(
+                        "the restore mapped {} bytes on GPU {}, which the checkpoint did not",
+                        r.size, r.gpu
+                    ))
+                })?;
+            self.copy_range(api, pid, r, saved[i].as_mut_ptr().cast(), false)?;
+        }
+        self.complete(api, "checkpoint_to", pid, back.handle, ProcessState::LOCKED)
+    }
+
+    /// `cuCheckpointProcessRestore` with custom storage (the process RESTORING): the operation
+    /// it started.
+    fn start_restore(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        c_pairs: &[CUcheckpointGpuPair],
+        prim: &Primaries,
+    ) -> Result<Operation, GpuError> {
+        let (gpu_pairs, gpu_pairs_count) = super::pairs_arg(c_pairs)?;
+        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
+        let mut args = CUcheckpointRestoreArgsCustom {
+            gpu_pairs,
+            gpu_pairs_count,
+            padding0: 0,
+            custom_storage_info_out: &mut info,
+            reserved: [0; 40],
+        };
+        // SAFETY: the 13.4 layout; the pairs and the out pointer outlive the call.
+        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
+            (api.restore)(pid, &mut args)
+        })?;
+        Operation::read(info, prim)
+    }
+
+    /// A whole range to (`out`) or from host memory at `host`, on its stream, synchronized.
+    fn copy_range(
+        &self,
+        api: &CustomApi,
+        pid: i32,
+        r: &Range,
+        host: *mut c_void,
+        out: bool,
+    ) -> Result<(), GpuError> {
+        let stream = r.stream as CUstream;
+        let n = r.size as usize;
+        // SAFETY: a retained primary context, made current on this thread; `n` bytes between
+        // the mapped range and `n` bytes at `host`, the caller's; the stream synchronized
+        // before `host` is touched again.
+        self.call("cuCtxSetCurrent", None, || unsafe {
+            (api.set_current)(r.ctx as CUcontext)
+        })?;
+        if out {
+            self.call("cuMemcpyDtoHAsync", Some(pid), || unsafe {
+                (api.dtoh)(host, r.dev_ptr, n, stream)
+            })?;
+        } else {
+            self.call("cuMemcpyHtoDAsync", Some(pid), || unsafe {
+                (api.htod)(r.dev_ptr, host, n, stream)
+            })?;
+        }
+        self.call("cuStreamSynchronize", Some(pid), || unsafe {
+            (api.stream_sync)(stream)
+        })
     }
 
     /// Creates and reserves every file, then writes each range to its file, one thread per GPU.
@@ -678,14 +798,7 @@ impl CudaDriver {
                     s.spawn(move || self.save_range(api, pid, r, file, direct, dir, name))
                 })
                 .collect();
-            threads
-                .into_iter()
-                .map(|t| {
-                    t.join().unwrap_or_else(|_| {
-                        Err(GpuError::InvalidArgument("a copy thread panicked".into()))
-                    })
-                })
-                .collect()
+            joined(threads)
         });
         let mut out = Vec::with_capacity(results.len());
         for ((r, name), hash) in op.ranges.iter().zip(names).zip(results) {
@@ -697,6 +810,22 @@ impl CudaDriver {
             });
         }
         Ok(out)
+    }
+
+    /// On a copy thread: the range's context made current, and its pinned buffers.
+    fn buffers_for<'a>(
+        &'a self,
+        api: &'a CustomApi,
+        r: &Range,
+    ) -> Result<Vec<Pinned<'a>>, GpuError> {
+        // SAFETY: a retained primary context, made current on this thread.
+        self.call("cuCtxSetCurrent", None, || unsafe {
+            (api.set_current)(r.ctx as CUcontext)
+        })?;
+        let len = buffer_len(r.size);
+        (0..BUFFERS)
+            .map(|_| Pinned::alloc(self, api, len))
+            .collect()
     }
 
     /// One range to its file: chunk k+1 copied while chunk k is hashed and written.
@@ -712,15 +841,7 @@ impl CudaDriver {
         name: &str,
     ) -> Result<String, GpuError> {
         let _span = tracing::info_span!("save_range", pid, gpu = %r.gpu, bytes = r.size).entered();
-        // SAFETY: a retained primary context, made current on this thread.
-        self.call("cuCtxSetCurrent", None, || unsafe {
-            (api.set_current)(r.ctx as CUcontext)
-        })?;
-        let len = buffer_len(r.size);
-        let mut bufs = Vec::with_capacity(BUFFERS);
-        for _ in 0..BUFFERS {
-            bufs.push(Pinned::alloc(self, api, len)?);
-        }
+        let mut bufs = self.buffers_for(api, r)?;
         let mut hasher = blake3::Hasher::new();
         let plan: Vec<(u64, usize)> = chunks(r.size, CHUNK_BYTES).collect();
         let stream = r.stream as CUstream;
@@ -763,7 +884,7 @@ impl CudaDriver {
         let drained = sync();
         result?;
         drained?;
-        if direct && r.size % ALIGN as u64 != 0 {
+        if direct && !r.size.is_multiple_of(ALIGN as u64) {
             file.set_len(r.size)
                 .map_err(|e| dir.err(name, "truncate", e))?;
         }
@@ -783,9 +904,9 @@ impl CudaDriver {
     pub(super) fn custom_restore(
         &self,
         pid: i32,
-        pairs: &[GpuPair],
         dir: &Path,
         files: &[DeviceMemoryFile],
+        pairs: &[GpuPair],
     ) -> Result<(), GpuError> {
         let _span =
             tracing::info_span!("cuda_restore_from", pid, dir = %dir.display(), files = files.len())
@@ -820,25 +941,7 @@ impl CudaDriver {
             })
             .collect();
         let prim = Primaries::retain(self, api, Some(&targets))?;
-        let count = u32::try_from(c_pairs.len())
-            .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", c_pairs.len())))?;
-        let mut info: *mut CUcheckpointCustomStorageInfo = std::ptr::null_mut();
-        let mut args = CUcheckpointRestoreArgsCustom {
-            gpu_pairs: if c_pairs.is_empty() {
-                std::ptr::null()
-            } else {
-                c_pairs.as_ptr()
-            },
-            gpu_pairs_count: count,
-            padding0: 0,
-            custom_storage_info_out: &mut info,
-            reserved: [0; 40],
-        };
-        // SAFETY: the 13.4 layout; the pairs and the out pointer outlive the call.
-        self.call("cuCheckpointProcessRestore", Some(pid), || unsafe {
-            (api.restore)(pid, &mut args)
-        })?;
-        let op = Operation::read(info, &prim)?;
+        let op = self.start_restore(api, pid, &c_pairs, &prim)?;
         let order = match_files(&op.ranges, files, &targets)?;
         let results: Vec<Result<(), GpuError>> = std::thread::scope(|s| {
             let threads: Vec<_> = op
@@ -851,14 +954,7 @@ impl CudaDriver {
                     s.spawn(move || self.load_range(api, pid, r, file, *direct, dir, f))
                 })
                 .collect();
-            threads
-                .into_iter()
-                .map(|t| {
-                    t.join().unwrap_or_else(|_| {
-                        Err(GpuError::InvalidArgument("a copy thread panicked".into()))
-                    })
-                })
-                .collect()
+            joined(threads)
         });
         for r in results {
             r?;
@@ -885,15 +981,7 @@ impl CudaDriver {
         f: &DeviceMemoryFile,
     ) -> Result<(), GpuError> {
         let _span = tracing::info_span!("load_range", pid, gpu = %r.gpu, bytes = r.size).entered();
-        // SAFETY: a retained primary context, made current on this thread.
-        self.call("cuCtxSetCurrent", None, || unsafe {
-            (api.set_current)(r.ctx as CUcontext)
-        })?;
-        let len = buffer_len(r.size);
-        let mut bufs = Vec::with_capacity(BUFFERS);
-        for _ in 0..BUFFERS {
-            bufs.push(Pinned::alloc(self, api, len)?);
-        }
+        let mut bufs = self.buffers_for(api, r)?;
         let stream = r.stream as CUstream;
         let sync = || {
             // SAFETY: a stream of the operation.
@@ -934,6 +1022,19 @@ impl CudaDriver {
         }
         Ok(())
     }
+}
+
+/// The results of copy threads, in their order.
+fn joined<T>(
+    threads: Vec<std::thread::ScopedJoinHandle<'_, Result<T, GpuError>>>,
+) -> Vec<Result<T, GpuError>> {
+    threads
+        .into_iter()
+        .map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
+        })
+        .collect()
 }
 
 /// Reads at least `need` bytes at `off` into `buf` (more may come, up to its length).
@@ -1003,35 +1104,26 @@ mod tests {
 
     #[test]
     fn layouts_of_cuda_13_4() {
-        assert_eq!(offset_of!(CUcheckpointCustomStorageInfo, handle), 0);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStorageInfo, per_device_data),
-            8
-        );
-        assert_eq!(offset_of!(CUcheckpointCustomStorageInfo, device_count), 16);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStoragePerDeviceData, dev_ptr),
-            0
-        );
-        assert_eq!(offset_of!(CUcheckpointCustomStoragePerDeviceData, size), 8);
-        assert_eq!(
-            offset_of!(CUcheckpointCustomStoragePerDeviceData, stream),
-            16
-        );
-        assert_eq!(
-            offset_of!(CUcheckpointCheckpointArgsCustom, custom_storage_info_out),
-            0
-        );
-        assert_eq!(offset_of!(CUcheckpointRestoreArgsCustom, gpu_pairs), 0);
-        assert_eq!(
-            offset_of!(CUcheckpointRestoreArgsCustom, gpu_pairs_count),
-            8
-        );
-        assert_eq!(offset_of!(CUcheckpointRestoreArgsCustom, padding0), 12);
-        assert_eq!(
-            offset_of!(CUcheckpointRestoreArgsCustom, custom_storage_info_out),
-            16
-        );
+        type Info = CUcheckpointCustomStorageInfo;
+        type Per = CUcheckpointCustomStoragePerDeviceData;
+        type Ckpt = CUcheckpointCheckpointArgsCustom;
+        type Rest = CUcheckpointRestoreArgsCustom;
+        let offsets = [
+            (offset_of!(Info, handle), 0),
+            (offset_of!(Info, per_device_data), 8),
+            (offset_of!(Info, device_count), 16),
+            (offset_of!(Per, dev_ptr), 0),
+            (offset_of!(Per, size), 8),
+            (offset_of!(Per, stream), 16),
+            (offset_of!(Ckpt, custom_storage_info_out), 0),
+            (offset_of!(Rest, gpu_pairs), 0),
+            (offset_of!(Rest, gpu_pairs_count), 8),
+            (offset_of!(Rest, padding0), 12),
+            (offset_of!(Rest, custom_storage_info_out), 16),
+        ];
+        for (i, (got, want)) in offsets.into_iter().enumerate() {
+            assert_eq!(got, want, "field {i}");
+        }
     }
 
     #[test]
@@ -1081,7 +1173,7 @@ mod tests {
         let order = match_files(&[range(1, 20), range(2, 10)], &files, &targets).unwrap();
         assert_eq!(order, [1, 0]);
         let e = match_files(&[range(1, 10), range(2, 10)], &files, &targets).unwrap_err();
-        assert!(e.to_string().contains("its file a holds 10"), "{e}");
+        assert!(e.to_string().contains("is 10 bytes, its file b holds 20"), "{e}");
         let e = match_files(&[range(3, 10), range(2, 10)], &files, &targets).unwrap_err();
         assert!(e.to_string().contains("no device-memory file"), "{e}");
         let e = match_files(&[range(1, 20)], &files, &targets).unwrap_err();
