@@ -1173,7 +1173,10 @@ mod tests {
         let order = match_files(&[range(1, 20), range(2, 10)], &files, &targets).unwrap();
         assert_eq!(order, [1, 0]);
         let e = match_files(&[range(1, 10), range(2, 10)], &files, &targets).unwrap_err();
-        assert!(e.to_string().contains("is 10 bytes, its file b holds 20"), "{e}");
+        assert!(
+            e.to_string().contains("is 10 bytes, its file b holds 20"),
+            "{e}"
+        );
         let e = match_files(&[range(3, 10), range(2, 10)], &files, &targets).unwrap_err();
         assert!(e.to_string().contains("no device-memory file"), "{e}");
         let e = match_files(&[range(1, 20)], &files, &targets).unwrap_err();

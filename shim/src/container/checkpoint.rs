@@ -268,15 +268,7 @@ impl Container {
             }
         };
         let written = self
-            .write_manifest(
-                plan,
-                node,
-                devices,
-                followed,
-                stored,
-                setup.addresses,
-                &mut timings,
-            )
+            .write_manifest(plan, node, devices, followed, setup.addresses, &mut timings)
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
@@ -498,12 +490,16 @@ impl Container {
         node: manifest::Node,
         devices: manifest::Devices,
         mut followed: BTreeMap<String, manifest::FileDigest>,
-        stored: Option<crate::device_storage::Stored>,
         addresses: Option<Vec<String>>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
     ) -> Result<Manifest> {
-        // The device-memory files' digests, taken as they were written: not read again.
-        let device_files = stored.map(|s| s.files).unwrap_or_default();
+        // The device-memory files (placed in the image directory by now) with their digests,
+        // taken as they were written: not read again.
+        let device_files = self
+            .devices
+            .device_files()
+            .map(|s| s.files)
+            .unwrap_or_default();
         for (_, f) in &device_files {
             followed.insert(
                 f.name.clone(),
