@@ -20,7 +20,6 @@ use image_format::manifest::Manifest;
 use tracing::{info, warn};
 
 use crate::error::{Error, Result};
-use crate::memory_room::bytes;
 use crate::options::RuntimeOptions;
 
 /// Disk kept free beyond the device bytes: the driver's files may round each range up, and
@@ -38,7 +37,7 @@ pub struct Stored {
 /// The directory of container `id` of containerd namespace `namespace`'s device-memory files:
 /// `<DeviceStorageDir>/<namespace>/<id>`.
 pub fn dir_for(options: &RuntimeOptions, namespace: &str, id: &str) -> Result<PathBuf> {
-    crate::restore::container_dir(
+    crate::private_dir::container_dir(
         &options.device_storage_dir(),
         namespace,
         id,
@@ -85,9 +84,14 @@ pub fn prepare(dir: &Path, device_bytes: u64) -> Result<()> {
             bytes(free)
         )));
     }
-    crate::restore::make_fresh_dir(dir)
+    crate::private_dir::make_fresh_dir(dir)
         .map_err(|(what, e)| fail(format!("{what} {}: {e}", dir.display())))?;
     Ok(())
+}
+
+/// `123456789 bytes (0.11 GiB)`.
+fn bytes(b: u64) -> String {
+    format!("{b} bytes ({:.2} GiB)", b as f64 / (1u64 << 30) as f64)
 }
 
 /// Removes `dir` and what is left in it, and its namespace's directory once empty.

@@ -52,6 +52,7 @@ pub mod mount_check;
 pub mod oom;
 pub mod options;
 pub mod pod_network;
+pub mod private_dir;
 pub mod process;
 pub mod restore;
 pub mod restored_annotations;

@@ -91,6 +91,16 @@ fn run_ctr_fill(node: &Node) -> Result<(i32, Vec<i32>)> {
     Ok((init, pids))
 }
 
+/// `fill` created on `node` and restored from the image directory `image` through the
+/// containerd API; every byte of both processes verified. Returns their pids.
+fn restore_ctr_fill(node: &Node, image: &Path, what: &str) -> Result<Vec<i32>> {
+    ctr_fill(node, &["container", "create"], "fill")?;
+    let restored = restore_from_dir(node, "fill", image)?;
+    let pids = both_fills(restored)?;
+    verify_every_byte(&pids, |i| ctr_fill_log(restored, i as u32), what)?;
+    Ok(pids)
+}
+
 /// The gpu-fill processes of the container whose init is `init`: init and its children.
 fn fill_pids(init: i32) -> Vec<i32> {
     let children =
@@ -393,14 +403,7 @@ fn ctr_checkpoint_by_custom_storage_restores_on_another_node() -> Result<()> {
     remove(&b, "fill");
 
     // 4. The checkpoint restores on node B, onto its GPUs, every byte verified.
-    ctr_fill(&b, &["container", "create"], "fill")?;
-    let restored = restore_from_dir(&b, "fill", &image)?;
-    let pids_b = both_fills(restored)?;
-    verify_every_byte(
-        &pids_b,
-        |i| ctr_fill_log(restored, i as u32),
-        "ctr --exit, restored on node B",
-    )?;
+    let pids_b = restore_ctr_fill(&b, &image, "ctr --exit, restored on node B")?;
     let mut on: Vec<[u8; 16]> = Vec::new();
     for p in &pids_b {
         on.extend(gpus_of(&sim_b, *p)?);
@@ -533,14 +536,7 @@ fn before_cuda_13_4_the_staged_path_still_checkpoints_and_restores() -> Result<(
         seeded && pages >= m.devices.device_bytes(),
         "the staged path's page images ({pages} bytes) do not hold the device memory"
     );
-    ctr_fill(&b, &["container", "create"], "fill")?;
-    let restored = restore_from_dir(&b, "fill", &image)?;
-    let pids_b = both_fills(restored)?;
-    verify_every_byte(
-        &pids_b,
-        |i| ctr_fill_log(restored, i as u32),
-        "staged, restored on node B",
-    )?;
+    restore_ctr_fill(&b, &image, "staged, restored on node B")?;
     remove(&b, "fill");
     Ok(())
 }
