@@ -51,6 +51,16 @@ fn storage_node(name: &str, sim: &SimNode) -> Result<(Node, PathBuf)> {
     Ok((node, dir))
 }
 
+/// Nodes `gpu-storage-<name>-a` and `-b` ([`storage_node`]) on simulated nodes at CUDA `cuda`
+/// with other GPUs each; node A's device-memory directory.
+fn storage_nodes(cuda: i32, name: &str) -> Result<(SimNode, SimNode, Node, Node, PathBuf)> {
+    let sim_a = sim_at(cuda, &format!("storage-{name}-a"))?;
+    let sim_b = sim_at(cuda, &format!("storage-{name}-b"))?;
+    let (a, dir_a) = storage_node(&format!("gpu-storage-{name}-a"), &sim_a)?;
+    let (b, _) = storage_node(&format!("gpu-storage-{name}-b"), &sim_b)?;
+    Ok((sim_a, sim_b, a, b, dir_a))
+}
+
 /// The shell command of the container: gpu-fill on GPU 0 (seed 1) in the background and on
 /// GPU 1 (seed 2) as init, each logging to `out/fill-<gpu>.log` (`out` empty: stdout, the
 /// background one to stderr).
@@ -306,10 +316,7 @@ fn expect_no_device_bytes(pages: u64, seeded: bool, device: u64, what: &str) -> 
 /// a changed byte in one is refused at restore; on node B (other GPUs) every byte comes back.
 #[test]
 fn ctr_checkpoint_by_custom_storage_restores_on_another_node() -> Result<()> {
-    let sim_a = sim_at(13050, "storage-ctr-a")?;
-    let sim_b = sim_at(13050, "storage-ctr-b")?;
-    let (a, dir_a) = storage_node("gpu-storage-ctr-a", &sim_a)?;
-    let (b, _) = storage_node("gpu-storage-ctr-b", &sim_b)?;
+    let (_sim_a, sim_b, a, b, dir_a) = storage_nodes(13050, "ctr")?;
     let (init, pids) = run_ctr_fill(&a)?;
 
     // 1. Pause: the device memory goes to the files, not into the processes' memory.
@@ -444,10 +451,7 @@ fn cri_stream(log: &Path, i: usize) -> String {
 /// B restores it onto other GPUs with every byte.
 #[test]
 fn cri_checkpoint_by_custom_storage_restores_on_another_node() -> Result<()> {
-    let sim_a = sim_at(13050, "storage-cri-a")?;
-    let sim_b = sim_at(13050, "storage-cri-b")?;
-    let (a, dir_a) = storage_node("gpu-storage-cri-a", &sim_a)?;
-    let (b, _) = storage_node("gpu-storage-cri-b", &sim_b)?;
+    let (_sim_a, sim_b, a, b, dir_a) = storage_nodes(13050, "cri")?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
@@ -517,10 +521,7 @@ fn cri_checkpoint_by_custom_storage_restores_on_another_node() -> Result<()> {
 /// page images (the assertion the custom-storage tests hold the other way).
 #[test]
 fn before_cuda_13_4_the_staged_path_still_checkpoints_and_restores() -> Result<()> {
-    let sim_a = sim_at(13000, "storage-staged-a")?;
-    let sim_b = sim_at(13000, "storage-staged-b")?;
-    let (a, _) = storage_node("gpu-storage-staged-a", &sim_a)?;
-    let (b, _) = storage_node("gpu-storage-staged-b", &sim_b)?;
+    let (_sim_a, _sim_b, a, b, _) = storage_nodes(13000, "staged")?;
     run_ctr_fill(&a)?;
     let image = a.paths().dir.join("staged-exit");
     a.checkpoint_task_exit("fill", &image)?;
