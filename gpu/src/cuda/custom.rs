@@ -872,11 +872,7 @@ impl CudaDriver {
                 let (off, n) = plan[k];
                 let buf = bufs[k % BUFFERS].bytes();
                 hasher.update(&buf[..n]);
-                // Direct I/O writes whole blocks: the last one zero-padded, cut back below.
-                let end = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
-                buf[n..end].fill(0);
-                file.write_all_at(&buf[..end], off)
-                    .map_err(|e| dir.err(name, "write", e))?;
+                write_chunk(&file, buf, n, off, direct).map_err(|e| dir.err(name, "write", e))?;
             }
             Ok(())
         })();
@@ -884,10 +880,7 @@ impl CudaDriver {
         let drained = sync();
         result?;
         drained?;
-        if direct && !r.size.is_multiple_of(ALIGN as u64) {
-            file.set_len(r.size)
-                .map_err(|e| dir.err(name, "truncate", e))?;
-        }
+        cut_padding(&file, r.size, direct).map_err(|e| dir.err(name, "truncate", e))?;
         file.sync_data()
             .map_err(|e| dir.err(name, "fdatasync", e))?;
         Ok(hasher.finalize().to_hex().to_string())
@@ -915,21 +908,7 @@ impl CudaDriver {
         let api = self.custom_api("restore_from", pid)?;
         let c_pairs = super::restore_pairs(pid, self.loaded.driver_version, pairs)?;
         let dir = Dir::open(dir)?;
-        let mut opened = Vec::with_capacity(files.len());
-        for f in files {
-            let (file, direct) = dir.open_read(&f.name)?;
-            let len = file
-                .metadata()
-                .map_err(|e| dir.err(&f.name, "stat", e))?
-                .len();
-            if len != f.size {
-                return Err(GpuError::Storage {
-                    file: dir.path_of(&f.name),
-                    reason: format!("{len} bytes, the checkpoint recorded {}", f.size),
-                });
-            }
-            opened.push((file, direct));
-        }
+        let opened = open_files(&dir, files)?;
         // The GPU each file's range goes to: its checkpointed GPU, or the new one a pair names.
         let targets: Vec<GpuUuid> = files
             .iter()
@@ -1024,6 +1003,22 @@ impl CudaDriver {
     }
 }
 
+/// Writes the first `n` bytes of `buf` at `off`. Direct I/O writes whole blocks: the last one
+/// zero-padded in `buf` (which has room for it), cut back by [`cut_padding`].
+fn write_chunk(file: &File, buf: &mut [u8], n: usize, off: u64, direct: bool) -> io::Result<()> {
+    let end = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
+    buf[n..end].fill(0);
+    file.write_all_at(&buf[..end], off)
+}
+
+/// A file written by [`write_chunk`] cut back to its `size`.
+fn cut_padding(file: &File, size: u64, direct: bool) -> io::Result<()> {
+    if direct && !size.is_multiple_of(ALIGN as u64) {
+        file.set_len(size)?;
+    }
+    Ok(())
+}
+
 /// The results of copy threads, in their order.
 fn joined<T>(
     threads: Vec<std::thread::ScopedJoinHandle<'_, Result<T, GpuError>>>,
@@ -1033,6 +1028,27 @@ fn joined<T>(
         .map(|t| {
             t.join()
                 .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
+        })
+        .collect()
+}
+
+/// Every file of a restore opened, and its size checked against its entry.
+fn open_files(dir: &Dir, files: &[DeviceMemoryFile]) -> Result<Vec<(File, bool)>, GpuError> {
+    files
+        .iter()
+        .map(|f| {
+            let (file, direct) = dir.open_read(&f.name)?;
+            let len = file
+                .metadata()
+                .map_err(|e| dir.err(&f.name, "stat", e))?
+                .len();
+            if len != f.size {
+                return Err(GpuError::Storage {
+                    file: dir.path_of(&f.name),
+                    reason: format!("{len} bytes, the checkpoint recorded {}", f.size),
+                });
+            }
+            Ok((file, direct))
         })
         .collect()
 }
@@ -1136,6 +1152,61 @@ mod tests {
         assert_eq!(buffer_len(5000), 2 * ALIGN);
         assert_eq!(buffer_len(1 << 40), CHUNK_BYTES);
         assert_eq!(buffer_len(0), ALIGN);
+    }
+
+    /// A page-aligned buffer, as the pinned ones are.
+    struct Aligned(*mut u8, std::alloc::Layout);
+
+    impl Aligned {
+        fn new(len: usize) -> Aligned {
+            let layout = std::alloc::Layout::from_size_align(len, ALIGN).unwrap();
+            // SAFETY: a non-zero size.
+            Aligned(unsafe { std::alloc::alloc_zeroed(layout) }, layout)
+        }
+
+        fn bytes(&mut self) -> &mut [u8] {
+            // SAFETY: the allocation's own bytes.
+            unsafe { std::slice::from_raw_parts_mut(self.0, self.1.size()) }
+        }
+    }
+
+    impl Drop for Aligned {
+        fn drop(&mut self) {
+            // SAFETY: allocated with this layout.
+            unsafe { std::alloc::dealloc(self.0, self.1) }
+        }
+    }
+
+    /// A range whose last block is partial goes to its file and comes back byte for byte, with
+    /// direct I/O where the filesystem has it.
+    #[test]
+    fn a_partial_last_block_round_trips() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        let size: u64 = 3 * ALIGN as u64 + 1234;
+        let data: Vec<u8> = (0..size).map(|i| (i * 7 % 251) as u8).collect();
+        let chunk = 2 * ALIGN;
+        let mut buf = Aligned::new(chunk);
+        let (file, direct) = dir.create("r-0.bin").unwrap();
+        reserve(&file, size).unwrap();
+        for (off, n) in chunks(size, chunk) {
+            buf.bytes()[..n].copy_from_slice(&data[off as usize..off as usize + n]);
+            write_chunk(&file, buf.bytes(), n, off, direct).unwrap();
+        }
+        cut_padding(&file, size, direct).unwrap();
+        drop(file);
+        assert_eq!(std::fs::read(tmp.path().join("r-0.bin")).unwrap(), data);
+        let (file, direct_read) = dir.open_read("r-0.bin").unwrap();
+        assert_eq!(direct_read, direct);
+        let mut back = Vec::new();
+        for (off, n) in chunks(size, chunk) {
+            let want = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
+            read_full_at(&file, &mut buf.bytes()[..want], off, n).unwrap();
+            back.extend_from_slice(&buf.bytes()[..n]);
+        }
+        assert_eq!(back, data);
+        // Never overwritten: a second create of the name fails.
+        assert!(dir.create("r-0.bin").is_err());
     }
 
     #[test]
