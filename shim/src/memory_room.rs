@@ -21,6 +21,10 @@
 //! v1 the write fails (`EBUSY`), is logged as a warning and is tried again at every later step
 //! and at the container's exit.
 //!
+//! With custom storage (`device_storage.rs`) the device memory goes to files, never through
+//! host memory: a checkpoint then checks the disk instead, and a restore holds only the page
+//! images (the processes' own memory) and the contexts here.
+//!
 //! The container's cgroup is found from the spec's `linux.cgroupsPath` as runc reads it
 //! ([`runc_cgroup`]), never from `/proc/<pid>/cgroup` of a process of the container (which can
 //! move itself into a child cgroup it made). cgroups-rs finds the hierarchy, expands systemd
@@ -565,7 +569,13 @@ impl HostMemory {
             return Ok(None);
         }
         let _span = info_span!("host_memory", id = %self.id).entered();
-        let device = manifest.devices.device_bytes();
+        // With custom storage the device memory is in its own files, not in the page images:
+        // nothing of it comes through host memory.
+        let device = if manifest.devices.custom_storage() {
+            0
+        } else {
+            manifest.devices.device_bytes()
+        };
         let pages: u64 = manifest
             .files
             .iter()

@@ -169,6 +169,10 @@ pub async fn cleanup_bundle(bundle: &Path, id: &str, namespace: &str) -> Result<
     }
     let rootfs = bundle.join("rootfs");
     umount_recursive(rootfs.to_str(), libc::MNT_DETACH)?;
+    // Device-memory files of a container paused when its shim went.
+    if let Ok(dir) = crate::device_storage::dir_for(&options, namespace, id) {
+        crate::device_storage::remove(&dir);
+    }
     // The restore handler's staging directory, had the shim gone before it removed it.
     if options.restore_mode() {
         if let Ok(staging) = crate::restore::staging_dir(&options, namespace, id) {

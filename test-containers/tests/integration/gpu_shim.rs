@@ -599,6 +599,12 @@ const CTR_TRAIN: &str =
 /// `ctr <verb> --device <device> … <image> <id> sh -c CTR_TRAIN` on `node`, `verb` being `run -d`
 /// or `container create`.
 fn ctr_train(node: &Node, verb: &[&str], device: &str, id: &str) -> Result<()> {
+    ctr_sh(node, verb, device, id, CTR_TRAIN)
+}
+
+/// `ctr <verb> --device <device> … <image> <id> sh -c <cmd>` on `node` with a tmpfs at /out
+/// (which travels with a checkpoint), `verb` being `run -d` or `container create`.
+pub(crate) fn ctr_sh(node: &Node, verb: &[&str], device: &str, id: &str, cmd: &str) -> Result<()> {
     // `container create` has no --fifo-dir (that is `run`'s).
     let flags: Vec<String> = if verb[0] == "run" {
         run_flags(node)
@@ -612,7 +618,7 @@ fn ctr_train(node: &Node, verb: &[&str], device: &str, id: &str) -> Result<()> {
         "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m",
     ]);
     args.extend(flags.iter().map(String::as_str));
-    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", CTR_TRAIN]);
+    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", cmd]);
     let out = node.ctr_cdi("default", &args)?;
     ensure!(
         out.status.success(),
