@@ -19,6 +19,9 @@
 //!   shim (ctr and the containerd API) of a container holding N GiB of device memory (gpu-fill)
 //!   against one holding N GiB of host memory (memhog), and the CRI freeze of each, next to
 //!   runc-v2's freeze of the host-memory one; with where the time went, from the shim's spans.
+//! - `device-storage` (device_storage.rs): device checkpoint and restore through the shim at
+//!   each size, by custom storage and by the staged path, and of 1, 2, 4 GPU processes, against
+//!   the storage's own O_DIRECT speed in the same directory.
 
 use std::{
     path::{Path, PathBuf},
@@ -27,6 +30,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+
+mod device_storage;
 use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
@@ -103,6 +108,25 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Device checkpoint and restore through gpu-ckpt at each size and simulated CUDA version
+    /// (custom storage, staged), and of several GPU processes in one container, against the
+    /// same bytes written and read with O_DIRECT in the same directory.
+    DeviceStorage {
+        /// GiB of device memory of the one-process cases.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+        gib: Vec<u64>,
+        /// GPU processes (one GPU each) of the parallel cases.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        procs: Vec<usize>,
+        /// GiB per process of the parallel cases.
+        #[arg(long, default_value_t = 1)]
+        proc_gib: u64,
+        /// Simulated CUDA versions: 13050 has custom storage, 13000 the staged path.
+        #[arg(long, value_delimiter = ',', default_value = "13050,13000")]
+        cuda: Vec<i32>,
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -114,6 +138,21 @@ fn main() -> Result<()> {
             pipe_kib,
         } => return device_bench::bench(gib, rounds, pipe_kib),
         What::DeviceContainer { gib, runs } => return device_container(gib, runs),
+        What::DeviceStorage {
+            gib,
+            procs,
+            proc_gib,
+            cuda,
+            runs,
+        } => {
+            return device_storage::bench(device_storage::Opts {
+                sizes: gib,
+                procs,
+                proc_gib,
+                cuda,
+                runs,
+            })
+        }
         _ => {}
     }
     let stack = Stack::discover()?;
@@ -131,7 +170,7 @@ fn main() -> Result<()> {
             tokio::runtime::Runtime::new()?.block_on(freeze(&node, mib, runs))
         }
         What::Sync { mib, runs } => sync_cost(&node, mib, runs),
-        What::Gpu { .. } | What::DeviceContainer { .. } => {
+        What::Gpu { .. } | What::DeviceContainer { .. } | What::DeviceStorage { .. } => {
             unreachable!("run before the node is started")
         }
     }
@@ -1535,28 +1574,7 @@ fn device_container(gib: u64, runs: usize) -> Result<()> {
         ..SimConfig::default()
     })
     .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
-    let name = "bench-gpu";
-    let lib_dir = sim.lib_dir().display().to_string();
-    // ctr sends no runtime options: its containers' shims read this file.
-    let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
-    std::fs::create_dir_all(stack.node_dir(name))?;
-    std::fs::write(
-        &handler_file,
-        format!("DriverLibraryDir = {}\n", serde_json::to_string(&lib_dir)?),
-    )?;
-    // Debug logging: the shim then logs each step's time (its spans), which says where the
-    // time went.
-    let node = start_node(
-        &stack,
-        Node::builder_on(&stack, name)
-            .log_level("debug")
-            .cdi(&[sim.cdi_dir()])
-            .runtime_option("DriverLibraryDir", lib_dir.as_str())
-            .env(
-                "GPU_CKPT_HANDLER_CONFIG",
-                &handler_file.display().to_string(),
-            ),
-    )?;
+    let node = sim_containerd_node(&stack, "bench-gpu", &sim, "debug")?;
     println!(
         "One containerd node (debug logging) with one simulated GPU of {memory_mib} MiB; \
          gpu-ckpt loads the simulated driver (`DriverLibraryDir`). Device: gpu-fill of {gib} GiB \
@@ -1567,6 +1585,35 @@ fn device_container(gib: u64, runs: usize) -> Result<()> {
         container_rounds(&node, &sim, gib, runs).await?;
         container_freeze(&node, gib, runs).await
     })
+}
+
+/// A containerd node named `name` whose gpu-ckpt handlers load the simulated driver of `sim`
+/// (CRI: the handler's options; ctr, which sends no runtime options: the handler options file),
+/// with its CDI specs, logging at `level`.
+fn sim_containerd_node(
+    stack: &Stack,
+    name: &str,
+    sim: &simgpu::testing::SimNode,
+    level: &str,
+) -> Result<Node> {
+    let lib_dir = sim.lib_dir().display().to_string();
+    let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
+    std::fs::create_dir_all(stack.node_dir(name))?;
+    std::fs::write(
+        &handler_file,
+        format!("DriverLibraryDir = {}\n", serde_json::to_string(&lib_dir)?),
+    )?;
+    start_node(
+        stack,
+        Node::builder_on(stack, name)
+            .log_level(level)
+            .cdi(&[sim.cdi_dir()])
+            .runtime_option("DriverLibraryDir", lib_dir.as_str())
+            .env(
+                "GPU_CKPT_HANDLER_CONFIG",
+                &handler_file.display().to_string(),
+            ),
+    )
 }
 
 /// Waits until no process holds memory on the simulated GPU (the last round's is gone).
