@@ -21,9 +21,17 @@ use libloading::Library;
 
 use crate::error::GpuError;
 use crate::state::ProcessState;
+use crate::storage::DeviceMemoryFile;
 use crate::uuid::GpuPair;
 pub use crate::version::CudaVersion;
 use crate::DeviceCheckpoint;
+
+mod custom;
+pub use custom::{
+    CUcheckpointCheckpointArgsCustom, CUcheckpointCustomStorageInfo,
+    CUcheckpointCustomStoragePerDeviceData, CUcheckpointRestoreArgsCustom, CHUNK_BYTES,
+    CUSTOM_STORAGE_MIN_VERSION,
+};
 
 /// The library loaded when no path is given (the dynamic loader's search applies).
 pub const DEFAULT_LIBRARY: &str = "libcuda.so.1";
@@ -140,6 +148,20 @@ pub fn restore_pairs(
     }
 }
 
+/// `gpuPairs` and `gpuPairsCount` of a restore's arguments: NULL and 0 for no pairs.
+fn pairs_arg(
+    pairs: &[CUcheckpointGpuPair],
+) -> Result<(*const CUcheckpointGpuPair, c_uint), GpuError> {
+    let count = u32::try_from(pairs.len())
+        .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", pairs.len())))?;
+    let ptr = if pairs.is_empty() {
+        std::ptr::null()
+    } else {
+        pairs.as_ptr()
+    };
+    Ok((ptr, count))
+}
+
 /// The name of a common `CUresult`, for drivers whose `cuGetErrorName` fails or is missing.
 pub fn fallback_error_name(code: CUresult) -> Option<&'static str> {
     Some(match code {
@@ -206,6 +228,8 @@ struct Loaded {
     unlock: Sym<PidFn<CUcheckpointUnlockArgs>>,
     get_state: Sym<PidFn<c_uint>>,
     get_restore_tid: Sym<PidFn<c_int>>,
+    /// Custom storage's entry points, or the first one missing (symbol, reason).
+    custom: Result<custom::CustomApi, (String, String)>,
     /// Keeps the function pointers above valid; never dropped (the cache is never emptied).
     _lib: Library,
 }
@@ -397,15 +421,10 @@ impl DeviceCheckpoint for CudaDriver {
         // Decided before any call: an old driver cannot move a process to other GPUs.
         let c_pairs = restore_pairs(pid, self.loaded.driver_version, pairs)?;
         let f = self.sym(&self.loaded.restore)?;
-        let count = u32::try_from(c_pairs.len())
-            .map_err(|_| GpuError::InvalidArgument(format!("{} GPU pairs", c_pairs.len())))?;
+        let (gpu_pairs, gpu_pairs_count) = pairs_arg(&c_pairs)?;
         let mut args = CUcheckpointRestoreArgs {
-            gpu_pairs: if c_pairs.is_empty() {
-                std::ptr::null()
-            } else {
-                c_pairs.as_ptr()
-            },
-            gpu_pairs_count: count,
+            gpu_pairs,
+            gpu_pairs_count,
             ..Default::default()
         };
         for p in pairs {
@@ -454,6 +473,29 @@ impl DeviceCheckpoint for CudaDriver {
 
     fn driver_version(&self) -> Result<i32, GpuError> {
         Ok(self.loaded.driver_version)
+    }
+
+    fn custom_storage(&self) -> bool {
+        self.has_custom_storage()
+    }
+
+    fn checkpoint_to(
+        &self,
+        pid: i32,
+        dir: &std::path::Path,
+        prefix: &str,
+    ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
+        self.custom_checkpoint(pid, dir, prefix)
+    }
+
+    fn restore_from(
+        &self,
+        pid: i32,
+        pairs: &[crate::GpuPair],
+        dir: &Path,
+        files: &[DeviceMemoryFile],
+    ) -> Result<(), GpuError> {
+        self.custom_restore(pid, dir, files, pairs)
     }
 }
 
@@ -586,6 +628,7 @@ fn load_library(path: Option<&Path>) -> Result<Loaded, GpuError> {
         unlock: sym(&lib, "cuCheckpointProcessUnlock"),
         get_state: sym(&lib, "cuCheckpointProcessGetState"),
         get_restore_tid: sym(&lib, "cuCheckpointProcessGetRestoreThreadId"),
+        custom: custom::CustomApi::load(&lib),
         library,
         _lib: lib,
     };

@@ -93,6 +93,19 @@ pub enum GpuError {
     #[error("device worker: {0}")]
     Worker(String),
 
+    /// A checkpoint's device-memory file could not be created, written, read or synced, e.g.
+    /// `device-memory file /ckpt/dev-9040-0.bin: reserve: No space left on device (os error 28)`.
+    #[error("device-memory file {file}: {reason}")]
+    Storage { file: String, reason: String },
+
+    /// A device-memory file whose bytes are not those the checkpoint recorded.
+    #[error("device-memory file {file} is corrupt: its BLAKE3 is {actual}, the checkpoint recorded {expected}")]
+    Corrupt {
+        file: String,
+        expected: String,
+        actual: String,
+    },
+
     /// An NVML call failed.
     #[error("NVML {call}: {message}")]
     Nvml {

@@ -55,6 +55,11 @@ pub trait DeviceCheckpoint: Send + Sync {
     fn in_flight(&self) -> Option<i32> {
         None
     }
+    /// Every process a call is being made on now (a backend that serves calls on several
+    /// processes at once lists each; by default, [`in_flight`](Self::in_flight)'s).
+    fn calls_in_flight(&self) -> Vec<i32> {
+        self.in_flight().into_iter().collect()
+    }
     /// Process `pid` is being killed: a call in flight on it is abandoned, and every later
     /// call on it fails at once (a backend that cannot abandon calls ignores this).
     fn abandon(&self, pid: i32) {

@@ -6,11 +6,12 @@
 //! simulated libraries and `gpu-fill` are found next to the test executable (or through
 //! `$GPU_CKPT_SIMGPU_BIN` and `$GPU_CKPT_GPU_FILL`). A missing one fails the test.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+mod common;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use common::{node, uuids, Workload};
 
 use gpu::cuda::{CudaDriver, REMAP_MIN_VERSION};
 use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NvmlInventory, ProcessState};
@@ -21,133 +22,6 @@ const CUDA_ERROR_NOT_INITIALIZED: u32 = 3;
 const CUDA_ERROR_ILLEGAL_STATE: u32 = 401;
 const CUDA_ERROR_TIMEOUT: u32 = 909;
 const CUDA_ERROR_OPERATING_SYSTEM: u32 = 304;
-
-fn node(cfg: SimConfig) -> SimNode {
-    SimNode::start(cfg).expect("start the simulated node (build the workspace first)")
-}
-
-fn uuids(n: &SimNode) -> Vec<GpuUuid> {
-    n.uuids()
-        .iter()
-        .map(|u| u.parse().expect("sim UUID"))
-        .collect()
-}
-
-/// `gpu-fill`: `$GPU_CKPT_GPU_FILL`, else next to the test executable or one level up.
-fn gpu_fill_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("GPU_CKPT_GPU_FILL") {
-        return PathBuf::from(p);
-    }
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut dir = exe.parent();
-    for _ in 0..2 {
-        let Some(d) = dir else { break };
-        let cand = d.join("gpu-fill");
-        if cand.is_file() {
-            return cand;
-        }
-        dir = d.parent();
-    }
-    panic!(
-        "gpu-fill not found next to {}: build the workspace first (cargo build --workspace)",
-        exe.display()
-    )
-}
-
-/// A workload process on a node; killed when dropped.
-struct Workload {
-    child: Child,
-    lines: Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Workload {
-    /// `gpu-fill --mib MIB [extra]` with the node's environment; waits until it has filled.
-    fn fill(n: &SimNode, mib: u64, extra: &[&str]) -> Workload {
-        Self::fill_env(n, mib, extra, &[])
-    }
-
-    /// [`Workload::fill`] with `env` added to the node's environment.
-    fn fill_env(n: &SimNode, mib: u64, extra: &[&str], env: &[(&str, &str)]) -> Workload {
-        let mut cmd = Command::new(gpu_fill_binary());
-        cmd.args(["--mib", &mib.to_string()])
-            .args(extra)
-            .envs(n.env())
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("spawn gpu-fill");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut w = Workload {
-            child,
-            lines,
-            seen: Vec::new(),
-        };
-        w.wait_for("filled ");
-        w
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    /// The next line starting with `prefix`; panics after 30 s or at end of output.
-    fn wait_for(&mut self, prefix: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if l.starts_with(prefix) {
-                        return l;
-                    }
-                    assert!(!l.starts_with("MISMATCH"), "workload: {l}");
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!(
-                        "no {prefix:?} from the workload in 30 s; it printed {:?}",
-                        self.seen
-                    )
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!(
-                        "the workload ended before {prefix:?}; it printed {:?}",
-                        self.seen
-                    )
-                }
-            }
-        }
-    }
-
-    /// Asks the workload to check every byte it put on the device.
-    fn verify(&mut self) -> String {
-        signal(self.pid(), libc::SIGUSR1);
-        self.wait_for("verified ")
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn signal(pid: i32, sig: i32) {
-    // SAFETY: kill(2) on a child this test started.
-    let rc = unsafe { libc::kill(pid, sig) };
-    assert_eq!(rc, 0, "kill({pid}, {sig})");
-}
 
 /// The last `call` the driver received had all-zero arguments.
 fn assert_zero_args(n: &SimNode, call: &str) {
@@ -532,5 +406,151 @@ fn two_nodes_side_by_side_in_one_process() {
     ca.checkpoint(pid).unwrap();
     ca.restore(pid, &[]).unwrap();
     ca.unlock(pid).unwrap();
+    w.verify();
+}
+
+/// The process's resident memory, from `/proc/PID/status`.
+fn rss_bytes(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS");
+    kib << 10
+}
+
+fn custom_node(gpus: u32, seed: &str) -> SimNode {
+    node(SimConfig {
+        gpus,
+        cuda_version: 13050,
+        uuid_seed: seed.into(),
+        ..SimConfig::default()
+    })
+}
+
+/// Custom storage: a process's device memory on two GPUs goes to one file per GPU (never
+/// through the process's memory), and comes back from them onto two other GPUs of the node,
+/// every byte as it was.
+#[test]
+fn custom_storage_to_files_and_back_onto_other_gpus() {
+    let n = custom_node(4, "custom-files");
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    assert!(cuda.custom_storage());
+    let u = uuids(&n);
+    let mib = 40; // more than one 32 MiB chunk per GPU, the last one partial
+    let mut w = Workload::fill(&n, mib, &["--devices", "0,1"]);
+    let pid = w.pid();
+    let dir = tempfile::tempdir().unwrap();
+    let rss_before = rss_bytes(pid);
+
+    cuda.lock(pid, None).unwrap();
+    let files = cuda.checkpoint_to(pid, dir.path(), "dev-7").unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+    // Nothing of the device memory went into the process.
+    let rss_after = rss_bytes(pid);
+    assert!(
+        rss_after < rss_before + (8 << 20),
+        "RSS grew from {rss_before} to {rss_after} bytes"
+    );
+    assert_eq!(files.len(), 2, "{files:?}");
+    for (i, f) in files.iter().enumerate() {
+        assert_eq!(f.name, format!("dev-7-{i}.bin"));
+        assert_eq!(f.gpu, u[i]);
+        assert_eq!(f.size, mib << 20);
+        let bytes = std::fs::read(dir.path().join(&f.name)).unwrap();
+        assert_eq!(bytes.len() as u64, f.size);
+        assert_eq!(blake3::hash(&bytes).to_hex().to_string(), f.blake3);
+        assert!(bytes.iter().any(|b| *b != 0), "{} is all zero", f.name);
+        let mode = std::fs::metadata(dir.path().join(&f.name)).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+            0o600
+        );
+    }
+    assert_ne!(files[0].blake3, files[1].blake3);
+    let pairs = [
+        GpuPair {
+            old: u[0],
+            new: u[2],
+        },
+        GpuPair {
+            old: u[1],
+            new: u[3],
+        },
+    ];
+    cuda.restore_from(pid, &pairs, dir.path(), &files).unwrap();
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    cuda.unlock(pid).unwrap();
+    assert_eq!(w.verify(), format!("verified {} bytes", 2 * (mib << 20)));
+    let nvml = NvmlInventory::load_from(n.libnvml()).unwrap();
+    let mut on: Vec<GpuUuid> = nvml
+        .compute_processes()
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.pid == pid as u32)
+        .map(|p| p.gpu)
+        .collect();
+    on.sort_by_key(|g| g.0);
+    let mut want = vec![u[2], u[3]];
+    want.sort_by_key(|g| g.0);
+    assert_eq!(on, want, "the process's memory is on GPUs 2 and 3 now");
+
+    // Again, into the same directory: the names are taken, nothing is overwritten, and the
+    // process stays LOCKED (refused before the driver is asked).
+    cuda.lock(pid, None).unwrap();
+    let e = cuda.checkpoint_to(pid, dir.path(), "dev-7").unwrap_err();
+    assert!(matches!(e, GpuError::Storage { .. }), "{e}");
+    assert!(e.to_string().contains("dev-7-0.bin"), "{e}");
+    assert!(e.to_string().contains("already exists"), "{e}");
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    let again = std::fs::read(dir.path().join("dev-7-0.bin")).unwrap();
+    assert_eq!(blake3::hash(&again).to_hex().to_string(), files[0].blake3);
+}
+
+/// A changed byte in a device-memory file fails the restore naming the file; the process is
+/// left RESTORING, never running on those bytes.
+#[test]
+fn custom_storage_refuses_a_changed_file() {
+    let n = custom_node(1, "custom-corrupt");
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    let w = Workload::fill(&n, 4, &[]);
+    let pid = w.pid();
+    let dir = tempfile::tempdir().unwrap();
+    cuda.lock(pid, None).unwrap();
+    let files = cuda.checkpoint_to(pid, dir.path(), "d").unwrap();
+    let path = dir.path().join(&files[0].name);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[12345] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let e = cuda.restore_from(pid, &[], dir.path(), &files).unwrap_err();
+    assert!(matches!(e, GpuError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::RESTORING);
+}
+
+/// Before CUDA 13.4 there is no custom storage: the call is refused before the driver sees it,
+/// and the staged path works as before.
+#[test]
+fn no_custom_storage_before_cuda_13_4() {
+    let n = node(SimConfig {
+        uuid_seed: "custom-old".into(),
+        ..SimConfig::default()
+    });
+    let cuda = CudaDriver::load_from(n.libcuda()).unwrap();
+    assert_eq!(cuda.version(), 13000);
+    assert!(!cuda.custom_storage());
+    let mut w = Workload::fill(&n, 4, &[]);
+    let pid = w.pid();
+    let dir = tempfile::tempdir().unwrap();
+    cuda.lock(pid, None).unwrap();
+    let e = cuda.checkpoint_to(pid, dir.path(), "d").unwrap_err();
+    assert!(e.to_string().contains("no custom storage"), "{e}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);
+    cuda.checkpoint(pid).unwrap();
+    cuda.restore(pid, &[]).unwrap();
+    cuda.unlock(pid).unwrap();
     w.verify();
 }

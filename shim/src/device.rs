@@ -739,7 +739,7 @@ pub fn abandon_calls_under(init: i32) {
         Err(_) => return,
     };
     for layer in layers {
-        if let Some(pid) = layer.cuda.in_flight() {
+        for pid in layer.cuda.calls_in_flight() {
             if descends_from(pid, init) {
                 layer.cuda.abandon(pid);
             }

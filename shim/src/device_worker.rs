@@ -7,9 +7,16 @@
 //! call at a time over its stdin and stdout, a JSON document a line ([`Call`] in, [`Message`]
 //! out). Before each driver call it says which one it makes ([`Message::Calling`]), so that the
 //! bound is that call's own and the error names the call that did not return (a lock that reads
-//! the state back can be stuck in either). One worker per shim and driver, started on first
-//! need and reused (its calls one at a time, the containers of the pod in turn); after a kill
-//! the next call starts a fresh one (`cuInit` again).
+//! the state back can be stuck in either). A custom-storage call (`checkpoint_to`,
+//! `restore_from`: the worker copies the device memory to or from the checkpoint's files itself)
+//! is bounded as a whole by the checkpoint or restore bound of the process's device bytes.
+//!
+//! Workers form a pool per shim and driver: each serves one call at a time; a call takes an idle
+//! worker, or starts one (`cuInit`) while fewer than the cap are alive, or waits for one; a
+//! worker goes back to the pool when its call returns, so that calls on different processes
+//! (the device steps of a container's GPU processes, run in parallel) run at once. A worker
+//! killed past a bound, or by [`abandon`](DeviceCheckpoint::abandon) (which kills only the
+//! workers serving calls on that process), leaves the pool; a later call starts a fresh one.
 //!
 //! The worker is reaped by the shim's exit monitor (the subreaper's `waitpid(-1)` loop), never
 //! through `Child::wait`, which would race it (see `runc.rs`). A kernel thread cannot be
@@ -21,11 +28,11 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use containerd_shim::monitor::{monitor_subscribe, monitor_unsubscribe, Subject, Topic};
-use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, ProcessState};
+use gpu::{DeviceCheckpoint, DeviceMemoryFile, GpuError, GpuPair, GpuUuid, ProcessState};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
@@ -36,6 +43,10 @@ use crate::options::{self, RuntimeOptions};
 pub const WORKER_ARG: &str = "device-worker";
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The most workers alive at once per driver (a node has up to 8 GPUs; a container a process
+/// per GPU, and a pod several containers whose steps may overlap).
+pub const MAX_WORKERS: usize = 16;
 
 /// How long each driver call may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,6 +130,33 @@ pub enum Call {
     RestoreThreadId {
         pid: i32,
     },
+    /// `checkpoint_to`: the worker writes the files.
+    CheckpointTo {
+        pid: i32,
+        dir: PathBuf,
+        prefix: String,
+    },
+    /// `restore_from`: the worker reads the files.
+    RestoreFrom {
+        pid: i32,
+        pairs: Vec<([u8; 16], [u8; 16])>,
+        dir: PathBuf,
+        files: Vec<DeviceMemoryFile>,
+    },
+}
+
+fn gpu_pairs(pairs: &[([u8; 16], [u8; 16])]) -> Vec<GpuPair> {
+    pairs
+        .iter()
+        .map(|(o, n)| GpuPair {
+            old: GpuUuid(*o),
+            new: GpuUuid(*n),
+        })
+        .collect()
+}
+
+fn raw_pairs(pairs: &[GpuPair]) -> Vec<([u8; 16], [u8; 16])> {
+    pairs.iter().map(|p| (p.old.0, p.new.0)).collect()
 }
 
 impl Call {
@@ -126,8 +164,8 @@ impl Call {
     fn name(&self) -> &'static str {
         match self {
             Call::Lock { .. } => "cuCheckpointProcessLock",
-            Call::Checkpoint { .. } => "cuCheckpointProcessCheckpoint",
-            Call::Restore { .. } => "cuCheckpointProcessRestore",
+            Call::Checkpoint { .. } | Call::CheckpointTo { .. } => "cuCheckpointProcessCheckpoint",
+            Call::Restore { .. } | Call::RestoreFrom { .. } => "cuCheckpointProcessRestore",
             Call::Unlock { .. } => "cuCheckpointProcessUnlock",
             Call::State { .. } => "cuCheckpointProcessGetState",
             Call::RestoreThreadId { .. } => "cuCheckpointProcessGetRestoreThreadId",
@@ -141,8 +179,16 @@ impl Call {
             | Call::Restore { pid, .. }
             | Call::Unlock { pid }
             | Call::State { pid }
-            | Call::RestoreThreadId { pid } => *pid,
+            | Call::RestoreThreadId { pid }
+            | Call::CheckpointTo { pid, .. }
+            | Call::RestoreFrom { pid, .. } => *pid,
         }
+    }
+
+    /// Whether the call is bounded as a whole (custom storage: many driver calls and the
+    /// files' I/O between them) rather than driver call by driver call.
+    fn bounded_whole(&self) -> bool {
+        matches!(self, Call::CheckpointTo { .. } | Call::RestoreFrom { .. })
     }
 
     /// Runs the request on `driver`.
@@ -150,19 +196,23 @@ impl Call {
         Ok(match self {
             Call::Lock { pid, timeout } => driver.lock(*pid, *timeout).map(|_| Answer::Done)?,
             Call::Checkpoint { pid } => driver.checkpoint(*pid).map(|_| Answer::Done)?,
-            Call::Restore { pid, pairs } => {
-                let pairs: Vec<GpuPair> = pairs
-                    .iter()
-                    .map(|(o, n)| GpuPair {
-                        old: GpuUuid(*o),
-                        new: GpuUuid(*n),
-                    })
-                    .collect();
-                driver.restore(*pid, &pairs).map(|_| Answer::Done)?
-            }
+            Call::Restore { pid, pairs } => driver
+                .restore(*pid, &gpu_pairs(pairs))
+                .map(|_| Answer::Done)?,
             Call::Unlock { pid } => driver.unlock(*pid).map(|_| Answer::Done)?,
             Call::State { pid } => Answer::State(driver.state(*pid)?),
             Call::RestoreThreadId { pid } => Answer::Tid(driver.restore_thread_id(*pid)?),
+            Call::CheckpointTo { pid, dir, prefix } => {
+                Answer::Files(driver.checkpoint_to(*pid, dir, prefix)?)
+            }
+            Call::RestoreFrom {
+                pid,
+                pairs,
+                dir,
+                files,
+            } => driver
+                .restore_from(*pid, &gpu_pairs(pairs), dir, files)
+                .map(|_| Answer::Done)?,
         })
     }
 }
@@ -171,8 +221,14 @@ impl Call {
 #[derive(Serialize, Deserialize, Debug)]
 #[serde(rename_all = "snake_case")]
 pub enum Message {
-    /// The library loaded and initialised: its name and `cuDriverGetVersion`.
-    Loaded { library: String, version: i32 },
+    /// The library loaded and initialised: its name, `cuDriverGetVersion`, and whether it has
+    /// custom storage.
+    Loaded {
+        library: String,
+        version: i32,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        custom_storage: bool,
+    },
     /// A driver call is about to be made.
     Calling { call: String, pid: Option<i32> },
     /// The answer to the request (or, at start, why the library did not load).
@@ -180,12 +236,14 @@ pub enum Message {
 }
 
 /// A successful answer.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Answer {
     Done,
     State(ProcessState),
     Tid(i32),
+    /// The files a `checkpoint_to` wrote.
+    Files(Vec<DeviceMemoryFile>),
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -216,6 +274,7 @@ pub fn serve(dir: &str) -> i32 {
     send(&Message::Loaded {
         library: driver.library().to_string(),
         version: driver.version(),
+        custom_storage: driver.custom_storage(),
     });
     let mut line = String::new();
     let stdin = std::io::stdin();
@@ -247,25 +306,71 @@ fn send(m: &Message) {
 // The shim's side
 // ---------------------------------------------------------------------------------------------
 
-/// The driver's checkpoint API through a worker process, each call bounded.
+/// The driver's checkpoint API through a pool of worker processes, each call bounded.
 pub struct WorkerDriver {
     program: PathBuf,
     args: Vec<String>,
     bounds: Bounds,
     library: String,
     version: i32,
+    custom_storage: bool,
     /// Device bytes per pid, for the checkpoint and restore bounds.
     bytes: Mutex<HashMap<i32, u64>>,
-    worker: Mutex<Option<Worker>>,
-    /// The call being made: its target pid and the worker making it, for [`abandon`]
-    /// (Kill's, which does not wait for `worker`'s lock).
+    /// The idle workers and how many are alive; `freed` is told when one goes idle or dies.
+    pool: Mutex<Pool>,
+    freed: Condvar,
+    max_workers: usize,
+    /// The calls being made: each one's target pid and the worker making it, for [`abandon`]
+    /// (Kill's, which waits for no call).
     ///
     /// [`abandon`]: DeviceCheckpoint::abandon
-    in_flight: Mutex<Option<(i32, Arc<Proc>)>>,
+    in_flight: Mutex<Vec<(i32, Arc<Proc>)>>,
     /// Processes whose calls were abandoned, with their start time (`/proc/PID/stat`), so that
     /// a later process given the same pid is not taken for them: every call on one fails at
     /// once.
     abandoned: Mutex<HashMap<i32, u64>>,
+}
+
+/// The workers of a [`WorkerDriver`]: those waiting for a call, and the number alive (idle,
+/// serving a call, or starting).
+struct Pool {
+    idle: Vec<Worker>,
+    alive: usize,
+}
+
+/// A worker taken from the pool for one call: back to the pool by [`Lease::keep`]; dropped
+/// otherwise (the call failed in a way that leaves the worker unusable), it is killed and no
+/// longer counted.
+struct Lease<'a> {
+    driver: &'a WorkerDriver,
+    worker: Option<Worker>,
+}
+
+impl Lease<'_> {
+    fn get(&mut self) -> &mut Worker {
+        self.worker
+            .as_mut()
+            .expect("a lease holds its worker until kept")
+    }
+
+    fn keep(mut self) {
+        if let Some(w) = self.worker.take() {
+            let mut pool = self.driver.pool();
+            pool.idle.push(w);
+            self.driver.freed.notify_one();
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.worker.take() {
+            w.proc.kill();
+            let mut pool = self.driver.pool();
+            pool.alive = pool.alive.saturating_sub(1);
+            self.driver.freed.notify_one();
+        }
+    }
 }
 
 /// A worker's process, signalled through a pidfd taken when it was spawned: once the exit
@@ -311,12 +416,13 @@ impl Proc {
     }
 }
 
-/// Clears [`WorkerDriver::in_flight`] when a call returns, whichever way.
-struct InFlight<'a>(&'a Mutex<Option<(i32, Arc<Proc>)>>);
+/// Takes a call out of [`WorkerDriver::in_flight`] when it returns, whichever way.
+struct InFlight<'a>(&'a Mutex<Vec<(i32, Arc<Proc>)>>, Arc<Proc>);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut f = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f.retain(|(_, p)| !Arc::ptr_eq(p, &self.1));
     }
 }
 
@@ -327,6 +433,9 @@ fn start_time(pid: i32) -> Option<u64> {
         .ok()
         .map(|s| s.starttime)
 }
+
+/// What a worker reports once the driver is loaded: library, version, custom storage.
+type Loaded = (String, i32, bool);
 
 /// A running worker.
 struct Worker {
@@ -433,16 +542,65 @@ impl WorkerDriver {
             bounds,
             library: String::new(),
             version: 0,
+            custom_storage: false,
             bytes: Mutex::new(HashMap::new()),
-            worker: Mutex::new(None),
-            in_flight: Mutex::new(None),
+            pool: Mutex::new(Pool {
+                idle: Vec::new(),
+                alive: 0,
+            }),
+            freed: Condvar::new(),
+            max_workers: MAX_WORKERS,
+            in_flight: Mutex::new(Vec::new()),
             abandoned: Mutex::new(HashMap::new()),
         };
-        let (w, library, version) = d.start()?;
-        d.library = library;
-        d.version = version;
-        d.worker = Mutex::new(Some(w));
+        let (w, loaded) = d.start()?;
+        (d.library, d.version, d.custom_storage) = loaded;
+        d.pool = Mutex::new(Pool {
+            idle: vec![w],
+            alive: 1,
+        });
         Ok(d)
+    }
+
+    /// At most `n` (at least 1) workers alive at once; [`MAX_WORKERS`] by default.
+    pub fn with_max_workers(mut self, n: usize) -> WorkerDriver {
+        self.max_workers = n.max(1);
+        self
+    }
+
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An idle worker, else a new one while fewer than the cap are alive, else the first to
+    /// come back.
+    fn lease(&self) -> std::result::Result<Lease<'_>, GpuError> {
+        let mut pool = self.pool();
+        loop {
+            if let Some(w) = pool.idle.pop() {
+                return Ok(Lease {
+                    driver: self,
+                    worker: Some(w),
+                });
+            }
+            if pool.alive < self.max_workers {
+                pool.alive += 1;
+                drop(pool);
+                return match self.start() {
+                    Ok((w, _)) => Ok(Lease {
+                        driver: self,
+                        worker: Some(w),
+                    }),
+                    Err(e) => {
+                        let mut pool = self.pool();
+                        pool.alive = pool.alive.saturating_sub(1);
+                        self.freed.notify_one();
+                        Err(e)
+                    }
+                };
+            }
+            pool = self.freed.wait(pool).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// The library the worker loaded.
@@ -455,8 +613,9 @@ impl WorkerDriver {
         self.version
     }
 
-    /// Spawns a worker and waits (bounded by the call bound) until it has loaded the driver.
-    fn start(&self) -> std::result::Result<(Worker, String, i32), GpuError> {
+    /// Spawns a worker and waits (bounded by the call bound) until it has loaded the driver:
+    /// the worker, and the library's name, version and whether it has custom storage.
+    fn start(&self) -> std::result::Result<(Worker, Loaded), GpuError> {
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
             .stdin(Stdio::piped())
@@ -481,9 +640,16 @@ impl WorkerDriver {
         let deadline = Instant::now() + bound;
         loop {
             match w.out.next(deadline) {
-                Ok(Message::Loaded { library, version }) => {
-                    info!(pid, library, version, "device worker started");
-                    return Ok((w, library, version));
+                Ok(Message::Loaded {
+                    library,
+                    version,
+                    custom_storage,
+                }) => {
+                    info!(
+                        pid,
+                        library, version, custom_storage, "device worker started"
+                    );
+                    return Ok((w, (library, version, custom_storage)));
                 }
                 Ok(Message::Calling { .. }) => {}
                 Ok(Message::Done(Err(e))) => {
@@ -518,68 +684,78 @@ impl WorkerDriver {
         bytes.get(&pid).copied().unwrap_or(0)
     }
 
-    /// Runs `call` in the worker (started when there is none), each driver call it makes
-    /// within its bound; past one, the worker is killed and the error names the call.
+    /// Runs `call` in a worker of the pool, each driver call it makes within its bound (a
+    /// custom-storage call within one bound as a whole); past it, the worker is killed and the
+    /// error names the call.
     fn call(&self, call: Call) -> std::result::Result<Answer, GpuError> {
         if self.is_abandoned(call.pid()) {
             return Err(abandoned(&call));
         }
-        let mut slot = self.worker.lock().unwrap_or_else(|e| e.into_inner());
-        let mut w = match slot.take() {
-            Some(w) => w,
-            None => self.start()?.0,
-        };
+        let mut lease = self.lease()?;
         let lock_timeout = match &call {
             Call::Lock { timeout, .. } => *timeout,
             _ => None,
         };
         let target = call.pid();
-        let bytes = self.bytes_of(target);
+        let bytes = match &call {
+            Call::RestoreFrom { files, .. } => self
+                .bytes_of(target)
+                .max(files.iter().map(|f| f.size).sum()),
+            _ => self.bytes_of(target),
+        };
+        let w = lease.get();
         w.send(&call)?;
-        *self.in_flight.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((target, Arc::clone(&w.proc)));
-        let _in_flight = InFlight(&self.in_flight);
+        let proc = Arc::clone(&w.proc);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((target, Arc::clone(&proc)));
+        let _in_flight = InFlight(&self.in_flight, Arc::clone(&proc));
         // A Kill that came between the check above and now found nothing in flight.
         if self.is_abandoned(target) {
-            w.proc.kill();
             return Err(abandoned(&call));
         }
         // Until the worker names its first driver call (at once: nothing comes before it but
-        // decoding the request), the plain call bound.
+        // decoding the request), the plain call bound; a custom-storage call has its
+        // checkpoint or restore bound from the start to the end.
+        let whole = call.bounded_whole();
         let (mut current, mut pid) = ("device worker".to_string(), target);
-        let mut bound = self.bounds.call;
+        let mut bound = if whole {
+            self.bounds.of(call.name(), None, bytes)
+        } else {
+            self.bounds.call
+        };
         let mut deadline = Instant::now() + bound;
         loop {
-            match w.out.next(deadline) {
+            match lease.get().out.next(deadline) {
                 Ok(Message::Calling { call: c, pid: p }) => {
-                    bound = self.bounds.of(&c, lock_timeout, bytes);
-                    deadline = Instant::now() + bound;
+                    if !whole {
+                        bound = self.bounds.of(&c, lock_timeout, bytes);
+                        deadline = Instant::now() + bound;
+                    }
                     (current, pid) = (c, p.unwrap_or(target));
                 }
                 Ok(Message::Done(answer)) => {
-                    *slot = Some(w);
+                    lease.keep();
                     return answer;
                 }
                 Ok(m) => {
-                    w.proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {}) sent {m:?} during {current}(pid {pid})",
-                        w.proc.pid
+                        proc.pid
                     )));
                 }
                 Err(_) if self.is_abandoned(target) => {
-                    w.proc.kill();
                     return Err(abandoned(&call));
                 }
                 Err(Broken::Late) => {
                     warn!(
-                        worker = w.proc.pid,
+                        worker = proc.pid,
                         call = current,
                         pid,
                         bound_ms = bound.as_millis() as u64,
                         "driver call past its bound: worker killed"
                     );
-                    w.proc.kill();
                     return Err(GpuError::Unanswered {
                         call: current,
                         pid,
@@ -587,10 +763,9 @@ impl WorkerDriver {
                     });
                 }
                 Err(Broken::Gone(why)) => {
-                    w.proc.kill();
                     return Err(GpuError::Worker(format!(
                         "worker (pid {}) {why} during {current}(pid {pid})",
-                        w.proc.pid
+                        proc.pid
                     )));
                 }
             }
@@ -640,7 +815,7 @@ impl DeviceCheckpoint for WorkerDriver {
     }
 
     fn restore(&self, pid: i32, pairs: &[GpuPair]) -> std::result::Result<(), GpuError> {
-        let pairs = pairs.iter().map(|p| (p.old.0, p.new.0)).collect();
+        let pairs = raw_pairs(pairs);
         self.done(Call::Restore { pid, pairs })
     }
 
@@ -672,8 +847,12 @@ impl DeviceCheckpoint for WorkerDriver {
     }
 
     fn in_flight(&self) -> Option<i32> {
+        self.calls_in_flight().first().copied()
+    }
+
+    fn calls_in_flight(&self) -> Vec<i32> {
         let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        f.as_ref().map(|(pid, _)| *pid)
+        f.iter().map(|(pid, _)| *pid).collect()
     }
 
     fn abandon(&self, pid: i32) {
@@ -683,24 +862,62 @@ impl DeviceCheckpoint for WorkerDriver {
             .unwrap_or_else(|e| e.into_inner())
             .insert(pid, start);
         let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((target, proc)) = f.as_ref() {
-            if *target == pid {
-                warn!(
-                    pid,
-                    worker = proc.pid,
-                    "driver call abandoned: the container is being killed"
-                );
-                proc.kill();
-            }
+        for (_, proc) in f.iter().filter(|(target, _)| *target == pid) {
+            warn!(
+                pid,
+                worker = proc.pid,
+                "driver call abandoned: the container is being killed"
+            );
+            proc.kill();
         }
+    }
+
+    fn custom_storage(&self) -> bool {
+        self.custom_storage
+    }
+
+    fn checkpoint_to(
+        &self,
+        pid: i32,
+        dir: &Path,
+        prefix: &str,
+    ) -> std::result::Result<Vec<DeviceMemoryFile>, GpuError> {
+        let call = Call::CheckpointTo {
+            pid,
+            dir: dir.to_path_buf(),
+            prefix: prefix.to_string(),
+        };
+        match self.call(call)? {
+            Answer::Files(f) => Ok(f),
+            a => Err(unexpected(a)),
+        }
+    }
+
+    fn restore_from(
+        &self,
+        pid: i32,
+        pairs: &[gpu::GpuPair],
+        dir: &Path,
+        files: &[DeviceMemoryFile],
+    ) -> std::result::Result<(), GpuError> {
+        self.done(Call::RestoreFrom {
+            pid,
+            pairs: raw_pairs(pairs),
+            dir: dir.to_path_buf(),
+            files: files.to_vec(),
+        })
     }
 }
 
 impl Drop for WorkerDriver {
     fn drop(&mut self) {
-        let slot = self.worker.get_mut().unwrap_or_else(|e| e.into_inner());
-        if let Some(w) = slot.take() {
+        let pool = self.pool.get_mut().unwrap_or_else(|e| e.into_inner());
+        for w in pool.idle.drain(..) {
             w.proc.kill();
+        }
+        let f = self.in_flight.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (_, proc) in f.iter() {
+            proc.kill();
         }
     }
 }
@@ -745,6 +962,10 @@ fn spawn_reaped(mut cmd: Command) -> std::io::Result<Spawned> {
 fn pipes(child: &mut Child) -> Spawned {
     (child.id() as i32, child.stdin.take(), child.stdout.take())
 }
+
+#[cfg(test)]
+#[path = "device_worker_sim.rs"]
+mod sim_tests;
 
 #[cfg(test)]
 mod tests {
@@ -805,6 +1026,7 @@ mod tests {
         let m = Message::Loaded {
             library: "l".into(),
             version: 13000,
+            custom_storage: false,
         };
         assert_eq!(
             serde_json::to_string(&m).unwrap(),

@@ -1176,6 +1176,23 @@ entry! {
         stream_ok(drv()?, stream)
     }
 
+    fn cuStreamGetCtx(stream: CUstream, pctx: *mut CUcontext) {
+        // The context a stream belongs to: for the default streams the current one; for a
+        // stream of a device, that device's primary context where this process holds it (as
+        // the streams a custom-storage operation hands out are), else the current context.
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        let current = CTX_STACK.with(|s| s.borrow().last().copied());
+        let h = lock(&d.handles);
+        let primary = h
+            .streams
+            .get(&(stream as usize))
+            .and_then(|dev| h.primary.get(dev))
+            .filter(|p| p.1 > 0)
+            .map(|p| p.0);
+        out(pctx, primary.or(current).ok_or(cu::INVALID_CONTEXT)? as CUcontext)
+    }
+
     fn cuStreamWaitEvent(stream: CUstream, event: CUevent, _flags: c_uint) {
         let d = drv()?;
         stream_ok(d, stream)?;
@@ -1562,6 +1579,7 @@ static ENTRY_POINTS: &[(&str, &[Abi])] = &[
         "cuStreamQuery",
         &[abi_pt(2000, "cuStreamQuery", "cuStreamQuery_ptsz")],
     ),
+    ("cuStreamGetCtx", &[abi(9020, "cuStreamGetCtx")]),
     (
         "cuStreamWaitEvent",
         &[abi_pt(3020, "cuStreamWaitEvent", "cuStreamWaitEvent_ptsz")],
