@@ -50,6 +50,7 @@ impl Profile {
                 processes: Vec::new(),
                 node_gpus: inv.gpus.iter().map(gpu_entry).collect(),
                 driver_files: Vec::new(),
+                storage: String::new(),
             },
             workload,
         }
@@ -536,6 +537,7 @@ pub fn profile_from_annotations(a: &BTreeMap<String, String>) -> Option<Profile>
                 .get(keys::DRIVER_FILES)
                 .and_then(|v| serde_json::from_str(v).ok())
                 .unwrap_or_default(),
+            storage: String::new(),
         },
         workload: Workload {
             engine_version: get(keys::ENGINE_VERSION),

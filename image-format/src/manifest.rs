@@ -156,7 +156,18 @@ pub struct Devices {
     /// manifests, which are held to the driver branch only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub driver_files: Vec<DriverFile>,
+    /// Where the processes' device memory went: [`STORAGE_CUSTOM`] (the driver's custom
+    /// storage, into the device-memory files [`Manifest::device_state`] lists) or
+    /// [`STORAGE_STAGED`] (staged in each process's host memory, inside CRIU's page images).
+    /// Empty where no process held device state, and in older manifests (staged).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub storage: String,
 }
+
+/// [`Devices::storage`] of a checkpoint whose device memory went into device-memory files.
+pub const STORAGE_CUSTOM: &str = "custom";
+/// [`Devices::storage`] of a checkpoint whose device memory was staged in host memory.
+pub const STORAGE_STAGED: &str = "staged";
 
 /// One of the driver's user-space files (`libcuda.so.580.65.06`, ...) as a checkpointed process
 /// mapped it (see the `driver_files` module).
@@ -185,6 +196,12 @@ impl Devices {
                     .sum()
             })
             .collect()
+    }
+
+    /// Whether the device memory is in device-memory files (custom storage), not in CRIU's
+    /// page images.
+    pub fn custom_storage(&self) -> bool {
+        self.storage == STORAGE_CUSTOM
     }
 
     /// All device bytes the checkpoint's processes held.
@@ -333,7 +350,8 @@ pub struct CriuOptions {
     pub empty_namespaces: Vec<String>,
 }
 
-/// A device state blob.
+/// A device state blob: with custom storage, one process's device memory on one GPU (a
+/// device-memory file, written by the shim from the driver's mapped range).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DeviceState {
     /// File name in the checkpoint directory.
@@ -345,7 +363,13 @@ pub struct DeviceState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
     pub size: u64,
+    /// sha256, lower-case hex; empty for a device-memory file (BLAKE3 only, as it was hashed
+    /// while written).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub sha256: String,
+    /// BLAKE3, lower-case hex, the digest the file is verified with where present.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub blake3: String,
 }
 
 /// How long one step took.
@@ -430,8 +454,52 @@ impl Manifest {
             pid,
             size: d.size,
             sha256: d.sha256,
+            blake3: d.blake3,
         });
         Ok(())
+    }
+
+    /// Record a device-memory file (custom storage) whose size and BLAKE3 were taken while it
+    /// was written, without reading it again: listed in `device_state` and in `files`.
+    pub fn add_device_memory(
+        &mut self,
+        name: &str,
+        gpu_uuid: &str,
+        pid: u32,
+        size: u64,
+        blake3: &str,
+    ) -> Result<()> {
+        check_flat_name(name)?;
+        if is_page_image(name) || is_manifest_or_temp(name) {
+            return Err(Error::BadFileName {
+                name: name.to_string(),
+                reason: "the name of a CRIU page image or of the manifest",
+            });
+        }
+        self.files.insert(
+            name.to_string(),
+            FileDigest {
+                size,
+                sha256: String::new(),
+                blake3: blake3.to_string(),
+            },
+        );
+        self.device_state.push(DeviceState {
+            name: name.to_string(),
+            gpu_uuid: gpu_uuid.to_string(),
+            pid: Some(pid),
+            size,
+            sha256: String::new(),
+            blake3: blake3.to_string(),
+        });
+        Ok(())
+    }
+
+    /// The device-memory files of the process that was pid `pid` in the container.
+    pub fn device_memory_of(&self, pid: u32) -> impl Iterator<Item = &DeviceState> {
+        self.device_state
+            .iter()
+            .filter(move |d| d.pid == Some(pid) && !d.blake3.is_empty())
     }
 
     /// Record a step timing.
@@ -537,11 +605,29 @@ impl Manifest {
         }
         for (i, d) in m.device_state.iter().enumerate() {
             check_flat_name(&d.name)?;
-            if !is_sha256_hex(&d.sha256) {
+            // At least one digest; every one given well formed.
+            let required = if d.blake3.is_empty() {
+                "sha256"
+            } else {
+                "blake3"
+            };
+            for (field, hex) in [("sha256", &d.sha256), ("blake3", &d.blake3)] {
+                if (hex.is_empty() && field != required) || is_sha256_hex(hex) {
+                    continue;
+                }
                 return Err(Error::InvalidField {
                     what: what.to_string(),
-                    field: format!("device_state[{i}].sha256"),
+                    field: format!("device_state[{i}].{field}"),
                     reason: "not 64 lower-case hex digits".into(),
+                });
+            }
+            // A device-memory file is one of the checkpoint's files, so that the listing, the
+            // digests and the signature cover it like every other.
+            if !d.blake3.is_empty() && m.files.get(&d.name).map(|f| &f.blake3) != Some(&d.blake3) {
+                return Err(Error::InvalidField {
+                    what: what.to_string(),
+                    field: format!("device_state[{i}].blake3"),
+                    reason: format!("{} is not listed in files with this digest", d.name),
                 });
             }
         }
@@ -1041,6 +1127,53 @@ pub(crate) fn check_digest(name: &str, want: &FileDigest, got: &FileDigest) -> R
 mod tests {
     use super::*;
     use crate::durable::{Op, Recording};
+
+    /// A device-memory file is listed in `device_state` and `files` with the BLAKE3 taken as it
+    /// was written (no sha256); `verify` holds it to that digest; a manifest whose
+    /// `device_state` digest is not the one `files` lists is refused.
+    #[test]
+    fn device_memory_files_are_listed_verified_and_held_to_files() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        let data = vec![0x5au8; 4096];
+        fs::write(dir.join("device-memory-1-0.bin"), &data).unwrap();
+        let blake3 = blake3::hash(&data).to_hex().to_string();
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Container::default(),
+            Node::default(),
+            Devices {
+                storage: STORAGE_CUSTOM.into(),
+                ..Devices::default()
+            },
+            Workload::default(),
+        );
+        m.add_device_memory("device-memory-1-0.bin", "GPU-x", 1, 4096, &blake3)
+            .unwrap();
+        assert!(m
+            .add_device_memory("pages-1.img", "GPU-x", 1, 1, &blake3)
+            .is_err());
+        assert!(m.devices.custom_storage());
+        assert_eq!(m.device_memory_of(1).count(), 1);
+        assert!(m.files["device-memory-1-0.bin"].sha256.is_empty());
+        m.write_to(dir).unwrap();
+        assert_eq!(verify_dir(dir).unwrap(), m);
+        let json = String::from_utf8(m.to_json()).unwrap();
+        assert!(json.contains("\"storage\": \"custom\""), "{json}");
+        // One changed byte: refused.
+        let mut changed = data.clone();
+        changed[100] ^= 1;
+        fs::write(dir.join("device-memory-1-0.bin"), &changed).unwrap();
+        let err = verify_dir(dir).unwrap_err().to_string();
+        assert!(err.contains("device-memory-1-0.bin"), "{err}");
+        // A device_state digest that files does not list: refused.
+        let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+        v["device_state"][0]["blake3"] = "0".repeat(64).into();
+        let err = Manifest::from_json(&serde_json::to_vec(&v).unwrap(), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("device_state[0].blake3"), "{err}");
+    }
 
     #[test]
     fn every_listed_file_is_synced_before_the_manifest_and_the_directory_after_its_rename() {

@@ -14,13 +14,16 @@
 //!   node, unlock, and RUNNING confirmed for every process.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NodeInventory, ProcessState};
+use gpu::{
+    DeviceCheckpoint, DeviceMemoryFile, GpuError, GpuPair, GpuUuid, Inventory, NodeInventory,
+    ProcessState,
+};
 use image_format::compat::{self, Profile};
-use image_format::manifest::{DeviceProcess, Devices, ProcessGpu};
+use image_format::manifest::{self, DeviceProcess, Devices, Manifest, ProcessGpu};
 use tracing::{info, info_span, warn};
 
 use crate::bundle::Bundle;
@@ -192,31 +195,77 @@ impl DeviceLayer {
         Ok(out)
     }
 
-    /// Lock every holder (with `timeout`), then checkpoint every holder: device memory moves
-    /// into each process's host memory. On failure, what was done is undone in reverse (restore
-    /// the checkpointed, unlock the locked) and the error names the step, the pid and the
-    /// driver's error.
-    pub fn quiesce(&self, holders: &[Holder], timeout: Duration) -> Result<()> {
-        let mut locked: Vec<&Holder> = Vec::new();
-        for h in holders {
+    /// Lock every holder (with `timeout`), all at once, then checkpoint every holder, all at
+    /// once: device memory moves into each process's host memory, or with custom storage into
+    /// its device-memory files in `storage`'s directory. On failure, what was done is undone
+    /// (restore the checkpointed, unlock the locked) and the error names the step, the pid
+    /// and the driver's error. Returns each holder's files (none when staged) and how long
+    /// the two steps took.
+    pub fn quiesce(
+        &self,
+        holders: &[Holder],
+        timeout: Duration,
+        storage: &Storage,
+    ) -> Result<Quiesce> {
+        let t = Instant::now();
+        let locks = each(holders, |h| {
             let _span = info_span!("device_lock", pid = h.pid).entered();
-            if let Err(e) = self.cuda.lock(h.pid, Some(timeout)) {
-                let mut undo = self.undo_unanswered(&e, "unlock", || self.cuda.unlock(h.pid));
-                undo.extend(self.undo(&locked, 0));
-                return Err(step_error("device-lock", h, &e, undo));
+            self.cuda.lock(h.pid, Some(timeout))
+        });
+        let lock = t.elapsed();
+        if let Some((n, e)) = first_error(&locks) {
+            let mut undo = Vec::new();
+            for (h, r) in holders.iter().zip(&locks) {
+                if let Err(e) = r {
+                    undo.extend(self.undo_unanswered(e, "unlock", || self.cuda.unlock(h.pid)));
+                }
             }
-            locked.push(h);
+            let locked: Vec<(&Holder, Option<&[DeviceMemoryFile]>)> = holders
+                .iter()
+                .zip(&locks)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(h, _)| (h, None))
+                .collect();
+            undo.extend(self.undo(&locked, storage));
+            return Err(step_error("device-lock", &holders[n], e, undo));
         }
-        for (n, h) in holders.iter().enumerate() {
+        let t = Instant::now();
+        let done = each(holders, |h| {
             let _span = info_span!("device_checkpoint", pid = h.pid).entered();
-            if let Err(e) = self.cuda.checkpoint(h.pid) {
-                let mut undo =
-                    self.undo_unanswered(&e, "restore", || self.cuda.restore(h.pid, &[]));
-                undo.extend(self.undo(&locked, n));
-                return Err(step_error("device-checkpoint", h, &e, undo));
+            match storage {
+                Storage::Staged => self.cuda.checkpoint(h.pid).map(|()| Vec::new()),
+                Storage::Custom { dir } => self.cuda.checkpoint_to(h.pid, dir, &file_prefix(h)),
             }
+        });
+        let checkpoint = t.elapsed();
+        if let Some((n, e)) = first_error(&done) {
+            let mut undo = Vec::new();
+            for (h, r) in holders.iter().zip(&done) {
+                if let Err(e) = r {
+                    undo.extend(self.undo_unanswered(e, "restore", || match storage {
+                        Storage::Staged => self.cuda.restore(h.pid, &[]),
+                        // The files of a call that never answered are not known.
+                        Storage::Custom { .. } => Err(GpuError::InvalidArgument(format!(
+                            "pid {}: the device-memory files of a checkpoint that did not answer are unknown",
+                            h.pid
+                        ))),
+                    }));
+                }
+            }
+            let locked: Vec<(&Holder, Option<&[DeviceMemoryFile]>)> = holders
+                .iter()
+                .zip(&done)
+                .map(|(h, r)| (h, r.as_ref().ok().map(Vec::as_slice)))
+                .collect();
+            undo.extend(self.undo(&locked, storage));
+            return Err(step_error("device-checkpoint", &holders[n], e, undo));
         }
-        Ok(())
+        let files = done.into_iter().flatten().collect();
+        Ok(Quiesce {
+            files,
+            lock,
+            checkpoint,
+        })
     }
 
     /// After a call that did not return within its bound (`e`): it may have taken effect
@@ -238,40 +287,71 @@ impl DeviceLayer {
         }
     }
 
-    /// Undo of [`DeviceLayer::quiesce`]: the first `checkpointed` of `locked` are restored onto
-    /// their own GPUs, and every one of `locked` is unlocked, in reverse order. Returns what
-    /// failed, for the error message.
-    fn undo(&self, locked: &[&Holder], checkpointed: usize) -> Vec<String> {
-        let mut failed = Vec::new();
-        for (i, h) in locked.iter().enumerate().rev() {
-            if i < checkpointed {
-                if let Err(e) = self.cuda.restore(h.pid, &[]) {
-                    failed.push(format!("restore: {e}"));
-                    continue;
+    /// Undo of [`DeviceLayer::quiesce`], every process at once: those of `locked` that were
+    /// checkpointed (with their files, if any) are restored onto their own GPUs, and every
+    /// one is unlocked. Returns what failed, for the error message.
+    fn undo(
+        &self,
+        locked: &[(&Holder, Option<&[DeviceMemoryFile]>)],
+        storage: &Storage,
+    ) -> Vec<String> {
+        each(locked, |(h, checkpointed)| {
+            if let Some(files) = checkpointed {
+                if let Err(e) = self.put_back(h.pid, &[], storage, files) {
+                    return Some(format!("restore: {e}"));
                 }
             }
-            if let Err(e) = self.cuda.unlock(h.pid) {
-                failed.push(format!("unlock: {e}"));
-            }
+            self.cuda
+                .unlock(h.pid)
+                .err()
+                .map(|e| format!("unlock: {e}"))
+        })
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// CHECKPOINTED → LOCKED onto the GPUs `pairs` name: from the process's host memory, or
+    /// with custom storage from its device-memory `files`.
+    fn put_back(
+        &self,
+        pid: i32,
+        pairs: &[GpuPair],
+        storage: &Storage,
+        files: &[DeviceMemoryFile],
+    ) -> std::result::Result<(), GpuError> {
+        match storage {
+            Storage::Staged => self.cuda.restore(pid, pairs),
+            Storage::Custom { dir } => self.cuda.restore_from(pid, pairs, dir, files),
         }
-        failed
     }
 
     /// After a checkpoint that leaves the container running (or a Resume): every holder back
-    /// onto its own GPUs and unlocked. Every holder is tried; the first error is returned.
-    pub fn resume(&self, holders: &[Holder]) -> Result<()> {
-        let mut first = None;
-        for h in holders.iter().rev() {
+    /// onto its own GPUs (from its `files` with custom storage) and unlocked, all at once.
+    /// Every holder is tried; the first error is returned.
+    pub fn resume(
+        &self,
+        holders: &[Holder],
+        storage: &Storage,
+        files: &[Vec<DeviceMemoryFile>],
+    ) -> Result<()> {
+        let items: Vec<(&Holder, &[DeviceMemoryFile])> = holders
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (h, files.get(i).map(Vec::as_slice).unwrap_or(&[])))
+            .collect();
+        let results = each(&items, |(h, files)| {
             let _span = info_span!("device_resume", pid = h.pid).entered();
-            let r = self
-                .cuda
-                .restore(h.pid, &[])
+            self.put_back(h.pid, &[], storage, files)
                 .map_err(|e| step_error("device-restore", h, &e, Vec::new()))
                 .and_then(|_| {
                     self.cuda
                         .unlock(h.pid)
                         .map_err(|e| step_error("device-unlock", h, &e, Vec::new()))
-                });
+                })
+        });
+        let mut first = None;
+        for (h, r) in holders.iter().zip(results) {
             if let Err(e) = r {
                 warn!(pid = h.pid, error = %e, "device resume");
                 first.get_or_insert(e);
@@ -282,13 +362,16 @@ impl DeviceLayer {
 
     /// After `runc restore`: each process the checkpoint recorded (by its pid in the
     /// container), found among `pids` (host pids of the restored container), restored onto the
-    /// GPUs `pairs` name, then unlocked, then confirmed RUNNING. The caller kills the container
-    /// on failure, so there is nothing to undo here.
+    /// GPUs `pairs` name (with custom storage from its device-memory files in `files`, by
+    /// its pid in the container), then unlocked, then confirmed RUNNING; every process at
+    /// once. The caller kills the container on failure, so there is nothing to undo here.
     pub fn restore_onto(
         &self,
         recorded: &[DeviceProcess],
         pids: &[i32],
         pairs: &[GpuPair],
+        storage: &Storage,
+        files: &HashMap<u32, Vec<DeviceMemoryFile>>,
     ) -> Result<Vec<i32>> {
         let by_ns: HashMap<u32, i32> = pids.iter().filter_map(|&p| Some((ns_pid(p)?, p))).collect();
         let mut targets = Vec::new();
@@ -315,28 +398,38 @@ impl DeviceLayer {
                     ),
                 ));
             }
+            if matches!(storage, Storage::Custom { .. }) && !files.contains_key(&r.pid) {
+                return Err(device_error(
+                    "device-restore",
+                    format!(
+                        "the checkpoint lists no device-memory file of its GPU process (pid {} in the container)",
+                        r.pid
+                    ),
+                ));
+            }
             self.cuda
                 .set_device_bytes(pid, r.gpus.iter().map(|g| g.bytes).sum());
             targets.push((pid, r.pid));
         }
-        for &(pid, ns) in &targets {
+        let named = |step: &'static str, (pid, ns): (i32, u32)| {
+            move |e: GpuError| {
+                device_error(step, format!("pid {pid} (pid {ns} in the container): {e}"))
+            }
+        };
+        let restored = each(&targets, |&(pid, ns)| {
             let _span = info_span!("device_restore", pid).entered();
-            self.cuda.restore(pid, pairs).map_err(|e| {
-                device_error(
-                    "device-restore",
-                    format!("pid {pid} (pid {ns} in the container): {e}"),
-                )
-            })?;
-        }
-        for &(pid, ns) in &targets {
+            let own = files.get(&ns).map(Vec::as_slice).unwrap_or(&[]);
+            self.put_back(pid, pairs, storage, own)
+                .map_err(named("device-restore", (pid, ns)))
+        });
+        restored.into_iter().collect::<Result<Vec<()>>>()?;
+        let unlocked = each(&targets, |&(pid, ns)| {
             let _span = info_span!("device_unlock", pid).entered();
-            self.cuda.unlock(pid).map_err(|e| {
-                device_error(
-                    "device-unlock",
-                    format!("pid {pid} (pid {ns} in the container): {e}"),
-                )
-            })?;
-        }
+            self.cuda
+                .unlock(pid)
+                .map_err(named("device-unlock", (pid, ns)))
+        });
+        unlocked.into_iter().collect::<Result<Vec<()>>>()?;
         for &(pid, ns) in &targets {
             let state = self
                 .cuda
@@ -353,6 +446,62 @@ impl DeviceLayer {
     }
 }
 
+/// What [`DeviceLayer::quiesce`] did.
+#[derive(Debug, Default)]
+pub struct Quiesce {
+    /// Each holder's device-memory files, in the holders' order (none when staged).
+    pub files: Vec<Vec<DeviceMemoryFile>>,
+    /// How long the lock of every holder took, and then their checkpoint.
+    pub lock: Duration,
+    pub checkpoint: Duration,
+}
+
+/// Where a checkpoint's device memory goes (and a restore reads it from).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Storage {
+    /// Staged by the driver in each process's host memory (inside CRIU's page images).
+    #[default]
+    Staged,
+    /// The driver's custom storage: device-memory files in `dir`.
+    Custom { dir: PathBuf },
+}
+
+/// The name prefix of a holder's device-memory files: `device-memory-<pid in the container>`
+/// (the driver adds `-<n>.bin`, one file per GPU), unique in a checkpoint.
+fn file_prefix(h: &Holder) -> String {
+    format!("device-memory-{}", h.ns_pid)
+}
+
+/// `f` run for every item at once, one scoped thread each (in place for a single item), in
+/// the span of the caller; the results in the items' order. A panic in one is the caller's.
+fn each<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.iter().map(&f).collect();
+    }
+    let span = tracing::Span::current();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .iter()
+            .map(|item| {
+                let (f, span) = (&f, span.clone());
+                scope.spawn(move || span.in_scope(|| f(item)))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// The first failure among `results`, with its index.
+fn first_error<T>(results: &[std::result::Result<T, GpuError>]) -> Option<(usize, &GpuError)> {
+    results
+        .iter()
+        .enumerate()
+        .find_map(|(i, r)| r.as_ref().err().map(|e| (i, e)))
+}
+
 /// The device side of one container: the layer (loaded on first need), the processes a Pause or
 /// a checkpoint quiesced until Resume or the end of the checkpoint puts them back, and the
 /// settings that come from the handler and the pod.
@@ -364,6 +513,9 @@ pub struct ContainerDevices {
     quiesced: Option<Quiesced>,
     /// How the container was given GPUs, for the refusals of `unsupported.rs`.
     given: crate::unsupported::Given,
+    /// Where custom storage writes this container's device-memory files
+    /// (`device_storage::dir_for`); `None`: staged only.
+    storage_dir: Option<PathBuf>,
 }
 
 /// Processes found holding device state at a Pause or checkpoint.
@@ -372,6 +524,21 @@ struct Quiesced {
     /// False when the device steps are switched off (`DeviceSteps = false`): found, not
     /// checkpointed.
     checkpointed: bool,
+    /// Where their device memory went, and each holder's files there.
+    storage: Storage,
+    files: Vec<Vec<DeviceMemoryFile>>,
+    /// How long the lock and the checkpoint took.
+    lock: Duration,
+    checkpoint: Duration,
+}
+
+impl Quiesced {
+    /// Removes the device-memory files (and their directory) once nothing needs them.
+    fn remove_files(&self) {
+        if let Storage::Custom { dir } = &self.storage {
+            crate::device_storage::remove(dir);
+        }
+    }
 }
 
 /// What a restore does on this node's GPUs, decided before CRIU runs.
@@ -389,6 +556,15 @@ impl ContainerDevices {
             layer: None,
             quiesced: None,
             given: Default::default(),
+            storage_dir: None,
+        }
+    }
+
+    /// The same, with custom storage writing under `dir` (`device_storage::dir_for`).
+    pub fn stored_under(self, dir: Option<PathBuf>) -> Self {
+        ContainerDevices {
+            storage_dir: dir,
+            ..self
         }
     }
 
@@ -423,9 +599,11 @@ impl ContainerDevices {
     }
 
     /// Lock, then checkpoint, every process among `pids` that holds device state (nothing when
-    /// none does, or on a node without a driver), once `room` has made sure the host memory
-    /// the driver stages fits (`memory_room.rs`). Undone on failure; see
-    /// [`DeviceLayer::quiesce`].
+    /// none does, or on a node without a driver). With custom storage (`DeviceStorage` auto,
+    /// on a driver that offers it) into device-memory files under the container's storage
+    /// directory, once the disk there has room for them (`device_storage.rs`); else staged,
+    /// once `room` has made sure the host memory the driver stages fits (`memory_room.rs`).
+    /// Undone on failure; see [`DeviceLayer::quiesce`].
     pub async fn quiesce(
         &mut self,
         pids: Vec<i32>,
@@ -440,39 +618,73 @@ impl ContainerDevices {
         let timeout = lock_timeout(self.lock_timeout.as_deref(), &self.options)?;
         let steps = self.options.device_steps();
         let given = self.given.clone();
-        let holders = tokio::task::spawn_blocking(move || -> Result<Vec<Holder>> {
+        let custom = self
+            .storage_dir
+            .clone()
+            .filter(|_| self.options.custom_device_storage() && layer.cuda.custom_storage());
+        let q = tokio::task::spawn_blocking(move || -> Result<Quiesced> {
             let holders = layer.holders(&pids)?;
             crate::unsupported::refuse(layer.nvml(), &given, &pids, &holders)?;
-            if steps && !holders.is_empty() {
-                room(&holders)?;
-                layer.quiesce(&holders, timeout)?;
+            let storage = match custom {
+                Some(dir) => Storage::Custom { dir },
+                None => Storage::Staged,
+            };
+            let mut q = Quiesced {
+                holders,
+                checkpointed: false,
+                storage,
+                files: Vec::new(),
+                lock: Duration::ZERO,
+                checkpoint: Duration::ZERO,
+            };
+            if !steps || q.holders.is_empty() {
+                q.storage = Storage::Staged;
+                return Ok(q);
             }
-            Ok(holders)
+            match &q.storage {
+                Storage::Custom { dir } => {
+                    let bytes = q.holders.iter().map(Holder::device_bytes).sum();
+                    crate::device_storage::prepare(dir, bytes)?;
+                }
+                Storage::Staged => room(&q.holders)?,
+            }
+            match layer.quiesce(&q.holders, timeout, &q.storage) {
+                Ok(done) => {
+                    (q.files, q.lock, q.checkpoint) = (done.files, done.lock, done.checkpoint);
+                    q.checkpointed = true;
+                    Ok(q)
+                }
+                Err(e) => {
+                    q.remove_files();
+                    Err(e)
+                }
+            }
         })
         .await
         .map_err(|e| device_error("device-lock", e.to_string()))??;
-        if holders.is_empty() {
+        if q.holders.is_empty() {
             return Ok(());
         }
-        if steps {
-            info!(
-                count = holders.len(),
-                "device state checkpointed into host memory"
-            );
-        } else {
+        if !steps {
             warn!(
-                count = holders.len(),
+                count = q.holders.len(),
                 "DeviceSteps = false: GPU processes left as they are"
             );
+        } else if let Storage::Custom { dir } = &q.storage {
+            info!(count = q.holders.len(), dir = %dir.display(), "device state checkpointed into device-memory files");
+        } else {
+            info!(
+                count = q.holders.len(),
+                "device state checkpointed into host memory"
+            );
         }
-        self.quiesced = Some(Quiesced {
-            holders,
-            checkpointed: steps,
-        });
+        self.quiesced = Some(q);
         Ok(())
     }
 
-    /// Undo of [`ContainerDevices::quiesce`]: every quiesced process back on its GPUs, running.
+    /// Undo of [`ContainerDevices::quiesce`]: every quiesced process back on its GPUs, running
+    /// (from its device-memory files, wherever they are now: the shim's storage directory
+    /// keeps them until here); the files removed once it is.
     pub async fn resume(&mut self) -> Result<()> {
         let Some(q) = self.quiesced.take() else {
             return Ok(());
@@ -483,14 +695,53 @@ impl ContainerDevices {
         if !q.checkpointed {
             return Ok(());
         }
-        tokio::task::spawn_blocking(move || layer.resume(&q.holders))
-            .await
-            .map_err(|e| device_error("device-restore", e.to_string()))?
+        tokio::task::spawn_blocking(move || {
+            let resumed = layer.resume(&q.holders, &q.storage, &q.files);
+            if resumed.is_ok() {
+                q.remove_files();
+            } else if let Storage::Custom { dir } = &q.storage {
+                warn!(dir = %dir.display(), "the device-memory files of a failed device resume are kept");
+            }
+            resumed
+        })
+        .await
+        .map_err(|e| device_error("device-restore", e.to_string()))?
     }
 
-    /// After a checkpoint that ended the processes (`--exit`): nothing is left to resume.
+    /// After a checkpoint that ended the processes (`--exit`): nothing is left to resume, and
+    /// the device-memory files are the checkpoint's now (what is left of them here goes).
     pub fn forget(&mut self) {
-        self.quiesced = None;
+        if let Some(q) = self.quiesced.take() {
+            q.remove_files();
+        }
+    }
+
+    /// The device-memory files of the quiesced processes, for the checkpoint's image
+    /// directory: where they are, and each with the process's pid in the container.
+    pub fn device_files(&self) -> Option<crate::device_storage::Stored> {
+        let q = self.quiesced.as_ref().filter(|q| q.checkpointed)?;
+        let Storage::Custom { dir } = &q.storage else {
+            return None;
+        };
+        let files = q
+            .holders
+            .iter()
+            .zip(&q.files)
+            .flat_map(|(h, fs)| fs.iter().map(|f| (h.ns_pid, f.clone())))
+            .collect();
+        Some(crate::device_storage::Stored {
+            dir: dir.clone(),
+            files,
+        })
+    }
+
+    /// The manifest's timings of the device steps (`device-lock`, `device-checkpoint`), when
+    /// this checkpoint ran them.
+    pub fn timings(&self) -> Vec<(&'static str, Duration)> {
+        match self.quiesced.as_ref().filter(|q| q.checkpointed) {
+            Some(q) => vec![("device-lock", q.lock), ("device-checkpoint", q.checkpoint)],
+            None => Vec::new(),
+        }
     }
 
     /// The processes found holding device state but left alone (`DeviceSteps = false`), for
@@ -517,6 +768,10 @@ impl ContainerDevices {
             .as_ref()
             .map(|q| q.holders.clone())
             .unwrap_or_default();
+        let storage = match self.quiesced.as_ref().map(|q| &q.storage) {
+            Some(Storage::Custom { .. }) => manifest::STORAGE_CUSTOM,
+            _ => manifest::STORAGE_STAGED,
+        };
         tokio::task::spawn_blocking(move || -> Result<Devices> {
             let inv = layer.inventory()?;
             let mut gpus: Vec<GpuUuid> =
@@ -539,6 +794,9 @@ impl ContainerDevices {
                 g.free_bytes = None;
             }
             d.processes = holders.iter().map(Holder::record).collect();
+            if !holders.is_empty() {
+                d.storage = storage.to_string();
+            }
             let who: Vec<(i32, String)> = holders.iter().map(|h| (h.pid, h.describe())).collect();
             d.driver_files = crate::driver_files::capture(&who)?;
             Ok(d)
@@ -570,15 +828,18 @@ impl ContainerDevices {
             .map_err(|e| device_error("compat", e.to_string()))?
     }
 
-    /// After `runc restore`: the recorded processes (found among `pids`) restored onto
-    /// `plan`'s GPUs, unlocked, and confirmed RUNNING. The device nodes the driver opens are
-    /// the spec's: set at the gate's pre-resume (`device_nodes.rs`).
+    /// After `runc restore`: the processes `manifest` records (found among `pids`) restored
+    /// onto `plan`'s GPUs (with custom storage from the device-memory files it lists in
+    /// `dir`, the checkpoint's directory), unlocked, and confirmed RUNNING. The device nodes
+    /// the driver opens are the spec's: set at the gate's pre-resume (`device_nodes.rs`).
     pub async fn restore(
         &mut self,
-        recorded: &[DeviceProcess],
+        manifest: &Manifest,
+        dir: &Path,
         pids: Vec<i32>,
         plan: &RestorePlan,
     ) -> Result<()> {
+        let recorded = &manifest.devices.processes;
         if recorded.is_empty() {
             return Ok(());
         }
@@ -588,11 +849,20 @@ impl ContainerDevices {
                 "the checkpoint holds GPU state, and this node has no NVIDIA driver".into(),
             ));
         };
+        let (storage, files) = if manifest.devices.custom_storage() {
+            let storage = Storage::Custom {
+                dir: dir.to_path_buf(),
+            };
+            (storage, crate::device_storage::recorded_files(manifest)?)
+        } else {
+            (Storage::Staged, HashMap::new())
+        };
         let (recorded, pairs) = (recorded.to_vec(), plan.pairs.clone());
-        let restored =
-            tokio::task::spawn_blocking(move || layer.restore_onto(&recorded, &pids, &pairs))
-                .await
-                .map_err(|e| device_error("device-restore", e.to_string()))??;
+        let restored = tokio::task::spawn_blocking(move || {
+            layer.restore_onto(&recorded, &pids, &pairs, &storage, &files)
+        })
+        .await
+        .map_err(|e| device_error("device-restore", e.to_string()))??;
         info!(processes = ?restored, "device state restored, processes running");
         Ok(())
     }
@@ -871,22 +1141,101 @@ mod tests {
         )
     }
 
+    /// The calls the driver saw, in phases: within each phase (the calls run at once) in
+    /// sorted order; `phases` gives how many calls each phase has, in order.
+    fn phased(calls: &[String], phases: &[usize]) -> Vec<Vec<String>> {
+        assert_eq!(
+            calls.len(),
+            phases.iter().sum::<usize>(),
+            "calls: {calls:?}, phases {phases:?}"
+        );
+        let mut out = Vec::new();
+        let mut at = 0;
+        for n in phases {
+            let mut p = calls[at..at + n].to_vec();
+            p.sort();
+            out.push(p);
+            at += n;
+        }
+        out
+    }
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
     #[test]
     fn quiesce_locks_all_then_checkpoints_all() {
         let (l, rec) = layer(vec![]);
-        l.quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
-            .unwrap();
+        l.quiesce(
+            &[holder(1), holder(2)],
+            Duration::from_secs(1),
+            &Storage::Staged,
+        )
+        .unwrap();
         assert_eq!(
-            *rec.calls.lock().unwrap(),
-            ["lock 1", "lock 2", "checkpoint 1", "checkpoint 2"]
+            phased(&rec.calls.lock().unwrap(), &[2, 2]),
+            [
+                strings(&["lock 1", "lock 2"]),
+                strings(&["checkpoint 1", "checkpoint 2"])
+            ]
         );
+    }
+
+    /// A driver whose every call takes 200 ms: the device steps of four processes take about
+    /// as long as one process's, not four times that.
+    #[test]
+    fn the_steps_of_every_process_run_at_once() {
+        struct Slow;
+        impl DeviceCheckpoint for Slow {
+            fn lock(&self, _: i32, _: Option<Duration>) -> std::result::Result<(), GpuError> {
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }
+            fn checkpoint(&self, _: i32) -> std::result::Result<(), GpuError> {
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }
+            fn restore(&self, _: i32, _: &[GpuPair]) -> std::result::Result<(), GpuError> {
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }
+            fn unlock(&self, _: i32) -> std::result::Result<(), GpuError> {
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(())
+            }
+            fn state(&self, _: i32) -> std::result::Result<ProcessState, GpuError> {
+                Ok(ProcessState::RUNNING)
+            }
+            fn restore_thread_id(&self, pid: i32) -> std::result::Result<i32, GpuError> {
+                Ok(pid)
+            }
+            fn driver_version(&self) -> std::result::Result<i32, GpuError> {
+                Ok(13000)
+            }
+        }
+        let l = DeviceLayer::new(Box::new(Slow), Box::new(NoGpus));
+        let holders: Vec<Holder> = (1..=4).map(holder).collect();
+        let t = Instant::now();
+        let q = l
+            .quiesce(&holders, Duration::from_secs(1), &Storage::Staged)
+            .unwrap();
+        l.resume(&holders, &Storage::Staged, &q.files).unwrap();
+        let took = t.elapsed();
+        // Four steps of 200 ms each, one after another for every process would take 3.2 s.
+        assert!(took < Duration::from_millis(1600), "{took:?}");
+        assert!(q.lock >= Duration::from_millis(200) && q.checkpoint >= Duration::from_millis(200));
     }
 
     #[test]
     fn a_lock_failure_unlocks_what_was_locked() {
         let (l, rec) = layer(vec![("lock", 3)]);
         let err = l
-            .quiesce(&[holder(1), holder(2), holder(3)], Duration::from_secs(1))
+            .quiesce(
+                &[holder(1), holder(2), holder(3)],
+                Duration::from_secs(1),
+                &Storage::Staged,
+            )
             .unwrap_err()
             .to_string();
         assert!(
@@ -895,8 +1244,11 @@ mod tests {
         );
         assert!(err.contains("CUDA_ERROR_TIMEOUT"), "{err}");
         assert_eq!(
-            *rec.calls.lock().unwrap(),
-            ["lock 1", "lock 2", "lock 3", "unlock 2", "unlock 1"]
+            phased(&rec.calls.lock().unwrap(), &[3, 2]),
+            [
+                strings(&["lock 1", "lock 2", "lock 3"]),
+                strings(&["unlock 1", "unlock 2"])
+            ]
         );
     }
 
@@ -910,7 +1262,11 @@ mod tests {
         });
         let l = DeviceLayer::new(Box::new(Shared(rec.clone())), Box::new(NoGpus));
         let err = l
-            .quiesce(&[holder(1), holder(2)], Duration::from_secs(1))
+            .quiesce(
+                &[holder(1), holder(2)],
+                Duration::from_secs(1),
+                &Storage::Staged,
+            )
             .unwrap_err()
             .to_string();
         let calls = rec.calls.lock().unwrap().clone();
@@ -926,53 +1282,61 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("every process is back on its GPUs"), "{err}");
-        assert_eq!(calls, ["lock 1", "lock 2", "unlock 2", "unlock 1"]);
+        // The lock past its bound is undone first, then every other locked one.
+        assert_eq!(
+            phased(&calls, &[2, 1, 1]),
+            [
+                strings(&["lock 1", "lock 2"]),
+                strings(&["unlock 2"]),
+                strings(&["unlock 1"])
+            ]
+        );
     }
 
     #[test]
     fn a_checkpoint_past_its_bound_is_restored_too() {
         let (err, calls) = quiesce_unanswered("checkpoint");
         assert!(err.contains("device-checkpoint"), "{err}");
-        assert_eq!(
-            calls,
-            [
-                "lock 1",
-                "lock 2",
-                "checkpoint 1",
-                "checkpoint 2",
-                "restore 2",
-                "unlock 2",
-                "restore 1",
-                "unlock 1"
-            ]
-        );
+        // The checkpoint past its bound is restored first; then both are put back (the other
+        // restored and unlocked, this one unlocked), at once.
+        let p = phased(&calls, &[2, 2, 1, 3]);
+        assert_eq!(p[0], strings(&["lock 1", "lock 2"]));
+        assert_eq!(p[1], strings(&["checkpoint 1", "checkpoint 2"]));
+        assert_eq!(p[2], strings(&["restore 2"]));
+        assert_eq!(p[3], strings(&["restore 1", "unlock 1", "unlock 2"]));
+        let at = |c: &str| calls.iter().position(|x| x == c).unwrap();
+        assert!(at("restore 1") < at("unlock 1"), "{calls:?}");
     }
 
     #[test]
     fn a_checkpoint_failure_restores_and_unlocks_in_reverse() {
         let (l, rec) = layer(vec![("checkpoint", 2)]);
         let err = l
-            .quiesce(&[holder(1), holder(2), holder(3)], Duration::from_secs(1))
+            .quiesce(
+                &[holder(1), holder(2), holder(3)],
+                Duration::from_secs(1),
+                &Storage::Staged,
+            )
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("device-checkpoint") && err.contains("pid 2"),
             "{err}"
         );
+        // Every checkpoint ran at once; the checkpointed are restored, then all unlocked.
+        let calls = rec.calls.lock().unwrap().clone();
+        let p = phased(&calls, &[3, 3, 5]);
+        assert_eq!(p[0], strings(&["lock 1", "lock 2", "lock 3"]));
         assert_eq!(
-            *rec.calls.lock().unwrap(),
-            [
-                "lock 1",
-                "lock 2",
-                "lock 3",
-                "checkpoint 1",
-                "checkpoint 2",
-                "unlock 3",
-                "unlock 2",
-                "restore 1",
-                "unlock 1"
-            ]
+            p[1],
+            strings(&["checkpoint 1", "checkpoint 2", "checkpoint 3"])
         );
+        assert_eq!(
+            p[2],
+            strings(&["restore 1", "restore 3", "unlock 1", "unlock 2", "unlock 3"])
+        );
+        let at = |c: &str| calls.iter().position(|x| x == c).unwrap();
+        assert!(at("restore 1") < at("unlock 1") && at("restore 3") < at("unlock 3"));
     }
 
     #[test]

@@ -40,6 +40,7 @@ pub mod criu;
 pub mod criu_exit;
 pub mod device;
 pub mod device_nodes;
+pub mod device_storage;
 pub mod device_worker;
 pub mod driver_files;
 pub mod error;

@@ -565,7 +565,13 @@ impl HostMemory {
             return Ok(None);
         }
         let _span = info_span!("host_memory", id = %self.id).entered();
-        let device = manifest.devices.device_bytes();
+        // With custom storage the device memory is in its own files, not in the page images:
+        // nothing of it comes through host memory.
+        let device = if manifest.devices.custom_storage() {
+            0
+        } else {
+            manifest.devices.device_bytes()
+        };
         let pages: u64 = manifest
             .files
             .iter()

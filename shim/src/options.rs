@@ -147,7 +147,22 @@ pub struct RuntimeOptions {
     /// The device steps of a checkpoint (default true). `false` only for tests: a checkpoint
     /// then shows what happens without them (CRIU cannot dump a process that holds a GPU).
     pub device_steps: Option<bool>,
+    /// Where a GPU checkpoint puts device memory: "auto" (default; empty is the same): into
+    /// device-memory files of the checkpoint by the driver's custom storage where the driver
+    /// offers it (CUDA 13.4 and later), else staged in each process's host memory (inside
+    /// CRIU's page images); "staged": always staged.
+    pub device_storage: String,
+    /// The directory custom storage writes device-memory files to at Pause, before the
+    /// checkpoint's image directory is known: `<dir>/<namespace>/<container id>`, root-only,
+    /// on the node's disk (not /run, RAM on most nodes); the files move into the image
+    /// directory at the checkpoint (a rename on the same file system). Empty:
+    /// [`DEFAULT_DEVICE_STORAGE_DIR`].
+    pub device_storage_dir: String,
 }
+
+/// Where custom storage writes device-memory files when the options name no
+/// `DeviceStorageDir`.
+pub const DEFAULT_DEVICE_STORAGE_DIR: &str = "/var/lib/gpu-ckpt/device-memory";
 
 /// The device lock timeout when neither the options nor the pod name one.
 pub const DEFAULT_DEVICE_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -353,7 +368,14 @@ impl RuntimeOptions {
             ("RegistryHostsDir", &self.registry_hosts_dir),
             ("RegistryAuthFile", &self.registry_auth_file),
             ("RestoreStagingDir", &self.restore_staging_dir),
+            ("DeviceStorageDir", &self.device_storage_dir),
         ])?;
+        if !matches!(self.device_storage.as_str(), "" | "auto" | "staged") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid DeviceStorage {:?}: expected \"auto\" or \"staged\"",
+                self.device_storage
+            )));
+        }
         if !self.restore_timeout.is_empty() {
             parse_timeout(&self.restore_timeout, "RestoreTimeout")?;
         }
@@ -530,6 +552,21 @@ impl RuntimeOptions {
     /// Whether checkpoints run their device steps (`DeviceSteps`, default true).
     pub fn device_steps(&self) -> bool {
         self.device_steps.unwrap_or(true)
+    }
+
+    /// Whether a checkpoint may use the driver's custom storage (`DeviceStorage` not
+    /// "staged").
+    pub fn custom_device_storage(&self) -> bool {
+        self.device_storage != "staged"
+    }
+
+    /// `DeviceStorageDir`, or its default.
+    pub fn device_storage_dir(&self) -> PathBuf {
+        if self.device_storage_dir.is_empty() {
+            PathBuf::from(DEFAULT_DEVICE_STORAGE_DIR)
+        } else {
+            PathBuf::from(&self.device_storage_dir)
+        }
     }
 
     /// Whether this is the restore handler.
@@ -763,6 +800,30 @@ mod tests {
             let key = bad.split(' ').next().unwrap_or_default();
             assert!(err.contains(key) && err.contains("absolute"), "{err}");
         }
+    }
+
+    #[test]
+    fn device_storage_is_auto_or_staged_and_its_directory_absolute() {
+        let o = RuntimeOptions::default();
+        assert!(o.custom_device_storage());
+        assert_eq!(
+            o.device_storage_dir(),
+            Path::new("/var/lib/gpu-ckpt/device-memory")
+        );
+        let o = RuntimeOptions::from_toml(
+            "DeviceStorage = \"staged\"\nDeviceStorageDir = \"/srv/dev\"",
+            "t",
+        )
+        .unwrap();
+        assert!(!o.custom_device_storage());
+        assert_eq!(o.device_storage_dir(), Path::new("/srv/dev"));
+        assert!(RuntimeOptions::from_toml("DeviceStorage = \"auto\"", "t")
+            .unwrap()
+            .custom_device_storage());
+        let err = RuntimeOptions::from_toml("DeviceStorage = \"fast\"", "t").unwrap_err();
+        assert_mentions(err, &["DeviceStorage", "auto", "staged"]);
+        let err = RuntimeOptions::from_toml("DeviceStorageDir = \"dev\"", "t").unwrap_err();
+        assert_mentions(err, &["DeviceStorageDir", "absolute"]);
     }
 
     #[test]

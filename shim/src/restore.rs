@@ -97,48 +97,71 @@ pub enum Plan {
 /// The staging directory of the restore of container `id` of containerd namespace
 /// `namespace`: `<RestoreStagingDir>/<namespace>/<id>`.
 pub fn staging_dir(options: &RuntimeOptions, namespace: &str, id: &str) -> Result<PathBuf> {
-    for (what, name) in [("namespace", namespace), ("container id", id)] {
+    container_dir(
+        &options.restore_staging_dir(),
+        namespace,
+        id,
+        "a restore staging directory",
+    )
+}
+
+/// `<base>/<namespace>/<id>`, each name one path component (`what` names the directory for
+/// the refusal).
+pub(crate) fn container_dir(base: &Path, namespace: &str, id: &str, what: &str) -> Result<PathBuf> {
+    for (kind, name) in [("namespace", namespace), ("container id", id)] {
         if name.is_empty() || name == "." || name == ".." || name.contains('/') {
             return Err(Error::InvalidArgument(format!(
-                "{what} {name:?} cannot name a restore staging directory"
+                "{kind} {name:?} cannot name {what}"
             )));
         }
     }
-    Ok(options.restore_staging_dir().join(namespace).join(id))
+    Ok(base.join(namespace).join(id))
 }
 
-/// Makes the staging directory `staging` ([`staging_dir`]) afresh: the base directory and the
-/// namespace's made root-only (0700) where missing, the container's made new, every component
-/// below the base opened without following a link; what an earlier shim of the same container
-/// left there is removed first.
+/// Makes the staging directory `staging` ([`staging_dir`]) afresh ([`make_fresh_dir`]).
 fn make_staging(staging: &Path) -> Result<()> {
+    match make_fresh_dir(staging) {
+        Ok(false) => Ok(()),
+        Ok(true) => {
+            warn!(staging = %staging.display(), "removed a restore's staging directory an earlier shim left");
+            Ok(())
+        }
+        Err((what, e)) => Err(step("stage")(format!("{what} {}: {e}", staging.display()))),
+    }
+}
+
+/// Makes `<base>/<namespace>/<id>` ([`container_dir`]) afresh: the base directory and the
+/// namespace's made root-only (0700) where missing, the container's made new, every
+/// component below the base opened without following a link; what an earlier shim of the
+/// same container left there is removed first (then true). An error says what failed.
+pub(crate) fn make_fresh_dir(
+    dir: &Path,
+) -> std::result::Result<bool, (&'static str, std::io::Error)> {
     use std::os::unix::fs::DirBuilderExt;
-    let fail =
-        |what: &str, e: std::io::Error| step("stage")(format!("{what} {}: {e}", staging.display()));
-    let (Some(ns_dir), Some(id)) = (staging.parent(), staging.file_name()) else {
-        return Err(fail("no parent", std::io::ErrorKind::InvalidInput.into()));
+    let no_parent = || ("no parent", std::io::ErrorKind::InvalidInput.into());
+    let (Some(ns_dir), Some(id)) = (dir.parent(), dir.file_name()) else {
+        return Err(no_parent());
     };
     let (Some(base), Some(ns)) = (ns_dir.parent(), ns_dir.file_name()) else {
-        return Err(fail("no parent", std::io::ErrorKind::InvalidInput.into()));
+        return Err(no_parent());
     };
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(base)
-        .map_err(|e| fail("create", e))?;
-    let root = SafeRoot::open(base).map_err(|e| step("stage")(e.to_string()))?;
+        .map_err(|e| ("create", e))?;
+    let root = SafeRoot::open(base).map_err(|e| ("open", std::io::Error::other(e.to_string())))?;
     let (ns, id) = (ns.to_string_lossy(), id.to_string_lossy());
     // The namespace's directory, never through a link (an error if one is there).
-    root.create_dir(&ns).map_err(|e| fail("create", e))?;
-    match std::fs::remove_dir_all(staging) {
-        Ok(()) => {
-            warn!(staging = %staging.display(), "removed a restore's staging directory an earlier shim left")
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(fail("remove the earlier", e)),
-    }
+    root.create_dir(&ns).map_err(|e| ("create", e))?;
+    let removed = match std::fs::remove_dir_all(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(("remove the earlier", e)),
+    };
     root.create_dir(&format!("{ns}/{id}"))
-        .map_err(|e| fail("create", e))
+        .map_err(|e| ("create", e))?;
+    Ok(removed)
 }
 
 /// Removes the staging directory `staging` and all it holds (a restore is done with it, or a

@@ -235,11 +235,29 @@ fn gpu_section(m: &Manifest, t: &mut Text) {
             human(f.size)
         ));
     }
-    if !m.devices.processes.is_empty() {
+    if m.devices.custom_storage() {
+        t.line(format!(
+            "    ├── Device bytes (custom storage, in device-memory files): {}",
+            human(m.devices.device_bytes())
+        ));
+        for d in m.device_state.iter().filter(|d| !d.blake3.is_empty()) {
+            let pid = d.pid.map(|p| p.to_string()).unwrap_or_default();
+            t.line(format!(
+                "    ├── Device-memory file: {} ({}, process {pid}, GPU {}, blake3 {})",
+                d.name,
+                human(d.size),
+                d.gpu_uuid,
+                d.blake3
+            ));
+        }
+    } else if !m.devices.processes.is_empty() {
         t.line(format!(
             "    ├── Device bytes (staged in host memory): {}",
             human(m.devices.device_bytes())
         ));
+    }
+    if !m.devices.storage.is_empty() {
+        t.line(format!("    ├── Device storage: {}", m.devices.storage));
     }
     t.line(format!(
         "    ├── Engine version: {}, model version: {}",

@@ -234,7 +234,7 @@ impl Container {
             }
         };
         // Step 2: CRIU dump. Undo: remove what it wrote; CRIU resumes the tasks.
-        let mut timings = Vec::new();
+        let mut timings = self.devices.timings();
         let (node, followed) = match self.dump(plan, &image, &work, &setup, &mut timings).await {
             Ok(dumped) => dumped,
             Err(e) => {
@@ -242,15 +242,48 @@ impl Container {
                 return Err(e);
             }
         };
-        // Step 3: the manifest, written last. Undo: remove everything the checkpoint wrote.
+        // Step 3: the device-memory files of custom storage into the image directory, then
+        // the manifest, written last. Undo: the files back, then remove everything the
+        // checkpoint wrote.
+        let stored = self.devices.device_files();
+        let placed = match &stored {
+            Some(stored) => {
+                let (stored, image_path) = (stored.clone(), image.path.to_path_buf());
+                let keep = plan.criu.leave_running;
+                tokio::task::spawn_blocking(move || {
+                    crate::device_storage::place(&stored, &image_path, keep)
+                })
+                .instrument(info_span!("device_files", id = %self.id))
+                .await
+                .map_err(|e| fail("device-storage", e.to_string()))
+                .and_then(|r| r)
+            }
+            None => Ok(Default::default()),
+        };
+        let placed = match placed {
+            Ok(p) => p,
+            Err(e) => {
+                image.undo();
+                return Err(e);
+            }
+        };
         let written = self
-            .write_manifest(plan, node, devices, followed, setup.addresses, &mut timings)
+            .write_manifest(
+                plan,
+                node,
+                devices,
+                followed,
+                stored,
+                setup.addresses,
+                &mut timings,
+            )
             .instrument(info_span!("manifest", id = %self.id))
             .await;
         if plan.work_path.is_none() {
             let _ = std::fs::remove_dir_all(&work);
         }
         written.map_err(|e| {
+            placed.undo(image.path);
             image.undo();
             fail("manifest", e.to_string())
         })
@@ -464,10 +497,23 @@ impl Container {
         plan: &CheckpointPlan,
         node: manifest::Node,
         devices: manifest::Devices,
-        followed: BTreeMap<String, manifest::FileDigest>,
+        mut followed: BTreeMap<String, manifest::FileDigest>,
+        stored: Option<crate::device_storage::Stored>,
         addresses: Option<Vec<String>>,
         timings: &mut Vec<(&'static str, std::time::Duration)>,
     ) -> Result<Manifest> {
+        // The device-memory files' digests, taken as they were written: not read again.
+        let device_files = stored.map(|s| s.files).unwrap_or_default();
+        for (_, f) in &device_files {
+            followed.insert(
+                f.name.clone(),
+                manifest::FileDigest {
+                    size: f.size,
+                    sha256: String::new(),
+                    blake3: f.blake3.clone(),
+                },
+            );
+        }
         let started = Instant::now();
         let image = plan.image_path.clone();
         let cri = self.bundle.cri(&self.id);
@@ -518,6 +564,9 @@ impl Container {
             }
             restrict_files(&image)?;
             m.files = manifest::hash_dir_flat_with(&image, followed, pages, &mut no_progress)?;
+            for (pid, f) in &device_files {
+                m.add_device_memory(&f.name, &f.gpu.to_string(), *pid, f.size, &f.blake3)?;
+            }
             Ok(m)
         })
         .await

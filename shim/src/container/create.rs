@@ -96,7 +96,8 @@ impl Container {
         let annotations = Annotations::from_spec(bundle.annotations())?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT))
-            .given(crate::unsupported::Given::from_spec(bundle.json()));
+            .given(crate::unsupported::Given::from_spec(bundle.json()))
+            .stored_under(crate::device_storage::dir_for(&options, namespace, &req.id).ok());
         let memory = crate::memory_room::HostMemory::new(&req.id, &options);
         Ok(Container {
             id: req.id.clone(),

@@ -316,7 +316,7 @@ impl Container {
         // restored (which also ends a driver call still waiting on it).
         let t = Instant::now();
         if let Err(e) = self
-            .restore_devices(&checked.manifest, &checked.devices, deadline, bound)
+            .restore_devices(dir, &checked.manifest, &checked.devices, deadline, bound)
             .await
         {
             self.undo_restored("a failed device restore").await;
@@ -726,11 +726,13 @@ impl Container {
         }
     }
 
-    /// Step 5: the device state back onto this container's GPUs, unlocked, every process
-    /// confirmed RUNNING, before Start returns, within what is left of the restore's bound
-    /// (`deadline`; `bound` names it). The caller undoes it.
+    /// Step 5: the device state back onto this container's GPUs (with custom storage from the
+    /// device-memory files in `dir`, verified with the rest at step 1), unlocked, every
+    /// process confirmed RUNNING, before Start returns, within what is left of the restore's
+    /// bound (`deadline`; `bound` names it). The caller undoes it.
     async fn restore_devices(
         &mut self,
+        dir: &Path,
         manifest: &Manifest,
         plan: &RestorePlan,
         deadline: Instant,
@@ -744,7 +746,7 @@ impl Container {
         let steps = async {
             let pids = self.runc.ps(&self.id).await?;
             self.devices
-                .restore(recorded, pids, plan)
+                .restore(manifest, dir, pids, plan)
                 .instrument(info_span!("device_restore", id = %self.id))
                 .await
         };

@@ -26,6 +26,7 @@ mod gpu_memory;
 mod gpu_process;
 mod gpu_python;
 mod gpu_shim;
+mod gpu_storage;
 mod gpu_unsupported;
 mod installer_pod;
 mod k8s_manifests;
