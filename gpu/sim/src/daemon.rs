@@ -97,6 +97,15 @@ struct Registry {
     used: Vec<u64>,
 }
 
+impl Registry {
+    /// Gives back the granules a custom-storage checkpoint held: (GPU, bytes) each.
+    fn release(&mut self, held: Vec<(usize, u64)>) {
+        for (g, bytes) in held {
+            self.used[g] = self.used[g].saturating_sub(bytes);
+        }
+    }
+}
+
 /// The daemon's state.
 pub struct Daemon {
     node: NodeDesc,
@@ -308,11 +317,7 @@ impl Daemon {
         let conn = reg.conns.remove(&id);
         for op in abandoned {
             match op.kind {
-                OpKind::Checkpoint { held } => {
-                    for (g, bytes) in held {
-                        reg.used[g] = reg.used[g].saturating_sub(bytes);
-                    }
-                }
+                OpKind::Checkpoint { held } => reg.release(held),
                 OpKind::Restore {
                     target_conn,
                     layout,
@@ -1018,10 +1023,7 @@ impl Daemon {
             }
         }
         if let Some(e) = failed {
-            let mut reg = lock(&self.reg);
-            for (g, bytes) in held {
-                reg.used[g] = reg.used[g].saturating_sub(bytes);
-            }
+            lock(&self.reg).release(held);
             return Err(e);
         }
         let op = Op {
@@ -1143,12 +1145,7 @@ impl Daemon {
             }
         };
         match op.kind {
-            OpKind::Checkpoint { held } => {
-                let mut reg = lock(&self.reg);
-                for (g, bytes) in held {
-                    reg.used[g] = reg.used[g].saturating_sub(bytes);
-                }
-            }
+            OpKind::Checkpoint { held } => lock(&self.reg).release(held),
             OpKind::Restore {
                 target_conn,
                 layout,
