@@ -288,7 +288,8 @@ async fn one_run(
     let steps = shim_steps(&log_since(node, from), id);
     run.device_restore = steps.device_restore;
     run.runc_restore = steps.runc_restore;
-    run.verified = verify(restored, case).with_context(|| format!("{id}: the restored gpu-fills"))?;
+    run.verified =
+        verify(restored, case).with_context(|| format!("{id}: the restored gpu-fills"))?;
     node.ctr(&["task", "kill", "-s", "SIGKILL", id])?;
     std::thread::sleep(Duration::from_millis(300));
     node.ctr(&["task", "rm", id])?;
@@ -322,10 +323,7 @@ fn read_manifest(dir: &Path, run: &mut Run) -> Result<()> {
     run.device_lock = timing("device-lock");
     run.device_checkpoint = timing("device-checkpoint");
     run.criu_dump = timing("criu-dump");
-    run.storage = m["devices"]["storage"]
-        .as_str()
-        .unwrap_or("-")
-        .to_string();
+    run.storage = m["devices"]["storage"].as_str().unwrap_or("-").to_string();
     for e in walkdir(dir)? {
         let name = e.file_name().and_then(|n| n.to_str()).unwrap_or("");
         let len = e.metadata().map_or(0, |m| m.len());
@@ -535,7 +533,9 @@ fn report(results: &[(i32, Case, Vec<Run>)], o: &Opts) {
             procs: 1,
             gib: o.proc_gib,
         };
-        let Some(base) = find(cuda, one) else { continue };
+        let Some(base) = find(cuda, one) else {
+            continue;
+        };
         for &p in o.procs.iter().filter(|p| **p > 1) {
             let Some(many) = find(cuda, Case { procs: p, ..one }) else {
                 continue;
@@ -568,7 +568,10 @@ fn report(results: &[(i32, Case, Vec<Run>)], o: &Opts) {
     }
     for (cuda, c, runs) in results {
         if let Some(r) = runs.last() {
-            println!("CUDA {cuda}, {} x {} GiB: restored intact: {}", c.procs, c.gib, r.verified);
+            println!(
+                "CUDA {cuda}, {} x {} GiB: restored intact: {}",
+                c.procs, c.gib, r.verified
+            );
         }
     }
 }
