@@ -121,6 +121,15 @@ bench-freeze-resume: deps images release-tools
 	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench freeze-resume --mib 1024 --runs 3
 
+# Device checkpoint and restore through the release shim at 1, 4 and 8 GiB and of 1, 2 and 4 GPU
+# processes in one container, by custom storage (simulated CUDA 13.5) and by the staged path
+# (13.0), against the same bytes written and read with O_DIRECT in the same directory
+# (docs/benchmarks.md). STORAGE_ARGS overrides the sizes (e.g. `--gib 1,4 --procs 1,4`).
+.PHONY: bench-gpu-storage
+bench-gpu-storage: deps images release-tools
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-storage $(STORAGE_ARGS)
+
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
 # driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.
 .PHONY: gpu-check gpu-check-bundle

@@ -97,6 +97,15 @@ struct Registry {
     used: Vec<u64>,
 }
 
+impl Registry {
+    /// Gives back the granules a custom-storage checkpoint held: (GPU, bytes) each.
+    fn release(&mut self, held: Vec<(usize, u64)>) {
+        for (g, bytes) in held {
+            self.used[g] = self.used[g].saturating_sub(bytes);
+        }
+    }
+}
+
 /// The daemon's state.
 pub struct Daemon {
     node: NodeDesc,
@@ -166,6 +175,28 @@ fn vm_copy(pid: i32, local: *mut u8, len: usize, remote: u64, to_remote: bool) -
         done += n as usize;
     }
     Ok(())
+}
+
+/// A custom-storage restore's range that holds the bytes of its GPU's one allocation (lent at
+/// the restore step) moves them back into that allocation: `true` when it did.
+fn lend_back<'a>(
+    range: &Alloc,
+    parts: &[(u64, u64)],
+    target: impl FnOnce(u64) -> Option<&'a Arc<Alloc>>,
+) -> bool {
+    let [(ptr, size)] = parts[..] else {
+        return false;
+    };
+    let Some(target) = target(ptr) else {
+        return false;
+    };
+    let mut dst = lock(&target.data);
+    let mut src = lock(&range.data);
+    if !dst.is_empty() || src.len() as u64 != size {
+        return false;
+    }
+    *dst = std::mem::take(&mut *src);
+    true
 }
 
 /// (pid, uid) of the peer, in the daemon's namespaces.
@@ -283,14 +314,26 @@ impl Daemon {
             keys.iter().filter_map(|k| ops.remove(k)).collect()
         };
         let mut reg = lock(&self.reg);
+        let conn = reg.conns.remove(&id);
         for op in abandoned {
-            if let OpKind::Checkpoint { held } = op.kind {
-                for (g, bytes) in held {
-                    reg.used[g] = reg.used[g].saturating_sub(bytes);
+            match op.kind {
+                OpKind::Checkpoint { held } => reg.release(held),
+                OpKind::Restore {
+                    target_conn,
+                    layout,
+                } => {
+                    let (Some(c), Some(t)) = (&conn, reg.conns.get(&target_conn)) else {
+                        continue;
+                    };
+                    for (range_ptr, parts) in layout {
+                        if let Some(range) = c.allocs.get(&range_ptr) {
+                            lend_back(range, &parts, |p| t.allocs.get(&p));
+                        }
+                    }
                 }
             }
         }
-        if let Some(conn) = reg.conns.remove(&id) {
+        if let Some(conn) = conn {
             for a in conn.allocs.values().filter(|a| !a.mapped) {
                 reg.used[a.gpu] = reg.used[a.gpu].saturating_sub(align_up(a.size));
             }
@@ -303,12 +346,19 @@ impl Daemon {
         lock(&self.reg).conns.get(&id).map_or(0, |c| c.pid)
     }
 
+    /// Allocation `ptr` of connection `id`.
+    fn conn_alloc(&self, id: u64, ptr: u64) -> Option<Arc<Alloc>> {
+        lock(&self.reg).conns.get(&id)?.allocs.get(&ptr).cloned()
+    }
+
     fn find(&self, id: u64, addr: u64, len: u64) -> Option<(Arc<Alloc>, usize)> {
         let reg = lock(&self.reg);
         let conn = reg.conns.get(&id)?;
         let (start, a) = conn.allocs.range(..=addr).next_back()?;
         let off = addr - start;
-        (off.checked_add(len)? <= a.size).then(|| (Arc::clone(a), off as usize))
+        // Bytes lent to a custom-storage restore's range are not the process's until it completes.
+        let resident = lock(&a.data).len() as u64 == a.size;
+        (resident && off.checked_add(len)? <= a.size).then(|| (Arc::clone(a), off as usize))
     }
 
     fn request(&self, id: u64, s: &mut UnixStream, req: Request) -> io::Result<()> {
@@ -946,10 +996,20 @@ impl Daemon {
             if failed.is_some() {
                 continue;
             }
-            let mut data = Vec::with_capacity(total as usize);
-            for (_, a) in mine {
-                data.extend_from_slice(&std::mem::take(&mut *lock(&a.data)));
-            }
+            let data = match mine[..] {
+                // One allocation becomes the range as it is: no copy.
+                [(_, a)] => std::mem::take(&mut *lock(&a.data)),
+                _ => {
+                    let mut data = crate::zeroed_buffer(total as usize);
+                    let mut off = 0;
+                    for (_, a) in mine {
+                        let bytes = std::mem::take(&mut *lock(&a.data));
+                        data[off..off + bytes.len()].copy_from_slice(&bytes);
+                        off += bytes.len();
+                    }
+                    data
+                }
+            };
             match self.map_range(caller, gi, data) {
                 Ok(ptr) => {
                     ptrs.push(ptr);
@@ -963,10 +1023,7 @@ impl Daemon {
             }
         }
         if let Some(e) = failed {
-            let mut reg = lock(&self.reg);
-            for (g, bytes) in held {
-                reg.used[g] = reg.used[g].saturating_sub(bytes);
-            }
+            lock(&self.reg).release(held);
             return Err(e);
         }
         let op = Op {
@@ -1015,7 +1072,16 @@ impl Daemon {
                 continue;
             }
             let total: u64 = parts.iter().map(|p| p.1).sum();
-            let ptr = self.map_range(caller, gi, vec![0u8; total as usize])?;
+            let data = match parts[..] {
+                // The one allocation's own bytes are the range until the operation completes
+                // (the process, RESTORING, makes no call meanwhile): no copy at completion.
+                [(ptr, _)] => self
+                    .conn_alloc(target_conn, ptr)
+                    .map(|a| std::mem::take(&mut *lock(&a.data)))
+                    .unwrap_or_else(|| crate::zeroed_buffer(total as usize)),
+                _ => crate::zeroed_buffer(total as usize),
+            };
+            let ptr = self.map_range(caller, gi, data)?;
             ranges.push(MappedRange {
                 gpu: self.node.gpus[gi].uuid,
                 ptr,
@@ -1079,12 +1145,7 @@ impl Daemon {
             }
         };
         match op.kind {
-            OpKind::Checkpoint { held } => {
-                let mut reg = lock(&self.reg);
-                for (g, bytes) in held {
-                    reg.used[g] = reg.used[g].saturating_sub(bytes);
-                }
-            }
+            OpKind::Checkpoint { held } => lock(&self.reg).release(held),
             OpKind::Restore {
                 target_conn,
                 layout,
@@ -1104,6 +1165,9 @@ impl Daemon {
                     let Some(range) = ranges.get(&range_ptr) else {
                         continue;
                     };
+                    if lend_back(range, &parts, |p| targets.get(&p)) {
+                        continue;
+                    }
                     let src = lock(&range.data);
                     let mut off = 0usize;
                     for (ptr, size) in parts {

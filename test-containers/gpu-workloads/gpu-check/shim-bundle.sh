@@ -45,6 +45,7 @@ EOT
 done
 install -m 0755 "$root/test-containers/gpu-workloads/gpu-check/shim-run.sh" "$out/shim-run.sh"
 install -m 0755 "$root/test-containers/gpu-workloads/gpu-check/shim-cri.sh" "$out/shim-cri.sh"
+install -m 0755 "$root/test-containers/gpu-workloads/gpu-check/shim-storage.sh" "$out/shim-storage.sh"
 install -m 0644 "$root/test-containers/gpu-workloads/gpu-check/results.sh" "$out/results.sh"
 # The commit the results will name; a tree with uncommitted changes says so.
 commit=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)

@@ -7,7 +7,8 @@
 # on; then it is killed and `ctr container restore --live` brings the checkpoint back. Passes
 # when both succeed and the restored training reproduces the original's checksums step for
 # step after the checkpoint. Then shim-cri.sh runs the same training as a pod through CRI on a
-# second pair of containerds (see there). Needs root and the NVIDIA driver; prints figures as
+# second pair of containerds (see there); between the two, shim-storage.sh measures device
+# checkpoint and restore against the storage's O_DIRECT speed. Needs root and the NVIDIA driver; prints figures as
 # `name value unit`, other lines start with `# `. Without a GPU it says so and exits 0.
 #
 # Inputs (environment), for a driver other than the one installed (the simulated driver on a
@@ -123,6 +124,12 @@ say "checkpoint after step $at; the restored training reproduced $same of the or
 [ "$same" = "$orig" ] || fail "the restored training's checksums differ from the original's"
 grep -E "device_(quiesce|restore)|cuda_(lock|checkpoint|restore|unlock)" "$OUT/containerd.log" | sed 's/^/# /'
 say "ctr path ok"
+# Device checkpoint and restore against the storage's O_DIRECT speed, 1 to 8 GiB and 1, 2, 4
+# processes (shim-storage.sh; STORAGE=0 leaves it out).
+$A task kill -s SIGKILL t1 >/dev/null 2>&1; sleep 1; $A task rm t1 >/dev/null 2>&1; $A container rm t1 >/dev/null 2>&1
+if [ "${STORAGE:-1}" != 0 ]; then
+    A=$A W=$W OUT=$OUT CDI=$CDI DRIVER_LIB_OPTION=$DRIVER_LIB_OPTION "$here/shim-storage.sh" || fail "the storage check"
+fi
 # The same through CRI: a pod checkpointed on node A, restored on node B.
 $A task kill -s SIGKILL t1 >/dev/null 2>&1; sleep 1; $A task rm t1 >/dev/null 2>&1; $A container rm t1 >/dev/null 2>&1
 W=$W OUT=$OUT CDI_DEVICE=$CDI_DEVICE DRIVER_LIB_OPTION=$DRIVER_LIB_OPTION "$here/shim-cri.sh" || fail "the CRI path"

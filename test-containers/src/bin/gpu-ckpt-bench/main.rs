@@ -23,6 +23,9 @@
 //!   without it, each over the sum of its device steps and CRIU's dump (`freeze_resume.rs`).
 //! - `host-memory` (host_memory.rs): gpu-ckpt's synced checkpoint of a memhog against
 //!   runc-v2's, and the restore of the same images through each, read from the disk.
+//! - `device-storage` (device_storage.rs): device checkpoint and restore through the shim at
+//!   each size, by custom storage and by the staged path, and of 1, 2, 4 GPU processes, against
+//!   the storage's own O_DIRECT speed in the same directory.
 
 use std::{
     path::{Path, PathBuf},
@@ -35,6 +38,7 @@ mod freeze_resume;
 use clap::{Parser, Subcommand};
 
 mod host_memory;
+mod device_storage;
 use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
@@ -127,6 +131,25 @@ enum What {
         #[arg(long, default_value_t = 3)]
         runs: usize,
     },
+    /// Device checkpoint and restore through gpu-ckpt at each size and simulated CUDA version
+    /// (custom storage, staged), and of several GPU processes in one container, against the
+    /// same bytes written and read with O_DIRECT in the same directory.
+    DeviceStorage {
+        /// GiB of device memory of the one-process cases.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+        gib: Vec<u64>,
+        /// GPU processes (one GPU each) of the parallel cases.
+        #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+        procs: Vec<usize>,
+        /// GiB per process of the parallel cases.
+        #[arg(long, default_value_t = 1)]
+        proc_gib: u64,
+        /// Simulated CUDA versions: 13050 has custom storage, 13000 the staged path.
+        #[arg(long, value_delimiter = ',', default_value = "13050,13000")]
+        cuda: Vec<i32>,
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+    },
 }
 
 fn main() -> Result<()> {
@@ -139,6 +162,21 @@ fn main() -> Result<()> {
         } => return device_bench::bench(gib, rounds, pipe_kib),
         What::DeviceContainer { gib, runs } => return device_container(gib, runs),
         What::FreezeResume { mib, runs } => return freeze_resume::bench(mib, runs),
+        What::DeviceStorage {
+            gib,
+            procs,
+            proc_gib,
+            cuda,
+            runs,
+        } => {
+            return device_storage::bench(device_storage::Opts {
+                sizes: gib,
+                procs,
+                proc_gib,
+                cuda,
+                runs,
+            })
+        }
         _ => {}
     }
     let stack = Stack::discover()?;
@@ -159,7 +197,10 @@ fn main() -> Result<()> {
         What::HostMemory { mib, runs } => {
             tokio::runtime::Runtime::new()?.block_on(host_memory::bench(&node, mib, runs))
         }
-        What::Gpu { .. } | What::DeviceContainer { .. } | What::FreezeResume { .. } => {
+        What::Gpu { .. }
+        | What::DeviceContainer { .. }
+        | What::FreezeResume { .. }
+        | What::DeviceStorage { .. } => {
             unreachable!("run before the node is started")
         }
     }
@@ -1587,28 +1628,37 @@ fn sim_gpu_node(name: &str, memory_mib: u64) -> Result<(simgpu::testing::SimNode
         ..SimConfig::default()
     })
     .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
+    let node = sim_containerd_node(&stack, name, &sim, "debug")?;
+    Ok((sim, node))
+}
+
+/// A containerd node named `name` whose gpu-ckpt handlers load the simulated driver of `sim`
+/// (CRI: the handler's options; ctr, which sends no runtime options: the handler options file),
+/// with its CDI specs, logging at `level`.
+fn sim_containerd_node(
+    stack: &Stack,
+    name: &str,
+    sim: &simgpu::testing::SimNode,
+    level: &str,
+) -> Result<Node> {
     let lib_dir = sim.lib_dir().display().to_string();
-    // ctr sends no runtime options: its containers' shims read this file.
     let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
     std::fs::create_dir_all(stack.node_dir(name))?;
     std::fs::write(
         &handler_file,
         format!("DriverLibraryDir = {}\n", serde_json::to_string(&lib_dir)?),
     )?;
-    // Debug logging: the shim then logs each step's time (its spans), which says where the
-    // time went.
-    let node = start_node(
-        &stack,
-        Node::builder_on(&stack, name)
-            .log_level("debug")
+    start_node(
+        stack,
+        Node::builder_on(stack, name)
+            .log_level(level)
             .cdi(&[sim.cdi_dir()])
             .runtime_option("DriverLibraryDir", lib_dir.as_str())
             .env(
                 "GPU_CKPT_HANDLER_CONFIG",
                 &handler_file.display().to_string(),
             ),
-    )?;
-    Ok((sim, node))
+    )
 }
 
 /// Waits until no process holds memory on the simulated GPU (the last round's is gone).
