@@ -37,8 +37,8 @@ use anyhow::{bail, Context, Result};
 mod freeze_resume;
 use clap::{Parser, Subcommand};
 
-mod host_memory;
 mod device_storage;
+mod host_memory;
 use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
