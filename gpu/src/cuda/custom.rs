@@ -38,8 +38,9 @@ pub const CUSTOM_STORAGE_MIN_VERSION: i32 = 13040;
 /// Bytes moved per copy and per write or read.
 pub const CHUNK_BYTES: usize = 32 << 20;
 
-/// Pinned buffers per GPU: the copy of one chunk overlaps the write (or read) of another.
-const BUFFERS: usize = 2;
+/// Pinned buffers per GPU: the copy of one chunk overlaps the write (or read) of another, with
+/// one to spare for the faster side.
+const BUFFERS: usize = 3;
 
 /// Direct I/O alignment (of buffers, offsets and lengths).
 const ALIGN: usize = 4096;
@@ -828,7 +829,9 @@ impl CudaDriver {
             .collect()
     }
 
-    /// One range to its file: chunk k+1 copied while chunk k is hashed and written.
+    /// One range to its file. This thread copies chunk k+1 out of the range while a second one
+    /// hashes and writes chunk k (the hash beside the write), so the copy, the hash and the
+    /// disk overlap whether or not the driver's copy returns before it is done.
     #[allow(clippy::too_many_arguments)]
     fn save_range(
         &self,
@@ -845,37 +848,37 @@ impl CudaDriver {
         let mut hasher = blake3::Hasher::new();
         let plan: Vec<(u64, usize)> = chunks(r.size, CHUNK_BYTES).collect();
         let stream = r.stream as CUstream;
-        let copy = |k: usize, buf: &mut Pinned| {
-            let (off, n) = plan[k];
-            let dst = buf.bytes().as_mut_ptr().cast::<c_void>();
-            // SAFETY: `n` bytes of the mapped range into a pinned buffer of at least `n`.
-            self.call("cuMemcpyDtoHAsync", Some(pid), || unsafe {
-                (api.dtoh)(dst, r.dev_ptr + off, n, stream)
-            })
-        };
         let sync = || {
             // SAFETY: a stream of the operation.
             self.call("cuStreamSynchronize", Some(pid), || unsafe {
                 (api.stream_sync)(stream)
             })
         };
-        let result = (|| {
-            if plan.is_empty() {
-                return Ok(());
-            }
-            copy(0, &mut bufs[0])?;
-            for k in 0..plan.len() {
-                sync()?;
-                if k + 1 < plan.len() {
-                    copy(k + 1, &mut bufs[(k + 1) % BUFFERS])?;
-                }
-                let (off, n) = plan[k];
-                let buf = bufs[k % BUFFERS].bytes();
-                hasher.update(&buf[..n]);
-                write_chunk(&file, buf, n, off, direct).map_err(|e| dir.err(name, "write", e))?;
-            }
-            Ok(())
-        })();
+        let copy_out = |k: usize, buf: &mut [u8]| {
+            let (off, n) = plan[k];
+            let dst = buf.as_mut_ptr().cast::<c_void>();
+            // SAFETY: `n` bytes of the mapped range into a pinned buffer of at least `n`,
+            // synchronized before the buffer is handed on.
+            self.call("cuMemcpyDtoHAsync", Some(pid), || unsafe {
+                (api.dtoh)(dst, r.dev_ptr + off, n, stream)
+            })?;
+            sync()
+        };
+        let hash_and_write = |k: usize, buf: &mut [u8]| {
+            let (off, n) = plan[k];
+            let end = pad(buf, n, direct);
+            let buf = &buf[..end];
+            std::thread::scope(|s| {
+                let hashed = s.spawn(|| {
+                    hasher.update(&buf[..n]);
+                });
+                let written = file.write_all_at(buf, off);
+                let _ = hashed.join();
+                written
+            })
+            .map_err(|e| dir.err(name, "write", e))
+        };
+        let result = pipeline(&mut bufs, plan.len(), Side::Fills, copy_out, hash_and_write);
         // Nothing may still be copying into the buffers when they are freed.
         let drained = sync();
         result?;
@@ -947,7 +950,8 @@ impl CudaDriver {
         Ok(())
     }
 
-    /// One file into its range: chunk k+1 read and hashed while chunk k is copied.
+    /// One file into its range. A second thread reads chunk k+1 from the file while this one
+    /// copies chunk k into the range and hashes it (the hash beside the copy).
     #[allow(clippy::too_many_arguments)]
     fn load_range(
         &self,
@@ -968,26 +972,34 @@ impl CudaDriver {
                 (api.stream_sync)(stream)
             })
         };
+        let plan: Vec<(u64, usize)> = chunks(r.size, CHUNK_BYTES).collect();
         let mut hasher = blake3::Hasher::new();
-        let result = (|| {
-            for (k, (off, n)) in chunks(r.size, CHUNK_BYTES).enumerate() {
-                let buf = bufs[k % BUFFERS].bytes();
-                // Direct I/O reads whole blocks; the last one comes back short at the end.
-                let want = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
-                read_full_at(file, &mut buf[..want], off, n)
-                    .map_err(|e| dir.err(&f.name, "read", e))?;
-                hasher.update(&buf[..n]);
-                // The copy of chunk k-1 (the only one in flight) is done before k's starts;
-                // this buffer's last copy (k-2) was done before k-1's.
-                sync()?;
+        let read = |k: usize, buf: &mut [u8]| {
+            let (off, n) = plan[k];
+            // Direct I/O reads whole blocks; the last one comes back short at the end.
+            let want = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
+            read_full_at(file, &mut buf[..want], off, n).map_err(|e| dir.err(&f.name, "read", e))
+        };
+        let copy_in = |k: usize, buf: &mut [u8]| {
+            let (off, n) = plan[k];
+            let buf = &buf[..n];
+            std::thread::scope(|s| {
+                let hashed = s.spawn(|| {
+                    hasher.update(buf);
+                });
                 let src = buf.as_ptr().cast::<c_void>();
-                // SAFETY: `n` bytes of a pinned buffer into the mapped range.
-                self.call("cuMemcpyHtoDAsync", Some(pid), || unsafe {
-                    (api.htod)(r.dev_ptr + off, src, n, stream)
-                })?;
-            }
-            Ok(())
-        })();
+                // SAFETY: `n` bytes of a pinned buffer into the mapped range, synchronized
+                // before the buffer is handed back.
+                let copied = self
+                    .call("cuMemcpyHtoDAsync", Some(pid), || unsafe {
+                        (api.htod)(r.dev_ptr + off, src, n, stream)
+                    })
+                    .and_then(|()| sync());
+                let _ = hashed.join();
+                copied
+            })
+        };
+        let result = pipeline(&mut bufs, plan.len(), Side::Takes, copy_in, read);
         let drained = sync();
         result?;
         drained?;
@@ -1003,15 +1015,106 @@ impl CudaDriver {
     }
 }
 
-/// Writes the first `n` bytes of `buf` at `off`. Direct I/O writes whole blocks: the last one
-/// zero-padded in `buf` (which has room for it), cut back by [`cut_padding`].
-fn write_chunk(file: &File, buf: &mut [u8], n: usize, off: u64, direct: bool) -> io::Result<()> {
+/// The length to write of a chunk of `n` bytes in `buf`: direct I/O writes whole blocks, the
+/// last one zero-padded in `buf` (which has room for it) and cut back by [`cut_padding`].
+fn pad(buf: &mut [u8], n: usize, direct: bool) -> usize {
     let end = if direct { n.div_ceil(ALIGN) * ALIGN } else { n };
     buf[n..end].fill(0);
-    file.write_all_at(&buf[..end], off)
+    end
 }
 
-/// A file written by [`write_chunk`] cut back to its `size`.
+/// Which of a [`pipeline`]'s two steps runs on the calling thread: the one that makes driver
+/// calls, in the context the calling thread has made current.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// The calling thread fills the buffers; a second one takes them.
+    Fills,
+    /// A second thread fills the buffers; the calling thread takes them.
+    Takes,
+}
+
+/// A pinned buffer handed between the two threads of a [`pipeline`].
+struct Slot(*mut u8, usize);
+
+// SAFETY: a slot is used by one thread at a time: the one that received it from the channel.
+unsafe impl Send for Slot {}
+
+type Free = std::sync::mpsc::Receiver<Slot>;
+type Full = std::sync::mpsc::Sender<(usize, Slot)>;
+
+/// Moves `count` chunks through `bufs` between two threads: one fills chunk k into a free
+/// buffer, the other takes it, and the buffer goes back. With two or more buffers one chunk is
+/// filled while another is taken. `here` (on this thread) fills or takes as `side` says;
+/// `there` (on a second thread) does the other. The first error stops both and is returned.
+fn pipeline<H, T>(
+    bufs: &mut [Pinned],
+    count: usize,
+    side: Side,
+    here: H,
+    there: T,
+) -> Result<(), GpuError>
+where
+    H: FnMut(usize, &mut [u8]) -> Result<(), GpuError>,
+    T: FnMut(usize, &mut [u8]) -> Result<(), GpuError> + Send,
+{
+    use std::sync::mpsc::channel;
+    let (free_tx, free_rx) = channel::<Slot>();
+    let (full_tx, full_rx) = channel::<(usize, Slot)>();
+    for b in bufs.iter_mut() {
+        let bytes = b.bytes();
+        let _ = free_tx.send(Slot(bytes.as_mut_ptr(), bytes.len()));
+    }
+    let lost = || GpuError::InvalidArgument("a copy thread panicked".into());
+    std::thread::scope(|s| match side {
+        Side::Fills => {
+            let other = s.spawn(move || take_all(there, full_rx, free_tx));
+            let filled = fill_all(here, count, free_rx, full_tx);
+            filled.and(other.join().unwrap_or_else(|_| Err(lost())))
+        }
+        Side::Takes => {
+            let other = s.spawn(move || fill_all(there, count, free_rx, full_tx));
+            let taken = take_all(here, full_rx, free_tx);
+            other.join().unwrap_or_else(|_| Err(lost())).and(taken)
+        }
+    })
+}
+
+/// The filling side of a [`pipeline`]; a closed channel means the other side stopped on an
+/// error, which it returns.
+fn fill_all(
+    mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), GpuError>,
+    count: usize,
+    free: Free,
+    full: Full,
+) -> Result<(), GpuError> {
+    for k in 0..count {
+        let Ok(Slot(p, len)) = free.recv() else {
+            return Ok(());
+        };
+        // SAFETY: the buffer came back from the taking side, which no longer touches it.
+        fill(k, unsafe { std::slice::from_raw_parts_mut(p, len) })?;
+        if full.send((k, Slot(p, len))).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// The taking side of a [`pipeline`]: until the filling side is done (or stopped).
+fn take_all(
+    mut take: impl FnMut(usize, &mut [u8]) -> Result<(), GpuError>,
+    full: std::sync::mpsc::Receiver<(usize, Slot)>,
+    free: std::sync::mpsc::Sender<Slot>,
+) -> Result<(), GpuError> {
+    while let Ok((k, Slot(p, len))) = full.recv() {
+        // SAFETY: the buffer came from the filling side, which no longer touches it.
+        take(k, unsafe { std::slice::from_raw_parts_mut(p, len) })?;
+        let _ = free.send(Slot(p, len));
+    }
+    Ok(())
+}
+
+/// A file written in chunks [`pad`]ded to whole blocks, cut back to its `size`.
 fn cut_padding(file: &File, size: u64, direct: bool) -> io::Result<()> {
     if direct && !size.is_multiple_of(ALIGN as u64) {
         file.set_len(size)?;
@@ -1191,7 +1294,8 @@ mod tests {
         reserve(&file, size).unwrap();
         for (off, n) in chunks(size, chunk) {
             buf.bytes()[..n].copy_from_slice(&data[off as usize..off as usize + n]);
-            write_chunk(&file, buf.bytes(), n, off, direct).unwrap();
+            let end = pad(buf.bytes(), n, direct);
+            file.write_all_at(&buf.bytes()[..end], off).unwrap();
         }
         cut_padding(&file, size, direct).unwrap();
         drop(file);
