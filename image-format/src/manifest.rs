@@ -604,6 +604,18 @@ impl Manifest {
                 }
             }
         }
+        if ![String::new(), STORAGE_CUSTOM.into(), STORAGE_STAGED.into()]
+            .contains(&m.devices.storage)
+        {
+            return Err(Error::InvalidField {
+                what: what.to_string(),
+                field: "devices.storage".into(),
+                reason: format!(
+                    "{:?}: expected \"{STORAGE_CUSTOM}\" or \"{STORAGE_STAGED}\"",
+                    m.devices.storage
+                ),
+            });
+        }
         for (i, d) in m.device_state.iter().enumerate() {
             check_flat_name(&d.name)?;
             // At least one digest; every one given well formed.
@@ -1449,6 +1461,16 @@ mod tests {
         fs::write(dir.join("device-memory-1-0.bin"), &changed).unwrap();
         let err = verify_dir(dir).unwrap_err().to_string();
         assert!(err.contains("device-memory-1-0.bin"), "{err}");
+        // A storage path this build does not know: refused.
+        let mut odd: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
+        odd["devices"]["storage"] = "tape".into();
+        let err = Manifest::from_json(&serde_json::to_vec(&odd).unwrap(), "t")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("devices.storage") && err.contains("tape"),
+            "{err}"
+        );
         // A device_state digest that files does not list: refused.
         let mut v: serde_json::Value = serde_json::from_slice(&m.to_json()).unwrap();
         v["device_state"][0]["blake3"] = "0".repeat(64).into();

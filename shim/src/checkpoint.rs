@@ -144,10 +144,20 @@ impl CheckpointPlan {
                 work_path = Some(PathBuf::from(o.work_path));
             }
         }
-        let resume_after_dump = ann
-            .flag(annotations::RESUME_AFTER_DUMP)?
-            .unwrap_or(runtime.resume_after_dump)
-            && criu.leave_running;
+        // The pod may turn it off; on only where the handler lets pods choose.
+        let resume_after_dump = match ann.flag(annotations::RESUME_AFTER_DUMP)? {
+            Some(true) if !runtime.pod_resume_after_dump => {
+                if !runtime.resume_after_dump {
+                    tracing::warn!(
+                        "annotation {} ignored: the handler does not let pods turn it on (PodResumeAfterDump)",
+                        annotations::RESUME_AFTER_DUMP
+                    );
+                }
+                runtime.resume_after_dump
+            }
+            Some(on) => on,
+            None => runtime.resume_after_dump,
+        } && criu.leave_running;
         let page_digests = if runtime.sha256_page_images {
             PageDigests::Sha256AndBlake3
         } else {
@@ -446,7 +456,7 @@ mod tests {
     /// The pod's annotation over the handler's option; `--exit` (no task left to resume)
     /// never resumes; only a manifest with the resume's timing is refused to containerd.
     #[test]
-    fn resume_after_dump_comes_from_the_pod_over_the_handler_and_only_leave_running() {
+    fn resume_after_dump_comes_from_the_handler_a_pod_turns_it_off_or_on_where_allowed() {
         let ann = |v: Option<&str>| {
             let mut all = HashMap::new();
             if let Some(v) = v {
@@ -459,6 +469,10 @@ mod tests {
             ..Default::default()
         };
         let off = RuntimeOptions::default();
+        let pods = RuntimeOptions {
+            pod_resume_after_dump: true,
+            ..Default::default()
+        };
         let plan = |o: &RuntimeOptions, a: &Annotations, options: Option<&Any>| {
             CheckpointPlan::resolve("/ck", options, o, a, false)
                 .unwrap()
@@ -466,7 +480,10 @@ mod tests {
         };
         assert!(!plan(&off, &ann(None), None));
         assert!(plan(&on, &ann(None), None));
-        assert!(plan(&off, &ann(Some("true")), None));
+        // A pod turns it on only where the handler lets pods choose.
+        assert!(!plan(&off, &ann(Some("true")), None));
+        assert!(plan(&pods, &ann(Some("true")), None));
+        assert!(!plan(&pods, &ann(None), None));
         assert!(!plan(&on, &ann(Some("false")), None));
         let exit = CheckpointOptions {
             exit: true,

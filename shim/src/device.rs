@@ -334,7 +334,7 @@ impl DeviceLayer {
         holders: &[Holder],
         storage: &Storage,
         files: &[Vec<DeviceMemoryFile>],
-    ) -> Result<()> {
+    ) -> std::result::Result<(), (Error, Vec<usize>)> {
         let items: Vec<(&Holder, &[DeviceMemoryFile])> = holders
             .iter()
             .enumerate()
@@ -351,13 +351,22 @@ impl DeviceLayer {
                 })
         });
         let mut first = None;
-        for (h, r) in holders.iter().zip(results) {
+        let mut failed = Vec::new();
+        for (i, (h, r)) in holders.iter().zip(results).enumerate() {
             if let Err(e) = r {
                 warn!(pid = h.pid, error = %e, "device resume");
                 first.get_or_insert(e);
+                failed.push(i);
             }
         }
-        first.map_or(Ok(()), Err)
+        first.map_or(Ok(()), |e| Err((e, failed)))
+    }
+
+    /// Whether every one of `holders` is RUNNING (its state read back), after an undo.
+    fn all_running(&self, holders: &[Holder]) -> bool {
+        holders
+            .iter()
+            .all(|h| matches!(self.cuda.state(h.pid), Ok(s) if s == ProcessState::RUNNING))
     }
 
     /// After `runc restore`: each process the checkpoint recorded (by its pid in the
@@ -664,7 +673,13 @@ impl ContainerDevices {
                     Ok(q)
                 }
                 Err(e) => {
-                    q.remove_files();
+                    // The files are the only copy of a process whose undo did not bring it
+                    // back: kept, and said where.
+                    if layer.all_running(&q.holders) {
+                        q.remove_files();
+                    } else if let Storage::Custom { dir } = &q.storage {
+                        warn!(dir = %dir.display(), "a GPU process is not running after the undo of a failed device checkpoint: its device-memory files are kept");
+                    }
                     Err(e)
                 }
             }
@@ -704,17 +719,42 @@ impl ContainerDevices {
         if !q.checkpointed {
             return Ok(());
         }
-        tokio::task::spawn_blocking(move || {
-            let resumed = layer.resume(&q.holders, &q.storage, &q.files);
-            if resumed.is_ok() {
-                q.remove_files();
-            } else if let Storage::Custom { dir } = &q.storage {
-                warn!(dir = %dir.display(), "the device-memory files of a failed device resume are kept");
+        let (resumed, left) = tokio::task::spawn_blocking(move || {
+            match layer.resume(&q.holders, &q.storage, &q.files) {
+                Ok(()) => {
+                    q.remove_files();
+                    (Ok(()), None)
+                }
+                // The processes that did not come back stay quiesced, with their files, so
+                // that the next Resume (containerd's, or a retry) tries them again.
+                Err((e, failed)) => {
+                    if let Storage::Custom { dir } = &q.storage {
+                        warn!(dir = %dir.display(), "the device-memory files of a failed device resume are kept");
+                    }
+                    let mut q = q;
+                    let keep = |i: &usize| failed.contains(i);
+                    q.holders = std::mem::take(&mut q.holders)
+                        .into_iter()
+                        .enumerate()
+                        .filter(|(i, _)| keep(i))
+                        .map(|(_, h)| h)
+                        .collect();
+                    if !q.files.is_empty() {
+                        q.files = std::mem::take(&mut q.files)
+                            .into_iter()
+                            .enumerate()
+                            .filter(|(i, _)| keep(i))
+                            .map(|(_, f)| f)
+                            .collect();
+                    }
+                    (Err(e), Some(q))
+                }
             }
-            resumed
         })
         .await
-        .map_err(|e| device_error("device-restore", e.to_string()))?
+        .map_err(|e| device_error("device-restore", e.to_string()))?;
+        self.quiesced = left;
+        resumed
     }
 
     /// After a checkpoint that ended the processes (`--exit`): nothing is left to resume, and
@@ -1208,7 +1248,9 @@ mod tests {
         let q = l
             .quiesce(&holders, Duration::from_secs(1), &Storage::Staged)
             .unwrap();
-        l.resume(&holders, &Storage::Staged, &q.files).unwrap();
+        l.resume(&holders, &Storage::Staged, &q.files)
+            .map_err(|(e, _)| e)
+            .unwrap();
         let took = t.elapsed();
         // Four steps of 200 ms each, one process after another, would take 3.2 s.
         assert!(took < Duration::from_millis(1600), "{took:?}");

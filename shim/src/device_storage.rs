@@ -95,15 +95,13 @@ fn bytes(b: u64) -> String {
     format!("{b} bytes ({:.2} GiB)", b as f64 / (1u64 << 30) as f64)
 }
 
-/// Removes `dir` and what is left in it, and its namespace's directory once empty.
+/// Removes `dir` and what is left in it. Its namespace's directory stays: another
+/// container's shim may be making its own directory in it at this moment.
 pub fn remove(dir: &Path) {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => info!(dir = %dir.display(), "device-memory files removed"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => warn!(dir = %dir.display(), error = %e, "remove the device-memory files"),
-    }
-    if let Some(namespace) = dir.parent() {
-        let _ = std::fs::remove_dir(namespace);
     }
 }
 
@@ -338,6 +336,7 @@ mod tests {
         let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o700);
         remove(&dir);
-        assert!(!dir.exists() && !dir.parent().unwrap().exists());
+        // The namespace's directory stays, for the other containers of the namespace.
+        assert!(!dir.exists() && dir.parent().unwrap().is_dir());
     }
 }

@@ -150,11 +150,18 @@ pub struct RuntimeOptions {
     /// back on its GPUs, unlocked, once CRIU's dump and the signed copy of the rootfs changes
     /// are done, instead of waiting for containerd's Resume; containerd's copy of the
     /// checkpoint and its rootfs diff then run while the application works, and its Resume is
-    /// answered as done. The pod annotation `gpu-ckpt.io/resume-after-dump` overrides it.
-    /// containerd's own restore (`ctr container restore`, CRI's restore-via-create) of such
+    /// answered as done. The pod annotation `gpu-ckpt.io/resume-after-dump: "false"` turns it
+    /// off for a pod; `"true"` turns it on only where [`RuntimeOptions::pod_resume_after_dump`]
+    /// lets pods choose. containerd's own restore (`ctr container restore`, CRI's restore-via-create) of such
     /// a checkpoint is refused: its rootfs-diff.tar was taken after the resume; the restore
     /// handler restores it from the signed copy.
     pub resume_after_dump: bool,
+    /// Let a pod turn [`RuntimeOptions::resume_after_dump`] on with its annotation (default
+    /// false: the annotation can only turn it off). While the container runs on, containerd
+    /// takes its rootfs diff from the live upper directory and follows what it finds there by
+    /// path, so a tenant that swaps a file for a symlink at that moment can get a host file
+    /// into the checkpoint's rootfs-diff.tar: the node's operator, not the pod, decides.
+    pub pod_resume_after_dump: bool,
     /// The device steps of a checkpoint (default true). `false` only for tests: a checkpoint
     /// then shows what happens without them (CRIU cannot dump a process that holds a GPU).
     pub device_steps: Option<bool>,
@@ -924,6 +931,12 @@ mod tests {
                 .resume_after_dump
         );
         assert!(RuntimeOptions::from_toml("ResumeAfterDump = \"yes\"", "t").is_err());
+        assert!(!RuntimeOptions::default().pod_resume_after_dump);
+        assert!(
+            RuntimeOptions::from_toml("PodResumeAfterDump = true", "t")
+                .unwrap()
+                .pod_resume_after_dump
+        );
     }
 
     #[test]

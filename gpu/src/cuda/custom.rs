@@ -393,8 +393,19 @@ impl Dir {
         self.open_at(name, flags, "create")
     }
 
+    /// A regular file opened for reading: O_NONBLOCK, so that a FIFO put in a file's place
+    /// cannot hold the open, and the type checked on the descriptor before a byte is read.
     fn open_read(&self, name: &str) -> Result<(File, bool), GpuError> {
-        self.open_at(name, libc::O_RDONLY, "open")
+        let (f, direct) = self.open_at(name, libc::O_RDONLY | libc::O_NONBLOCK, "open")?;
+        let meta = f.metadata().map_err(|e| self.err(name, "fstat", e))?;
+        if !meta.file_type().is_file() {
+            return Err(self.err(
+                name,
+                "open",
+                io::Error::new(io::ErrorKind::InvalidData, "not a regular file"),
+            ));
+        }
+        Ok((f, direct))
     }
 
     /// Whether `name` exists in the directory (a link counts; it is not followed).

@@ -516,7 +516,8 @@ impl Container {
     /// copy of the checkpoint and its rootfs diff run while the application works. Without a
     /// copy of the rootfs changes (a rootfs that is no overlay) containerd's diff is the only
     /// record of them, and the container waits for containerd's Resume as before; so it does
-    /// when the resume fails (containerd's Resume tries again). How long the resume took.
+    /// when the resume fails (containerd's Resume tries again what did not come back). How long
+    /// the resume took.
     async fn resume_after_dump(
         &mut self,
         copied: bool,
@@ -538,6 +539,12 @@ impl Container {
                 info!(id = %self.id, ms = took.as_millis() as u64, "resumed right after the dump");
             }
             Err(e) => {
+                // The thaw may have happened (the device resume comes after it), so the
+                // container may have run on while containerd takes its diff: the timing is
+                // recorded all the same, so that containerd's own restore is refused. The
+                // processes whose device resume failed stay quiesced; containerd's Resume
+                // tries them again.
+                timings.push((checkpoint::RESUME_AFTER_DUMP_STEP, took));
                 warn!(id = %self.id, error = %e, "resume right after the dump failed: the container waits for containerd's Resume")
             }
         }

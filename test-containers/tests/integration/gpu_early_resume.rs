@@ -203,7 +203,11 @@ async fn exists_in(cri: &Cri, id: &str, path: &str) -> Result<bool> {
 #[test]
 fn cri_checkpoint_resumes_a_gpu_pod_before_containerds_copy_and_restores_the_dumps_moment(
 ) -> Result<()> {
-    let (_sim_a, sim_b, a, b) = two_gpu_nodes("early", 1)?;
+    // Pods may choose (PodResumeAfterDump); the handler's own default stays off.
+    let (_sim_a, sim_b) = (sim_gpus(1, 256, "early-a")?, sim_gpus(1, 256, "early-b")?);
+    let pods = [("PodResumeAfterDump", "true")];
+    let a = gpu_node("gpu-early-a", &_sim_a, &pods)?;
+    let b = gpu_node("gpu-early-b", &sim_b, &pods)?;
     rt().block_on(async {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;

@@ -1634,7 +1634,8 @@ fn sim_gpu_node(name: &str, memory_mib: u64) -> Result<(simgpu::testing::SimNode
 
 /// A containerd node named `name` whose gpu-ckpt handlers load the simulated driver of `sim`
 /// (CRI: the handler's options; ctr, which sends no runtime options: the handler options file),
-/// with its CDI specs, logging at `level`.
+/// with its CDI specs, logging at `level`. Pods may turn on `gpu-ckpt.io/resume-after-dump`
+/// (`PodResumeAfterDump`), for the freeze-resume bench.
 fn sim_containerd_node(
     stack: &Stack,
     name: &str,
@@ -1646,7 +1647,10 @@ fn sim_containerd_node(
     std::fs::create_dir_all(stack.node_dir(name))?;
     std::fs::write(
         &handler_file,
-        format!("DriverLibraryDir = {}\n", serde_json::to_string(&lib_dir)?),
+        format!(
+            "DriverLibraryDir = {}\nPodResumeAfterDump = true\n",
+            serde_json::to_string(&lib_dir)?
+        ),
     )?;
     start_node(
         stack,
@@ -1654,6 +1658,7 @@ fn sim_containerd_node(
             .log_level(level)
             .cdi(&[sim.cdi_dir()])
             .runtime_option("DriverLibraryDir", lib_dir.as_str())
+            .runtime_option("PodResumeAfterDump", true)
             .env(
                 "GPU_CKPT_HANDLER_CONFIG",
                 &handler_file.display().to_string(),
