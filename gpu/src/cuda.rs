@@ -482,10 +482,11 @@ impl DeviceCheckpoint for CudaDriver {
     fn checkpoint_to(
         &self,
         pid: i32,
+        gpus: &[crate::GpuUuid],
         dir: &std::path::Path,
         prefix: &str,
     ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
-        self.custom_checkpoint(pid, dir, prefix)
+        self.custom_checkpoint(pid, gpus, dir, prefix)
     }
 
     fn restore_from(

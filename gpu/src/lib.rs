@@ -72,14 +72,17 @@ pub trait DeviceCheckpoint: Send + Sync {
     }
     /// LOCKED → CHECKPOINTED by custom storage: each GPU's range of the process's device memory
     /// written to a new file `{prefix}-{n}.bin` in `dir` (n: the range's index), synced and
-    /// hashed as it is written; nothing of it is staged in the process's memory.
+    /// hashed as it is written; nothing of it is staged in the process's memory. `gpus`: the
+    /// GPUs the process holds memory on, the only ones the caller takes a context on (other
+    /// tenants' GPUs are left alone; a range on another GPU is refused); empty: every GPU.
     fn checkpoint_to(
         &self,
         pid: i32,
+        gpus: &[GpuUuid],
         dir: &Path,
         prefix: &str,
     ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
-        let _ = (dir, prefix);
+        let _ = (gpus, dir, prefix);
         Err(GpuError::InvalidArgument(format!(
             "checkpoint_to(pid {pid}): this backend has no custom storage"
         )))

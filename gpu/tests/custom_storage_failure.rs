@@ -40,7 +40,7 @@ fn a_file_that_cannot_be_written_leaves_the_process_locked_with_its_memory() {
     // SAFETY: ignoring SIGXFSZ, so that the write past the limit fails instead of killing us.
     unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     set_file_size_limit(4 << 20);
-    let r = cuda.checkpoint_to(pid, dir.path(), "dev");
+    let r = cuda.checkpoint_to(pid, &[], dir.path(), "dev");
     set_file_size_limit(libc::RLIM_INFINITY);
     let e = r.unwrap_err();
     assert!(matches!(e, GpuError::Storage { .. }), "{e}");
@@ -57,7 +57,7 @@ fn a_file_that_cannot_be_written_leaves_the_process_locked_with_its_memory() {
 
     // And the same process checkpoints to files once they can be written.
     cuda.lock(pid, None).unwrap();
-    let files = cuda.checkpoint_to(pid, dir.path(), "dev").unwrap();
+    let files = cuda.checkpoint_to(pid, &[], dir.path(), "dev").unwrap();
     assert_eq!(files.len(), 2);
     cuda.restore_from(pid, &[], dir.path(), &files).unwrap();
     cuda.unlock(pid).unwrap();

@@ -446,7 +446,10 @@ fn custom_storage_to_files_and_back_onto_other_gpus() {
     let rss_before = rss_bytes(pid);
 
     cuda.lock(pid, None).unwrap();
-    let files = cuda.checkpoint_to(pid, dir.path(), "dev-7").unwrap();
+    // The process's two GPUs only (GPUs 2 and 3 get no context).
+    let files = cuda
+        .checkpoint_to(pid, &[u[0], u[1]], dir.path(), "dev-7")
+        .unwrap();
     assert_eq!(cuda.state(pid).unwrap(), ProcessState::CHECKPOINTED);
     // Nothing of the device memory went into the process.
     let rss_after = rss_bytes(pid);
@@ -500,7 +503,9 @@ fn custom_storage_to_files_and_back_onto_other_gpus() {
     // Again, into the same directory: the names are taken, nothing is overwritten, and the
     // process stays LOCKED (refused before the driver is asked).
     cuda.lock(pid, None).unwrap();
-    let e = cuda.checkpoint_to(pid, dir.path(), "dev-7").unwrap_err();
+    let e = cuda
+        .checkpoint_to(pid, &[], dir.path(), "dev-7")
+        .unwrap_err();
     assert!(matches!(e, GpuError::Storage { .. }), "{e}");
     assert!(e.to_string().contains("dev-7-0.bin"), "{e}");
     assert!(e.to_string().contains("already exists"), "{e}");
@@ -519,7 +524,7 @@ fn custom_storage_refuses_a_changed_file() {
     let pid = w.pid();
     let dir = tempfile::tempdir().unwrap();
     cuda.lock(pid, None).unwrap();
-    let files = cuda.checkpoint_to(pid, dir.path(), "d").unwrap();
+    let files = cuda.checkpoint_to(pid, &[], dir.path(), "d").unwrap();
     let path = dir.path().join(&files[0].name);
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[12345] ^= 1;
@@ -545,7 +550,7 @@ fn no_custom_storage_before_cuda_13_4() {
     let pid = w.pid();
     let dir = tempfile::tempdir().unwrap();
     cuda.lock(pid, None).unwrap();
-    let e = cuda.checkpoint_to(pid, dir.path(), "d").unwrap_err();
+    let e = cuda.checkpoint_to(pid, &[], dir.path(), "d").unwrap_err();
     assert!(e.to_string().contains("no custom storage"), "{e}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     assert_eq!(cuda.state(pid).unwrap(), ProcessState::LOCKED);

@@ -234,7 +234,10 @@ impl DeviceLayer {
             let _span = info_span!("device_checkpoint", pid = h.pid).entered();
             match storage {
                 Storage::Staged => self.cuda.checkpoint(h.pid).map(|()| Vec::new()),
-                Storage::Custom { dir } => self.cuda.checkpoint_to(h.pid, dir, &file_prefix(h)),
+                Storage::Custom { dir } => {
+                    let gpus: Vec<GpuUuid> = h.gpus.iter().map(|g| g.0).collect();
+                    self.cuda.checkpoint_to(h.pid, &gpus, dir, &file_prefix(h))
+                }
             }
         });
         let checkpoint = t.elapsed();

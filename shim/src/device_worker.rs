@@ -133,6 +133,7 @@ pub enum Call {
     /// `checkpoint_to`: the worker writes the files.
     CheckpointTo {
         pid: i32,
+        gpus: Vec<GpuUuid>,
         dir: PathBuf,
         prefix: String,
     },
@@ -202,9 +203,12 @@ impl Call {
             Call::Unlock { pid } => driver.unlock(*pid).map(|_| Answer::Done)?,
             Call::State { pid } => Answer::State(driver.state(*pid)?),
             Call::RestoreThreadId { pid } => Answer::Tid(driver.restore_thread_id(*pid)?),
-            Call::CheckpointTo { pid, dir, prefix } => {
-                Answer::Files(driver.checkpoint_to(*pid, dir, prefix)?)
-            }
+            Call::CheckpointTo {
+                pid,
+                gpus,
+                dir,
+                prefix,
+            } => Answer::Files(driver.checkpoint_to(*pid, gpus, dir, prefix)?),
             Call::RestoreFrom {
                 pid,
                 pairs,
@@ -879,11 +883,13 @@ impl DeviceCheckpoint for WorkerDriver {
     fn checkpoint_to(
         &self,
         pid: i32,
+        gpus: &[GpuUuid],
         dir: &Path,
         prefix: &str,
     ) -> std::result::Result<Vec<DeviceMemoryFile>, GpuError> {
         let call = Call::CheckpointTo {
             pid,
+            gpus: gpus.to_vec(),
             dir: dir.to_path_buf(),
             prefix: prefix.to_string(),
         };

@@ -125,7 +125,7 @@ fn calls_on_two_processes_run_at_once() {
             || d.calls_in_flight() == [a] && n.last_args("cuCheckpointProcessCheckpoint").is_ok(),
         );
         // The other process goes through its whole checkpoint and restore meanwhile.
-        let files = d.checkpoint_to(b, dir.path(), "b").unwrap();
+        let files = d.checkpoint_to(b, &[], dir.path(), "b").unwrap();
         assert_eq!(files.len(), 1);
         assert_eq!(files[0].size, 8 << 20);
         assert_eq!(d.state(b).unwrap(), ProcessState::CHECKPOINTED);

@@ -601,6 +601,7 @@ impl CudaDriver {
     pub(super) fn custom_checkpoint(
         &self,
         pid: i32,
+        gpus: &[GpuUuid],
         dir: &Path,
         prefix: &str,
     ) -> Result<Vec<DeviceMemoryFile>, GpuError> {
@@ -609,7 +610,9 @@ impl CudaDriver {
         let api = self.custom_api("checkpoint_to", pid)?;
         flat_name(&format!("{prefix}-0.bin"))?;
         let dir = Dir::open(dir)?;
-        let prim = Primaries::retain(self, api, None)?;
+        // The process's GPUs only: a context on another tenant's GPU costs it memory, and on
+        // an exclusive-process GPU would keep its processes out (or fail here).
+        let prim = Primaries::retain(self, api, (!gpus.is_empty()).then_some(gpus))?;
         // At most one range per GPU: a name already taken is refused while the process is
         // still LOCKED (O_EXCL below refuses it anyway, but by then the driver has mapped it).
         for n in 0..prim.held.len() {
