@@ -5,11 +5,10 @@
 //! files are written to a directory of the shim's own, `<DeviceStorageDir>/<namespace>/<id>`
 //! (root-only, made afresh, on the node's disk: not /run, RAM on most nodes), once the disk
 //! there has room for them ([`prepare`]). At the checkpoint they go into the image directory
-//! under flat names ([`place`]): on the same file system renamed, or hard-linked where the
+//! under flat names ([`place`]): renamed where it is on the same file system; copied and the
+//! copy verified against the BLAKE3 taken as they were written otherwise, and always where the
 //! container runs on (leave-running, or a Pause that a Resume ends: containerd may remove its
-//! image directory before it resumes the task, and the Resume reads the files back from here);
-//! on another file system copied, and the copy verified against the BLAKE3 taken as the files
-//! were written.
+//! image directory before it resumes the task, and the Resume reads the files back from here).
 //! They are removed here once their checkpoint is done with them ([`remove`]).
 
 use std::collections::HashMap;
@@ -125,10 +124,9 @@ impl Placed {
     }
 }
 
-/// Puts `stored`'s files into the image directory `image` under their flat names, on the same
-/// file system without moving a byte: renamed where `keep` is false, hard-linked where it is
-/// true (the files are never written again, so the two names cannot drift apart); else copied
-/// and the copy verified against its BLAKE3. A name already in `image` is refused. Returns what was renamed.
+/// Puts `stored`'s files into the image directory `image` under their flat names: renamed
+/// where `keep` is false and it is on the same file system, else copied and the copy verified
+/// against its BLAKE3. A name already in `image` is refused. Returns what was renamed.
 pub fn place(stored: &Stored, image: &Path, keep: bool) -> Result<Placed> {
     let mut placed = Placed {
         from: stored.dir.clone(),
@@ -146,11 +144,6 @@ pub fn place(stored: &Stored, image: &Path, keep: bool) -> Result<Placed> {
             }
             if !keep && std::fs::rename(&from, &to).is_ok() {
                 placed.renamed.push(f.name.clone());
-                continue;
-            }
-            // Kept: a second name for the same bytes, where the file system allows it (the
-            // image directory's undo removes only that name; this one stays for the resume).
-            if keep && std::fs::hard_link(&from, &to).is_ok() {
                 continue;
             }
             copy_verified(&from, &to, f)?;
@@ -275,19 +268,13 @@ mod tests {
     }
 
     #[test]
-    fn files_are_renamed_or_linked_and_a_rename_undone() {
+    fn files_are_renamed_or_copied_verified_and_a_rename_undone() {
         let (_tmp, from, image) = two_dirs();
         let s = stored(&from, &[("device-memory-1-0.bin", b"abc")]);
-        // Kept, on one file system: a second name for the same file, the first stays for the
-        // resume.
+        // Kept: copied, the original stays for the resume.
         let p = place(&s, &image, true).unwrap();
         assert!(p.renamed.is_empty());
-        use std::os::unix::fs::MetadataExt;
-        let ino = |p: PathBuf| std::fs::metadata(p).unwrap().ino();
-        assert_eq!(
-            ino(from.join("device-memory-1-0.bin")),
-            ino(image.join("device-memory-1-0.bin"))
-        );
+        assert!(from.join("device-memory-1-0.bin").exists());
         assert_eq!(
             std::fs::read(image.join("device-memory-1-0.bin")).unwrap(),
             b"abc"
@@ -309,11 +296,7 @@ mod tests {
         let (_tmp, from, image) = two_dirs();
         let mut s = stored(&from, &[("device-memory-1-0.bin", b"abc")]);
         s.files[0].1.blake3 = blake3_hex(b"abd");
-        // The copy of another file system (a link cannot cross one).
-        let to = image.join("device-memory-1-0.bin");
-        let err = copy_verified(&from.join("device-memory-1-0.bin"), &to, &s.files[0].1)
-            .unwrap_err()
-            .to_string();
+        let err = place(&s, &image, true).unwrap_err().to_string();
         assert!(
             err.contains("differs") && err.contains("device-storage"),
             "{err}"
