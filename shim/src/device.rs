@@ -553,6 +553,15 @@ impl Quiesced {
     }
 }
 
+/// The items of `v` at the indices `keep`.
+fn only<T>(v: Vec<T>, keep: &[usize]) -> Vec<T> {
+    v.into_iter()
+        .enumerate()
+        .filter(|(i, _)| keep.contains(i))
+        .map(|(_, x)| x)
+        .collect()
+}
+
 /// A container deleted while its processes were quiesced (killed while paused, say): their
 /// device-memory files go with it.
 impl Drop for ContainerDevices {
@@ -735,21 +744,9 @@ impl ContainerDevices {
                         warn!(dir = %dir.display(), "the device-memory files of a failed device resume are kept");
                     }
                     let mut q = q;
-                    let keep = |i: &usize| failed.contains(i);
-                    q.holders = std::mem::take(&mut q.holders)
-                        .into_iter()
-                        .enumerate()
-                        .filter(|(i, _)| keep(i))
-                        .map(|(_, h)| h)
-                        .collect();
-                    if !q.files.is_empty() {
-                        q.files = std::mem::take(&mut q.files)
-                            .into_iter()
-                            .enumerate()
-                            .filter(|(i, _)| keep(i))
-                            .map(|(_, f)| f)
-                            .collect();
-                    }
+                    q.holders = only(std::mem::take(&mut q.holders), &failed);
+                    // Empty on the staged path; else one entry per holder.
+                    q.files = only(std::mem::take(&mut q.files), &failed);
                     (Err(e), Some(q))
                 }
             }

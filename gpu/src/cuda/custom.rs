@@ -1078,17 +1078,16 @@ where
         let bytes = b.bytes();
         let _ = free_tx.send(Slot(bytes.as_mut_ptr(), bytes.len()));
     }
-    let lost = || GpuError::InvalidArgument("a copy thread panicked".into());
     std::thread::scope(|s| match side {
         Side::Fills => {
             let other = s.spawn(move || take_all(there, full_rx, free_tx));
             let filled = fill_all(here, count, free_rx, full_tx);
-            filled.and(other.join().unwrap_or_else(|_| Err(lost())))
+            filled.and(join_one(other))
         }
         Side::Takes => {
             let other = s.spawn(move || fill_all(there, count, free_rx, full_tx));
             let taken = take_all(here, full_rx, free_tx);
-            other.join().unwrap_or_else(|_| Err(lost())).and(taken)
+            join_one(other).and(taken)
         }
     })
 }
@@ -1140,13 +1139,13 @@ fn cut_padding(file: &File, size: u64, direct: bool) -> io::Result<()> {
 fn joined<T>(
     threads: Vec<std::thread::ScopedJoinHandle<'_, Result<T, GpuError>>>,
 ) -> Vec<Result<T, GpuError>> {
-    threads
-        .into_iter()
-        .map(|t| {
-            t.join()
-                .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
-        })
-        .collect()
+    threads.into_iter().map(join_one).collect()
+}
+
+/// The result of one copy thread; a panic is an error.
+fn join_one<T>(t: std::thread::ScopedJoinHandle<'_, Result<T, GpuError>>) -> Result<T, GpuError> {
+    t.join()
+        .unwrap_or_else(|_| Err(GpuError::InvalidArgument("a copy thread panicked".into())))
 }
 
 /// Every file of a restore opened, and its size checked against its entry.
