@@ -20,4 +20,6 @@ pub mod next;
 pub mod real;
 
 #[cfg(test)]
+mod abi_tests;
+#[cfg(test)]
 mod tests;

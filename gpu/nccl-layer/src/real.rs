@@ -16,12 +16,17 @@ const CUDA_ERROR_NOT_READY: CuResult = 600;
 
 /// The CUDA driver's functions the layer uses, from `libcuda.so.1`.
 struct Cuda {
-    stream_query: unsafe extern "C" fn(*mut c_void) -> CuResult,
-    ctx_get_device: unsafe extern "C" fn(*mut c_int) -> CuResult,
-    device_get: unsafe extern "C" fn(*mut c_int, c_int) -> CuResult,
-    primary_ctx_retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult,
-    ctx_set_current: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    stream_query: PtrFn,
+    ctx_get_device: IntOutFn,
+    device_get: DeviceGetFn,
+    primary_ctx_retain: RetainFn,
+    ctx_set_current: PtrFn,
 }
+
+type PtrFn = unsafe extern "C" fn(*mut c_void) -> CuResult;
+type IntOutFn = unsafe extern "C" fn(*mut c_int) -> CuResult;
+type DeviceGetFn = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
+type RetainFn = unsafe extern "C" fn(*mut *mut c_void, c_int) -> CuResult;
 
 fn cuda() -> Result<&'static Cuda, String> {
     static CUDA: OnceLock<Result<Cuda, String>> = OnceLock::new();
@@ -44,13 +49,13 @@ fn cuda() -> Result<&'static Cuda, String> {
         // SAFETY: each symbol is the driver API function of that name, with cuda.h's signature.
         unsafe {
             Ok(Cuda {
-                stream_query: std::mem::transmute::<usize, _>(sym(c"cuStreamQuery")?),
-                ctx_get_device: std::mem::transmute::<usize, _>(sym(c"cuCtxGetDevice")?),
-                device_get: std::mem::transmute::<usize, _>(sym(c"cuDeviceGet")?),
-                primary_ctx_retain: std::mem::transmute::<usize, _>(sym(
+                stream_query: std::mem::transmute::<usize, PtrFn>(sym(c"cuStreamQuery")?),
+                ctx_get_device: std::mem::transmute::<usize, IntOutFn>(sym(c"cuCtxGetDevice")?),
+                device_get: std::mem::transmute::<usize, DeviceGetFn>(sym(c"cuDeviceGet")?),
+                primary_ctx_retain: std::mem::transmute::<usize, RetainFn>(sym(
                     c"cuDevicePrimaryCtxRetain",
                 )?),
-                ctx_set_current: std::mem::transmute::<usize, _>(sym(c"cuCtxSetCurrent")?),
+                ctx_set_current: std::mem::transmute::<usize, PtrFn>(sym(c"cuCtxSetCurrent")?),
             })
         }
     })

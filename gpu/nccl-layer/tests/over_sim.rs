@@ -1,0 +1,570 @@
+//! The layer end to end over the simulated NCCL (gpu/sim): two rank processes with
+//! `libgpu-ckpt-nccl.so` preloaded run collectives on two simulated GPUs, while this test acts as
+//! the shim on the control socket: quiesce, release, disconnect, reconnect, a rebuild on a fresh
+//! unique id, go; the collectives still give bit-exact results on the same handles. A rank whose
+//! peer has not contributed fails the quiesce, naming the rank.
+//!
+//! The ranks are this test binary again (`harness = false`): with `NCCL_LAYER_TEST_RANK` set,
+//! `main` is a rank. It loads `libcuda.so.1` and `libnccl.so.2` with `RTLD_GLOBAL` and calls
+//! NCCL through the global scope, as a program linked to NCCL does, so the preloaded layer's
+//! definitions come first.
+//!
+//! Needs the workspace built first (`cargo build --workspace --all-targets`): the daemon
+//! `gpu-ckpt-simgpu`, its libraries, and the layer, next to the test executable.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::Duration;
+
+use nccl_control::{Connection, LayerMsg, ShimMsg};
+use simgpu::testing::{SimConfig, SimNode};
+
+const ENV_RANK: &str = "NCCL_LAYER_TEST_RANK";
+const NRANKS: i32 = 2;
+const COUNT: usize = 4096;
+const WAIT: Duration = Duration::from_secs(30);
+
+fn main() {
+    if std::env::var_os(ENV_RANK).is_some() {
+        rank::main();
+        return;
+    }
+    // `cargo test` passes harness arguments; a filter that is not ours runs nothing.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--list") {
+        println!("checkpoint_cycle_over_the_simulated_nccl: test");
+        return;
+    }
+    // Harness options that take a value, so that the value is not read as a filter.
+    let valued = [
+        "--test-threads",
+        "--skip",
+        "--format",
+        "--color",
+        "-Z",
+        "--logfile",
+    ];
+    let filter = args
+        .iter()
+        .enumerate()
+        .find(|(i, a)| !a.starts_with('-') && (*i == 0 || !valued.contains(&args[i - 1].as_str())))
+        .map(|(_, a)| a);
+    if let Some(filter) = filter {
+        if !"checkpoint_cycle_over_the_simulated_nccl".contains(filter.as_str()) {
+            return;
+        }
+    }
+    checkpoint_cycle_over_the_simulated_nccl();
+    println!("test checkpoint_cycle_over_the_simulated_nccl ... ok");
+}
+
+/// The values rank `r` sends at step `s`: integers, so that every sum is exact in f32.
+fn values(r: i32, s: u32) -> Vec<f32> {
+    (0..COUNT)
+        .map(|i| ((r + 1) * 1000 + (s as i32) * 10 + (i % 7) as i32) as f32)
+        .collect()
+}
+
+/// A rank process and its output lines.
+struct Rank {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    pid: i32,
+}
+
+impl Rank {
+    fn say(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").expect("write to a rank");
+    }
+    fn line(&self, within: Duration) -> Option<String> {
+        self.lines.recv_timeout(within).ok()
+    }
+    fn expect(&self, want: &str) {
+        match self.line(WAIT) {
+            Some(l) if l == want => {}
+            other => panic!("rank {}: expected {want:?}, got {other:?}", self.pid),
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn layer_library(dir: &Path) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let mut d = exe.parent();
+    while let Some(p) = d {
+        let so = p.join("libgpu_ckpt_nccl.so");
+        if so.is_file() {
+            // Installed under its soname, as the shim will put it.
+            let to = dir.join("libgpu-ckpt-nccl.so");
+            std::fs::copy(&so, &to).expect("copy the layer");
+            return to;
+        }
+        d = p.parent();
+    }
+    panic!(
+        "libgpu_ckpt_nccl.so not found above {}: build the workspace first",
+        exe.display()
+    );
+}
+
+fn spawn_rank(node: &SimNode, layer: &Path, socket: &Path, rank: i32, id: &str) -> Rank {
+    let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
+    cmd.envs(node.env())
+        .env("LD_PRELOAD", layer)
+        .env(nccl_control::ENV_SOCKET, socket)
+        .env(ENV_RANK, rank.to_string())
+        .env("NCCL_LAYER_TEST_ID", id)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("spawn a rank");
+    let stdin = child.stdin.take().expect("stdin");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, lines) = channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let pid = child.id() as i32;
+    Rank {
+        child,
+        stdin,
+        lines,
+        pid,
+    }
+}
+
+/// The shim's end of one layer's connection.
+struct Session {
+    conn: Connection,
+    pid: i32,
+}
+
+impl Session {
+    fn recv(&mut self) -> LayerMsg {
+        self.conn
+            .recv(Some(WAIT))
+            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid))
+    }
+    fn send(&mut self, m: ShimMsg) {
+        self.conn.send(&m, Some(WAIT)).expect("send to the layer");
+    }
+}
+
+/// Accepts one layer: Hello (checked), Welcome, then its two communicators (root, split).
+/// Returns the session and the (root, split) Comm messages.
+fn accept(l: &UnixListener, resumed: Option<&str>, token: &str) -> (Session, LayerMsg, LayerMsg) {
+    let conn = Connection::new(l.accept().expect("accept a layer").0);
+    let mut s = Session { conn, pid: 0 };
+    match s.recv() {
+        LayerMsg::Hello {
+            version,
+            pid,
+            nccl_version,
+            resumed: r,
+        } => {
+            assert_eq!(version, 1);
+            assert!(
+                nccl_version > 0,
+                "the simulated NCCL's version: {nccl_version}"
+            );
+            assert_eq!(r.as_deref(), resumed);
+            s.pid = pid;
+        }
+        other => panic!("expected Hello, got {other:?}"),
+    }
+    s.send(ShimMsg::Welcome {
+        token: token.into(),
+    });
+    let root = s.recv();
+    let split = s.recv();
+    (s, root, split)
+}
+
+fn comm_fields(m: &LayerMsg) -> (u64, String, i32, i32, i32, Option<nccl_control::Split>) {
+    match m {
+        LayerMsg::Comm {
+            id,
+            key,
+            rank,
+            nranks,
+            cuda_dev,
+            split,
+        } => (*id, key.clone(), *rank, *nranks, *cuda_dev, split.clone()),
+        other => panic!("expected Comm, got {other:?}"),
+    }
+}
+
+fn checkpoint_cycle_over_the_simulated_nccl() {
+    let node = SimNode::start(SimConfig {
+        gpus: 2,
+        ..SimConfig::default()
+    })
+    .expect("start a simulated node");
+    assert!(
+        node.lib_dir().join("libnccl.so.2").exists(),
+        "the simulated node has no libnccl.so.2"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let layer = layer_library(dir.path());
+    let socket = dir.path().join("nccl.sock");
+    let listener = UnixListener::bind(&socket).expect("bind the control socket");
+
+    // The job's unique id, from a process of its own (as torchrun's rank 0 would make it).
+    let out = Command::new(std::env::current_exe().unwrap())
+        .envs(node.env())
+        .env(ENV_RANK, "uid")
+        .output()
+        .expect("run the id maker");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert_eq!(id.len(), 256, "{id}");
+
+    let mut ranks: Vec<Rank> = (0..NRANKS)
+        .map(|r| spawn_rank(&node, &layer, &socket, r, &id))
+        .collect();
+    let mut sessions = Vec::new();
+    let mut keys = Vec::new();
+    for _ in 0..NRANKS {
+        let (s, root, split) = accept(&listener, None, "first");
+        let (root_id, key, rank, nranks, dev, parent) = comm_fields(&root);
+        assert_eq!(parent, None);
+        assert_eq!(nranks, NRANKS);
+        assert_eq!(dev, rank, "rank {rank} runs on GPU {rank}");
+        assert_eq!(
+            key,
+            blake3::hash(&hex::decode(&id).unwrap())
+                .to_hex()
+                .to_string()
+        );
+        let (_, skey, srank, snranks, sdev, sp) = comm_fields(&split);
+        assert_eq!(skey, format!("{key}/0"));
+        assert_eq!((srank, snranks, sdev), (NRANKS - 1 - rank, NRANKS, dev));
+        assert_eq!(sp.map(|p| (p.parent, p.color)), Some((root_id, 0)));
+        keys.push((rank, key));
+        sessions.push((rank, s));
+    }
+    sessions.sort_by_key(|(r, _)| *r);
+    let mut sessions: Vec<Session> = sessions.into_iter().map(|(_, s)| s).collect();
+    for (r, s) in sessions.iter().enumerate() {
+        assert_eq!(s.pid, ranks[r].pid, "rank {r}'s Hello names its pid");
+    }
+    let key = keys[0].1.clone();
+
+    for r in ranks.iter_mut() {
+        r.say("step 1");
+    }
+    for r in &ranks {
+        r.expect("ok 1");
+    }
+
+    // Checkpoint: quiesce, release, disconnect.
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+    }
+    for s in sessions.iter_mut() {
+        assert!(matches!(s.recv(), LayerMsg::Quiesced { comms } if comms.len() == 2));
+    }
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Release);
+        assert_eq!(s.recv(), LayerMsg::Released);
+        s.send(ShimMsg::Disconnect);
+        assert!(matches!(
+            s.conn.recv::<LayerMsg>(Some(WAIT)),
+            Err(nccl_control::ControlError::Closed)
+        ));
+    }
+    // Calls made now are held: nothing comes back until Go.
+    for r in ranks.iter_mut() {
+        r.say("step 2");
+    }
+    assert_eq!(
+        ranks[0].line(Duration::from_millis(500)),
+        None,
+        "a call passed the held gate"
+    );
+
+    // "Restore": the layers reconnect with their token; a fresh id for the key from the process
+    // of rank 0; every rank rebuilds on it.
+    let mut sessions: Vec<Session> = (0..NRANKS)
+        .map(|_| accept(&listener, Some("first"), "second").0)
+        .collect();
+    sessions.sort_by_key(|s| ranks.iter().position(|r| r.pid == s.pid));
+    sessions[0].send(ShimMsg::NewUniqueId { key: key.clone() });
+    let fresh = match sessions[0].recv() {
+        LayerMsg::UniqueId { key: k, id: fresh } => {
+            assert_eq!(k, key);
+            fresh
+        }
+        other => panic!("expected UniqueId, got {other:?}"),
+    };
+    assert_eq!(fresh.len(), 256);
+    assert_ne!(fresh, id, "the rebuild's id is a fresh one");
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Rebuild {
+            ids: vec![(key.clone(), fresh.clone())],
+        });
+    }
+    for s in sessions.iter_mut() {
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    }
+    assert_eq!(
+        ranks[0].line(Duration::from_millis(200)),
+        None,
+        "a call passed before Go"
+    );
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Go);
+    }
+    for r in &ranks {
+        r.expect("ok 2");
+    }
+    for r in ranks.iter_mut() {
+        r.say("step 3");
+    }
+    for r in &ranks {
+        r.expect("ok 3");
+    }
+
+    // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
+    // quiesce fails within its bound naming rank 0; the calls then go on.
+    ranks[0].say("enqueue 4");
+    ranks[0].expect("enqueued 4");
+    sessions[0].send(ShimMsg::Quiesce { deadline_ms: 300 });
+    match sessions[0].recv() {
+        LayerMsg::Failed {
+            comm,
+            rank,
+            message,
+        } => {
+            assert_eq!(rank, Some(0), "{message}");
+            assert!(comm.is_some(), "{message}");
+            assert!(message.contains("stream"), "{message}");
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    ranks[1].say("enqueue 4");
+    ranks[1].expect("enqueued 4");
+    for r in ranks.iter_mut() {
+        r.say("finish 4");
+    }
+    for r in &ranks {
+        r.expect("ok 4");
+    }
+
+    // The end: each communicator gone, told to the shim.
+    for r in ranks.iter_mut() {
+        r.say("quit");
+    }
+    for s in sessions.iter_mut() {
+        let a = s.recv();
+        let b = s.recv();
+        assert!(
+            matches!(
+                (&a, &b),
+                (LayerMsg::CommGone { .. }, LayerMsg::CommGone { .. })
+            ),
+            "{a:?} {b:?}"
+        );
+    }
+    for r in ranks.iter_mut() {
+        let st = r.child.wait().expect("wait for a rank");
+        assert!(st.success(), "rank {} exited {st}", r.pid);
+    }
+}
+
+/// One rank: the application side, NCCL's C API through the global scope.
+mod rank {
+    use super::*;
+
+    type Res = c_int;
+    type Comm = *mut c_void;
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Id([u8; 128]);
+
+    fn sym<T: Copy>(name: &CStr) -> T {
+        // SAFETY: dlsym on the global scope; the caller names the C signature.
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        assert!(!p.is_null(), "no symbol {name:?}");
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<usize>());
+        unsafe { std::mem::transmute_copy(&p) }
+    }
+
+    fn open(name: &CStr) {
+        // SAFETY: dlopen of a library name.
+        let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        assert!(!h.is_null(), "cannot load {name:?}");
+    }
+
+    fn ok(what: &str, r: Res) {
+        assert_eq!(r, 0, "{what} returned {r}");
+    }
+
+    pub fn main() {
+        open(c"libcuda.so.1");
+        open(c"libnccl.so.2");
+        let which = std::env::var(ENV_RANK).unwrap();
+        unsafe {
+            let cu_init: unsafe extern "C" fn(u32) -> Res = sym(c"cuInit");
+            ok("cuInit", cu_init(0));
+            if which == "uid" {
+                let get_id: unsafe extern "C" fn(*mut Id) -> Res = sym(c"ncclGetUniqueId");
+                let mut id = Id([0; 128]);
+                ok("ncclGetUniqueId", get_id(&mut id));
+                println!("{}", hex::encode(id.0));
+                return;
+            }
+            run(which.parse().expect("rank"));
+        }
+    }
+
+    unsafe fn run(rank: i32) {
+        let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> Res = sym(c"cuDeviceGet");
+        let retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> Res =
+            sym(c"cuDevicePrimaryCtxRetain");
+        let set_current: unsafe extern "C" fn(*mut c_void) -> Res = sym(c"cuCtxSetCurrent");
+        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> Res =
+            sym(c"cuStreamCreate");
+        let sync: unsafe extern "C" fn(*mut c_void) -> Res = sym(c"cuStreamSynchronize");
+        let alloc: unsafe extern "C" fn(*mut u64, usize) -> Res = sym(c"cuMemAlloc_v2");
+        let htod: unsafe extern "C" fn(u64, *const c_void, usize) -> Res = sym(c"cuMemcpyHtoD_v2");
+        let dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> Res = sym(c"cuMemcpyDtoH_v2");
+        let init: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> Res =
+            sym(c"ncclCommInitRank");
+        let split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Res =
+            sym(c"ncclCommSplit");
+        let allreduce: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            c_int,
+            c_int,
+            Comm,
+            *mut c_void,
+        ) -> Res = sym(c"ncclAllReduce");
+        let bcast: unsafe extern "C" fn(
+            *const c_void,
+            *mut c_void,
+            usize,
+            c_int,
+            c_int,
+            Comm,
+            *mut c_void,
+        ) -> Res = sym(c"ncclBroadcast");
+        let register: unsafe extern "C" fn(Comm, *mut c_void, usize, *mut *mut c_void) -> Res =
+            sym(c"ncclCommRegister");
+        let deregister: unsafe extern "C" fn(Comm, *mut c_void) -> Res = sym(c"ncclCommDeregister");
+        let destroy: unsafe extern "C" fn(Comm) -> Res = sym(c"ncclCommDestroy");
+        const FLOAT32: c_int = 7;
+        const SUM: c_int = 0;
+
+        let mut dev = 0;
+        ok("cuDeviceGet", device_get(&mut dev, rank));
+        let mut ctx = std::ptr::null_mut();
+        ok("cuDevicePrimaryCtxRetain", retain(&mut ctx, dev));
+        ok("cuCtxSetCurrent", set_current(ctx));
+        let mut stream = std::ptr::null_mut();
+        ok("cuStreamCreate", stream_create(&mut stream, 0));
+        let bytes = COUNT * 4;
+        let (mut send, mut recv, mut bout) = (0u64, 0u64, 0u64);
+        ok("cuMemAlloc", alloc(&mut send, bytes));
+        ok("cuMemAlloc", alloc(&mut recv, bytes));
+        ok("cuMemAlloc", alloc(&mut bout, bytes));
+
+        let idhex = std::env::var("NCCL_LAYER_TEST_ID").unwrap();
+        let mut id = Id([0; 128]);
+        id.0.copy_from_slice(&hex::decode(idhex).unwrap());
+        let mut comm: Comm = std::ptr::null_mut();
+        ok("ncclCommInitRank", init(&mut comm, NRANKS, id, rank));
+        // One split with every rank in it, ranks reversed by the key.
+        let mut sub: Comm = std::ptr::null_mut();
+        ok(
+            "ncclCommSplit",
+            split(comm, 0, NRANKS - 1 - rank, &mut sub, std::ptr::null_mut()),
+        );
+        let mut reg = std::ptr::null_mut();
+        ok(
+            "ncclCommRegister",
+            register(comm, send as *mut c_void, bytes, &mut reg),
+        );
+        // The handles the application holds never change.
+        let (comm0, sub0) = (comm, sub);
+
+        let enqueue = |s: u32| {
+            let v = values(rank, s);
+            ok("cuMemcpyHtoD", htod(send, v.as_ptr().cast(), bytes));
+            ok(
+                "ncclAllReduce",
+                allreduce(send as _, recv as _, COUNT, FLOAT32, SUM, comm, stream),
+            );
+            // On the split, root 0 is the last rank of the job.
+            ok(
+                "ncclBroadcast",
+                bcast(send as _, bout as _, COUNT, FLOAT32, 0, sub, stream),
+            );
+        };
+        let finish = |s: u32| {
+            ok("cuStreamSynchronize", sync(stream));
+            let mut got = vec![0f32; COUNT];
+            ok("cuMemcpyDtoH", dtoh(got.as_mut_ptr().cast(), recv, bytes));
+            let want: Vec<f32> = (0..COUNT)
+                .map(|i| (0..NRANKS).map(|r| values(r, s)[i]).sum())
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "allreduce at step {s}");
+            ok("cuMemcpyDtoH", dtoh(got.as_mut_ptr().cast(), bout, bytes));
+            assert_eq!(
+                bits(&got),
+                bits(&values(NRANKS - 1, s)),
+                "broadcast at step {s}"
+            );
+        };
+        for line in std::io::stdin().lock().lines() {
+            let line = line.unwrap();
+            let (cmd, arg) = line.split_once(' ').unwrap_or((line.as_str(), "0"));
+            let s: u32 = arg.parse().unwrap();
+            match cmd {
+                "step" => {
+                    enqueue(s);
+                    finish(s);
+                    println!("ok {s}");
+                }
+                "enqueue" => {
+                    enqueue(s);
+                    println!("enqueued {s}");
+                }
+                "finish" => {
+                    finish(s);
+                    println!("ok {s}");
+                }
+                "quit" => break,
+                other => panic!("unknown command {other}"),
+            }
+            assert_eq!((comm, sub), (comm0, sub0));
+        }
+        ok("ncclCommDeregister", deregister(comm, reg));
+        ok("ncclCommDestroy", destroy(sub));
+        ok("ncclCommDestroy", destroy(comm));
+    }
+}
