@@ -15,13 +15,16 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::Duration;
 
+use common::layer_library;
 use nccl_control::{Connection, LayerMsg, ShimMsg};
 use simgpu::testing::{SimConfig, SimNode};
+
+mod common;
 
 const ENV_RANK: &str = "NCCL_LAYER_TEST_RANK";
 const NRANKS: i32 = 2;
@@ -33,30 +36,8 @@ fn main() {
         rank::main();
         return;
     }
-    // `cargo test` passes harness arguments; a filter that is not ours runs nothing.
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "--list") {
-        println!("checkpoint_cycle_over_the_simulated_nccl: test");
+    if !common::selected("checkpoint_cycle_over_the_simulated_nccl") {
         return;
-    }
-    // Harness options that take a value, so that the value is not read as a filter.
-    let valued = [
-        "--test-threads",
-        "--skip",
-        "--format",
-        "--color",
-        "-Z",
-        "--logfile",
-    ];
-    let filter = args
-        .iter()
-        .enumerate()
-        .find(|(i, a)| !a.starts_with('-') && (*i == 0 || !valued.contains(&args[i - 1].as_str())))
-        .map(|(_, a)| a);
-    if let Some(filter) = filter {
-        if !"checkpoint_cycle_over_the_simulated_nccl".contains(filter.as_str()) {
-            return;
-        }
     }
     checkpoint_cycle_over_the_simulated_nccl();
     println!("test checkpoint_cycle_over_the_simulated_nccl ... ok");
@@ -97,25 +78,6 @@ impl Drop for Rank {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn layer_library(dir: &Path) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    let mut d = exe.parent();
-    while let Some(p) = d {
-        let so = p.join("libgpu_ckpt_nccl.so");
-        if so.is_file() {
-            // Installed under its soname, as the shim will put it.
-            let to = dir.join("libgpu-ckpt-nccl.so");
-            std::fs::copy(&so, &to).expect("copy the layer");
-            return to;
-        }
-        d = p.parent();
-    }
-    panic!(
-        "libgpu_ckpt_nccl.so not found above {}: build the workspace first",
-        exe.display()
-    );
 }
 
 fn spawn_rank(node: &SimNode, layer: &Path, socket: &Path, rank: i32, id: &str) -> Rank {
