@@ -12,12 +12,17 @@ pub enum ControlError {
     /// No frame began before the timeout; the connection is still usable.
     #[error("no control message within {ms} ms")]
     Timeout { ms: u64 },
-    /// The peer announced a frame over the limit; nothing of its body was read.
-    #[error("control frame of {len} bytes refused: the limit is {max} bytes")]
-    TooLarge { len: usize, max: usize },
-    /// A frame to send is over the limit; nothing was written.
-    #[error("control message of {len} bytes not sent: the limit is {max} bytes")]
-    TooLargeToSend { len: usize, max: usize },
+    /// A frame over the limit: announced by the peer (`sending` false; nothing of its body was
+    /// read) or about to be sent (nothing was written).
+    #[error(
+        "control {} of {len} bytes refused: the limit is {max} bytes",
+        if *.sending { "message to send" } else { "frame" }
+    )]
+    TooLarge {
+        len: usize,
+        max: usize,
+        sending: bool,
+    },
     /// The connection ended or stalled inside a frame.
     #[error("control frame cut short after {got} of {want} bytes: {source}")]
     Truncated {

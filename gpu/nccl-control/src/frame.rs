@@ -14,9 +14,10 @@ use crate::{ControlError, MAX_FRAME};
 pub fn write_frame<W: Write, T: Serialize>(w: &mut W, msg: &T) -> Result<(), ControlError> {
     let body = serde_json::to_vec(msg).map_err(ControlError::Encode)?;
     if body.len() > MAX_FRAME {
-        return Err(ControlError::TooLargeToSend {
+        return Err(ControlError::TooLarge {
             len: body.len(),
             max: MAX_FRAME,
+            sending: true,
         });
     }
     let mut frame = Vec::with_capacity(4 + body.len());
@@ -58,6 +59,7 @@ fn read_frame_within<R: Read, T: DeserializeOwned>(
         return Err(ControlError::TooLarge {
             len,
             max: MAX_FRAME,
+            sending: false,
         });
     }
     let mut body = vec![0u8; len];
@@ -252,8 +254,8 @@ mod tests {
         let over = (MAX_FRAME as u32 + 1).to_be_bytes();
         let mut r = Cursor::new(over.to_vec());
         match read_frame::<_, ShimMsg>(&mut r) {
-            Err(ControlError::TooLarge { len, max }) => {
-                assert_eq!((len, max), (MAX_FRAME + 1, MAX_FRAME))
+            Err(ControlError::TooLarge { len, max, sending }) => {
+                assert_eq!((len, max, sending), (MAX_FRAME + 1, MAX_FRAME, false))
             }
             other => panic!("expected TooLarge, got {other:?}"),
         }
@@ -275,7 +277,7 @@ mod tests {
         let mut buf = Vec::new();
         assert!(matches!(
             write_frame(&mut buf, &big),
-            Err(ControlError::TooLargeToSend { .. })
+            Err(ControlError::TooLarge { sending: true, .. })
         ));
         assert!(buf.is_empty());
         // The largest message that fits goes through.

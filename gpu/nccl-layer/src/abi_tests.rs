@@ -2,26 +2,12 @@
 //! compiled against it prints sizes, offsets and constants, and they must equal this crate's.
 
 use std::mem::{offset_of, size_of};
-use std::path::PathBuf;
 use std::process::Command;
 
 use crate::ffi::*;
 
-/// nccl.h of the pinned wheel: `$GPU_CKPT_STACK` or the repository's `.stack`.
-fn nccl_include() -> PathBuf {
-    let stack = std::env::var_os("GPU_CKPT_STACK").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.stack"),
-        PathBuf::from,
-    );
-    let lib = stack.join("py/lib");
-    for py in std::fs::read_dir(&lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display())) {
-        let inc = py.unwrap().path().join("site-packages/nvidia/nccl/include");
-        if inc.join("nccl.h").is_file() {
-            return inc;
-        }
-    }
-    panic!("no nvidia/nccl/include/nccl.h under {}", lib.display());
-}
+#[path = "../tests/common/stack.rs"]
+mod stack;
 
 macro_rules! fields {
     ($($f:ident),*) => {
@@ -124,24 +110,17 @@ fn types_and_constants_match_nccl_h() {
     let src = dir.path().join("abi.c");
     std::fs::write(&src, c).unwrap();
     let exe = dir.path().join("abi");
-    let out = Command::new("cc")
-        .arg("-I")
-        .arg(&stub)
-        .arg("-I")
-        .arg(nccl_include())
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .expect("run cc");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    stack::run_ok(
+        Command::new("cc")
+            .arg("-I")
+            .arg(&stub)
+            .arg("-I")
+            .arg(stack::wheel_dir("include", "nccl.h"))
+            .arg(&src)
+            .arg("-o")
+            .arg(&exe),
     );
-    let out = Command::new(&exe).output().unwrap();
-    let theirs: Vec<String> = String::from_utf8(out.stdout)
-        .unwrap()
+    let theirs: Vec<String> = stack::run_ok(&mut Command::new(&exe))
         .lines()
         .map(str::to_string)
         .collect();

@@ -58,37 +58,33 @@ macro_rules! on_comm {
     (@stream $s:ident) => { Some($s as usize) };
 }
 
-on_comm!(ncclAllReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
-    datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclBroadcast(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
-    datatype: ncclDataType_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclBcast(buff: *mut c_void, count: usize, datatype: ncclDataType_t, root: c_int,
-    comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclReduce(sendbuff: *const c_void, recvbuff: *mut c_void, count: usize,
-    datatype: ncclDataType_t, op: ncclRedOp_t, root: c_int, comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclAllGather(sendbuff: *const c_void, recvbuff: *mut c_void, sendcount: usize,
-    datatype: ncclDataType_t, comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclReduceScatter(sendbuff: *const c_void, recvbuff: *mut c_void, recvcount: usize,
-    datatype: ncclDataType_t, op: ncclRedOp_t, comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclSend(sendbuff: *const c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
-    comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclRecv(recvbuff: *mut c_void, count: usize, datatype: ncclDataType_t, peer: c_int,
-    comm: ncclComm_t, stream: cudaStream_t)
-    comm = comm, stream = stream);
-on_comm!(ncclCommCount(comm: ncclComm_t, count: *mut c_int) comm = comm, stream = -);
-on_comm!(ncclCommCuDevice(comm: ncclComm_t, device: *mut c_int) comm = comm, stream = -);
-on_comm!(ncclCommUserRank(comm: ncclComm_t, rank: *mut c_int) comm = comm, stream = -);
-on_comm!(ncclCommGetAsyncError(comm: ncclComm_t, asyncError: *mut ncclResult_t)
-    comm = comm, stream = -);
-on_comm!(ncclCommSuspend(comm: ncclComm_t, flags: c_int) comm = comm, stream = -);
-on_comm!(ncclCommResume(comm: ncclComm_t) comm = comm, stream = -);
+// nccl.h's argument types, short: the send and receive buffers, an element type and count,
+// a reduction, a stream.
+type Src = *const c_void;
+type Dst = *mut c_void;
+type Dt = ncclDataType_t;
+type Op = ncclRedOp_t;
+type Comm = ncclComm_t;
+type Stream = cudaStream_t;
+
+#[rustfmt::skip]
+mod wrapped {
+    use super::*;
+    on_comm!(ncclAllReduce(s: Src, r: Dst, n: usize, t: Dt, op: Op, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclBroadcast(s: Src, r: Dst, n: usize, t: Dt, root: c_int, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclBcast(b: Dst, n: usize, t: Dt, root: c_int, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclReduce(s: Src, r: Dst, n: usize, t: Dt, op: Op, root: c_int, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclAllGather(s: Src, r: Dst, n: usize, t: Dt, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclReduceScatter(s: Src, r: Dst, n: usize, t: Dt, op: Op, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclSend(s: Src, n: usize, t: Dt, peer: c_int, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclRecv(r: Dst, n: usize, t: Dt, peer: c_int, c: Comm, st: Stream) comm = c, stream = st);
+    on_comm!(ncclCommCount(c: Comm, count: *mut c_int) comm = c, stream = -);
+    on_comm!(ncclCommCuDevice(c: Comm, device: *mut c_int) comm = c, stream = -);
+    on_comm!(ncclCommUserRank(c: Comm, rank: *mut c_int) comm = c, stream = -);
+    on_comm!(ncclCommGetAsyncError(c: Comm, e: *mut ncclResult_t) comm = c, stream = -);
+    on_comm!(ncclCommSuspend(c: Comm, flags: c_int) comm = c, stream = -);
+    on_comm!(ncclCommResume(c: Comm) comm = c, stream = -);
+}
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
@@ -140,15 +136,16 @@ pub unsafe extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
     }
 }
 
+/// A root communicator's arguments: nranks, unique id, rank, config.
+#[derive(Clone, Copy)]
+struct Root(c_int, ncclUniqueId, c_int, *mut ncclConfig_t);
+
 /// ncclCommInitRank and ncclCommInitRankConfig: the call as the application made it, then its
 /// record (key: BLAKE3 of the unique id).
 unsafe fn init_root(
     call: &'static str,
     out: *mut ncclComm_t,
-    nranks: c_int,
-    id: ncclUniqueId,
-    rank: c_int,
-    config: *mut ncclConfig_t,
+    a: Root,
     f: impl FnOnce(*mut ncclComm_t) -> ncclResult_t,
 ) -> ncclResult_t {
     if out.is_null() {
@@ -168,11 +165,11 @@ unsafe fn init_root(
             .or_else(|| l.backend.cu_device(real as usize).ok())
             .unwrap_or(-1);
         *out = l.adopt(NewComm {
-            key: blake3::hash(&id.bytes()).to_hex().to_string(),
-            rank,
-            nranks,
+            key: blake3::hash(&a.1.bytes()).to_hex().to_string(),
+            rank: a.2,
+            nranks: a.0,
             dev,
-            config: ConfigCopy::copy(config),
+            config: ConfigCopy::copy(a.3),
             origin: Origin::Root,
             real: real as usize,
             group: l.gate.group_tag(),
@@ -190,19 +187,13 @@ pub unsafe extern "C" fn ncclCommInitRank(
     commId: ncclUniqueId,
     rank: c_int,
 ) -> ncclResult_t {
-    type F = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> ncclResult_t;
-    let Some(f) = next!(ncclCommInitRank, F) else {
+    let Some(f) = next!(ncclCommInitRank, InitRankFn) else {
         return NO_NEXT;
     };
-    init_root(
-        "ncclCommInitRank",
-        comm,
-        nranks,
-        commId,
-        rank,
-        std::ptr::null_mut(),
-        |out| f(out, nranks, commId, rank),
-    )
+    let a = Root(nranks, commId, rank, std::ptr::null_mut());
+    init_root("ncclCommInitRank", comm, a, |out| {
+        f(out, nranks, commId, rank)
+    })
 }
 
 #[no_mangle]
@@ -213,25 +204,13 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
     rank: c_int,
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
-    type F = unsafe extern "C" fn(
-        *mut ncclComm_t,
-        c_int,
-        ncclUniqueId,
-        c_int,
-        *mut ncclConfig_t,
-    ) -> ncclResult_t;
-    let Some(f) = next!(ncclCommInitRankConfig, F) else {
+    let Some(f) = next!(ncclCommInitRankConfig, InitRankConfigFn) else {
         return NO_NEXT;
     };
-    init_root(
-        "ncclCommInitRankConfig",
-        comm,
-        nranks,
-        commId,
-        rank,
-        config,
-        |out| f(out, nranks, commId, rank, config),
-    )
+    let a = Root(nranks, commId, rank, config);
+    init_root("ncclCommInitRankConfig", comm, a, |out| {
+        f(out, nranks, commId, rank, config)
+    })
 }
 
 /// ncclCommInitAll: NCCL makes one communicator per device in one group; the layer records them
@@ -296,14 +275,7 @@ pub unsafe extern "C" fn ncclCommSplit(
     newcomm: *mut ncclComm_t,
     config: *mut ncclConfig_t,
 ) -> ncclResult_t {
-    type F = unsafe extern "C" fn(
-        ncclComm_t,
-        c_int,
-        c_int,
-        *mut ncclComm_t,
-        *mut ncclConfig_t,
-    ) -> ncclResult_t;
-    let Some(f) = next!(ncclCommSplit, F) else {
+    let Some(f) = next!(ncclCommSplit, SplitFn) else {
         return NO_NEXT;
     };
     let l = layer();
@@ -378,8 +350,6 @@ unsafe fn end(
     }
     r
 }
-
-type CommFn = unsafe extern "C" fn(ncclComm_t) -> ncclResult_t;
 
 #[no_mangle]
 pub unsafe extern "C" fn ncclCommFinalize(comm: ncclComm_t) -> ncclResult_t {

@@ -7,6 +7,12 @@ use crate::ffi::{ncclResult_t, ncclUniqueId};
 /// A real communicator (the next library's `ncclComm_t`), as an address.
 pub type RealComm = usize;
 
+/// The config a communicator is made with, if any.
+pub type Cfg<'a> = Option<&'a ConfigCopy>;
+
+/// A call that makes a communicator: its result and the communicator (null where none).
+pub type Made = (ncclResult_t, RealComm);
+
 /// The NCCL and CUDA calls the layer makes itself (to rebuild, release, and check streams).
 pub trait Backend: Send + Sync + 'static {
     /// `ncclGetVersion`.
@@ -15,21 +21,9 @@ pub trait Backend: Send + Sync + 'static {
     fn unique_id(&self) -> Result<ncclUniqueId, ncclResult_t>;
     /// `ncclCommInitRankConfig` (or `ncclCommInitRank` without a config) on the calling
     /// thread's current device.
-    fn init_rank(
-        &self,
-        nranks: i32,
-        id: &ncclUniqueId,
-        rank: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm);
+    fn init_rank(&self, nranks: i32, id: &ncclUniqueId, rank: i32, config: Cfg) -> Made;
     /// `ncclCommSplit`; a null communicator for `NCCL_SPLIT_NOCOLOR`.
-    fn split(
-        &self,
-        parent: RealComm,
-        color: i32,
-        key: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm);
+    fn split(&self, parent: RealComm, color: i32, key: i32, config: Cfg) -> Made;
     fn group_start(&self) -> ncclResult_t;
     fn group_end(&self) -> ncclResult_t;
     /// Whether the library has `ncclCommSuspend` and `ncclCommResume`.

@@ -17,20 +17,25 @@ pub const NCCL_REMOTE_ERROR: ncclResult_t = 6;
 pub const NCCL_IN_PROGRESS: ncclResult_t = 7;
 pub const NCCL_TIMEOUT: ncclResult_t = 8;
 
+/// nccl.h's names of the result codes, by code.
+const RESULT_NAMES: [&str; 9] = [
+    "ncclSuccess",
+    "ncclUnhandledCudaError",
+    "ncclSystemError",
+    "ncclInternalError",
+    "ncclInvalidArgument",
+    "ncclInvalidUsage",
+    "ncclRemoteError",
+    "ncclInProgress",
+    "ncclTimeout",
+];
+
 /// nccl.h's name of a result code.
 pub fn result_name(r: ncclResult_t) -> &'static str {
-    match r {
-        NCCL_SUCCESS => "ncclSuccess",
-        NCCL_UNHANDLED_CUDA_ERROR => "ncclUnhandledCudaError",
-        NCCL_SYSTEM_ERROR => "ncclSystemError",
-        NCCL_INTERNAL_ERROR => "ncclInternalError",
-        NCCL_INVALID_ARGUMENT => "ncclInvalidArgument",
-        NCCL_INVALID_USAGE => "ncclInvalidUsage",
-        NCCL_REMOTE_ERROR => "ncclRemoteError",
-        NCCL_IN_PROGRESS => "ncclInProgress",
-        NCCL_TIMEOUT => "ncclTimeout",
-        _ => "unknown ncclResult_t",
-    }
+    usize::try_from(r)
+        .ok()
+        .and_then(|i| RESULT_NAMES.get(i).copied())
+        .unwrap_or("unknown ncclResult_t")
 }
 
 /// `ncclComm_t`: a pointer to an opaque struct.
@@ -136,5 +141,24 @@ impl ncclConfig_t {
     }
 }
 
-/// Marker for pointers the layer keeps in structures shared between threads.
-pub type RawPtr = *mut c_void;
+/// `ncclCommInitRankConfig`.
+pub type InitRankConfigFn = unsafe extern "C" fn(
+    *mut ncclComm_t,
+    c_int,
+    ncclUniqueId,
+    c_int,
+    *mut ncclConfig_t,
+) -> ncclResult_t;
+/// `ncclCommInitRank`.
+pub type InitRankFn =
+    unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> ncclResult_t;
+/// `ncclCommSplit`.
+pub type SplitFn = unsafe extern "C" fn(
+    ncclComm_t,
+    c_int,
+    c_int,
+    *mut ncclComm_t,
+    *mut ncclConfig_t,
+) -> ncclResult_t;
+/// `ncclCommDestroy`, `ncclCommResume` and the others of one communicator.
+pub type CommFn = unsafe extern "C" fn(ncclComm_t) -> ncclResult_t;

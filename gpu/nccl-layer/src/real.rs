@@ -5,8 +5,7 @@ use std::collections::HashMap;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Mutex, OnceLock};
 
-use crate::backend::{Backend, RealComm};
-use crate::config::ConfigCopy;
+use crate::backend::{Backend, Cfg, Made, RealComm};
 use crate::ffi::*;
 use crate::next;
 
@@ -65,22 +64,6 @@ fn cuda() -> Result<&'static Cuda, String> {
 
 const NO_SYMBOL: ncclResult_t = NCCL_INTERNAL_ERROR;
 
-type InitRankConfig = unsafe extern "C" fn(
-    *mut ncclComm_t,
-    c_int,
-    ncclUniqueId,
-    c_int,
-    *mut ncclConfig_t,
-) -> ncclResult_t;
-type InitRank = unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int) -> ncclResult_t;
-type Split = unsafe extern "C" fn(
-    ncclComm_t,
-    c_int,
-    c_int,
-    *mut ncclComm_t,
-    *mut ncclConfig_t,
-) -> ncclResult_t;
-type CommFn = unsafe extern "C" fn(ncclComm_t) -> ncclResult_t;
 type Suspend = unsafe extern "C" fn(ncclComm_t, c_int) -> ncclResult_t;
 type Void = unsafe extern "C" fn() -> ncclResult_t;
 
@@ -120,21 +103,15 @@ impl Backend for Real {
         }
     }
 
-    fn init_rank(
-        &self,
-        nranks: i32,
-        id: &ncclUniqueId,
-        rank: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm) {
+    fn init_rank(&self, nranks: i32, id: &ncclUniqueId, rank: i32, config: Cfg) -> Made {
         let mut c: ncclComm_t = std::ptr::null_mut();
         // SAFETY: NCCL's signatures; the config copy outlives the call.
         let r = match config {
-            Some(cfg) => match next!(ncclCommInitRankConfig, InitRankConfig) {
+            Some(cfg) => match next!(ncclCommInitRankConfig, InitRankConfigFn) {
                 Some(f) => unsafe { f(&mut c, nranks, *id, rank, cfg.as_ptr()) },
                 None => NO_SYMBOL,
             },
-            None => match next!(ncclCommInitRank, InitRank) {
+            None => match next!(ncclCommInitRank, InitRankFn) {
                 Some(f) => unsafe { f(&mut c, nranks, *id, rank) },
                 None => NO_SYMBOL,
             },
@@ -142,14 +119,8 @@ impl Backend for Real {
         (r, c as usize)
     }
 
-    fn split(
-        &self,
-        parent: RealComm,
-        color: i32,
-        key: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm) {
-        let Some(f) = next!(ncclCommSplit, Split) else {
+    fn split(&self, parent: RealComm, color: i32, key: i32, config: Cfg) -> Made {
+        let Some(f) = next!(ncclCommSplit, SplitFn) else {
             return (NO_SYMBOL, 0);
         };
         let mut c: ncclComm_t = std::ptr::null_mut();

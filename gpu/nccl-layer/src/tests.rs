@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nccl_control::{Connection, LayerMsg, ShimMsg, Split};
 
-use crate::backend::{Backend, RealComm};
+use crate::backend::{Backend, Cfg, Made, RealComm};
 use crate::config::ConfigCopy;
 use crate::ffi::*;
 use crate::layer::{CommObj, Layer, NewComm, Origin};
@@ -47,13 +47,7 @@ impl Backend for Fake {
     fn unique_id(&self) -> Result<ncclUniqueId, ncclResult_t> {
         Ok(ncclUniqueId::from_bytes(&[0xab; NCCL_UNIQUE_ID_BYTES]))
     }
-    fn init_rank(
-        &self,
-        nranks: i32,
-        id: &ncclUniqueId,
-        rank: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm) {
+    fn init_rank(&self, nranks: i32, id: &ncclUniqueId, rank: i32, config: Cfg) -> Made {
         let c = self.made();
         self.log(format!(
             "init {nranks} {rank} id={:02x} {} -> {c:#x}",
@@ -62,13 +56,7 @@ impl Backend for Fake {
         ));
         (NCCL_SUCCESS, c)
     }
-    fn split(
-        &self,
-        parent: RealComm,
-        color: i32,
-        key: i32,
-        config: Option<&ConfigCopy>,
-    ) -> (ncclResult_t, RealComm) {
+    fn split(&self, parent: RealComm, color: i32, key: i32, config: Cfg) -> Made {
         let c = if color == NCCL_SPLIT_NOCOLOR {
             0
         } else {
@@ -134,6 +122,18 @@ struct Job {
     buf: *mut std::ffi::c_void,
 }
 
+/// A Failed reply's (comm, rank, message).
+fn failure(m: LayerMsg) -> (Option<u64>, Option<i32>, String) {
+    match m {
+        LayerMsg::Failed {
+            comm,
+            rank,
+            message,
+        } => (comm, rank, message),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+}
+
 fn obj(c: ncclComm_t) -> &'static CommObj {
     // SAFETY: handles the layer under test made, never freed in these tests.
     unsafe { &*(c as *const CommObj) }
@@ -189,44 +189,22 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     );
     assert_eq!(l.release(), LayerMsg::Released);
     assert_eq!(
-        l.backend.take(),
-        [
-            "device 1",
-            "deregister 0x10 0x11",
-            "device 1",
-            "suspend 0x20",
-            "device 1",
-            "suspend 0x10"
-        ]
+        l.backend.take().join(", "),
+        "device 1, deregister 0x10 0x11, device 1, suspend 0x20, device 1, suspend 0x10"
     );
     assert_eq!(l.resume(), LayerMsg::Rebuilt);
     assert_eq!(
-        l.backend.take(),
-        [
-            "device 1",
-            "resume 0x10",
-            "device 1",
-            "resume 0x20",
-            "device 1",
-            "register 0x10 0xbeef 4096"
-        ]
+        l.backend.take().join(", "),
+        "device 1, resume 0x10, device 1, resume 0x20, device 1, register 0x10 0xbeef 4096"
     );
 
     // Rebuild: a missing id names the root's rank; with it, the root is made again with the
     // same rank, size, device and config on the fresh id, then both split calls on it.
     assert_eq!(l.release(), LayerMsg::Released);
     l.backend.take();
-    match l.rebuild(vec![]) {
-        LayerMsg::Failed {
-            comm,
-            rank,
-            message,
-        } => {
-            assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
-            assert!(message.contains("no unique id for key k0"), "{message}");
-        }
-        other => panic!("{other:?}"),
-    }
+    let (comm, rank, message) = failure(l.rebuild(vec![]));
+    assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
+    assert!(message.contains("no unique id for key k0"), "{message}");
     l.backend.take();
     let id = hex::encode([0x5au8; NCCL_UNIQUE_ID_BYTES]);
     assert_eq!(l.rebuild(vec![("k0".into(), id)]), LayerMsg::Rebuilt);
@@ -268,12 +246,8 @@ fn without_suspend_release_destroys_and_resume_refuses() {
     assert_eq!(l.release(), LayerMsg::Released);
     assert!(l.backend.take().contains(&"destroy 0x10".to_string()));
     assert_eq!(j.root.real(), 0);
-    match l.resume() {
-        LayerMsg::Failed { message, .. } => {
-            assert!(message.contains("only a Rebuild"), "{message}")
-        }
-        other => panic!("{other:?}"),
-    }
+    let (_, _, message) = failure(l.resume());
+    assert!(message.contains("only a Rebuild"), "{message}");
 }
 
 #[test]
@@ -302,35 +276,16 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
     drop(l.enter("ncclAllReduce", Some(j.child), Some(0x77)));
     drop(l.enter("ncclAllReduce", Some(j.root), Some(0)));
     l.backend.pending.lock().unwrap().insert(0x77);
-    match l.quiesce(Duration::from_millis(50)) {
-        LayerMsg::Failed {
-            comm,
-            rank,
-            message,
-        } => {
-            assert_eq!((comm, rank), (Some(j.child.id), Some(0)));
-            assert!(message.contains("stream 0x77"), "{message}");
-        }
-        other => panic!("{other:?}"),
-    }
+    let (comm, rank, message) = failure(l.quiesce(Duration::from_millis(50)));
+    assert_eq!((comm, rank), (Some(j.child.id), Some(0)));
+    assert!(message.contains("stream 0x77"), "{message}");
     assert!(!l.gate.is_held(), "held calls not released after Failed");
 
     // A call in flight names its communicator.
     let t = l.enter("ncclBroadcast", Some(j.root), Some(0));
-    match l.quiesce(Duration::from_millis(30)) {
-        LayerMsg::Failed {
-            comm,
-            rank,
-            message,
-        } => {
-            assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
-            assert!(
-                message.starts_with("ncclBroadcast on communicator"),
-                "{message}"
-            );
-        }
-        other => panic!("{other:?}"),
-    }
+    let (comm, rank, message) = failure(l.quiesce(Duration::from_millis(30)));
+    assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
+    assert!(message.starts_with("ncclBroadcast on"), "{message}");
     drop(t);
 
     l.backend.pending.lock().unwrap().clear();

@@ -188,17 +188,12 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     let listener = UnixListener::bind(&socket).expect("bind the control socket");
 
     // The job's unique id, from a process of its own (as torchrun's rank 0 would make it).
-    let out = Command::new(std::env::current_exe().unwrap())
-        .envs(node.env())
-        .env(ENV_RANK, "uid")
-        .output()
-        .expect("run the id maker");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = common::stack::run_ok(
+        Command::new(std::env::current_exe().unwrap())
+            .envs(node.env())
+            .env(ENV_RANK, "uid"),
     );
-    let id = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    let id = out.trim().to_string();
     assert_eq!(id.len(), 256, "{id}");
 
     let mut ranks: Vec<Rank> = (0..NRANKS)
@@ -360,6 +355,7 @@ mod rank {
 
     type Res = c_int;
     type Comm = *mut c_void;
+    type Fp = *mut c_void;
 
     #[repr(C)]
     #[derive(Clone, Copy)]
@@ -416,24 +412,11 @@ mod rank {
             sym(c"ncclCommInitRank");
         let split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Res =
             sym(c"ncclCommSplit");
-        let allreduce: unsafe extern "C" fn(
-            *const c_void,
-            *mut c_void,
-            usize,
-            c_int,
-            c_int,
-            Comm,
-            *mut c_void,
-        ) -> Res = sym(c"ncclAllReduce");
-        let bcast: unsafe extern "C" fn(
-            *const c_void,
-            *mut c_void,
-            usize,
-            c_int,
-            c_int,
-            Comm,
-            *mut c_void,
-        ) -> Res = sym(c"ncclBroadcast");
+        // ncclAllReduce's op and ncclBroadcast's root are both an int.
+        type Coll =
+            unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Fp) -> Res;
+        let allreduce: Coll = sym(c"ncclAllReduce");
+        let bcast: Coll = sym(c"ncclBroadcast");
         let register: unsafe extern "C" fn(Comm, *mut c_void, usize, *mut *mut c_void) -> Res =
             sym(c"ncclCommRegister");
         let deregister: unsafe extern "C" fn(Comm, *mut c_void) -> Res = sym(c"ncclCommDeregister");

@@ -4,7 +4,6 @@
 //! reach NVIDIA's library through the layer.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::path::PathBuf;
 use std::process::Command;
 
 mod common;
@@ -44,21 +43,6 @@ const WRAPPED: [&str; 29] = [
     "ncclCommResume",
 ];
 
-fn wheel_lib() -> PathBuf {
-    let stack = std::env::var_os("GPU_CKPT_STACK").map_or_else(
-        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.stack"),
-        PathBuf::from,
-    );
-    let lib = stack.join("py/lib");
-    for py in std::fs::read_dir(&lib).unwrap_or_else(|e| panic!("{}: {e}", lib.display())) {
-        let dir = py.unwrap().path().join("site-packages/nvidia/nccl/lib");
-        if dir.join("libnccl.so.2").is_file() {
-            return dir;
-        }
-    }
-    panic!("no nvidia/nccl/lib/libnccl.so.2 under {}", lib.display());
-}
-
 fn main() {
     if std::env::var_os(ENV_CHILD).is_some() {
         child();
@@ -69,17 +53,14 @@ fn main() {
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let layer = common::layer_library(dir.path());
-    let out = Command::new(std::env::current_exe().unwrap())
-        .env(ENV_CHILD, "1")
-        .env("LD_PRELOAD", &layer)
-        .env("LD_LIBRARY_PATH", wheel_lib())
-        .output()
-        .expect("run the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = common::stack::run_ok(
+        Command::new(std::env::current_exe().unwrap())
+            .env(ENV_CHILD, "1")
+            .env("LD_PRELOAD", &layer)
+            .env(
+                "LD_LIBRARY_PATH",
+                common::stack::wheel_dir("lib", "libnccl.so.2"),
+            ),
     );
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), WRAPPED.len() + 2, "{stdout}");

@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod stack;
+
 /// Whether `cargo test`'s arguments select the test `name` (no filter, or a filter it contains);
 /// `--list` prints it and selects nothing.
 pub fn selected(name: &str) -> bool {
