@@ -1,8 +1,9 @@
 //! The layer end to end over the simulated NCCL (gpu/sim): two rank processes with
 //! `libgpu-ckpt-nccl.so` preloaded run collectives on two simulated GPUs, while this test acts as
 //! the shim on the control socket: quiesce, release, disconnect, reconnect, a rebuild on a fresh
-//! unique id, go; the collectives still give bit-exact results on the same handles. A rank whose
-//! peer has not contributed fails the quiesce, naming the rank.
+//! unique id, go; the collectives still give bit-exact results on the same handles. Then a
+//! release and resume in place. A rank whose peer has not contributed fails the quiesce, naming
+//! the rank.
 //!
 //! The ranks are this test binary again (`harness = false`): with `NCCL_LAYER_TEST_RANK` set,
 //! `main` is a rank. It loads `libcuda.so.1` and `libnccl.so.2` with `RTLD_GLOBAL` and calls
@@ -300,6 +301,26 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
     for r in &ranks {
         r.expect("ok 3");
+    }
+
+    // A checkpoint that keeps the task on this node: release, then resume the suspended
+    // communicators in place.
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+        assert!(matches!(s.recv(), LayerMsg::Quiesced { .. }));
+        s.send(ShimMsg::Release);
+        assert_eq!(s.recv(), LayerMsg::Released);
+    }
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Resume);
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+        s.send(ShimMsg::Go);
+    }
+    for r in ranks.iter_mut() {
+        r.say("step 5");
+    }
+    for r in &ranks {
+        r.expect("ok 5");
     }
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
