@@ -17,32 +17,12 @@ macro_rules! fields {
 
 #[test]
 fn types_and_constants_match_nccl_h() {
+    #[rustfmt::skip]
     let fields = fields!(
-        size,
-        magic,
-        version,
-        blocking,
-        cgaClusterSize,
-        minCTAs,
-        maxCTAs,
-        netName,
-        splitShare,
-        trafficClass,
-        commName,
-        collnetEnable,
-        CTAPolicy,
-        shrinkShare,
-        nvlsCTAs,
-        nChannelsPerNetPeer,
-        nvlinkCentricSched,
-        graphUsageMode,
-        numRmaCtx,
-        maxP2pPeers,
-        graphStreamOrdering,
-        launchOrderImplicit,
-        numRmaSig,
-        rmaEagerInit,
-        hostCftMode,
+        size, magic, version, blocking, cgaClusterSize, minCTAs, maxCTAs, netName, splitShare,
+        trafficClass, commName, collnetEnable, CTAPolicy, shrinkShare, nvlsCTAs,
+        nChannelsPerNetPeer, nvlinkCentricSched, graphUsageMode, numRmaCtx, maxP2pPeers,
+        graphStreamOrdering, launchOrderImplicit, numRmaSig, rmaEagerInit, hostCftMode,
         nvlsHostMode
     );
     let mut ours = vec![
@@ -101,12 +81,12 @@ fn types_and_constants_match_nccl_h() {
     // nccl.h includes the CUDA runtime's headers for cudaStream_t and cudaEvent_t only.
     let stub = dir.path().join("stub");
     std::fs::create_dir(&stub).unwrap();
-    std::fs::write(
-        stub.join("cuda_runtime.h"),
-        "#define CUDART_VERSION 10000\ntypedef struct CUstream_st *cudaStream_t;\ntypedef struct CUevent_st *cudaEvent_t;\n",
-    )
-    .unwrap();
-    std::fs::write(stub.join("cuda_fp16.h"), "").unwrap();
+    let runtime = "#define CUDART_VERSION 10000\n\
+                   typedef struct CUstream_st *cudaStream_t;\n\
+                   typedef struct CUevent_st *cudaEvent_t;\n";
+    for (header, text) in [("cuda_runtime.h", runtime), ("cuda_fp16.h", "")] {
+        std::fs::write(stub.join(header), text).unwrap();
+    }
     let src = dir.path().join("abi.c");
     std::fs::write(&src, c).unwrap();
     let exe = dir.path().join("abi");

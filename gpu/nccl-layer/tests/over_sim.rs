@@ -81,6 +81,16 @@ impl Drop for Rank {
     }
 }
 
+/// Every rank does step `s` and checks its results.
+fn step(ranks: &mut [Rank], s: u32) {
+    for r in ranks.iter_mut() {
+        r.say(&format!("step {s}"));
+    }
+    for r in ranks.iter() {
+        r.expect(&format!("ok {s}"));
+    }
+}
+
 fn spawn_rank(node: &SimNode, layer: &Path, socket: &Path, rank: i32, id: &str) -> Rank {
     let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
     cmd.envs(node.env())
@@ -228,12 +238,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
     let key = keys[0].1.clone();
 
-    for r in ranks.iter_mut() {
-        r.say("step 1");
-    }
-    for r in &ranks {
-        r.expect("ok 1");
-    }
+    step(&mut ranks, 1);
 
     // Checkpoint: quiesce, release, disconnect.
     for s in sessions.iter_mut() {
@@ -296,12 +301,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     for r in &ranks {
         r.expect("ok 2");
     }
-    for r in ranks.iter_mut() {
-        r.say("step 3");
-    }
-    for r in &ranks {
-        r.expect("ok 3");
-    }
+    step(&mut ranks, 3);
 
     // A checkpoint that keeps the task on this node: release, then resume the suspended
     // communicators in place.
@@ -316,12 +316,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
         assert_eq!(s.recv(), LayerMsg::Rebuilt);
         s.send(ShimMsg::Go);
     }
-    for r in ranks.iter_mut() {
-        r.say("step 5");
-    }
-    for r in &ranks {
-        r.expect("ok 5");
-    }
+    step(&mut ranks, 5);
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
     // quiesce fails within its bound naming rank 0; the calls then go on.

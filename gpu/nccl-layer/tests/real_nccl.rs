@@ -11,37 +11,16 @@ mod common;
 const ENV_CHILD: &str = "NCCL_LAYER_TEST_REAL";
 
 /// The NCCL functions the layer wraps (the shared design's list).
-const WRAPPED: [&str; 29] = [
-    "ncclGetVersion",
-    "ncclGetUniqueId",
-    "ncclCommInitRank",
-    "ncclCommInitRankConfig",
-    "ncclCommInitAll",
-    "ncclCommSplit",
-    "ncclCommFinalize",
-    "ncclCommDestroy",
-    "ncclCommAbort",
-    "ncclCommCount",
-    "ncclCommCuDevice",
-    "ncclCommUserRank",
-    "ncclCommGetAsyncError",
-    "ncclGetErrorString",
-    "ncclGetLastError",
-    "ncclAllReduce",
-    "ncclBroadcast",
-    "ncclBcast",
-    "ncclReduce",
-    "ncclAllGather",
-    "ncclReduceScatter",
-    "ncclSend",
-    "ncclRecv",
-    "ncclGroupStart",
-    "ncclGroupEnd",
-    "ncclCommRegister",
-    "ncclCommDeregister",
-    "ncclCommSuspend",
-    "ncclCommResume",
-];
+const WRAPPED: &str = "\
+    ncclGetVersion ncclGetUniqueId ncclCommInitRank ncclCommInitRankConfig ncclCommInitAll \
+    ncclCommSplit ncclCommFinalize ncclCommDestroy ncclCommAbort ncclCommCount ncclCommCuDevice \
+    ncclCommUserRank ncclCommGetAsyncError ncclGetErrorString ncclGetLastError ncclAllReduce \
+    ncclBroadcast ncclBcast ncclReduce ncclAllGather ncclReduceScatter ncclSend ncclRecv \
+    ncclGroupStart ncclGroupEnd ncclCommRegister ncclCommDeregister ncclCommSuspend ncclCommResume";
+
+fn wrapped() -> Vec<&'static str> {
+    WRAPPED.split_whitespace().collect()
+}
 
 fn main() {
     if std::env::var_os(ENV_CHILD).is_some() {
@@ -63,14 +42,16 @@ fn main() {
             ),
     );
     let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), WRAPPED.len() + 2, "{stdout}");
-    for (l, name) in lines.iter().zip(WRAPPED) {
+    let names = wrapped();
+    assert_eq!(names.len(), 29);
+    assert_eq!(lines.len(), names.len() + 2, "{stdout}");
+    for (l, name) in lines.iter().zip(&names) {
         assert_eq!(*l, format!("{name}: layer, and NVIDIA's library has it"));
     }
     // 2.32.6, as the wheel's nccl.h says, through the layer.
-    assert_eq!(lines[WRAPPED.len()], "version 23206");
+    assert_eq!(lines[names.len()], "version 23206");
     assert_eq!(
-        lines[WRAPPED.len() + 1],
+        lines[names.len() + 1],
         "ncclInvalidUsage: the same text through the layer"
     );
     println!("test layer_over_nvidia_nccl ... ok");
@@ -82,7 +63,7 @@ fn child() {
     // SAFETY: dlopen of NVIDIA's library from LD_LIBRARY_PATH.
     let real = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
     assert!(!real.is_null(), "cannot load NVIDIA's libnccl.so.2");
-    for name in WRAPPED {
+    for name in wrapped() {
         let c = CString::new(name).unwrap();
         // SAFETY: dlsym and dladdr on symbols of loaded libraries.
         unsafe {
