@@ -35,6 +35,9 @@ pub trait Backend: Send + Sync + 'static {
     /// `ncclCommRegister`: the registration's handle.
     fn register(&self, comm: RealComm, ptr: usize, size: usize) -> (ncclResult_t, usize);
     fn deregister(&self, comm: RealComm, handle: usize) -> ncclResult_t;
+    /// `ncclCommGetAsyncError`: the communicator's state (ncclInProgress while a nonblocking
+    /// init or split goes on).
+    fn async_error(&self, comm: RealComm) -> ncclResult_t;
     /// `ncclCommCuDevice`.
     fn cu_device(&self, comm: RealComm) -> Result<i32, ncclResult_t>;
     /// The calling thread's current CUDA device (`cuCtxGetDevice`), where there is one.

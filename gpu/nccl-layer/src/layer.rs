@@ -767,11 +767,30 @@ impl<B: Backend> Layer<B> {
             }
         }
         for (e, call, r) in results {
-            if r != NCCL_SUCCESS && r != NCCL_IN_PROGRESS {
+            let real = made.get(&e.id).copied().unwrap_or(0);
+            // A nonblocking config: the communicator is ready when its async error says so.
+            let r = if r == NCCL_IN_PROGRESS && real != 0 {
+                self.ready(real)
+            } else {
+                r
+            };
+            if r != NCCL_SUCCESS {
                 return Err(failed(Some(e), code(call, r)));
             }
         }
         Ok(())
+    }
+
+    /// Waits while `ncclCommGetAsyncError` says ncclInProgress; its final answer.
+    fn ready(&self, real: RealComm) -> ncclResult_t {
+        let mut pause = Duration::from_micros(100);
+        loop {
+            match self.backend.async_error(real) {
+                NCCL_IN_PROGRESS => std::thread::sleep(pause),
+                r => return r,
+            }
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
     }
 }
 

@@ -185,6 +185,19 @@ impl Backend for Real {
         })
     }
 
+    fn async_error(&self, comm: RealComm) -> ncclResult_t {
+        type F = unsafe extern "C" fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
+        let Some(f) = next!(ncclCommGetAsyncError, F) else {
+            return NO_SYMBOL;
+        };
+        let mut state = NCCL_SUCCESS;
+        // SAFETY: NCCL's signature; a communicator the next library made.
+        match unsafe { f(comm as ncclComm_t, &mut state) } {
+            NCCL_SUCCESS => state,
+            r => r,
+        }
+    }
+
     fn cu_device(&self, comm: RealComm) -> Result<i32, ncclResult_t> {
         let f = next!(
             ncclCommCuDevice,

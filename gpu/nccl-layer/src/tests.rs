@@ -16,6 +16,9 @@ use crate::layer::{CommObj, Layer, NewComm, Origin};
 
 #[derive(Default)]
 struct Fake {
+    /// Made communicators are ncclInProgress for this many async-error polls.
+    in_progress: Mutex<u32>,
+    nonblocking: bool,
     next: Mutex<usize>,
     log: Mutex<Vec<String>>,
     pending: Mutex<HashSet<usize>>,
@@ -54,6 +57,10 @@ impl Backend for Fake {
             id.bytes()[0],
             cfg(config)
         ));
+        if self.nonblocking {
+            *self.in_progress.lock().unwrap() = 3;
+            return (NCCL_IN_PROGRESS, c);
+        }
         (NCCL_SUCCESS, c)
     }
     fn split(&self, parent: RealComm, color: i32, key: i32, config: Cfg) -> Made {
@@ -97,6 +104,15 @@ impl Backend for Fake {
     }
     fn deregister(&self, comm: RealComm, handle: usize) -> ncclResult_t {
         self.log(format!("deregister {comm:#x} {handle:#x}"));
+        NCCL_SUCCESS
+    }
+    fn async_error(&self, comm: RealComm) -> ncclResult_t {
+        let mut n = self.in_progress.lock().unwrap();
+        self.log(format!("async {comm:#x}"));
+        if *n > 0 {
+            *n -= 1;
+            return NCCL_IN_PROGRESS;
+        }
         NCCL_SUCCESS
     }
     fn cu_device(&self, _comm: RealComm) -> Result<i32, ncclResult_t> {
@@ -233,6 +249,28 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     ));
     l.go();
     assert!(!l.gate.is_held());
+}
+
+#[test]
+fn a_nonblocking_rebuild_waits_until_the_communicator_is_ready() {
+    let l = Layer::new(Fake {
+        nonblocking: true,
+        ..Fake::default()
+    });
+    let j = job(&l);
+    l.quiesce(Duration::from_secs(1));
+    l.release();
+    l.backend.take();
+    let id = hex::encode([2u8; NCCL_UNIQUE_ID_BYTES]);
+    assert_eq!(l.rebuild(vec![("k0".into(), id)]), LayerMsg::Rebuilt);
+    let log = l.backend.take();
+    let root = format!("async {:#x}", j.root.real());
+    // Three polls say ncclInProgress, the fourth ncclSuccess; then the split goes on.
+    assert_eq!(log.iter().filter(|l| **l == root).count(), 4, "{log:?}");
+    assert!(
+        log[6] == "device 1" && log[7].starts_with("split "),
+        "{log:?}"
+    );
 }
 
 #[test]
