@@ -251,19 +251,38 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     assert!(!l.gate.is_held());
 }
 
+/// A layer over `fake` holding [`job`] (`gone_root`: the root destroyed by the application),
+/// quiesced and released.
+fn released(fake: Fake, gone_root: bool) -> (Layer<Fake>, Job) {
+    let l = Layer::new(fake);
+    let j = job(&l);
+    if gone_root {
+        l.gone(j.root, true);
+    }
+    assert!(matches!(
+        l.quiesce(Duration::from_secs(1)),
+        LayerMsg::Quiesced { .. }
+    ));
+    assert_eq!(l.release(), LayerMsg::Released);
+    l.backend.take();
+    (l, j)
+}
+
+/// Rebuilds key k0 on an id of `byte`s; what the backend was asked.
+fn rebuilt(l: &Layer<Fake>, byte: u8) -> Vec<String> {
+    let id = hex::encode([byte; NCCL_UNIQUE_ID_BYTES]);
+    assert_eq!(l.rebuild(vec![("k0".into(), id)]), LayerMsg::Rebuilt);
+    l.backend.take()
+}
+
 #[test]
 fn a_nonblocking_rebuild_waits_until_the_communicator_is_ready() {
-    let l = Layer::new(Fake {
+    let fake = Fake {
         nonblocking: true,
         ..Fake::default()
-    });
-    let j = job(&l);
-    l.quiesce(Duration::from_secs(1));
-    l.release();
-    l.backend.take();
-    let id = hex::encode([2u8; NCCL_UNIQUE_ID_BYTES]);
-    assert_eq!(l.rebuild(vec![("k0".into(), id)]), LayerMsg::Rebuilt);
-    let log = l.backend.take();
+    };
+    let (l, j) = released(fake, false);
+    let log = rebuilt(&l, 2);
     let root = format!("async {:#x}", j.root.real());
     // Three polls say ncclInProgress, the fourth ncclSuccess; then the split goes on.
     assert_eq!(log.iter().filter(|l| **l == root).count(), 4, "{log:?}");
@@ -290,15 +309,8 @@ fn without_suspend_release_destroys_and_resume_refuses() {
 
 #[test]
 fn a_destroyed_parent_is_made_again_for_its_live_split_then_destroyed() {
-    let l = Layer::new(Fake::default());
-    let j = job(&l);
-    l.gone(j.root, true);
-    l.quiesce(Duration::from_secs(1));
-    l.release();
-    l.backend.take();
-    let id = hex::encode([1u8; NCCL_UNIQUE_ID_BYTES]);
-    assert_eq!(l.rebuild(vec![("k0".into(), id)]), LayerMsg::Rebuilt);
-    let log = l.backend.take();
+    let (l, j) = released(Fake::default(), true);
+    let log = rebuilt(&l, 1);
     assert!(log[1].starts_with("init 2 1 id=01"), "{log:?}");
     assert!(log[3].starts_with("split "), "{log:?}");
     let last = log.last().unwrap();
