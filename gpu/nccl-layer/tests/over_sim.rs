@@ -16,7 +16,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::Duration;
@@ -37,11 +37,22 @@ fn main() {
         rank::main();
         return;
     }
-    if !common::selected("checkpoint_cycle_over_the_simulated_nccl") {
-        return;
+    let tests: [(&str, fn()); 2] = [
+        (
+            "checkpoint_cycle_over_the_simulated_nccl",
+            checkpoint_cycle_over_the_simulated_nccl,
+        ),
+        (
+            "init_all_rebuilt_in_one_group_over_the_simulated_nccl",
+            init_all_rebuilt_in_one_group,
+        ),
+    ];
+    for (name, test) in tests {
+        if common::selected(name) {
+            test();
+            println!("test {name} ... ok");
+        }
     }
-    checkpoint_cycle_over_the_simulated_nccl();
-    println!("test checkpoint_cycle_over_the_simulated_nccl ... ok");
 }
 
 /// The values rank `r` sends at step `s`: integers, so that every sum is exact in f32.
@@ -91,12 +102,45 @@ fn step(ranks: &mut [Rank], s: u32) {
     }
 }
 
-fn spawn_rank(node: &SimNode, layer: &Path, socket: &Path, rank: i32, id: &str) -> Rank {
+/// A simulated node of two GPUs, the layer, and the shim's control socket.
+struct Setup {
+    node: SimNode,
+    _dir: tempfile::TempDir,
+    layer: PathBuf,
+    socket: PathBuf,
+    listener: UnixListener,
+}
+
+fn setup() -> Setup {
+    let node = SimNode::start(SimConfig {
+        gpus: NRANKS as u32,
+        ..SimConfig::default()
+    })
+    .expect("start a simulated node");
+    assert!(
+        node.lib_dir().join("libnccl.so.2").exists(),
+        "the simulated node has no libnccl.so.2"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let layer = layer_library(dir.path());
+    let socket = dir.path().join("nccl.sock");
+    let listener = UnixListener::bind(&socket).expect("bind the control socket");
+    Setup {
+        node,
+        _dir: dir,
+        layer,
+        socket,
+        listener,
+    }
+}
+
+/// A process under the layer: `which` is a rank number, or `all` for ncclCommInitAll.
+fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
     let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
-    cmd.envs(node.env())
-        .env("LD_PRELOAD", layer)
-        .env(nccl_control::ENV_SOCKET, socket)
-        .env(ENV_RANK, rank.to_string())
+    cmd.envs(t.node.env())
+        .env("LD_PRELOAD", &t.layer)
+        .env(nccl_control::ENV_SOCKET, &t.socket)
+        .env(ENV_RANK, which)
         .env("NCCL_LAYER_TEST_ID", id)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -184,19 +228,8 @@ fn comm_fields(m: &LayerMsg) -> (u64, String, i32, i32, i32, Option<nccl_control
 }
 
 fn checkpoint_cycle_over_the_simulated_nccl() {
-    let node = SimNode::start(SimConfig {
-        gpus: 2,
-        ..SimConfig::default()
-    })
-    .expect("start a simulated node");
-    assert!(
-        node.lib_dir().join("libnccl.so.2").exists(),
-        "the simulated node has no libnccl.so.2"
-    );
-    let dir = tempfile::tempdir().expect("tempdir");
-    let layer = layer_library(dir.path());
-    let socket = dir.path().join("nccl.sock");
-    let listener = UnixListener::bind(&socket).expect("bind the control socket");
+    let t = setup();
+    let (node, listener) = (&t.node, &t.listener);
 
     // The job's unique id, from a process of its own (as torchrun's rank 0 would make it).
     let out = common::stack::run_ok(
@@ -208,12 +241,12 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     assert_eq!(id.len(), 256, "{id}");
 
     let mut ranks: Vec<Rank> = (0..NRANKS)
-        .map(|r| spawn_rank(&node, &layer, &socket, r, &id))
+        .map(|r| spawn_rank(&t, &r.to_string(), &id))
         .collect();
     let mut sessions = Vec::new();
     let mut keys = Vec::new();
     for _ in 0..NRANKS {
-        let (s, root, split) = accept(&listener, None, "first");
+        let (s, root, split) = accept(listener, None, "first");
         let (root_id, key, rank, nranks, dev, parent) = comm_fields(&root);
         assert_eq!(parent, None);
         assert_eq!(nranks, NRANKS);
@@ -269,7 +302,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     // "Restore": the layers reconnect with their token; a fresh id for the key from the process
     // of rank 0; every rank rebuilds on it.
     let mut sessions: Vec<Session> = (0..NRANKS)
-        .map(|_| accept(&listener, Some("first"), "second").0)
+        .map(|_| accept(listener, Some("first"), "second").0)
         .collect();
     sessions.sort_by_key(|s| ranks.iter().position(|r| r.pid == s.pid));
     sessions[0].send(ShimMsg::NewUniqueId { key: key.clone() });
@@ -365,6 +398,57 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
 }
 
+/// One process holding both ranks (ncclCommInitAll): the layer records them under one key and
+/// makes them again in one group on the fresh id.
+fn init_all_rebuilt_in_one_group() {
+    let t = setup();
+    let mut all = spawn_rank(&t, "all", "");
+    let (mut s, a, b) = accept(&t.listener, None, "first");
+    assert_eq!(s.pid, all.pid);
+    let (ida, key, ra, na, da, pa) = comm_fields(&a);
+    let (idb, keyb, rb, nb, db, pb) = comm_fields(&b);
+    assert_eq!((ra, na, da, pa), (0, NRANKS, 0, None));
+    assert_eq!((rb, nb, db, pb), (1, NRANKS, 1, None));
+    assert_eq!(key, keyb);
+    all.say("step 1");
+    all.expect("ok 1");
+
+    s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+    assert_eq!(
+        s.recv(),
+        LayerMsg::Quiesced {
+            comms: vec![ida, idb]
+        }
+    );
+    s.send(ShimMsg::Release);
+    assert_eq!(s.recv(), LayerMsg::Released);
+    s.send(ShimMsg::Disconnect);
+    all.say("step 2");
+    assert_eq!(
+        all.line(Duration::from_millis(300)),
+        None,
+        "a call passed the held gate"
+    );
+
+    let (mut s, _, _) = accept(&t.listener, Some("first"), "second");
+    s.send(ShimMsg::NewUniqueId { key: key.clone() });
+    let LayerMsg::UniqueId { id: fresh, .. } = s.recv() else {
+        panic!("no UniqueId");
+    };
+    s.send(ShimMsg::Rebuild {
+        ids: vec![(key, fresh)],
+    });
+    assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    s.send(ShimMsg::Go);
+    all.expect("ok 2");
+    all.say("quit");
+    for _ in 0..NRANKS {
+        assert!(matches!(s.recv(), LayerMsg::CommGone { .. }));
+    }
+    let st = all.child.wait().expect("wait for the process");
+    assert!(st.success(), "exited {st}");
+}
+
 /// One rank: the application side, NCCL's C API through the global scope.
 mod rank {
     use super::*;
@@ -402,105 +486,105 @@ mod rank {
         unsafe {
             let cu_init: unsafe extern "C" fn(u32) -> Res = sym(c"cuInit");
             ok("cuInit", cu_init(0));
-            if which == "uid" {
-                let get_id: unsafe extern "C" fn(*mut Id) -> Res = sym(c"ncclGetUniqueId");
-                let mut id = Id([0; 128]);
-                ok("ncclGetUniqueId", get_id(&mut id));
-                println!("{}", hex::encode(id.0));
-                return;
+            match which.as_str() {
+                "uid" => {
+                    let get_id: unsafe extern "C" fn(*mut Id) -> Res = sym(c"ncclGetUniqueId");
+                    let mut id = Id([0; 128]);
+                    ok("ncclGetUniqueId", get_id(&mut id));
+                    println!("{}", hex::encode(id.0));
+                }
+                "all" => run_all(),
+                rank => run(rank.parse().expect("rank")),
             }
-            run(which.parse().expect("rank"));
         }
     }
 
-    unsafe fn run(rank: i32) {
-        let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> Res = sym(c"cuDeviceGet");
-        let retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> Res =
-            sym(c"cuDevicePrimaryCtxRetain");
-        let set_current: unsafe extern "C" fn(*mut c_void) -> Res = sym(c"cuCtxSetCurrent");
-        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> Res =
-            sym(c"cuStreamCreate");
-        let sync: unsafe extern "C" fn(*mut c_void) -> Res = sym(c"cuStreamSynchronize");
-        let alloc: unsafe extern "C" fn(*mut u64, usize) -> Res = sym(c"cuMemAlloc_v2");
-        let htod: unsafe extern "C" fn(u64, *const c_void, usize) -> Res = sym(c"cuMemcpyHtoD_v2");
-        let dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> Res = sym(c"cuMemcpyDtoH_v2");
-        let init: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> Res =
-            sym(c"ncclCommInitRank");
-        let split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Res =
-            sym(c"ncclCommSplit");
-        // ncclAllReduce's op and ncclBroadcast's root are both an int.
-        type Coll =
-            unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Fp) -> Res;
-        let allreduce: Coll = sym(c"ncclAllReduce");
-        let bcast: Coll = sym(c"ncclBroadcast");
-        let register: unsafe extern "C" fn(Comm, *mut c_void, usize, *mut *mut c_void) -> Res =
-            sym(c"ncclCommRegister");
-        let deregister: unsafe extern "C" fn(Comm, *mut c_void) -> Res = sym(c"ncclCommDeregister");
-        let destroy: unsafe extern "C" fn(Comm) -> Res = sym(c"ncclCommDestroy");
-        const FLOAT32: c_int = 7;
-        const SUM: c_int = 0;
+    const FLOAT32: c_int = 7;
+    const SUM: c_int = 0;
+    const BYTES: usize = COUNT * 4;
+    // ncclAllReduce's op and ncclBroadcast's root are both an int.
+    type Coll =
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Fp) -> Res;
+    type Void = unsafe extern "C" fn() -> Res;
+    type CommFn = unsafe extern "C" fn(Comm) -> Res;
 
-        let mut dev = 0;
-        ok("cuDeviceGet", device_get(&mut dev, rank));
-        let mut ctx = std::ptr::null_mut();
-        ok("cuDevicePrimaryCtxRetain", retain(&mut ctx, dev));
-        ok("cuCtxSetCurrent", set_current(ctx));
-        let mut stream = std::ptr::null_mut();
-        ok("cuStreamCreate", stream_create(&mut stream, 0));
-        let bytes = COUNT * 4;
-        let (mut send, mut recv, mut bout) = (0u64, 0u64, 0u64);
-        ok("cuMemAlloc", alloc(&mut send, bytes));
-        ok("cuMemAlloc", alloc(&mut recv, bytes));
-        ok("cuMemAlloc", alloc(&mut bout, bytes));
+    /// The CUDA driver calls the ranks make, and each device's primary context.
+    struct Cuda {
+        set_current: unsafe extern "C" fn(*mut c_void) -> Res,
+        stream_create: unsafe extern "C" fn(*mut Fp, u32) -> Res,
+        sync: unsafe extern "C" fn(Fp) -> Res,
+        alloc: unsafe extern "C" fn(*mut u64, usize) -> Res,
+        htod: unsafe extern "C" fn(u64, *const c_void, usize) -> Res,
+        dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> Res,
+        ctxs: Vec<Fp>,
+    }
 
-        let idhex = std::env::var("NCCL_LAYER_TEST_ID").unwrap();
-        let mut id = Id([0; 128]);
-        id.0.copy_from_slice(&hex::decode(idhex).unwrap());
-        let mut comm: Comm = std::ptr::null_mut();
-        ok("ncclCommInitRank", init(&mut comm, NRANKS, id, rank));
-        // One split with every rank in it, ranks reversed by the key.
-        let mut sub: Comm = std::ptr::null_mut();
-        ok(
-            "ncclCommSplit",
-            split(comm, 0, NRANKS - 1 - rank, &mut sub, std::ptr::null_mut()),
-        );
-        let mut reg = std::ptr::null_mut();
-        ok(
-            "ncclCommRegister",
-            register(comm, send as *mut c_void, bytes, &mut reg),
-        );
-        // The handles the application holds never change.
-        let (comm0, sub0) = (comm, sub);
-
-        let enqueue = |s: u32| {
-            let v = values(rank, s);
-            ok("cuMemcpyHtoD", htod(send, v.as_ptr().cast(), bytes));
-            ok(
-                "ncclAllReduce",
-                allreduce(send as _, recv as _, COUNT, FLOAT32, SUM, comm, stream),
-            );
-            // On the split, root 0 is the last rank of the job.
-            ok(
-                "ncclBroadcast",
-                bcast(send as _, bout as _, COUNT, FLOAT32, 0, sub, stream),
-            );
-        };
-        let finish = |s: u32| {
-            ok("cuStreamSynchronize", sync(stream));
-            let mut got = vec![0f32; COUNT];
-            ok("cuMemcpyDtoH", dtoh(got.as_mut_ptr().cast(), recv, bytes));
-            let want: Vec<f32> = (0..COUNT)
-                .map(|i| (0..NRANKS).map(|r| values(r, s)[i]).sum())
+    impl Cuda {
+        unsafe fn load() -> Cuda {
+            let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> Res = sym(c"cuDeviceGet");
+            let retain: unsafe extern "C" fn(*mut Fp, c_int) -> Res =
+                sym(c"cuDevicePrimaryCtxRetain");
+            let ctxs = (0..NRANKS)
+                .map(|ordinal| {
+                    let (mut dev, mut ctx) = (0, std::ptr::null_mut());
+                    ok("cuDeviceGet", device_get(&mut dev, ordinal));
+                    ok("cuDevicePrimaryCtxRetain", retain(&mut ctx, dev));
+                    ctx
+                })
                 .collect();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "allreduce at step {s}");
-            ok("cuMemcpyDtoH", dtoh(got.as_mut_ptr().cast(), bout, bytes));
-            assert_eq!(
-                bits(&got),
-                bits(&values(NRANKS - 1, s)),
-                "broadcast at step {s}"
+            Cuda {
+                set_current: sym(c"cuCtxSetCurrent"),
+                stream_create: sym(c"cuStreamCreate"),
+                sync: sym(c"cuStreamSynchronize"),
+                alloc: sym(c"cuMemAlloc_v2"),
+                htod: sym(c"cuMemcpyHtoD_v2"),
+                dtoh: sym(c"cuMemcpyDtoH_v2"),
+                ctxs,
+            }
+        }
+        /// Makes device `dev` current on this thread.
+        unsafe fn on(&self, dev: i32) {
+            ok(
+                "cuCtxSetCurrent",
+                (self.set_current)(self.ctxs[dev as usize]),
             );
-        };
+        }
+        unsafe fn stream(&self) -> Fp {
+            let mut s = std::ptr::null_mut();
+            ok("cuStreamCreate", (self.stream_create)(&mut s, 0));
+            s
+        }
+        unsafe fn buffer(&self) -> u64 {
+            let mut d = 0;
+            ok("cuMemAlloc", (self.alloc)(&mut d, BYTES));
+            d
+        }
+        unsafe fn put(&self, d: u64, v: &[f32]) {
+            ok("cuMemcpyHtoD", (self.htod)(d, v.as_ptr().cast(), BYTES));
+        }
+        unsafe fn sync(&self, stream: Fp) {
+            ok("cuStreamSynchronize", (self.sync)(stream));
+        }
+        /// Device memory `d` as the bits of its f32s.
+        unsafe fn bits(&self, d: u64) -> Vec<u32> {
+            let mut got = vec![0f32; COUNT];
+            ok(
+                "cuMemcpyDtoH",
+                (self.dtoh)(got.as_mut_ptr().cast(), d, BYTES),
+            );
+            got.iter().map(|x| x.to_bits()).collect()
+        }
+    }
+
+    /// The bits of every rank's values at step `s` summed.
+    fn sum_bits(s: u32) -> Vec<u32> {
+        (0..COUNT)
+            .map(|i| (0..NRANKS).map(|r| values(r, s)[i]).sum::<f32>().to_bits())
+            .collect()
+    }
+
+    /// Serves the test's commands (`step S`, `enqueue S`, `finish S`) until `quit`.
+    fn commands(mut enqueue: impl FnMut(u32), mut finish: impl FnMut(u32)) {
         for line in std::io::stdin().lock().lines() {
             let line = line.unwrap();
             let (cmd, arg) = line.split_once(' ').unwrap_or((line.as_str(), "0"));
@@ -522,10 +606,125 @@ mod rank {
                 "quit" => break,
                 other => panic!("unknown command {other}"),
             }
-            assert_eq!((comm, sub), (comm0, sub0));
         }
+    }
+
+    /// One rank of the job on GPU `rank`: a root communicator, a split, a registered buffer.
+    unsafe fn run(rank: i32) {
+        let init: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> Res =
+            sym(c"ncclCommInitRank");
+        let split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Res =
+            sym(c"ncclCommSplit");
+        let allreduce: Coll = sym(c"ncclAllReduce");
+        let bcast: Coll = sym(c"ncclBroadcast");
+        let register: unsafe extern "C" fn(Comm, *mut c_void, usize, *mut *mut c_void) -> Res =
+            sym(c"ncclCommRegister");
+        let deregister: unsafe extern "C" fn(Comm, *mut c_void) -> Res = sym(c"ncclCommDeregister");
+        let destroy: CommFn = sym(c"ncclCommDestroy");
+
+        let cu = Cuda::load();
+        cu.on(rank);
+        let stream = cu.stream();
+        let (send, recv, bout) = (cu.buffer(), cu.buffer(), cu.buffer());
+
+        let idhex = std::env::var("NCCL_LAYER_TEST_ID").unwrap();
+        let mut id = Id([0; 128]);
+        id.0.copy_from_slice(&hex::decode(idhex).unwrap());
+        let mut comm: Comm = std::ptr::null_mut();
+        ok("ncclCommInitRank", init(&mut comm, NRANKS, id, rank));
+        // One split with every rank in it, ranks reversed by the key.
+        let mut sub: Comm = std::ptr::null_mut();
+        ok(
+            "ncclCommSplit",
+            split(comm, 0, NRANKS - 1 - rank, &mut sub, std::ptr::null_mut()),
+        );
+        let mut reg = std::ptr::null_mut();
+        ok(
+            "ncclCommRegister",
+            register(comm, send as *mut c_void, BYTES, &mut reg),
+        );
+        // The handles the application holds never change.
+        let (comm0, sub0) = (comm, sub);
+
+        let enqueue = |s: u32| {
+            cu.put(send, &values(rank, s));
+            ok(
+                "ncclAllReduce",
+                allreduce(send as _, recv as _, COUNT, FLOAT32, SUM, comm, stream),
+            );
+            // On the split, root 0 is the last rank of the job.
+            ok(
+                "ncclBroadcast",
+                bcast(send as _, bout as _, COUNT, FLOAT32, 0, sub, stream),
+            );
+        };
+        let finish = |s: u32| {
+            cu.sync(stream);
+            assert_eq!(cu.bits(recv), sum_bits(s), "allreduce at step {s}");
+            let last: Vec<u32> = values(NRANKS - 1, s).iter().map(|x| x.to_bits()).collect();
+            assert_eq!(cu.bits(bout), last, "broadcast at step {s}");
+            assert_eq!((comm, sub), (comm0, sub0));
+        };
+        commands(enqueue, finish);
         ok("ncclCommDeregister", deregister(comm, reg));
         ok("ncclCommDestroy", destroy(sub));
         ok("ncclCommDestroy", destroy(comm));
+    }
+
+    /// Every rank of the job in this process, one per GPU, from ncclCommInitAll; each step's
+    /// allreduces in one group.
+    unsafe fn run_all() {
+        let init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Res =
+            sym(c"ncclCommInitAll");
+        let group_start: Void = sym(c"ncclGroupStart");
+        let group_end: Void = sym(c"ncclGroupEnd");
+        let allreduce: Coll = sym(c"ncclAllReduce");
+        let destroy: CommFn = sym(c"ncclCommDestroy");
+
+        let cu = Cuda::load();
+        let devs: Vec<c_int> = (0..NRANKS).collect();
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); NRANKS as usize];
+        ok(
+            "ncclCommInitAll",
+            init_all(comms.as_mut_ptr(), NRANKS, devs.as_ptr()),
+        );
+        let per_dev: Vec<(Fp, u64, u64)> = devs
+            .iter()
+            .map(|&d| {
+                cu.on(d);
+                (cu.stream(), cu.buffer(), cu.buffer())
+            })
+            .collect();
+        let enqueue = |s: u32| {
+            for (d, (_, send, _)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                cu.put(*send, &values(d as i32, s));
+            }
+            ok("ncclGroupStart", group_start());
+            for (d, (stream, send, recv)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                let (c, st) = (comms[d], *stream);
+                ok(
+                    "ncclAllReduce",
+                    allreduce(*send as _, *recv as _, COUNT, FLOAT32, SUM, c, st),
+                );
+            }
+            ok("ncclGroupEnd", group_end());
+        };
+        let finish = |s: u32| {
+            for (d, (stream, _, recv)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                cu.sync(*stream);
+                assert_eq!(
+                    cu.bits(*recv),
+                    sum_bits(s),
+                    "allreduce on GPU {d} at step {s}"
+                );
+            }
+        };
+        commands(enqueue, finish);
+        for c in comms {
+            ok("ncclCommDestroy", destroy(c));
+        }
     }
 }
