@@ -22,18 +22,6 @@ fn layer() -> &'static Layer<Real> {
     LAYER.get_or_init(|| Layer::new(Real::default()))
 }
 
-/// Rank and size of a real communicator (None while it is still being made in a group).
-fn rank_count(real: usize) -> Option<(i32, i32)> {
-    type Q = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> ncclResult_t;
-    let (mut r, mut n) = (-1, -1);
-    // SAFETY: NCCL's signatures, a communicator the next library made.
-    unsafe {
-        let ok = next!(ncclCommUserRank, Q)?(real as ncclComm_t, &mut r) == NCCL_SUCCESS
-            && next!(ncclCommCount, Q)?(real as ncclComm_t, &mut n) == NCCL_SUCCESS;
-        (ok && r >= 0).then_some((r, n))
-    }
-}
-
 /// A wrapped function on one communicator: `$stream` names the stream argument whose work
 /// the quiesce waits for (`-` for none).
 macro_rules! on_comm {
@@ -298,7 +286,7 @@ pub unsafe extern "C" fn ncclCommSplit(
         }
         return r;
     }
-    let (rank, nranks) = rank_count(real as usize).unwrap_or((-1, -1));
+    let (rank, nranks) = l.backend.rank_count(real as usize).unwrap_or((-1, -1));
     *newcomm = l.adopt(NewComm {
         key: format!("{}/{color}", l.key_of(p.id).unwrap_or_default()),
         rank,
@@ -449,7 +437,7 @@ pub unsafe extern "C" fn ncclGroupEnd() -> ncclResult_t {
     let tag = l.gate.group_tag();
     l.gate.group_end();
     if let (Some(tag), None) = (tag, l.gate.group_tag()) {
-        l.settle_group(tag, rank_count);
+        l.settle(Some(tag));
     }
     r
 }

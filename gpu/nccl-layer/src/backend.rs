@@ -35,6 +35,8 @@ pub trait Backend: Send + Sync + 'static {
     /// `ncclCommRegister`: the registration's handle.
     fn register(&self, comm: RealComm, ptr: usize, size: usize) -> (ncclResult_t, usize);
     fn deregister(&self, comm: RealComm, handle: usize) -> ncclResult_t;
+    /// `ncclCommUserRank` and `ncclCommCount` (None while the communicator is still being made).
+    fn rank_count(&self, comm: RealComm) -> Option<(i32, i32)>;
     /// `ncclCommGetAsyncError`: the communicator's state (ncclInProgress while a nonblocking
     /// init or split goes on).
     fn async_error(&self, comm: RealComm) -> ncclResult_t;

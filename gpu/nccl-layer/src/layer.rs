@@ -311,14 +311,15 @@ impl<B: Backend> Layer<B> {
         self.reg().entry(id).map(|e| e.key.clone())
     }
 
-    /// At the outermost ncclGroupEnd: the ranks of the communicators made in group `tag`
-    /// (known now), and their announcement.
-    pub fn settle_group(&self, tag: u64, rank_count: impl Fn(RealComm) -> Option<(i32, i32)>) {
+    /// The ranks of communicators made without one known (in a group, or with a nonblocking
+    /// config), and their announcement: at the outermost ncclGroupEnd for group `tag`; for
+    /// all (`None`) at a quiesce, before the shim is told which communicators there are.
+    pub fn settle(&self, tag: Option<u64>) {
         let mut reg = self.reg();
         let mut msgs = Vec::new();
         for e in reg.entries.iter_mut() {
-            if e.group == Some(tag) && !e.announced && e.live() {
-                if let (Some(h), Some((r, n))) = (&e.handle, rank_count(e.real())) {
+            if (tag.is_none() || e.group == tag) && !e.announced && e.live() {
+                if let (Some(h), Some((r, n))) = (&e.handle, self.backend.rank_count(e.real())) {
                     h.rank.store(r, Ordering::Relaxed);
                     e.nranks = n;
                 }
@@ -449,6 +450,7 @@ impl<B: Backend> Layer<B> {
                 message,
             };
         }
+        self.settle(None);
         let mut pause = Duration::from_micros(100);
         for u in self.gate.streams() {
             loop {

@@ -185,6 +185,18 @@ impl Backend for Real {
         })
     }
 
+    fn rank_count(&self, comm: RealComm) -> Option<(i32, i32)> {
+        type Q = unsafe extern "C" fn(ncclComm_t, *mut c_int) -> ncclResult_t;
+        let (mut r, mut n) = (-1, -1);
+        let c = comm as ncclComm_t;
+        // SAFETY: NCCL's signatures, a communicator the next library made.
+        let ok = unsafe {
+            next!(ncclCommUserRank, Q)?(c, &mut r) == NCCL_SUCCESS
+                && next!(ncclCommCount, Q)?(c, &mut n) == NCCL_SUCCESS
+        };
+        (ok && r >= 0).then_some((r, n))
+    }
+
     fn async_error(&self, comm: RealComm) -> ncclResult_t {
         type F = unsafe extern "C" fn(ncclComm_t, *mut ncclResult_t) -> ncclResult_t;
         let Some(f) = next!(ncclCommGetAsyncError, F) else {

@@ -106,6 +106,9 @@ impl Backend for Fake {
         self.log(format!("deregister {comm:#x} {handle:#x}"));
         NCCL_SUCCESS
     }
+    fn rank_count(&self, _comm: RealComm) -> Option<(i32, i32)> {
+        Some((1, 2))
+    }
     fn async_error(&self, comm: RealComm) -> ncclResult_t {
         let mut n = self.in_progress.lock().unwrap();
         self.log(format!("async {comm:#x}"));
