@@ -1,4 +1,4 @@
-//! What the layer asks of the NCCL and CUDA underneath it. [`crate::real::Real`] is the library
+//! What the layer asks of the NCCL and CUDA underneath it. the `real` module is the library
 //! the application would have called; unit tests of the layer's logic use a test double.
 
 use crate::config::ConfigCopy;
