@@ -1,0 +1,134 @@
+//! Control protocol v1 between the NCCL communicator layer (preloaded into an application) and
+//! the shim that checkpoints it.
+//!
+//! A Unix stream socket; each message is one frame: a 4-byte big-endian length, then that many
+//! bytes of JSON (serde's externally tagged enums). Either side refuses a frame over
+//! [`MAX_FRAME`] bytes and closes the connection. Everything here is blocking `std` I/O with
+//! optional timeouts, usable from a plain thread and from async code through `spawn_blocking`.
+//!
+//! The layer speaks first ([`LayerMsg::Hello`]); the shim answers [`ShimMsg::Welcome`]. After a
+//! `Welcome` the layer announces every communicator it holds ([`LayerMsg::Comm`], in the order they
+//! were made), then one `Comm` per communicator made later and a [`LayerMsg::CommGone`] per one
+//! finalized, destroyed or aborted. Every other shim message gets exactly one reply, in order.
+
+mod error;
+mod frame;
+
+pub use error::ControlError;
+pub use frame::{read_frame, write_frame, Connection};
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this crate speaks.
+pub const VERSION: u32 = 1;
+
+/// The largest frame body either side accepts, in bytes.
+pub const MAX_FRAME: usize = 64 * 1024;
+
+/// The environment variable that names the shim's socket inside the application.
+pub const ENV_SOCKET: &str = "GPU_CKPT_NCCL_SOCKET";
+
+/// How a communicator came from a split of another one.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Split {
+    /// The parent communicator's id.
+    pub parent: u64,
+    pub color: i32,
+    pub key: i32,
+}
+
+/// Messages from the layer to the shim.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum LayerMsg {
+    /// First message on every connection. `resumed`: the token of the session the layer had
+    /// before a `Disconnect`.
+    Hello {
+        version: u32,
+        pid: i32,
+        nccl_version: i32,
+        resumed: Option<String>,
+    },
+    /// A communicator the application holds. `key`: BLAKE3 (hex) of the unique id it was made
+    /// from, or `<parent key>/<color>` for a split.
+    Comm {
+        id: u64,
+        key: String,
+        rank: i32,
+        nranks: i32,
+        cuda_dev: i32,
+        split: Option<Split>,
+    },
+    /// The application finalized, destroyed or aborted communicator `id`.
+    CommGone { id: u64 },
+    /// Answer to `Quiesce`: no call in the layer, every stream used is complete.
+    Quiesced { comms: Vec<u64> },
+    /// Answer to `Release`.
+    Released,
+    /// Answer to `NewUniqueId`: a fresh unique id for `key`, hex of its 128 bytes.
+    UniqueId { key: String, id: String },
+    /// Answer to `Rebuild` and `Resume`.
+    Rebuilt,
+    /// Answer to any request that could not be done. `comm` and `rank` name the communicator
+    /// concerned where there is one (the one whose stream did not complete for `Quiesce`).
+    Failed {
+        comm: Option<u64>,
+        rank: Option<i32>,
+        message: String,
+    },
+}
+
+/// Messages from the shim to the layer.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum ShimMsg {
+    /// Answer to `Hello`: the session's token, which the layer sends back as `resumed`.
+    Welcome { token: String },
+    /// Hold new calls, wait (until the deadline) for the calls in the layer and the streams used.
+    Quiesce { deadline_ms: u64 },
+    /// Suspend (or destroy) every real communicator and deregister buffers.
+    Release,
+    /// Close the connection; the layer reconnects every 50 ms.
+    Disconnect,
+    /// Resume every suspended communicator (same node, nothing moved).
+    Resume,
+    /// Re-create every communicator: key -> fresh unique id (hex) for each root key.
+    Rebuild { ids: Vec<(String, String)> },
+    /// Release the held calls.
+    Go,
+    /// Make a fresh unique id for root key `key` (sent to the process holding its rank 0).
+    NewUniqueId { key: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn externally_tagged_json() {
+        let m = ShimMsg::Quiesce { deadline_ms: 500 };
+        assert_eq!(
+            serde_json::to_string(&m).unwrap(),
+            r#"{"Quiesce":{"deadline_ms":500}}"#
+        );
+        assert_eq!(serde_json::to_string(&ShimMsg::Go).unwrap(), r#""Go""#);
+        let r = ShimMsg::Rebuild {
+            ids: vec![("k".into(), "00ff".into())],
+        };
+        assert_eq!(
+            serde_json::to_string(&r).unwrap(),
+            r#"{"Rebuild":{"ids":[["k","00ff"]]}}"#
+        );
+        let h: LayerMsg = serde_json::from_str(
+            r#"{"Hello":{"version":1,"pid":7,"nccl_version":23206,"resumed":null}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            h,
+            LayerMsg::Hello {
+                version: 1,
+                pid: 7,
+                nccl_version: 23206,
+                resumed: None
+            }
+        );
+    }
+}

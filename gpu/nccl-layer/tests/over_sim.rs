@@ -1,0 +1,730 @@
+//! The layer end to end over the simulated NCCL (gpu/sim): two rank processes with
+//! `libgpu-ckpt-nccl.so` preloaded run collectives on two simulated GPUs, while this test acts as
+//! the shim on the control socket: quiesce, release, disconnect, reconnect, a rebuild on a fresh
+//! unique id, go; the collectives still give bit-exact results on the same handles. Then a
+//! release and resume in place. A rank whose peer has not contributed fails the quiesce, naming
+//! the rank.
+//!
+//! The ranks are this test binary again (`harness = false`): with `NCCL_LAYER_TEST_RANK` set,
+//! `main` is a rank. It loads `libcuda.so.1` and `libnccl.so.2` with `RTLD_GLOBAL` and calls
+//! NCCL through the global scope, as a program linked to NCCL does, so the preloaded layer's
+//! definitions come first.
+//!
+//! Needs the workspace built first (`cargo build --workspace --all-targets`): the daemon
+//! `gpu-ckpt-simgpu`, its libraries, and the layer, next to the test executable.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{channel, Receiver};
+use std::time::Duration;
+
+use common::layer_library;
+use nccl_control::{Connection, LayerMsg, ShimMsg};
+use simgpu::testing::{SimConfig, SimNode};
+
+mod common;
+
+const ENV_RANK: &str = "NCCL_LAYER_TEST_RANK";
+const NRANKS: i32 = 2;
+const COUNT: usize = 4096;
+const WAIT: Duration = Duration::from_secs(30);
+
+fn main() {
+    if std::env::var_os(ENV_RANK).is_some() {
+        rank::main();
+        return;
+    }
+    let tests: [(&str, fn()); 2] = [
+        (
+            "checkpoint_cycle_over_the_simulated_nccl",
+            checkpoint_cycle_over_the_simulated_nccl,
+        ),
+        (
+            "init_all_rebuilt_in_one_group_over_the_simulated_nccl",
+            init_all_rebuilt_in_one_group,
+        ),
+    ];
+    for (name, test) in tests {
+        if common::selected(name) {
+            test();
+            println!("test {name} ... ok");
+        }
+    }
+}
+
+/// The values rank `r` sends at step `s`: integers, so that every sum is exact in f32.
+fn values(r: i32, s: u32) -> Vec<f32> {
+    (0..COUNT)
+        .map(|i| ((r + 1) * 1000 + (s as i32) * 10 + (i % 7) as i32) as f32)
+        .collect()
+}
+
+/// A rank process and its output lines.
+struct Rank {
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+    pid: i32,
+}
+
+impl Rank {
+    fn say(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").expect("write to a rank");
+    }
+    fn line(&self, within: Duration) -> Option<String> {
+        self.lines.recv_timeout(within).ok()
+    }
+    fn expect(&self, want: &str) {
+        match self.line(WAIT) {
+            Some(l) if l == want => {}
+            other => panic!("rank {}: expected {want:?}, got {other:?}", self.pid),
+        }
+    }
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Every rank does step `s` and checks its results.
+fn step(ranks: &mut [Rank], s: u32) {
+    for r in ranks.iter_mut() {
+        r.say(&format!("step {s}"));
+    }
+    for r in ranks.iter() {
+        r.expect(&format!("ok {s}"));
+    }
+}
+
+/// A simulated node of two GPUs, the layer, and the shim's control socket.
+struct Setup {
+    node: SimNode,
+    _dir: tempfile::TempDir,
+    layer: PathBuf,
+    socket: PathBuf,
+    listener: UnixListener,
+}
+
+fn setup() -> Setup {
+    let node = SimNode::start(SimConfig {
+        gpus: NRANKS as u32,
+        ..SimConfig::default()
+    })
+    .expect("start a simulated node");
+    assert!(
+        node.lib_dir().join("libnccl.so.2").exists(),
+        "the simulated node has no libnccl.so.2"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let layer = layer_library(dir.path());
+    let socket = dir.path().join("nccl.sock");
+    let listener = UnixListener::bind(&socket).expect("bind the control socket");
+    Setup {
+        node,
+        _dir: dir,
+        layer,
+        socket,
+        listener,
+    }
+}
+
+/// A process under the layer: `which` is a rank number, or `all` for ncclCommInitAll.
+fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
+    let mut cmd = Command::new(std::env::current_exe().expect("test executable"));
+    cmd.envs(t.node.env())
+        .env("LD_PRELOAD", &t.layer)
+        .env(nccl_control::ENV_SOCKET, &t.socket)
+        .env(ENV_RANK, which)
+        .env("NCCL_LAYER_TEST_ID", id)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().expect("spawn a rank");
+    let stdin = child.stdin.take().expect("stdin");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, lines) = channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let pid = child.id() as i32;
+    Rank {
+        child,
+        stdin,
+        lines,
+        pid,
+    }
+}
+
+/// The shim's end of one layer's connection.
+struct Session {
+    conn: Connection,
+    pid: i32,
+}
+
+impl Session {
+    fn recv(&mut self) -> LayerMsg {
+        self.conn
+            .recv(Some(WAIT))
+            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid))
+    }
+    fn send(&mut self, m: ShimMsg) {
+        self.conn.send(&m, Some(WAIT)).expect("send to the layer");
+    }
+}
+
+/// Accepts one layer: Hello (checked), Welcome, then its two communicators (root, split).
+/// Returns the session and the (root, split) Comm messages.
+fn accept(l: &UnixListener, resumed: Option<&str>, token: &str) -> (Session, LayerMsg, LayerMsg) {
+    let conn = Connection::new(l.accept().expect("accept a layer").0);
+    let mut s = Session { conn, pid: 0 };
+    match s.recv() {
+        LayerMsg::Hello {
+            version,
+            pid,
+            nccl_version,
+            resumed: r,
+        } => {
+            assert_eq!(version, 1);
+            assert!(
+                nccl_version > 0,
+                "the simulated NCCL's version: {nccl_version}"
+            );
+            assert_eq!(r.as_deref(), resumed);
+            s.pid = pid;
+        }
+        other => panic!("expected Hello, got {other:?}"),
+    }
+    s.send(ShimMsg::Welcome {
+        token: token.into(),
+    });
+    let root = s.recv();
+    let split = s.recv();
+    (s, root, split)
+}
+
+fn comm_fields(m: &LayerMsg) -> (u64, String, i32, i32, i32, Option<nccl_control::Split>) {
+    match m {
+        LayerMsg::Comm {
+            id,
+            key,
+            rank,
+            nranks,
+            cuda_dev,
+            split,
+        } => (*id, key.clone(), *rank, *nranks, *cuda_dev, split.clone()),
+        other => panic!("expected Comm, got {other:?}"),
+    }
+}
+
+fn checkpoint_cycle_over_the_simulated_nccl() {
+    let t = setup();
+    let (node, listener) = (&t.node, &t.listener);
+
+    // The job's unique id, from a process of its own (as torchrun's rank 0 would make it).
+    let out = common::stack::run_ok(
+        Command::new(std::env::current_exe().unwrap())
+            .envs(node.env())
+            .env(ENV_RANK, "uid"),
+    );
+    let id = out.trim().to_string();
+    assert_eq!(id.len(), 256, "{id}");
+
+    let mut ranks: Vec<Rank> = (0..NRANKS)
+        .map(|r| spawn_rank(&t, &r.to_string(), &id))
+        .collect();
+    let mut sessions = Vec::new();
+    let mut keys = Vec::new();
+    for _ in 0..NRANKS {
+        let (s, root, split) = accept(listener, None, "first");
+        let (root_id, key, rank, nranks, dev, parent) = comm_fields(&root);
+        assert_eq!(parent, None);
+        assert_eq!(nranks, NRANKS);
+        assert_eq!(dev, rank, "rank {rank} runs on GPU {rank}");
+        assert_eq!(
+            key,
+            blake3::hash(&hex::decode(&id).unwrap())
+                .to_hex()
+                .to_string()
+        );
+        let (_, skey, srank, snranks, sdev, sp) = comm_fields(&split);
+        assert_eq!(skey, format!("{key}/0"));
+        assert_eq!((srank, snranks, sdev), (NRANKS - 1 - rank, NRANKS, dev));
+        assert_eq!(sp.map(|p| (p.parent, p.color)), Some((root_id, 0)));
+        keys.push((rank, key));
+        sessions.push((rank, s));
+    }
+    sessions.sort_by_key(|(r, _)| *r);
+    let mut sessions: Vec<Session> = sessions.into_iter().map(|(_, s)| s).collect();
+    for (r, s) in sessions.iter().enumerate() {
+        assert_eq!(s.pid, ranks[r].pid, "rank {r}'s Hello names its pid");
+    }
+    let key = keys[0].1.clone();
+
+    step(&mut ranks, 1);
+
+    // Checkpoint: quiesce, release, disconnect.
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+    }
+    for s in sessions.iter_mut() {
+        assert!(matches!(s.recv(), LayerMsg::Quiesced { comms } if comms.len() == 2));
+    }
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Release);
+        assert_eq!(s.recv(), LayerMsg::Released);
+        s.send(ShimMsg::Disconnect);
+        assert!(matches!(
+            s.conn.recv::<LayerMsg>(Some(WAIT)),
+            Err(nccl_control::ControlError::Closed)
+        ));
+    }
+    // Calls made now are held: nothing comes back until Go.
+    for r in ranks.iter_mut() {
+        r.say("step 2");
+    }
+    assert_eq!(
+        ranks[0].line(Duration::from_millis(500)),
+        None,
+        "a call passed the held gate"
+    );
+
+    // "Restore": the layers reconnect with their token; a fresh id for the key from the process
+    // of rank 0; every rank rebuilds on it.
+    let mut sessions: Vec<Session> = (0..NRANKS)
+        .map(|_| accept(listener, Some("first"), "second").0)
+        .collect();
+    sessions.sort_by_key(|s| ranks.iter().position(|r| r.pid == s.pid));
+    sessions[0].send(ShimMsg::NewUniqueId { key: key.clone() });
+    let fresh = match sessions[0].recv() {
+        LayerMsg::UniqueId { key: k, id: fresh } => {
+            assert_eq!(k, key);
+            fresh
+        }
+        other => panic!("expected UniqueId, got {other:?}"),
+    };
+    assert_eq!(fresh.len(), 256);
+    assert_ne!(fresh, id, "the rebuild's id is a fresh one");
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Rebuild {
+            ids: vec![(key.clone(), fresh.clone())],
+        });
+    }
+    for s in sessions.iter_mut() {
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    }
+    assert_eq!(
+        ranks[0].line(Duration::from_millis(200)),
+        None,
+        "a call passed before Go"
+    );
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Go);
+    }
+    for r in &ranks {
+        r.expect("ok 2");
+    }
+    step(&mut ranks, 3);
+
+    // A checkpoint that keeps the task on this node: release, then resume the suspended
+    // communicators in place.
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+        assert!(matches!(s.recv(), LayerMsg::Quiesced { .. }));
+        s.send(ShimMsg::Release);
+        assert_eq!(s.recv(), LayerMsg::Released);
+    }
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Resume);
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+        s.send(ShimMsg::Go);
+    }
+    step(&mut ranks, 5);
+
+    // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
+    // quiesce fails within its bound naming rank 0; the calls then go on.
+    ranks[0].say("enqueue 4");
+    ranks[0].expect("enqueued 4");
+    sessions[0].send(ShimMsg::Quiesce { deadline_ms: 300 });
+    match sessions[0].recv() {
+        LayerMsg::Failed {
+            comm,
+            rank,
+            message,
+        } => {
+            assert_eq!(rank, Some(0), "{message}");
+            assert!(comm.is_some(), "{message}");
+            assert!(message.contains("stream"), "{message}");
+        }
+        other => panic!("expected Failed, got {other:?}"),
+    }
+    ranks[1].say("enqueue 4");
+    ranks[1].expect("enqueued 4");
+    for r in ranks.iter_mut() {
+        r.say("finish 4");
+    }
+    for r in &ranks {
+        r.expect("ok 4");
+    }
+
+    // The end: each communicator gone, told to the shim.
+    for r in ranks.iter_mut() {
+        r.say("quit");
+    }
+    for s in sessions.iter_mut() {
+        let a = s.recv();
+        let b = s.recv();
+        assert!(
+            matches!(
+                (&a, &b),
+                (LayerMsg::CommGone { .. }, LayerMsg::CommGone { .. })
+            ),
+            "{a:?} {b:?}"
+        );
+    }
+    for r in ranks.iter_mut() {
+        let st = r.child.wait().expect("wait for a rank");
+        assert!(st.success(), "rank {} exited {st}", r.pid);
+    }
+}
+
+/// One process holding both ranks (ncclCommInitAll): the layer records them under one key and
+/// makes them again in one group on the fresh id.
+fn init_all_rebuilt_in_one_group() {
+    let t = setup();
+    let mut all = spawn_rank(&t, "all", "");
+    let (mut s, a, b) = accept(&t.listener, None, "first");
+    assert_eq!(s.pid, all.pid);
+    let (ida, key, ra, na, da, pa) = comm_fields(&a);
+    let (idb, keyb, rb, nb, db, pb) = comm_fields(&b);
+    assert_eq!((ra, na, da, pa), (0, NRANKS, 0, None));
+    assert_eq!((rb, nb, db, pb), (1, NRANKS, 1, None));
+    assert_eq!(key, keyb);
+    all.say("step 1");
+    all.expect("ok 1");
+
+    s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
+    assert_eq!(
+        s.recv(),
+        LayerMsg::Quiesced {
+            comms: vec![ida, idb]
+        }
+    );
+    s.send(ShimMsg::Release);
+    assert_eq!(s.recv(), LayerMsg::Released);
+    s.send(ShimMsg::Disconnect);
+    all.say("step 2");
+    assert_eq!(
+        all.line(Duration::from_millis(300)),
+        None,
+        "a call passed the held gate"
+    );
+
+    let (mut s, _, _) = accept(&t.listener, Some("first"), "second");
+    s.send(ShimMsg::NewUniqueId { key: key.clone() });
+    let LayerMsg::UniqueId { id: fresh, .. } = s.recv() else {
+        panic!("no UniqueId");
+    };
+    s.send(ShimMsg::Rebuild {
+        ids: vec![(key, fresh)],
+    });
+    assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    s.send(ShimMsg::Go);
+    all.expect("ok 2");
+    all.say("quit");
+    for _ in 0..NRANKS {
+        assert!(matches!(s.recv(), LayerMsg::CommGone { .. }));
+    }
+    let st = all.child.wait().expect("wait for the process");
+    assert!(st.success(), "exited {st}");
+}
+
+/// One rank: the application side, NCCL's C API through the global scope.
+mod rank {
+    use super::*;
+
+    type Res = c_int;
+    type Comm = *mut c_void;
+    type Fp = *mut c_void;
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Id([u8; 128]);
+
+    fn sym<T: Copy>(name: &CStr) -> T {
+        // SAFETY: dlsym on the global scope; the caller names the C signature.
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+        assert!(!p.is_null(), "no symbol {name:?}");
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<usize>());
+        unsafe { std::mem::transmute_copy(&p) }
+    }
+
+    fn open(name: &CStr) {
+        // SAFETY: dlopen of a library name.
+        let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        assert!(!h.is_null(), "cannot load {name:?}");
+    }
+
+    fn ok(what: &str, r: Res) {
+        assert_eq!(r, 0, "{what} returned {r}");
+    }
+
+    pub fn main() {
+        open(c"libcuda.so.1");
+        open(c"libnccl.so.2");
+        let which = std::env::var(ENV_RANK).unwrap();
+        unsafe {
+            let cu_init: unsafe extern "C" fn(u32) -> Res = sym(c"cuInit");
+            ok("cuInit", cu_init(0));
+            match which.as_str() {
+                "uid" => {
+                    let get_id: unsafe extern "C" fn(*mut Id) -> Res = sym(c"ncclGetUniqueId");
+                    let mut id = Id([0; 128]);
+                    ok("ncclGetUniqueId", get_id(&mut id));
+                    println!("{}", hex::encode(id.0));
+                }
+                "all" => run_all(),
+                rank => run(rank.parse().expect("rank")),
+            }
+        }
+    }
+
+    const FLOAT32: c_int = 7;
+    const SUM: c_int = 0;
+    const BYTES: usize = COUNT * 4;
+    // ncclAllReduce's op and ncclBroadcast's root are both an int.
+    type Coll =
+        unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, Fp) -> Res;
+    type Void = unsafe extern "C" fn() -> Res;
+    type CommFn = unsafe extern "C" fn(Comm) -> Res;
+
+    /// The CUDA driver calls the ranks make, and each device's primary context.
+    struct Cuda {
+        set_current: unsafe extern "C" fn(*mut c_void) -> Res,
+        stream_create: unsafe extern "C" fn(*mut Fp, u32) -> Res,
+        sync: unsafe extern "C" fn(Fp) -> Res,
+        alloc: unsafe extern "C" fn(*mut u64, usize) -> Res,
+        htod: unsafe extern "C" fn(u64, *const c_void, usize) -> Res,
+        dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> Res,
+        ctxs: Vec<Fp>,
+    }
+
+    impl Cuda {
+        unsafe fn load() -> Cuda {
+            let device_get: unsafe extern "C" fn(*mut c_int, c_int) -> Res = sym(c"cuDeviceGet");
+            let retain: unsafe extern "C" fn(*mut Fp, c_int) -> Res =
+                sym(c"cuDevicePrimaryCtxRetain");
+            let ctxs = (0..NRANKS)
+                .map(|ordinal| {
+                    let (mut dev, mut ctx) = (0, std::ptr::null_mut());
+                    ok("cuDeviceGet", device_get(&mut dev, ordinal));
+                    ok("cuDevicePrimaryCtxRetain", retain(&mut ctx, dev));
+                    ctx
+                })
+                .collect();
+            Cuda {
+                set_current: sym(c"cuCtxSetCurrent"),
+                stream_create: sym(c"cuStreamCreate"),
+                sync: sym(c"cuStreamSynchronize"),
+                alloc: sym(c"cuMemAlloc_v2"),
+                htod: sym(c"cuMemcpyHtoD_v2"),
+                dtoh: sym(c"cuMemcpyDtoH_v2"),
+                ctxs,
+            }
+        }
+        /// Makes device `dev` current on this thread.
+        unsafe fn on(&self, dev: i32) {
+            ok(
+                "cuCtxSetCurrent",
+                (self.set_current)(self.ctxs[dev as usize]),
+            );
+        }
+        unsafe fn stream(&self) -> Fp {
+            let mut s = std::ptr::null_mut();
+            ok("cuStreamCreate", (self.stream_create)(&mut s, 0));
+            s
+        }
+        unsafe fn buffer(&self) -> u64 {
+            let mut d = 0;
+            ok("cuMemAlloc", (self.alloc)(&mut d, BYTES));
+            d
+        }
+        unsafe fn put(&self, d: u64, v: &[f32]) {
+            ok("cuMemcpyHtoD", (self.htod)(d, v.as_ptr().cast(), BYTES));
+        }
+        unsafe fn sync(&self, stream: Fp) {
+            ok("cuStreamSynchronize", (self.sync)(stream));
+        }
+        /// Device memory `d` as the bits of its f32s.
+        unsafe fn bits(&self, d: u64) -> Vec<u32> {
+            let mut got = vec![0f32; COUNT];
+            ok(
+                "cuMemcpyDtoH",
+                (self.dtoh)(got.as_mut_ptr().cast(), d, BYTES),
+            );
+            got.iter().map(|x| x.to_bits()).collect()
+        }
+    }
+
+    /// The bits of every rank's values at step `s` summed.
+    fn sum_bits(s: u32) -> Vec<u32> {
+        (0..COUNT)
+            .map(|i| (0..NRANKS).map(|r| values(r, s)[i]).sum::<f32>().to_bits())
+            .collect()
+    }
+
+    /// Serves the test's commands (`step S`, `enqueue S`, `finish S`) until `quit`.
+    fn commands(mut enqueue: impl FnMut(u32), mut finish: impl FnMut(u32)) {
+        for line in std::io::stdin().lock().lines() {
+            let line = line.unwrap();
+            let (cmd, arg) = line.split_once(' ').unwrap_or((line.as_str(), "0"));
+            let s: u32 = arg.parse().unwrap();
+            match cmd {
+                "step" => {
+                    enqueue(s);
+                    finish(s);
+                    println!("ok {s}");
+                }
+                "enqueue" => {
+                    enqueue(s);
+                    println!("enqueued {s}");
+                }
+                "finish" => {
+                    finish(s);
+                    println!("ok {s}");
+                }
+                "quit" => break,
+                other => panic!("unknown command {other}"),
+            }
+        }
+    }
+
+    /// One rank of the job on GPU `rank`: a root communicator, a split, a registered buffer.
+    unsafe fn run(rank: i32) {
+        let init: unsafe extern "C" fn(*mut Comm, c_int, Id, c_int) -> Res =
+            sym(c"ncclCommInitRank");
+        let split: unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut c_void) -> Res =
+            sym(c"ncclCommSplit");
+        let allreduce: Coll = sym(c"ncclAllReduce");
+        let bcast: Coll = sym(c"ncclBroadcast");
+        let register: unsafe extern "C" fn(Comm, *mut c_void, usize, *mut *mut c_void) -> Res =
+            sym(c"ncclCommRegister");
+        let deregister: unsafe extern "C" fn(Comm, *mut c_void) -> Res = sym(c"ncclCommDeregister");
+        let destroy: CommFn = sym(c"ncclCommDestroy");
+
+        let cu = Cuda::load();
+        cu.on(rank);
+        let stream = cu.stream();
+        let (send, recv, bout) = (cu.buffer(), cu.buffer(), cu.buffer());
+
+        let idhex = std::env::var("NCCL_LAYER_TEST_ID").unwrap();
+        let mut id = Id([0; 128]);
+        id.0.copy_from_slice(&hex::decode(idhex).unwrap());
+        let mut comm: Comm = std::ptr::null_mut();
+        ok("ncclCommInitRank", init(&mut comm, NRANKS, id, rank));
+        // One split with every rank in it, ranks reversed by the key.
+        let mut sub: Comm = std::ptr::null_mut();
+        ok(
+            "ncclCommSplit",
+            split(comm, 0, NRANKS - 1 - rank, &mut sub, std::ptr::null_mut()),
+        );
+        let mut reg = std::ptr::null_mut();
+        ok(
+            "ncclCommRegister",
+            register(comm, send as *mut c_void, BYTES, &mut reg),
+        );
+        // The handles the application holds never change.
+        let (comm0, sub0) = (comm, sub);
+
+        let enqueue = |s: u32| {
+            cu.put(send, &values(rank, s));
+            ok(
+                "ncclAllReduce",
+                allreduce(send as _, recv as _, COUNT, FLOAT32, SUM, comm, stream),
+            );
+            // On the split, root 0 is the last rank of the job.
+            ok(
+                "ncclBroadcast",
+                bcast(send as _, bout as _, COUNT, FLOAT32, 0, sub, stream),
+            );
+        };
+        let finish = |s: u32| {
+            cu.sync(stream);
+            assert_eq!(cu.bits(recv), sum_bits(s), "allreduce at step {s}");
+            let last: Vec<u32> = values(NRANKS - 1, s).iter().map(|x| x.to_bits()).collect();
+            assert_eq!(cu.bits(bout), last, "broadcast at step {s}");
+            assert_eq!((comm, sub), (comm0, sub0));
+        };
+        commands(enqueue, finish);
+        ok("ncclCommDeregister", deregister(comm, reg));
+        ok("ncclCommDestroy", destroy(sub));
+        ok("ncclCommDestroy", destroy(comm));
+    }
+
+    /// Every rank of the job in this process, one per GPU, from ncclCommInitAll; each step's
+    /// allreduces in one group.
+    unsafe fn run_all() {
+        let init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Res =
+            sym(c"ncclCommInitAll");
+        let group_start: Void = sym(c"ncclGroupStart");
+        let group_end: Void = sym(c"ncclGroupEnd");
+        let allreduce: Coll = sym(c"ncclAllReduce");
+        let destroy: CommFn = sym(c"ncclCommDestroy");
+
+        let cu = Cuda::load();
+        let devs: Vec<c_int> = (0..NRANKS).collect();
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); NRANKS as usize];
+        ok(
+            "ncclCommInitAll",
+            init_all(comms.as_mut_ptr(), NRANKS, devs.as_ptr()),
+        );
+        let per_dev: Vec<(Fp, u64, u64)> = devs
+            .iter()
+            .map(|&d| {
+                cu.on(d);
+                (cu.stream(), cu.buffer(), cu.buffer())
+            })
+            .collect();
+        let enqueue = |s: u32| {
+            for (d, (_, send, _)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                cu.put(*send, &values(d as i32, s));
+            }
+            ok("ncclGroupStart", group_start());
+            for (d, (stream, send, recv)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                let (c, st) = (comms[d], *stream);
+                ok(
+                    "ncclAllReduce",
+                    allreduce(*send as _, *recv as _, COUNT, FLOAT32, SUM, c, st),
+                );
+            }
+            ok("ncclGroupEnd", group_end());
+        };
+        let finish = |s: u32| {
+            for (d, (stream, _, recv)) in per_dev.iter().enumerate() {
+                cu.on(d as i32);
+                cu.sync(*stream);
+                assert_eq!(
+                    cu.bits(*recv),
+                    sum_bits(s),
+                    "allreduce on GPU {d} at step {s}"
+                );
+            }
+        };
+        commands(enqueue, finish);
+        for c in comms {
+            ok("ncclCommDestroy", destroy(c));
+        }
+    }
+}
