@@ -8,6 +8,9 @@
 //!   in a group, a split, and two communicators (ids HEX and HEX2) used in opposite orders.
 //! - `rank --scenario stuck ...`: an allreduce with the last rank holding back until a line on
 //!   stdin: the others report their streams and events not ready, then finish when it comes.
+//! - `single`: one process, two GPUs: `ncclCommInitAll` and a group of allreduces over its two
+//!   communicators; two ranks made in one group from one thread, a broadcast between them; an
+//!   allreduce rank 1 never joins, released by `ncclCommAbort`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::io::BufRead;
@@ -45,6 +48,7 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         device: i32,
     },
+    Single,
 }
 
 type Fp = *mut c_void;
@@ -672,6 +676,115 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     Ok(())
 }
 
+/// Device `dev`'s context made current, and a stream, input and output buffers of 4 int32 there.
+fn on_device(api: &Api, dev: c_int, x: f64) -> Result<(Fp, u64, u64)> {
+    api.init_device(dev)?;
+    let s = api.stream()?;
+    let (send, recv) = buffers(api, &encode("int32", &[x; 4]), 16)?;
+    Ok((s, send, recv))
+}
+
+/// One process driving two GPUs.
+fn single(api: &Api) -> Result<()> {
+    // ncclCommInitAll, and one group of an allreduce per communicator, each on its device.
+    let mut comms: [Fp; 2] = [std::ptr::null_mut(); 2];
+    api.nc(
+        "ncclCommInitAll",
+        call!(
+            api.nccl,
+            "ncclCommInitAll",
+            (*mut Fp, c_int, *const c_int),
+            comms.as_mut_ptr(),
+            2,
+            std::ptr::null()
+        ),
+    )?;
+    let mut bufs = Vec::new();
+    for (i, c) in comms.iter().enumerate() {
+        let (n, r, d) = api.info(*c)?;
+        emit(json!({"step": "init_all", "count": n, "rank": r, "device": d}));
+        bufs.push(on_device(api, i as c_int, i as f64 + 1.0)?);
+    }
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (c, (s, send, recv)) in comms.iter().zip(&bufs) {
+        api.allreduce(*send, *recv, 4, NCCL_INT32, NCCL_SUM, *c, *s)?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    for (i, (s, _, recv)) in bufs.iter().enumerate() {
+        api.init_device(i as c_int)?;
+        emit(json!({"step": "group_allreduce", "out": decode("int32", &api.get(*recv, 16, *s)?)}));
+    }
+    for c in comms {
+        api.nc(
+            "ncclCommDestroy",
+            call!(api.nccl, "ncclCommDestroy", (Fp), c),
+        )?;
+    }
+    // Two ranks made in one group by one thread, then a broadcast from rank 1 in a group.
+    let id = api.unique_id()?;
+    let mut ranks: [Fp; 2] = [std::ptr::null_mut(); 2];
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (i, c) in ranks.iter_mut().enumerate() {
+        api.init_device(i as c_int)?;
+        api.nc(
+            "ncclCommInitRank",
+            call!(
+                api.nccl,
+                "ncclCommInitRank",
+                (*mut Fp, c_int, UniqueId, c_int),
+                c,
+                2,
+                id,
+                i as c_int
+            ),
+        )?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (i, (c, (s, send, recv))) in ranks.iter().zip(&bufs).enumerate() {
+        let (_, r, d) = api.info(*c)?;
+        emit(json!({"step": "group_init", "rank": r, "device": d, "index": i}));
+        api.nc(
+            "ncclBroadcast",
+            call!(
+                api.nccl,
+                "ncclBroadcast",
+                (u64, u64, usize, c_int, c_int, Fp, Fp),
+                *send,
+                *recv,
+                4,
+                NCCL_INT32,
+                1,
+                *c,
+                *s
+            ),
+        )?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    for (i, (s, _, recv)) in bufs.iter().enumerate() {
+        api.init_device(i as c_int)?;
+        emit(json!({"step": "group_broadcast", "out": decode("int32", &api.get(*recv, 16, *s)?)}));
+    }
+    // Rank 0 alone: its stream waits for rank 1 until rank 0 aborts the communicator.
+    let (s0, send0, recv0) = bufs[0];
+    api.init_device(0)?;
+    api.allreduce(send0, recv0, 4, NCCL_INT32, NCCL_SUM, ranks[0], s0)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let before = call!(api.cuda, "cuStreamQuery", (Fp), s0);
+    api.nc(
+        "ncclCommAbort",
+        call!(api.nccl, "ncclCommAbort", (Fp), ranks[0]),
+    )?;
+    api.sync(s0)?;
+    let after = call!(api.cuda, "cuStreamQuery", (Fp), s0);
+    emit(json!({"step": "abort", "before": before, "after": after}));
+    api.nc(
+        "ncclCommDestroy",
+        call!(api.nccl, "ncclCommDestroy", (Fp), ranks[1]),
+    )?;
+    Ok(())
+}
+
 /// An allreduce whose last rank holds back until a line on stdin.
 fn stuck(api: &Api, rank: c_int, n: c_int, id: UniqueId) -> Result<()> {
     let comm = api.init(id, n, rank)?;
@@ -714,6 +827,10 @@ fn main() -> Result<()> {
             for _ in 0..count {
                 println!("{}", hex(&api.unique_id()?));
             }
+        }
+        Cmd::Single => {
+            single(&api)?;
+            emit(json!({"done": true}));
         }
         Cmd::Rank {
             scenario,
