@@ -198,17 +198,10 @@ macro_rules! c_enum {
 c_enum!(
     /// `ncclDataType_t`.
     DataType {
-        Int8 = 0 => "ncclInt8",
-        Uint8 = 1 => "ncclUint8",
-        Int32 = 2 => "ncclInt32",
-        Uint32 = 3 => "ncclUint32",
-        Int64 = 4 => "ncclInt64",
-        Uint64 = 5 => "ncclUint64",
-        Float16 = 6 => "ncclFloat16",
-        Float32 = 7 => "ncclFloat32",
-        Float64 = 8 => "ncclFloat64",
-        Bfloat16 = 9 => "ncclBfloat16",
-        Float8e4m3 = 10 => "ncclFloat8e4m3",
+        Int8 = 0 => "ncclInt8", Uint8 = 1 => "ncclUint8", Int32 = 2 => "ncclInt32",
+        Uint32 = 3 => "ncclUint32", Int64 = 4 => "ncclInt64", Uint64 = 5 => "ncclUint64",
+        Float16 = 6 => "ncclFloat16", Float32 = 7 => "ncclFloat32", Float64 = 8 => "ncclFloat64",
+        Bfloat16 = 9 => "ncclBfloat16", Float8e4m3 = 10 => "ncclFloat8e4m3",
         Float8e5m2 = 11 => "ncclFloat8e5m2",
     }
 );
@@ -236,10 +229,7 @@ impl DataType {
 c_enum!(
     /// `ncclRedOp_t`'s built-in operators.
     RedOp {
-        Sum = 0 => "ncclSum",
-        Prod = 1 => "ncclProd",
-        Max = 2 => "ncclMax",
-        Min = 3 => "ncclMin",
+        Sum = 0 => "ncclSum", Prod = 1 => "ncclProd", Max = 2 => "ncclMax", Min = 3 => "ncclMin",
         Avg = 4 => "ncclAvg",
     }
 );
