@@ -472,6 +472,39 @@ fn one_process_drives_two_gpus_through_init_all_groups_and_abort() {
 }
 
 #[test]
+fn two_ranks_on_one_gpu_are_refused() {
+    let sim = node(2);
+    let id = unique_ids(&sim, 1).remove(0);
+    let args: Vec<String> = ["--scenario", "stuck", "--nranks", "2", "--id", &id]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    // Both ranks on GPU 0: NCCL refuses the communicator on each (ncclInvalidUsage).
+    let outs: Vec<std::process::Output> = std::thread::scope(|sc| {
+        let runs: Vec<_> = (0..2)
+            .map(|r| {
+                let mut cmd = ranks_cmd(&sim);
+                cmd.arg("rank").args(&args).args(["--rank", &r.to_string()]);
+                cmd.env(simgpu::proto::ENV_VISIBLE, &sim.uuids()[0]);
+                sc.spawn(move || cmd.output().unwrap())
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for out in outs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "a rank on a shared GPU ran: {stderr}"
+        );
+        assert!(
+            stderr.contains("ncclCommInitRank: ncclResult 5"),
+            "not refused as invalid usage: {stderr}"
+        );
+    }
+}
+
+#[test]
 fn docs_list_every_simulated_nccl_call() {
     let sim = node(1);
     let doc =
