@@ -274,6 +274,21 @@ fn unique_ids(sim: &SimNode, count: usize) -> Vec<String> {
     ids
 }
 
+/// The arguments of the `stuck` scenario for `n` ranks on a fresh unique id.
+fn stuck_args(sim: &SimNode, n: usize) -> Vec<String> {
+    let id = unique_ids(sim, 1).remove(0);
+    [
+        "--scenario",
+        "stuck",
+        "--nranks",
+        &n.to_string(),
+        "--id",
+        &id,
+    ]
+    .map(str::to_string)
+    .to_vec()
+}
+
 fn out_of(v: &Value) -> Vec<f64> {
     v["out"]
         .as_array()
@@ -386,11 +401,7 @@ fn four_ranks_on_four_gpus_move_real_bytes() {
 #[test]
 fn a_rank_that_holds_back_leaves_the_others_streams_incomplete() {
     let sim = node(4);
-    let id = unique_ids(&sim, 1).remove(0);
-    let args: Vec<String> = ["--scenario", "stuck", "--nranks", "4", "--id", &id]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args = stuck_args(&sim, 4);
     let mut ranks: Vec<Rank> = (0..4).map(|r| Rank::start(&sim, r, &args)).collect();
     ranks[3].step("holding");
     // Each rank holds its own GPU: the daemon lists the four processes, one per GPU.
@@ -474,11 +485,7 @@ fn one_process_drives_two_gpus_through_init_all_groups_and_abort() {
 #[test]
 fn two_ranks_on_one_gpu_are_refused() {
     let sim = node(2);
-    let id = unique_ids(&sim, 1).remove(0);
-    let args: Vec<String> = ["--scenario", "stuck", "--nranks", "2", "--id", &id]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args = stuck_args(&sim, 2);
     // Both ranks on GPU 0: NCCL refuses the communicator on each (ncclInvalidUsage).
     let outs: Vec<std::process::Output> = std::thread::scope(|sc| {
         let runs: Vec<_> = (0..2)
