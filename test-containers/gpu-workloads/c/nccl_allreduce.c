@@ -11,8 +11,9 @@
  *        c/nccl_allreduce.c -L $WHEEL/lib -l:libnccl.so.2 -ldl
  *
  * Ranks:
- *   --ranks N        torchrun's shape: this process forks N ranks (rank = first + i, on GPU i),
- *                    waits for them, and stops the others when one fails. Rank 0 hands the
+ *   --ranks N        torchrun's shape: this process forks N ranks (rank = first + i, first
+ *                    --rank/RANK, on GPU D + i, D --device, default 0), waits for them, and
+ *                    stops the others when one fails. Rank 0 hands the
  *                    unique id to the others through pipes, or through --rendezvous DIR when the
  *                    world has ranks outside this process (--world-size larger than N).
  *   (no --ranks)     one rank in this process: --rank/RANK, --world-size/WORLD_SIZE, the GPU
@@ -288,7 +289,7 @@ static opts_t parse(int argc, char **argv) {
         o.have_rank = env_int("RANK", &o.rank);
     if (!o.have_world)
         o.have_world = env_int("WORLD_SIZE", &o.world);
-    if (!o.have_device)
+    if (!o.have_device && o.ranks == 0)
         o.have_device = env_int("LOCAL_RANK", &o.device);
     if (o.rendezvous == NULL && getenv("NCCL_RENDEZVOUS_DIR") != NULL)
         o.rendezvous = getenv("NCCL_RENDEZVOUS_DIR");
@@ -616,6 +617,9 @@ static int run_rank(const opts_t *o, int rank, int device, int id_in, const int 
 
 /* ---- The launcher: forks the ranks, stops them all when one fails. ---- */
 
+/* How long the other ranks have to stop on their own after one failed. */
+#define GRACE_MS 5000
+
 static pid_t *children;
 static int n_children;
 
@@ -662,7 +666,7 @@ static int launch(const opts_t *o) {
                         close(pipes[j][0]);
                 }
             }
-            exit(run_rank(o, o->rank + i, i, in, out, n_out));
+            exit(run_rank(o, o->rank + i, o->device + i, in, out, n_out));
         }
         children[i] = pid;
         n_children = i + 1;
@@ -671,14 +675,23 @@ static int launch(const opts_t *o) {
         close(pipes[j][0]);
         close(pipes[j][1]);
     }
-    int status = 0, left = n;
+    /* A rank that fails stops the job: the others see it at the same step and exit on their
+     * own; whoever is still there after GRACE_MS (a rank stuck in a collective whose peer
+     * died) gets SIGTERM. */
+    int status = 0, left = n, waited_ms = -1;
     while (left > 0) {
         int st;
-        pid_t pid = wait(&st);
-        if (pid < 0) {
-            if (errno == EINTR)
-                continue;
+        pid_t pid = waitpid(-1, &st, WNOHANG);
+        if (pid < 0 && errno != EINTR)
             die("wait: %s", strerror(errno));
+        if (pid <= 0) {
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+            if (waited_ms >= 0 && (waited_ms += 20) >= GRACE_MS) {
+                forward(SIGTERM);
+                waited_ms = -1;
+            }
+            continue;
         }
         for (int i = 0; i < n; i++) {
             if (children[i] != pid)
@@ -696,7 +709,7 @@ static int launch(const opts_t *o) {
                            WTERMSIG(st));
                 fflush(stdout);
                 status = 1;
-                forward(SIGTERM);
+                waited_ms = 0;
             }
         }
     }

@@ -198,13 +198,14 @@ impl FillOpts {
 /// Options of `nccl-train` (the same as `c/nccl_allreduce.c`'s).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NcclOpts {
-    /// `--ranks N`: this process launches N ranks (rank = `rank` + i, on GPU i).
+    /// `--ranks N`: this process launches N ranks (rank = `rank` + i, on GPU `device` + i).
     pub ranks: Option<u32>,
     /// The (first) rank: `--rank`, else `$RANK`, else 0.
     pub rank: u32,
     /// `--world-size`, else `$WORLD_SIZE`, else the number of ranks here.
     pub world: u32,
-    /// The GPU of a single rank: `--device`, else `$LOCAL_RANK`, else 0.
+    /// The GPU of a single rank: `--device`, else `$LOCAL_RANK`, else 0; with `ranks`, the first
+    /// rank's (`--device`, else 0).
     pub device: i32,
     /// `--rendezvous DIR` (else `$NCCL_RENDEZVOUS_DIR`): where rank 0 leaves the unique id.
     pub rendezvous: Option<String>,
@@ -254,7 +255,8 @@ impl NcclOpts {
             ranks,
             rank,
             world,
-            device: num("--device", "LOCAL_RANK")?.unwrap_or(0) as i32,
+            device: num("--device", if ranks.is_some() { "" } else { "LOCAL_RANK" })?.unwrap_or(0)
+                as i32,
             rendezvous: get("--rendezvous", "NCCL_RENDEZVOUS_DIR").flatten(),
             elements: num("--elements", "")?.unwrap_or(1 << 20) as usize,
             interval_ms: num("--interval-ms", "")?.unwrap_or(100),

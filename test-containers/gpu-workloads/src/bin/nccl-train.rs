@@ -8,7 +8,7 @@
 //! cudarc's `nccl::result` layer: its safe `Comm` has no split and keeps its handle private.
 //!
 //! `--ranks N` launches N ranks as child processes of this one (torchrun's shape: rank = first +
-//! i on GPU i; the unique id goes from rank 0 to the others through a private rendezvous
+//! i on GPU `--device` + i; the unique id goes from rank 0 to the others through a private rendezvous
 //! directory, or `--rendezvous DIR` when the world has ranks elsewhere), waits for them, and stops
 //! the others when one fails. Without it this process is one rank (`--rank`/`RANK`,
 //! `--world-size`/`WORLD_SIZE`, `--device`/`LOCAL_RANK`, `--rendezvous DIR` shared by the ranks).
@@ -34,6 +34,8 @@ use gpu_ckpt_gpu_workloads::{emit, signals, Fail};
 const ID_FILE: &str = "nccl-unique-id";
 /// How long a rank waits for rank 0's unique id.
 const ID_WAIT: Duration = Duration::from_secs(600);
+/// How long the other ranks have to stop on their own after one failed.
+const GRACE: Duration = Duration::from_secs(5);
 
 fn main() {
     gpu_ckpt_gpu_workloads::main("nccl-train", NCCL_USAGE, run);
@@ -399,7 +401,11 @@ fn launch(o: &NcclOpts, n: u32) -> Result<i32, Fail> {
     let mut status = 0;
     for i in 0..n {
         let r = o.rank + i;
-        match Command::new(&exe).args(rank_args(o, r, i, &dir)).spawn() {
+        let device = o.device as u32 + i;
+        match Command::new(&exe)
+            .args(rank_args(o, r, device, &dir))
+            .spawn()
+        {
             Ok(c) => children.push((r, Some(c))),
             Err(e) => {
                 emit(&format!("nccl-train: starting rank {r}: {e}"));
@@ -417,9 +423,14 @@ fn launch(o: &NcclOpts, n: u32) -> Result<i32, Fail> {
     if status != 0 {
         stop(&children);
     }
+    // A rank that fails stops the job: the others see it at the same step and exit on their
+    // own; whoever is still there after GRACE (a rank stuck in a collective whose peer died)
+    // gets SIGTERM.
     let mut stopping = status != 0;
+    let mut failed_at: Option<Instant> = None;
     while children.iter().any(|(_, c)| c.is_some()) {
-        if !stopping && signals::stop_requested() {
+        let overdue = failed_at.is_some_and(|t| t.elapsed() > GRACE);
+        if !stopping && (signals::stop_requested() || overdue) {
             stop(&children);
             stopping = true;
         }
@@ -430,11 +441,8 @@ fn launch(o: &NcclOpts, n: u32) -> Result<i32, Fail> {
             if !st.success() && status == 0 {
                 emit(&format!("nccl-train: rank {r} exited with {st}"));
                 status = 1;
+                failed_at = Some(Instant::now());
             }
-        }
-        if status != 0 && !stopping {
-            stop(&children);
-            stopping = true;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
