@@ -109,54 +109,51 @@ static void usage(const char *fmt, ...) {
     exit(2);
 }
 
-static const char *cu_err(CUresult rc) {
+/* What a failed call returned, then exit 1. */
+static void cu_ok(CUresult rc, const char *call) {
     const char *name = NULL;
-    if (cu.cuGetErrorName == NULL || cu.cuGetErrorName(rc, &name) != CUDA_SUCCESS || name == NULL)
-        return "(unknown error)";
-    return name;
+    if (rc == CUDA_SUCCESS)
+        return;
+    if (cu.cuGetErrorName == NULL || cu.cuGetErrorName(rc, &name) != CUDA_SUCCESS)
+        name = NULL;
+    die("%s returned %d %s", call, rc, name ? name : "(unknown error)");
 }
 
-#define CU(call)                                                                         \
-    do {                                                                                 \
-        CUresult rc_ = (call);                                                           \
-        if (rc_ != CUDA_SUCCESS)                                                         \
-            die("%s returned %d %s", #call, rc_, cu_err(rc_));                           \
-    } while (0)
+static void nccl_ok(ncclResult_t rc, const char *call) {
+    if (rc != ncclSuccess)
+        die("%s returned %d %s", call, (int)rc, ncclGetErrorString(rc));
+}
 
-#define NCCL(call)                                                                       \
-    do {                                                                                 \
-        ncclResult_t rc_ = (call);                                                       \
-        if (rc_ != ncclSuccess)                                                          \
-            die("%s returned %d %s", #call, (int)rc_, ncclGetErrorString(rc_));          \
-    } while (0)
+#define CU(call) cu_ok((call), #call)
+#define NCCL(call) nccl_ok((call), #call)
 
-#define LOAD(lib, name)                                                                  \
-    do {                                                                                 \
-        void *sym_ = dlsym(lib, #name);                                                  \
-        if (sym_ == NULL)                                                                \
-            die("dlsym %s: %s", #name, dlerror());                                       \
-        memcpy(&cu.name, &sym_, sizeof(sym_));                                           \
-    } while (0)
+/* The driver's entry points this program calls, by name and where each goes in `cu`. */
+#define ENTRY(name) {#name, &cu.name, sizeof(cu.name)}
+static const struct {
+    const char *name;
+    void *slot;
+    size_t size;
+} entries[] = {
+    ENTRY(cuGetErrorName),   ENTRY(cuInit),
+    ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet),
+    ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease_v2),
+    ENTRY(cuCtxSetCurrent),  ENTRY(cuMemAlloc_v2),
+    ENTRY(cuMemFree_v2),     ENTRY(cuMemcpyHtoD_v2),
+    ENTRY(cuMemcpyDtoH_v2),  ENTRY(cuMemsetD32_v2),
+    ENTRY(cuStreamCreate),   ENTRY(cuStreamSynchronize),
+    ENTRY(cuStreamDestroy_v2),
+};
 
 static void load_driver(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (lib == NULL)
         die("no NVIDIA driver: dlopen libcuda.so.1: %s", dlerror());
-    LOAD(lib, cuGetErrorName);
-    LOAD(lib, cuInit);
-    LOAD(lib, cuDeviceGetCount);
-    LOAD(lib, cuDeviceGet);
-    LOAD(lib, cuDevicePrimaryCtxRetain);
-    LOAD(lib, cuDevicePrimaryCtxRelease_v2);
-    LOAD(lib, cuCtxSetCurrent);
-    LOAD(lib, cuMemAlloc_v2);
-    LOAD(lib, cuMemFree_v2);
-    LOAD(lib, cuMemcpyHtoD_v2);
-    LOAD(lib, cuMemcpyDtoH_v2);
-    LOAD(lib, cuMemsetD32_v2);
-    LOAD(lib, cuStreamCreate);
-    LOAD(lib, cuStreamSynchronize);
-    LOAD(lib, cuStreamDestroy_v2);
+    for (size_t i = 0; i < sizeof(entries) / sizeof(entries[0]); i++) {
+        void *sym = dlsym(lib, entries[i].name);
+        if (sym == NULL)
+            die("dlsym %s: %s", entries[i].name, dlerror());
+        memcpy(entries[i].slot, &sym, entries[i].size);
+    }
 }
 
 /* ---- The numbers: the same functions as src/lib.rs (mix64, hash32) and src/collective.rs. ---- */

@@ -107,10 +107,18 @@ fn run_all(
         .into_iter()
         .map(|(c, extra)| {
             let e: Vec<(String, String)> = base.iter().cloned().chain(extra).collect();
-            std::thread::spawn(move || run(c, &e, Duration::from_secs(240)))
+            std::thread::spawn(move || run(c, &e, LIMIT))
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// The outputs of processes that must all have exited 0, together.
+fn succeeded(outs: Vec<(Option<i32>, String)>) -> String {
+    for (code, out) in &outs {
+        assert_eq!(*code, Some(0), "{out}");
+    }
+    outs.into_iter().map(|(_, o)| o).collect()
 }
 
 fn cmd(bin: &Path, args: &[&str]) -> Command {
@@ -161,36 +169,39 @@ fn check_job(out: &str) -> [Vec<(u64, String)>; 2] {
     [m[&0].clone(), m[&1].clone()]
 }
 
-fn steps_arg() -> String {
-    STEPS.to_string()
+/// A simulated node of 4 GPUs, nccl_allreduce built for it, and the environment to run on it.
+struct Job {
+    sim: SimNode,
+    c: PathBuf,
+    env: Vec<(String, String)>,
+    steps: String,
 }
 
-#[test]
-fn c_program_four_ranks_forked() {
+fn job() -> Job {
     let sim = node();
-    let bin = c_program(sim.dir());
-    let e = env(&sim);
-    let s = steps_arg();
-    let (code, out) = run(
-        cmd(&bin, &["--ranks", "4", "--steps", &s]),
-        &e,
-        Duration::from_secs(240),
-    );
-    assert_eq!(code, Some(0), "{out}");
-    let c = check_job(&out);
-
-    // The same job on cudarc gives the same digests.
-    let (code, out) = run(
-        cmd(Path::new(RUST), &["--ranks", "4", "--steps", &s]),
-        &e,
-        Duration::from_secs(240),
-    );
-    assert_eq!(code, Some(0), "{out}");
-    assert_eq!(
-        check_job(&out),
+    let c = c_program(sim.dir());
+    let env = env(&sim);
+    Job {
+        sim,
         c,
-        "nccl-train against nccl_allreduce: {out}"
-    );
+        env,
+        steps: STEPS.to_string(),
+    }
+}
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+#[test]
+fn four_ranks_forked_in_c_and_in_rust() {
+    let j = job();
+    let mut digests = Vec::new();
+    for prog in [j.c.as_path(), Path::new(RUST)] {
+        let args = ["--ranks", "4", "--steps", &j.steps];
+        let (code, out) = run(cmd(prog, &args), &j.env, LIMIT);
+        assert_eq!(code, Some(0), "{out}");
+        digests.push(check_job(&out));
+    }
+    assert_eq!(digests[0], digests[1], "nccl_allreduce against nccl-train");
 }
 
 /// One rank per process (RANK, WORLD_SIZE, LOCAL_RANK, a shared rendezvous directory): C ranks
@@ -198,12 +209,11 @@ fn c_program_four_ranks_forked() {
 /// 2 ranks in one pod).
 #[test]
 fn one_rank_per_process_and_two_launchers() {
-    let sim = node();
-    let bin = c_program(sim.dir());
-    let e = env(&sim);
-    let s = steps_arg();
+    let j = job();
+    let (sim, bin, e, s) = (&j.sim, &j.c, &j.env, &j.steps);
     let mut digests = Vec::new();
     for (name, prog) in [("c", bin.as_path()), ("rust", Path::new(RUST))] {
+        eprintln!("{name}: one rank per process");
         let dir = sim.dir().join(format!("rendezvous-{name}"));
         std::fs::create_dir(&dir).unwrap();
         let cmds = (0..WORLD)
@@ -214,15 +224,10 @@ fn one_rank_per_process_and_two_launchers() {
                     ("LOCAL_RANK".to_string(), r.to_string()),
                     ("NCCL_RENDEZVOUS_DIR".to_string(), dir.display().to_string()),
                 ];
-                (cmd(prog, &["--steps", &s]), extra)
+                (cmd(prog, &["--steps", s]), extra)
             })
             .collect();
-        let outs = run_all(cmds, &e);
-        let all: String = outs.iter().map(|(_, o)| o.as_str()).collect();
-        for (code, out) in &outs {
-            assert_eq!(*code, Some(0), "{name}: {out}");
-        }
-        digests.push(check_job(&all));
+        digests.push(check_job(&succeeded(run_all(cmds, e))));
     }
     assert_eq!(digests[0], digests[1]);
 
@@ -243,15 +248,11 @@ fn one_rank_per_process_and_two_launchers() {
             "--rendezvous",
             &d,
             "--steps",
-            &s,
+            s,
         ];
-        (cmd(&bin, &args), vec![])
+        (cmd(bin, &args), vec![])
     };
-    let outs = run_all(vec![half("0", "0"), half("2", "2")], &e);
-    let all: String = outs.iter().map(|(_, o)| o.as_str()).collect();
-    for (code, out) in &outs {
-        assert_eq!(*code, Some(0), "{out}");
-    }
+    let all = succeeded(run_all(vec![half("0", "0"), half("2", "2")], e));
     assert_eq!(check_job(&all), digests[0]);
 }
 
@@ -259,12 +260,10 @@ fn one_rank_per_process_and_two_launchers() {
 /// at the same step, and the job exits 1, in both programs.
 #[test]
 fn a_corrupted_element_fails_the_job_naming_rank_step_element() {
-    let sim = node();
-    let bin = c_program(sim.dir());
-    let e = env(&sim);
-    for prog in [bin.as_path(), Path::new(RUST)] {
+    let j = job();
+    for prog in [j.c.as_path(), Path::new(RUST)] {
         let args = ["--ranks", "4", "--steps", "10", "--corrupt", "2:3:1234"];
-        let (code, out) = run(cmd(prog, &args), &e, Duration::from_secs(240));
+        let (code, out) = run(cmd(prog, &args), &j.env, LIMIT);
         assert_eq!(code, Some(1), "{out}");
         let mismatches: Vec<&str> = out.lines().filter(|l| l.contains("MISMATCH")).collect();
         assert_eq!(mismatches.len(), 1, "{out}");

@@ -94,23 +94,31 @@ impl Comm {
         }
     }
 
-    fn all_reduce_sum(&self, buf: &mut CudaSlice<u32>, s: &Arc<CudaStream>) -> Result<(), Fail> {
+    /// Enqueues `call(buffer, count, comm, stream)` in place on `buf` on stream `s`.
+    fn in_place(
+        &self,
+        what: &'static str,
+        buf: &mut CudaSlice<u32>,
+        s: &Arc<CudaStream>,
+        call: impl FnOnce(*mut c_void, usize, sys::ncclComm_t, sys::cudaStream_t) -> NcclResult,
+    ) -> Result<(), Fail> {
         let n = buf.len();
         let (p, _sync) = buf.device_ptr_mut(s);
-        // SAFETY: `p` is `n` u32 of device memory, in place; enqueued on `s`.
-        unsafe {
-            nccl::all_reduce(
-                p as *const c_void,
-                p as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclUint32,
-                sys::ncclRedOp_t::ncclSum,
-                self.0,
-                s.cu_stream() as sys::cudaStream_t,
-            )
-        }
+        call(
+            p as *mut c_void,
+            n,
+            self.0,
+            s.cu_stream() as sys::cudaStream_t,
+        )
         .map(drop)
-        .map_err(nccl_err("ncclAllReduce"))
+        .map_err(nccl_err(what))
+    }
+
+    fn all_reduce_sum(&self, buf: &mut CudaSlice<u32>, s: &Arc<CudaStream>) -> Result<(), Fail> {
+        self.in_place("ncclAllReduce", buf, s, |p, n, comm, st| {
+            // SAFETY: `p` is `n` u32 of device memory of this rank, used in place.
+            unsafe { nccl::all_reduce(p, p, n, UINT32, sys::ncclRedOp_t::ncclSum, comm, st) }
+        })
     }
 
     fn broadcast(
@@ -119,24 +127,15 @@ impl Comm {
         root: i32,
         s: &Arc<CudaStream>,
     ) -> Result<(), Fail> {
-        let n = buf.len();
-        let (p, _sync) = buf.device_ptr_mut(s);
-        // SAFETY: as in all_reduce_sum.
-        unsafe {
-            nccl::broadcast(
-                p as *const c_void,
-                p as *mut c_void,
-                n,
-                sys::ncclDataType_t::ncclUint32,
-                root,
-                self.0,
-                s.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map(drop)
-        .map_err(nccl_err("ncclBroadcast"))
+        self.in_place("ncclBroadcast", buf, s, |p, n, comm, st| {
+            // SAFETY: as in all_reduce_sum.
+            unsafe { nccl::broadcast(p, p, n, UINT32, root, comm, st) }
+        })
     }
 }
+
+type NcclResult = Result<nccl::NcclStatus, NcclError>;
+const UINT32: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint32;
 
 impl Drop for Comm {
     fn drop(&mut self) {
