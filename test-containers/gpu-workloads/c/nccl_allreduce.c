@@ -73,9 +73,9 @@ static struct {
     CUresult (*cuCtxSetCurrent)(CUcontext);
     CUresult (*cuMemAlloc_v2)(CUdeviceptr *, size_t);
     CUresult (*cuMemFree_v2)(CUdeviceptr);
-    CUresult (*cuMemcpyHtoD_v2)(CUdeviceptr, const void *, size_t);
-    CUresult (*cuMemcpyDtoH_v2)(void *, CUdeviceptr, size_t);
-    CUresult (*cuMemsetD32_v2)(CUdeviceptr, unsigned int, size_t);
+    CUresult (*cuMemcpyHtoDAsync_v2)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*cuMemcpyDtoHAsync_v2)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*cuMemsetD32Async)(CUdeviceptr, unsigned int, size_t, CUstream);
     CUresult (*cuStreamCreate)(CUstream *, unsigned int);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamDestroy_v2)(CUstream);
@@ -138,8 +138,8 @@ static const struct {
     ENTRY(cuDeviceGetCount), ENTRY(cuDeviceGet),
     ENTRY(cuDevicePrimaryCtxRetain), ENTRY(cuDevicePrimaryCtxRelease_v2),
     ENTRY(cuCtxSetCurrent),  ENTRY(cuMemAlloc_v2),
-    ENTRY(cuMemFree_v2),     ENTRY(cuMemcpyHtoD_v2),
-    ENTRY(cuMemcpyDtoH_v2),  ENTRY(cuMemsetD32_v2),
+    ENTRY(cuMemFree_v2),     ENTRY(cuMemcpyHtoDAsync_v2),
+    ENTRY(cuMemcpyDtoHAsync_v2), ENTRY(cuMemsetD32Async),
     ENTRY(cuStreamCreate),   ENTRY(cuStreamSynchronize),
     ENTRY(cuStreamDestroy_v2),
 };
@@ -407,12 +407,22 @@ static void constants(rank_t *r) {
     }
 }
 
+/* Copies to and from the device, in order with the collectives on the rank's stream (never on
+ * the legacy default stream, which a non-blocking stream does not wait for). */
+static void to_device(rank_t *r, CUdeviceptr dst, const void *src, size_t bytes) {
+    CU(cu.cuMemcpyHtoDAsync_v2(dst, src, bytes, r->stream));
+}
+
+static void to_host(rank_t *r, void *dst, CUdeviceptr src, size_t bytes) {
+    CU(cu.cuMemcpyDtoHAsync_v2(dst, src, bytes, r->stream));
+    CU(cu.cuStreamSynchronize(r->stream));
+}
+
 /* Copies `buf` to the host (after the stream's work) and checks it against want(i). */
 static void check(rank_t *r, uint64_t k, const char *what, CUdeviceptr buf,
                   uint32_t (*want)(const rank_t *, uint64_t, size_t)) {
-    CU(cu.cuStreamSynchronize(r->stream));
     memset(r->host, 0xef, r->n * 4);
-    CU(cu.cuMemcpyDtoH_v2(r->host, buf, r->n * 4));
+    to_host(r, r->host, buf, r->n * 4);
     if (r->bad)
         return;
     for (size_t i = 0; i < r->n; i++) {
@@ -444,7 +454,7 @@ static void contribute(rank_t *r, uint64_t k, uint32_t tag, uint32_t step_tag, C
     uint32_t f = step_factor(r->o->seed, (uint32_t)r->rank, step_tag);
     for (size_t i = 0; i < r->n; i++)
         r->host[i] = hash32(r->o->seed, (uint32_t)r->rank, tag, i) + (uint32_t)k * f;
-    CU(cu.cuMemcpyHtoD_v2(buf, r->host, r->n * 4));
+    to_device(r, buf, r->host, r->n * 4);
 }
 
 static void corrupt(rank_t *r, uint64_t k) {
@@ -453,10 +463,10 @@ static void corrupt(rank_t *r, uint64_t k) {
         return;
     uint32_t w;
     CUdeviceptr at = r->grad + 4 * (CUdeviceptr)o->corrupt_element;
-    CU(cu.cuStreamSynchronize(r->stream));
-    CU(cu.cuMemcpyDtoH_v2(&w, at, 4));
+    to_host(r, &w, at, 4);
     w ^= 1;
-    CU(cu.cuMemcpyHtoD_v2(at, &w, 4));
+    to_device(r, at, &w, 4);
+    CU(cu.cuStreamSynchronize(r->stream));
 }
 
 static void step(rank_t *r, uint64_t k) {
@@ -478,13 +488,14 @@ static void step(rank_t *r, uint64_t k) {
         uint32_t *upd = malloc(n * 4);
         if (upd == NULL)
             die("out of host memory");
-        CU(cu.cuMemcpyDtoH_v2(upd, r->params, n * 4));
+        to_host(r, upd, r->params, n * 4);
         for (size_t i = 0; i < n; i++)
             upd[i] += r->host[i];
-        CU(cu.cuMemcpyHtoD_v2(r->params, upd, n * 4));
+        to_device(r, r->params, upd, n * 4);
+        CU(cu.cuStreamSynchronize(r->stream));
         free(upd);
     } else {
-        CU(cu.cuMemsetD32_v2(r->params, 0xdeadbeef, n));
+        CU(cu.cuMemsetD32Async(r->params, 0xdeadbeef, n, r->stream));
     }
     NCCL(ncclBroadcast((const void *)r->params, (void *)r->params, n, ncclUint32, 0, r->comm,
                        r->stream));
@@ -498,11 +509,10 @@ static void step(rank_t *r, uint64_t k) {
 
     /* 5. How many ranks failed: every rank stops at the same step. */
     uint32_t failed = (uint32_t)r->bad;
-    CU(cu.cuMemcpyHtoD_v2(r->flag, &failed, 4));
+    to_device(r, r->flag, &failed, 4);
     NCCL(ncclAllReduce((const void *)r->flag, (void *)r->flag, 1, ncclUint32, ncclSum, r->comm,
                        r->stream));
-    CU(cu.cuStreamSynchronize(r->stream));
-    CU(cu.cuMemcpyDtoH_v2(&failed, r->flag, 4));
+    to_host(r, &failed, r->flag, 4);
     if (r->bad) {
         printf("%s\n", r->bad_line);
         fflush(stdout);
@@ -584,7 +594,8 @@ static int run_rank(const opts_t *o, int rank, int device, int id_in, const int 
     CU(cu.cuMemAlloc_v2(&r.params, r.n * 4));
     CU(cu.cuMemAlloc_v2(&r.part, r.n * 4));
     CU(cu.cuMemAlloc_v2(&r.flag, 4));
-    CU(cu.cuMemcpyHtoD_v2(r.params, r.param0, r.n * 4));
+    to_device(&r, r.params, r.param0, r.n * 4);
+    CU(cu.cuStreamSynchronize(r.stream));
     int version = 0;
     NCCL(ncclGetVersion(&version));
     printf("rank %d ready world %d device %d elements %zu seed %" PRIu64 " nccl %d\n", rank,
