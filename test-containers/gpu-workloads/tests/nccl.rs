@@ -28,24 +28,6 @@ fn node() -> SimNode {
     SimNode::start(cfg).unwrap_or_else(|e| panic!("simulated node: {e:#}"))
 }
 
-/// The node's environment, with `libnccl.so` (the name cudarc loads) linked to its
-/// `libnccl.so.2` in a directory of its own, after the node's library directory.
-fn env(sim: &SimNode) -> Vec<(String, String)> {
-    let links = sim.dir().join("nccl-links");
-    if !links.exists() {
-        std::fs::create_dir(&links).unwrap();
-        std::os::unix::fs::symlink(sim.lib_dir().join("libnccl.so.2"), links.join("libnccl.so"))
-            .unwrap();
-    }
-    sim.env()
-        .into_iter()
-        .map(|(k, v)| match k.as_str() {
-            "LD_LIBRARY_PATH" => (k, format!("{v}:{}", links.display())),
-            _ => (k, v),
-        })
-        .collect()
-}
-
 /// nccl_allreduce, built by c/build.sh against the stack's NCCL wheel.
 fn c_program(dir: &Path) -> PathBuf {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("c/build.sh");
@@ -180,7 +162,8 @@ struct Job {
 fn job() -> Job {
     let sim = node();
     let c = c_program(sim.dir());
-    let env = env(&sim);
+    // The node's lib/ has libnccl.so.2 and the link libnccl.so that cudarc loads.
+    let env = sim.env();
     Job {
         sim,
         c,
