@@ -215,6 +215,8 @@ fn run_rank(o: &NcclOpts, rank: u32, device: i32) -> Result<(), Fail> {
     }
     let ctx = CudaContext::new(device as usize).map_err(cuda("CudaContext::new"))?;
     let s = ctx.new_stream().map_err(cuda("new_stream"))?;
+    // NCCL takes the device of the calling thread's current context.
+    ctx.bind_to_thread().map_err(cuda("bind_to_thread"))?;
     let id = unique_id(rank, o.rendezvous.as_deref())?;
     let world = Comm::init(id, o.world, rank)?;
     let split = world.split((rank % 2) as i32, rank as i32)?;
