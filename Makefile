@@ -28,10 +28,11 @@ release:
 	$(CARGO) build --release -p gpu-ckpt-shim
 
 # The shim, the gpu-ckpt command and the demo/benchmark drivers, optimised, with the simulated
-# driver's libcuda.so and libnvidia_ml.so (cdylibs, which `--bins` leaves out) for the demo.
+# driver's libcuda.so and libnvidia_ml.so and the simulated NCCL's libnccl.so (cdylibs, which
+# `--bins` leaves out) for the demo.
 release-tools:
 	$(CARGO) build --release --workspace --bins
-	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 
 # Test workloads are fully static so that images need no libc.
 workloads:
@@ -95,10 +96,10 @@ bench: deps release-images
 
 # 1 GiB of device memory through the simulated driver's lock, checkpoint, restore and unlock,
 # next to a pipe carrying the same bytes out and back (docs/benchmarks.md). `--bins` leaves out
-# the simulated libcuda.so and libnvidia_ml.so (cdylibs), so they are built here.
+# the simulated libcuda.so, libnvidia_ml.so and libnccl.so (cdylibs), so they are built here.
 .PHONY: bench-gpu
 bench-gpu: deps release-tools
-	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	target/release/gpu-ckpt-bench gpu --gib 1 --rounds 12
 
 # gpu-ckpt's synced host-memory checkpoint of 1 GiB against runc-v2's, and the restore of the
@@ -109,11 +110,11 @@ bench-host-memory: deps release-images
 
 # A container holding 1 GiB of simulated device memory (gpu-fill) against one holding 1 GiB of host
 # memory (memhog), through the release shim: checkpoint, restore and the CRI freeze, next to
-# runc-v2's freeze (docs/benchmarks.md). The simulated libcuda.so and libnvidia_ml.so (cdylibs)
+# runc-v2's freeze (docs/benchmarks.md). The simulated libcuda.so, libnvidia_ml.so and libnccl.so (cdylibs)
 # are built here as for bench-gpu.
 .PHONY: bench-gpu-container
 bench-gpu-container: deps images release-tools
-	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-container --gib 1 --runs 3
 
 # The CRI freeze of a GPU pod holding 1 GiB of simulated device memory with
@@ -121,7 +122,7 @@ bench-gpu-container: deps images release-tools
 # and CRIU's dump from the manifest's timings, as ratios (docs/benchmarks.md).
 .PHONY: bench-freeze-resume
 bench-freeze-resume: deps images release-tools
-	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench freeze-resume --mib 1024 --runs 3
 
 # Device checkpoint and restore through the release shim at 1, 4 and 8 GiB and of 1, 2 and 4 GPU
@@ -130,7 +131,7 @@ bench-freeze-resume: deps images release-tools
 # (docs/benchmarks.md). STORAGE_ARGS overrides the sizes (e.g. `--gib 1,4 --procs 1,4`).
 .PHONY: bench-gpu-storage
 bench-gpu-storage: deps images release-tools
-	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-storage $(STORAGE_ARGS)
 
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
@@ -159,7 +160,7 @@ gpu-check-shim: gpu-check-shim-bundle
 # directory (`gpu-ckpt-simgpu serve`) gives shim-run.sh the driver's libraries (DRIVER_LIB) and
 # the GPUs' CDI spec (CDI_SPEC).
 gpu-check-shim-sim: gpu-check-shim-bundle
-	$(CARGO) build --release -p gpu-ckpt-simgpu -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml
+	$(CARGO) build --release -p gpu-ckpt-simgpu -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	d=$$(mktemp -d /tmp/gpu-ckpt-sim.XXXXXX); \
 	target/release/gpu-ckpt-simgpu serve --dir $$d/node --cdi-dir $$d/node/cdi >$$d/serve.log 2>&1 & sim=$$!; \
 	for _ in $$(seq 200); do [ -S $$d/node/simgpu.sock ] && ls $$d/node/cdi/*.json >/dev/null 2>&1 && break; sleep 0.1; done; \

@@ -1,6 +1,6 @@
 //! The built `gpu-ckpt-hook` run as runc runs it (the state JSON on stdin) against the simulated
 //! NVIDIA driver. Build the simulator first:
-//! `cargo build -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simgpu`.
+//! `cargo build -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl -p gpu-ckpt-simgpu`.
 
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -19,7 +19,7 @@ const HOOK: &str = env!("CARGO_BIN_EXE_gpu-ckpt-hook");
 fn sim(cfg: SimConfig) -> SimNode {
     SimNode::start(cfg).expect(
         "start the simulated node (build it first: cargo build -p gpu-ckpt-simcuda \
-         -p gpu-ckpt-simnvml -p gpu-ckpt-simgpu)",
+         -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl -p gpu-ckpt-simgpu)",
     )
 }
 

@@ -1,6 +1,9 @@
 //! The CDI spec that injects simulated GPUs into containers the way nvidia-container-toolkit's
 //! spec injects real ones: one device node `/dev/nvidia<minor>` per GPU, the common nodes
-//! (`nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`), the two libraries, and the daemon's socket.
+//! (`nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`), the two libraries, and the daemon's socket;
+//! and the simulated NCCL (`libnccl.so.<NCCL version>`, linked as `libnccl.so.2`), which a real
+//! node's spec does not carry, so that NCCL programs in containers on simulated GPUs find the
+//! NCCL that runs on them.
 //!
 //! The libraries are mounted as the toolkit mounts the driver's: the versioned file
 //! (`libcuda.so.<driver version>`) at the same name in the container, and a `createContainer`
@@ -23,7 +26,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
 
-use crate::node::{versioned_name, NodeDesc, LIBRARIES};
+use crate::node::{library_files, NodeDesc};
 use crate::proto::{COMMON_NODES, CONTAINER_SOCKET, DEV_DIR_NAME, ENV_SOCKET, SOCKET_NAME};
 
 /// CDI kind of the simulated GPUs (`sim.gpu-ckpt.io/gpu=0`, `=all`).
@@ -79,14 +82,13 @@ pub fn spec(dir: &Path, node_desc: &NodeDesc, hook: &Path) -> Value {
         "hook".into(),
         "create-symlinks".into(),
     ];
-    for (_, name) in LIBRARIES {
-        let file = versioned_name(name, &node_desc.driver_version);
+    for l in library_files(&node_desc.driver_version) {
         mounts.push(bind(
-            &lib.join(&file),
-            &format!("{CONTAINER_LIB_DIR}/{file}"),
+            &lib.join(&l.file),
+            &format!("{CONTAINER_LIB_DIR}/{}", l.file),
         ));
         hook_args.push("--link".into());
-        hook_args.push(format!("{file}::{CONTAINER_LIB_DIR}/{name}.so.1"));
+        hook_args.push(format!("{}::{CONTAINER_LIB_DIR}/{}", l.file, l.soname));
     }
     let mut socket = bind(&dir.join(SOCKET_NAME), CONTAINER_SOCKET);
     // The socket must be writable to connect to it.
@@ -304,6 +306,15 @@ mod tests {
             .collect();
         assert!(
             args.contains(&"libcuda.so.580.95.05::/usr/lib/x86_64-linux-gnu/libcuda.so.1"),
+            "{args:?}"
+        );
+        // The simulated NCCL, under its own version, linked by its soname.
+        assert!(
+            dests.contains(&"/usr/lib/x86_64-linux-gnu/libnccl.so.2.32.6"),
+            "{dests:?}"
+        );
+        assert!(
+            args.contains(&"libnccl.so.2.32.6::/usr/lib/x86_64-linux-gnu/libnccl.so.2"),
             "{args:?}"
         );
     }

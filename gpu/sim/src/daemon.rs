@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+mod comms;
+
 use crate::cuerr::cu;
 use crate::mailbox::{self, Mailbox};
 use crate::node::{format_uuid, NodeDesc};
@@ -124,6 +126,8 @@ pub struct Daemon {
     ops: Mutex<HashMap<u64, Op>>,
     next_op: AtomicU64,
     next_conn: AtomicU64,
+    /// NCCL communicators (libnccl.so.2's requests).
+    comms: comms::Comms,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -242,6 +246,7 @@ impl Daemon {
             ops: Mutex::new(HashMap::new()),
             next_op: AtomicU64::new(1),
             next_conn: AtomicU64::new(1),
+            comms: comms::Comms::new(),
         }
     }
 
@@ -470,6 +475,7 @@ impl Daemon {
                 }
                 Reply::Ok
             }
+            Request::Nccl(call) => self.nccl(id, s.as_raw_fd(), call),
             Request::LastArgs { call } => match lock(&self.last_args).get(&call) {
                 Some(a) => Reply::Args(a.clone()),
                 None => Reply::err(cu::NOT_FOUND, format!("{call} was not called")),
@@ -1383,8 +1389,8 @@ fn host_tid(pid: i32, ns_tid: i32) -> Option<i32> {
     None
 }
 
-/// Lays out a node directory: the two libraries (from `lib_src`, the build's or the install's
-/// directory) in DIR/lib, the device nodes in DIR/dev, and the CDI spec in `cdi_dir`.
+/// Lays out a node directory: the driver's two libraries and NCCL (from `lib_src`, the build's
+/// or the install's directory) in DIR/lib, the device nodes in DIR/dev, and the CDI spec in `cdi_dir`.
 pub fn prepare_dir(
     dir: &Path,
     lib_src: &Path,

@@ -2,13 +2,15 @@
 //!
 //! `gpu-ckpt-simgpu serve` is the node's GPUs (the daemon owns device memory); the workspace's
 //! `libcuda.so.1` and `libnvidia-ml.so.1` (crates `gpu/sim/libcuda`, `gpu/sim/libnvml`) export the
-//! real driver symbols and speak [`proto`] to it. This library holds what the three share.
+//! real driver symbols and speak [`proto`] to it, as the simulated `libnccl.so.2` (crate
+//! `gpu/sim/libnccl`) does for communicators ([`nccl`]). This library holds what they share.
 
 pub mod cdi;
 pub mod client;
 pub mod cuerr;
 pub mod daemon;
 pub mod mailbox;
+pub mod nccl;
 pub mod node;
 pub mod proto;
 pub mod testing;

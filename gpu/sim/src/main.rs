@@ -34,7 +34,7 @@ enum Cmd {
         /// Write the CDI spec (kind sim.gpu-ckpt.io/gpu) here.
         #[arg(long)]
         cdi_dir: Option<PathBuf>,
-        /// Where the built libcuda.so and libnvidia_ml.so are (default: next to this binary).
+        /// Where the built libcuda.so, libnvidia_ml.so and libnccl.so are (default: next to this binary).
         #[arg(long)]
         lib_src: Option<PathBuf>,
     },

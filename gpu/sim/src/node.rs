@@ -14,14 +14,48 @@ pub const LIBRARIES: [(&str, &str); 2] = [
     ("libnvidia_ml.so", "libnvidia-ml"),
 ];
 
+/// The simulated NCCL: (file the build makes, library name). On the node it is
+/// `lib/libnccl.so.<NCCL version>` with the links `libnccl.so.2` and `libnccl.so`, as NCCL's
+/// packages install it, and the CDI spec gives it to containers beside the driver's libraries.
+pub const NCCL_LIBRARY: (&str, &str) = ("libnccl.so", "libnccl");
+
 /// The driver's file of library `name` under `driver_version`: `libcuda.so.580.95.05`.
 pub fn versioned_name(name: &str, driver_version: &str) -> String {
     format!("{name}.so.{driver_version}")
 }
 
-/// Lays out `lib` for a node of `driver_version`: each of [`LIBRARIES`] copied from `lib_src`
-/// as its versioned file (a rename into place, so that running processes keep the file they
-/// mapped), then the links `<name>.so.1 -> <name>.so.<version>` and `<name>.so -> <name>.so.1`.
+/// One library of a node's `lib/`: the file the build makes, the file on the node, and the
+/// loader's name for it (its soname).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibFile {
+    pub src: &'static str,
+    pub name: &'static str,
+    pub file: String,
+    pub soname: String,
+}
+
+/// The libraries of a node whose driver is `driver_version`: the driver's ([`LIBRARIES`]) and
+/// NCCL ([`NCCL_LIBRARY`]).
+pub fn library_files(driver_version: &str) -> Vec<LibFile> {
+    let driver = LIBRARIES.iter().map(|(src, name)| LibFile {
+        src,
+        name,
+        file: versioned_name(name, driver_version),
+        soname: format!("{name}.so.1"),
+    });
+    let (src, name) = NCCL_LIBRARY;
+    let nccl = LibFile {
+        src,
+        name,
+        file: versioned_name(name, crate::nccl::VERSION_STRING),
+        soname: format!("{name}.so.{}", crate::nccl::VERSION.0),
+    };
+    driver.chain([nccl]).collect()
+}
+
+/// Lays out `lib` for a node of `driver_version`: each of [`library_files`] copied from
+/// `lib_src` as its versioned file (a rename into place, so that running processes keep the file
+/// they mapped), then the links `<soname> -> <versioned file>` and `<name>.so -> <soname>`.
 pub fn lay_out_libraries(lib: &Path, lib_src: &Path, driver_version: &str) -> io::Result<()> {
     if driver_version.is_empty() || driver_version.contains('/') {
         return Err(io::Error::new(
@@ -30,21 +64,22 @@ pub fn lay_out_libraries(lib: &Path, lib_src: &Path, driver_version: &str) -> io
         ));
     }
     std::fs::create_dir_all(lib)?;
-    for (src, name) in LIBRARIES {
-        let file = versioned_name(name, driver_version);
-        let from = lib_src.join(src);
-        let tmp = lib.join(format!(".{file}.tmp"));
+    for l in library_files(driver_version) {
+        let from = lib_src.join(l.src);
+        let tmp = lib.join(format!(".{}.tmp", l.file));
         std::fs::copy(&from, &tmp)
             .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", from.display())))?;
-        std::fs::rename(&tmp, lib.join(&file))?;
-        let soname = format!("{name}.so.1");
-        for (link, target) in [(soname.clone(), file), (format!("{name}.so"), soname)] {
-            let l = lib.join(&link);
-            match std::fs::remove_file(&l) {
+        std::fs::rename(&tmp, lib.join(&l.file))?;
+        for (link, target) in [
+            (l.soname.clone(), l.file),
+            (format!("{}.so", l.name), l.soname),
+        ] {
+            let path = lib.join(&link);
+            match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
                 _ => {}
             }
-            std::os::unix::fs::symlink(target, &l)?;
+            std::os::unix::fs::symlink(target, &path)?;
         }
     }
     Ok(())

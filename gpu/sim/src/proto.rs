@@ -35,6 +35,8 @@ pub enum Role {
     Nvml,
     /// A control client (`gpu-ckpt-simgpu fault`, tests).
     Control,
+    /// A process's libnccl.so.2 (one connection per call: it holds none between calls).
+    Nccl,
 }
 
 /// A GPU pair of a restore: (old UUID, new UUID).
@@ -204,6 +206,8 @@ pub enum Request {
         len: u64,
         addr: u64,
     },
+    /// From a libnccl.so.2: communicators and collectives (see `nccl`).
+    Nccl(crate::nccl::Call),
 }
 
 /// Copies at least this large go straight between the daemon and the caller's memory.
@@ -258,6 +262,8 @@ pub enum Reply {
         handle: u64,
         ranges: Vec<MappedRange>,
     },
+    /// The answer to a `Request::Nccl` (its errors are `Err` with an `ncclResult_t` code).
+    Nccl(crate::nccl::Answer),
 }
 
 impl Reply {

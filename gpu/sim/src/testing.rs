@@ -132,6 +132,9 @@ impl SimNode {
     pub fn libnvml(&self) -> PathBuf {
         self.lib_dir().join("libnvidia-ml.so.1")
     }
+    pub fn libnccl(&self) -> PathBuf {
+        self.lib_dir().join("libnccl.so.2")
+    }
     pub fn cdi_dir(&self) -> PathBuf {
         self.dir.path().join("cdi")
     }

@@ -1,7 +1,7 @@
 //! The workloads on the simulated driver: they run, and a checkpoint/restore (with the two GPUs
 //! swapped) in the middle of a run loses nothing. Needs the simulator's daemon and libraries
-//! (`cargo build -p gpu-ckpt-simgpu -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`); where they are not
-//! built, each test says so and passes.
+//! (`cargo build -p gpu-ckpt-simgpu -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p
+//! gpu-ckpt-simnccl`); where they are not built, each test says so and passes.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -7,13 +7,15 @@
 //! - `localhost:5000/pause:1`: only /pause; command `/pause`;
 //! - `localhost:5000/gpu-ckpt/gpu-workloads:1`: the CUDA workloads `gpu-train`, `gpu-fill`,
 //!   `nccl-train` and `nccl_allreduce` (dynamically linked, from the workspace build:
-//!   `--gpu-workloads-dir`, by default the directory of this program) in /usr/bin, the host's glibc as a CUDA base image has it (every
-//!   library the workloads and the simulated `libcuda.so.1`/`libnvidia-ml.so.1` need, found by
-//!   following `DT_NEEDED`, plus libm, libdl, libpthread and librt) in /usr/lib/x86_64-linux-gnu
-//!   with `/lib -> usr/lib`, `/lib64 -> usr/lib64` and the loader at its interpreter path, busybox
-//!   and its applets; default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the
-//!   CDI spec of the (simulated) driver mounts it at run time, as the NVIDIA toolkit does; nor
-//!   `libnccl.so.2`, which the job's environment brings.
+//!   `--gpu-workloads-dir`, by default the directory of this program) in /usr/bin, the host's
+//!   glibc as a CUDA base image has it (every library the workloads and the simulated
+//!   `libcuda.so.1`/`libnvidia-ml.so.1`/`libnccl.so.2` need, found by following `DT_NEEDED`, plus
+//!   libm, libdl, libpthread and librt) in /usr/lib/x86_64-linux-gnu with `/lib -> usr/lib`,
+//!   `/lib64 -> usr/lib64` and the loader at its interpreter path, busybox and its applets;
+//!   default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the CDI spec of the
+//!   (simulated) driver mounts it at run time, as the NVIDIA toolkit does; nor `libnccl.so.2`,
+//!   which the job's environment brings (on a simulated node, the CDI spec mounts the simulated
+//!   one).
 //!
 //! `gpu-ckpt-images --node-installer-bins DIR --payload DIR --out DIR` builds only the node
 //! installer's image instead, `ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:<version>` (the Helm
@@ -44,8 +46,8 @@ const GPU_WORKLOADS_REF: &str = "localhost:5000/gpu-ckpt/gpu-workloads:1";
 /// the workspace build, `nccl_allreduce` from `c/build.sh` into the same directory.
 const GPU_WORKLOADS: &[&str] = &["gpu-train", "gpu-fill", "nccl-train", "nccl_allreduce"];
 
-/// The simulated driver's libraries in the workspace build. They are not put in the image (the
-/// CDI spec mounts them), but what they need is.
+/// The simulated driver's libraries and the simulated NCCL in the workspace build. They are not
+/// put in the image (the CDI spec mounts them), but what they need is.
 const SIM_DRIVER_LIBS: &[&str] = &["libcuda.so", "libnvidia_ml.so", "libnccl.so"];
 
 /// Libraries the workloads need that are not put in the image: NCCL (`nccl_allreduce` links

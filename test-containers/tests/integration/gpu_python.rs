@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::gpu::{exports, workspace_bin};
 use serde_json::Value;
 use simgpu::testing::{SimConfig, SimNode};
 
@@ -27,24 +28,6 @@ fn scripts() -> PathBuf {
 fn python() -> PathBuf {
     test_containers::stack::venv_python("cuda-bindings and nvidia-ml-py")
         .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A workspace binary next to the test executable's directory (target/<profile>/).
-fn workspace_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut dir = exe.parent();
-    for _ in 0..2 {
-        let Some(d) = dir else { break };
-        let cand = d.join(name);
-        if cand.is_file() {
-            return cand;
-        }
-        dir = d.parent();
-    }
-    panic!(
-        "{name} not found near {}: build the workspace first (cargo build --workspace)",
-        exe.display()
-    )
 }
 
 fn node(gpus: u32, cuda_version: i32) -> SimNode {
@@ -396,28 +379,6 @@ fn custom_storage_is_refused_before_cuda_13_4() {
     assert_eq!(p["status"], "CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT");
     assert_eq!(p["found"], false);
     assert_eq!(fill.verify(), format!("verified {} bytes", 4 << 20));
-}
-
-/// The library's exported symbols starting with `prefix` (nm -D --defined-only).
-fn exports(lib: &Path, prefix: &str) -> Vec<String> {
-    let out = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(lib)
-        .output()
-        .unwrap_or_else(|e| panic!("nm (binutils): {e}"));
-    assert!(out.status.success(), "nm {}: {out:?}", lib.display());
-    let v: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2))
-        .filter(|s| s.starts_with(prefix))
-        .map(str::to_string)
-        .collect();
-    assert!(
-        !v.is_empty(),
-        "{} exports no {prefix}* symbol",
-        lib.display()
-    );
-    v
 }
 
 #[test]

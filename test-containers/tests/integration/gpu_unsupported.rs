@@ -10,7 +10,6 @@
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use crate::common::{gpu::*, restore_from_dir, run_detached, wait_until, workloads, RUNTIME};
@@ -27,22 +26,7 @@ const TRAIN: &[&str] = &[
 
 /// The pinned NCCL library in the stack's venv (test-containers/stack/install.sh).
 fn nccl_lib() -> Result<PathBuf> {
-    let py = test_containers::stack::venv_python("nvidia-nccl-cu13")?;
-    let out = Command::new(&py)
-        .args([
-            "-c",
-            "import importlib.metadata as m; print(m.distribution('nvidia-nccl-cu13').locate_file('nvidia/nccl/lib/libnccl.so.2'))",
-        ])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "{} has no nvidia-nccl-cu13 (run `make deps`): {}",
-        py.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lib = PathBuf::from(String::from_utf8(out.stdout)?.trim());
-    ensure!(lib.is_file(), "{} is missing", lib.display());
-    Ok(lib)
+    nccl_wheel_file("lib/libnccl.so.2")
 }
 
 /// gpu-train on `device` with `extra` ctr flags, up to its third step; its pid and log.

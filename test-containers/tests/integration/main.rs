@@ -24,6 +24,7 @@ mod gpu_early_resume;
 mod gpu_hang;
 mod gpu_hooks;
 mod gpu_memory;
+mod gpu_nccl;
 mod gpu_process;
 mod gpu_python;
 mod gpu_shim;

@@ -5,13 +5,17 @@
 //! itself) and talks to the daemon over one Unix socket. Every entry point passes the process's
 //! gate, so a lock waits for calls in flight and holds new ones. The restore thread (created at
 //! cuInit, named `cuda-restore`) carries out the daemon's lock, checkpoint, restore and unlock.
-//! Operations on streams run synchronously; kernels are not run (CUDA_ERROR_NOT_SUPPORTED).
+//! Operations on an idle stream run when called; behind pending work (a host function, such as
+//! the simulated NCCL's collectives) they are queued in stream order (`streams`). Kernels are
+//! not run (CUDA_ERROR_NOT_SUPPORTED).
 //!
 //! Like the real driver, it finds its GPUs from the device nodes it can open (`/dev/nvidia<N>`
 //! in a container, N being the GPU's minor number), holds `nvidiactl`, `nvidia-uvm` and each
 //! GPU's node open while it has a context there, closes them all at a checkpoint (the process
 //! then holds no GPU resource), and opens the nodes of the GPUs a restore maps it onto.
 #![allow(clippy::missing_safety_doc)] // C entry points; their contracts are NVIDIA's documentation.
+
+mod streams;
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
@@ -119,6 +123,8 @@ struct Driver {
     handles: Mutex<Handles>,
     /// Custom-storage operations this process started, by the handle it gave out.
     ops: Mutex<HashMap<usize, CustomOp>>,
+    /// Work queued in stream order.
+    streams: streams::Streams,
 }
 
 /// `CUcheckpointCustomStoragePerDeviceData` (cuda.h 13.4): 24 bytes.
@@ -235,6 +241,7 @@ impl Driver {
             saved: Mutex::new(Vec::new()),
             handles: Mutex::new(Handles::default()),
             ops: Mutex::new(HashMap::new()),
+            streams: streams::Streams::default(),
         })
     }
 
@@ -617,9 +624,43 @@ fn stream_ok(d: &Driver, s: CUstream) -> R {
     }
 }
 
-fn htod(dst: CUdeviceptr, src: *const c_void, n: usize) -> R {
+/// A synchronous copy or memset: it needs a current context and, on the legacy default stream,
+/// waits for the work of every blocking stream first.
+fn sync_op(job: impl FnOnce() -> R) -> R {
     let d = drv()?;
     d.current_dev()?;
+    d.streams.wait_legacy();
+    job()
+}
+
+/// An asynchronous copy or memset on `stream`, in stream order.
+fn async_op(stream: CUstream, job: impl FnOnce() -> R + Send + 'static) -> R {
+    let d = drv()?;
+    stream_ok(d, stream)?;
+    d.current_dev()?;
+    d.streams.order(streams::key(stream), job)
+}
+
+fn htod(dst: CUdeviceptr, src: *const c_void, n: usize) -> R {
+    sync_op(|| copy_htod(dst, src as usize, n))
+}
+
+fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize) -> R {
+    sync_op(|| copy_dtoh(dst as usize, src, n))
+}
+
+fn dtod(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> R {
+    sync_op(|| copy_dtod(dst, src, n))
+}
+
+fn memset(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
+    sync_op(|| fill(dst, value, elem, count))
+}
+
+/// Host memory at `src` (an address: the copy may run on a stream's worker) to the device.
+fn copy_htod(dst: CUdeviceptr, src: usize, n: usize) -> R {
+    let d = drv()?;
+    let src = src as *const c_void;
     if n == 0 {
         return Ok(());
     }
@@ -631,9 +672,9 @@ fn htod(dst: CUdeviceptr, src: *const c_void, n: usize) -> R {
     d.with_conn(|c| c.htod(dst, bytes))
 }
 
-fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize) -> R {
+fn copy_dtoh(dst: usize, src: CUdeviceptr, n: usize) -> R {
     let d = drv()?;
-    d.current_dev()?;
+    let dst = dst as *mut c_void;
     if n == 0 {
         return Ok(());
     }
@@ -645,9 +686,8 @@ fn dtoh(dst: *mut c_void, src: CUdeviceptr, n: usize) -> R {
     d.with_conn(|c| c.dtoh(bytes, src))
 }
 
-fn dtod(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> R {
+fn copy_dtod(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> R {
     let d = drv()?;
-    d.current_dev()?;
     if n == 0 {
         return Ok(());
     }
@@ -660,9 +700,8 @@ fn dtod(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> R {
     })
 }
 
-fn memset(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
+fn fill(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
     let d = drv()?;
-    d.current_dev()?;
     if count == 0 {
         return Ok(());
     }
@@ -1046,7 +1085,8 @@ entry! {
     fn cuCtxSynchronize() {
         let d = drv()?;
         d.current_dev()?;
-        // Work is done when its call returns; pass the gate like any call.
+        d.streams.wait_all();
+        // Pass the gate like any call.
         let _g = d.enter();
         Ok(())
     }
@@ -1116,18 +1156,17 @@ entry! {
     }
 
     fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream) {
-        stream_ok(drv()?, stream)?;
-        htod(dst, src, n)
+        let src = src as usize;
+        async_op(stream, move || copy_htod(dst, src, n))
     }
 
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
-        stream_ok(drv()?, stream)?;
-        dtoh(dst, src, n)
+        let dst = dst as usize;
+        async_op(stream, move || copy_dtoh(dst, src, n))
     }
 
     fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
-        stream_ok(drv()?, stream)?;
-        dtod(dst, src, n)
+        async_op(stream, move || copy_dtod(dst, src, n))
     }
 
     fn cuMemsetD8_v2(dst: CUdeviceptr, uc: u8, n: usize) {
@@ -1143,21 +1182,19 @@ entry! {
     }
 
     fn cuMemsetD8Async(dst: CUdeviceptr, uc: u8, n: usize, stream: CUstream) {
-        stream_ok(drv()?, stream)?;
-        memset(dst, u32::from(uc), 1, n)
+        async_op(stream, move || fill(dst, u32::from(uc), 1, n))
     }
 
     fn cuMemsetD32Async(dst: CUdeviceptr, ui: c_uint, n: usize, stream: CUstream) {
-        stream_ok(drv()?, stream)?;
-        memset(dst, ui, 4, n)
+        async_op(stream, move || fill(dst, ui, 4, n))
     }
 
-    fn cuStreamCreate(ph: *mut CUstream, _flags: c_uint) {
-        stream_create(ph)
+    fn cuStreamCreate(ph: *mut CUstream, flags: c_uint) {
+        stream_create(ph, flags)
     }
 
-    fn cuStreamCreateWithPriority(ph: *mut CUstream, _flags: c_uint, _priority: c_int) {
-        stream_create(ph)
+    fn cuStreamCreateWithPriority(ph: *mut CUstream, flags: c_uint, _priority: c_int) {
+        stream_create(ph, flags)
     }
 
     fn cuStreamDestroy_v2(stream: CUstream) {
@@ -1168,12 +1205,32 @@ entry! {
     fn cuStreamSynchronize(stream: CUstream) {
         let d = drv()?;
         stream_ok(d, stream)?;
+        d.streams.wait_idle(streams::key(stream));
         let _g = d.enter();
         Ok(())
     }
 
     fn cuStreamQuery(stream: CUstream) {
-        stream_ok(drv()?, stream)
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        if d.streams.pending(streams::key(stream)) {
+            return Err(cu::NOT_READY);
+        }
+        Ok(())
+    }
+
+    fn cuLaunchHostFunc(stream: CUstream, f: Option<unsafe extern "C" fn(*mut c_void)>, data: *mut c_void) {
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        let f = f.ok_or(cu::INVALID_VALUE)?;
+        let data = data as usize;
+        // The function counts as work in flight: a lock waits for it (or times out).
+        d.streams.enqueue(streams::key(stream), Box::new(move || {
+            let _g = d.enter();
+            // SAFETY: the caller's function and argument, called once as CUDA documents.
+            unsafe { f(data as *mut c_void) }
+        }));
+        Ok(())
     }
 
     fn cuStreamGetCtx(stream: CUstream, pctx: *mut CUcontext) {
@@ -1196,7 +1253,9 @@ entry! {
     fn cuStreamWaitEvent(stream: CUstream, event: CUevent, _flags: c_uint) {
         let d = drv()?;
         stream_ok(d, stream)?;
-        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+        lock(&d.handles).events.get(&(event as usize)).ok_or(cu::INVALID_HANDLE)?;
+        d.streams.stream_wait_event(streams::key(stream), event as usize);
+        Ok(())
     }
 
     fn cuEventCreate(ph: *mut CUevent, _flags: c_uint) {
@@ -1211,24 +1270,42 @@ entry! {
     fn cuEventRecord(event: CUevent, stream: CUstream) {
         let d = drv()?;
         stream_ok(d, stream)?;
-        let mut h = lock(&d.handles);
-        let e = h.events.get_mut(&(event as usize)).ok_or(cu::INVALID_HANDLE)?;
-        *e = Some(Instant::now());
+        let ev = event as usize;
+        lock(&d.handles).events.get(&ev).ok_or(cu::INVALID_HANDLE)?;
+        let set = move || {
+            if let Some(e) = lock(&d.handles).events.get_mut(&ev) {
+                *e = Some(Instant::now());
+            }
+        };
+        if d.streams.record(streams::key(stream), ev, set) {
+            if let Some(e) = lock(&d.handles).events.get_mut(&ev) {
+                *e = Some(Instant::now());
+            }
+        }
         Ok(())
     }
 
     fn cuEventSynchronize(event: CUevent) {
         let d = drv()?;
-        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+        lock(&d.handles).events.get(&(event as usize)).ok_or(cu::INVALID_HANDLE)?;
+        d.streams.wait_event(event as usize);
+        Ok(())
     }
 
     fn cuEventQuery(event: CUevent) {
         let d = drv()?;
-        lock(&d.handles).events.get(&(event as usize)).map(|_| ()).ok_or(cu::INVALID_HANDLE)
+        lock(&d.handles).events.get(&(event as usize)).ok_or(cu::INVALID_HANDLE)?;
+        if d.streams.event_pending(event as usize) {
+            return Err(cu::NOT_READY);
+        }
+        Ok(())
     }
 
     fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) {
         let d = drv()?;
+        if d.streams.event_pending(start as usize) || d.streams.event_pending(end as usize) {
+            return Err(cu::NOT_READY);
+        }
         let h = lock(&d.handles);
         let s = h.events.get(&(start as usize)).ok_or(cu::INVALID_HANDLE)?.ok_or(cu::NOT_READY)?;
         let e = h.events.get(&(end as usize)).ok_or(cu::INVALID_HANDLE)?.ok_or(cu::NOT_READY)?;
@@ -1379,12 +1456,18 @@ fn host_alloc(pp: *mut *mut c_void, bytesize: usize) -> R {
     out(pp, p)
 }
 
-fn stream_create(ph: *mut CUstream) -> R {
+/// `CU_STREAM_NON_BLOCKING`.
+const STREAM_NON_BLOCKING: c_uint = 1;
+
+fn stream_create(ph: *mut CUstream, flags: c_uint) -> R {
     let d = drv()?;
     let dev = d.current_dev()?;
     let mut h = lock(&d.handles);
     let handle = h.new_handle();
     h.streams.insert(handle, dev);
+    if flags & STREAM_NON_BLOCKING != 0 {
+        d.streams.set_non_blocking(handle);
+    }
     out(ph, handle as CUstream)
 }
 
@@ -1603,6 +1686,10 @@ static ENTRY_POINTS: &[(&str, &[Abi])] = &[
         &[abi_pt(4000, "cuLaunchKernel", "cuLaunchKernel_ptsz")],
     ),
     (
+        "cuLaunchHostFunc",
+        &[abi_pt(10000, "cuLaunchHostFunc", "cuLaunchHostFunc_ptsz")],
+    ),
+    (
         "cuCheckpointProcessLock",
         &[abi(12080, "cuCheckpointProcessLock")],
     ),
@@ -1795,7 +1882,8 @@ entry! {
         cuCtxCreate_v2(pctx, flags, dev).into_result()
     }
 
-    // Per-thread default stream variants: streams run synchronously here, so they are the same.
+    // Per-thread default stream variants: the same calls (the per-thread default stream is one
+    // queue for the process).
     fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) { htod(dst, src, n) }
     fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) { dtoh(dst, src, n) }
     fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) { dtod(dst, src, n) }
@@ -1821,6 +1909,9 @@ entry! {
     fn cuStreamQuery_ptsz(s: CUstream) { cuStreamQuery(s).into_result() }
     fn cuStreamWaitEvent_ptsz(s: CUstream, e: CUevent, flags: c_uint) { cuStreamWaitEvent(s, e, flags).into_result() }
     fn cuEventRecord_ptsz(e: CUevent, s: CUstream) { cuEventRecord(e, s).into_result() }
+    fn cuLaunchHostFunc_ptsz(s: CUstream, f: Option<unsafe extern "C" fn(*mut c_void)>, data: *mut c_void) {
+        cuLaunchHostFunc(s, f, data).into_result()
+    }
     fn cuLaunchKernel_ptsz(
         _f: *mut c_void, _gx: c_uint, _gy: c_uint, _gz: c_uint, _bx: c_uint, _by: c_uint, _bz: c_uint,
         _shared: c_uint, _stream: CUstream, _params: *mut *mut c_void, _extra: *mut *mut c_void,

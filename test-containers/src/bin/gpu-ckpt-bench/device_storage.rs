@@ -119,7 +119,7 @@ pub fn bench(o: Opts) -> Result<()> {
             cdi: true,
             ..SimConfig::default()
         })
-        .context("starting the simulated GPUs (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
+        .context("starting the simulated GPUs (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl`)")?;
         let node = sim_containerd_node(&stack, &format!("bench-storage-{cuda}"), &sim, "info")?;
         let api = tokio::runtime::Runtime::new()?;
         let client = api.block_on(Containerd::connect(node.socket(), "default"))?;

@@ -1627,7 +1627,7 @@ fn sim_gpu_node(name: &str, memory_mib: u64) -> Result<(simgpu::testing::SimNode
         cdi: true,
         ..SimConfig::default()
     })
-    .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml`)")?;
+    .context("starting the simulated GPU (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl`)")?;
     let node = sim_containerd_node(&stack, name, &sim, "debug")?;
     Ok((sim, node))
 }

@@ -2,6 +2,7 @@
 //! reads its CDI spec and whose gpu-ckpt handlers load its libraries, and the workloads' output.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -342,4 +343,65 @@ pub async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
         "CRI's ContainerStatus reports pid {pid} for container {id}"
     );
     Ok(pid)
+}
+
+/// A workspace binary next to the test executable's directory (target/<profile>/).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent();
+    for _ in 0..2 {
+        let Some(d) = dir else { break };
+        let cand = d.join(name);
+        if cand.is_file() {
+            return cand;
+        }
+        dir = d.parent();
+    }
+    panic!(
+        "{name} not found near {}: build the workspace first (cargo build --workspace)",
+        exe.display()
+    )
+}
+
+/// The library's exported symbols starting with `prefix` (nm -D --defined-only).
+pub fn exports(lib: &Path, prefix: &str) -> Vec<String> {
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(lib)
+        .output()
+        .unwrap_or_else(|e| panic!("nm (binutils): {e}"));
+    assert!(out.status.success(), "nm {}: {out:?}", lib.display());
+    let v: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .filter(|s| s.starts_with(prefix))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        !v.is_empty(),
+        "{} exports no {prefix}* symbol",
+        lib.display()
+    );
+    v
+}
+
+/// A file of the pinned NCCL wheel in the stack's venv (test-containers/stack/install.sh), by its
+/// path under `nvidia/nccl/` (`lib/libnccl.so.2`, `include/nccl.h`).
+pub fn nccl_wheel_file(rel: &str) -> Result<PathBuf> {
+    let py = test_containers::stack::venv_python("nvidia-nccl-cu13")?;
+    let out = Command::new(&py)
+        .args([
+            "-c",
+            &format!("import importlib.metadata as m; print(m.distribution('nvidia-nccl-cu13').locate_file('nvidia/nccl/{rel}'))"),
+        ])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "{} has no nvidia-nccl-cu13 (run `make deps`): {}",
+        py.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = PathBuf::from(String::from_utf8(out.stdout)?.trim());
+    ensure!(file.is_file(), "{} is missing", file.display());
+    Ok(file)
 }
