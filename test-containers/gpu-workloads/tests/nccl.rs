@@ -1,8 +1,8 @@
 //! The NCCL workloads (`c/nccl_allreduce.c`, `nccl-train`) on the simulated driver and NCCL:
 //! 4 ranks on 4 simulated GPUs, forked by one launcher and as 4 separate processes meeting in a
 //! rendezvous directory (and as 2 launchers of 2 ranks, the shape of 2 containers of one pod);
-//! every step verified, the two programs giving the same digests; a corrupted element makes the
-//! job fail naming the rank, step and element. Needs the workspace build (`make build`: the
+//! every step verified, each program printing the digests of the closed forms; a corrupted
+//! element makes the job fail naming the rank, step and element. Needs the workspace build (`make build`: the
 //! daemon, libcuda.so.1 and libnccl.so.2) and the stack's NCCL wheel (c/build.sh).
 
 use std::collections::BTreeMap;
@@ -12,9 +12,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gpu_ckpt_gpu_workloads::collective::Sums;
 use simgpu::testing::{SimConfig, SimNode};
 
 const WORLD: u32 = 4;
+const SEED: u64 = 7;
 const STEPS: u64 = 6;
 /// Not a multiple of anything NCCL would split on.
 const ELEMENTS: &str = "4099";
@@ -105,7 +107,8 @@ fn succeeded(outs: Vec<(Option<i32>, String)>) -> String {
 
 fn cmd(bin: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(bin);
-    c.args(["--elements", ELEMENTS, "--interval-ms", "0", "--seed", "7"])
+    c.args(["--elements", ELEMENTS, "--interval-ms", "0", "--seed"])
+        .arg(SEED.to_string())
         .args(args);
     c
 }
@@ -125,9 +128,10 @@ fn steps(out: &str) -> BTreeMap<u32, Vec<(u64, String)>> {
     m
 }
 
-/// Every rank did steps 1..=STEPS in order, verified; ranks of one parity agree on the digests,
-/// the two parities (different split communicators) do not. Returns rank 0's and rank 1's.
-fn check_job(out: &str) -> [Vec<(u64, String)>; 2] {
+/// Every rank did steps 1..=STEPS in order, verified, and printed the digests of the closed forms
+/// (`collective::Sums`, which nccl_allreduce.c computes on its own): ranks of one parity agree,
+/// the two parities (different split communicators) do not.
+fn check_job(out: &str) {
     assert!(!out.contains("MISMATCH"), "{out}");
     let m = steps(out);
     assert_eq!(
@@ -135,10 +139,13 @@ fn check_job(out: &str) -> [Vec<(u64, String)>; 2] {
         (0..WORLD).collect::<Vec<_>>(),
         "{out}"
     );
+    let elements: usize = ELEMENTS.parse().unwrap();
     for (r, s) in &m {
-        let ks: Vec<u64> = s.iter().map(|(k, _)| *k).collect();
-        assert_eq!(ks, (1..=STEPS).collect::<Vec<_>>(), "rank {r}: {out}");
-        assert_eq!(s, &m[&(r % 2)], "rank {r} against rank {}: {out}", r % 2);
+        let sums = Sums::new(SEED, *r, WORLD, elements);
+        let want: Vec<(u64, String)> = (1..=STEPS)
+            .map(|k| (k, format!("{:016x}", sums.digest(k))))
+            .collect();
+        assert_eq!(s, &want, "rank {r}: {out}");
         assert!(
             out.lines()
                 .any(|l| l.starts_with(&format!("rank {r} ready world {WORLD} "))),
@@ -148,7 +155,6 @@ fn check_job(out: &str) -> [Vec<(u64, String)>; 2] {
     for ((_, a), (_, b)) in m[&0].iter().zip(&m[&1]) {
         assert_ne!(a, b, "{out}");
     }
-    [m[&0].clone(), m[&1].clone()]
 }
 
 /// A simulated node of 4 GPUs, nccl_allreduce built for it, and the environment to run on it.
@@ -174,100 +180,124 @@ fn job() -> Job {
 
 const LIMIT: Duration = Duration::from_secs(240);
 
-#[test]
-fn four_ranks_forked_in_c_and_in_rust() {
-    let j = job();
-    let mut digests = Vec::new();
-    for prog in [j.c.as_path(), Path::new(RUST)] {
-        let args = ["--ranks", "4", "--steps", &j.steps];
-        let (code, out) = run(cmd(prog, &args), &j.env, LIMIT);
-        assert_eq!(code, Some(0), "{out}");
-        digests.push(check_job(&out));
+/// Which program: the C one (built for the node) or nccl-train.
+fn program(j: &Job, c: bool) -> &Path {
+    if c {
+        &j.c
+    } else {
+        Path::new(RUST)
     }
-    assert_eq!(digests[0], digests[1], "nccl_allreduce against nccl-train");
 }
 
-/// One rank per process (RANK, WORLD_SIZE, LOCAL_RANK, a shared rendezvous directory): C ranks
-/// and Rust ranks, each job on its own directory; then 2 launchers of 2 ranks (2 containers of
-/// 2 ranks in one pod).
-#[test]
-fn one_rank_per_process_and_two_launchers() {
+/// 4 ranks forked by one launcher.
+fn forked(c: bool) {
     let j = job();
-    let (sim, bin, e, s) = (&j.sim, &j.c, &j.env, &j.steps);
-    let mut digests = Vec::new();
-    for (name, prog) in [("c", bin.as_path()), ("rust", Path::new(RUST))] {
-        eprintln!("{name}: one rank per process");
-        let dir = sim.dir().join(format!("rendezvous-{name}"));
-        std::fs::create_dir(&dir).unwrap();
-        let cmds = (0..WORLD)
-            .map(|r| {
-                let extra = vec![
-                    ("RANK".to_string(), r.to_string()),
-                    ("WORLD_SIZE".to_string(), WORLD.to_string()),
-                    ("LOCAL_RANK".to_string(), r.to_string()),
-                    ("NCCL_RENDEZVOUS_DIR".to_string(), dir.display().to_string()),
-                ];
-                (cmd(prog, &["--steps", s]), extra)
-            })
-            .collect();
-        digests.push(check_job(&succeeded(run_all(cmds, e))));
-    }
-    assert_eq!(digests[0], digests[1]);
+    let args = ["--ranks", "4", "--steps", &j.steps];
+    let (code, out) = run(cmd(program(&j, c), &args), &j.env, LIMIT);
+    assert_eq!(code, Some(0), "{out}");
+    check_job(&out);
+}
 
-    // Two launchers: ranks 0-1 on GPUs 0-1, ranks 2-3 on GPUs 2-3.
-    let dir = sim.dir().join("rendezvous-pod");
+#[test]
+fn c_four_ranks_forked() {
+    forked(true);
+}
+
+#[test]
+fn rust_four_ranks_forked() {
+    forked(false);
+}
+
+/// One rank per process (RANK, WORLD_SIZE, LOCAL_RANK, a shared rendezvous directory), then 2
+/// launchers of 2 ranks (the shape of 2 containers of 2 ranks in one pod): ranks 0-1 on GPUs
+/// 0-1, ranks 2-3 on GPUs 2-3.
+fn separate(c: bool) {
+    let j = job();
+    let prog = program(&j, c);
+    let dir = j.sim.dir().join("rendezvous-ranks");
+    std::fs::create_dir(&dir).unwrap();
+    let cmds = (0..WORLD)
+        .map(|r| {
+            let extra = vec![
+                ("RANK".to_string(), r.to_string()),
+                ("WORLD_SIZE".to_string(), WORLD.to_string()),
+                ("LOCAL_RANK".to_string(), r.to_string()),
+                ("NCCL_RENDEZVOUS_DIR".to_string(), dir.display().to_string()),
+            ];
+            (cmd(prog, &["--steps", &j.steps]), extra)
+        })
+        .collect();
+    check_job(&succeeded(run_all(cmds, &j.env)));
+
+    let dir = j.sim.dir().join("rendezvous-pod");
     std::fs::create_dir(&dir).unwrap();
     let d = dir.display().to_string();
-    let half = |first: &str, device: &str| {
+    let half = |first: &str| {
         let args = [
             "--ranks",
             "2",
             "--rank",
             first,
             "--device",
-            device,
+            first,
             "--world-size",
             "4",
             "--rendezvous",
             &d,
             "--steps",
-            s,
+            &j.steps,
         ];
-        (cmd(bin, &args), vec![])
+        (cmd(prog, &args), vec![])
     };
-    let all = succeeded(run_all(vec![half("0", "0"), half("2", "2")], e));
-    assert_eq!(check_job(&all), digests[0]);
+    check_job(&succeeded(run_all(vec![half("0"), half("2")], &j.env)));
+}
+
+#[test]
+fn c_one_rank_per_process_and_two_launchers() {
+    separate(true);
+}
+
+#[test]
+fn rust_one_rank_per_process_and_two_launchers() {
+    separate(false);
 }
 
 /// A flipped element of rank 2's reduced gradient at step 3: that rank names it, the others stop
-/// at the same step, and the job exits 1, in both programs.
-#[test]
-fn a_corrupted_element_fails_the_job_naming_rank_step_element() {
+/// at the same step, and the job exits 1.
+fn corrupted(c: bool) {
     let j = job();
-    for prog in [j.c.as_path(), Path::new(RUST)] {
-        let args = ["--ranks", "4", "--steps", "10", "--corrupt", "2:3:1234"];
-        let (code, out) = run(cmd(prog, &args), &j.env, LIMIT);
-        assert_eq!(code, Some(1), "{out}");
-        let mismatches: Vec<&str> = out.lines().filter(|l| l.contains("MISMATCH")).collect();
-        assert_eq!(mismatches.len(), 1, "{out}");
+    let args = ["--ranks", "4", "--steps", "10", "--corrupt", "2:3:1234"];
+    let (code, out) = run(cmd(program(&j, c), &args), &j.env, LIMIT);
+    assert_eq!(code, Some(1), "{out}");
+    let mismatches: Vec<&str> = out.lines().filter(|l| l.contains("MISMATCH")).collect();
+    assert_eq!(mismatches.len(), 1, "{out}");
+    assert!(
+        mismatches[0].starts_with("MISMATCH rank 2 step 3 allreduce element 1234 got "),
+        "{out}"
+    );
+    for r in [0, 1, 3] {
         assert!(
-            mismatches[0].starts_with("MISMATCH rank 2 step 3 allreduce element 1234 got "),
-            "{out}"
+            out.contains(&format!(
+                "rank {r}: step 3: stopping: 1 rank(s) failed verification"
+            )),
+            "rank {r}: {out}"
         );
-        for r in [0, 1, 3] {
-            assert!(
-                out.contains(&format!(
-                    "rank {r}: step 3: stopping: 1 rank(s) failed verification"
-                )),
-                "rank {r}: {out}"
-            );
-        }
-        let m = steps(&out);
-        for r in 0..WORLD {
-            let ks: Vec<u64> = m[&r].iter().map(|(k, _)| *k).collect();
-            assert_eq!(ks, vec![1, 2], "rank {r}: {out}");
-        }
-        // The launcher's line for the first rank it saw fail.
-        assert!(out.contains(" exited with "), "{out}");
     }
+    let m = steps(&out);
+    for r in 0..WORLD {
+        let ks: Vec<u64> = m[&r].iter().map(|(k, _)| *k).collect();
+        assert_eq!(ks, vec![1, 2], "rank {r}: {out}");
+    }
+    // The launcher's line for the first rank it saw fail.
+    assert!(out.contains(" exited with "), "{out}");
+}
+
+#[test]
+fn c_corrupted_element_fails_the_job_naming_rank_step_element() {
+    corrupted(true);
+}
+
+#[test]
+fn rust_corrupted_element_fails_the_job_naming_rank_step_element() {
+    corrupted(false);
 }
