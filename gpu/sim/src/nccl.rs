@@ -402,7 +402,32 @@ pub enum Answer {
     Done,
 }
 
-/// Element-wise `acc = acc (op) x` for `dtype` (Avg sums; [`finish_avg`] divides).
+/// Runs `$int!(T)` for an integer type and `$float!(T, to_f64, from_f64)` for a floating-point
+/// one (FP8 is not reduced: nothing happens).
+macro_rules! by_type {
+    ($dtype:expr, $int:ident, $float:ident) => {
+        match $dtype {
+            DataType::Int8 => $int!(i8),
+            DataType::Uint8 => $int!(u8),
+            DataType::Int32 => $int!(i32),
+            DataType::Uint32 => $int!(u32),
+            DataType::Int64 => $int!(i64),
+            DataType::Uint64 => $int!(u64),
+            DataType::Float32 => $float!(f32, f64::from, |v: f64| v as f32),
+            DataType::Float64 => $float!(f64, |v: f64| v, |v: f64| v),
+            DataType::Float16 => $float!(u16, |v| half::f16::from_bits(v).to_f64(), |v| {
+                half::f16::from_f64(v).to_bits()
+            }),
+            DataType::Bfloat16 => $float!(u16, |v| half::bf16::from_bits(v).to_f64(), |v| {
+                half::bf16::from_f64(v).to_bits()
+            }),
+            DataType::Float8e4m3 | DataType::Float8e5m2 => {}
+        }
+    };
+}
+
+/// Element-wise `acc = acc (op) x` for `dtype` (Avg sums; [`finish_avg`] divides). Floating-point
+/// values are combined in f64 and rounded once to their type.
 pub fn reduce_into(dtype: DataType, op: RedOp, acc: &mut [u8], x: &[u8]) {
     macro_rules! ints {
         ($t:ty) => {{
@@ -436,23 +461,7 @@ pub fn reduce_into(dtype: DataType, op: RedOp, acc: &mut [u8], x: &[u8]) {
             }
         }};
     }
-    match dtype {
-        DataType::Int8 => ints!(i8),
-        DataType::Uint8 => ints!(u8),
-        DataType::Int32 => ints!(i32),
-        DataType::Uint32 => ints!(u32),
-        DataType::Int64 => ints!(i64),
-        DataType::Uint64 => ints!(u64),
-        DataType::Float32 => floats!(f32, |v| v, |v| v),
-        DataType::Float64 => floats!(f64, |v| v, |v| v),
-        DataType::Float16 => floats!(u16, |v| half::f16::from_bits(v).to_f32(), |v| {
-            half::f16::from_f32(v).to_bits()
-        }),
-        DataType::Bfloat16 => floats!(u16, |v| half::bf16::from_bits(v).to_f32(), |v| {
-            half::bf16::from_f32(v).to_bits()
-        }),
-        DataType::Float8e4m3 | DataType::Float8e5m2 => {}
-    }
+    by_type!(dtype, ints, floats)
 }
 
 /// `ncclAvg`'s last step: the sum of `n` ranks divided by `n`.
@@ -476,23 +485,7 @@ pub fn finish_avg(dtype: DataType, acc: &mut [u8], n: u64) {
             }
         }};
     }
-    match dtype {
-        DataType::Int8 => ints!(i8),
-        DataType::Uint8 => ints!(u8),
-        DataType::Int32 => ints!(i32),
-        DataType::Uint32 => ints!(u32),
-        DataType::Int64 => ints!(i64),
-        DataType::Uint64 => ints!(u64),
-        DataType::Float32 => floats!(f32, f64::from, |v: f64| v as f32),
-        DataType::Float64 => floats!(f64, |v| v, |v| v),
-        DataType::Float16 => floats!(u16, |v| f64::from(half::f16::from_bits(v)), |v| {
-            half::f16::from_f64(v).to_bits()
-        }),
-        DataType::Bfloat16 => floats!(u16, |v| f64::from(half::bf16::from_bits(v)), |v| {
-            half::bf16::from_f64(v).to_bits()
-        }),
-        DataType::Float8e4m3 | DataType::Float8e5m2 => {}
-    }
+    by_type!(dtype, ints, floats)
 }
 
 #[cfg(test)]

@@ -49,24 +49,29 @@ pub struct SimNode {
     node: NodeDesc,
 }
 
-/// The daemon binary: `$GPU_CKPT_SIMGPU_BIN`, else next to the running executable or one level
-/// up (cargo puts test executables in target/<profile>/deps).
+/// The daemon binary: `$GPU_CKPT_SIMGPU_BIN`, else [`workspace_binary`].
 pub fn daemon_binary() -> anyhow::Result<PathBuf> {
     if let Some(p) = std::env::var_os("GPU_CKPT_SIMGPU_BIN") {
         return Ok(PathBuf::from(p));
     }
+    workspace_binary("gpu-ckpt-simgpu")
+}
+
+/// A binary of the workspace build, next to the running executable or one level up (cargo puts
+/// test executables in target/<profile>/deps).
+pub fn workspace_binary(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let mut dir = exe.parent();
     for _ in 0..2 {
         let Some(d) = dir else { break };
-        let cand = d.join("gpu-ckpt-simgpu");
+        let cand = d.join(name);
         if cand.is_file() {
             return Ok(cand);
         }
         dir = d.parent();
     }
     bail!(
-        "gpu-ckpt-simgpu not found next to {}: build the workspace first",
+        "{name} not found next to {}: build the workspace first",
         exe.display()
     )
 }

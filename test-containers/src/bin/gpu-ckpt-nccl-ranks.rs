@@ -81,7 +81,7 @@ impl Lib {
 
 /// Calls symbol `$name` of `$lib` with the C signature `fn($($t),*) -> c_uint`.
 macro_rules! call {
-    ($lib:expr, $name:literal, ($($t:ty),*) $(, $a:expr)*) => {{
+    ($lib:expr, $name:expr, ($($t:ty),*) $(, $a:expr)*) => {{
         let f: unsafe extern "C" fn($($t),*) -> c_uint =
             // SAFETY: the symbol's C signature is the one given (cuda.h, nccl.h).
             unsafe { std::mem::transmute::<Fp, _>($lib.sym($name)?) };
@@ -368,6 +368,34 @@ impl Api {
         Ok((n, r, d))
     }
 
+    /// ncclAllGather or ncclAlltoAll: (sendbuff, recvbuff, count, datatype, comm, stream).
+    #[allow(clippy::too_many_arguments)] // their arguments
+    fn gather(
+        &self,
+        name: &str,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dt: c_int,
+        comm: Fp,
+        s: Fp,
+    ) -> Result<()> {
+        self.nc(
+            name,
+            call!(
+                self.nccl,
+                name,
+                (u64, u64, usize, c_int, Fp, Fp),
+                send,
+                recv,
+                count,
+                dt,
+                comm,
+                s
+            ),
+        )
+    }
+
     #[allow(clippy::too_many_arguments)] // ncclAllReduce's arguments
     fn allreduce(
         &self,
@@ -519,20 +547,7 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     // allgather of 3 int32: x[i] = 10 rank + i
     let x: Vec<f64> = (0..3).map(|i| 10.0 * r + f64::from(i)).collect();
     let (send, recv) = buffers(api, &encode("int32", &x), 12 * nu)?;
-    api.nc(
-        "ncclAllGather",
-        call!(
-            api.nccl,
-            "ncclAllGather",
-            (u64, u64, usize, c_int, Fp, Fp),
-            send,
-            recv,
-            3,
-            NCCL_INT32,
-            comm,
-            s
-        ),
-    )?;
+    api.gather("ncclAllGather", send, recv, 3, NCCL_INT32, comm, s)?;
     emit(json!({"step": "allgather", "out": decode("int32", &api.get(recv, 12 * nu, s)?)}));
     // reducescatter, 2 float32 per rank: x[i] = 8 rank + i over 2 n elements
     let x: Vec<f64> = (0..2 * n).map(|i| 8.0 * r + f64::from(i)).collect();
@@ -556,20 +571,7 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     // alltoall, 1 int32 per peer: x[j] = 10 rank + j
     let x: Vec<f64> = (0..n).map(|j| 10.0 * r + f64::from(j)).collect();
     let (send, recv) = buffers(api, &encode("int32", &x), 4 * nu)?;
-    api.nc(
-        "ncclAlltoAll",
-        call!(
-            api.nccl,
-            "ncclAlltoAll",
-            (u64, u64, usize, c_int, Fp, Fp),
-            send,
-            recv,
-            1,
-            NCCL_INT32,
-            comm,
-            s
-        ),
-    )?;
+    api.gather("ncclAlltoAll", send, recv, 1, NCCL_INT32, comm, s)?;
     emit(json!({"step": "alltoall", "out": decode("int32", &api.get(recv, 4 * nu, s)?)}));
     // a ring of sends and receives in one group, int64: x[i] = 1000 rank + i
     let x: Vec<f64> = (0..4).map(|i| 1000.0 * r + f64::from(i)).collect();

@@ -15,13 +15,13 @@
 //! a missing one fails the test, it never skips it.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use crate::common::gpu::{exports, nccl_wheel_file, workspace_bin};
+use crate::common::gpu::{exports, nccl_wheel_file, stdout_lines, workspace_bin};
 use serde_json::{json, Value};
 use simgpu::nccl::{config_layout, enum_values, version_code, UNIQUE_ID_BYTES, VERSION};
 use simgpu::testing::{SimConfig, SimNode};
@@ -232,15 +232,7 @@ impl Rank {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn gpu-ckpt-nccl-ranks");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let rx = stdout_lines(&mut child);
         Rank {
             child,
             lines: rx,
@@ -463,5 +455,42 @@ fn docs_list_every_simulated_nccl_call() {
     assert!(
         missing.is_empty(),
         "docs/gpu-sim-api.md does not list these exports: {missing:?}"
+    );
+}
+
+#[test]
+fn a_container_on_simulated_gpus_gets_the_simulated_libnccl() {
+    use crate::common::gpu::{cdi_node, remove, run_gpu, sim_node, Runtime, KIND};
+    let sim = sim_node(SimConfig {
+        gpus: 1,
+        memory_mib: 256,
+        ..SimConfig::default()
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let node = cdi_node("gpu-nccl-cdi", &sim).unwrap_or_else(|e| panic!("{e:#}"));
+    let log = node.paths().dir.join("nccl-lib.log");
+    let id = "nccl-lib";
+    let pid = run_gpu(
+        &node,
+        Runtime::GpuCkpt,
+        &format!("{KIND}=0"),
+        id,
+        &log,
+        &["sleep", "1000"],
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    // The loader's name links to the versioned file the CDI spec mounted, whose bytes are the
+    // node's libnccl.so.2.
+    let root = PathBuf::from(format!("/proc/{pid}/root/usr/lib/x86_64-linux-gnu"));
+    let link = std::fs::read_link(root.join("libnccl.so.2"));
+    let inside = std::fs::read(root.join("libnccl.so.2"));
+    remove(&node, id);
+    assert_eq!(
+        link.expect("libnccl.so.2 in the container"),
+        Path::new(&format!("libnccl.so.{}", simgpu::nccl::VERSION_STRING))
+    );
+    assert!(
+        inside.expect("reading it") == std::fs::read(sim.libnccl()).unwrap(),
+        "the container's libnccl.so.2 is not the node's"
     );
 }

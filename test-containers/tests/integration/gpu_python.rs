@@ -7,12 +7,11 @@
 //! creates under the stack prefix (`$GPU_CKPT_STACK/py`, pinned versions in
 //! test-containers/stack/install.sh). A missing venv fails the test; it never skips it.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::gpu::{exports, workspace_bin};
+use crate::common::gpu::{exports, stdout_lines, workspace_bin};
 use serde_json::Value;
 use simgpu::testing::{SimConfig, SimNode};
 
@@ -93,15 +92,7 @@ impl Fill {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn gpu-fill");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let rx = stdout_lines(&mut child);
         let mut f = Fill { child, lines: rx };
         let l = f.line();
         assert!(l.starts_with("filled "), "gpu-fill: {l}");

@@ -45,6 +45,8 @@ fn check(call: &str, code: CUresult) -> R<()> {
 }
 
 impl Cuda {
+    // Each transmute's target is its field's type, spelled in the struct above.
+    #[allow(clippy::missing_transmute_annotations)]
     fn load() -> Result<Cuda, String> {
         // SAFETY: dlopen of the driver by its soname; the process may have loaded it already.
         let handle = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) };

@@ -84,10 +84,7 @@ pub fn end() -> R<()> {
     })?;
     // Creations block until every rank joins, and the ranks of one process may all be in
     // this group: they run side by side.
-    let handles: Vec<_> = creations
-        .into_iter()
-        .map(|c| std::thread::spawn(c))
-        .collect();
+    let handles: Vec<_> = creations.into_iter().map(std::thread::spawn).collect();
     let mut first: R<()> = Ok(());
     for h in handles {
         let r = h.join().unwrap_or_else(|_| {

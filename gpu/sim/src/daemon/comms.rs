@@ -48,11 +48,38 @@ struct State {
     next_comm: u64,
 }
 
+/// What a gathering of ranks came to, and how many of them have not read it yet.
+struct Outcome<T> {
+    result: Option<Result<T, Fail>>,
+    unread: usize,
+}
+
+impl<T: Clone> Outcome<T> {
+    /// The result for one more reader, and whether it was the last.
+    fn read(&mut self) -> Option<(Result<T, Fail>, bool)> {
+        let r = self.result.clone()?;
+        self.unread = self.unread.saturating_sub(1);
+        Some((r, self.unread == 0))
+    }
+}
+
+/// Reads the outcome of gathering `key` in `map` once, removing it after its last reader.
+fn read_once<K: std::hash::Hash + Eq, V, T: Clone>(
+    map: &mut HashMap<K, V>,
+    key: &K,
+    outcome: impl Fn(&mut V) -> &mut Outcome<T>,
+) -> Option<Result<T, Fail>> {
+    let (r, last) = outcome(map.get_mut(key)?).read()?;
+    if last {
+        map.remove(key);
+    }
+    Some(r)
+}
+
 struct Join {
     nranks: i32,
     members: BTreeMap<i32, [u8; 16]>,
-    result: Option<Result<u64, Fail>>,
-    unread: usize,
+    outcome: Outcome<u64>,
 }
 
 struct CommRec {
@@ -68,8 +95,7 @@ type SplitResult = HashMap<i32, Option<(u64, i32, i32)>>;
 
 struct SplitJoin {
     entries: BTreeMap<i32, (i32, i32)>,
-    result: Option<Result<SplitResult, Fail>>,
-    unread: usize,
+    outcome: Outcome<SplitResult>,
 }
 
 #[derive(Hash, PartialEq, Eq, Clone, Copy, Debug)]
@@ -267,10 +293,12 @@ impl Daemon {
             let j = st.joins.entry(uid.clone()).or_insert_with(|| Join {
                 nranks,
                 members: BTreeMap::new(),
-                result: None,
-                unread: 0,
+                outcome: Outcome {
+                    result: None,
+                    unread: 0,
+                },
             });
-            if j.result.is_none() {
+            if j.outcome.result.is_none() {
                 if j.nranks != nranks {
                     return Err(fail(
                         result::INVALID_USAGE,
@@ -287,7 +315,7 @@ impl Daemon {
                     ));
                 }
                 if let Some((other, _)) = j.members.iter().find(|(_, g)| **g == gpu) {
-                    j.result = Some(Err(fail(
+                    j.outcome.result = Some(Err(fail(
                         result::INVALID_USAGE,
                         format!(
                             "Duplicate GPU detected: rank {rank} and rank {other} both on GPU {}",
@@ -296,33 +324,27 @@ impl Daemon {
                     )));
                 }
                 j.members.insert(rank, gpu);
-                j.unread = j.members.len();
-                if j.result.is_none() && j.members.len() == nranks as usize {
+                j.outcome.unread = j.members.len();
+                if j.outcome.result.is_none() && j.members.len() == nranks as usize {
                     let gpus = j.members.values().copied().collect();
                     let comm = st.new_comm(gpus);
                     if let Some(j) = st.joins.get_mut(&uid) {
-                        j.result = Some(Ok(comm));
+                        j.outcome.result = Some(Ok(comm));
                     }
                 }
                 self.comms.cv.notify_all();
             }
         }
-        let got = self.comms.wait(fd, |st| {
-            let j = st.joins.get_mut(&uid)?;
-            let r = j.result.clone()?;
-            j.unread = j.unread.saturating_sub(1);
-            if j.unread == 0 {
-                st.joins.remove(&uid);
-            }
-            Some(r)
-        });
+        let got = self
+            .comms
+            .wait(fd, |st| read_once(&mut st.joins, &uid, |j| &mut j.outcome));
         match got {
             Some(r) => r.map(|comm| Answer::Comm { comm }),
             None => {
                 // The caller is gone: its rank may join again from another process.
                 let mut st = self.comms.state();
                 if let Some(j) = st.joins.get_mut(&uid) {
-                    if j.result.is_none() {
+                    if j.outcome.result.is_none() {
                         j.members.remove(&rank);
                     }
                 }
@@ -351,8 +373,10 @@ impl Daemon {
                 .unwrap_or_default();
             let sj = st.splits.entry(key_of).or_insert_with(|| SplitJoin {
                 entries: BTreeMap::new(),
-                result: None,
-                unread: nranks,
+                outcome: Outcome {
+                    result: None,
+                    unread: nranks,
+                },
             });
             if sj.entries.insert(rank, (color, key)).is_some() {
                 return Err(fail(
@@ -384,19 +408,13 @@ impl Daemon {
                     }
                 }
                 if let Some(sj) = st.splits.get_mut(&key_of) {
-                    sj.result = Some(Ok(out));
+                    sj.outcome.result = Some(Ok(out));
                 }
                 self.comms.cv.notify_all();
             }
         }
         let got = self.comms.wait(fd, |st| {
-            let sj = st.splits.get_mut(&key_of)?;
-            let r = sj.result.clone()?;
-            sj.unread = sj.unread.saturating_sub(1);
-            if sj.unread == 0 {
-                st.splits.remove(&key_of);
-            }
-            Some(r)
+            read_once(&mut st.splits, &key_of, |s| &mut s.outcome)
         });
         let r = got.ok_or_else(|| fail(result::SYSTEM_ERROR, "the caller is gone"))??;
         Ok(Answer::Split(r.get(&rank).copied().flatten()))
@@ -595,8 +613,8 @@ impl Daemon {
             }
         }
         for ((parent, _), sj) in st.splits.iter_mut() {
-            if *parent == comm && sj.result.is_none() {
-                sj.result = Some(Err(fail(result::REMOTE_ERROR, why.clone())));
+            if *parent == comm && sj.outcome.result.is_none() {
+                sj.outcome.result = Some(Err(fail(result::REMOTE_ERROR, why.clone())));
             }
         }
         self.comms.cv.notify_all();
@@ -619,8 +637,11 @@ impl Daemon {
     }
 }
 
-/// The bytes each rank's output receives: (allocation, offset, bytes).
-fn outputs(parts: &[Part], nranks: usize) -> Result<Vec<(Arc<Alloc>, usize, Vec<u8>)>, Fail> {
+/// Bytes for an output: (allocation, offset, bytes).
+type Write = (Arc<Alloc>, usize, Vec<u8>);
+
+/// The bytes each rank's output receives.
+fn outputs(parts: &[Part], nranks: usize) -> Result<Vec<Write>, Fail> {
     let first = &parts[0].op;
     let name = first.kind.name();
     for p in parts {

@@ -347,20 +347,23 @@ pub async fn cri_pid(cri: &Cri, id: &str) -> Result<i32> {
 
 /// A workspace binary next to the test executable's directory (target/<profile>/).
 pub fn workspace_bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    let mut dir = exe.parent();
-    for _ in 0..2 {
-        let Some(d) = dir else { break };
-        let cand = d.join(name);
-        if cand.is_file() {
-            return cand;
+    simgpu::testing::workspace_binary(name)
+        .unwrap_or_else(|e| panic!("{e:#} (cargo build --workspace)"))
+}
+
+/// The lines `child` prints on its stdout, as they come.
+pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let out = child.stdout.take().expect("stdout piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(l).is_err() {
+                break;
+            }
         }
-        dir = d.parent();
-    }
-    panic!(
-        "{name} not found near {}: build the workspace first (cargo build --workspace)",
-        exe.display()
-    )
+    });
+    rx
 }
 
 /// The library's exported symbols starting with `prefix` (nm -D --defined-only).
