@@ -180,6 +180,21 @@ fn job() -> Job {
 
 const LIMIT: Duration = Duration::from_secs(240);
 
+/// A test of `scenario` with nccl_allreduce (`c`) and one with nccl-train (`rust`).
+macro_rules! both {
+    ($scenario:ident, $c:ident, $rust:ident) => {
+        #[test]
+        fn $c() {
+            $scenario(true);
+        }
+
+        #[test]
+        fn $rust() {
+            $scenario(false);
+        }
+    };
+}
+
 /// Which program: the C one (built for the node) or nccl-train.
 fn program(j: &Job, c: bool) -> &Path {
     if c {
@@ -198,15 +213,7 @@ fn forked(c: bool) {
     check_job(&out);
 }
 
-#[test]
-fn c_four_ranks_forked() {
-    forked(true);
-}
-
-#[test]
-fn rust_four_ranks_forked() {
-    forked(false);
-}
+both!(forked, c_four_ranks_forked, rust_four_ranks_forked);
 
 /// One rank per process (RANK, WORLD_SIZE, LOCAL_RANK, a shared rendezvous directory), then 2
 /// launchers of 2 ranks (the shape of 2 containers of 2 ranks in one pod): ranks 0-1 on GPUs
@@ -252,15 +259,11 @@ fn separate(c: bool) {
     check_job(&succeeded(run_all(vec![half("0"), half("2")], &j.env)));
 }
 
-#[test]
-fn c_one_rank_per_process_and_two_launchers() {
-    separate(true);
-}
-
-#[test]
-fn rust_one_rank_per_process_and_two_launchers() {
-    separate(false);
-}
+both!(
+    separate,
+    c_one_rank_per_process_and_two_launchers,
+    rust_one_rank_per_process_and_two_launchers
+);
 
 /// A flipped element of rank 2's reduced gradient at step 3: that rank names it, the others stop
 /// at the same step, and the job exits 1.
@@ -292,12 +295,8 @@ fn corrupted(c: bool) {
     assert!(out.contains(" exited with "), "{out}");
 }
 
-#[test]
-fn c_corrupted_element_fails_the_job_naming_rank_step_element() {
-    corrupted(true);
-}
-
-#[test]
-fn rust_corrupted_element_fails_the_job_naming_rank_step_element() {
-    corrupted(false);
-}
+both!(
+    corrupted,
+    c_corrupted_element_fails_the_job_naming_rank_step_element,
+    rust_corrupted_element_fails_the_job_naming_rank_step_element
+);
