@@ -126,24 +126,11 @@ pub fn enum_values() -> Vec<(&'static str, i64)> {
     ];
     let mut v: Vec<(&'static str, i64)> =
         results.iter().map(|(n, c)| (*n, i64::from(*c))).collect();
-    let types = [
-        "ncclInt8",
-        "ncclUint8",
-        "ncclInt32",
-        "ncclUint32",
-        "ncclInt64",
-        "ncclUint64",
-        "ncclFloat16",
-        "ncclFloat32",
-        "ncclFloat64",
-        "ncclBfloat16",
-        "ncclFloat8e4m3",
-        "ncclFloat8e5m2",
-    ];
-    v.extend(types.iter().zip(DataType::ALL).map(|(n, t)| (*n, t as i64)));
+    let types = DataType::C_NAMES.iter().zip(DataType::ALL);
+    v.extend(types.map(|(n, t)| (*n, *t as i64)));
     v.push(("ncclNumTypes", i64::from(NUM_TYPES)));
-    let ops = ["ncclSum", "ncclProd", "ncclMax", "ncclMin", "ncclAvg"];
-    v.extend(ops.iter().zip(RedOp::ALL).map(|(n, o)| (*n, o as i64)));
+    let ops = RedOp::C_NAMES.iter().zip(RedOp::ALL);
+    v.extend(ops.map(|(n, o)| (*n, *o as i64)));
     v.push(("ncclNumOps", i64::from(NUM_OPS)));
     v.push(("NCCL_SPLIT_NOCOLOR", i64::from(SPLIT_NOCOLOR)));
     v.push(("NCCL_API_MAGIC", i64::from(API_MAGIC)));
@@ -186,49 +173,43 @@ pub fn error_string(code: u32) -> &'static str {
     }
 }
 
-/// `ncclDataType_t`.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
-pub enum DataType {
-    Int8 = 0,
-    Uint8 = 1,
-    Int32 = 2,
-    Uint32 = 3,
-    Int64 = 4,
-    Uint64 = 5,
-    Float16 = 6,
-    Float32 = 7,
-    Float64 = 8,
-    Bfloat16 = 9,
-    Float8e4m3 = 10,
-    Float8e5m2 = 11,
+/// A C enum of nccl.h: the Rust enum, its values in order (`ALL`), their C names (`C_NAMES`),
+/// and the value of a raw `int`.
+macro_rules! c_enum {
+    ($(#[$m:meta])* $name:ident { $($v:ident = $n:literal => $c:literal),* $(,)? }) => {
+        $(#[$m])*
+        #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(i32)]
+        pub enum $name {
+            $($v = $n),*
+        }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$v),*];
+            pub const C_NAMES: &'static [&'static str] = &[$($c),*];
+
+            pub fn from_raw(v: i32) -> Option<$name> {
+                Self::ALL.iter().copied().find(|x| *x as i32 == v)
+            }
+        }
+    };
 }
+
+c_enum!(
+    /// `ncclDataType_t`.
+    DataType {
+        Int8 = 0 => "ncclInt8", Uint8 = 1 => "ncclUint8", Int32 = 2 => "ncclInt32",
+        Uint32 = 3 => "ncclUint32", Int64 = 4 => "ncclInt64", Uint64 = 5 => "ncclUint64",
+        Float16 = 6 => "ncclFloat16", Float32 = 7 => "ncclFloat32", Float64 = 8 => "ncclFloat64",
+        Bfloat16 = 9 => "ncclBfloat16", Float8e4m3 = 10 => "ncclFloat8e4m3",
+        Float8e5m2 = 11 => "ncclFloat8e5m2",
+    }
+);
 
 /// `ncclNumTypes`.
 pub const NUM_TYPES: i32 = 12;
 
 impl DataType {
-    pub const ALL: [DataType; 12] = [
-        DataType::Int8,
-        DataType::Uint8,
-        DataType::Int32,
-        DataType::Uint32,
-        DataType::Int64,
-        DataType::Uint64,
-        DataType::Float16,
-        DataType::Float32,
-        DataType::Float64,
-        DataType::Bfloat16,
-        DataType::Float8e4m3,
-        DataType::Float8e5m2,
-    ];
-
-    pub fn from_raw(v: i32) -> Option<DataType> {
-        usize::try_from(v)
-            .ok()
-            .and_then(|i| Self::ALL.get(i).copied())
-    }
-
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
@@ -245,29 +226,16 @@ impl DataType {
     }
 }
 
-/// `ncclRedOp_t`'s built-in operators.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
-pub enum RedOp {
-    Sum = 0,
-    Prod = 1,
-    Max = 2,
-    Min = 3,
-    Avg = 4,
-}
+c_enum!(
+    /// `ncclRedOp_t`'s built-in operators.
+    RedOp {
+        Sum = 0 => "ncclSum", Prod = 1 => "ncclProd", Max = 2 => "ncclMax", Min = 3 => "ncclMin",
+        Avg = 4 => "ncclAvg",
+    }
+);
 
 /// `ncclNumOps`.
 pub const NUM_OPS: i32 = 5;
-
-impl RedOp {
-    pub const ALL: [RedOp; 5] = [RedOp::Sum, RedOp::Prod, RedOp::Max, RedOp::Min, RedOp::Avg];
-
-    pub fn from_raw(v: i32) -> Option<RedOp> {
-        usize::try_from(v)
-            .ok()
-            .and_then(|i| Self::ALL.get(i).copied())
-    }
-}
 
 /// What a collective or point-to-point call does.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,9 @@
 //!   in a group, a split, and two communicators (ids HEX and HEX2) used in opposite orders.
 //! - `rank --scenario stuck ...`: an allreduce with the last rank holding back until a line on
 //!   stdin: the others report their streams and events not ready, then finish when it comes.
+//! - `single`: one process, two GPUs: `ncclCommInitAll` and a group of allreduces over its two
+//!   communicators; two ranks made in one group from one thread, a broadcast between them; an
+//!   allreduce rank 1 never joins, released by `ncclCommAbort`.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::io::BufRead;
@@ -45,6 +48,7 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         device: i32,
     },
+    Single,
 }
 
 type Fp = *mut c_void;
@@ -368,60 +372,32 @@ impl Api {
         Ok((n, r, d))
     }
 
-    /// ncclAllGather or ncclAlltoAll: (sendbuff, recvbuff, count, datatype, comm, stream).
-    #[allow(clippy::too_many_arguments)] // their arguments
-    fn gather(
-        &self,
-        name: &str,
-        send: u64,
-        recv: u64,
-        count: usize,
-        dt: c_int,
-        comm: Fp,
-        s: Fp,
-    ) -> Result<()> {
-        self.nc(
-            name,
-            call!(
-                self.nccl,
-                name,
-                (u64, u64, usize, c_int, Fp, Fp),
-                send,
-                recv,
-                count,
-                dt,
-                comm,
-                s
-            ),
-        )
+    /// Collective `name` from `bufs.0` into `bufs.1`, each call with the arguments nccl.h gives it
+    /// (`op` where it reduces, `root` where it has one).
+    #[allow(clippy::too_many_arguments)] // a collective's arguments
+    #[rustfmt::skip]
+    fn coll(&self, name: &str, bufs: (u64, u64), count: usize, dt: c_int, op: c_int, root: c_int, comm: Fp, s: Fp) -> Result<()> {
+        let (send, recv) = bufs;
+        let rc = match name {
+            "ncclAllReduce" | "ncclReduceScatter" => call!(self.nccl, name, (u64, u64, usize, c_int, c_int, Fp, Fp), send, recv, count, dt, op, comm, s),
+            "ncclBroadcast" => call!(self.nccl, name, (u64, u64, usize, c_int, c_int, Fp, Fp), send, recv, count, dt, root, comm, s),
+            "ncclReduce" => call!(self.nccl, name, (u64, u64, usize, c_int, c_int, c_int, Fp, Fp), send, recv, count, dt, op, root, comm, s),
+            // ncclAllGather, ncclAlltoAll
+            _ => call!(self.nccl, name, (u64, u64, usize, c_int, Fp, Fp), send, recv, count, dt, comm, s),
+        };
+        self.nc(name, rc)
     }
 
-    #[allow(clippy::too_many_arguments)] // ncclAllReduce's arguments
     fn allreduce(
         &self,
-        send: u64,
-        recv: u64,
+        bufs: (u64, u64),
         count: usize,
         dt: c_int,
         op: c_int,
         comm: Fp,
         s: Fp,
     ) -> Result<()> {
-        self.nc(
-            "ncclAllReduce",
-            call!(
-                self.nccl,
-                "ncclAllReduce",
-                (u64, u64, usize, c_int, c_int, Fp, Fp),
-                send,
-                recv,
-                count,
-                dt,
-                op,
-                comm,
-                s
-            ),
-        )
+        self.coll("ncclAllReduce", bufs, count, dt, op, 0, comm, s)
     }
 }
 
@@ -474,7 +450,7 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     for (dt, name, size) in TYPES {
         let x: Vec<f64> = (0..5).map(|i| r + f64::from(i) + 1.0).collect();
         let (send, recv) = buffers(api, &encode(name, &x), 5 * size)?;
-        api.allreduce(send, recv, 5, *dt, NCCL_SUM, comm, s)?;
+        api.allreduce((send, recv), 5, *dt, NCCL_SUM, comm, s)?;
         let out = decode(name, &api.get(recv, 5 * size, s)?);
         emit(json!({"step": "allreduce", "dtype": name, "op": "sum", "out": out}));
     }
@@ -492,53 +468,33 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
         let x: Vec<f64> = (0..4).map(|i| f(r, f64::from(i))).collect();
         let b = encode(name, &x);
         let (send, recv) = buffers(api, &b, b.len())?;
-        api.allreduce(send, recv, 4, dt, op, comm, s)?;
+        api.allreduce((send, recv), 4, dt, op, comm, s)?;
         let out = decode(name, &api.get(recv, b.len(), s)?);
         emit(json!({"step": "allreduce", "dtype": name, "op": opname, "out": out}));
     }
     // in place, int32: x[i] = 3 rank + i
     let x: Vec<f64> = (0..4).map(|i| 3.0 * r + f64::from(i)).collect();
     let buf = buffers(api, &encode("int32", &x), 0)?.0;
-    api.allreduce(buf, buf, 4, NCCL_INT32, NCCL_SUM, comm, s)?;
+    api.allreduce((buf, buf), 4, NCCL_INT32, NCCL_SUM, comm, s)?;
     let out = decode("int32", &api.get(buf, 16, s)?);
     emit(json!({"step": "allreduce_inplace", "out": out}));
     // broadcast from rank 2, float32: x[i] = 100 rank + i
     let x: Vec<f64> = (0..4).map(|i| 100.0 * r + f64::from(i)).collect();
     let (send, recv) = buffers(api, &encode("float32", &x), 16)?;
-    api.nc(
-        "ncclBroadcast",
-        call!(
-            api.nccl,
-            "ncclBroadcast",
-            (u64, u64, usize, c_int, c_int, Fp, Fp),
-            send,
-            recv,
-            4,
-            7,
-            2,
-            comm,
-            s
-        ),
-    )?;
+    api.coll("ncclBroadcast", (send, recv), 4, 7, 0, 2, comm, s)?;
     emit(json!({"step": "broadcast", "root": 2, "out": decode("float32", &api.get(recv, 16, s)?)}));
     // reduce to rank 1, int32 sum: x[i] = 7 rank + i
     let x: Vec<f64> = (0..4).map(|i| 7.0 * r + f64::from(i)).collect();
     let (send, recv) = buffers(api, &encode("int32", &x), 16)?;
-    api.nc(
+    api.coll(
         "ncclReduce",
-        call!(
-            api.nccl,
-            "ncclReduce",
-            (u64, u64, usize, c_int, c_int, c_int, Fp, Fp),
-            send,
-            recv,
-            4,
-            NCCL_INT32,
-            NCCL_SUM,
-            1,
-            comm,
-            s
-        ),
+        (send, recv),
+        4,
+        NCCL_INT32,
+        NCCL_SUM,
+        1,
+        comm,
+        s,
     )?;
     let out = decode("int32", &api.get(recv, 16, s)?);
     emit(
@@ -547,31 +503,26 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     // allgather of 3 int32: x[i] = 10 rank + i
     let x: Vec<f64> = (0..3).map(|i| 10.0 * r + f64::from(i)).collect();
     let (send, recv) = buffers(api, &encode("int32", &x), 12 * nu)?;
-    api.gather("ncclAllGather", send, recv, 3, NCCL_INT32, comm, s)?;
+    api.coll("ncclAllGather", (send, recv), 3, NCCL_INT32, 0, 0, comm, s)?;
     emit(json!({"step": "allgather", "out": decode("int32", &api.get(recv, 12 * nu, s)?)}));
     // reducescatter, 2 float32 per rank: x[i] = 8 rank + i over 2 n elements
     let x: Vec<f64> = (0..2 * n).map(|i| 8.0 * r + f64::from(i)).collect();
     let (send, recv) = buffers(api, &encode("float32", &x), 8)?;
-    api.nc(
+    api.coll(
         "ncclReduceScatter",
-        call!(
-            api.nccl,
-            "ncclReduceScatter",
-            (u64, u64, usize, c_int, c_int, Fp, Fp),
-            send,
-            recv,
-            2,
-            7,
-            NCCL_SUM,
-            comm,
-            s
-        ),
+        (send, recv),
+        2,
+        7,
+        NCCL_SUM,
+        0,
+        comm,
+        s,
     )?;
     emit(json!({"step": "reducescatter", "out": decode("float32", &api.get(recv, 8, s)?)}));
     // alltoall, 1 int32 per peer: x[j] = 10 rank + j
     let x: Vec<f64> = (0..n).map(|j| 10.0 * r + f64::from(j)).collect();
     let (send, recv) = buffers(api, &encode("int32", &x), 4 * nu)?;
-    api.gather("ncclAlltoAll", send, recv, 1, NCCL_INT32, comm, s)?;
+    api.coll("ncclAlltoAll", (send, recv), 1, NCCL_INT32, 0, 0, comm, s)?;
     emit(json!({"step": "alltoall", "out": decode("int32", &api.get(recv, 4 * nu, s)?)}));
     // a ring of sends and receives in one group, int64: x[i] = 1000 rank + i
     let x: Vec<f64> = (0..4).map(|i| 1000.0 * r + f64::from(i)).collect();
@@ -625,7 +576,7 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     )?;
     let (scount, srank, _) = api.info(sub)?;
     let (send, recv) = buffers(api, &encode("int32", &[r]), 4)?;
-    api.allreduce(send, recv, 1, NCCL_INT32, NCCL_SUM, sub, s)?;
+    api.allreduce((send, recv), 1, NCCL_INT32, NCCL_SUM, sub, s)?;
     emit(
         json!({"step": "split", "color": rank % 2, "count": scount, "rank": srank, "out": decode("int32", &api.get(recv, 4, s)?)}),
     );
@@ -635,8 +586,8 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     let (sa, sb) = (api.stream()?, api.stream()?);
     let (a_send, a_recv) = buffers(api, &encode("int32", &[r + 1.0; 3]), 12)?;
     let (b_send, b_recv) = buffers(api, &encode("int32", &[100.0 * (r + 1.0); 3]), 12)?;
-    let a = || api.allreduce(a_send, a_recv, 3, NCCL_INT32, NCCL_SUM, comm, sa);
-    let b = || api.allreduce(b_send, b_recv, 3, NCCL_INT32, NCCL_SUM, comm_b, sb);
+    let a = || api.allreduce((a_send, a_recv), 3, NCCL_INT32, NCCL_SUM, comm, sa);
+    let b = || api.allreduce((b_send, b_recv), 3, NCCL_INT32, NCCL_SUM, comm_b, sb);
     if rank % 2 == 0 {
         a()?;
         b()?;
@@ -672,6 +623,101 @@ fn all(api: &Api, rank: c_int, n: c_int, id: UniqueId, id2: UniqueId) -> Result<
     Ok(())
 }
 
+/// Device `dev`'s context made current, and a stream, input and output buffers of 4 int32 there.
+fn on_device(api: &Api, dev: c_int, x: f64) -> Result<(Fp, u64, u64)> {
+    api.init_device(dev)?;
+    let s = api.stream()?;
+    let (send, recv) = buffers(api, &encode("int32", &[x; 4]), 16)?;
+    Ok((s, send, recv))
+}
+
+/// One process driving two GPUs.
+fn single(api: &Api) -> Result<()> {
+    // ncclCommInitAll, and one group of an allreduce per communicator, each on its device.
+    let mut comms: [Fp; 2] = [std::ptr::null_mut(); 2];
+    api.nc(
+        "ncclCommInitAll",
+        call!(
+            api.nccl,
+            "ncclCommInitAll",
+            (*mut Fp, c_int, *const c_int),
+            comms.as_mut_ptr(),
+            2,
+            std::ptr::null()
+        ),
+    )?;
+    let mut bufs = Vec::new();
+    for (i, c) in comms.iter().enumerate() {
+        let (n, r, d) = api.info(*c)?;
+        emit(json!({"step": "init_all", "count": n, "rank": r, "device": d}));
+        bufs.push(on_device(api, i as c_int, i as f64 + 1.0)?);
+    }
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (c, (s, send, recv)) in comms.iter().zip(&bufs) {
+        api.allreduce((*send, *recv), 4, NCCL_INT32, NCCL_SUM, *c, *s)?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    for (i, (s, _, recv)) in bufs.iter().enumerate() {
+        api.init_device(i as c_int)?;
+        emit(json!({"step": "group_allreduce", "out": decode("int32", &api.get(*recv, 16, *s)?)}));
+    }
+    for c in comms {
+        api.nc(
+            "ncclCommDestroy",
+            call!(api.nccl, "ncclCommDestroy", (Fp), c),
+        )?;
+    }
+    // Two ranks made in one group by one thread, then a broadcast from rank 1 in a group.
+    let id = api.unique_id()?;
+    let mut ranks: [Fp; 2] = [std::ptr::null_mut(); 2];
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (i, c) in ranks.iter_mut().enumerate() {
+        api.init_device(i as c_int)?;
+        api.nc(
+            "ncclCommInitRank",
+            call!(
+                api.nccl,
+                "ncclCommInitRank",
+                (*mut Fp, c_int, UniqueId, c_int),
+                c,
+                2,
+                id,
+                i as c_int
+            ),
+        )?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    api.nc("ncclGroupStart", call!(api.nccl, "ncclGroupStart", ()))?;
+    for (i, (c, (s, send, recv))) in ranks.iter().zip(&bufs).enumerate() {
+        let (_, r, d) = api.info(*c)?;
+        emit(json!({"step": "group_init", "rank": r, "device": d, "index": i}));
+        api.coll("ncclBroadcast", (*send, *recv), 4, NCCL_INT32, 0, 1, *c, *s)?;
+    }
+    api.nc("ncclGroupEnd", call!(api.nccl, "ncclGroupEnd", ()))?;
+    for (i, (s, _, recv)) in bufs.iter().enumerate() {
+        api.init_device(i as c_int)?;
+        emit(json!({"step": "group_broadcast", "out": decode("int32", &api.get(*recv, 16, *s)?)}));
+    }
+    // Rank 0 alone: its stream waits for rank 1 until rank 0 aborts the communicator.
+    let (s0, send0, recv0) = bufs[0];
+    api.init_device(0)?;
+    api.allreduce((send0, recv0), 4, NCCL_INT32, NCCL_SUM, ranks[0], s0)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let before = call!(api.cuda, "cuStreamQuery", (Fp), s0);
+    api.nc(
+        "ncclCommAbort",
+        call!(api.nccl, "ncclCommAbort", (Fp), ranks[0]),
+    )?;
+    api.sync(s0)?;
+    let after = call!(api.cuda, "cuStreamQuery", (Fp), s0);
+    emit(json!({"step": "abort", "before": before, "after": after}));
+    api.nc(
+        "ncclCommDestroy",
+        call!(api.nccl, "ncclCommDestroy", (Fp), ranks[1]),
+    )?;
+    Ok(())
+}
+
 /// An allreduce whose last rank holds back until a line on stdin.
 fn stuck(api: &Api, rank: c_int, n: c_int, id: UniqueId) -> Result<()> {
     let comm = api.init(id, n, rank)?;
@@ -681,9 +727,9 @@ fn stuck(api: &Api, rank: c_int, n: c_int, id: UniqueId) -> Result<()> {
         emit(json!({"step": "holding"}));
         let mut line = String::new();
         std::io::stdin().lock().read_line(&mut line)?;
-        api.allreduce(send, recv, 4, NCCL_INT32, NCCL_SUM, comm, s)?;
+        api.allreduce((send, recv), 4, NCCL_INT32, NCCL_SUM, comm, s)?;
     } else {
-        api.allreduce(send, recv, 4, NCCL_INT32, NCCL_SUM, comm, s)?;
+        api.allreduce((send, recv), 4, NCCL_INT32, NCCL_SUM, comm, s)?;
         let mut ev: Fp = std::ptr::null_mut();
         api.cu(
             "cuEventCreate",
@@ -714,6 +760,10 @@ fn main() -> Result<()> {
             for _ in 0..count {
                 println!("{}", hex(&api.unique_id()?));
             }
+        }
+        Cmd::Single => {
+            single(&api)?;
+            emit(json!({"done": true}));
         }
         Cmd::Rank {
             scenario,

@@ -293,7 +293,7 @@ fn unique_ids(sim: &SimNode, count: usize) -> Vec<String> {
     ids
 }
 
-fn out(v: &Value) -> Vec<f64> {
+fn out_of(v: &Value) -> Vec<f64> {
     v["out"]
         .as_array()
         .unwrap_or_else(|| panic!("no out in {v}"))
@@ -343,7 +343,7 @@ fn four_ranks_on_four_gpus_move_real_bytes() {
         for _ in 0..7 {
             let l = rank.step("allreduce");
             assert_eq!(l["op"], "sum", "{l}");
-            types.insert(l["dtype"].as_str().unwrap().to_string(), out(&l));
+            types.insert(l["dtype"].as_str().unwrap().to_string(), out_of(&l));
         }
         // x[i] = rank + i + 1 on each rank: the sum over 4 ranks is 4 i + 10.
         let sum = floats((0..5).map(|i| 4 * i + 10));
@@ -354,40 +354,40 @@ fn four_ranks_on_four_gpus_move_real_bytes() {
         }
         let l = rank.step("allreduce");
         assert_eq!(
-            (l["op"].as_str(), out(&l)),
+            (l["op"].as_str(), out_of(&l)),
             (Some("max"), floats((0..4).map(|i| 6 - i)))
         );
         let l = rank.step("allreduce");
         assert_eq!(l["op"], "avg");
-        assert_eq!(out(&l), vec![1.5, 2.5, 3.5, 4.5]);
+        assert_eq!(out_of(&l), vec![1.5, 2.5, 3.5, 4.5]);
         let l = rank.step("allreduce_inplace");
-        assert_eq!(out(&l), floats((0..4).map(|i| 18 + 4 * i)), "{l}");
+        assert_eq!(out_of(&l), floats((0..4).map(|i| 18 + 4 * i)), "{l}");
         let l = rank.step("broadcast");
-        assert_eq!(out(&l), floats((0..4).map(|i| 200 + i)), "{l}");
+        assert_eq!(out_of(&l), floats((0..4).map(|i| 200 + i)), "{l}");
         let l = rank.step("reduce");
         if r == 1 {
-            assert_eq!(out(&l), floats((0..4).map(|i| 42 + 4 * i)), "{l}");
+            assert_eq!(out_of(&l), floats((0..4).map(|i| 42 + 4 * i)), "{l}");
         } else {
             assert_eq!(l["out"], Value::Null);
         }
         let l = rank.step("allgather");
         let want = (0..N).flat_map(|s| (0..3).map(move |i| 10 * s + i));
-        assert_eq!(out(&l), floats(want), "{l}");
+        assert_eq!(out_of(&l), floats(want), "{l}");
         let l = rank.step("reducescatter");
         // Sum over ranks s of 8 s + j is 48 + 4 j; rank r gets j = 2r, 2r + 1.
-        assert_eq!(out(&l), floats([48 + 8 * r, 52 + 8 * r]), "{l}");
+        assert_eq!(out_of(&l), floats([48 + 8 * r, 52 + 8 * r]), "{l}");
         let l = rank.step("alltoall");
-        assert_eq!(out(&l), floats((0..N).map(|j| 10 * j + r)), "{l}");
+        assert_eq!(out_of(&l), floats((0..N).map(|j| 10 * j + r)), "{l}");
         let l = rank.step("sendrecv");
         let prev = (r + N - 1) % N;
         assert_eq!(l["from"], prev);
-        assert_eq!(out(&l), floats((0..4).map(|i| 1000 * prev + i)), "{l}");
+        assert_eq!(out_of(&l), floats((0..4).map(|i| 1000 * prev + i)), "{l}");
         // Split by parity, keys -rank: {0, 2} and {1, 3}, the higher rank first.
         let l = rank.step("split");
         assert_eq!(l["count"], 2, "{l}");
         assert_eq!(l["rank"], i64::from(r < 2), "{l}");
         let color = r % 2;
-        assert_eq!(out(&l), floats([2 * color + 2]), "{l}");
+        assert_eq!(out_of(&l), floats([2 * color + 2]), "{l}");
         // Two communicators, called in opposite orders: each sums only its own values.
         let l = rank.step("two_comms");
         assert_eq!(l["a"], json!([10.0, 10.0, 10.0]), "{l}");
@@ -437,9 +437,68 @@ fn a_rank_that_holds_back_leaves_the_others_streams_incomplete() {
     writeln!(ranks[3].stdin(), "go").unwrap();
     for rank in &mut ranks {
         let l = rank.step("allreduce");
-        assert_eq!(out(&l), vec![10.0; 4], "{l}");
+        assert_eq!(out_of(&l), vec![10.0; 4], "{l}");
         rank.step("done");
     }
+}
+
+#[test]
+fn one_process_drives_two_gpus_through_init_all_groups_and_abort() {
+    let sim = node(2);
+    let out = Command::new(workspace_bin("gpu-ckpt-nccl-ranks"))
+        .arg("single")
+        .envs(sim.env())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let steps =
+        |name: &str| -> Vec<&Value> { lines.iter().filter(|l| l["step"] == name).collect() };
+    // ncclCommInitAll: one communicator of two ranks, rank i on device i.
+    let all = steps("init_all");
+    assert_eq!(all.len(), 2, "{stdout}");
+    for (i, l) in all.iter().enumerate() {
+        assert_eq!(
+            (l["count"].clone(), l["rank"].clone(), l["device"].clone()),
+            (json!(2), json!(i), json!(i)),
+            "{l}"
+        );
+    }
+    // One group of an allreduce per rank: 1 + 2 on both devices.
+    for l in steps("group_allreduce") {
+        assert_eq!(out_of(l), vec![3.0; 4], "{l}");
+    }
+    // Two ranks made in one group by one thread; a broadcast of rank 1's values (2).
+    let inits = steps("group_init");
+    assert_eq!(inits.len(), 2, "{stdout}");
+    for l in inits {
+        assert_eq!(l["rank"], l["index"], "{l}");
+        assert_eq!(l["device"], l["index"], "{l}");
+    }
+    let bc = steps("group_broadcast");
+    assert_eq!(bc.len(), 2, "{stdout}");
+    for l in bc {
+        assert_eq!(out_of(l), vec![2.0; 4], "{l}");
+    }
+    // The stream waited for rank 1 (CUDA_ERROR_NOT_READY) until ncclCommAbort released it.
+    let a = steps("abort");
+    assert_eq!(a.len(), 1, "{stdout}");
+    assert_eq!(
+        (a[0]["before"].clone(), a[0]["after"].clone()),
+        (json!(600), json!(0)),
+        "{}",
+        a[0]
+    );
+    assert_eq!(lines.last().map(|l| l["done"].clone()), Some(json!(true)));
 }
 
 #[test]

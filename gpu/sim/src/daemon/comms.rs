@@ -501,32 +501,21 @@ impl Daemon {
             }
             parts.push((self.part(pid, op, gpu, nranks)?, nranks));
         }
+        let keys = self.contribute(parts)?;
+        self.wait_slots(fd, keys)
+    }
+
+    /// Puts each part into its slot, and runs the slots it completes: the slots' keys, one per
+    /// part.
+    fn contribute(&self, parts: Vec<(Part, usize)>) -> Result<Vec<SlotKey>, Fail> {
         let mut keys = Vec::new();
         let mut ready = Vec::new();
         {
             let mut st = self.comms.state();
             for (part, nranks) in parts {
-                let op = &part.op;
-                st.member(op.comm, op.rank)?;
-                let key = match op.kind {
-                    Kind::Send => SlotKey::P2p {
-                        comm: op.comm,
-                        src: op.rank,
-                        dst: op.peer,
-                        seq: op.seq,
-                    },
-                    Kind::Recv => SlotKey::P2p {
-                        comm: op.comm,
-                        src: op.peer,
-                        dst: op.rank,
-                        seq: op.seq,
-                    },
-                    _ => SlotKey::Coll {
-                        comm: op.comm,
-                        seq: op.seq,
-                    },
-                };
-                let need = if op.kind.is_p2p() { 2 } else { nranks };
+                st.member(part.op.comm, part.op.rank)?;
+                let key = slot_key(&part.op);
+                let need = if part.op.kind.is_p2p() { 2 } else { nranks };
                 let slot = st.slots.entry(key).or_insert_with(|| Slot {
                     need,
                     nranks,
@@ -546,6 +535,11 @@ impl Daemon {
         for key in ready {
             self.execute(key);
         }
+        Ok(keys)
+    }
+
+    /// Waits until every slot of `keys` is done: the first error among them, if any.
+    fn wait_slots(&self, fd: RawFd, keys: Vec<SlotKey>) -> Result<Answer, Fail> {
         let got = self.comms.wait(fd, |st| {
             if keys
                 .iter()
@@ -637,11 +631,32 @@ impl Daemon {
     }
 }
 
-/// Bytes for an output: (allocation, offset, bytes).
-type Write = (Arc<Alloc>, usize, Vec<u8>);
+/// Where an operation meets its peers: a collective by the communicator's sequence, a send and
+/// its receive by (sender, receiver, sequence).
+fn slot_key(op: &Op) -> SlotKey {
+    match op.kind {
+        Kind::Send => SlotKey::P2p {
+            comm: op.comm,
+            src: op.rank,
+            dst: op.peer,
+            seq: op.seq,
+        },
+        Kind::Recv => SlotKey::P2p {
+            comm: op.comm,
+            src: op.peer,
+            dst: op.rank,
+            seq: op.seq,
+        },
+        _ => SlotKey::Coll {
+            comm: op.comm,
+            seq: op.seq,
+        },
+    }
+}
 
-/// The bytes each rank's output receives.
-fn outputs(parts: &[Part], nranks: usize) -> Result<Vec<Write>, Fail> {
+/// Whether the ranks' calls of one slot agree (kind, count, type, operator, root), and its type
+/// is one the simulator reduces where it reduces.
+fn agree(parts: &[Part]) -> Result<(), Fail> {
     let first = &parts[0].op;
     let name = first.kind.name();
     for p in parts {
@@ -672,6 +687,16 @@ fn outputs(parts: &[Part], nranks: usize) -> Result<Vec<Write>, Fail> {
             format!("{name}: reductions of {:?} are not simulated", first.dtype),
         ));
     }
+    Ok(())
+}
+
+/// Bytes for an output: (allocation, offset, bytes).
+type Write = (Arc<Alloc>, usize, Vec<u8>);
+
+/// The bytes each rank's output receives.
+fn outputs(parts: &[Part], nranks: usize) -> Result<Vec<Write>, Fail> {
+    agree(parts)?;
+    let first = &parts[0].op;
     let one = (first.count as usize) * first.dtype.size();
     let reduce_all = |parts: &[Part]| {
         let mut acc = parts[0].input.clone();
