@@ -53,7 +53,8 @@ PY_PINS=(cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 nvidia-ml-py==13.615.71)
 # Go SDK as a Python library (no helm binary), and the Kubernetes API's JSON schemas per version,
 # shipped inside the package (1.28 to 1.37 in 1.37.0), so validation needs no network.
 PY_PINS+=(helm-python-sdk==0.2.2 kubernetes-validate==1.37.0)
-# NVIDIA's real NCCL (tests/integration/gpu_unsupported.rs: a GPU process that maps it is refused):
+# NVIDIA's real NCCL (tests/integration/gpu_unsupported.rs: a GPU process that maps it is refused;
+# gpu_nccl.rs: the simulated libnccl.so.2 checked against it and its nccl.h):
 # the wheel (206.6 MB) has sha256 76e7aad00482092baf01e13e66f441d54c96b5cf1e3f143dee27db7f731d41ba,
 # and its library the sha256 below, checked after the install.
 PY_PINS+=(nvidia-nccl-cu13==2.32.6)

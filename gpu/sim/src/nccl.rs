@@ -140,16 +140,12 @@ pub fn enum_values() -> Vec<(&'static str, i64)> {
 }
 
 /// `ncclResult_t`.
+#[rustfmt::skip]
 pub mod result {
-    pub const SUCCESS: u32 = 0;
-    pub const UNHANDLED_CUDA_ERROR: u32 = 1;
-    pub const SYSTEM_ERROR: u32 = 2;
-    pub const INTERNAL_ERROR: u32 = 3;
-    pub const INVALID_ARGUMENT: u32 = 4;
-    pub const INVALID_USAGE: u32 = 5;
-    pub const REMOTE_ERROR: u32 = 6;
-    pub const IN_PROGRESS: u32 = 7;
-    pub const TIMEOUT: u32 = 8;
+    pub const SUCCESS: u32 = 0; pub const UNHANDLED_CUDA_ERROR: u32 = 1;
+    pub const SYSTEM_ERROR: u32 = 2; pub const INTERNAL_ERROR: u32 = 3;
+    pub const INVALID_ARGUMENT: u32 = 4; pub const INVALID_USAGE: u32 = 5;
+    pub const REMOTE_ERROR: u32 = 6; pub const IN_PROGRESS: u32 = 7; pub const TIMEOUT: u32 = 8;
     pub const NUM_RESULTS: u32 = 9;
 }
 

@@ -104,37 +104,13 @@ fn abi_agrees_with_nvidias_libnccl() {
         foreign.is_empty(),
         "exported by the simulated libnccl.so.2, not by NVIDIA's: {foreign:?}"
     );
-    for needed in [
-        "ncclGetVersion",
-        "ncclGetUniqueId",
-        "ncclCommInitRank",
-        "ncclCommInitRankConfig",
-        "ncclCommInitAll",
-        "ncclCommSplit",
-        "ncclCommFinalize",
-        "ncclCommDestroy",
-        "ncclCommAbort",
-        "ncclCommCount",
-        "ncclCommCuDevice",
-        "ncclCommUserRank",
-        "ncclCommGetAsyncError",
-        "ncclGetErrorString",
-        "ncclGetLastError",
-        "ncclAllReduce",
-        "ncclBroadcast",
-        "ncclBcast",
-        "ncclReduce",
-        "ncclAllGather",
-        "ncclReduceScatter",
-        "ncclSend",
-        "ncclRecv",
-        "ncclGroupStart",
-        "ncclGroupEnd",
-        "ncclCommRegister",
-        "ncclCommDeregister",
-        "ncclCommSuspend",
-        "ncclCommResume",
-    ] {
+    let needed = "ncclGetVersion ncclGetUniqueId ncclCommInitRank ncclCommInitRankConfig \
+        ncclCommInitAll ncclCommSplit ncclCommFinalize ncclCommDestroy ncclCommAbort ncclCommCount \
+        ncclCommCuDevice ncclCommUserRank ncclCommGetAsyncError ncclGetErrorString ncclGetLastError \
+        ncclAllReduce ncclBroadcast ncclBcast ncclReduce ncclAllGather ncclReduceScatter ncclSend \
+        ncclRecv ncclGroupStart ncclGroupEnd ncclCommRegister ncclCommDeregister ncclCommSuspend \
+        ncclCommResume";
+    for needed in needed.split_whitespace() {
         assert!(
             sim_exports.iter().any(|s| s == needed),
             "the simulated libnccl.so.2 does not export {needed}"
@@ -220,16 +196,15 @@ struct Rank {
 impl Rank {
     fn start(sim: &SimNode, rank: usize, args: &[String]) -> Rank {
         let uuid = &sim.uuids()[rank];
-        let mut child = Command::new(workspace_bin("gpu-ckpt-nccl-ranks"))
-            .arg("rank")
+        let mut cmd = ranks_cmd(sim);
+        cmd.arg("rank")
             .args(args)
-            .args(["--rank", &rank.to_string()])
-            .envs(sim.env())
-            // Each process sees its own GPU only, as device 0.
-            .env(simgpu::proto::ENV_VISIBLE, uuid)
+            .args(["--rank", &rank.to_string()]);
+        // Each process sees its own GPU only, as device 0; stdin lets a test release it.
+        cmd.env(simgpu::proto::ENV_VISIBLE, uuid);
+        let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn gpu-ckpt-nccl-ranks");
         let rx = stdout_lines(&mut child);
@@ -271,18 +246,24 @@ impl Drop for Rank {
     }
 }
 
+/// gpu-ckpt-nccl-ranks on `sim`'s GPUs.
+fn ranks_cmd(sim: &SimNode) -> Command {
+    let mut c = Command::new(workspace_bin("gpu-ckpt-nccl-ranks"));
+    c.envs(sim.env()).stdin(Stdio::null());
+    c
+}
+
+/// What `gpu-ckpt-nccl-ranks <args>` printed, once it succeeded.
+fn ranks_output(sim: &SimNode, args: &[&str]) -> String {
+    let out = ranks_cmd(sim).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {stdout}\n{stderr}");
+    stdout
+}
+
 fn unique_ids(sim: &SimNode, count: usize) -> Vec<String> {
-    let out = Command::new(workspace_bin("gpu-ckpt-nccl-ranks"))
-        .args(["uid", "--count", &count.to_string()])
-        .envs(sim.env())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+    let ids: Vec<String> = ranks_output(sim, &["uid", "--count", &count.to_string()])
         .lines()
         .map(str::to_string)
         .collect();
@@ -291,6 +272,21 @@ fn unique_ids(sim: &SimNode, count: usize) -> Vec<String> {
         assert_eq!(id.len(), 2 * UNIQUE_ID_BYTES, "{id}");
     }
     ids
+}
+
+/// The arguments of the `stuck` scenario for `n` ranks on a fresh unique id.
+fn stuck_args(sim: &SimNode, n: usize) -> Vec<String> {
+    let id = unique_ids(sim, 1).remove(0);
+    [
+        "--scenario",
+        "stuck",
+        "--nranks",
+        &n.to_string(),
+        "--id",
+        &id,
+    ]
+    .map(str::to_string)
+    .to_vec()
 }
 
 fn out_of(v: &Value) -> Vec<f64> {
@@ -405,11 +401,7 @@ fn four_ranks_on_four_gpus_move_real_bytes() {
 #[test]
 fn a_rank_that_holds_back_leaves_the_others_streams_incomplete() {
     let sim = node(4);
-    let id = unique_ids(&sim, 1).remove(0);
-    let args: Vec<String> = ["--scenario", "stuck", "--nranks", "4", "--id", &id]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args = stuck_args(&sim, 4);
     let mut ranks: Vec<Rank> = (0..4).map(|r| Rank::start(&sim, r, &args)).collect();
     ranks[3].step("holding");
     // Each rank holds its own GPU: the daemon lists the four processes, one per GPU.
@@ -445,18 +437,7 @@ fn a_rank_that_holds_back_leaves_the_others_streams_incomplete() {
 #[test]
 fn one_process_drives_two_gpus_through_init_all_groups_and_abort() {
     let sim = node(2);
-    let out = Command::new(workspace_bin("gpu-ckpt-nccl-ranks"))
-        .arg("single")
-        .envs(sim.env())
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = ranks_output(&sim, &["single"]);
     let lines: Vec<Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
@@ -499,6 +480,35 @@ fn one_process_drives_two_gpus_through_init_all_groups_and_abort() {
         a[0]
     );
     assert_eq!(lines.last().map(|l| l["done"].clone()), Some(json!(true)));
+}
+
+#[test]
+fn two_ranks_on_one_gpu_are_refused() {
+    let sim = node(2);
+    let args = stuck_args(&sim, 2);
+    // Both ranks on GPU 0: NCCL refuses the communicator on each (ncclInvalidUsage).
+    let outs: Vec<std::process::Output> = std::thread::scope(|sc| {
+        let runs: Vec<_> = (0..2)
+            .map(|r| {
+                let mut cmd = ranks_cmd(&sim);
+                cmd.arg("rank").args(&args).args(["--rank", &r.to_string()]);
+                cmd.env(simgpu::proto::ENV_VISIBLE, &sim.uuids()[0]);
+                sc.spawn(move || cmd.output().unwrap())
+            })
+            .collect();
+        runs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for out in outs {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "a rank on a shared GPU ran: {stderr}"
+        );
+        assert!(
+            stderr.contains("ncclCommInitRank: ncclResult 5"),
+            "not refused as invalid usage: {stderr}"
+        );
+    }
 }
 
 #[test]

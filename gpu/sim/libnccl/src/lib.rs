@@ -254,6 +254,29 @@ fn enqueue(
     })
 }
 
+/// Takes communicator `h` out of use and its rank out of the daemon's communicator: after its
+/// operations completed (destroy, which finalizes first where the caller did not), or failing
+/// every pending operation of the communicator on every rank, whose streams then complete
+/// (abort).
+fn end_comm(h: NcclComm, abort: bool) -> R<()> {
+    let c = comm::get(h)?;
+    if !abort {
+        c.flush();
+    }
+    comm::unpublish(h);
+    let (id, rank) = {
+        let st = c.state();
+        (st.daemon, st.rank)
+    };
+    if let Some(comm) = id {
+        if abort {
+            comm::daemon(simgpu::nccl::Call::Abort { comm, rank })?;
+        }
+        comm::daemon(simgpu::nccl::Call::Leave { comm, rank })?;
+    }
+    Ok(())
+}
+
 fn cstr_static(s: &'static str) -> *const c_char {
     static CACHE: OnceLock<Mutex<std::collections::HashMap<&'static str, usize>>> = OnceLock::new();
     let mut m = CACHE
@@ -449,61 +472,21 @@ entry! {
     }
 
     fn ncclCommDestroy(h: NcclComm) {
-        let c = comm::get(h)?;
-        // Without ncclCommFinalize, destroy finalizes first.
-        c.flush();
-        comm::unpublish(h);
-        let (id, rank) = {
-            let st = c.state();
-            (st.daemon, st.rank)
-        };
-        if let Some(comm) = id {
-            comm::daemon(simgpu::nccl::Call::Leave { comm, rank })?;
-        }
-        Ok(())
+        end_comm(h, false)
     }
 
     fn ncclCommAbort(h: NcclComm) {
         if h.is_null() {
             return Ok(());
         }
-        let c = comm::get(h)?;
-        comm::unpublish(h);
-        let (id, rank) = {
-            let st = c.state();
-            (st.daemon, st.rank)
-        };
-        if let Some(comm) = id {
-            // Every pending operation of the communicator fails, on every rank: its streams
-            // complete.
-            comm::daemon(simgpu::nccl::Call::Abort { comm, rank })?;
-            comm::daemon(simgpu::nccl::Call::Leave { comm, rank })?;
-        }
-        Ok(())
+        end_comm(h, true)
     }
 
-    fn ncclCommCount(h: NcclComm, count: *mut c_int) {
-        let c = comm::get(h)?;
-        let n = c.state().nranks;
-        out(count, n, "count")
-    }
-
-    fn ncclCommCuDevice(h: NcclComm, device: *mut c_int) {
-        let c = comm::get(h)?;
-        out(device, c.dev, "device")
-    }
-
-    fn ncclCommUserRank(h: NcclComm, rank: *mut c_int) {
-        let c = comm::get(h)?;
-        let r = c.state().rank;
-        out(rank, r, "rank")
-    }
-
-    fn ncclCommGetAsyncError(h: NcclComm, async_error: *mut NcclResult) {
-        let c = comm::get(h)?;
-        let e = c.state().async_error;
-        out(async_error, e, "asyncError")
-    }
+    // A communicator's facts.
+    fn ncclCommCount(h: NcclComm, count: *mut c_int) { out(count, comm::get(h)?.state().nranks, "count") }
+    fn ncclCommCuDevice(h: NcclComm, device: *mut c_int) { out(device, comm::get(h)?.dev, "device") }
+    fn ncclCommUserRank(h: NcclComm, rank: *mut c_int) { out(rank, comm::get(h)?.state().rank, "rank") }
+    fn ncclCommGetAsyncError(h: NcclComm, e: *mut NcclResult) { out(e, comm::get(h)?.state().async_error, "asyncError") }
 
     fn ncclCommRegister(h: NcclComm, buff: *mut c_void, size: usize, handle: *mut *mut c_void) {
         let c = comm::get(h)?;
@@ -572,85 +555,31 @@ entry! {
         group::end()
     }
 
-    fn ncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, op: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::AllReduce, send, recv, count, dtype, op, 0, h, stream)
-    }
-
-    fn ncclBroadcast(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Broadcast, send, recv, count, dtype, 0, root, h, stream)
-    }
-
-    fn ncclBcast(buff: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Broadcast, buff, buff, count, dtype, 0, root, h, stream)
-    }
-
-    fn ncclReduce(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, op: c_int, root: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Reduce, send, recv, count, dtype, op, root, h, stream)
-    }
-
-    fn ncclAllGather(send: *const c_void, recv: *mut c_void, sendcount: usize, dtype: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::AllGather, send, recv, sendcount, dtype, 0, 0, h, stream)
-    }
-
-    fn ncclReduceScatter(send: *const c_void, recv: *mut c_void, recvcount: usize, dtype: c_int, op: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::ReduceScatter, send, recv, recvcount, dtype, op, 0, h, stream)
-    }
-
-    fn ncclAlltoAll(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::AlltoAll, send, recv, count, dtype, 0, 0, h, stream)
-    }
-
-    fn ncclGather(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Gather, send, recv, count, dtype, 0, root, h, stream)
-    }
-
-    fn ncclScatter(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Scatter, send, recv, count, dtype, 0, root, h, stream)
-    }
-
-    fn ncclSend(send: *const c_void, count: usize, dtype: c_int, peer: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Send, send, std::ptr::null_mut(), count, dtype, 0, peer, h, stream)
-    }
-
-    fn ncclRecv(recv: *mut c_void, count: usize, dtype: c_int, peer: c_int, h: NcclComm, stream: *mut c_void) {
-        enqueue(Kind::Recv, std::ptr::null(), recv, count, dtype, 0, peer, h, stream)
-    }
+    // The collectives and sends/receives: nccl.h's arguments, one enqueue.
+    fn ncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, op: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::AllReduce, send, recv, count, dtype, op, 0, h, stream) }
+    fn ncclBroadcast(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Broadcast, send, recv, count, dtype, 0, root, h, stream) }
+    fn ncclBcast(buff: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Broadcast, buff, buff, count, dtype, 0, root, h, stream) }
+    fn ncclReduce(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, op: c_int, root: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Reduce, send, recv, count, dtype, op, root, h, stream) }
+    fn ncclAllGather(send: *const c_void, recv: *mut c_void, sendcount: usize, dtype: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::AllGather, send, recv, sendcount, dtype, 0, 0, h, stream) }
+    fn ncclReduceScatter(send: *const c_void, recv: *mut c_void, recvcount: usize, dtype: c_int, op: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::ReduceScatter, send, recv, recvcount, dtype, op, 0, h, stream) }
+    fn ncclAlltoAll(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::AlltoAll, send, recv, count, dtype, 0, 0, h, stream) }
+    fn ncclGather(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Gather, send, recv, count, dtype, 0, root, h, stream) }
+    fn ncclScatter(send: *const c_void, recv: *mut c_void, count: usize, dtype: c_int, root: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Scatter, send, recv, count, dtype, 0, root, h, stream) }
+    fn ncclSend(send: *const c_void, count: usize, dtype: c_int, peer: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Send, send, std::ptr::null_mut(), count, dtype, 0, peer, h, stream) }
+    fn ncclRecv(recv: *mut c_void, count: usize, dtype: c_int, peer: c_int, h: NcclComm, stream: *mut c_void) { enqueue(Kind::Recv, std::ptr::null(), recv, count, dtype, 0, peer, h, stream) }
 
     // Not simulated: they answer ncclInvalidUsage (docs/gpu-sim-api.md).
-    fn ncclCommShrink(_h: NcclComm, _ex: *mut c_int, _n: c_int, _new: *mut NcclComm, _c: *const Config, _f: c_int) {
-        not_simulated("ncclCommShrink")
-    }
-
-    fn ncclCommGrow(_h: NcclComm, _n: c_int, _id: *const UniqueId, _r: c_int, _new: *mut NcclComm, _c: *const Config) {
-        not_simulated("ncclCommGrow")
-    }
-
-    fn ncclCommRevoke(_h: NcclComm, _flags: c_int) {
-        not_simulated("ncclCommRevoke")
-    }
-
-    fn ncclCommGetUniqueId(_h: NcclComm, _id: *mut UniqueId) {
-        not_simulated("ncclCommGetUniqueId")
-    }
-
-    fn ncclRedOpCreatePreMulSum(_op: *mut c_int, _s: *mut c_void, _t: c_int, _r: c_int, _h: NcclComm) {
-        not_simulated("ncclRedOpCreatePreMulSum")
-    }
+    fn ncclCommShrink(_h: NcclComm, _ex: *mut c_int, _n: c_int, _new: *mut NcclComm, _c: *const Config, _f: c_int) { not_simulated("ncclCommShrink") }
+    fn ncclCommGrow(_h: NcclComm, _n: c_int, _id: *const UniqueId, _r: c_int, _new: *mut NcclComm, _c: *const Config) { not_simulated("ncclCommGrow") }
+    fn ncclCommRevoke(_h: NcclComm, _flags: c_int) { not_simulated("ncclCommRevoke") }
+    fn ncclCommGetUniqueId(_h: NcclComm, _id: *mut UniqueId) { not_simulated("ncclCommGetUniqueId") }
+    fn ncclRedOpCreatePreMulSum(_op: *mut c_int, _s: *mut c_void, _t: c_int, _r: c_int, _h: NcclComm) { not_simulated("ncclRedOpCreatePreMulSum") }
+    fn ncclCommWindowRegister(_h: NcclComm, _b: *mut c_void, _s: usize, _w: *mut *mut c_void, _f: c_int) { not_simulated("ncclCommWindowRegister") }
+    fn ncclCommWindowDeregister(_h: NcclComm, _w: *mut c_void) { not_simulated("ncclCommWindowDeregister") }
+    fn ncclGroupSimulateEnd(_info: *mut c_void) { not_simulated("ncclGroupSimulateEnd") }
 
     fn ncclRedOpDestroy(op: c_int, _h: NcclComm) {
         Err(invalid(format!("ncclRedOpDestroy: {op} is not an operator made by ncclRedOpCreatePreMulSum")))
-    }
-
-    fn ncclCommWindowRegister(_h: NcclComm, _b: *mut c_void, _s: usize, _w: *mut *mut c_void, _f: c_int) {
-        not_simulated("ncclCommWindowRegister")
-    }
-
-    fn ncclCommWindowDeregister(_h: NcclComm, _w: *mut c_void) {
-        not_simulated("ncclCommWindowDeregister")
-    }
-
-    fn ncclGroupSimulateEnd(_info: *mut c_void) {
-        not_simulated("ncclGroupSimulateEnd")
     }
 }
 

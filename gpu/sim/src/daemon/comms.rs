@@ -333,6 +333,17 @@ impl Daemon {
                     }
                 }
                 self.comms.cv.notify_all();
+            } else if matches!(j.outcome.result, Some(Ok(_))) {
+                return Err(fail(
+                    result::INVALID_USAGE,
+                    format!(
+                        "rank {rank} joined a unique id whose {} ranks are all there",
+                        j.nranks
+                    ),
+                ));
+            } else {
+                // The id already failed (two ranks on one GPU): a late rank reads that too.
+                j.outcome.unread += 1;
             }
         }
         let got = self
