@@ -39,11 +39,14 @@ workloads:
 	RUSTFLAGS="-C target-feature=+crt-static" $(CARGO) build --release -p gpu-ckpt-workloads --target $(HOST_TARGET)
 
 # The test images, by the image tool (gpu-ckpt-images) of a workspace build, so that no second
-# feature set of the dependencies is compiled. The GPU workloads image takes gpu-train and
-# gpu-fill from that build (dynamically linked: they dlopen libcuda.so.1) and the host's glibc.
+# feature set of the dependencies is compiled. The GPU workloads image takes gpu-train,
+# gpu-fill and nccl-train from that build (dynamically linked: they dlopen libcuda.so.1), the C
+# program nccl_allreduce (built by c/build.sh into the same directory, against the stack's NCCL
+# wheel) and the host's glibc.
 # `images` uses the debug build the tests run; `release-images` the release build that the demo
 # and the benchmarks run anyway, so that they compile no debug build of every test target.
-build-images = $(1)/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(1) --out $(IMAGES_DIR)
+build-images = test-containers/gpu-workloads/c/build.sh $(1) && \
+	$(1)/gpu-ckpt-images --workloads-dir $(WORKLOADS_DIR) --gpu-workloads-dir $(1) --out $(IMAGES_DIR)
 
 images: workloads build
 	$(call build-images,$(GPU_WORKLOADS_DIR))

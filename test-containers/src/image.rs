@@ -957,6 +957,18 @@ impl HostLibraries {
         extra: &[&str],
         dirs: &[P],
     ) -> Result<HostLibraries> {
+        Self::resolve_except(elfs, extra, dirs, &[])
+    }
+
+    /// [`HostLibraries::resolve`], leaving out the libraries named in `provided` (and what only
+    /// they need): the ones that the runtime puts into a container, as the CDI spec of a driver
+    /// does.
+    pub fn resolve_except<P: AsRef<Path>>(
+        elfs: &[P],
+        extra: &[&str],
+        dirs: &[P],
+        provided: &[&str],
+    ) -> Result<HostLibraries> {
         let mut out = HostLibraries::default();
         // (name, who needs it)
         let mut todo: Vec<(String, String)> = Vec::new();
@@ -990,7 +1002,7 @@ impl HostLibraries {
         );
         let mut seen = BTreeSet::new();
         while let Some((name, needed_by)) = todo.pop() {
-            if !seen.insert(name.clone()) {
+            if !seen.insert(name.clone()) || provided.contains(&name.as_str()) {
                 continue;
             }
             let path = match out.libs.get(&name) {
@@ -1413,6 +1425,14 @@ mod tests {
         let interp = libs.interpreters.iter().next().unwrap();
         let interp_name = Path::new(interp).file_name().unwrap().to_string_lossy();
         assert!(libs.libs.contains_key(interp_name.as_ref()), "{libs:?}");
+        let provided = HostLibraries::resolve_except(
+            std::slice::from_ref(&me),
+            &["libgpu-ckpt-nonexistent.so.9"],
+            &dirs,
+            &["libgpu-ckpt-nonexistent.so.9", "libc.so.6"],
+        )
+        .unwrap();
+        assert!(!provided.libs.contains_key("libc.so.6"), "{provided:?}");
         let e =
             HostLibraries::resolve(&[me], &["libgpu-ckpt-nonexistent.so.9"], &dirs).unwrap_err();
         assert!(

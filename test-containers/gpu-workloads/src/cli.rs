@@ -195,6 +195,108 @@ impl FillOpts {
     }
 }
 
+/// Options of `nccl-train` (the same as `c/nccl_allreduce.c`'s).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclOpts {
+    /// `--ranks N`: this process launches N ranks (rank = `rank` + i, on GPU `device` + i).
+    pub ranks: Option<u32>,
+    /// The (first) rank: `--rank`, else `$RANK`, else 0.
+    pub rank: u32,
+    /// `--world-size`, else `$WORLD_SIZE`, else the number of ranks here.
+    pub world: u32,
+    /// The GPU of a single rank: `--device`, else `$LOCAL_RANK`, else 0; with `ranks`, the first
+    /// rank's (`--device`, else 0).
+    pub device: i32,
+    /// `--rendezvous DIR` (else `$NCCL_RENDEZVOUS_DIR`): where rank 0 leaves the unique id.
+    pub rendezvous: Option<String>,
+    pub elements: usize,
+    pub interval_ms: u64,
+    pub steps: Option<u64>,
+    pub seed: u64,
+    /// `--corrupt RANK:STEP:ELEMENT`: flip bit 0 of that element of the reduced gradient.
+    pub corrupt: Option<(u32, u64, usize)>,
+}
+
+pub const NCCL_USAGE: &str = "usage: nccl-train [--ranks N] [--rank R] [--world-size W] [--device D] [--rendezvous DIR] [--elements N] [--interval-ms MS] [--steps N] [--seed S] [--corrupt RANK:STEP:ELEMENT]";
+
+impl NcclOpts {
+    /// Parses `args`; `env` gives `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and `NCCL_RENDEZVOUS_DIR`.
+    pub fn parse(
+        args: &[String],
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<NcclOpts, String> {
+        let valued = [
+            "--ranks",
+            "--rank",
+            "--world-size",
+            "--device",
+            "--rendezvous",
+            "--elements",
+            "--interval-ms",
+            "--steps",
+            "--seed",
+            "--corrupt",
+        ];
+        let given = pairs(args, &[], &valued)?;
+        let get = |flag: &str, var: &str| -> Option<Option<String>> {
+            match given.iter().rev().find(|(f, _)| f == flag) {
+                Some((_, v)) => Some(v.clone()),
+                None => env(var).filter(|v| !v.is_empty()).map(Some),
+            }
+        };
+        let num = |flag: &str, var: &str| -> Result<Option<u64>, String> {
+            get(flag, var).map(|v| number(flag, &v)).transpose()
+        };
+        let ranks = num("--ranks", "")?.map(|n| n as u32);
+        let rank = num("--rank", "RANK")?.unwrap_or(0) as u32;
+        let here = ranks.unwrap_or(1);
+        let world = num("--world-size", "WORLD_SIZE")?.map_or(here, |w| w as u32);
+        let o = NcclOpts {
+            ranks,
+            rank,
+            world,
+            device: num("--device", if ranks.is_some() { "" } else { "LOCAL_RANK" })?.unwrap_or(0)
+                as i32,
+            rendezvous: get("--rendezvous", "NCCL_RENDEZVOUS_DIR").flatten(),
+            elements: num("--elements", "")?.unwrap_or(1 << 20) as usize,
+            interval_ms: num("--interval-ms", "")?.unwrap_or(100),
+            steps: num("--steps", "")?,
+            seed: num("--seed", "")?.unwrap_or(1),
+            corrupt: get("--corrupt", "").map(|v| corrupt(&v)).transpose()?,
+        };
+        if ranks == Some(0) || world == 0 || o.elements == 0 {
+            return Err("--ranks, --world-size and --elements must be at least 1".into());
+        }
+        if u64::from(rank) + u64::from(here) > u64::from(world) {
+            return Err(format!(
+                "ranks {rank}..{} do not fit in a world of {world}",
+                rank + here - 1
+            ));
+        }
+        if world > here && o.rendezvous.is_none() {
+            return Err(format!(
+                "a world of {world} with {here} rank(s) here needs --rendezvous DIR"
+            ));
+        }
+        if let Some((r, _, i)) = o.corrupt {
+            if r >= world || i >= o.elements {
+                return Err("--corrupt: rank or element out of range".into());
+            }
+        }
+        Ok(o)
+    }
+}
+
+fn corrupt(v: &Option<String>) -> Result<(u32, u64, usize), String> {
+    let s = value("--corrupt", v)?;
+    let bad = || format!("--corrupt: want RANK:STEP:ELEMENT, got {s:?}");
+    let mut it = s.split(':').map(|p| p.parse::<u64>().map_err(|_| bad()));
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some(r), Some(k), Some(i), None) => Ok((r? as u32, k?, i? as usize)),
+        _ => Err(bad()),
+    }
+}
+
 fn mul(flag: &str, n: u64, unit: u64) -> Result<u64, String> {
     n.checked_mul(unit)
         .ok_or_else(|| format!("{flag}: {n} is too large"))
@@ -266,6 +368,42 @@ mod tests {
             Some(10)
         );
         assert!(FillOpts::parse(&s(&["--tick-ms", "0"])).is_err());
+    }
+
+    #[test]
+    fn nccl_ranks_world_and_rendezvous() {
+        let none = |_: &str| None;
+        let d = NcclOpts::parse(&[], none).unwrap();
+        assert_eq!((d.ranks, d.rank, d.world, d.device), (None, 0, 1, 0));
+        let o = NcclOpts::parse(&s(&["--ranks", "4", "--elements", "64"]), none).unwrap();
+        assert_eq!((o.ranks, o.world, o.elements), (Some(4), 4, 64));
+        let env = |v: &str| match v {
+            "RANK" => Some("3".to_string()),
+            "WORLD_SIZE" => Some("4".to_string()),
+            "LOCAL_RANK" => Some("1".to_string()),
+            "NCCL_RENDEZVOUS_DIR" => Some("/shared".to_string()),
+            _ => None,
+        };
+        let o = NcclOpts::parse(&[], env).unwrap();
+        assert_eq!((o.rank, o.world, o.device), (3, 4, 1));
+        assert_eq!(o.rendezvous.as_deref(), Some("/shared"));
+        assert_eq!(NcclOpts::parse(&s(&["--rank", "2"]), env).unwrap().rank, 2);
+        // A world larger than this process needs the directory.
+        assert!(NcclOpts::parse(&s(&["--world-size", "2"]), none).is_err());
+        assert!(NcclOpts::parse(
+            &s(&["--rank", "4", "--world-size", "4", "--rendezvous", "/d"]),
+            none
+        )
+        .is_err());
+        let c = NcclOpts::parse(
+            &s(&["--ranks", "2", "--corrupt", "1:3:7", "--elements", "8"]),
+            none,
+        )
+        .unwrap();
+        assert_eq!(c.corrupt, Some((1, 3, 7)));
+        assert!(NcclOpts::parse(&s(&["--ranks", "2", "--corrupt", "2:3:7"]), none).is_err());
+        assert!(NcclOpts::parse(&s(&["--corrupt", "1:3"]), none).is_err());
+        assert!(NcclOpts::parse(&s(&["--ranks", "0"]), none).is_err());
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //!
 //! - [`driver`]: minimal bindings to `libcuda.so.1`, loaded at run time.
 //! - [`train`]: the state rule of `gpu-train` and its closed form.
+//! - [`collective`]: the numbers of the NCCL workloads (`nccl-train`, `c/nccl_allreduce.c`).
 //! - [`fill`]: the memory pattern of `gpu-fill`.
 //! - [`cli`]: flag parsing shared by the binaries.
 //! - [`signals`]: signal flags polled by the main loops.
 
 pub mod cli;
+pub mod collective;
 pub mod driver;
 pub mod fill;
 pub mod signals;

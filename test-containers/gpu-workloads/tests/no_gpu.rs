@@ -36,6 +36,7 @@ fn workloads_fail_in_one_line_without_a_driver() {
     for bin in [
         env!("CARGO_BIN_EXE_gpu-train"),
         env!("CARGO_BIN_EXE_gpu-fill"),
+        env!("CARGO_BIN_EXE_nccl-train"),
     ] {
         let out = no_driver_env(&mut Command::new(bin)).output().unwrap();
         let s = String::from_utf8_lossy(&out.stdout);
@@ -50,6 +51,7 @@ fn bad_flags_are_usage_errors() {
     for bin in [
         env!("CARGO_BIN_EXE_gpu-train"),
         env!("CARGO_BIN_EXE_gpu-fill"),
+        env!("CARGO_BIN_EXE_nccl-train"),
     ] {
         let out = Command::new(bin).arg("--nope").output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{bin}");

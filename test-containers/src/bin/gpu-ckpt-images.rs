@@ -5,15 +5,17 @@
 //!   busybox as /bin/busybox with its applet symlinks, /tmp, /etc/passwd and /etc/group with
 //!   root; default command `/bin/counter`;
 //! - `localhost:5000/pause:1`: only /pause; command `/pause`;
-//! - `localhost:5000/gpu-ckpt/gpu-workloads:1`: the CUDA workloads `gpu-train` and `gpu-fill`
-//!   (dynamically linked, from the workspace build: `--gpu-workloads-dir`, by default the
-//!   directory of this program) in /usr/bin, the host's glibc as a CUDA base image has it (every
-//!   library the workloads and the simulated `libcuda.so.1`/`libnvidia-ml.so.1`/`libnccl.so.2`
-//!   need, found by following `DT_NEEDED`, plus libm, libdl, libpthread and librt) in
-//!   /usr/lib/x86_64-linux-gnu with `/lib -> usr/lib`, `/lib64 -> usr/lib64` and the loader at its
-//!   interpreter path, busybox and its applets; default command `/usr/bin/gpu-train`. No
-//!   `libcuda.so.1` is in the image: the CDI spec of the (simulated) driver mounts it at run time,
-//!   as the NVIDIA toolkit does (and, on a simulated node, the simulated `libnccl.so.2`).
+//! - `localhost:5000/gpu-ckpt/gpu-workloads:1`: the CUDA workloads `gpu-train`, `gpu-fill`,
+//!   `nccl-train` and `nccl_allreduce` (dynamically linked, from the workspace build:
+//!   `--gpu-workloads-dir`, by default the directory of this program) in /usr/bin, the host's
+//!   glibc as a CUDA base image has it (every library the workloads and the simulated
+//!   `libcuda.so.1`/`libnvidia-ml.so.1`/`libnccl.so.2` need, found by following `DT_NEEDED`, plus
+//!   libm, libdl, libpthread and librt) in /usr/lib/x86_64-linux-gnu with `/lib -> usr/lib`,
+//!   `/lib64 -> usr/lib64` and the loader at its interpreter path, busybox and its applets;
+//!   default command `/usr/bin/gpu-train`. No `libcuda.so.1` is in the image: the CDI spec of the
+//!   (simulated) driver mounts it at run time, as the NVIDIA toolkit does; nor `libnccl.so.2`,
+//!   which the job's environment brings (on a simulated node, the CDI spec mounts the simulated
+//!   one).
 //!
 //! `gpu-ckpt-images --node-installer-bins DIR --payload DIR --out DIR` builds only the node
 //! installer's image instead, `ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:<version>` (the Helm
@@ -40,12 +42,18 @@ const PAUSE_REF: &str = "localhost:5000/pause:1";
 /// Reference of the GPU workloads image.
 const GPU_WORKLOADS_REF: &str = "localhost:5000/gpu-ckpt/gpu-workloads:1";
 
-/// The CUDA workloads (test-containers/gpu-workloads), dynamically linked.
-const GPU_WORKLOADS: &[&str] = &["gpu-train", "gpu-fill"];
+/// The CUDA workloads (test-containers/gpu-workloads), dynamically linked: the Rust ones from
+/// the workspace build, `nccl_allreduce` from `c/build.sh` into the same directory.
+const GPU_WORKLOADS: &[&str] = &["gpu-train", "gpu-fill", "nccl-train", "nccl_allreduce"];
 
 /// The simulated driver's libraries and the simulated NCCL in the workspace build. They are not
 /// put in the image (the CDI spec mounts them), but what they need is.
 const SIM_DRIVER_LIBS: &[&str] = &["libcuda.so", "libnvidia_ml.so", "libnccl.so"];
+
+/// Libraries the workloads need that are not put in the image: NCCL (`nccl_allreduce` links
+/// `libnccl.so.2`) comes with the job's environment at run time, NVIDIA's or the simulator's,
+/// as the driver's libraries do.
+const RUN_TIME_LIBS: &[&str] = &["libnccl.so.2"];
 
 /// glibc libraries a CUDA base image has besides what the workloads name (a real libcuda.so.1
 /// needs libm, libdl, libpthread and librt).
@@ -75,7 +83,8 @@ const APPLETS: &[&str] = &[
 ];
 
 const DYNAMIC_HINT: &str = "build them with `cargo build --workspace` (no crt-static: they \
-dlopen libcuda.so.1), then pass that build's directory with --gpu-workloads-dir";
+dlopen libcuda.so.1) and nccl_allreduce with `test-containers/gpu-workloads/c/build.sh DIR` \
+into that build's directory, then pass it with --gpu-workloads-dir";
 
 const STATIC_HINT: &str =
     "build them with `make workloads` (RUSTFLAGS=\"-C target-feature=+crt-static\" \
@@ -95,8 +104,9 @@ struct Args {
         required_unless_present = "node_installer_bins"
     )]
     workloads_dir: Option<PathBuf>,
-    /// Directory with the dynamically linked GPU workloads (gpu-train, gpu-fill) of the workspace
-    /// build; by default the directory of this program (target/debug when run from there).
+    /// Directory with the dynamically linked GPU workloads (gpu-train, gpu-fill, nccl-train,
+    /// nccl_allreduce) of the workspace build; by default the directory of this program
+    /// (target/debug when run from there).
     #[arg(long, value_name = "DIR")]
     gpu_workloads_dir: Option<PathBuf>,
     /// Output directory for the tarballs and images.json.
@@ -201,7 +211,7 @@ fn gpu_workloads_image(dir: &Path, busybox: &Path) -> Result<ImageBuilder> {
             .filter(|p| p.is_file()),
     );
     let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
-    let libs = HostLibraries::resolve(&elfs, GLIBC_LIBS, &dirs)
+    let libs = HostLibraries::resolve_except(&elfs, GLIBC_LIBS, &dirs, RUN_TIME_LIBS)
         .context("finding the shared libraries of the GPU workloads")?;
     b = b.merged_usr_libraries(&libs);
     for applet in APPLETS {
