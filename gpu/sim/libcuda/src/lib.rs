@@ -18,7 +18,7 @@
 mod streams;
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -94,7 +94,8 @@ struct Handles {
     primary: HashMap<usize, (usize, u32)>,
     streams: HashMap<usize, usize>,
     events: HashMap<usize, Option<Instant>>,
-    host: HashSet<usize>,
+    /// Page-locked host allocations (`cuMemHostAlloc`, `cuMemAllocHost`): base -> size.
+    host: BTreeMap<usize, usize>,
     next: usize,
 }
 
@@ -657,18 +658,38 @@ fn memset(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
     sync_op(|| fill(dst, value, elem, count))
 }
 
-/// Host memory at `src` (an address: the copy may run on a stream's worker) to the device.
-fn copy_htod(dst: CUdeviceptr, src: usize, n: usize) -> R {
+/// Whether the `n` bytes at `p` lie in one page-locked allocation of this process. CUDA's
+/// asynchronous copies are asynchronous only for such memory: from pageable memory the source
+/// is staged before the call returns, into it the call returns once the copy is done.
+fn pinned(p: usize, n: usize) -> Result<bool, CUresult> {
     let d = drv()?;
-    let src = src as *const c_void;
+    let handles = lock(&d.handles);
+    Ok(handles
+        .host
+        .range(..=p)
+        .next_back()
+        .is_some_and(|(base, size)| p.saturating_add(n) <= base.saturating_add(*size)))
+}
+
+/// The `n` host bytes at `src` (empty for `n` 0), refusing a null pointer.
+fn read_host<'a>(src: *const c_void, n: usize) -> Result<&'a [u8], CUresult> {
     if n == 0 {
-        return Ok(());
+        return Ok(&[]);
     }
     if src.is_null() {
         return Err(cu::INVALID_VALUE);
     }
-    // SAFETY: the caller passed n readable bytes at src.
-    let bytes = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) };
+    // SAFETY: the caller passed n readable bytes at src, which it keeps through the call.
+    Ok(unsafe { std::slice::from_raw_parts(src.cast::<u8>(), n) })
+}
+
+/// Host memory at `src` (an address: the copy may run on a stream's worker) to the device.
+fn copy_htod(dst: CUdeviceptr, src: usize, n: usize) -> R {
+    let d = drv()?;
+    let bytes = read_host(src as *const c_void, n)?;
+    if bytes.is_empty() {
+        return Ok(());
+    }
     d.with_conn(|c| c.htod(dst, bytes))
 }
 
@@ -1135,7 +1156,7 @@ entry! {
 
     fn cuMemFreeHost(p: *mut c_void) {
         let d = drv()?;
-        if !lock(&d.handles).host.remove(&(p as usize)) {
+        if lock(&d.handles).host.remove(&(p as usize)).is_none() {
             return Err(cu::INVALID_VALUE);
         }
         // SAFETY: p came from posix_memalign in host_alloc.
@@ -1156,13 +1177,34 @@ entry! {
     }
 
     fn cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream) {
-        let src = src as usize;
-        async_op(stream, move || copy_htod(dst, src, n))
+        if pinned(src as usize, n)? {
+            let src = src as usize;
+            return async_op(stream, move || copy_htod(dst, src, n));
+        }
+        // Pageable memory is copied to staging memory before the call returns; the copy to
+        // the device comes in stream order.
+        let staged = read_host(src, n)?.to_vec();
+        async_op(stream, move || {
+            let d = drv()?;
+            if staged.is_empty() {
+                return Ok(());
+            }
+            d.with_conn(|c| c.htod(dst, &staged))
+        })
     }
 
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
         let dst = dst as usize;
-        async_op(stream, move || copy_dtoh(dst, src, n))
+        if pinned(dst, n)? {
+            return async_op(stream, move || copy_dtoh(dst, src, n));
+        }
+        // Into pageable memory the call returns once the copy is done, after the stream's
+        // earlier work.
+        let d = drv()?;
+        stream_ok(d, stream)?;
+        d.current_dev()?;
+        d.streams.wait_idle(streams::key(stream));
+        copy_dtoh(dst, src, n)
     }
 
     fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
@@ -1452,7 +1494,7 @@ fn host_alloc(pp: *mut *mut c_void, bytesize: usize) -> R {
     if unsafe { libc::posix_memalign(&mut p, 4096, bytesize) } != 0 {
         return Err(cu::OUT_OF_MEMORY);
     }
-    lock(&d.handles).host.insert(p as usize);
+    lock(&d.handles).host.insert(p as usize, bytesize);
     out(pp, p)
 }
 
