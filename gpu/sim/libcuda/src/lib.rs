@@ -636,10 +636,23 @@ fn sync_op(job: impl FnOnce() -> R) -> R {
 
 /// An asynchronous copy or memset on `stream`, in stream order.
 fn async_op(stream: CUstream, job: impl FnOnce() -> R + Send + 'static) -> R {
+    let d = stream_call(stream)?;
+    d.streams.order(streams::key(stream), job)
+}
+
+/// A copy on `stream` that returns once it is done: after the stream's earlier work.
+fn stream_sync_op(stream: CUstream, job: impl FnOnce() -> R) -> R {
+    let d = stream_call(stream)?;
+    d.streams.wait_idle(streams::key(stream));
+    job()
+}
+
+/// The checks of a call on `stream`: a valid stream and a current context.
+fn stream_call(stream: CUstream) -> R<&'static Driver> {
     let d = drv()?;
     stream_ok(d, stream)?;
     d.current_dev()?;
-    d.streams.order(streams::key(stream), job)
+    Ok(d)
 }
 
 fn htod(dst: CUdeviceptr, src: *const c_void, n: usize) -> R {
@@ -661,7 +674,7 @@ fn memset(dst: CUdeviceptr, value: u32, elem: u8, count: usize) -> R {
 /// Whether the `n` bytes at `p` lie in one page-locked allocation of this process. CUDA's
 /// asynchronous copies are asynchronous only for such memory: from pageable memory the source
 /// is staged before the call returns, into it the call returns once the copy is done.
-fn pinned(p: usize, n: usize) -> Result<bool, CUresult> {
+fn pinned(p: usize, n: usize) -> R<bool> {
     let d = drv()?;
     let handles = lock(&d.handles);
     Ok(handles
@@ -672,7 +685,7 @@ fn pinned(p: usize, n: usize) -> Result<bool, CUresult> {
 }
 
 /// The `n` host bytes at `src` (empty for `n` 0), refusing a null pointer.
-fn read_host<'a>(src: *const c_void, n: usize) -> Result<&'a [u8], CUresult> {
+fn read_host<'a>(src: *const c_void, n: usize) -> R<&'a [u8]> {
     if n == 0 {
         return Ok(&[]);
     }
@@ -685,8 +698,12 @@ fn read_host<'a>(src: *const c_void, n: usize) -> Result<&'a [u8], CUresult> {
 
 /// Host memory at `src` (an address: the copy may run on a stream's worker) to the device.
 fn copy_htod(dst: CUdeviceptr, src: usize, n: usize) -> R {
+    write_device(dst, read_host(src as *const c_void, n)?)
+}
+
+/// `bytes` to device memory at `dst`.
+fn write_device(dst: CUdeviceptr, bytes: &[u8]) -> R {
     let d = drv()?;
-    let bytes = read_host(src as *const c_void, n)?;
     if bytes.is_empty() {
         return Ok(());
     }
@@ -1184,13 +1201,7 @@ entry! {
         // Pageable memory is copied to staging memory before the call returns; the copy to
         // the device comes in stream order.
         let staged = read_host(src, n)?.to_vec();
-        async_op(stream, move || {
-            let d = drv()?;
-            if staged.is_empty() {
-                return Ok(());
-            }
-            d.with_conn(|c| c.htod(dst, &staged))
-        })
+        async_op(stream, move || write_device(dst, &staged))
     }
 
     fn cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream) {
@@ -1198,13 +1209,8 @@ entry! {
         if pinned(dst, n)? {
             return async_op(stream, move || copy_dtoh(dst, src, n));
         }
-        // Into pageable memory the call returns once the copy is done, after the stream's
-        // earlier work.
-        let d = drv()?;
-        stream_ok(d, stream)?;
-        d.current_dev()?;
-        d.streams.wait_idle(streams::key(stream));
-        copy_dtoh(dst, src, n)
+        // Into pageable memory the call returns once the copy is done.
+        stream_sync_op(stream, move || copy_dtoh(dst, src, n))
     }
 
     fn cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) {
