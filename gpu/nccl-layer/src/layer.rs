@@ -425,11 +425,11 @@ impl<B: Backend> Layer<B> {
         self.reg().send(msg);
     }
 
-    /// The connection is closed (by Disconnect, or seen closed).
+    /// The connection is closed (by Disconnect, or seen closed): the writer's descriptor is
+    /// closed, without a shutdown, so that the shim sees the end only once the process holds
+    /// no descriptor of the connection (the reader's is closed first).
     pub fn disconnected(&self) {
-        if let Some(w) = self.reg().writer.take() {
-            w.shutdown();
-        }
+        drop(self.reg().writer.take());
     }
 
     pub fn hello(&self, resumed: Option<String>) -> LayerMsg {
