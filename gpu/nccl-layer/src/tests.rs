@@ -381,6 +381,23 @@ fn without_suspend_release_destroys_and_resume_refuses() {
 }
 
 #[test]
+fn release_destroys_where_asked_although_suspend_is_there() {
+    let mut l = Layer::new(Fake::default());
+    l.destroy_at_release = true;
+    let j = job(&l);
+    quiesce(&l, Duration::from_secs(1));
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
+    let log = l.backend.take();
+    assert!(log.contains(&"destroy 0x10".to_string()), "{log:?}");
+    assert!(!log.iter().any(|c| c.starts_with("suspend")), "{log:?}");
+    assert_eq!((j.root.real(), j.child.real()), (0, 0));
+    assert!(rebuilt(&l, 3)
+        .iter()
+        .any(|c| c.starts_with("init 2 1 id=03")));
+    assert_ne!(j.root.real(), 0);
+}
+
+#[test]
 fn a_destroyed_parent_is_made_again_for_its_live_split_then_destroyed() {
     let (l, j) = released(Fake::default(), true);
     let log = rebuilt(&l, 1);
@@ -502,9 +519,12 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
     let listener = UnixListener::bind(&path).unwrap();
     let before = sockets();
     let p = path.clone();
+    let (again, go_on) = std::sync::mpsc::channel::<()>();
     let th = std::thread::spawn(move || {
         let mut token = None;
         let first = crate::control::session(l, &p, &mut token);
+        // As the control thread pauses before it connects again.
+        let _ = go_on.recv();
         let second = crate::control::session(l, &p, &mut token);
         (first.is_ok(), second.map_err(|e| e.to_string()), token)
     });
@@ -596,6 +616,7 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
     // Once the shim sees the end, the layer holds no descriptor of the connection (only the
     // listener and the shim's end are left): nothing for a checkpoint to find.
     assert_eq!(sockets(), before + 1, "the layer still holds its end");
+    again.send(()).unwrap();
 
     // Reconnected: the session's token comes back, and the communicators are told again.
     let mut c = Connection::new(listener.accept().unwrap().0);
