@@ -8,7 +8,7 @@
 //!
 //! - `dlopen` of a file whose name (the part after the last `/`) starts with `libnccl.so` opens
 //!   it for real (the next `dlopen`, with the caller's mode). That handle is where
-//!   [`crate::next`] finds the real functions from then on (kept open for good: a `dlclose` by
+//!   [`crate::next`](mod@crate::next) finds the real functions from then on (kept open for good: a `dlclose` by
 //!   the application never unloads the NCCL the layer calls). The caller gets a handle on the
 //!   layer itself (marked `RTLD_NODELETE`, so its `dlclose` unloads nothing), on which
 //!   `dlsym(handle, "ncclAllReduce")` finds the layer's wrapper.
@@ -261,7 +261,7 @@ unsafe extern "C" fn route_dlsym(handle: *mut c_void, name: *const c_char) -> Ro
     }
 }
 
-/// The exported `dlopen`: asks [`route_dlopen`], then jumps there with the caller's arguments
+/// The exported `dlopen`: asks `route_dlopen`, then jumps there with the caller's arguments
 /// and return address.
 ///
 /// # Safety
@@ -283,7 +283,7 @@ pub unsafe extern "C" fn dlopen(file: *const c_char, mode: c_int) -> *mut c_void
     )
 }
 
-/// The exported `dlsym`: asks [`route_dlsym`], then jumps to glibc's `dlsym` with the handle
+/// The exported `dlsym`: asks `route_dlsym`, then jumps to glibc's `dlsym` with the handle
 /// it says, the caller's name and the caller's return address.
 ///
 /// # Safety

@@ -167,7 +167,17 @@ pub struct Layer<B> {
     reg: Mutex<Registry>,
     /// The process that started the control thread (a forked child starts its own).
     pub control_pid: Mutex<i32>,
+    /// Release destroys every communicator even where the library has ncclCommSuspend
+    /// ([`ENV_RELEASE`] = `destroy`).
+    pub destroy_at_release: bool,
 }
+
+/// The environment variable that chooses what Release does: `destroy` destroys every real
+/// communicator (only a Rebuild brings them back), anything else suspends them where the NCCL
+/// under the layer has `ncclCommSuspend` (2.29.7 and later). A suspended communicator keeps its
+/// connections (its bootstrap sockets among them) and, before NCCL covers it, its NVLS state:
+/// a job whose checkpoint must not hold them chooses `destroy`.
+pub const ENV_RELEASE: &str = "GPU_CKPT_NCCL_RELEASE";
 
 fn failed(comm: Option<&Entry>, message: String) -> LayerMsg {
     LayerMsg::Failed {
@@ -191,6 +201,7 @@ impl<B: Backend> Layer<B> {
                 ..Registry::default()
             }),
             control_pid: Mutex::new(0),
+            destroy_at_release: false,
         }
     }
 
@@ -425,11 +436,11 @@ impl<B: Backend> Layer<B> {
         self.reg().send(msg);
     }
 
-    /// The connection is closed (by Disconnect, or seen closed).
+    /// The connection is closed (by Disconnect, or seen closed): the writer's descriptor is
+    /// closed, without a shutdown, so that the shim sees the end only once the process holds
+    /// no descriptor of the connection (the reader's is closed first).
     pub fn disconnected(&self) {
-        if let Some(w) = self.reg().writer.take() {
-            w.shutdown();
-        }
+        drop(self.reg().writer.take());
     }
 
     pub fn hello(&self, resumed: Option<String>) -> LayerMsg {
@@ -602,7 +613,7 @@ impl<B: Backend> Layer<B> {
         }
         let _span = tracing::info_span!("nccl release").entered();
         let reg = self.reg();
-        let suspend = self.backend.has_suspend();
+        let suspend = !self.destroy_at_release && self.backend.has_suspend();
         let run = || -> Result<(), LayerMsg> {
             for e in reg.entries.iter().filter(|e| e.live()) {
                 for b in &e.buffers {

@@ -381,6 +381,23 @@ fn without_suspend_release_destroys_and_resume_refuses() {
 }
 
 #[test]
+fn release_destroys_where_asked_although_suspend_is_there() {
+    let mut l = Layer::new(Fake::default());
+    l.destroy_at_release = true;
+    let j = job(&l);
+    quiesce(&l, Duration::from_secs(1));
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
+    let log = l.backend.take();
+    assert!(log.contains(&"destroy 0x10".to_string()), "{log:?}");
+    assert!(!log.iter().any(|c| c.starts_with("suspend")), "{log:?}");
+    assert_eq!((j.root.real(), j.child.real()), (0, 0));
+    assert!(rebuilt(&l, 3)
+        .iter()
+        .any(|c| c.starts_with("init 2 1 id=03")));
+    assert_ne!(j.root.real(), 0);
+}
+
+#[test]
 fn a_destroyed_parent_is_made_again_for_its_live_split_then_destroyed() {
     let (l, j) = released(Fake::default(), true);
     let log = rebuilt(&l, 1);
@@ -433,21 +450,81 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
     assert!(passed.load(Ordering::SeqCst));
 }
 
+/// Taken by the tests that count or open sockets (they run on parallel threads).
+static SOCKETS: Mutex<()> = Mutex::new(());
+
+/// The sockets this process has open.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .count()
+}
+
+/// A shim that accepts and never answers (or a connection left from before a restore): the
+/// layer gives up within its bound, and the next try finds a shim that answers.
+#[test]
+fn a_connection_without_welcome_is_dropped_and_tried_again() {
+    let _one = SOCKETS.lock().unwrap_or_else(|e| e.into_inner());
+    let l = Layer::new(Fake::default());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nccl.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut token = None;
+    let t0 = std::time::Instant::now();
+    let silent = std::thread::spawn(move || {
+        let (c, _) = listener.accept().unwrap();
+        let mut c = Connection::new(c);
+        let hello = recv(&mut c);
+        // The layer's end is closed after its bound: this end sees it.
+        let end = c.recv::<ShimMsg>(Some(Duration::from_secs(5)));
+        (listener, hello, end.map(|_| ()).map_err(|e| e.to_string()))
+    });
+    let e = crate::control::session_within(&l, &path, &mut token, Duration::from_millis(200))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("no control message within 200 ms"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    let (listener, hello, end) = silent.join().unwrap();
+    assert!(matches!(hello, LayerMsg::Hello { resumed: None, .. }));
+    assert!(end.unwrap_err().contains("closed"));
+    assert_eq!(token, None);
+    // The next session goes as usual.
+    let th = std::thread::spawn(move || {
+        let mut c = Connection::new(listener.accept().unwrap().0);
+        recv(&mut c);
+        c.send(&ShimMsg::Welcome { token: "t".into() }, None)
+            .unwrap();
+        c.send(&ShimMsg::Disconnect, None).unwrap();
+    });
+    crate::control::session(&l, &path, &mut token).unwrap();
+    th.join().unwrap();
+    assert_eq!(token.as_deref(), Some("t"));
+}
+
 fn recv(c: &mut Connection) -> LayerMsg {
     c.recv(Some(Duration::from_secs(5))).unwrap()
 }
 
 #[test]
 fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
+    let _one = SOCKETS.lock().unwrap_or_else(|e| e.into_inner());
     let l: &'static Layer<Fake> = Box::leak(Box::new(Layer::new(Fake::default())));
     let j = job(l);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nccl.sock");
     let listener = UnixListener::bind(&path).unwrap();
+    let before = sockets();
     let p = path.clone();
+    let (again, go_on) = std::sync::mpsc::channel::<()>();
     let th = std::thread::spawn(move || {
         let mut token = None;
         let first = crate::control::session(l, &p, &mut token);
+        // As the control thread pauses before it connects again.
+        let _ = go_on.recv();
         let second = crate::control::session(l, &p, &mut token);
         (first.is_ok(), second.map_err(|e| e.to_string()), token)
     });
@@ -536,6 +613,10 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
         c.recv::<LayerMsg>(Some(Duration::from_secs(5))),
         Err(nccl_control::ControlError::Closed)
     ));
+    // Once the shim sees the end, the layer holds no descriptor of the connection (only the
+    // listener and the shim's end are left): nothing for a checkpoint to find.
+    assert_eq!(sockets(), before + 1, "the layer still holds its end");
+    again.send(()).unwrap();
 
     // Reconnected: the session's token comes back, and the communicators are told again.
     let mut c = Connection::new(listener.accept().unwrap().0);
