@@ -195,7 +195,8 @@ mod tests {
             },
             LayerMsg::CommGone { id: 3 },
             LayerMsg::Quiesced { comms: vec![1, 3] },
-            LayerMsg::Released,
+            LayerMsg::Released { suspended: true },
+            LayerMsg::Released { suspended: false },
             LayerMsg::UniqueId {
                 key: "k".into(),
                 id: "00".repeat(128),
@@ -320,7 +321,7 @@ mod tests {
         }
         // A layer message is not a shim message.
         let mut buf = Vec::new();
-        write_frame(&mut buf, &LayerMsg::Released).unwrap();
+        write_frame(&mut buf, &LayerMsg::Released { suspended: true }).unwrap();
         assert!(matches!(
             read_frame::<_, ShimMsg>(&mut Cursor::new(buf)),
             Err(ControlError::Malformed(_))

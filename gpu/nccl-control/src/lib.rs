@@ -62,8 +62,11 @@ pub enum LayerMsg {
     CommGone { id: u64 },
     /// Answer to `Quiesce`: no call in the layer, every stream used is complete.
     Quiesced { comms: Vec<u64> },
-    /// Answer to `Release`.
-    Released,
+    /// Answer to `Release`. `suspended`: every live communicator was suspended
+    /// (`ncclCommSuspend`), so that a `Resume` on the same node brings them back; false when
+    /// some were destroyed (an NCCL without `ncclCommSuspend`): then even a same-node resume
+    /// needs `NewUniqueId` and `Rebuild`.
+    Released { suspended: bool },
     /// Answer to `NewUniqueId`: a fresh unique id for `key`, hex of its 128 bytes.
     UniqueId { key: String, id: String },
     /// Answer to `Rebuild` and `Resume`.
@@ -84,11 +87,13 @@ pub enum ShimMsg {
     Welcome { token: String },
     /// Hold new calls, wait (until the deadline) for the calls in the layer and the streams used.
     Quiesce { deadline_ms: u64 },
-    /// Suspend (or destroy) every real communicator and deregister buffers.
+    /// Suspend (or destroy) every real communicator and deregister buffers; answered by
+    /// `Released` (or `Failed`).
     Release,
     /// Close the connection; the layer reconnects every 50 ms.
     Disconnect,
-    /// Resume every suspended communicator (same node, nothing moved).
+    /// Resume every suspended communicator (same node, nothing moved; only after a
+    /// `Released { suspended: true }`).
     Resume,
     /// Re-create every communicator: key -> fresh unique id (hex) for each root key.
     Rebuild { ids: Vec<(String, String)> },
@@ -110,6 +115,10 @@ mod tests {
             r#"{"Quiesce":{"deadline_ms":500}}"#
         );
         assert_eq!(serde_json::to_string(&ShimMsg::Go).unwrap(), r#""Go""#);
+        assert_eq!(
+            serde_json::to_string(&LayerMsg::Released { suspended: false }).unwrap(),
+            r#"{"Released":{"suspended":false}}"#
+        );
         let r = ShimMsg::Rebuild {
             ids: vec![("k".into(), "00ff".into())],
         };

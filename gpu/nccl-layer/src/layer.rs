@@ -505,7 +505,9 @@ impl<B: Backend> Layer<B> {
     }
 
     /// Release: deregister every buffer and suspend every communicator (destroy it where the
-    /// library has no ncclCommSuspend); the handles stay.
+    /// library has no ncclCommSuspend); the handles stay. `Released { suspended }` says whether
+    /// every live communicator is now suspended (a `Resume` brings them back) or some are
+    /// destroyed (only a `Rebuild` does). A second Release changes nothing and answers the same.
     pub fn release(&self) -> LayerMsg {
         if let Some(f) = self.not_held("Release") {
             return f;
@@ -558,7 +560,11 @@ impl<B: Backend> Layer<B> {
                 RealState::Destroyed
             };
         }
-        LayerMsg::Released
+        let suspended = !reg
+            .entries
+            .iter()
+            .any(|e| e.live() && e.state == RealState::Destroyed);
+        LayerMsg::Released { suspended }
     }
 
     /// Registers every recorded buffer again on its (new or resumed) communicator.

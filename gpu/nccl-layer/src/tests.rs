@@ -206,11 +206,14 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
             comms: vec![j.root.id, j.child.id]
         }
     );
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     assert_eq!(
         l.backend.take().join(", "),
         "device 1, deregister 0x10 0x11, device 1, suspend 0x20, device 1, suspend 0x10"
     );
+    // A second Release suspends nothing twice.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
+    assert!(l.backend.take().is_empty());
     assert_eq!(l.resume(), LayerMsg::Rebuilt);
     assert_eq!(
         l.backend.take().join(", "),
@@ -219,7 +222,7 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
 
     // Rebuild: a missing id names the root's rank; with it, the root is made again with the
     // same rank, size, device and config on the fresh id, then both split calls on it.
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     l.backend.take();
     let (comm, rank, message) = failure(l.rebuild(vec![]));
     assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
@@ -266,7 +269,7 @@ fn released(fake: Fake, gone_root: bool) -> (Layer<Fake>, Job) {
         l.quiesce(Duration::from_secs(1)),
         LayerMsg::Quiesced { .. }
     ));
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     l.backend.take();
     (l, j)
 }
@@ -303,8 +306,12 @@ fn without_suspend_release_destroys_and_resume_refuses() {
     });
     let j = job(&l);
     l.quiesce(Duration::from_secs(1));
-    assert_eq!(l.release(), LayerMsg::Released);
+    // Destroyed, not suspended: the shim must rebuild even on the same node.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
     assert!(l.backend.take().contains(&"destroy 0x10".to_string()));
+    // A second Release frees nothing more and says the same.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
+    assert!(!l.backend.take().iter().any(|c| c.starts_with("destroy")));
     assert_eq!(j.root.real(), 0);
     let (_, _, message) = failure(l.resume());
     assert!(message.contains("only a Rebuild"), "{message}");

@@ -282,7 +282,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released);
+        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
         s.send(ShimMsg::Disconnect);
         assert!(matches!(
             s.conn.recv::<LayerMsg>(Some(WAIT)),
@@ -342,7 +342,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
         s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
         assert!(matches!(s.recv(), LayerMsg::Quiesced { .. }));
         s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released);
+        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
     }
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Resume);
@@ -421,7 +421,7 @@ fn init_all_rebuilt_in_one_group() {
         }
     );
     s.send(ShimMsg::Release);
-    assert_eq!(s.recv(), LayerMsg::Released);
+    assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
     s.send(ShimMsg::Disconnect);
     all.say("step 2");
     assert_eq!(
