@@ -117,6 +117,7 @@ impl Container {
             devices,
             memory,
             paused_devices: None,
+            nccl: None,
             resumed_after_dump: false,
         })
     }

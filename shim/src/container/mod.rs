@@ -80,6 +80,8 @@ pub struct Container {
     /// How long the last Pause's device quiesce took, for the manifest of the checkpoint
     /// that follows it.
     paused_devices: Option<std::time::Duration>,
+    /// The NCCL layer injected into the container (`nccl::inject`), when it opts in.
+    pub nccl: Option<crate::nccl::inject::NcclSetup>,
     /// A checkpoint resumed the container right after its dump (`ResumeAfterDump`): the
     /// Resume containerd sends after its copy has nothing left to do.
     pub resumed_after_dump: bool,

@@ -12,3 +12,8 @@ pub struct NcclSetup {
     /// BLAKE3 (hex) of the layer library bind-mounted into the container.
     pub layer_blake3: String,
 }
+
+/// Removes the host socket directory of `setup` (at Delete).
+pub fn remove_setup(setup: &NcclSetup) {
+    let _ = std::fs::remove_dir_all(&setup.host_dir);
+}
