@@ -1304,6 +1304,39 @@ mod tests {
         )
     }
 
+    /// The NCCL record is written only when there is one (an older manifest reads as before),
+    /// and reads back as written.
+    #[test]
+    fn the_nccl_record_is_optional_and_round_trips() {
+        let m = empty_manifest();
+        let json = serde_json::to_value(&m).unwrap();
+        assert!(json.get("nccl").is_none());
+        let mut m = m;
+        m.nccl = Some(NcclRecord {
+            layer_blake3: "ab".repeat(32),
+            processes: vec![NcclProcess {
+                pid: 7,
+                token: "t".into(),
+                nccl_version: 23206,
+                suspended: false,
+                comms: vec![NcclComm {
+                    id: 2,
+                    key: "k/1".into(),
+                    rank: 1,
+                    nranks: 2,
+                    cuda_dev: 1,
+                    split: Some((1, 1, -1)),
+                }],
+            }],
+            cut: Some(NcclCut {
+                id: "cut1".into(),
+                containers: vec!["a".into(), "b".into()],
+            }),
+        });
+        let back: Manifest = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
+    }
+
     /// A checkpoint directory with one page image of `size` bytes, its manifest written, and
     /// the page image deferred by a staged verify.
     fn staged_page_image(dir: &Path, size: usize) -> DeferredDigests {

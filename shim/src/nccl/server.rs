@@ -260,10 +260,6 @@ fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, Strin
             }
         }
     }
-    // A process connects once: an older session of it is over.
-    for s in st.sessions.values_mut().filter(|s| s.host_pid == peer) {
-        s.shut("it connected again");
-    }
     conn.send(
         &ShimMsg::Welcome {
             token: token.clone(),

@@ -106,7 +106,10 @@ pub fn describe<'a>(
     } else if rank.is_empty() {
         format!("pid {ns_pid} in the container")
     } else {
-        format!("pid {ns_pid} in the container ({})", rank.trim_end_matches(", "))
+        format!(
+            "pid {ns_pid} in the container ({})",
+            rank.trim_end_matches(", ")
+        )
     }
 }
 

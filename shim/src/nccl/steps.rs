@@ -119,10 +119,7 @@ pub fn release(server: &Server, ids: &[u64]) -> Result<BTreeMap<u64, bool>, Erro
         None => Ok(suspended),
         Some(m) => {
             // Some released, some not: a rebuild on fresh ids brings every one back alike.
-            let undo = rebuild(server, ids, "checkpoint").and_then(|()| {
-                go(server, ids);
-                Ok(())
-            });
+            let undo = rebuild(server, ids, "checkpoint").map(|()| go(server, ids));
             Err(step_error(
                 "checkpoint",
                 "nccl-release",
@@ -171,17 +168,21 @@ pub fn reconnect(
 ) -> Result<Vec<(u64, NcclProcess)>, Error> {
     let t = server.timeout;
     let st = server.shared.lock();
-    let (mut st, all) = server
-        .shared
-        .wait_until(st, Instant::now() + t, |st| {
-            st.held.iter().all(|h| session_of(st, h).is_some())
-        });
+    let (mut st, all) = server.shared.wait_until(st, Instant::now() + t, |st| {
+        st.held.iter().all(|h| session_of(st, h).is_some())
+    });
     if !all {
         let missing: Vec<String> = st
             .held
             .iter()
             .filter(|h| session_of(&st, h).is_none())
-            .map(|h| format!("{} did not connect again within {}", h.describe(), within(t)))
+            .map(|h| {
+                format!(
+                    "{} did not connect again within {}",
+                    h.describe(),
+                    within(t)
+                )
+            })
             .collect();
         return Err(step_error(
             operation,
