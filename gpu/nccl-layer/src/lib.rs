@@ -13,6 +13,7 @@ pub mod api;
 pub mod backend;
 pub mod config;
 pub mod control;
+pub mod dl;
 pub mod ffi;
 pub mod gate;
 pub mod layer;
