@@ -194,6 +194,9 @@ mod tests {
                 }),
             },
             LayerMsg::CommGone { id: 3 },
+            LayerMsg::Holding {
+                issued: vec![(1, 7), (3, 0)],
+            },
             LayerMsg::Quiesced { comms: vec![1, 3] },
             LayerMsg::Released { suspended: true },
             LayerMsg::Released { suspended: false },
@@ -211,6 +214,10 @@ mod tests {
         let shim = vec![
             ShimMsg::Welcome { token: "t".into() },
             ShimMsg::Quiesce { deadline_ms: 1 },
+            ShimMsg::Drain {
+                targets: vec![(1, 8)],
+                deadline_ms: 2,
+            },
             ShimMsg::Release,
             ShimMsg::Disconnect,
             ShimMsg::Resume,

@@ -90,6 +90,10 @@ fn serve<B: Backend>(
                 continue;
             }
             ShimMsg::Quiesce { deadline_ms } => layer.quiesce(Duration::from_millis(deadline_ms)),
+            ShimMsg::Drain {
+                targets,
+                deadline_ms,
+            } => layer.drain(targets, Duration::from_millis(deadline_ms)),
             ShimMsg::Release => layer.release(),
             ShimMsg::Resume => layer.resume(),
             ShimMsg::Rebuild { ids } => layer.rebuild(ids),

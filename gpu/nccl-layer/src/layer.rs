@@ -12,7 +12,7 @@ use nccl_control::{Connection, LayerMsg, Split};
 use crate::backend::{Backend, RealComm};
 use crate::config::ConfigCopy;
 use crate::ffi::*;
-use crate::gate::{Gate, StreamUse, Ticket};
+use crate::gate::{Gate, Kind, StreamUse, Stuck, Ticket};
 
 const COMM_MAGIC: u64 = 0x6763_6b70_636f_6d6d;
 const BUF_MAGIC: u64 = 0x6763_6b70_6275_6666;
@@ -223,14 +223,32 @@ impl<B: Backend> Layer<B> {
         (o.magic == BUF_MAGIC).then_some(o)
     }
 
-    /// Enters the gate for a call on `comm` (recording `stream` for the quiesce).
+    /// Enters the gate for a call on `comm` (recording `stream` for the quiesce). The calls
+    /// that enqueue work on a stream are collectives, counted, except the point-to-point ones
+    /// (their counts differ between ranks); a split counts on its parent.
     pub fn enter(
         &self,
         call: &'static str,
         comm: Option<&CommObj>,
         stream: Option<usize>,
     ) -> Ticket<'_> {
-        let t = self.gate.enter(call, comm.map(|c| (c.id, c.rank())));
+        let p2p = matches!(call, "ncclSend" | "ncclRecv");
+        let query = matches!(
+            call,
+            "ncclCommCount"
+                | "ncclCommCuDevice"
+                | "ncclCommUserRank"
+                | "ncclCommGetAsyncError"
+                | "ncclGetLastError"
+        );
+        let kind = if call == "ncclCommSplit" || (stream.is_some() && !p2p) {
+            Kind::Collective
+        } else if query {
+            Kind::Query
+        } else {
+            Kind::Other
+        };
+        let t = self.gate.enter(call, comm.map(|c| (c.id, c.rank())), kind);
         if let (Some(c), Some(stream)) = (comm, stream) {
             self.gate.record_stream(StreamUse {
                 stream,
@@ -424,12 +442,14 @@ impl<B: Backend> Layer<B> {
         }
     }
 
-    /// Quiesce: hold new calls, wait (until the deadline) for the calls in flight, then for
-    /// every stream used since the last quiesce to complete. On failure the held calls go on.
+    /// Quiesce, first round: hold new calls, wait (until the deadline) for the calls in
+    /// flight; `Holding` with the collectives issued on each live communicator. On failure the
+    /// held calls go on.
     pub fn quiesce(&self, deadline: Duration) -> LayerMsg {
         let _span = tracing::info_span!("nccl quiesce", ms = deadline.as_millis() as u64).entered();
         let until = std::time::Instant::now() + deadline;
         self.gate.hold();
+        self.gate.set_targets(None);
         if let Err(f) = self.gate.drain(until) {
             self.gate.release();
             let message = match f.comm {
@@ -451,6 +471,74 @@ impl<B: Backend> Layer<B> {
             };
         }
         self.settle(None);
+        let issued = self
+            .reg()
+            .entries
+            .iter()
+            .filter(|e| e.live())
+            .map(|e| (e.id, self.gate.issued(e.id)))
+            .collect();
+        LayerMsg::Holding { issued }
+    }
+
+    /// Quiesce, second round: the held collectives on each communicator pass until its target
+    /// (the most any of its ranks issued), then wait (until the deadline) for the calls in
+    /// flight and every stream used since the last quiesce; `Quiesced`. On failure (naming the
+    /// communicator and rank) the held calls go on.
+    pub fn drain(&self, targets: Vec<(u64, u64)>, deadline: Duration) -> LayerMsg {
+        if let Some(f) = self.not_held("Drain") {
+            return f;
+        }
+        let _span = tracing::info_span!("nccl drain", ms = deadline.as_millis() as u64).entered();
+        let until = std::time::Instant::now() + deadline;
+        let live: Vec<u64> = self
+            .reg()
+            .entries
+            .iter()
+            .filter(|e| e.live())
+            .map(|e| e.id)
+            .collect();
+        let targets = targets
+            .into_iter()
+            .filter(|(id, _)| live.contains(id))
+            .collect();
+        self.gate.set_targets(Some(targets));
+        let reached = self.gate.reach(until);
+        self.gate.set_targets(None);
+        if let Err(stuck) = reached {
+            self.gate.release();
+            let ms = deadline.as_millis();
+            let rank = |id: u64| self.reg().entry(id).map_or(-1, |e| e.rank());
+            return match stuck {
+                Stuck::Short {
+                    comm,
+                    issued,
+                    target,
+                } => {
+                    let r = rank(comm);
+                    LayerMsg::Failed {
+                        comm: Some(comm),
+                        rank: Some(r),
+                        message: format!(
+                            "communicator {comm} (rank {r}): {issued} of the {target} \
+                             collectives its peers issued after {ms} ms (the application did \
+                             not call the rest)"
+                        ),
+                    }
+                }
+                Stuck::Call(f) => LayerMsg::Failed {
+                    comm: f.comm.map(|c| c.0),
+                    rank: f.comm.map(|c| c.1),
+                    message: match f.comm {
+                        Some((id, r)) => format!(
+                            "{} on communicator {id} (rank {r}) still in the layer after {ms} ms",
+                            f.call
+                        ),
+                        None => format!("{} still in the layer after {ms} ms", f.call),
+                    },
+                },
+            };
+        }
         let mut pause = Duration::from_micros(100);
         for u in self.gate.streams() {
             loop {

@@ -191,6 +191,69 @@ fn job(l: &Layer<Fake>) -> Job {
     Job { root, child, buf }
 }
 
+/// Both rounds of a quiesce of `l` alone: its own counts are the targets.
+fn quiesce(l: &Layer<Fake>, within: Duration) -> LayerMsg {
+    match l.quiesce(within) {
+        LayerMsg::Holding { issued } => l.drain(issued, within),
+        other => other,
+    }
+}
+
+/// A rank one collective behind its peer on the root and two on the split: the drain lets
+/// exactly those through, holds the next one and lets questions pass; a target the application
+/// never reaches fails naming the communicator and rank, and lets the calls go.
+#[test]
+fn a_rank_behind_its_peers_catches_up_before_the_hold() {
+    let l = Arc::new(Layer::new(Fake::default()));
+    let j = job(&l);
+    drop(l.enter("ncclAllReduce", Some(j.root), Some(1)));
+    drop(l.enter("ncclSend", Some(j.root), Some(1)));
+    assert_eq!(
+        l.quiesce(Duration::from_secs(1)),
+        LayerMsg::Holding {
+            issued: vec![(j.root.id, 1), (j.child.id, 0)]
+        }
+    );
+    let (root, child) = (j.root.id, j.child.id);
+    let app = {
+        let (l, root, child) = (l.clone(), j.root, j.child);
+        std::thread::spawn(move || {
+            for c in [root, child, child] {
+                drop(l.enter("ncclAllReduce", Some(c), Some(2)));
+            }
+            drop(l.enter("ncclCommCount", Some(root), None));
+            // Beyond every target: held until Go.
+            drop(l.enter("ncclAllReduce", Some(child), Some(2)));
+            l.gate.issued(child.id)
+        })
+    };
+    assert_eq!(
+        l.drain(vec![(root, 2), (child, 2)], Duration::from_secs(5)),
+        LayerMsg::Quiesced {
+            comms: vec![root, child]
+        }
+    );
+    assert_eq!((l.gate.issued(root), l.gate.issued(child)), (2, 2));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!app.is_finished(), "a call beyond its target passed");
+    l.go();
+    assert_eq!(app.join().unwrap(), 3);
+
+    // The peer is ahead by more than the application will ever call.
+    assert!(matches!(
+        l.quiesce(Duration::from_secs(1)),
+        LayerMsg::Holding { .. }
+    ));
+    let (comm, rank, message) = failure(l.drain(vec![(root, 5)], Duration::from_millis(50)));
+    assert_eq!((comm, rank), (Some(root), Some(1)));
+    assert!(message.contains("2 of the 5 collectives"), "{message}");
+    assert!(!l.gate.is_held(), "held calls not released after Failed");
+    assert!(matches!(
+        l.drain(vec![], Duration::from_millis(50)),
+        LayerMsg::Failed { .. }
+    ));
+}
+
 #[test]
 fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     let l = Layer::new(Fake::default());
@@ -201,7 +264,7 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     );
 
     assert_eq!(
-        l.quiesce(Duration::from_secs(1)),
+        quiesce(&l, Duration::from_secs(1)),
         LayerMsg::Quiesced {
             comms: vec![j.root.id, j.child.id]
         }
@@ -266,7 +329,7 @@ fn released(fake: Fake, gone_root: bool) -> (Layer<Fake>, Job) {
         l.gone(j.root, true);
     }
     assert!(matches!(
-        l.quiesce(Duration::from_secs(1)),
+        quiesce(&l, Duration::from_secs(1)),
         LayerMsg::Quiesced { .. }
     ));
     assert_eq!(l.release(), LayerMsg::Released { suspended: true });
@@ -305,7 +368,7 @@ fn without_suspend_release_destroys_and_resume_refuses() {
         ..Fake::default()
     });
     let j = job(&l);
-    l.quiesce(Duration::from_secs(1));
+    quiesce(&l, Duration::from_secs(1));
     // Destroyed, not suspended: the shim must rebuild even on the same node.
     assert_eq!(l.release(), LayerMsg::Released { suspended: false });
     assert!(l.backend.take().contains(&"destroy 0x10".to_string()));
@@ -336,7 +399,7 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
     drop(l.enter("ncclAllReduce", Some(j.child), Some(0x77)));
     drop(l.enter("ncclAllReduce", Some(j.root), Some(0)));
     l.backend.pending.lock().unwrap().insert(0x77);
-    let (comm, rank, message) = failure(l.quiesce(Duration::from_millis(50)));
+    let (comm, rank, message) = failure(quiesce(&l, Duration::from_millis(50)));
     assert_eq!((comm, rank), (Some(j.child.id), Some(0)));
     assert!(message.contains("stream 0x77"), "{message}");
     assert!(!l.gate.is_held(), "held calls not released after Failed");
@@ -350,7 +413,7 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
 
     l.backend.pending.lock().unwrap().clear();
     assert!(matches!(
-        l.quiesce(Duration::from_millis(50)),
+        quiesce(&l, Duration::from_millis(50)),
         LayerMsg::Quiesced { .. }
     ));
     let passed = Arc::new(AtomicBool::new(false));
@@ -439,6 +502,20 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
     comm_msgs(&mut c);
     c.send(&ShimMsg::Quiesce { deadline_ms: 1000 }, None)
         .unwrap();
+    assert_eq!(
+        recv(&mut c),
+        LayerMsg::Holding {
+            issued: vec![(j.root.id, 0), (j.child.id, 0)]
+        }
+    );
+    c.send(
+        &ShimMsg::Drain {
+            targets: vec![(j.root.id, 0)],
+            deadline_ms: 1000,
+        },
+        None,
+    )
+    .unwrap();
     assert_eq!(
         recv(&mut c),
         LayerMsg::Quiesced {

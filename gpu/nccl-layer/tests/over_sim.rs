@@ -188,13 +188,20 @@ fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
 struct Session {
     conn: Connection,
     pid: i32,
+    /// The key of each communicator the layer announced, by id.
+    keys: std::collections::HashMap<u64, String>,
 }
 
 impl Session {
     fn recv(&mut self) -> LayerMsg {
-        self.conn
+        let m = self
+            .conn
             .recv(Some(WAIT))
-            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid))
+            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid));
+        if let LayerMsg::Comm { id, key, .. } = &m {
+            self.keys.insert(*id, key.clone());
+        }
+        m
     }
     fn send(&mut self, m: ShimMsg) {
         self.conn.send(&m, Some(WAIT)).expect("send to the layer");
@@ -237,7 +244,11 @@ fn connection(l: &UnixListener) -> Connection {
 /// the session and the Hello's `resumed`.
 fn hello(l: &UnixListener, token: impl Fn(i32) -> String) -> (Session, Option<String>) {
     let conn = connection(l);
-    let mut s = Session { conn, pid: 0 };
+    let mut s = Session {
+        conn,
+        pid: 0,
+        keys: Default::default(),
+    };
     match s.recv() {
         LayerMsg::Hello {
             version,
@@ -256,6 +267,50 @@ fn hello(l: &UnixListener, token: impl Fn(i32) -> String) -> (Session, Option<St
         }
         other => panic!("expected Hello, got {other:?}"),
     }
+}
+
+/// The first round of a quiesce at every session at once: each one's `Holding` counts.
+fn hold_all(sessions: &mut [Session], ms: u64) -> Vec<Vec<(u64, u64)>> {
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: ms });
+    }
+    sessions
+        .iter_mut()
+        .map(|s| match s.recv() {
+            LayerMsg::Holding { issued } => issued,
+            other => panic!("pid {}: expected Holding, got {other:?}", s.pid),
+        })
+        .collect()
+}
+
+/// The second round, as the shim sends it: each communicator's target is the most any session
+/// issued on a communicator of its key.
+fn send_drain(sessions: &mut [Session], issued: &[Vec<(u64, u64)>], ms: u64) {
+    let mut most: std::collections::HashMap<String, u64> = Default::default();
+    for (s, counts) in sessions.iter().zip(issued) {
+        for (id, n) in counts {
+            let m = most.entry(s.keys[id].clone()).or_default();
+            *m = (*m).max(*n);
+        }
+    }
+    for s in sessions.iter_mut() {
+        let targets = s
+            .keys
+            .iter()
+            .filter_map(|(id, k)| Some((*id, *most.get(k)?)))
+            .collect();
+        s.send(ShimMsg::Drain {
+            targets,
+            deadline_ms: ms,
+        });
+    }
+}
+
+/// Both rounds at every session; the replies to the second.
+fn quiesce_all(sessions: &mut [Session], ms: u64) -> Vec<LayerMsg> {
+    let issued = hold_all(sessions, ms);
+    send_drain(sessions, &issued, ms);
+    sessions.iter_mut().map(Session::recv).collect()
 }
 
 fn comm_fields(m: &LayerMsg) -> (u64, String, i32, i32, i32, Option<nccl_control::Split>) {
@@ -319,11 +374,8 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     step(&mut ranks, 1);
 
     // Checkpoint: quiesce, release, disconnect.
-    for s in sessions.iter_mut() {
-        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
-    }
-    for s in sessions.iter_mut() {
-        assert!(matches!(s.recv(), LayerMsg::Quiesced { comms } if comms.len() == 2));
+    for m in quiesce_all(&mut sessions, 5000) {
+        assert!(matches!(m, LayerMsg::Quiesced { comms } if comms.len() == 2));
     }
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Release);
@@ -383,24 +435,49 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
 
     // A checkpoint that keeps the task on this node: release, then resume the suspended
     // communicators in place.
+    // Rank 0 is a step ahead: its allreduce and broadcast of step 6 are enqueued, rank 1's
+    // not. The drain lets rank 1 catch up (and no further), so both stop after the same
+    // collectives and every stream completes.
+    ranks[0].say("enqueue 6");
+    ranks[0].expect("enqueued 6");
+    let issued = hold_all(&mut sessions, 5000);
+    assert_eq!(
+        issued[0].iter().map(|(_, n)| n - 1).collect::<Vec<_>>(),
+        issued[1].iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        "rank 0 is one collective ahead on each communicator: {issued:?}"
+    );
+    send_drain(&mut sessions, &issued, 5000);
+    ranks[1].say("enqueue 6");
+    ranks[1].expect("enqueued 6");
     for s in sessions.iter_mut() {
-        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
         assert!(matches!(s.recv(), LayerMsg::Quiesced { .. }));
         s.send(ShimMsg::Release);
         assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
     }
+    // Nothing passes while released.
+    ranks[1].say("enqueue 7");
+    assert_eq!(ranks[1].line(Duration::from_millis(300)), None);
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Resume);
         assert_eq!(s.recv(), LayerMsg::Rebuilt);
         s.send(ShimMsg::Go);
     }
-    step(&mut ranks, 5);
+    ranks[1].expect("enqueued 7");
+    ranks[0].say("enqueue 7");
+    ranks[0].expect("enqueued 7");
+    for r in ranks.iter_mut() {
+        r.say("finish 7");
+    }
+    for r in &ranks {
+        r.expect("ok 7");
+    }
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
     // quiesce fails within its bound naming rank 0; the calls then go on.
     ranks[0].say("enqueue 4");
     ranks[0].expect("enqueued 4");
-    sessions[0].send(ShimMsg::Quiesce { deadline_ms: 300 });
+    let own = hold_all(&mut sessions[..1], 300);
+    send_drain(&mut sessions[..1], &own, 300);
     match sessions[0].recv() {
         LayerMsg::Failed {
             comm,
@@ -458,12 +535,11 @@ fn init_all_rebuilt_in_one_group() {
     all.say("step 1");
     all.expect("ok 1");
 
-    s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
     assert_eq!(
-        s.recv(),
-        LayerMsg::Quiesced {
+        quiesce_all(std::slice::from_mut(&mut s), 5000),
+        [LayerMsg::Quiesced {
             comms: vec![ida, idb]
-        }
+        }]
     );
     s.send(ShimMsg::Release);
     assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
@@ -586,15 +662,10 @@ impl Progress {
 /// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
 /// holds the ranks: no step is printed until Go.
 fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
-    for s in sessions.iter_mut() {
-        s.send(ShimMsg::Quiesce {
-            deadline_ms: 10_000,
-        });
-    }
-    for s in sessions.iter_mut() {
-        match s.recv() {
-            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2, "pid {}", s.pid),
-            other => panic!("pid {}: expected Quiesced, got {other:?}", s.pid),
+    for m in quiesce_all(sessions, 10_000) {
+        match m {
+            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
+            other => panic!("expected Quiesced, got {other:?}"),
         }
     }
     for s in sessions.iter_mut() {
