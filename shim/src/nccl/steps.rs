@@ -64,16 +64,54 @@ fn failure(server: &Server, id: u64, answer: Result<LayerMsg, String>) -> (Strin
     }
 }
 
-/// nccl-quiesce: Quiesce to every session at once. On failure, Go to all (the layers that
-/// failed let their held calls go themselves): everything runs on as before.
+/// nccl-quiesce, in two phases to every session at once, both within `NcclTimeout`:
+///
+/// 1. Quiesce: each layer holds new calls, waits for those in flight, and answers how many
+///    collectives it has issued on each of its communicators (`Holding`);
+/// 2. Drain: the target of each communicator key is the most any of its ranks issued (a rank
+///    held before its k-th collective while a peer already issued it would wait forever on
+///    that peer's stream); each layer lets its held collectives pass up to the targets, waits
+///    for its streams, and answers `Quiesced`.
+///
+/// On failure, Go to all (the layers that failed let their held calls go themselves):
+/// everything runs on as before.
 pub fn quiesce(server: &Server, ids: &[u64]) -> Result<(), Error> {
     let _span = info_span!("nccl_quiesce", id = %server.id, processes = ids.len()).entered();
     let t = server.timeout;
-    let deadline_ms = t.as_millis() as u64;
+    let until = Instant::now() + t;
+    let left_ms = || until.saturating_duration_since(Instant::now()).as_millis() as u64;
+    let deadline_ms = left_ms();
     let answers = server.shared.ask(
         ids,
         |_| ShimMsg::Quiesce { deadline_ms },
-        Instant::now() + t + ANSWER_GRACE,
+        until + ANSWER_GRACE,
+    );
+    let mut issued: BTreeMap<u64, Vec<(u64, u64)>> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for (id, a) in answers {
+        match a {
+            Ok(LayerMsg::Holding { issued: i }) => {
+                issued.insert(id, i);
+            }
+            a => {
+                let (who, why) = failure(server, id, a);
+                failures.push(format!("{who} did not quiesce within {}: {why}", within(t)));
+            }
+        }
+    }
+    if let Some(m) = first_of(failures) {
+        go(server, ids);
+        return Err(step_error("checkpoint", "nccl-quiesce", m));
+    }
+    let targets = drain_targets(server, &issued);
+    let deadline_ms = left_ms();
+    let answers = server.shared.ask(
+        ids,
+        |id| ShimMsg::Drain {
+            targets: targets.get(&id).cloned().unwrap_or_default(),
+            deadline_ms,
+        },
+        until + ANSWER_GRACE,
     );
     let failures: Vec<String> = answers
         .into_iter()
@@ -90,6 +128,45 @@ pub fn quiesce(server: &Server, ids: &[u64]) -> Result<(), Error> {
             Err(step_error("checkpoint", "nccl-quiesce", m))
         }
     }
+}
+
+/// Each session's drain targets: for each of its communicators, the most collectives any
+/// communicator of the same key issued, in any session.
+fn drain_targets(
+    server: &Server,
+    issued: &BTreeMap<u64, Vec<(u64, u64)>>,
+) -> BTreeMap<u64, Vec<(u64, u64)>> {
+    let st = server.shared.lock();
+    let key_of = |session: u64, comm: u64| {
+        st.sessions
+            .get(&session)
+            .and_then(|s| s.comms.get(&comm))
+            .map(|c| c.key.clone())
+    };
+    let mut most: BTreeMap<String, u64> = BTreeMap::new();
+    for (session, counts) in issued {
+        for (comm, n) in counts {
+            if let Some(key) = key_of(*session, *comm) {
+                let m = most.entry(key).or_default();
+                *m = (*m).max(*n);
+            }
+        }
+    }
+    issued
+        .iter()
+        .map(|(session, counts)| {
+            let targets = counts
+                .iter()
+                .map(|(comm, n)| {
+                    let target = key_of(*session, *comm)
+                        .and_then(|k| most.get(&k).copied())
+                        .unwrap_or(*n);
+                    (*comm, target.max(*n))
+                })
+                .collect();
+            (*session, targets)
+        })
+        .collect()
 }
 
 /// nccl-release: Release to every session at once; whether each suspended every communicator

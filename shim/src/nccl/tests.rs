@@ -124,6 +124,14 @@ fn layer_cycle(
     c.comm(1, "rootkey", rank, 2);
     std::thread::spawn(move || {
         assert!(matches!(c.recv(), ShimMsg::Quiesce { .. }));
+        // Rank 1 is one collective ahead: both drain to its count.
+        c.send(LayerMsg::Holding {
+            issued: vec![(1, 5 + rank as u64)],
+        });
+        match c.recv() {
+            ShimMsg::Drain { targets, .. } => assert_eq!(targets, vec![(1, 6)]),
+            other => panic!("no Drain: {other:?}"),
+        }
         c.send(LayerMsg::Quiesced { comms: vec![1] });
         assert_eq!(c.recv(), ShimMsg::Release);
         c.send(LayerMsg::Released { suspended });
@@ -306,8 +314,10 @@ fn a_rank_that_does_not_quiesce_fails_the_checkpoint_naming_it_and_the_others_go
             .all(|s| !s.comms.is_empty())
     });
     let answer = std::thread::spawn(move || {
-        assert!(matches!(good.recv(), ShimMsg::Quiesce { deadline_ms: 300 }));
-        good.send(LayerMsg::Quiesced { comms: vec![1] });
+        assert!(matches!(good.recv(), ShimMsg::Quiesce { deadline_ms } if deadline_ms <= 300));
+        good.send(LayerMsg::Holding {
+            issued: vec![(1, 3)],
+        });
         assert_eq!(good.recv(), ShimMsg::Go);
     });
     let t = Instant::now();
@@ -474,6 +484,10 @@ fn a_process_that_does_not_come_back_fails_the_resume_naming_it() {
     });
     let t = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Holding {
+            issued: vec![(1, 0)],
+        });
+        assert!(matches!(a.recv(), ShimMsg::Drain { .. }));
         a.send(LayerMsg::Quiesced { comms: vec![1] });
         assert_eq!(a.recv(), ShimMsg::Release);
         a.send(LayerMsg::Released { suspended: true });
@@ -580,4 +594,77 @@ fn the_layer_must_be_the_checkpoints() {
     assert!(e.contains("the NCCL layer on this node (bbbb) is not the one the checkpoint was taken with (aaaa)"), "{e}");
     let e = check_layer(Some(&record), None).unwrap_err().to_string();
     assert!(e.contains("gpu-ckpt.io/nccl: managed"), "{e}");
+}
+
+/// The drain targets go by key across processes (each has its own ids for its communicators);
+/// a rank that cannot reach its target fails the quiesce naming it, and every other rank gets
+/// Go.
+#[test]
+fn drain_targets_are_the_most_issued_per_key_and_a_failed_drain_names_the_rank() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let mut a = Client::connect(&path, None);
+    a.comm(1, "k", 0, 2);
+    a.comm(2, "k/0", 0, 2);
+    let mut b = Client::connect(&path, None);
+    b.comm(7, "k", 1, 2);
+    b.comm(9, "k/0", 1, 2);
+    wait_for("comms announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .all(|s| s.comms.len() == 2)
+    });
+    let ta = std::thread::spawn(move || {
+        assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Holding {
+            issued: vec![(1, 10), (2, 4)],
+        });
+        match a.recv() {
+            ShimMsg::Drain { mut targets, .. } => {
+                targets.sort();
+                assert_eq!(targets, vec![(1, 11), (2, 4)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        a.send(LayerMsg::Failed {
+            comm: Some(1),
+            rank: Some(0),
+            message: "communicator 1 (rank 0): 10 of 11 collectives issued".into(),
+        });
+    });
+    let tb = std::thread::spawn(move || {
+        assert!(matches!(b.recv(), ShimMsg::Quiesce { .. }));
+        b.send(LayerMsg::Holding {
+            issued: vec![(7, 11), (9, 3)],
+        });
+        match b.recv() {
+            ShimMsg::Drain { mut targets, .. } => {
+                targets.sort();
+                assert_eq!(targets, vec![(7, 11), (9, 4)]);
+            }
+            other => panic!("{other:?}"),
+        }
+        b.send(LayerMsg::Quiesced { comms: vec![7, 9] });
+        assert_eq!(b.recv(), ShimMsg::Go);
+    });
+    let e = c_quiesce(&c);
+    assert!(
+        e.starts_with(&format!(
+            "checkpoint failed at step nccl-quiesce: pid {} (rank 0 of 2, pid {} in the container) did not quiesce within 3s: communicator 1 (rank 0): 10 of 11",
+            me(),
+            me()
+        )),
+        "{e}"
+    );
+    ta.join().unwrap();
+    tb.join().unwrap();
+    c.close();
+}
+
+fn c_quiesce(c: &Arc<ContainerComms>) -> String {
+    rt().block_on(c.quiesce()).unwrap_err().to_string()
 }
