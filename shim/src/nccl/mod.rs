@@ -20,6 +20,8 @@
 //! A container without the layer gets a [`CommLayer`] that does nothing.
 
 pub mod inject;
+mod quiesce;
+mod rebuild;
 mod server;
 mod session;
 mod steps;
@@ -200,7 +202,7 @@ impl ContainerComms {
         let ids = self.server.shared.open_sessions();
         let mut timings = Vec::new();
         let t = Instant::now();
-        let released = steps::quiesce(&self.server, &ids).and_then(|()| {
+        let released = quiesce::quiesce(&[(&*self.server, ids.clone())]).and_then(|()| {
             timings.push(("nccl-quiesce", t.elapsed()));
             let t = Instant::now();
             let r = steps::release(&self.server, &ids)?;
