@@ -33,7 +33,8 @@ impl Container {
         // The NCCL layer's control socket, open before any process of the container runs
         // (and, for a restore, before the restored processes connect again).
         if let Some(setup) = &self.nccl {
-            crate::nccl::open(&self.id, setup, &self.options, self.init.pid)?;
+            let name = self.bundle.cri(&self.id).name;
+            crate::nccl::open(&self.id, &name, setup, &self.options, self.init.pid)?;
         }
         if let Some(pending) = self.pending.clone() {
             let span = info_span!("restore", id = %self.id);

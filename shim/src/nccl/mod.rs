@@ -19,6 +19,7 @@
 //!
 //! A container without the layer gets a [`CommLayer`] that does nothing.
 
+mod cut;
 pub mod inject;
 mod quiesce;
 mod rebuild;
@@ -34,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use image_format::manifest::{NcclProcess, NcclRecord};
+use image_format::manifest::{NcclCut, NcclProcess, NcclRecord};
 use tracing::{info, warn};
 
 pub use server::{Cgroup, Membership, HELLO_TIMEOUT, MAX_CONNECTIONS};
@@ -103,6 +104,8 @@ impl CommLayer for NoComms {
 /// The control server of one container with the layer.
 pub struct ContainerComms {
     server: Arc<Server>,
+    /// The container's name (CRI's), for a cut's record.
+    name: String,
     socket: PathBuf,
     layer_blake3: String,
     listener: Mutex<Option<Listener>>,
@@ -113,13 +116,16 @@ pub struct ContainerComms {
 #[derive(Default)]
 struct Last {
     released: Option<Vec<NcclProcess>>,
+    /// The pod-wide cut the last quiesce (or the checkpoint restored) belongs to.
+    cut: Option<NcclCut>,
     timings: Vec<(&'static str, Duration)>,
 }
 
 impl ContainerComms {
-    /// A server for container `id` listening at `socket`.
+    /// A server for container `id` (named `name`) listening at `socket`.
     pub fn open(
         id: &str,
+        name: &str,
         socket: &Path,
         layer_blake3: &str,
         timeout: Duration,
@@ -133,6 +139,7 @@ impl ContainerComms {
         });
         let c = Arc::new(ContainerComms {
             server,
+            name: name.to_string(),
             socket: socket.to_path_buf(),
             layer_blake3: layer_blake3.to_string(),
             listener: Mutex::new(None),
@@ -197,15 +204,16 @@ impl ContainerComms {
             || st.held.iter().any(|h| h.host_pid == pid)
     }
 
-    fn quiesce_blocking(&self) -> Result<()> {
+    fn quiesce_blocking(self: &Arc<Self>) -> Result<()> {
         self.unlisten();
         let ids = self.server.shared.open_sessions();
         let mut timings = Vec::new();
-        let t = Instant::now();
-        let released = quiesce::quiesce(&[(&*self.server, ids.clone())]).and_then(|()| {
-            timings.push(("nccl-quiesce", t.elapsed()));
+        let mut in_cut = None;
+        let released = cut::quiesce(self, &ids).and_then(|(c, took)| {
+            in_cut = c;
+            timings.push(("nccl-quiesce", took));
             let t = Instant::now();
-            let r = steps::release(&self.server, &ids)?;
+            let r = steps::release(&self.server, &ids).inspect_err(|_| cut::abandon(self))?;
             timings.push(("nccl-release", t.elapsed()));
             Ok(r)
         });
@@ -231,6 +239,7 @@ impl ContainerComms {
         let mut last = self.last();
         last.released = Some(records);
         last.timings = timings;
+        last.cut = in_cut;
         Ok(())
     }
 
@@ -241,6 +250,9 @@ impl ContainerComms {
         }
         let back = steps::reconnect(&self.server, operation, "nccl-resume")?;
         let t = Instant::now();
+        if cut::resume(self, back.clone())? {
+            return Ok(());
+        }
         steps::bring_back(&self.server, &back, operation)?;
         let rebuilt = !back.iter().all(|(_, p)| p.suspended);
         self.last().timings.push((
@@ -254,9 +266,13 @@ impl ContainerComms {
         Ok(())
     }
 
-    fn restored_blocking(&self, init: i32) -> Result<()> {
+    fn restored_blocking(self: &Arc<Self>, init: i32) -> Result<()> {
         self.started(init);
         if self.server.shared.lock().held.is_empty() {
+            return Ok(());
+        }
+        let in_cut = self.last().cut.clone();
+        if cut::restored(self, in_cut.as_ref()) {
             return Ok(());
         }
         let back = steps::reconnect(&self.server, "restore", "nccl-rebuild")?;
@@ -287,10 +303,11 @@ impl CommLayer for Arc<ContainerComms> {
     }
 
     fn record(&self) -> Option<NcclRecord> {
+        let last = self.last();
         Some(NcclRecord {
             layer_blake3: self.layer_blake3.clone(),
-            processes: self.last().released.clone().unwrap_or_default(),
-            cut: None,
+            processes: last.released.clone().unwrap_or_default(),
+            cut: last.cut.clone(),
         })
     }
 
@@ -304,6 +321,7 @@ impl CommLayer for Arc<ContainerComms> {
     }
 
     fn expect(&self, record: &NcclRecord) {
+        self.last().cut = record.cut.clone();
         let mut st = self.server.shared.lock();
         st.held = record
             .processes
@@ -334,6 +352,7 @@ fn containers() -> std::sync::MutexGuard<'static, BTreeMap<String, Arc<Container
 /// `setup.socket`; the init, where already known, is `init`.
 pub fn open(
     id: &str,
+    name: &str,
     setup: &inject::NcclSetup,
     options: &RuntimeOptions,
     init: i32,
@@ -343,6 +362,7 @@ pub fn open(
     }
     let c = ContainerComms::open(
         id,
+        name,
         &setup.socket,
         &setup.layer_blake3,
         timeout(options)?,
@@ -404,6 +424,6 @@ pub fn check_layer(record: Option<&NcclRecord>, setup: Option<&inject::NcclSetup
             "the NCCL layer on this node ({}) is not the one the checkpoint was taken with ({})",
             s.layer_blake3, record.layer_blake3
         ))),
-        Some(_) => Ok(()),
+        Some(_) => cut::check_restore(record.cut.as_ref(), &record.processes),
     }
 }

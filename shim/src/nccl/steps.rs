@@ -142,9 +142,25 @@ pub fn reconnect(
     operation: &'static str,
     step: &'static str,
 ) -> Result<Vec<(u64, NcclProcess)>, Error> {
-    let t = server.timeout;
+    reconnect_until(
+        server,
+        Instant::now() + server.timeout,
+        server.timeout,
+        operation,
+        step,
+    )
+}
+
+/// [`reconnect`] until `deadline` (`t` after the wait began, for the message).
+pub fn reconnect_until(
+    server: &Server,
+    deadline: Instant,
+    t: Duration,
+    operation: &'static str,
+    step: &'static str,
+) -> Result<Vec<(u64, NcclProcess)>, Error> {
     let st = server.shared.lock();
-    let (mut st, all) = server.shared.wait_until(st, Instant::now() + t, |st| {
+    let (mut st, all) = server.shared.wait_until(st, deadline, |st| {
         st.held.iter().all(|h| session_of(st, h).is_some())
     });
     if !all {

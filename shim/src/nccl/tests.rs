@@ -32,6 +32,7 @@ fn me() -> i32 {
 fn server(dir: &Path, timeout: Duration, members: Members) -> Arc<ContainerComms> {
     let c = ContainerComms::open(
         "c1",
+        "c1",
         &dir.join("control.sock"),
         "layerhash",
         timeout,
@@ -667,4 +668,227 @@ fn drain_targets_are_the_most_issued_per_key_and_a_failed_drain_names_the_rank()
 
 fn c_quiesce(c: &Arc<ContainerComms>) -> String {
     rt().block_on(c.quiesce()).unwrap_err().to_string()
+}
+
+/// Two containers of one pod with the ranks of one communicator: the first one's checkpoint
+/// quiesces both (one cut) and releases its own; its resume waits; the second one's
+/// checkpoint releases its ranks without a second quiesce; its resume ends the cut: Resume
+/// to both, then Go to both.
+#[test]
+fn a_pod_wide_cut_holds_every_rank_until_every_container_is_checkpointed() {
+    let d = tempfile::tempdir().unwrap();
+    let mk = |id: &str| {
+        let dir = d.path().join(id);
+        std::fs::create_dir(&dir).unwrap();
+        let c = ContainerComms::open(
+            id,
+            &format!("name-{id}"),
+            &dir.join("control.sock"),
+            "layerhash",
+            Duration::from_secs(5),
+            Box::new(ours()),
+        )
+        .unwrap();
+        c.started(1);
+        containers().insert(id.to_string(), c.clone());
+        (c, dir.join("control.sock"))
+    };
+    let (c1, p1) = mk("cut-test-1");
+    let (c2, p2) = mk("cut-test-2");
+    let (seen, log) = channel();
+    let client = |path: std::path::PathBuf, rank: i32, seen: Sender<(i32, ShimMsg)>| {
+        let mut c = Client::connect(&path, None);
+        c.comm(1, "podkey", rank, 2);
+        std::thread::spawn(move || {
+            let next = |c: &mut Client| {
+                let m = c.recv();
+                seen.send((rank, m.clone())).unwrap();
+                m
+            };
+            assert!(matches!(next(&mut c), ShimMsg::Quiesce { .. }));
+            c.send(LayerMsg::Holding {
+                issued: vec![(1, 4)],
+            });
+            assert!(matches!(next(&mut c), ShimMsg::Drain { .. }));
+            c.send(LayerMsg::Quiesced { comms: vec![1] });
+            assert_eq!(next(&mut c), ShimMsg::Release);
+            c.send(LayerMsg::Released { suspended: true });
+            assert_eq!(next(&mut c), ShimMsg::Disconnect);
+            let token = c.token.clone();
+            drop(c);
+            let mut c = Client::reconnect(&path, &token);
+            assert_eq!(next(&mut c), ShimMsg::Resume);
+            c.send(LayerMsg::Rebuilt);
+            assert_eq!(next(&mut c), ShimMsg::Go);
+        })
+    };
+    let t1 = client(p1, 0, seen.clone());
+    let t2 = client(p2, 1, seen);
+    wait_for("both announced", || {
+        [&c1, &c2].iter().all(|c| {
+            c.server
+                .shared
+                .lock()
+                .sessions
+                .values()
+                .any(|s| !s.comms.is_empty())
+        })
+    });
+    rt().block_on(c1.quiesce()).unwrap();
+    let r1 = c1.record().unwrap();
+    let cut = r1.cut.clone().expect("a cut");
+    assert_eq!(cut.containers, vec!["name-cut-test-1", "name-cut-test-2"]);
+    // Both were quiesced; only the first released.
+    let got: Vec<(i32, ShimMsg)> = log.try_iter().collect();
+    assert_eq!(
+        got.iter()
+            .filter(|(_, m)| matches!(m, ShimMsg::Drain { .. }))
+            .count(),
+        2
+    );
+    assert!(got.iter().all(|(r, m)| *r == 0 || *m != ShimMsg::Release));
+    rt().block_on(c1.resume("resume")).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !log.try_iter()
+            .any(|(_, m)| m == ShimMsg::Go || m == ShimMsg::Resume),
+        "nothing goes on before every container of the cut is checkpointed"
+    );
+    rt().block_on(c2.quiesce()).unwrap();
+    assert_eq!(c2.record().unwrap().cut, Some(cut));
+    rt().block_on(c2.resume("resume")).unwrap();
+    t1.join().unwrap();
+    t2.join().unwrap();
+    let got: Vec<(i32, ShimMsg)> = log.try_iter().collect();
+    for r in [0, 1] {
+        assert_eq!(
+            got.iter()
+                .filter(|(x, m)| *x == r && *m == ShimMsg::Go)
+                .count(),
+            1,
+            "{got:?}"
+        );
+    }
+    for c in [&c1, &c2] {
+        close(&c.server.id);
+    }
+}
+
+/// A cut restored container by container: the first Start returns with its ranks held; once the
+/// second is restored and every recorded rank is back, all are rebuilt on fresh ids and go.
+#[test]
+fn a_restored_cut_is_rebuilt_once_every_container_is_back() {
+    let d = tempfile::tempdir().unwrap();
+    let cut = image_format::manifest::NcclCut {
+        id: "cutr".into(),
+        containers: vec!["name-r1".into(), "name-r2".into()],
+    };
+    let mut clients = Vec::new();
+    let (seen, log) = channel();
+    let mut servers = Vec::new();
+    for (i, id) in ["restore-cut-1", "restore-cut-2"].iter().enumerate() {
+        let dir = d.path().join(id);
+        std::fs::create_dir(&dir).unwrap();
+        let c = ContainerComms::open(
+            id,
+            &format!("name-r{}", i + 1),
+            &dir.join("control.sock"),
+            "layerhash",
+            Duration::from_secs(5),
+            Box::new(ours()),
+        )
+        .unwrap();
+        let token = format!("tok{i}");
+        c.expect(&NcclRecord {
+            layer_blake3: "layerhash".into(),
+            processes: vec![NcclProcess {
+                pid: me(),
+                token: token.clone(),
+                nccl_version: 23206,
+                suspended: true,
+                comms: vec![NcclComm {
+                    id: 1,
+                    key: "rk".into(),
+                    rank: i as i32,
+                    nranks: 2,
+                    cuda_dev: 0,
+                    split: None,
+                }],
+            }],
+            cut: Some(cut.clone()),
+        });
+        // The restore of the first one returns at once; the rebuild waits for the second.
+        rt().block_on(c.restored(1)).unwrap();
+        let (path, seen) = (dir.join("control.sock"), seen.clone());
+        clients.push(std::thread::spawn(move || {
+            let mut c = Client::connect(&path, Some(token));
+            loop {
+                let m = c.recv();
+                seen.send((i, m.clone())).unwrap();
+                match m {
+                    ShimMsg::Go => return,
+                    ShimMsg::NewUniqueId { key } => c.send(LayerMsg::UniqueId {
+                        key,
+                        id: "ef".repeat(128),
+                    }),
+                    ShimMsg::Rebuild { .. } => c.send(LayerMsg::Rebuilt),
+                    other => panic!("{other:?}"),
+                }
+            }
+        }));
+        if i == 0 {
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(
+                log.try_iter().next().is_none(),
+                "nothing before the second is back"
+            );
+            // A checkpoint of another cut with the same communicators is refused meanwhile.
+            let e = check_restore_cut_of("othercut");
+            assert!(
+                e.contains("restore every container of the pod from checkpoints of one cut"),
+                "{e}"
+            );
+        }
+        servers.push(c);
+    }
+    for t in clients {
+        t.join().unwrap();
+    }
+    let got: Vec<(usize, ShimMsg)> = log.try_iter().collect();
+    assert_eq!(
+        got.iter()
+            .filter(|(_, m)| matches!(m, ShimMsg::NewUniqueId { .. }))
+            .map(|(i, _)| *i)
+            .collect::<Vec<_>>(),
+        vec![0]
+    );
+    assert_eq!(got.iter().filter(|(_, m)| *m == ShimMsg::Go).count(), 2);
+    for c in servers {
+        c.close();
+    }
+}
+
+fn check_restore_cut_of(id: &str) -> String {
+    let record = NcclRecord {
+        layer_blake3: "h".into(),
+        processes: vec![NcclProcess {
+            comms: vec![NcclComm {
+                key: "rk/1".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }],
+        cut: Some(image_format::manifest::NcclCut {
+            id: id.into(),
+            containers: vec!["a".into(), "b".into()],
+        }),
+    };
+    let setup = inject::NcclSetup {
+        host_dir: "/nonexistent".into(),
+        socket: "/nonexistent/control.sock".into(),
+        layer_blake3: "h".into(),
+    };
+    check_layer(Some(&record), Some(&setup))
+        .unwrap_err()
+        .to_string()
 }
