@@ -182,9 +182,7 @@ impl Container {
         self.discard_pending();
         // The NCCL control server, then its socket directory.
         crate::nccl::close(&self.id);
-        if let Some(setup) = self.nccl.take() {
-            crate::nccl::inject::remove_setup(&setup);
-        }
+        self.remove_nccl();
         let _ = std::fs::remove_file(self.bundle.join(INIT_PID_FILE));
         Ok(())
     }

@@ -45,13 +45,9 @@ use session::{Held, Shared};
 use crate::error::{Error, Result};
 use crate::options::RuntimeOptions;
 
-/// `NcclTimeout` when the handler does not set it.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// The handler's `NcclTimeout`.
-// TODO: read `options.nccl_timeout` once the options carry it.
-pub fn timeout(_options: &RuntimeOptions) -> Result<Duration> {
-    Ok(DEFAULT_TIMEOUT)
+pub fn timeout(options: &RuntimeOptions) -> Result<Duration> {
+    options.nccl_timeout()
 }
 
 /// What the steps of a checkpoint, resume and restore call; a container without the NCCL
