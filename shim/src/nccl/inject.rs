@@ -301,6 +301,29 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
         .get_mut("process")
         .and_then(Value::as_object_mut)
         .ok_or_else(|| malformed("no process"))?;
+    edit_env(process).map_err(|what| malformed(&what))
+}
+
+/// An exec's process spec (`ExecProcessRequest.spec`, JSON) in a container that got the layer:
+/// the same environment as its init (the layer first in `LD_PRELOAD`, `GPU_CKPT_NCCL_SOCKET`),
+/// so that a rank started by `kubectl exec` runs under the layer too.
+pub fn exec_process(spec: &[u8]) -> Result<Vec<u8>> {
+    let malformed = |what: String| {
+        Error::InvalidArgument(format!(
+            "exec process spec: {what}: cannot add the NCCL layer"
+        ))
+    };
+    let mut process: Value = serde_json::from_slice(spec).map_err(|e| malformed(e.to_string()))?;
+    let map = process
+        .as_object_mut()
+        .ok_or_else(|| malformed("not a JSON object".into()))?;
+    edit_env(map).map_err(malformed)?;
+    serde_json::to_vec(&process).map_err(|e| malformed(e.to_string()))
+}
+
+/// The layer first in every `LD_PRELOAD` of `process.env` (one made where there is none), and
+/// `GPU_CKPT_NCCL_SOCKET` (in place of any the spec has). Idempotent.
+fn edit_env(process: &mut serde_json::Map<String, Value>) -> std::result::Result<(), String> {
     let env = process
         .entry("env")
         .or_insert_with(|| Value::Array(Vec::new()));
@@ -309,7 +332,7 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
     }
     let env = env
         .as_array_mut()
-        .ok_or_else(|| malformed("process.env is not a list"))?;
+        .ok_or_else(|| "process.env is not a list".to_string())?;
     let socket_prefix = format!("{SOCKET_ENV}=");
     let preload_prefix = format!("{PRELOAD_ENV}=");
     env.retain(|e| !e.as_str().is_some_and(|s| s.starts_with(&socket_prefix)));
@@ -635,6 +658,29 @@ mod tests {
         s["process"].as_object_mut().unwrap().remove("env");
         edit_spec(&mut s, layer, dir).unwrap();
         assert_eq!(env_of(&s).len(), 2);
+    }
+
+    #[test]
+    fn an_exec_gets_the_same_environment() {
+        let spec = br#"{"args":["torchrun"],"cwd":"/","user":{"uid":0,"gid":0},"env":["PATH=/bin","LD_PRELOAD=/opt/a.so"]}"#;
+        let out = exec_process(spec).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            env_of(&json!({ "process": v })),
+            [
+                "PATH=/bin",
+                "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so:/opt/a.so",
+                "GPU_CKPT_NCCL_SOCKET=/run/gpu-ckpt-nccl/control.sock",
+            ]
+        );
+        assert_eq!(v["args"], json!(["torchrun"]));
+        // Still a process spec; twice is once.
+        serde_json::from_slice::<oci_spec::runtime::Process>(&out).unwrap();
+        assert_eq!(exec_process(&out).unwrap(), out);
+        for bad in [&b"[]"[..], b"{\"env\": 1}", b"not json"] {
+            let err = exec_process(bad).unwrap_err().to_string();
+            assert!(err.starts_with("exec process spec: "), "{err}");
+        }
     }
 
     #[test]
