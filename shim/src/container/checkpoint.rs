@@ -116,7 +116,11 @@ impl Container {
     /// when the device quiesce fails: the communicators back (resumed or rebuilt) and Go.
     async fn quiesce_devices(&mut self) -> Result<()> {
         let comms = self.comms();
-        comms.quiesce().await?;
+        let pids = match self.nccl {
+            Some(_) => self.runc.ps(&self.id).await?,
+            None => Vec::new(),
+        };
+        comms.quiesce(pids).await?;
         let quiesced = self.quiesce_gpus().await;
         if let Err(e) = quiesced {
             return Err(match comms.resume("checkpoint").await {

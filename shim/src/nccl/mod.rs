@@ -20,6 +20,7 @@
 //! A container without the layer gets a [`CommLayer`] that does nothing.
 
 mod cut;
+mod detect;
 pub mod inject;
 mod quiesce;
 mod rebuild;
@@ -54,9 +55,11 @@ pub fn timeout(options: &RuntimeOptions) -> Result<Duration> {
 /// layer has one that does nothing.
 #[async_trait]
 pub trait CommLayer: Send + Sync {
-    /// nccl-quiesce, nccl-release and Disconnect of every process of the container, the
-    /// listener closed. On failure every process runs on as before.
-    async fn quiesce(&self) -> Result<()>;
+    /// nccl-quiesce, nccl-release and Disconnect of every process of the container (host
+    /// pids `pids`), the listener closed; first, a process among `pids` that holds a GPU and
+    /// maps NCCL and the layer without a session is refused. On failure every process runs on
+    /// as before.
+    async fn quiesce(&self, pids: Vec<i32>) -> Result<()>;
     /// After the device resume: the listener open again, every released process back, its
     /// communicators resumed or rebuilt, Go. `operation` names it in errors.
     async fn resume(&self, operation: &'static str) -> Result<()>;
@@ -78,7 +81,7 @@ pub struct NoComms;
 
 #[async_trait]
 impl CommLayer for NoComms {
-    async fn quiesce(&self) -> Result<()> {
+    async fn quiesce(&self, _pids: Vec<i32>) -> Result<()> {
         Ok(())
     }
     async fn resume(&self, _operation: &'static str) -> Result<()> {
@@ -200,7 +203,14 @@ impl ContainerComms {
             || st.held.iter().any(|h| h.host_pid == pid)
     }
 
-    fn quiesce_blocking(self: &Arc<Self>) -> Result<()> {
+    fn quiesce_blocking(self: &Arc<Self>, pids: &[i32]) -> Result<()> {
+        if let Some(m) = detect::refuse_unconnected(pids, |p| self.knows(p)) {
+            return Err(Error::Step {
+                operation: "checkpoint",
+                step: "nccl-quiesce",
+                message: m,
+            });
+        }
         self.unlisten();
         let ids = self.server.shared.open_sessions();
         let mut timings = Vec::new();
@@ -284,9 +294,9 @@ impl ContainerComms {
 
 #[async_trait]
 impl CommLayer for Arc<ContainerComms> {
-    async fn quiesce(&self) -> Result<()> {
+    async fn quiesce(&self, pids: Vec<i32>) -> Result<()> {
         let c = self.clone();
-        tokio::task::spawn_blocking(move || c.quiesce_blocking())
+        tokio::task::spawn_blocking(move || c.quiesce_blocking(&pids))
             .await
             .map_err(|e| Error::FailedPrecondition(format!("NCCL quiesce: {e}")))?
     }

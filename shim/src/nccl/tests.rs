@@ -322,7 +322,10 @@ fn a_rank_that_does_not_quiesce_fails_the_checkpoint_naming_it_and_the_others_go
         assert_eq!(good.recv(), ShimMsg::Go);
     });
     let t = Instant::now();
-    let e = rt().block_on(c.quiesce()).unwrap_err().to_string();
+    let e = rt()
+        .block_on(c.quiesce(Vec::new()))
+        .unwrap_err()
+        .to_string();
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     let want = format!(
         "checkpoint failed at step nccl-quiesce: pid {} (rank 3 of 4, pid {} in the container) did not quiesce within 300ms",
@@ -362,7 +365,10 @@ fn a_layer_failure_names_the_rank_it_gives() {
         });
         assert_eq!(a.recv(), ShimMsg::Go);
     });
-    let e = rt().block_on(c.quiesce()).unwrap_err().to_string();
+    let e = rt()
+        .block_on(c.quiesce(Vec::new()))
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("(rank 1 of 3, pid") && e.contains("still in the layer"),
         "{e}"
@@ -402,7 +408,7 @@ fn a_rebuild_asks_rank_0_for_the_id_and_sends_rebuild_to_all_before_awaiting() {
             .all(|s| !s.comms.is_empty())
             && sessions(&c) == 2
     });
-    rt().block_on(c.quiesce()).unwrap();
+    rt().block_on(c.quiesce(Vec::new())).unwrap();
     assert!(
         !path.exists(),
         "no listener while the devices are checkpointed"
@@ -457,7 +463,7 @@ fn suspended_communicators_are_resumed_in_place() {
     let r0 = layer_cycle(path.clone(), 0, true, seen.clone(), |_| {});
     let r1 = layer_cycle(path.clone(), 1, true, seen, |_| {});
     wait_for("two sessions", || sessions(&c) == 2);
-    rt().block_on(c.quiesce()).unwrap();
+    rt().block_on(c.quiesce(Vec::new())).unwrap();
     rt().block_on(c.resume("resume")).unwrap();
     r0.join().unwrap();
     r1.join().unwrap();
@@ -494,7 +500,7 @@ fn a_process_that_does_not_come_back_fails_the_resume_naming_it() {
         a.send(LayerMsg::Released { suspended: true });
         assert_eq!(a.recv(), ShimMsg::Disconnect);
     });
-    rt().block_on(c.quiesce()).unwrap();
+    rt().block_on(c.quiesce(Vec::new())).unwrap();
     t.join().unwrap();
     let e = rt().block_on(c.resume("resume")).unwrap_err().to_string();
     assert!(
@@ -667,7 +673,9 @@ fn drain_targets_are_the_most_issued_per_key_and_a_failed_drain_names_the_rank()
 }
 
 fn c_quiesce(c: &Arc<ContainerComms>) -> String {
-    rt().block_on(c.quiesce()).unwrap_err().to_string()
+    rt().block_on(c.quiesce(Vec::new()))
+        .unwrap_err()
+        .to_string()
 }
 
 /// Two containers of one pod with the ranks of one communicator: the first one's checkpoint
@@ -734,7 +742,7 @@ fn a_pod_wide_cut_holds_every_rank_until_every_container_is_checkpointed() {
                 .any(|s| !s.comms.is_empty())
         })
     });
-    rt().block_on(c1.quiesce()).unwrap();
+    rt().block_on(c1.quiesce(Vec::new())).unwrap();
     let r1 = c1.record().unwrap();
     let cut = r1.cut.clone().expect("a cut");
     assert_eq!(cut.containers, vec!["name-cut-test-1", "name-cut-test-2"]);
@@ -754,7 +762,7 @@ fn a_pod_wide_cut_holds_every_rank_until_every_container_is_checkpointed() {
             .any(|(_, m)| m == ShimMsg::Go || m == ShimMsg::Resume),
         "nothing goes on before every container of the cut is checkpointed"
     );
-    rt().block_on(c2.quiesce()).unwrap();
+    rt().block_on(c2.quiesce(Vec::new())).unwrap();
     assert_eq!(c2.record().unwrap().cut, Some(cut));
     rt().block_on(c2.resume("resume")).unwrap();
     t1.join().unwrap();
