@@ -400,7 +400,7 @@ impl Tasks {
                 req.id
             )));
         }
-        let spec = req
+        let mut spec = req
             .spec
             .as_ref()
             .map(|a| a.value.clone())
@@ -408,6 +408,11 @@ impl Tasks {
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("exec {} has no process spec", req.exec_id))
             })?;
+        // An exec'd process of a container with the NCCL layer runs under it too (a rank
+        // started by `kubectl exec` is checkpointed like the others).
+        if c.nccl.is_some() {
+            spec = crate::nccl::inject::exec_process(&spec, c.options.nccl_release())?;
+        }
         serde_json::from_slice::<oci_spec::runtime::Process>(&spec).map_err(|e| {
             Error::InvalidArgument(format!(
                 "malformed process spec for exec {}: {e}",

@@ -103,6 +103,11 @@ fn check_managed(pid: i32, id: &str) -> Result<()> {
         env.contains(&format!("GPU_CKPT_NCCL_SOCKET={SOCKET_DIR}/control.sock")),
         "{id}: no GPU_CKPT_NCCL_SOCKET: {env:?}"
     );
+    // The handler's NcclRelease (unset: destroy).
+    ensure!(
+        env.contains(&"GPU_CKPT_NCCL_RELEASE=destroy".to_string()),
+        "{id}: no GPU_CKPT_NCCL_RELEASE=destroy: {env:?}"
+    );
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     ensure!(
         maps.contains(LAYER),
@@ -168,6 +173,24 @@ fn a_container_that_opts_in_gets_the_layer_and_keeps_it_through_a_restore() -> R
         // With it: the layer, the directory, the environment.
         let pid = train(&node, &["--annotation", MANAGED], "managed")?;
         check_managed(pid, "managed")?;
+        // An exec'd process gets the same environment (a rank started by `kubectl exec`).
+        let out = node.ctr(&["task", "exec", "--exec-id", "env", "managed", "/bin/env"])?;
+        let exec_env = String::from_utf8_lossy(&out.stdout).to_string();
+        ensure!(
+            out.status.success(),
+            "ctr task exec: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for want in [
+            format!("LD_PRELOAD={LAYER}"),
+            format!("GPU_CKPT_NCCL_SOCKET={SOCKET_DIR}/control.sock"),
+            "GPU_CKPT_NCCL_RELEASE=destroy".to_string(),
+        ] {
+            ensure!(
+                exec_env.lines().any(|l| l == want),
+                "the exec's environment has no {want}: {exec_env}"
+            );
+        }
         // It maps the layer but no NCCL: checkpointed, and training on.
         let out = node.ctr(&["task", "checkpoint", "managed"])?;
         ensure!(
