@@ -11,7 +11,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{node, uuids, Workload};
+use common::{node, signal, uuids, Workload};
 
 use gpu::cuda::{CudaDriver, REMAP_MIN_VERSION};
 use gpu::{DeviceCheckpoint, GpuError, GpuPair, GpuUuid, Inventory, NvmlInventory, ProcessState};
@@ -22,6 +22,8 @@ const CUDA_ERROR_NOT_INITIALIZED: u32 = 3;
 const CUDA_ERROR_ILLEGAL_STATE: u32 = 401;
 const CUDA_ERROR_TIMEOUT: u32 = 909;
 const CUDA_ERROR_OPERATING_SYSTEM: u32 = 304;
+const CUDA_ERROR_INVALID_VALUE: u32 = 1;
+const CUDA_ERROR_INVALID_DEVICE: u32 = 101;
 
 /// The last `call` the driver received had all-zero arguments.
 fn assert_zero_args(n: &SimNode, call: &str) {
@@ -407,6 +409,91 @@ fn two_nodes_side_by_side_in_one_process() {
     ca.restore(pid, &[]).unwrap();
     ca.unlock(pid).unwrap();
     w.verify();
+}
+
+/// The `devices <n>` line and the `ordinal <i> uuid <uuid>` lines gpu-fill --show-ordinals
+/// prints before the `verified` line of one verification.
+fn ordinals_shown(w: &mut Workload) -> Vec<String> {
+    signal(w.pid(), libc::SIGUSR1);
+    let n: usize = w.wait_for("devices ")["devices ".len()..].parse().unwrap();
+    let shown: Vec<String> = (0..n)
+        .map(|i| {
+            let l = w.wait_for("ordinal ");
+            let want = format!("ordinal {i} uuid ");
+            assert!(l.starts_with(&want), "{l}");
+            l[want.len()..].to_string()
+        })
+        .collect();
+    w.wait_for("verified ");
+    shown
+}
+
+/// A process restored onto another node's GPUs keeps every device ordinal it saw, in order: the
+/// GPUs it held nothing on follow the caller's pairs too, or without a pair take a GPU of the
+/// new node that no other ordinal has; its memory follows the pair of the GPU it was on.
+#[test]
+fn restore_onto_another_node_keeps_every_ordinal() {
+    let cfg = |seed: &str| SimConfig {
+        gpus: 3,
+        uuid_seed: seed.into(),
+        ..SimConfig::default()
+    };
+    let (a, b) = (node(cfg("ordinals-a")), node(cfg("ordinals-b")));
+    let ca = CudaDriver::load_from(a.libcuda()).unwrap();
+    let cb = CudaDriver::load_from(b.libcuda()).unwrap();
+    let (ua, ub) = (uuids(&a), uuids(&b));
+    let (sa, sb) = (a.uuids(), b.uuids());
+    let pair = |old: GpuUuid, new: GpuUuid| GpuPair { old, new };
+    let on = |n: &SimNode, pid: i32| -> Vec<GpuUuid> {
+        NvmlInventory::load_from(n.libnvml())
+            .unwrap()
+            .compute_processes()
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.pid == pid as u32)
+            .map(|p| p.gpu)
+            .collect()
+    };
+    // Memory on device 1 only, as one rank of a job that sees all three GPUs.
+    let mut w = Workload::fill(&a, 4, &["--devices", "1", "--show-ordinals"]);
+    let pid = w.pid();
+    assert_eq!(w.wait_for("devices "), "devices 3");
+    assert_eq!(ordinals_shown(&mut w), sa);
+
+    ca.lock(pid, None).unwrap();
+    ca.checkpoint(pid).unwrap();
+    // Without pairs the process goes back onto the GPUs it had, which are not on node B.
+    let e = cb.restore(pid, &[]).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_INVALID_DEVICE, "{e}");
+    assert_eq!(cb.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+    // Pairs that leave out the GPU the process held memory on are refused as well.
+    let e = cb.restore(pid, &[pair(ua[0], ub[2])]).unwrap_err();
+    assert_eq!(driver_code(&e), CUDA_ERROR_INVALID_VALUE, "{e}");
+    assert_eq!(cb.state(pid).unwrap(), ProcessState::CHECKPOINTED);
+
+    // Every GPU paired: device 0 (no memory on it) onto B's GPU 2, device 1 onto B's GPU 0.
+    let pairs = [pair(ua[0], ub[2]), pair(ua[1], ub[0]), pair(ua[2], ub[1])];
+    cb.restore(pid, &pairs).unwrap();
+    cb.unlock(pid).unwrap();
+    assert_eq!(cb.state(pid).unwrap(), ProcessState::RUNNING);
+    assert_eq!(
+        ordinals_shown(&mut w),
+        [sb[2].clone(), sb[0].clone(), sb[1].clone()]
+    );
+    assert_eq!(on(&b, pid), [ub[0]], "device 1's memory is on B's GPU 0");
+    assert!(on(&a, pid).is_empty());
+
+    // Back onto node A with only the GPU it holds memory on paired: device 1 takes A's GPU 2,
+    // devices 0 and 2 the GPUs of A left, in order.
+    cb.lock(pid, None).unwrap();
+    cb.checkpoint(pid).unwrap();
+    ca.restore(pid, &[pair(ub[0], ua[2])]).unwrap();
+    ca.unlock(pid).unwrap();
+    assert_eq!(
+        ordinals_shown(&mut w),
+        [sa[0].clone(), sa[2].clone(), sa[1].clone()]
+    );
+    assert_eq!(on(&a, pid), [ua[2]], "device 1's memory is on A's GPU 2");
 }
 
 /// The process's resident memory, from `/proc/PID/status`.

@@ -841,7 +841,7 @@ impl Daemon {
                         },
                     ));
                 }
-                let map = self.restore_map(&mb, &pairs)?;
+                let (map, others) = self.restore_map(&mb, &pairs)?;
                 if custom {
                     let targets = map.iter().filter_map(|p| self.gpu_index(&p.1)).collect();
                     self.check_primaries(&primaries, targets)?;
@@ -854,7 +854,7 @@ impl Daemon {
                     // its caller is gone, or after the step limit.
                     return Err(self.hang(caller_fd, pid, "restore"));
                 }
-                lock(&self.pending).insert(pid, map.clone());
+                lock(&self.pending).insert(pid, map.iter().chain(&others).copied().collect());
                 mb.set_socket(&self.socket);
                 let flags = if custom { mailbox::flags::CUSTOM } else { 0 };
                 let code = mb.call(
@@ -1205,8 +1205,15 @@ impl Daemon {
 
     /// The GPU map of a restore, checked as the driver checks it: every checkpointed GPU listed
     /// (when pairs are given), each target present on this node, of the same chip, with the
-    /// memory the process needs.
-    fn restore_map(&self, mb: &Mailbox, pairs: &[Pair]) -> Result<Vec<Pair>, (u32, String)> {
+    /// memory the process needs. The first list pairs the checkpointed GPUs; the second holds
+    /// the caller's pairs for the other GPUs (those the process held nothing on), each target
+    /// present and no target named twice, so that the process's other device ordinals follow
+    /// them too.
+    fn restore_map(
+        &self,
+        mb: &Mailbox,
+        pairs: &[Pair],
+    ) -> Result<(Vec<Pair>, Vec<Pair>), (u32, String)> {
         let l = mb.get();
         let n = (l.ngpus.load(Ordering::Acquire) as usize).min(mailbox::MAX_GPUS);
         let mut map = Vec::new();
@@ -1250,6 +1257,25 @@ impl Daemon {
             *need.entry(i).or_default() += slot.bytes;
             map.push((old, new));
         }
+        let mut others = Vec::new();
+        for &(old, new) in pairs {
+            if map.iter().chain(&others).any(|p: &Pair| p.0 == old) {
+                continue;
+            }
+            if !targets.insert(new) {
+                return Err((
+                    cu::INVALID_VALUE,
+                    format!("GPU {} is named twice as a target", format_uuid(&new)),
+                ));
+            }
+            if self.gpu_index(&new).is_none() {
+                return Err((
+                    cu::INVALID_DEVICE,
+                    format!("GPU {} is not on this node", format_uuid(&new)),
+                ));
+            }
+            others.push((old, new));
+        }
         let reg = lock(&self.reg);
         for (i, bytes) in need {
             let g = &self.node.gpus[i];
@@ -1264,7 +1290,7 @@ impl Daemon {
                 ));
             }
         }
-        Ok(map)
+        Ok((map, others))
     }
 
     /// A restoring process reconnected: put its allocations back at their addresses on the GPUs

@@ -155,11 +155,13 @@ pub struct FillOpts {
     pub seed: u64,
     pub verify_and_exit: bool,
     pub show_uuids: bool,
+    /// With each `--show-uuids` report, every device ordinal the process sees.
+    pub show_ordinals: bool,
     /// After filling, a `tick <n>` line every this many milliseconds, each after one driver call.
     pub tick_ms: Option<u64>,
 }
 
-pub const FILL_USAGE: &str = "usage: gpu-fill [--gib N | --mib M] [--devices all|0,1] [--seed S] [--verify-and-exit] [--show-uuids] [--tick-ms MS]";
+pub const FILL_USAGE: &str = "usage: gpu-fill [--gib N | --mib M] [--devices all|0,1] [--seed S] [--verify-and-exit] [--show-uuids] [--show-ordinals] [--tick-ms MS]";
 
 impl FillOpts {
     pub fn parse(args: &[String]) -> Result<FillOpts, String> {
@@ -169,9 +171,10 @@ impl FillOpts {
             seed: 1,
             verify_and_exit: false,
             show_uuids: false,
+            show_ordinals: false,
             tick_ms: None,
         };
-        let boolean = ["--verify-and-exit", "--show-uuids"];
+        let boolean = ["--verify-and-exit", "--show-uuids", "--show-ordinals"];
         let valued = ["--devices", "--gib", "--mib", "--seed", "--tick-ms"];
         for (f, v) in pairs(args, &boolean, &valued)? {
             match f.as_str() {
@@ -181,6 +184,7 @@ impl FillOpts {
                 "--seed" => o.seed = number(&f, &v)?,
                 "--verify-and-exit" => o.verify_and_exit = true,
                 "--show-uuids" => o.show_uuids = true,
+                "--show-ordinals" => o.show_ordinals = true,
                 "--tick-ms" => o.tick_ms = Some(number(&f, &v)?),
                 _ => return Err(format!("unknown flag {f}")),
             }

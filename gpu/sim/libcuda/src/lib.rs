@@ -191,6 +191,43 @@ fn visible(mut node: NodeDesc, dev: &Path) -> NodeDesc {
     node
 }
 
+/// The GPUs a restored process's device ordinals name on this node, in the order of `old` (the
+/// GPUs they named before the checkpoint): an old GPU listed in `map` (the caller's GPU pairs,
+/// as the daemon checked them) becomes its pair's target; any other keeps its UUID when this
+/// process can see that GPU here, else takes the next GPU it can see that no ordinal has taken.
+/// Ordinals for which no GPU is left (this node shows the process fewer GPUs than it saw) are
+/// dropped from the end.
+fn restored_ordinals(
+    old: &[GpuDesc],
+    map: &[Pair],
+    fresh: &NodeDesc,
+    seen: &NodeDesc,
+) -> Vec<GpuDesc> {
+    let on_node = |u: &[u8; 16]| fresh.gpus.iter().find(|n| n.uuid == *u);
+    let mut chosen: Vec<Option<GpuDesc>> = old
+        .iter()
+        .map(|g| {
+            map.iter()
+                .find(|p| p.0 == g.uuid)
+                .and_then(|p| on_node(&p.1))
+                .cloned()
+        })
+        .collect();
+    let taken =
+        |chosen: &[Option<GpuDesc>], u: &[u8; 16]| chosen.iter().flatten().any(|c| c.uuid == *u);
+    for i in 0..old.len() {
+        if chosen[i].is_none() && !taken(&chosen, &old[i].uuid) {
+            chosen[i] = seen.gpus.iter().find(|n| n.uuid == old[i].uuid).cloned();
+        }
+    }
+    for i in 0..old.len() {
+        if chosen[i].is_none() {
+            chosen[i] = seen.gpus.iter().find(|n| !taken(&chosen, &n.uuid)).cloned();
+        }
+    }
+    chosen.into_iter().map_while(|c| c).collect()
+}
+
 /// Opens the device nodes in `dev` of the GPUs with minor numbers `minors` and the common
 /// nodes a GPU process holds (`nvidiactl`, `nvidia-uvm`), as the driver opens them.
 fn open_nodes(
@@ -494,31 +531,20 @@ impl Driver {
             Reply::RestoreMap(m) => m,
             _ => return Err(cu::UNKNOWN),
         };
+        // The process keeps every device ordinal it had, each now naming a GPU of this node.
+        let fresh = fetch_node(&mut c)?;
+        let mut node = self.node.write().unwrap_or_else(|p| p.into_inner());
+        let gpus = restored_ordinals(&node.gpus, &map, &fresh, &visible(fresh.clone(), &dev));
+        if self.used_devices().iter().any(|&d| d >= gpus.len()) {
+            // Fewer GPUs here than the process used: an ordinal it holds state on would go.
+            return Err(cu::INVALID_DEVICE);
+        }
         if !custom {
             for (a, data) in saved.iter() {
                 c.htod(a.ptr, data).map_err(map_err)?;
             }
         }
-        // The process's device ordinals now name the GPUs the map chose.
-        let fresh = fetch_node(&mut c)?;
-        let mut node = self.node.write().unwrap_or_else(|p| p.into_inner());
-        let old = std::mem::replace(
-            &mut *node,
-            NodeDesc {
-                gpus: Vec::new(),
-                ..fresh.clone()
-            },
-        );
-        for g in old.gpus {
-            let target = map
-                .iter()
-                .find(|p| p.0 == g.uuid)
-                .map(|p| p.1)
-                .unwrap_or(g.uuid);
-            if let Some(n) = fresh.gpus.iter().find(|n| n.uuid == target) {
-                node.gpus.push(n.clone());
-            }
-        }
+        *node = NodeDesc { gpus, ..fresh };
         let devs: Vec<GpuDesc> = self
             .used_devices()
             .into_iter()
@@ -1980,5 +2006,77 @@ impl IntoResult for CUresult {
         } else {
             Err(self)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, id: u8) -> GpuDesc {
+        GpuDesc {
+            index,
+            uuid: [id; 16],
+            name: "NVIDIA H100 80GB HBM3".into(),
+            memory_bytes: 1 << 30,
+            pci_bus_id: format!("00000000:{:02X}:00.0", index + 1),
+            cc: (9, 0),
+            arch: 9,
+            persistence: true,
+            mig: false,
+        }
+    }
+
+    fn node(gpus: Vec<GpuDesc>) -> NodeDesc {
+        NodeDesc {
+            driver_version: "580.95.05".into(),
+            cuda_version: 13000,
+            gpus,
+        }
+    }
+
+    fn ids(gpus: &[GpuDesc]) -> Vec<u8> {
+        gpus.iter().map(|g| g.uuid[0]).collect()
+    }
+
+    #[test]
+    fn every_ordinal_kept_in_order() {
+        let old = [gpu(0, 1), gpu(1, 2), gpu(2, 3), gpu(3, 4)];
+        let here = node(vec![gpu(0, 11), gpu(1, 12), gpu(2, 13), gpu(3, 14)]);
+        // Only the GPU with memory paired: the others take the GPUs left, in order.
+        let got = restored_ordinals(&old, &[([3; 16], [11; 16])], &here, &here);
+        assert_eq!(ids(&got), [12, 13, 11, 14]);
+        // Every GPU paired: the pairs decide.
+        let map = [
+            ([1; 16], [14; 16]),
+            ([2; 16], [13; 16]),
+            ([3; 16], [12; 16]),
+            ([4; 16], [11; 16]),
+        ];
+        let got = restored_ordinals(&old, &map, &here, &here);
+        assert_eq!(ids(&got), [14, 13, 12, 11]);
+    }
+
+    #[test]
+    fn unpaired_gpus_keep_their_uuid_when_seen_here() {
+        let old = [gpu(0, 1), gpu(1, 2), gpu(2, 3)];
+        // The same node, ordinal 1's memory moved to GPU 0: ordinal 2 keeps its own GPU and
+        // ordinal 0, whose GPU the pair took, gets the one left.
+        let here = node(vec![gpu(0, 1), gpu(1, 2), gpu(2, 3)]);
+        let got = restored_ordinals(&old, &[([2; 16], [1; 16])], &here, &here);
+        assert_eq!(ids(&got), [2, 1, 3]);
+    }
+
+    #[test]
+    fn fewer_gpus_seen_drops_ordinals_from_the_end() {
+        let old = [gpu(0, 1), gpu(1, 2), gpu(2, 3)];
+        let fresh = node(vec![gpu(0, 11), gpu(1, 12), gpu(2, 13)]);
+        let seen = node(vec![gpu(1, 12)]);
+        let got = restored_ordinals(&old, &[([1; 16], [12; 16])], &fresh, &seen);
+        assert_eq!(ids(&got), [12]);
+        // A pair onto a GPU this process cannot see still names it (its device node is then
+        // missing, which the restore reports).
+        let got = restored_ordinals(&old, &[([2; 16], [13; 16])], &fresh, &seen);
+        assert_eq!(ids(&got), [12, 13]);
     }
 }

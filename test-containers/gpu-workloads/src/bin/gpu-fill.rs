@@ -1,11 +1,14 @@
 //! gpu-fill: puts a seeded pattern into device memory, then waits; verifies it on SIGUSR1.
 //!
 //! Prints `filled <bytes> bytes on <n> GPUs` (bytes summed over the GPUs), then on each SIGUSR1
-//! `verified <bytes> bytes` or `MISMATCH device <d> offset <o>` (and exits 1). SIGTERM and SIGINT
-//! exit 0. `--verify-and-exit` verifies once right after filling and exits. `--tick-ms MS`: after
-//! filling, every MS milliseconds one driver call (a 4-byte cuMemcpyDtoH from the first GPU's
-//! memory, which waits while the process is locked for a checkpoint) and then `tick <n>`, so the
-//! gaps between ticks show how long the process could not use its GPU.
+//! `verified <bytes> bytes` or `MISMATCH device <d> offset <o>` (and exits 1). Before those (and
+//! after `filled`), `--show-uuids` adds `device <d> uuid <uuid>` for each GPU it filled, and
+//! `--show-ordinals` adds `devices <n>` (cuDeviceGetCount) and `ordinal <i> uuid <uuid>` for every
+//! ordinal it sees. SIGTERM and SIGINT exit 0. `--verify-and-exit` verifies once right after
+//! filling and exits. `--tick-ms MS`: after filling, every MS milliseconds one driver call (a
+//! 4-byte cuMemcpyDtoH from the first GPU's memory, which waits while the process is locked for a
+//! checkpoint) and then `tick <n>`, so the gaps between ticks show how long the process could not
+//! use its GPU.
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +60,9 @@ fn run(args: &[String]) -> Result<i32, Fail> {
     if o.show_uuids {
         show_uuids(&driver, &devs)?;
     }
+    if o.show_ordinals {
+        show_ordinals(&driver)?;
+    }
 
     if o.verify_and_exit {
         return verify_all(&driver, &devs, &plan, o.seed, &mut host, &mut want);
@@ -74,6 +80,9 @@ fn run(args: &[String]) -> Result<i32, Fail> {
         if signals::take_verify() {
             if o.show_uuids {
                 show_uuids(&driver, &devs)?;
+            }
+            if o.show_ordinals {
+                show_ordinals(&driver)?;
             }
             let code = verify_all(&driver, &devs, &plan, o.seed, &mut host, &mut want)?;
             if code != 0 {
@@ -120,6 +129,17 @@ fn show_uuids(driver: &Driver, devs: &[Dev]) -> Result<(), Fail> {
             d.gpu.ordinal,
             format_uuid(&u)
         ));
+    }
+    Ok(())
+}
+
+/// `devices <n>` (cuDeviceGetCount), then `ordinal <i> uuid <uuid>` for each ordinal.
+fn show_ordinals(driver: &Driver) -> Result<(), Fail> {
+    let n = driver.device_count()?;
+    emit(&format!("devices {n}"));
+    for i in 0..n {
+        let u = driver.device_uuid(driver.device_get(i)?)?;
+        emit(&format!("ordinal {i} uuid {}", format_uuid(&u)));
     }
     Ok(())
 }
