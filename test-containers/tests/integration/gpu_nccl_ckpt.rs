@@ -31,6 +31,7 @@ use crate::common::{gpu::*, *};
 use crate::gpu_shim::{archive_manifest, ctr_sh, pod_processes};
 use anyhow::{bail, ensure, Context, Result};
 use gpu_ckpt_gpu_workloads::collective::Sums;
+use image_format::manifest::{Manifest, MANIFEST_FILE};
 use simgpu::testing::SimNode;
 use test_containers::{
     cri::{ContainerSpec, Cri, Pod, PodSpec},
@@ -712,8 +713,7 @@ fn ctr_checkpoint_leaves_the_job_running_and_restores_on_another_node() -> Resul
         a.task_status("job")?.contains("RUNNING") && rank_pids(init, 4)? == pids,
         "the original's ranks are not the processes checkpointed"
     );
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("manifest.json"))?)?;
+    let manifest: serde_json::Value = serde_json::to_value(Manifest::read_from(&dir)?)?;
     expect_nccl_record(&manifest, 4, "leave-running")?;
 
     // On node B: the log came with the checkpoint, and goes on from it one step at a time.
@@ -947,7 +947,7 @@ fn a_rank_stuck_on_a_dead_peer_fails_the_checkpoint_within_its_bound() -> Result
         "the error names none of the waiting ranks {survivors:?} with its pid: {err}"
     );
     ensure!(
-        !dir.join("manifest.json").exists(),
+        !dir.join(MANIFEST_FILE).exists(),
         "the failed checkpoint left a manifest in {}",
         dir.display()
     );
