@@ -343,30 +343,57 @@ fn expect_on_gpus(sim: &SimNode, pids: &[i32], want: &[usize], what: &str) -> Re
     Ok(())
 }
 
-/// The `nccl` record of a checkpoint's manifest (JSON): its processes' communicators, recorded
-/// for `world` ranks, with `ranks` processes.
-fn expect_nccl_record(manifest: &serde_json::Value, ranks: usize, what: &str) -> Result<()> {
+/// The `nccl` record of a checkpoint's manifest (JSON): the layer's hash, and one process per
+/// rank of `ranks` (world ranks of a world of 4), each with its world communicator (a root key,
+/// its rank of 4) and its split one (`<root key>/<color>`, 2 ranks of its parity), all the
+/// processes on one world key; the step timings of the quiesce and the release.
+fn expect_nccl_record(manifest: &serde_json::Value, ranks: &[i64], what: &str) -> Result<()> {
     let rec = &manifest["nccl"];
     let procs = rec["processes"]
         .as_array()
         .with_context(|| format!("{what}: the manifest has no nccl record: {rec}"))?;
     ensure!(
-        procs.len() == ranks,
-        "{what}: the nccl record holds {} processes, want {ranks}: {rec}",
-        procs.len()
+        procs.len() == ranks.len(),
+        "{what}: the nccl record holds {} processes, want {}: {rec}",
+        procs.len(),
+        ranks.len()
     );
     ensure!(
         rec["layer_blake3"].as_str().is_some_and(|h| h.len() == 64),
         "{what}: the nccl record names no layer hash: {rec}"
     );
+    let mut world_ranks = BTreeSet::new();
+    let mut world_keys = BTreeSet::new();
     for p in procs {
-        let comms = p["comms"].as_array().map_or(0, Vec::len);
+        let comms = p["comms"].as_array().cloned().unwrap_or_default();
+        let world: Vec<&serde_json::Value> = comms
+            .iter()
+            .filter(|c| c["key"].as_str().is_some_and(|k| !k.contains('/')))
+            .collect();
+        let split: Vec<&serde_json::Value> = comms
+            .iter()
+            .filter(|c| c["key"].as_str().is_some_and(|k| k.contains('/')))
+            .collect();
         ensure!(
-            comms == 2,
-            "{what}: process {} records {comms} communicators, want 2 (world and split): {p}",
+            comms.len() == 2 && world.len() == 1 && split.len() == 1,
+            "{what}: process {} records communicators {comms:?}, want its world and its split one",
             p["pid"]
         );
+        let (w, sp) = (world[0], split[0]);
+        let rank = w["rank"].as_i64().unwrap_or(-1);
+        ensure!(
+            w["nranks"] == 4 && sp["nranks"] == 2 && sp["rank"].as_i64() == Some(rank / 2),
+            "{what}: process {} records world {w} and split {sp}",
+            p["pid"]
+        );
+        world_ranks.insert(rank);
+        world_keys.insert(w["key"].as_str().unwrap_or_default().to_string());
     }
+    let want: BTreeSet<i64> = ranks.iter().copied().collect();
+    ensure!(
+        world_ranks == want && world_keys.len() == 1,
+        "{what}: the record's world ranks {world_ranks:?} on keys {world_keys:?}, want ranks {want:?} on one key"
+    );
     let timings: Vec<&str> = manifest["timings"]
         .as_array()
         .map(|t| t.iter().filter_map(|t| t["step"].as_str()).collect())
@@ -485,7 +512,7 @@ fn four_ranks_checkpointed_through_cri_restore_on_other_gpus() -> Result<()> {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
         let c = checkpoint_four_ranks(&a, &cri_a, "ranks", &four_ranks(true)).await?;
-        expect_nccl_record(&archive_manifest_json(&c.archive)?, 4, "CRI")?;
+        expect_nccl_record(&archive_manifest_json(&c.archive)?, &[0, 1, 2, 3], "CRI")?;
         cri_a.remove_pod(&c.pod).await?;
         let (pod, pids) = restore_four_ranks(&b, &cri_b, "ranks", &c, &four_ranks(true)).await?;
         expect_on_gpus(&sim_b, &pids, &[0, 1, 2, 3], "restored on node B")?;
@@ -573,17 +600,20 @@ fn two_containers_of_two_ranks_restore_as_one_job() -> Result<()> {
         println!("pair: checkpointed between steps {before:?} and {after:?}");
         // Both containers recorded their two ranks, in one cut of both.
         let mut cuts = Vec::new();
-        for ((name, _), archive) in parts.iter().zip(&archives) {
+        let names = BTreeSet::from(["c0", "c1"]);
+        let id_set: BTreeSet<&str> = ids.iter().map(String::as_str).collect();
+        for ((name, ranks), archive) in parts.iter().zip(&archives) {
             let m = archive_manifest_json(archive)?;
-            expect_nccl_record(&m, 2, name)?;
+            let ranks: Vec<i64> = ranks.iter().map(|r| i64::from(*r)).collect();
+            expect_nccl_record(&m, &ranks, name)?;
             let cut = &m["nccl"]["cut"];
             let members: BTreeSet<&str> = cut["containers"]
                 .as_array()
                 .map(|c| c.iter().filter_map(|n| n.as_str()).collect())
                 .unwrap_or_default();
             ensure!(
-                members == BTreeSet::from(["c0", "c1"]) && cut["id"].is_string(),
-                "{name}: the manifest's cut is {cut}, want one of c0 and c1"
+                (members == names || members == id_set) && cut["id"].is_string(),
+                "{name}: the manifest's cut is {cut}, want one of both containers"
             );
             cuts.push(cut["id"].clone());
         }
@@ -622,6 +652,7 @@ fn two_containers_of_two_ranks_restore_as_one_job() -> Result<()> {
         let r0 = cri_b.run_container(&pod_r, &c0).await?;
         let r1 = cri_b.run_container(&pod_r, &c1).await?;
         let mut pids = Vec::new();
+        let mut first = BTreeMap::new();
         for (name, ranks) in &parts {
             let log = pod_r.container_log(name);
             let text = wait_ranks(
@@ -644,8 +675,15 @@ fn two_containers_of_two_ranks_restore_as_one_job() -> Result<()> {
                     before[r],
                     after[r]
                 );
+                first.insert(*r, f);
             }
         }
+        let spread = first.values().max().unwrap_or(&0) - first.values().min().unwrap_or(&0);
+        ensure!(
+            spread <= 1,
+            "the ranks of the two containers go on at steps {first:?}: not one cut through the job"
+        );
+        println!("pair: ranks go on at steps {first:?}");
         for id in [&r0, &r1] {
             pids.extend(rank_pids(cri_pid(&cri_b, id).await?, 2)?);
         }
@@ -714,7 +752,7 @@ fn ctr_checkpoint_leaves_the_job_running_and_restores_on_another_node() -> Resul
         "the original's ranks are not the processes checkpointed"
     );
     let manifest: serde_json::Value = serde_json::to_value(Manifest::read_from(&dir)?)?;
-    expect_nccl_record(&manifest, 4, "leave-running")?;
+    expect_nccl_record(&manifest, &[0, 1, 2, 3], "leave-running")?;
 
     // On node B: the log came with the checkpoint, and goes on from it one step at a time.
     ctr_job(&b, &["container", "create"], "job")?;
