@@ -55,8 +55,8 @@ images: workloads build
 release-images: workloads release-tools
 	$(call build-images,$(CURDIR)/target/release)
 
-# The shipped binaries (shim, gpu-ckpt, gpu-ckpt-hook, gpu-ckpt-node-installer) for glibc 2.28 and
-# later, built by cargo-zigbuild with zig as the linker into target/payload/ (never the workspace's
+# The shipped binaries (shim, gpu-ckpt, gpu-ckpt-hook, gpu-ckpt-node-installer) and the NCCL layer
+# (libgpu-ckpt-nccl.so) for glibc 2.28 and later, built by cargo-zigbuild with zig as the linker into target/payload/ (never the workspace's
 # own target directories), and the stack's CRIU with its libraries and glibc's loader:
 # target/payload/payload is the installer image's /payload (runtime-class/installer/payload.sh;
 # tests/integration/payload_glibc.rs checks every ELF of it against the floor).

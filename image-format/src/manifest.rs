@@ -78,6 +78,10 @@ pub struct Manifest {
     /// new spec to). Absent in older manifests.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub security: Option<SecurityRecord>,
+    /// The NCCL communicators of the container's processes, for the rebuild after a restore.
+    /// Absent for a container without the NCCL layer (and in older manifests).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<NcclRecord>,
     /// The node key's Ed25519 signature over the rest of the manifest ([`crate::sign`]).
     /// Absent in unsigned manifests (older ones, other tools').
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -372,6 +376,57 @@ pub struct DeviceState {
     pub blake3: String,
 }
 
+/// The NCCL layer's state at the checkpoint: what the restore waits for and rebuilds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NcclRecord {
+    /// BLAKE3 (hex) of the layer library the processes mapped; a restore refuses another.
+    pub layer_blake3: String,
+    /// Every process that held a control session, in the order they connected.
+    #[serde(default)]
+    pub processes: Vec<NcclProcess>,
+    /// The pod-wide cut this checkpoint belongs to, where its communicators span containers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut: Option<NcclCut>,
+}
+
+/// One process of the container with NCCL communicators.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct NcclProcess {
+    /// Its pid in the container (CRIU restores it under the same one).
+    pub pid: i32,
+    /// The session token the layer presents again (`Hello.resumed`) after the restore.
+    pub token: String,
+    /// `ncclGetVersion` of the NCCL it ran on.
+    pub nccl_version: i32,
+    /// Every communicator was suspended (rather than destroyed) at the release.
+    pub suspended: bool,
+    #[serde(default)]
+    pub comms: Vec<NcclComm>,
+}
+
+/// One communicator a process held.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclComm {
+    /// The layer's id of the communicator in that process.
+    pub id: u64,
+    /// BLAKE3 (hex) of the unique id it was made from, or `<parent key>/<color>` for a split.
+    pub key: String,
+    pub rank: i32,
+    pub nranks: i32,
+    pub cuda_dev: i32,
+    /// `(parent id, color, key)` of the split that made it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<(u64, i32, i32)>,
+}
+
+/// A checkpoint taken as one cut across several containers of a pod.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclCut {
+    pub id: String,
+    /// The names of the containers of the cut.
+    pub containers: Vec<String>,
+}
+
 /// How long one step took.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepTiming {
@@ -403,6 +458,7 @@ impl Manifest {
             files: BTreeMap::new(),
             timings: Vec::new(),
             security: None,
+            nccl: None,
             signature: None,
         }
     }
@@ -1246,6 +1302,39 @@ mod tests {
             Devices::default(),
             Workload::default(),
         )
+    }
+
+    /// The NCCL record is written only when there is one (an older manifest reads as before),
+    /// and reads back as written.
+    #[test]
+    fn the_nccl_record_is_optional_and_round_trips() {
+        let m = empty_manifest();
+        let json = serde_json::to_value(&m).unwrap();
+        assert!(json.get("nccl").is_none());
+        let mut m = m;
+        m.nccl = Some(NcclRecord {
+            layer_blake3: "ab".repeat(32),
+            processes: vec![NcclProcess {
+                pid: 7,
+                token: "t".into(),
+                nccl_version: 23206,
+                suspended: false,
+                comms: vec![NcclComm {
+                    id: 2,
+                    key: "k/1".into(),
+                    rank: 1,
+                    nranks: 2,
+                    cuda_dev: 1,
+                    split: Some((1, 1, -1)),
+                }],
+            }],
+            cut: Some(NcclCut {
+                id: "cut1".into(),
+                containers: vec!["a".into(), "b".into()],
+            }),
+        });
+        let back: Manifest = serde_json::from_str(&serde_json::to_string(&m).unwrap()).unwrap();
+        assert_eq!(back, m);
     }
 
     /// A checkpoint directory with one page image of `size` bytes, its manifest written, and

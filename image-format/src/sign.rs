@@ -852,6 +852,32 @@ mod tests {
         assert!(verify_json(&manifest().to_json()).unwrap().is_none());
     }
 
+    /// The NCCL record (the tokens and ranks a restore rebuilds from) is signed with the rest.
+    #[test]
+    fn the_nccl_record_is_covered_by_the_signature() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = key(dir.path());
+        let mut m = manifest();
+        m.nccl = Some(crate::manifest::NcclRecord {
+            layer_blake3: "cd".repeat(32),
+            processes: vec![crate::manifest::NcclProcess {
+                pid: 7,
+                token: "tok7".into(),
+                ..Default::default()
+            }],
+            cut: None,
+        });
+        k.sign_manifest(&mut m).unwrap();
+        let json = String::from_utf8(m.to_json()).unwrap();
+        assert!(verify_json(json.as_bytes()).unwrap().is_some());
+        for (from, to) in [("\"tok7\"", "\"tok8\""), ("\"pid\":7", "\"pid\":8")] {
+            let compact = json.replace(": ", ":");
+            assert!(compact.contains(from), "{from}");
+            let changed = compact.replacen(from, to, 1);
+            assert!(verify_json(changed.as_bytes()).is_err(), "{from}");
+        }
+    }
+
     #[test]
     fn keys_are_made_once_root_only_and_trusted_by_file() {
         let dir = tempfile::tempdir().unwrap();

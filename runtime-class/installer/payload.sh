@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The node installer's payload (runtime-class/installer/README.md, "Payload"):
 #
-#   payload.sh [build]     the shipped binaries for glibc 2.28 (cargo-zigbuild, zig as the linker, both
-#                          from the stack's venv: `make deps`) into target/payload/, then
+#   payload.sh [build]     the shipped binaries and gpu-ckpt's NCCL layer for glibc 2.28 (cargo-zigbuild,
+#                          zig as the linker, both from the stack's venv: `make deps`) into
+#                          target/payload/, then
 #                          target/payload/payload/     what the image carries in /payload
 #                          target/payload/installer/   gpu-ckpt-node-installer, the image's entrypoint
 #   payload.sh criu CRIU DIR
@@ -27,6 +28,10 @@ TARGET=$TRIPLE.2.28
 OUT="$repo/target/payload"
 PAYLOAD_BINARIES=(containerd-shim-gpu-ckpt-v1 gpu-ckpt gpu-ckpt-hook)
 INSTALLER=gpu-ckpt-node-installer
+# The NCCL layer: built as libgpu_ckpt_nccl.so (a library's name cannot hold '-'), shipped under
+# its soname, which the installer puts in its --lib-dir (the shim's default NcclLayer).
+LAYER_BUILT=libgpu_ckpt_nccl.so
+LAYER=libgpu-ckpt-nccl.so
 LOADER=ld-linux-x86-64.so.2
 # The interpreter placeholder's length with its NUL; the installer refuses a longer node path.
 INTERP_LEN=512
@@ -85,10 +90,13 @@ build() {
   (cd "$repo" && PATH="$py:$PATH" "$CARGO" zigbuild --release --locked --target "$TARGET" \
     --target-dir "$OUT" -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks \
     -p gpu-ckpt-node-installer "${bins[@]}")
+  (cd "$repo" && PATH="$py:$PATH" "$CARGO" zigbuild --release --locked --target "$TARGET" \
+    --target-dir "$OUT" -p gpu-ckpt-nccl-layer --lib)
   local built="$OUT/$TRIPLE/release"
   rm -rf "$OUT/payload" "$OUT/installer"
   mkdir -p "$OUT/payload" "$OUT/installer"
   for b in "${PAYLOAD_BINARIES[@]}"; do install -m 0755 "$built/$b" "$OUT/payload/$b"; done
+  install -m 0644 "$built/$LAYER_BUILT" "$OUT/payload/$LAYER"
   install -m 0755 "$built/$INSTALLER" "$OUT/installer/$INSTALLER"
   bundle_criu "$STACK/bin/criu" "$OUT/payload/criu"
   echo "payload.sh: $OUT/payload (the image's /payload), $OUT/installer/$INSTALLER"

@@ -25,8 +25,12 @@ pub const LOCK_TIMEOUT: &str = "gpu-ckpt.io/lock-timeout";
 /// `true`/`false`: resume the container as soon as its checkpoint is written, before
 /// containerd's copy (the runtime option `ResumeAfterDump`, overridden per pod).
 pub const RESUME_AFTER_DUMP: &str = "gpu-ckpt.io/resume-after-dump";
+/// `managed` or `off`: the container gets gpu-ckpt's NCCL layer (injected at Create, its
+/// communicators quiesced at a checkpoint and rebuilt after a restore) or not. Where absent,
+/// the runtime option `Nccl` decides.
+pub const NCCL: &str = "gpu-ckpt.io/nccl";
 
-const KNOWN: [&str; 9] = [
+const KNOWN: [&str; 10] = [
     RESTORE_FROM,
     ON_INCOMPATIBLE,
     TCP,
@@ -36,6 +40,7 @@ const KNOWN: [&str; 9] = [
     MODEL_VERSION,
     LOCK_TIMEOUT,
     RESUME_AFTER_DUMP,
+    NCCL,
 ];
 
 /// The gpu-ckpt annotations of a container, checked.
@@ -73,6 +78,13 @@ impl Annotations {
             if !matches!(v, "fail" | "cold-start") {
                 return Err(Error::InvalidArgument(format!(
                     "annotation {ON_INCOMPATIBLE} is {v:?}: expected \"fail\" or \"cold-start\""
+                )));
+            }
+        }
+        if let Some(v) = a.get(NCCL) {
+            if !matches!(v, "managed" | "off") {
+                return Err(Error::InvalidArgument(format!(
+                    "annotation {NCCL} is {v:?}: expected \"managed\" or \"off\""
                 )));
             }
         }
@@ -139,6 +151,31 @@ mod tests {
         let err = of(&[(RESUME_AFTER_DUMP, "yes")]).unwrap_err().to_string();
         assert!(
             err.contains("annotation gpu-ckpt.io/resume-after-dump is \"yes\": expected \"true\" or \"false\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn nccl_is_managed_or_off() {
+        assert_eq!(of(&[(NCCL, "managed")]).unwrap().get(NCCL), Some("managed"));
+        assert_eq!(of(&[(NCCL, "off")]).unwrap().get(NCCL), Some("off"));
+        for bad in ["on", "true", "Managed", ""] {
+            let err = of(&[(NCCL, bad)]).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+            let err = err.to_string();
+            assert!(
+                err.contains(&format!(
+                    "annotation gpu-ckpt.io/nccl is {bad:?}: expected \"managed\" or \"off\""
+                )),
+                "{err}"
+            );
+        }
+        // A misspelt key is named, with the known ones.
+        let err = of(&[("gpu-ckpt.io/nccl-mode", "managed")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"gpu-ckpt.io/nccl-mode\"") && err.ends_with(", gpu-ckpt.io/nccl"),
             "{err}"
         );
     }

@@ -49,6 +49,7 @@ pub mod features;
 pub mod logging;
 pub mod memory_room;
 pub mod mount_check;
+pub mod nccl;
 pub mod oom;
 pub mod options;
 pub mod pod_network;

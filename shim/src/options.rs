@@ -176,7 +176,24 @@ pub struct RuntimeOptions {
     /// directory at the checkpoint (a rename on the same file system). Empty:
     /// [`DEFAULT_DEVICE_STORAGE_DIR`].
     pub device_storage_dir: String,
+    /// Whether GPU containers get gpu-ckpt's NCCL layer by default: "managed" (the layer
+    /// injected, its communicators quiesced at a checkpoint and rebuilt after a restore) or
+    /// "off" (default; empty is the same). The container annotation `gpu-ckpt.io/nccl` wins
+    /// where present.
+    pub nccl: String,
+    /// The host path of the NCCL layer (`libgpu-ckpt-nccl.so`) bind-mounted into containers
+    /// that opt in. Empty: [`DEFAULT_NCCL_LAYER`], where the node installer puts it.
+    pub nccl_layer: String,
+    /// The bound of an NCCL quiesce, of the wait for the layer's reconnects and of a rebuild,
+    /// e.g. "30s". Empty: [`DEFAULT_NCCL_TIMEOUT`].
+    pub nccl_timeout: String,
 }
+
+/// Where the node installer puts the NCCL layer, when the options name no `NcclLayer`.
+pub const DEFAULT_NCCL_LAYER: &str = "/usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so";
+
+/// `NcclTimeout` when the options name none.
+pub const DEFAULT_NCCL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where custom storage writes device-memory files when the options name no
 /// `DeviceStorageDir`.
@@ -387,7 +404,14 @@ impl RuntimeOptions {
             ("RegistryAuthFile", &self.registry_auth_file),
             ("RestoreStagingDir", &self.restore_staging_dir),
             ("DeviceStorageDir", &self.device_storage_dir),
+            ("NcclLayer", &self.nccl_layer),
         ])?;
+        if !matches!(self.nccl.as_str(), "" | "managed" | "off") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid Nccl {:?}: expected \"managed\" or \"off\"",
+                self.nccl
+            )));
+        }
         if !matches!(self.device_storage.as_str(), "" | "auto" | "staged") {
             return Err(Error::InvalidArgument(format!(
                 "invalid DeviceStorage {:?}: expected \"auto\" or \"staged\"",
@@ -405,6 +429,7 @@ impl RuntimeOptions {
             ("DeviceCallTimeout", &self.device_call_timeout),
             ("DeviceCallTimeoutPerGiB", &self.device_call_timeout_per_gib),
             ("DeviceReadTimeout", &self.device_read_timeout),
+            ("NcclTimeout", &self.nccl_timeout),
         ] {
             duration_or(value, key, std::time::Duration::ZERO)?;
         }
@@ -585,6 +610,25 @@ impl RuntimeOptions {
         } else {
             PathBuf::from(&self.device_storage_dir)
         }
+    }
+
+    /// Whether containers get the NCCL layer where no annotation says (`Nccl = "managed"`).
+    pub fn nccl_managed(&self) -> bool {
+        self.nccl == "managed"
+    }
+
+    /// `NcclLayer`, or its default.
+    pub fn nccl_layer(&self) -> PathBuf {
+        if self.nccl_layer.is_empty() {
+            PathBuf::from(DEFAULT_NCCL_LAYER)
+        } else {
+            PathBuf::from(&self.nccl_layer)
+        }
+    }
+
+    /// `NcclTimeout`, or its default.
+    pub fn nccl_timeout(&self) -> Result<std::time::Duration> {
+        duration_or(&self.nccl_timeout, "NcclTimeout", DEFAULT_NCCL_TIMEOUT)
     }
 
     /// Whether this is the restore handler.
@@ -842,6 +886,51 @@ mod tests {
         assert_mentions(err, &["DeviceStorage", "auto", "staged"]);
         let err = RuntimeOptions::from_toml("DeviceStorageDir = \"dev\"", "t").unwrap_err();
         assert_mentions(err, &["DeviceStorageDir", "absolute"]);
+    }
+
+    #[test]
+    fn nccl_is_off_by_default_and_its_layer_and_timeout_are_checked() {
+        let d = RuntimeOptions::default();
+        assert!(!d.nccl_managed());
+        assert_eq!(
+            d.nccl_layer(),
+            Path::new("/usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so")
+        );
+        assert_eq!(
+            d.nccl_timeout().unwrap(),
+            std::time::Duration::from_secs(30)
+        );
+        let o = RuntimeOptions::from_toml(
+            "Nccl = \"managed\"\nNcclLayer = \"/opt/gpu-ckpt/libgpu-ckpt-nccl.so\"\nNcclTimeout = \"1m30s\"",
+            "t",
+        )
+        .unwrap();
+        assert!(o.nccl_managed());
+        assert_eq!(
+            o.nccl_layer(),
+            Path::new("/opt/gpu-ckpt/libgpu-ckpt-nccl.so")
+        );
+        assert_eq!(
+            o.nccl_timeout().unwrap(),
+            std::time::Duration::from_secs(90)
+        );
+        assert!(!RuntimeOptions::from_toml("Nccl = \"off\"", "t")
+            .unwrap()
+            .nccl_managed());
+        assert_eq!(
+            RuntimeOptions::from_toml("NcclTimeout = \"45\"", "t")
+                .unwrap()
+                .nccl_timeout()
+                .unwrap(),
+            std::time::Duration::from_secs(45)
+        );
+        let err = RuntimeOptions::from_toml("Nccl = \"on\"", "t").unwrap_err();
+        assert_mentions(err, &["Nccl", "\"on\"", "managed", "off"]);
+        let err =
+            RuntimeOptions::from_toml("NcclLayer = \"libgpu-ckpt-nccl.so\"", "t").unwrap_err();
+        assert_mentions(err, &["NcclLayer", "absolute"]);
+        let err = RuntimeOptions::from_toml("NcclTimeout = \"soon\"", "t").unwrap_err();
+        assert_mentions(err, &["NcclTimeout", "soon", "duration"]);
     }
 
     #[test]

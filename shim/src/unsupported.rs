@@ -4,8 +4,12 @@
 //! - MIG: a container given a MIG instance (its device nodes `/dev/nvidia-caps/nvidia-cap*`, a
 //!   `MIG-…` in `NVIDIA_VISIBLE_DEVICES`), given a GPU that NVML reports in MIG mode however it
 //!   was given it, or with a process that holds such a GPU or a MIG device node;
-//! - NCCL: a process holding device state that maps `libnccl.so*` (the driver's lock can hang on
-//!   its communicators' proxy threads and peer mappings);
+//! - NCCL without gpu-ckpt's NCCL layer: a process holding device state that maps
+//!   `libnccl.so*` (the driver's lock can hang on its communicators' proxy threads and peer
+//!   mappings), unless it also maps the layer (`libgpu-ckpt-nccl.so`, by the file name of a
+//!   mapping) and the container opted in (`gpu-ckpt.io/nccl: managed`, `nccl::inject`): then
+//!   the layer quiesces and releases its communicators before the device steps (`nccl`, which
+//!   also refuses such a process that has no control session);
 //! - MPS: a process of the container that NVML lists as an MPS client (its device state lives in
 //!   the MPS server, which is not the container's).
 //!
@@ -34,17 +38,30 @@ pub trait Process: Sized {
 }
 
 /// What of a container's spec says how it was given GPUs: its device nodes and its process's
-/// environment (empty for a container whose spec was not read).
+/// environment (empty for a container whose spec was not read); and whether it got gpu-ckpt's
+/// NCCL layer.
 #[derive(Clone, Debug, Default)]
-pub struct Given(Arc<Value>);
+pub struct Given {
+    spec: Arc<Value>,
+    nccl_managed: bool,
+}
 
 impl Given {
     /// The device nodes and environment of `spec` (a parsed `config.json`, after CDI).
     pub fn from_spec(spec: &Value) -> Given {
-        Given(Arc::new(json!({
-            "linux": {"devices": spec["linux"]["devices"].clone()},
-            "process": {"env": spec["process"]["env"].clone()},
-        })))
+        Given {
+            spec: Arc::new(json!({
+                "linux": {"devices": spec["linux"]["devices"].clone()},
+                "process": {"env": spec["process"]["env"].clone()},
+            })),
+            nccl_managed: false,
+        }
+    }
+
+    /// The same, for a container that got gpu-ckpt's NCCL layer (`managed`) or not.
+    pub fn nccl_managed(mut self, managed: bool) -> Given {
+        self.nccl_managed = managed;
+        self
     }
 }
 
@@ -67,10 +84,12 @@ pub fn refuse<P: Process>(
         )));
     }
     for h in holders {
-        if let Some(lib) = maps_nccl(h.pid()) {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", h.pid())).unwrap_or_default();
+        if let Some(lib) = unmanaged_nccl(&maps, given.nccl_managed) {
             return Err(refusal(format!(
-                "{} maps NCCL ({lib}): gpu-ckpt does not checkpoint processes that use NCCL (the driver's lock can hang on their communicators); the container runs on untouched",
-                h.describe()
+                "{} maps NCCL ({lib}) without gpu-ckpt's NCCL layer: set the annotation {}: managed (or the handler option Nccl = \"managed\") and start the container again; the container runs on untouched",
+                h.describe(),
+                crate::annotations::NCCL,
             )));
         }
     }
@@ -101,7 +120,7 @@ fn mig<P: Process>(
     pids: &[i32],
     holders: &[P],
 ) -> Option<String> {
-    if let Some(why) = gpu::assign::mig_use(&given.0, inv) {
+    if let Some(why) = gpu::assign::mig_use(&given.spec, inv) {
         return Some(why);
     }
     let in_mig = |u: &GpuUuid| {
@@ -136,21 +155,35 @@ fn mig_node_held(pid: i32) -> Option<String> {
         .find(|l| gpu::assign::is_mig_node(l))
 }
 
-/// The NCCL library process `pid` maps, if it maps one.
-fn maps_nccl(pid: i32) -> Option<String> {
-    nccl_in_maps(&std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?)
+/// The NCCL library a process whose `/proc/PID/maps` is `maps` uses without gpu-ckpt's NCCL
+/// layer, if it does: the first `libnccl.so*` it maps, unless it also maps the layer and the
+/// container got the layer (`managed`).
+fn unmanaged_nccl(maps: &str, managed: bool) -> Option<String> {
+    let lib = nccl_in_maps(maps)?;
+    (!(managed && maps_layer(maps))).then_some(lib)
 }
 
-/// The first `libnccl.so*` file a `/proc/PID/maps` text names.
-fn nccl_in_maps(maps: &str) -> Option<String> {
+/// The first mapped file of a `/proc/PID/maps` text whose file name starts with `prefix`.
+fn mapped_file(maps: &str, prefix: &str) -> Option<String> {
     crate::driver_files::file_mappings(maps)
         .map(|(_, path)| path)
         .find(|path| {
             path.rsplit('/')
                 .next()
-                .is_some_and(|f| f.starts_with("libnccl.so"))
+                .is_some_and(|f| f.starts_with(prefix))
         })
         .map(str::to_string)
+}
+
+/// The first `libnccl.so*` file a `/proc/PID/maps` text names.
+fn nccl_in_maps(maps: &str) -> Option<String> {
+    mapped_file(maps, "libnccl.so")
+}
+
+/// Whether a `/proc/PID/maps` text names gpu-ckpt's NCCL layer (`libgpu-ckpt-nccl.so`, where
+/// the shim mounts it or elsewhere, by its file name).
+fn maps_layer(maps: &str) -> bool {
+    mapped_file(maps, crate::nccl::inject::LAYER_FILE_NAME).is_some()
 }
 
 /// The first MPS client among `pids`.
@@ -300,6 +333,43 @@ mod tests {
             Some("/tmp/my dir/libnccl.so.2.27.3 (deleted)")
         );
         // This test process maps no NCCL.
-        assert_eq!(maps_nccl(me()), None);
+        let own = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert_eq!(nccl_in_maps(&own), None);
+        assert_eq!(unmanaged_nccl(&own, false), None);
+    }
+
+    const NCCL_ONLY: &str = "\
+7f0000001000-7f0000002000 r-xp 00001000 08:01 99                         /usr/lib/x86_64-linux-gnu/libnccl.so.2
+";
+    const NCCL_AND_LAYER: &str = "\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 77                         /usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so
+7f0000001000-7f0000002000 r-xp 00001000 08:01 99                         /usr/lib/x86_64-linux-gnu/libnccl.so.2
+";
+
+    #[test]
+    fn nccl_is_refused_without_the_layer_in_a_container_that_opted_in() {
+        let lib = Some("/usr/lib/x86_64-linux-gnu/libnccl.so.2".to_string());
+        // NCCL alone: refused, whether the container opted in or not.
+        assert_eq!(unmanaged_nccl(NCCL_ONLY, false), lib);
+        assert_eq!(unmanaged_nccl(NCCL_ONLY, true), lib);
+        // NCCL under the layer, in a container that got it: the layer's business.
+        assert_eq!(unmanaged_nccl(NCCL_AND_LAYER, true), None);
+        // The layer's file in a container that did not opt in: no control socket, refused.
+        assert_eq!(unmanaged_nccl(NCCL_AND_LAYER, false), lib);
+        // The layer mapped where the file was replaced on the host since.
+        let deleted =
+            NCCL_AND_LAYER.replace("libgpu-ckpt-nccl.so\n", "libgpu-ckpt-nccl.so (deleted)\n");
+        assert_eq!(unmanaged_nccl(&deleted, true), None);
+        // The layer without NCCL: nothing to refuse.
+        let layer_only = NCCL_AND_LAYER.lines().next().unwrap();
+        assert_eq!(unmanaged_nccl(layer_only, false), None);
+    }
+
+    #[test]
+    fn given_says_whether_the_layer_was_injected() {
+        let spec = json!({"linux": {"devices": [{"path": "/dev/nvidia0"}]}});
+        assert!(!Given::from_spec(&spec).nccl_managed);
+        assert!(Given::from_spec(&spec).nccl_managed(true).nccl_managed);
+        assert!(!Given::default().nccl_managed);
     }
 }

@@ -99,9 +99,51 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Connects to the socket at `path`.
+    /// Connects to the socket at `path` without ever waiting: a listener whose queue is full
+    /// (nobody accepts) fails at once (`EAGAIN`), as a missing one does, so that a caller that
+    /// tries again on a timer is never stuck in `connect` (nor frozen there by a checkpoint).
     pub fn connect(path: &Path) -> Result<Connection, ControlError> {
-        let stream = UnixStream::connect(path).map_err(ControlError::io("connect"))?;
+        use std::os::fd::FromRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        let bytes = path.as_os_str().as_bytes();
+        // SAFETY: a plain C struct; all zeroes is a valid (empty) address.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+            return Err(ControlError::Io {
+                op: "connect",
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} is not a usable socket path", path.display()),
+                ),
+            });
+        }
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+            *d = *s as libc::c_char;
+        }
+        let flags = libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK;
+        // SAFETY: socket(2) with constant arguments.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
+        if fd < 0 {
+            return Err(ControlError::io("socket")(io::Error::last_os_error()));
+        }
+        // SAFETY: a descriptor just made and owned by nothing else: the stream closes it.
+        let stream = unsafe { UnixStream::from_raw_fd(fd) };
+        let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+        // SAFETY: a valid address of `len` bytes for this socket.
+        let r = unsafe {
+            libc::connect(
+                fd,
+                (&addr as *const libc::sockaddr_un).cast(),
+                len as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(ControlError::io("connect")(io::Error::last_os_error()));
+        }
+        stream
+            .set_nonblocking(false)
+            .map_err(ControlError::io("set blocking"))?;
         Ok(Connection { stream })
     }
 
@@ -194,8 +236,12 @@ mod tests {
                 }),
             },
             LayerMsg::CommGone { id: 3 },
+            LayerMsg::Holding {
+                issued: vec![(1, 7), (3, 0)],
+            },
             LayerMsg::Quiesced { comms: vec![1, 3] },
-            LayerMsg::Released,
+            LayerMsg::Released { suspended: true },
+            LayerMsg::Released { suspended: false },
             LayerMsg::UniqueId {
                 key: "k".into(),
                 id: "00".repeat(128),
@@ -210,6 +256,10 @@ mod tests {
         let shim = vec![
             ShimMsg::Welcome { token: "t".into() },
             ShimMsg::Quiesce { deadline_ms: 1 },
+            ShimMsg::Drain {
+                targets: vec![(1, 8)],
+                deadline_ms: 2,
+            },
             ShimMsg::Release,
             ShimMsg::Disconnect,
             ShimMsg::Resume,
@@ -320,7 +370,7 @@ mod tests {
         }
         // A layer message is not a shim message.
         let mut buf = Vec::new();
-        write_frame(&mut buf, &LayerMsg::Released).unwrap();
+        write_frame(&mut buf, &LayerMsg::Released { suspended: true }).unwrap();
         assert!(matches!(
             read_frame::<_, ShimMsg>(&mut Cursor::new(buf)),
             Err(ControlError::Malformed(_))
@@ -380,6 +430,39 @@ mod tests {
             d.recv::<ShimMsg>(Some(Duration::from_millis(50))),
             Err(ControlError::Closed)
         ));
+        // A listener nobody accepts from: connecting fails at once when its queue is full,
+        // never waits.
+        let dir = std::env::temp_dir().join(format!("nccl-control-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("full.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = path.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            let end = loop {
+                match Connection::connect(&p) {
+                    Ok(c) => held.push(c),
+                    Err(e) => break (held.len(), e.to_string()),
+                }
+                if held.len() > 100_000 {
+                    break (held.len(), String::new());
+                }
+            };
+            let _ = tx.send(end);
+        });
+        let (queued, err) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("connect waited on a full listen queue");
+        assert!(queued > 0, "{err}");
+        assert!(
+            err.starts_with("control socket connect:"),
+            "{queued}: {err}"
+        );
+        drop(listener);
+        assert!(Connection::connect(&path).is_err(), "no listener");
+        let _ = std::fs::remove_dir_all(&dir);
         // An oversize header on a socket is refused without waiting for the body.
         let (mut e, f) = UnixStream::pair().unwrap();
         let mut f = Connection::new(f);

@@ -10,6 +10,15 @@
 //! `Welcome` the layer announces every communicator it holds ([`LayerMsg::Comm`], in the order they
 //! were made), then one `Comm` per communicator made later and a [`LayerMsg::CommGone`] per one
 //! finalized, destroyed or aborted. Every other shim message gets exactly one reply, in order.
+//!
+//! A checkpoint quiesces in two rounds, so that every rank of a communicator stops after the
+//! same collective (a rank held before its k-th allreduce while a peer already enqueued its
+//! k-th would leave the peer's stream waiting forever): [`ShimMsg::Quiesce`] to every process
+//! at once, answered by [`LayerMsg::Holding`] with how many collectives each communicator has
+//! issued; then [`ShimMsg::Drain`] to every process at once with, for each communicator, the
+//! largest count among the ranks of its key, answered by [`LayerMsg::Quiesced`]. Collectives
+//! are counted per communicator (`ncclCommSplit` counts on its parent); point-to-point calls
+//! are not (their counts differ between ranks by design).
 
 mod error;
 mod frame;
@@ -60,16 +69,25 @@ pub enum LayerMsg {
     },
     /// The application finalized, destroyed or aborted communicator `id`.
     CommGone { id: u64 },
-    /// Answer to `Quiesce`: no call in the layer, every stream used is complete.
+    /// Answer to `Quiesce`: new calls are held and none is in the layer. `issued`: for each
+    /// live communicator id, the collectives issued on it since it was made.
+    Holding { issued: Vec<(u64, u64)> },
+    /// Answer to `Drain`: every communicator reached its target, no call is in the layer, every
+    /// stream used is complete. `comms`: the live communicator ids.
     Quiesced { comms: Vec<u64> },
-    /// Answer to `Release`.
-    Released,
+    /// Answer to `Release`. `suspended`: every live communicator was suspended
+    /// (`ncclCommSuspend`), so that a `Resume` on the same node brings them back; false when
+    /// some were destroyed (an NCCL without `ncclCommSuspend`): then even a same-node resume
+    /// needs `NewUniqueId` and `Rebuild`.
+    Released { suspended: bool },
     /// Answer to `NewUniqueId`: a fresh unique id for `key`, hex of its 128 bytes.
     UniqueId { key: String, id: String },
     /// Answer to `Rebuild` and `Resume`.
     Rebuilt,
     /// Answer to any request that could not be done. `comm` and `rank` name the communicator
-    /// concerned where there is one (the one whose stream did not complete for `Quiesce`).
+    /// concerned where there is one (for `Quiesce` and `Drain`: the one whose call stayed in the
+    /// layer, whose target was not reached, or whose stream did not complete). After a failed
+    /// `Quiesce` or `Drain` the layer lets its held calls go by itself.
     Failed {
         comm: Option<u64>,
         rank: Option<i32>,
@@ -82,13 +100,24 @@ pub enum LayerMsg {
 pub enum ShimMsg {
     /// Answer to `Hello`: the session's token, which the layer sends back as `resumed`.
     Welcome { token: String },
-    /// Hold new calls, wait (until the deadline) for the calls in the layer and the streams used.
+    /// Hold new calls, wait (until the deadline) for the calls in the layer; answered by
+    /// `Holding`.
     Quiesce { deadline_ms: u64 },
-    /// Suspend (or destroy) every real communicator and deregister buffers.
+    /// After `Holding`: let held collectives on communicator `id` pass until `target` of them
+    /// were issued (for each `(id, target)`; the largest `issued` among the ranks of its key),
+    /// then wait (until the deadline) for the calls in the layer and every stream used;
+    /// answered by `Quiesced`.
+    Drain {
+        targets: Vec<(u64, u64)>,
+        deadline_ms: u64,
+    },
+    /// Suspend (or destroy) every real communicator and deregister buffers; answered by
+    /// `Released` (or `Failed`).
     Release,
     /// Close the connection; the layer reconnects every 50 ms.
     Disconnect,
-    /// Resume every suspended communicator (same node, nothing moved).
+    /// Resume every suspended communicator (same node, nothing moved; only after a
+    /// `Released { suspended: true }`).
     Resume,
     /// Re-create every communicator: key -> fresh unique id (hex) for each root key.
     Rebuild { ids: Vec<(String, String)> },
@@ -110,6 +139,10 @@ mod tests {
             r#"{"Quiesce":{"deadline_ms":500}}"#
         );
         assert_eq!(serde_json::to_string(&ShimMsg::Go).unwrap(), r#""Go""#);
+        assert_eq!(
+            serde_json::to_string(&LayerMsg::Released { suspended: false }).unwrap(),
+            r#"{"Released":{"suspended":false}}"#
+        );
         let r = ShimMsg::Rebuild {
             ids: vec![("k".into(), "00ff".into())],
         };

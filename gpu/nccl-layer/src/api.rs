@@ -19,7 +19,12 @@ const NO_NEXT: ncclResult_t = NCCL_INTERNAL_ERROR;
 
 fn layer() -> &'static Layer<Real> {
     static LAYER: OnceLock<Layer<Real>> = OnceLock::new();
-    LAYER.get_or_init(|| Layer::new(Real::default()))
+    LAYER.get_or_init(|| {
+        let mut l = Layer::new(Real::default());
+        l.destroy_at_release =
+            std::env::var_os(crate::layer::ENV_RELEASE).is_some_and(|v| v == "destroy");
+        l
+    })
 }
 
 /// A wrapped function on one communicator: `$stream` names the stream argument whose work

@@ -12,6 +12,11 @@ use crate::layer::{Layer, SEND_TIMEOUT};
 /// Between two tries to connect.
 pub const RECONNECT: Duration = Duration::from_millis(50);
 
+/// How long the layer waits for the shim's Welcome before it drops the connection and tries
+/// again (a shim that accepted and never answered, a connection left over from before a
+/// restore, must not keep the layer from ever reconnecting).
+pub const WELCOME_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// What ends a session with the shim.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -56,14 +61,26 @@ pub fn run<B: Backend>(layer: &Layer<B>, path: &Path) {
     }
 }
 
-/// One connection: Hello, Welcome, then requests until Disconnect (Ok) or an error; the
-/// connection is closed at the end.
+/// One connection: Hello, Welcome (within [`WELCOME_TIMEOUT`]), then requests until
+/// Disconnect (Ok) or an error. The connection is closed at the end: every descriptor of it,
+/// before the shim can see its end (so that once the shim has seen a Disconnect's connection
+/// end, the process holds nothing of it that a checkpoint would have to dump).
 pub fn session<B: Backend>(
     layer: &Layer<B>,
     path: &Path,
     token: &mut Option<String>,
 ) -> Result<(), SessionError> {
-    let r = serve(layer, path, token);
+    session_within(layer, path, token, WELCOME_TIMEOUT)
+}
+
+/// [`session`] with another bound on the wait for Welcome.
+pub fn session_within<B: Backend>(
+    layer: &Layer<B>,
+    path: &Path,
+    token: &mut Option<String>,
+    welcome: Duration,
+) -> Result<(), SessionError> {
+    let r = serve(layer, path, token, welcome);
     layer.disconnected();
     r
 }
@@ -72,10 +89,11 @@ fn serve<B: Backend>(
     layer: &Layer<B>,
     path: &Path,
     token: &mut Option<String>,
+    welcome: Duration,
 ) -> Result<(), SessionError> {
     let mut conn = Connection::connect(path)?;
     conn.send(&layer.hello(token.clone()), Some(SEND_TIMEOUT))?;
-    match conn.recv::<ShimMsg>(None)? {
+    match conn.recv::<ShimMsg>(Some(welcome))? {
         ShimMsg::Welcome { token: t } => *token = Some(t),
         other => return Err(SessionError::NoWelcome(Box::new(other))),
     }
@@ -90,6 +108,10 @@ fn serve<B: Backend>(
                 continue;
             }
             ShimMsg::Quiesce { deadline_ms } => layer.quiesce(Duration::from_millis(deadline_ms)),
+            ShimMsg::Drain {
+                targets,
+                deadline_ms,
+            } => layer.drain(targets, Duration::from_millis(deadline_ms)),
             ShimMsg::Release => layer.release(),
             ShimMsg::Resume => layer.resume(),
             ShimMsg::Rebuild { ids } => layer.rebuild(ids),

@@ -1,5 +1,7 @@
 //! The gate every wrapped call passes: held while the shim holds the process, calls in flight
-//! counted, streams used since the last quiesce remembered.
+//! counted, streams used since the last quiesce remembered, collectives counted per
+//! communicator (so that a quiesce lets a rank that is behind catch up with its peers: see
+//! [`Gate::set_targets`]).
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -22,6 +24,29 @@ pub struct Flight {
     pub comm: Option<(u64, i32)>,
 }
 
+/// What a call is to the quiesce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A collective on its communicator (every rank calls them in the same order): counted.
+    Collective,
+    /// An outermost ncclGroupStart: the calls of the group pass with it.
+    Group,
+    /// A question about a communicator that enqueues nothing (ncclCommCount, ...): passes while
+    /// a rank catches up with its peers.
+    Query,
+    /// Anything else.
+    Other,
+}
+
+/// Why the calls did not reach their targets in time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stuck {
+    /// A call stayed in the layer.
+    Call(Flight),
+    /// Communicator `comm` had `issued` collectives of the `target`.
+    Short { comm: u64, issued: u64, target: u64 },
+}
+
 /// A stream a call enqueued work on: the communicator (id, rank) and its device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamUse {
@@ -39,6 +64,38 @@ struct State {
     in_flight: BTreeMap<u64, Flight>,
     /// By (stream, communicator id).
     streams: BTreeMap<(usize, u64), StreamUse>,
+    /// Collectives issued, by communicator id.
+    issued: BTreeMap<u64, u64>,
+    /// While held: how many collectives each communicator may reach (see [`Gate::set_targets`]).
+    targets: Option<BTreeMap<u64, u64>>,
+}
+
+impl State {
+    fn issued(&self, comm: u64) -> u64 {
+        self.issued.get(&comm).copied().unwrap_or(0)
+    }
+
+    /// Whether a held call of `kind` on `comm` may pass: a collective on a communicator below
+    /// its target, a group while some communicator is.
+    fn admits(&self, comm: Option<(u64, i32)>, kind: Kind) -> bool {
+        let Some(t) = &self.targets else {
+            return false;
+        };
+        match kind {
+            Kind::Collective => {
+                comm.is_some_and(|(id, _)| self.issued(id) < t.get(&id).copied().unwrap_or(0))
+            }
+            Kind::Group => t.iter().any(|(id, n)| self.issued(*id) < *n),
+            Kind::Query => true,
+            Kind::Other => false,
+        }
+    }
+
+    fn count(&mut self, comm: Option<(u64, i32)>, kind: Kind) {
+        if let (Kind::Collective, Some((id, _))) = (kind, comm) {
+            *self.issued.entry(id).or_default() += 1;
+        }
+    }
 }
 
 #[derive(Default)]
@@ -69,10 +126,12 @@ impl Gate {
     }
 
     /// Enters a call: waits while the gate is held (unless the thread is inside a group, whose
-    /// ncclGroupStart already entered), then counts the call in flight until the ticket drops.
-    pub fn enter(&self, call: &'static str, comm: Option<(u64, i32)>) -> Ticket<'_> {
+    /// ncclGroupStart already entered, or the hold admits it), then counts the call in flight
+    /// until the ticket drops.
+    pub fn enter(&self, call: &'static str, comm: Option<(u64, i32)>, kind: Kind) -> Ticket<'_> {
         let mut g = self.lock();
         if GROUP_DEPTH.get() > 0 {
+            g.count(comm, kind);
             if let Some(slot) = GROUP_SLOT.get() {
                 if let Some(f) = g.in_flight.get_mut(&slot) {
                     if f.comm.is_none() {
@@ -85,9 +144,10 @@ impl Gate {
                 seq: None,
             };
         }
-        while g.held {
+        while g.held && !g.admits(comm, kind) {
             g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
+        g.count(comm, kind);
         let seq = g.next_seq;
         g.next_seq += 1;
         g.in_flight.insert(seq, Flight { call, comm });
@@ -102,7 +162,7 @@ impl Gate {
     pub fn group_start(&self) -> u64 {
         let depth = GROUP_DEPTH.get();
         if depth == 0 {
-            let mut t = self.enter("ncclGroupStart", None);
+            let mut t = self.enter("ncclGroupStart", None, Kind::Group);
             GROUP_SLOT.set(t.seq.take());
             GROUP_TAG.set(Some(self.new_tag()));
         }
@@ -144,9 +204,57 @@ impl Gate {
         self.lock().streams.insert((u.stream, u.comm), u);
     }
 
-    /// Forgets the streams of a communicator that is gone.
+    /// Forgets the streams and the count of a communicator that is gone.
     pub fn forget_comm(&self, comm: u64) {
-        self.lock().streams.retain(|k, _| k.1 != comm);
+        let mut g = self.lock();
+        g.streams.retain(|k, _| k.1 != comm);
+        g.issued.remove(&comm);
+    }
+
+    /// The collectives issued on communicator `comm`.
+    pub fn issued(&self, comm: u64) -> u64 {
+        self.lock().issued(comm)
+    }
+
+    /// While held: lets collectives on each communicator pass until `targets` of them were
+    /// issued (the most any rank of it issued), so that every rank stops after the same one
+    /// (`None`: hold everything again).
+    pub fn set_targets(&self, targets: Option<BTreeMap<u64, u64>>) {
+        self.lock().targets = targets;
+        self.cv.notify_all();
+    }
+
+    /// Waits until every target is reached and no call is in flight, or until `deadline`.
+    pub fn reach(&self, deadline: Instant) -> Result<(), Stuck> {
+        let mut g = self.lock();
+        loop {
+            let short = g.targets.as_ref().and_then(|t| {
+                t.iter()
+                    .find(|(id, n)| g.issued(**id) < **n)
+                    .map(|(id, n)| (*id, *n))
+            });
+            let first = g.in_flight.values().next().cloned();
+            if short.is_none() && first.is_none() {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if let Some((comm, target)) = short {
+                    return Err(Stuck::Short {
+                        comm,
+                        issued: g.issued(comm),
+                        target,
+                    });
+                }
+                let named = g.in_flight.values().find(|f| f.comm.is_some()).cloned();
+                return Err(Stuck::Call(named.or(first).expect("a call in flight")));
+            }
+            g = self
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     pub fn is_held(&self) -> bool {
@@ -160,7 +268,10 @@ impl Gate {
 
     /// Lets the held calls go.
     pub fn release(&self) {
-        self.lock().held = false;
+        let mut g = self.lock();
+        g.held = false;
+        g.targets = None;
+        drop(g);
         self.cv.notify_all();
     }
 
@@ -206,7 +317,7 @@ mod tests {
     #[test]
     fn held_calls_wait_and_drain_names_the_call_in_flight() {
         let gate = Arc::new(Gate::default());
-        let t = gate.enter("ncclAllReduce", Some((3, 1)));
+        let t = gate.enter("ncclAllReduce", Some((3, 1)), Kind::Collective);
         gate.hold();
         let err = gate
             .drain(Instant::now() + Duration::from_millis(30))
@@ -223,7 +334,7 @@ mod tests {
         let h = {
             let (gate, passed) = (gate.clone(), passed.clone());
             std::thread::spawn(move || {
-                let _t = gate.enter("ncclBroadcast", None);
+                let _t = gate.enter("ncclBroadcast", None, Kind::Other);
                 passed.store(true, Ordering::SeqCst);
             })
         };
@@ -244,7 +355,7 @@ mod tests {
         gate.group_start();
         gate.hold();
         // Inside the group: passes although held, and names its communicator for the group.
-        drop(gate.enter("ncclSend", Some((7, 0))));
+        drop(gate.enter("ncclSend", Some((7, 0)), Kind::Other));
         let err = gate.drain(Instant::now()).unwrap_err();
         assert_eq!(
             err,

@@ -12,7 +12,7 @@ use nccl_control::{Connection, LayerMsg, Split};
 use crate::backend::{Backend, RealComm};
 use crate::config::ConfigCopy;
 use crate::ffi::*;
-use crate::gate::{Gate, StreamUse, Ticket};
+use crate::gate::{Gate, Kind, StreamUse, Stuck, Ticket};
 
 const COMM_MAGIC: u64 = 0x6763_6b70_636f_6d6d;
 const BUF_MAGIC: u64 = 0x6763_6b70_6275_6666;
@@ -167,7 +167,17 @@ pub struct Layer<B> {
     reg: Mutex<Registry>,
     /// The process that started the control thread (a forked child starts its own).
     pub control_pid: Mutex<i32>,
+    /// Release destroys every communicator even where the library has ncclCommSuspend
+    /// ([`ENV_RELEASE`] = `destroy`).
+    pub destroy_at_release: bool,
 }
+
+/// The environment variable that chooses what Release does: `destroy` destroys every real
+/// communicator (only a Rebuild brings them back), anything else suspends them where the NCCL
+/// under the layer has `ncclCommSuspend` (2.29.7 and later). A suspended communicator keeps its
+/// connections (its bootstrap sockets among them) and, before NCCL covers it, its NVLS state:
+/// a job whose checkpoint must not hold them chooses `destroy`.
+pub const ENV_RELEASE: &str = "GPU_CKPT_NCCL_RELEASE";
 
 fn failed(comm: Option<&Entry>, message: String) -> LayerMsg {
     LayerMsg::Failed {
@@ -191,6 +201,7 @@ impl<B: Backend> Layer<B> {
                 ..Registry::default()
             }),
             control_pid: Mutex::new(0),
+            destroy_at_release: false,
         }
     }
 
@@ -223,14 +234,32 @@ impl<B: Backend> Layer<B> {
         (o.magic == BUF_MAGIC).then_some(o)
     }
 
-    /// Enters the gate for a call on `comm` (recording `stream` for the quiesce).
+    /// Enters the gate for a call on `comm` (recording `stream` for the quiesce). The calls
+    /// that enqueue work on a stream are collectives, counted, except the point-to-point ones
+    /// (their counts differ between ranks); a split counts on its parent.
     pub fn enter(
         &self,
         call: &'static str,
         comm: Option<&CommObj>,
         stream: Option<usize>,
     ) -> Ticket<'_> {
-        let t = self.gate.enter(call, comm.map(|c| (c.id, c.rank())));
+        let p2p = matches!(call, "ncclSend" | "ncclRecv");
+        let query = matches!(
+            call,
+            "ncclCommCount"
+                | "ncclCommCuDevice"
+                | "ncclCommUserRank"
+                | "ncclCommGetAsyncError"
+                | "ncclGetLastError"
+        );
+        let kind = if call == "ncclCommSplit" || (stream.is_some() && !p2p) {
+            Kind::Collective
+        } else if query {
+            Kind::Query
+        } else {
+            Kind::Other
+        };
+        let t = self.gate.enter(call, comm.map(|c| (c.id, c.rank())), kind);
         if let (Some(c), Some(stream)) = (comm, stream) {
             self.gate.record_stream(StreamUse {
                 stream,
@@ -407,11 +436,11 @@ impl<B: Backend> Layer<B> {
         self.reg().send(msg);
     }
 
-    /// The connection is closed (by Disconnect, or seen closed).
+    /// The connection is closed (by Disconnect, or seen closed): the writer's descriptor is
+    /// closed, without a shutdown, so that the shim sees the end only once the process holds
+    /// no descriptor of the connection (the reader's is closed first).
     pub fn disconnected(&self) {
-        if let Some(w) = self.reg().writer.take() {
-            w.shutdown();
-        }
+        drop(self.reg().writer.take());
     }
 
     pub fn hello(&self, resumed: Option<String>) -> LayerMsg {
@@ -424,12 +453,14 @@ impl<B: Backend> Layer<B> {
         }
     }
 
-    /// Quiesce: hold new calls, wait (until the deadline) for the calls in flight, then for
-    /// every stream used since the last quiesce to complete. On failure the held calls go on.
+    /// Quiesce, first round: hold new calls, wait (until the deadline) for the calls in
+    /// flight; `Holding` with the collectives issued on each live communicator. On failure the
+    /// held calls go on.
     pub fn quiesce(&self, deadline: Duration) -> LayerMsg {
         let _span = tracing::info_span!("nccl quiesce", ms = deadline.as_millis() as u64).entered();
         let until = std::time::Instant::now() + deadline;
         self.gate.hold();
+        self.gate.set_targets(None);
         if let Err(f) = self.gate.drain(until) {
             self.gate.release();
             let message = match f.comm {
@@ -451,6 +482,74 @@ impl<B: Backend> Layer<B> {
             };
         }
         self.settle(None);
+        let issued = self
+            .reg()
+            .entries
+            .iter()
+            .filter(|e| e.live())
+            .map(|e| (e.id, self.gate.issued(e.id)))
+            .collect();
+        LayerMsg::Holding { issued }
+    }
+
+    /// Quiesce, second round: the held collectives on each communicator pass until its target
+    /// (the most any of its ranks issued), then wait (until the deadline) for the calls in
+    /// flight and every stream used since the last quiesce; `Quiesced`. On failure (naming the
+    /// communicator and rank) the held calls go on.
+    pub fn drain(&self, targets: Vec<(u64, u64)>, deadline: Duration) -> LayerMsg {
+        if let Some(f) = self.not_held("Drain") {
+            return f;
+        }
+        let _span = tracing::info_span!("nccl drain", ms = deadline.as_millis() as u64).entered();
+        let until = std::time::Instant::now() + deadline;
+        let live: Vec<u64> = self
+            .reg()
+            .entries
+            .iter()
+            .filter(|e| e.live())
+            .map(|e| e.id)
+            .collect();
+        let targets = targets
+            .into_iter()
+            .filter(|(id, _)| live.contains(id))
+            .collect();
+        self.gate.set_targets(Some(targets));
+        let reached = self.gate.reach(until);
+        self.gate.set_targets(None);
+        if let Err(stuck) = reached {
+            self.gate.release();
+            let ms = deadline.as_millis();
+            let rank = |id: u64| self.reg().entry(id).map_or(-1, |e| e.rank());
+            return match stuck {
+                Stuck::Short {
+                    comm,
+                    issued,
+                    target,
+                } => {
+                    let r = rank(comm);
+                    LayerMsg::Failed {
+                        comm: Some(comm),
+                        rank: Some(r),
+                        message: format!(
+                            "communicator {comm} (rank {r}): {issued} of the {target} \
+                             collectives its peers issued after {ms} ms (the application did \
+                             not call the rest)"
+                        ),
+                    }
+                }
+                Stuck::Call(f) => LayerMsg::Failed {
+                    comm: f.comm.map(|c| c.0),
+                    rank: f.comm.map(|c| c.1),
+                    message: match f.comm {
+                        Some((id, r)) => format!(
+                            "{} on communicator {id} (rank {r}) still in the layer after {ms} ms",
+                            f.call
+                        ),
+                        None => format!("{} still in the layer after {ms} ms", f.call),
+                    },
+                },
+            };
+        }
         let mut pause = Duration::from_micros(100);
         for u in self.gate.streams() {
             loop {
@@ -505,14 +604,16 @@ impl<B: Backend> Layer<B> {
     }
 
     /// Release: deregister every buffer and suspend every communicator (destroy it where the
-    /// library has no ncclCommSuspend); the handles stay.
+    /// library has no ncclCommSuspend); the handles stay. `Released { suspended }` says whether
+    /// every live communicator is now suspended (a `Resume` brings them back) or some are
+    /// destroyed (only a `Rebuild` does). A second Release changes nothing and answers the same.
     pub fn release(&self) -> LayerMsg {
         if let Some(f) = self.not_held("Release") {
             return f;
         }
         let _span = tracing::info_span!("nccl release").entered();
         let reg = self.reg();
-        let suspend = self.backend.has_suspend();
+        let suspend = !self.destroy_at_release && self.backend.has_suspend();
         let run = || -> Result<(), LayerMsg> {
             for e in reg.entries.iter().filter(|e| e.live()) {
                 for b in &e.buffers {
@@ -558,7 +659,11 @@ impl<B: Backend> Layer<B> {
                 RealState::Destroyed
             };
         }
-        LayerMsg::Released
+        let suspended = !reg
+            .entries
+            .iter()
+            .any(|e| e.live() && e.state == RealState::Destroyed);
+        LayerMsg::Released { suspended }
     }
 
     /// Registers every recorded buffer again on its (new or resumed) communicator.

@@ -1,4 +1,4 @@
-//! The real backend: the next NCCL (see [`crate::next`]) and the CUDA driver, both found at run
+//! The real backend: the next NCCL (see [`crate::next`](mod@crate::next)) and the CUDA driver, both found at run
 //! time (the layer links neither).
 
 use std::collections::HashMap;

@@ -191,6 +191,69 @@ fn job(l: &Layer<Fake>) -> Job {
     Job { root, child, buf }
 }
 
+/// Both rounds of a quiesce of `l` alone: its own counts are the targets.
+fn quiesce(l: &Layer<Fake>, within: Duration) -> LayerMsg {
+    match l.quiesce(within) {
+        LayerMsg::Holding { issued } => l.drain(issued, within),
+        other => other,
+    }
+}
+
+/// A rank one collective behind its peer on the root and two on the split: the drain lets
+/// exactly those through, holds the next one and lets questions pass; a target the application
+/// never reaches fails naming the communicator and rank, and lets the calls go.
+#[test]
+fn a_rank_behind_its_peers_catches_up_before_the_hold() {
+    let l = Arc::new(Layer::new(Fake::default()));
+    let j = job(&l);
+    drop(l.enter("ncclAllReduce", Some(j.root), Some(1)));
+    drop(l.enter("ncclSend", Some(j.root), Some(1)));
+    assert_eq!(
+        l.quiesce(Duration::from_secs(1)),
+        LayerMsg::Holding {
+            issued: vec![(j.root.id, 1), (j.child.id, 0)]
+        }
+    );
+    let (root, child) = (j.root.id, j.child.id);
+    let app = {
+        let (l, root, child) = (l.clone(), j.root, j.child);
+        std::thread::spawn(move || {
+            for c in [root, child, child] {
+                drop(l.enter("ncclAllReduce", Some(c), Some(2)));
+            }
+            drop(l.enter("ncclCommCount", Some(root), None));
+            // Beyond every target: held until Go.
+            drop(l.enter("ncclAllReduce", Some(child), Some(2)));
+            l.gate.issued(child.id)
+        })
+    };
+    assert_eq!(
+        l.drain(vec![(root, 2), (child, 2)], Duration::from_secs(5)),
+        LayerMsg::Quiesced {
+            comms: vec![root, child]
+        }
+    );
+    assert_eq!((l.gate.issued(root), l.gate.issued(child)), (2, 2));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!app.is_finished(), "a call beyond its target passed");
+    l.go();
+    assert_eq!(app.join().unwrap(), 3);
+
+    // The peer is ahead by more than the application will ever call.
+    assert!(matches!(
+        l.quiesce(Duration::from_secs(1)),
+        LayerMsg::Holding { .. }
+    ));
+    let (comm, rank, message) = failure(l.drain(vec![(root, 5)], Duration::from_millis(50)));
+    assert_eq!((comm, rank), (Some(root), Some(1)));
+    assert!(message.contains("2 of the 5 collectives"), "{message}");
+    assert!(!l.gate.is_held(), "held calls not released after Failed");
+    assert!(matches!(
+        l.drain(vec![], Duration::from_millis(50)),
+        LayerMsg::Failed { .. }
+    ));
+}
+
 #[test]
 fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     let l = Layer::new(Fake::default());
@@ -201,16 +264,19 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
     );
 
     assert_eq!(
-        l.quiesce(Duration::from_secs(1)),
+        quiesce(&l, Duration::from_secs(1)),
         LayerMsg::Quiesced {
             comms: vec![j.root.id, j.child.id]
         }
     );
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     assert_eq!(
         l.backend.take().join(", "),
         "device 1, deregister 0x10 0x11, device 1, suspend 0x20, device 1, suspend 0x10"
     );
+    // A second Release suspends nothing twice.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
+    assert!(l.backend.take().is_empty());
     assert_eq!(l.resume(), LayerMsg::Rebuilt);
     assert_eq!(
         l.backend.take().join(", "),
@@ -219,7 +285,7 @@ fn release_resume_and_rebuild_keep_handles_and_replay_the_record() {
 
     // Rebuild: a missing id names the root's rank; with it, the root is made again with the
     // same rank, size, device and config on the fresh id, then both split calls on it.
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     l.backend.take();
     let (comm, rank, message) = failure(l.rebuild(vec![]));
     assert_eq!((comm, rank), (Some(j.root.id), Some(1)));
@@ -263,10 +329,10 @@ fn released(fake: Fake, gone_root: bool) -> (Layer<Fake>, Job) {
         l.gone(j.root, true);
     }
     assert!(matches!(
-        l.quiesce(Duration::from_secs(1)),
+        quiesce(&l, Duration::from_secs(1)),
         LayerMsg::Quiesced { .. }
     ));
-    assert_eq!(l.release(), LayerMsg::Released);
+    assert_eq!(l.release(), LayerMsg::Released { suspended: true });
     l.backend.take();
     (l, j)
 }
@@ -302,12 +368,33 @@ fn without_suspend_release_destroys_and_resume_refuses() {
         ..Fake::default()
     });
     let j = job(&l);
-    l.quiesce(Duration::from_secs(1));
-    assert_eq!(l.release(), LayerMsg::Released);
+    quiesce(&l, Duration::from_secs(1));
+    // Destroyed, not suspended: the shim must rebuild even on the same node.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
     assert!(l.backend.take().contains(&"destroy 0x10".to_string()));
+    // A second Release frees nothing more and says the same.
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
+    assert!(!l.backend.take().iter().any(|c| c.starts_with("destroy")));
     assert_eq!(j.root.real(), 0);
     let (_, _, message) = failure(l.resume());
     assert!(message.contains("only a Rebuild"), "{message}");
+}
+
+#[test]
+fn release_destroys_where_asked_although_suspend_is_there() {
+    let mut l = Layer::new(Fake::default());
+    l.destroy_at_release = true;
+    let j = job(&l);
+    quiesce(&l, Duration::from_secs(1));
+    assert_eq!(l.release(), LayerMsg::Released { suspended: false });
+    let log = l.backend.take();
+    assert!(log.contains(&"destroy 0x10".to_string()), "{log:?}");
+    assert!(!log.iter().any(|c| c.starts_with("suspend")), "{log:?}");
+    assert_eq!((j.root.real(), j.child.real()), (0, 0));
+    assert!(rebuilt(&l, 3)
+        .iter()
+        .any(|c| c.starts_with("init 2 1 id=03")));
+    assert_ne!(j.root.real(), 0);
 }
 
 #[test]
@@ -329,7 +416,7 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
     drop(l.enter("ncclAllReduce", Some(j.child), Some(0x77)));
     drop(l.enter("ncclAllReduce", Some(j.root), Some(0)));
     l.backend.pending.lock().unwrap().insert(0x77);
-    let (comm, rank, message) = failure(l.quiesce(Duration::from_millis(50)));
+    let (comm, rank, message) = failure(quiesce(&l, Duration::from_millis(50)));
     assert_eq!((comm, rank), (Some(j.child.id), Some(0)));
     assert!(message.contains("stream 0x77"), "{message}");
     assert!(!l.gate.is_held(), "held calls not released after Failed");
@@ -343,7 +430,7 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
 
     l.backend.pending.lock().unwrap().clear();
     assert!(matches!(
-        l.quiesce(Duration::from_millis(50)),
+        quiesce(&l, Duration::from_millis(50)),
         LayerMsg::Quiesced { .. }
     ));
     let passed = Arc::new(AtomicBool::new(false));
@@ -363,21 +450,81 @@ fn quiesce_fails_naming_the_rank_whose_stream_is_stuck_and_lets_calls_go() {
     assert!(passed.load(Ordering::SeqCst));
 }
 
+/// Taken by the tests that count or open sockets (they run on parallel threads).
+static SOCKETS: Mutex<()> = Mutex::new(());
+
+/// The sockets this process has open.
+fn sockets() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .count()
+}
+
+/// A shim that accepts and never answers (or a connection left from before a restore): the
+/// layer gives up within its bound, and the next try finds a shim that answers.
+#[test]
+fn a_connection_without_welcome_is_dropped_and_tried_again() {
+    let _one = SOCKETS.lock().unwrap_or_else(|e| e.into_inner());
+    let l = Layer::new(Fake::default());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("nccl.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut token = None;
+    let t0 = std::time::Instant::now();
+    let silent = std::thread::spawn(move || {
+        let (c, _) = listener.accept().unwrap();
+        let mut c = Connection::new(c);
+        let hello = recv(&mut c);
+        // The layer's end is closed after its bound: this end sees it.
+        let end = c.recv::<ShimMsg>(Some(Duration::from_secs(5)));
+        (listener, hello, end.map(|_| ()).map_err(|e| e.to_string()))
+    });
+    let e = crate::control::session_within(&l, &path, &mut token, Duration::from_millis(200))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("no control message within 200 ms"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    let (listener, hello, end) = silent.join().unwrap();
+    assert!(matches!(hello, LayerMsg::Hello { resumed: None, .. }));
+    assert!(end.unwrap_err().contains("closed"));
+    assert_eq!(token, None);
+    // The next session goes as usual.
+    let th = std::thread::spawn(move || {
+        let mut c = Connection::new(listener.accept().unwrap().0);
+        recv(&mut c);
+        c.send(&ShimMsg::Welcome { token: "t".into() }, None)
+            .unwrap();
+        c.send(&ShimMsg::Disconnect, None).unwrap();
+    });
+    crate::control::session(&l, &path, &mut token).unwrap();
+    th.join().unwrap();
+    assert_eq!(token.as_deref(), Some("t"));
+}
+
 fn recv(c: &mut Connection) -> LayerMsg {
     c.recv(Some(Duration::from_secs(5))).unwrap()
 }
 
 #[test]
 fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
+    let _one = SOCKETS.lock().unwrap_or_else(|e| e.into_inner());
     let l: &'static Layer<Fake> = Box::leak(Box::new(Layer::new(Fake::default())));
     let j = job(l);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("nccl.sock");
     let listener = UnixListener::bind(&path).unwrap();
+    let before = sockets();
     let p = path.clone();
+    let (again, go_on) = std::sync::mpsc::channel::<()>();
     let th = std::thread::spawn(move || {
         let mut token = None;
         let first = crate::control::session(l, &p, &mut token);
+        // As the control thread pauses before it connects again.
+        let _ = go_on.recv();
         let second = crate::control::session(l, &p, &mut token);
         (first.is_ok(), second.map_err(|e| e.to_string()), token)
     });
@@ -434,6 +581,20 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
         .unwrap();
     assert_eq!(
         recv(&mut c),
+        LayerMsg::Holding {
+            issued: vec![(j.root.id, 0), (j.child.id, 0)]
+        }
+    );
+    c.send(
+        &ShimMsg::Drain {
+            targets: vec![(j.root.id, 0)],
+            deadline_ms: 1000,
+        },
+        None,
+    )
+    .unwrap();
+    assert_eq!(
+        recv(&mut c),
         LayerMsg::Quiesced {
             comms: vec![j.root.id, j.child.id]
         }
@@ -452,6 +613,10 @@ fn protocol_over_the_socket_with_a_disconnect_and_a_resumed_hello() {
         c.recv::<LayerMsg>(Some(Duration::from_secs(5))),
         Err(nccl_control::ControlError::Closed)
     ));
+    // Once the shim sees the end, the layer holds no descriptor of the connection (only the
+    // listener and the shim's end are left): nothing for a checkpoint to find.
+    assert_eq!(sockets(), before + 1, "the layer still holds its end");
+    again.send(()).unwrap();
 
     // Reconnected: the session's token comes back, and the communicators are told again.
     let mut c = Connection::new(listener.accept().unwrap().0);

@@ -7,8 +7,14 @@
 //!
 //! The ranks are this test binary again (`harness = false`): with `NCCL_LAYER_TEST_RANK` set,
 //! `main` is a rank. It loads `libcuda.so.1` and `libnccl.so.2` with `RTLD_GLOBAL` and calls
-//! NCCL through the global scope, as a program linked to NCCL does, so the preloaded layer's
-//! definitions come first.
+//! NCCL through the global scope, so the preloaded layer's definitions come first.
+//!
+//! Then the two workloads under the layer, each through a checkpoint cycle with a resume in
+//! place and one with a rebuild, their every step verified by the program itself:
+//! `nccl-train` (cudarc: `dlopen("libnccl.so")` and `dlsym` on that handle, which only the
+//! layer's `dlopen` brings under it) and `nccl_allreduce` (C, linked to `libnccl.so.2`). And what
+//! a `dlopen` of NCCL hands out: the layer's wrappers, NCCL's own functions for the names the
+//! layer does not wrap, a handle whose `dlclose` unloads nothing.
 //!
 //! Needs the workspace built first (`cargo build --workspace --all-targets`): the daemon
 //! `gpu-ckpt-simgpu`, its libraries, and the layer, next to the test executable.
@@ -16,7 +22,7 @@
 use std::ffi::{c_int, c_void, CStr};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
 use std::time::Duration;
@@ -37,7 +43,7 @@ fn main() {
         rank::main();
         return;
     }
-    let tests: [(&str, fn()); 2] = [
+    let tests: [(&str, fn()); 5] = [
         (
             "checkpoint_cycle_over_the_simulated_nccl",
             checkpoint_cycle_over_the_simulated_nccl,
@@ -45,6 +51,18 @@ fn main() {
         (
             "init_all_rebuilt_in_one_group_over_the_simulated_nccl",
             init_all_rebuilt_in_one_group,
+        ),
+        (
+            "dlopen_of_nccl_hands_out_the_layer",
+            dlopen_of_nccl_hands_out_the_layer,
+        ),
+        (
+            "nccl_train_through_dlopen_checkpoint_cycles",
+            nccl_train_through_dlopen_checkpoint_cycles,
+        ),
+        (
+            "linked_c_program_checkpoint_cycles",
+            linked_c_program_checkpoint_cycles,
         ),
     ];
     for (name, test) in tests {
@@ -170,13 +188,20 @@ fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
 struct Session {
     conn: Connection,
     pid: i32,
+    /// The key of each communicator the layer announced, by id.
+    keys: std::collections::HashMap<u64, String>,
 }
 
 impl Session {
     fn recv(&mut self) -> LayerMsg {
-        self.conn
+        let m = self
+            .conn
             .recv(Some(WAIT))
-            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid))
+            .unwrap_or_else(|e| panic!("from pid {}: {e}", self.pid));
+        if let LayerMsg::Comm { id, key, .. } = &m {
+            self.keys.insert(*id, key.clone());
+        }
+        m
     }
     fn send(&mut self, m: ShimMsg) {
         self.conn.send(&m, Some(WAIT)).expect("send to the layer");
@@ -186,8 +211,44 @@ impl Session {
 /// Accepts one layer: Hello (checked), Welcome, then its two communicators (root, split).
 /// Returns the session and the (root, split) Comm messages.
 fn accept(l: &UnixListener, resumed: Option<&str>, token: &str) -> (Session, LayerMsg, LayerMsg) {
-    let conn = Connection::new(l.accept().expect("accept a layer").0);
-    let mut s = Session { conn, pid: 0 };
+    let (mut s, r) = hello(l, |_| token.to_string());
+    assert_eq!(r.as_deref(), resumed);
+    let root = s.recv();
+    let split = s.recv();
+    (s, root, split)
+}
+
+/// The next layer to connect, within [`WAIT`] (a layer that never connects fails the test).
+fn connection(l: &UnixListener) -> Connection {
+    l.set_nonblocking(true).expect("nonblocking listener");
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match l.accept() {
+            Ok((c, _)) => {
+                c.set_nonblocking(false).expect("blocking connection");
+                return Connection::new(c);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "no layer connected to the control socket within {WAIT:?}"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("accept a layer: {e}"),
+        }
+    }
+}
+
+/// Accepts one layer: its Hello (checked), then Welcome with the token `token(pid)`. Returns
+/// the session and the Hello's `resumed`.
+fn hello(l: &UnixListener, token: impl Fn(i32) -> String) -> (Session, Option<String>) {
+    let conn = connection(l);
+    let mut s = Session {
+        conn,
+        pid: 0,
+        keys: Default::default(),
+    };
     match s.recv() {
         LayerMsg::Hello {
             version,
@@ -200,17 +261,56 @@ fn accept(l: &UnixListener, resumed: Option<&str>, token: &str) -> (Session, Lay
                 nccl_version > 0,
                 "the simulated NCCL's version: {nccl_version}"
             );
-            assert_eq!(r.as_deref(), resumed);
             s.pid = pid;
+            s.send(ShimMsg::Welcome { token: token(pid) });
+            (s, r)
         }
         other => panic!("expected Hello, got {other:?}"),
     }
-    s.send(ShimMsg::Welcome {
-        token: token.into(),
-    });
-    let root = s.recv();
-    let split = s.recv();
-    (s, root, split)
+}
+
+/// The first round of a quiesce at every session at once: each one's `Holding` counts.
+fn hold_all(sessions: &mut [Session], ms: u64) -> Vec<Vec<(u64, u64)>> {
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Quiesce { deadline_ms: ms });
+    }
+    sessions
+        .iter_mut()
+        .map(|s| match s.recv() {
+            LayerMsg::Holding { issued } => issued,
+            other => panic!("pid {}: expected Holding, got {other:?}", s.pid),
+        })
+        .collect()
+}
+
+/// The second round, as the shim sends it: each communicator's target is the most any session
+/// issued on a communicator of its key.
+fn send_drain(sessions: &mut [Session], issued: &[Vec<(u64, u64)>], ms: u64) {
+    let mut most: std::collections::HashMap<String, u64> = Default::default();
+    for (s, counts) in sessions.iter().zip(issued) {
+        for (id, n) in counts {
+            let m = most.entry(s.keys[id].clone()).or_default();
+            *m = (*m).max(*n);
+        }
+    }
+    for s in sessions.iter_mut() {
+        let targets = s
+            .keys
+            .iter()
+            .filter_map(|(id, k)| Some((*id, *most.get(k)?)))
+            .collect();
+        s.send(ShimMsg::Drain {
+            targets,
+            deadline_ms: ms,
+        });
+    }
+}
+
+/// Both rounds at every session; the replies to the second.
+fn quiesce_all(sessions: &mut [Session], ms: u64) -> Vec<LayerMsg> {
+    let issued = hold_all(sessions, ms);
+    send_drain(sessions, &issued, ms);
+    sessions.iter_mut().map(Session::recv).collect()
 }
 
 fn comm_fields(m: &LayerMsg) -> (u64, String, i32, i32, i32, Option<nccl_control::Split>) {
@@ -274,15 +374,12 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     step(&mut ranks, 1);
 
     // Checkpoint: quiesce, release, disconnect.
-    for s in sessions.iter_mut() {
-        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
-    }
-    for s in sessions.iter_mut() {
-        assert!(matches!(s.recv(), LayerMsg::Quiesced { comms } if comms.len() == 2));
+    for m in quiesce_all(&mut sessions, 5000) {
+        assert!(matches!(m, LayerMsg::Quiesced { comms } if comms.len() == 2));
     }
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released);
+        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
         s.send(ShimMsg::Disconnect);
         assert!(matches!(
             s.conn.recv::<LayerMsg>(Some(WAIT)),
@@ -338,24 +435,49 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
 
     // A checkpoint that keeps the task on this node: release, then resume the suspended
     // communicators in place.
+    // Rank 0 is a step ahead: its allreduce and broadcast of step 6 are enqueued, rank 1's
+    // not. The drain lets rank 1 catch up (and no further), so both stop after the same
+    // collectives and every stream completes.
+    ranks[0].say("enqueue 6");
+    ranks[0].expect("enqueued 6");
+    let issued = hold_all(&mut sessions, 5000);
+    assert_eq!(
+        issued[0].iter().map(|(_, n)| n - 1).collect::<Vec<_>>(),
+        issued[1].iter().map(|(_, n)| *n).collect::<Vec<_>>(),
+        "rank 0 is one collective ahead on each communicator: {issued:?}"
+    );
+    send_drain(&mut sessions, &issued, 5000);
+    ranks[1].say("enqueue 6");
+    ranks[1].expect("enqueued 6");
     for s in sessions.iter_mut() {
-        s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
         assert!(matches!(s.recv(), LayerMsg::Quiesced { .. }));
         s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released);
+        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
     }
+    // Nothing passes while released.
+    ranks[1].say("enqueue 7");
+    assert_eq!(ranks[1].line(Duration::from_millis(300)), None);
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Resume);
         assert_eq!(s.recv(), LayerMsg::Rebuilt);
         s.send(ShimMsg::Go);
     }
-    step(&mut ranks, 5);
+    ranks[1].expect("enqueued 7");
+    ranks[0].say("enqueue 7");
+    ranks[0].expect("enqueued 7");
+    for r in ranks.iter_mut() {
+        r.say("finish 7");
+    }
+    for r in &ranks {
+        r.expect("ok 7");
+    }
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
     // quiesce fails within its bound naming rank 0; the calls then go on.
     ranks[0].say("enqueue 4");
     ranks[0].expect("enqueued 4");
-    sessions[0].send(ShimMsg::Quiesce { deadline_ms: 300 });
+    let own = hold_all(&mut sessions[..1], 300);
+    send_drain(&mut sessions[..1], &own, 300);
     match sessions[0].recv() {
         LayerMsg::Failed {
             comm,
@@ -413,15 +535,14 @@ fn init_all_rebuilt_in_one_group() {
     all.say("step 1");
     all.expect("ok 1");
 
-    s.send(ShimMsg::Quiesce { deadline_ms: 5000 });
     assert_eq!(
-        s.recv(),
-        LayerMsg::Quiesced {
+        quiesce_all(std::slice::from_mut(&mut s), 5000),
+        [LayerMsg::Quiesced {
             comms: vec![ida, idb]
-        }
+        }]
     );
     s.send(ShimMsg::Release);
-    assert_eq!(s.recv(), LayerMsg::Released);
+    assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
     s.send(ShimMsg::Disconnect);
     all.say("step 2");
     assert_eq!(
@@ -447,6 +568,262 @@ fn init_all_rebuilt_in_one_group() {
     }
     let st = all.child.wait().expect("wait for the process");
     assert!(st.success(), "exited {st}");
+}
+
+/// A workspace binary (`target/debug/<name>`, next to the test executable's directory).
+fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    let mut d = exe.parent();
+    while let Some(p) = d {
+        let bin = p.join(name);
+        if bin.is_file() {
+            return bin;
+        }
+        d = p.parent();
+    }
+    panic!(
+        "{name} not found above {}: build the workspace first",
+        exe.display()
+    );
+}
+
+/// In a process under the layer that does not link NCCL: `dlopen` of NCCL gives the layer's
+/// handle, on which NCCL's wrapped names are the layer's and the others NCCL's own, and which a
+/// `dlclose` does not unload (rank mode `dlopen`).
+fn dlopen_of_nccl_hands_out_the_layer() {
+    let t = setup();
+    let out = common::stack::run_ok(
+        Command::new(std::env::current_exe().unwrap())
+            .envs(t.node.env())
+            .env("LD_PRELOAD", &t.layer)
+            .env(ENV_RANK, "dlopen"),
+    );
+    assert_eq!(out.trim(), "dlopen ok", "{out}");
+}
+
+/// Lines a workload prints, read on a thread.
+fn lines_of(child: &mut Child) -> Receiver<String> {
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// A workload's output so far: the last step each rank printed, and every line.
+#[derive(Default)]
+struct Progress {
+    last: [u64; NRANKS as usize],
+    all: Vec<String>,
+}
+
+impl Progress {
+    /// Takes the lines that came within `within`; how many were step lines.
+    fn take(&mut self, rx: &Receiver<String>, within: Duration) -> usize {
+        let mut steps = 0;
+        let until = std::time::Instant::now() + within;
+        loop {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let Ok(l) = rx.recv_timeout(left) else {
+                return steps;
+            };
+            assert!(!l.contains("MISMATCH"), "{l}\n{}", self.all.join("\n"));
+            let w: Vec<&str> = l.split_whitespace().collect();
+            if let ["rank", r, "step", k, "checksum", _] = w[..] {
+                let (r, k): (usize, u64) = (r.parse().unwrap(), k.parse().unwrap());
+                assert_eq!(k, self.last[r] + 1, "rank {r} skipped a step: {l}");
+                self.last[r] = k;
+                steps += 1;
+            }
+            self.all.push(l);
+        }
+    }
+
+    /// Waits until every rank has printed a step after `after`.
+    fn past(&mut self, rx: &Receiver<String>, after: [u64; NRANKS as usize]) {
+        let until = std::time::Instant::now() + WAIT;
+        while self.last.iter().zip(&after).any(|(l, a)| l <= a) {
+            assert!(
+                std::time::Instant::now() < until,
+                "no progress past {after:?}: {}",
+                self.all.join("\n")
+            );
+            self.take(rx, Duration::from_millis(50));
+        }
+    }
+}
+
+/// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
+/// holds the ranks: no step is printed until Go.
+fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
+    for m in quiesce_all(sessions, 10_000) {
+        match m {
+            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
+            other => panic!("expected Quiesced, got {other:?}"),
+        }
+    }
+    for s in sessions.iter_mut() {
+        s.send(ShimMsg::Release);
+        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
+        s.send(ShimMsg::Disconnect);
+        assert!(matches!(
+            s.conn.recv::<LayerMsg>(Some(WAIT)),
+            Err(nccl_control::ControlError::Closed)
+        ));
+    }
+    // A step whose collectives were all done before the hold may still print; then nothing.
+    p.take(rx, Duration::from_millis(300));
+    assert_eq!(
+        p.take(rx, Duration::from_millis(500)),
+        0,
+        "a rank went on while held: {}",
+        p.all.join("\n")
+    );
+}
+
+/// The ranks' layers connect again with the tokens of `before`; their sessions in the same
+/// order, each with its root communicator's key.
+fn reconnect(l: &UnixListener, before: &[Session], round: u32) -> Vec<(Session, String)> {
+    let mut again: Vec<(Session, String)> = before
+        .iter()
+        .map(|_| {
+            let (mut s, resumed) = hello(l, |pid| format!("round-{round}-{pid}"));
+            assert!(before.iter().any(|b| b.pid == s.pid), "pid {}", s.pid);
+            assert_eq!(resumed, Some(format!("round-{}-{}", round - 1, s.pid)));
+            let (_, key, ..) = comm_fields(&s.recv());
+            comm_fields(&s.recv());
+            (s, key)
+        })
+        .collect();
+    again.sort_by_key(|(s, _)| before.iter().position(|b| b.pid == s.pid));
+    again
+}
+
+/// A workload of 2 ranks (`--ranks 2`) under the layer: its ranks announce their communicators
+/// (a root and a split each); a checkpoint resumed in place, then one rebuilt on a fresh id;
+/// every step verified by the program, which exits 0.
+fn checkpoint_cycles(program: &Path) {
+    let t = setup();
+    let mut child = Command::new(program)
+        .args(["--ranks", "2", "--steps", "120", "--interval-ms", "10"])
+        .args(["--elements", "4099", "--seed", "7"])
+        .envs(t.node.env())
+        .env("LD_PRELOAD", &t.layer)
+        .env(nccl_control::ENV_SOCKET, &t.socket)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the workload");
+    let guard = Killer(child.id() as i32);
+    let rx = lines_of(&mut child);
+    let mut p = Progress::default();
+
+    // Each rank's layer connects and announces its root communicator and its split.
+    let mut sessions: Vec<(i32, Session)> = (0..NRANKS)
+        .map(|_| {
+            let (mut s, resumed) = hello(&t.listener, |pid| format!("round-0-{pid}"));
+            assert_eq!(resumed, None);
+            let (root, key, rank, nranks, dev, parent) = comm_fields(&s.recv());
+            assert_eq!((nranks, dev, parent), (NRANKS, rank, None), "{key}");
+            let (_, skey, _, snranks, sdev, sp) = comm_fields(&s.recv());
+            assert_eq!(skey, format!("{key}/{}", rank % 2));
+            assert_eq!((snranks, sdev), (1, dev));
+            assert_eq!(sp.map(|p| p.parent), Some(root));
+            (rank, s)
+        })
+        .collect();
+    sessions.sort_by_key(|(r, _)| *r);
+    let mut sessions: Vec<Session> = sessions.into_iter().map(|(_, s)| s).collect();
+    p.past(&rx, [2; NRANKS as usize]);
+
+    // A checkpoint that keeps the job here: resumed in place.
+    checkpoint(&mut sessions, &mut p, &rx);
+    let before = p.last;
+    let mut again = reconnect(&t.listener, &sessions, 1);
+    for (s, _) in again.iter_mut() {
+        s.send(ShimMsg::Resume);
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    }
+    assert_eq!(
+        p.take(&rx, Duration::from_millis(200)),
+        0,
+        "a step before Go"
+    );
+    for (s, _) in again.iter_mut() {
+        s.send(ShimMsg::Go);
+    }
+    p.past(&rx, before);
+
+    // A checkpoint restored elsewhere: a fresh unique id from rank 0, every rank rebuilt on it.
+    let mut sessions: Vec<Session> = again.into_iter().map(|(s, _)| s).collect();
+    checkpoint(&mut sessions, &mut p, &rx);
+    let before = p.last;
+    let mut again = reconnect(&t.listener, &sessions, 2);
+    let key = again[0].1.clone();
+    again[0].0.send(ShimMsg::NewUniqueId { key: key.clone() });
+    let fresh = match again[0].0.recv() {
+        LayerMsg::UniqueId { key: k, id } => {
+            assert_eq!(k, key);
+            id
+        }
+        other => panic!("expected UniqueId, got {other:?}"),
+    };
+    for (s, _) in again.iter_mut() {
+        s.send(ShimMsg::Rebuild {
+            ids: vec![(key.clone(), fresh.clone())],
+        });
+    }
+    for (s, _) in again.iter_mut() {
+        assert_eq!(s.recv(), LayerMsg::Rebuilt);
+    }
+    for (s, _) in again.iter_mut() {
+        s.send(ShimMsg::Go);
+    }
+    p.past(&rx, before);
+
+    let st = child.wait().expect("wait for the workload");
+    p.take(&rx, Duration::from_millis(500));
+    drop(guard);
+    assert!(
+        st.success(),
+        "{program:?} exited {st}: {}",
+        p.all.join("\n")
+    );
+    assert_eq!(p.last, [120; NRANKS as usize], "{}", p.all.join("\n"));
+}
+
+/// Kills a workload's process group left behind by a failed test.
+struct Killer(i32);
+
+impl Drop for Killer {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // SAFETY: kill(2) of the workload this test started.
+            unsafe { libc::kill(self.0, libc::SIGTERM) };
+        }
+    }
+}
+
+/// cudarc's NCCL (`dlopen` + `dlsym` on its handle): only the layer's `dlopen` brings it under
+/// the layer; without it no layer ever connects.
+fn nccl_train_through_dlopen_checkpoint_cycles() {
+    checkpoint_cycles(&workspace_binary("nccl-train"));
+}
+
+/// The C workload linked to `libnccl.so.2` (found through `RTLD_NEXT`).
+fn linked_c_program_checkpoint_cycles() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../test-containers/gpu-workloads/c/build.sh");
+    common::stack::run_ok(Command::new(&script).arg(dir.path()));
+    checkpoint_cycles(&dir.path().join("nccl_allreduce"));
 }
 
 /// One rank: the application side, NCCL's C API through the global scope.
@@ -480,9 +857,13 @@ mod rank {
     }
 
     pub fn main() {
+        let which = std::env::var(ENV_RANK).unwrap();
+        if which == "dlopen" {
+            unsafe { probe_dlopen() };
+            return;
+        }
         open(c"libcuda.so.1");
         open(c"libnccl.so.2");
-        let which = std::env::var(ENV_RANK).unwrap();
         unsafe {
             let cu_init: unsafe extern "C" fn(u32) -> Res = sym(c"cuInit");
             ok("cuInit", cu_init(0));
@@ -497,6 +878,87 @@ mod rank {
                 rank => run(rank.parse().expect("rank")),
             }
         }
+    }
+
+    /// The file name of the library that holds `p`.
+    unsafe fn file_of(p: *mut c_void) -> String {
+        assert!(!p.is_null());
+        let mut info: libc::Dl_info = std::mem::zeroed();
+        assert_ne!(libc::dladdr(p, &mut info), 0, "dladdr");
+        let path = CStr::from_ptr(info.dli_fname)
+            .to_string_lossy()
+            .into_owned();
+        path.rsplit('/').next().unwrap_or_default().to_string()
+    }
+
+    unsafe fn dlerror() -> String {
+        let e = libc::dlerror();
+        if e.is_null() {
+            return String::new();
+        }
+        CStr::from_ptr(e).to_string_lossy().into_owned()
+    }
+
+    /// What `dlopen` of NCCL gives a process under the layer (as cudarc and ctypes open it).
+    unsafe fn probe_dlopen() {
+        let local = libc::RTLD_LAZY | libc::RTLD_LOCAL;
+        let h = libc::dlopen(c"libnccl.so".as_ptr(), local);
+        assert!(!h.is_null(), "dlopen libnccl.so: {}", dlerror());
+        // The wrapped names are the layer's; the others NCCL's own.
+        let layer = file_of(libc::dlsym(h, c"ncclAllReduce".as_ptr()));
+        assert_eq!(layer, "libgpu-ckpt-nccl.so");
+        assert_eq!(file_of(libc::dlsym(h, c"ncclCommSplit".as_ptr())), layer);
+        let own = file_of(libc::dlsym(h, c"ncclMemAlloc".as_ptr()));
+        assert!(own.starts_with("libnccl.so"), "ncclMemAlloc from {own}");
+        // Every name of NCCL, and a request that only looks, give the same handle.
+        let h2 = libc::dlopen(c"libnccl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        assert_eq!(h2, h);
+        let h3 = libc::dlopen(
+            c"libnccl.so.2".as_ptr(),
+            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+        );
+        assert_eq!(h3, h);
+        // A name NCCL does not have stays unknown, with the loader's error.
+        dlerror();
+        assert!(libc::dlsym(h, c"ncclNoSuchFunction".as_ptr()).is_null());
+        assert!(
+            dlerror().contains("ncclNoSuchFunction"),
+            "dlerror names the symbol"
+        );
+        // A library that is not NCCL is opened as it would be.
+        let cu = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL);
+        assert!(!cu.is_null(), "dlopen libcuda.so.1: {}", dlerror());
+        assert_eq!(file_of(libc::dlsym(cu, c"cuInit".as_ptr())), "libcuda.so.1");
+        // Closing every handle given unloads nothing needed: a new handle's functions work,
+        // the unwrapped ones included.
+        for c in [h, h2, h3] {
+            assert_eq!(libc::dlclose(c), 0, "dlclose: {}", dlerror());
+        }
+        let h = libc::dlopen(c"libnccl.so".as_ptr(), local);
+        assert!(!h.is_null(), "dlopen libnccl.so again: {}", dlerror());
+        let get = |name: &CStr| {
+            let p = libc::dlsym(h, name.as_ptr());
+            assert!(!p.is_null(), "no {name:?} on the handle");
+            p
+        };
+        let version: unsafe extern "C" fn(*mut c_int) -> Res =
+            std::mem::transmute(get(c"ncclGetVersion"));
+        let mut v = 0;
+        ok("ncclGetVersion", version(&mut v));
+        assert!(v > 0, "version {v}");
+        let cu_init: unsafe extern "C" fn(u32) -> Res = sym(c"cuInit");
+        ok("cuInit", cu_init(0));
+        let cu = Cuda::load();
+        cu.on(0);
+        let alloc: unsafe extern "C" fn(*mut *mut c_void, usize) -> Res =
+            std::mem::transmute(get(c"ncclMemAlloc"));
+        let free: unsafe extern "C" fn(*mut c_void) -> Res =
+            std::mem::transmute(get(c"ncclMemFree"));
+        let mut p = std::ptr::null_mut();
+        ok("ncclMemAlloc", alloc(&mut p, 1 << 16));
+        assert!(!p.is_null());
+        ok("ncclMemFree", free(p));
+        println!("dlopen ok");
     }
 
     const FLOAT32: c_int = 7;

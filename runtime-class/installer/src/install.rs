@@ -30,6 +30,11 @@ pub const CRIU_DIR: &str = "criu";
 /// The bundled loader in [`CRIU_DIR`]: the installed `criu`'s interpreter.
 pub const CRIU_LOADER: &str = "lib/ld-linux-x86-64.so.2";
 
+/// gpu-ckpt's NCCL layer in the payload (its soname), installed to `<lib-dir>/`: with the
+/// default `--lib-dir`, the shim's default `NcclLayer`
+/// (`/usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so`), else named in the side files.
+pub const NCCL_LAYER: &str = gpu_ckpt_shim::nccl::inject::LAYER_FILE_NAME;
+
 /// containerd's restart on a node: systemd in the host's namespaces, from a privileged pod
 /// with the host's PID namespace.
 pub const DEFAULT_RESTART: &str =
@@ -145,6 +150,11 @@ impl Options {
             .collect()
     }
 
+    /// The node path of the installed NCCL layer.
+    fn nccl_layer(&self) -> PathBuf {
+        self.lib_dir.join(NCCL_LAYER)
+    }
+
     fn record_file(&self) -> Result<PathBuf> {
         self.fs.resolve(Path::new(RECORD_PATH))
     }
@@ -181,6 +191,20 @@ impl Options {
                 dir_mode: 0o755,
             });
         }
+        let layer = self.payload.join(NCCL_LAYER);
+        if !layer.is_file() {
+            return Err(missing(NCCL_LAYER));
+        }
+        items.push(Item {
+            path: self.nccl_layer(),
+            content: Content::File {
+                sha256: file_sha(&layer)?,
+                source: layer,
+            },
+            mode: 0o644,
+            config: false,
+            dir_mode: 0o755,
+        });
         self.criu_items(&mut items)?;
         items.extend(self.registration()?);
         Ok(items)
@@ -205,9 +229,11 @@ impl Options {
             });
         }
         let for_containerd = |p: &Path| self.fs.for_containerd(p);
+        let layer = self.nccl_layer();
         let target = site::Target {
             bin_dir: &self.bin_dir,
             for_containerd: &for_containerd,
+            nccl_layer: Some(&layer),
         };
         for f in site::plan(&self.site, &target)? {
             items.push(Item {

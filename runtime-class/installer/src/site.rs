@@ -244,6 +244,9 @@ pub struct Target<'a> {
     pub bin_dir: &'a Path,
     /// A node path as containerd (and so the shim) sees it (`--host-root` joined).
     pub for_containerd: &'a dyn Fn(&Path) -> PathBuf,
+    /// The node path the NCCL layer is installed at: named in the side files (`NcclLayer`) where
+    /// the shim sees it elsewhere than at its default, `--handler-options` going over it.
+    pub nccl_layer: Option<&'a Path>,
 }
 
 impl SiteArgs {
@@ -319,6 +322,8 @@ pub fn plan(args: &SiteArgs, t: &Target) -> Result<Vec<SiteFile>> {
     p.cluster_key(args)?;
     p.trusted_and_revoked(args)?;
     p.registry(args)?;
+    p.nccl_layer();
+    // After the installer's own keys: a handler option of the same name goes over them.
     p.common.extend(extra);
     p.side_files()
 }
@@ -438,6 +443,17 @@ impl Planner<'_> {
             self.common.push(("RevokedKeysFile".into(), v));
         }
         Ok(())
+    }
+
+    /// `NcclLayer`, where the installed layer is not where the shim looks by default.
+    fn nccl_layer(&mut self) {
+        let Some(layer) = self.t.nccl_layer else {
+            return;
+        };
+        if (self.t.for_containerd)(layer) != Path::new(gpu_ckpt_shim::options::DEFAULT_NCCL_LAYER) {
+            let v = self.shown(layer);
+            self.common.push(("NcclLayer".into(), v));
+        }
     }
 
     /// The restore handler's sources, registry login and CAs.
@@ -576,6 +592,7 @@ mod tests {
             &Target {
                 bin_dir: &bin,
                 for_containerd: &f,
+                nccl_layer: None,
             },
         )
     }
@@ -599,6 +616,7 @@ mod tests {
             &Target {
                 bin_dir: &bin,
                 for_containerd: &f,
+                nccl_layer: None,
             },
         )
         .unwrap();
@@ -665,6 +683,7 @@ mod tests {
             &Target {
                 bin_dir: &bin,
                 for_containerd: &f,
+                nccl_layer: None,
             },
         )
         .unwrap();
@@ -830,6 +849,7 @@ mod tests {
         let t = Target {
             bin_dir: &bin,
             for_containerd: &f,
+            nccl_layer: None,
         };
         let base = SiteArgs::default();
         for (args, needle) in [

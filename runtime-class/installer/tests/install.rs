@@ -83,6 +83,7 @@ fn scratch() -> Scratch {
         fs::write(payload.join(b), format!("#!/bin/sh\n# {b}\n")).unwrap();
         fs::set_permissions(payload.join(b), fs::Permissions::from_mode(0o755)).unwrap();
     }
+    fs::write(payload.join("libgpu-ckpt-nccl.so"), "layer").unwrap();
     fs::write(payload.join("criu/criu"), criu_stand_in()).unwrap();
     fs::write(payload.join("criu/lib/ld-linux-x86-64.so.2"), "loader").unwrap();
     fs::write(payload.join("criu/lib/libnet.so.1"), "lib").unwrap();
@@ -234,6 +235,73 @@ fn a_payload_without_criu_is_named() {
             "{err}"
         );
     }
+}
+
+#[test]
+fn the_nccl_layer_goes_where_the_shim_looks_for_it() {
+    let mut s = scratch();
+    let before = listing(&s.root);
+    install(&s.opts).unwrap();
+    let layer = s.root.join("usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so");
+    assert_eq!(fs::read_to_string(&layer).unwrap(), "layer");
+    assert_eq!(fs::metadata(&layer).unwrap().mode() & 0o7777, 0o644);
+    // At the shim's default NcclLayer: the side files do not name it.
+    let side = |s: &Scratch| {
+        fs::read_to_string(
+            s.root
+                .join("usr/local/bin/containerd-shim-gpu-ckpt-v1.toml"),
+        )
+        .unwrap()
+    };
+    assert!(!side(&s).contains("NcclLayer"), "{}", side(&s));
+    // Elsewhere: both handlers are told where.
+    s.opts.lib_dir = "/opt/gpu-ckpt/lib".into();
+    install(&s.opts).unwrap();
+    assert!(!layer.exists());
+    assert!(s
+        .root
+        .join("opt/gpu-ckpt/lib/libgpu-ckpt-nccl.so")
+        .is_file());
+    for f in [
+        "usr/local/bin/containerd-shim-gpu-ckpt-v1.toml",
+        "usr/local/bin/containerd-shim-gpu-ckpt-restore-v1.toml",
+    ] {
+        let text = fs::read_to_string(s.root.join(f)).unwrap();
+        assert!(
+            text.contains("NcclLayer = \"/opt/gpu-ckpt/lib/libgpu-ckpt-nccl.so\""),
+            "{f}: {text}"
+        );
+    }
+    // A handler option names another: it wins.
+    s.opts.site.handler_options = Some(r#"{"NcclLayer":"/srv/layer.so"}"#.into());
+    install(&s.opts).unwrap();
+    assert!(
+        side(&s).contains("NcclLayer = \"/srv/layer.so\""),
+        "{}",
+        side(&s)
+    );
+    assert!(
+        !side(&s).contains("/opt/gpu-ckpt/lib/libgpu-ckpt-nccl.so"),
+        "{}",
+        side(&s)
+    );
+    // A copy whose bytes differ from the payload's is repaired by the next install.
+    fs::write(s.root.join("opt/gpu-ckpt/lib/libgpu-ckpt-nccl.so"), "other").unwrap();
+    install(&s.opts).unwrap();
+    assert_eq!(
+        fs::read_to_string(s.root.join("opt/gpu-ckpt/lib/libgpu-ckpt-nccl.so")).unwrap(),
+        "layer"
+    );
+    uninstall(&s.opts).unwrap();
+    assert_eq!(listing(&s.root), before);
+    // A payload without the layer is named.
+    let s = scratch();
+    fs::remove_file(s.opts.payload.join("libgpu-ckpt-nccl.so")).unwrap();
+    let err = install(&s.opts).unwrap_err().to_string();
+    assert!(
+        err.ends_with("has no libgpu-ckpt-nccl.so: the image must carry it"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -101,6 +101,9 @@ impl Container {
                 warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
             }
             self.memory.put_back().await;
+            if let Err(ne) = self.comms().resume("pause").await {
+                warn!(id = %self.id, error = %ne, "undo of a failed pause: NCCL resume");
+            }
             return Err(e);
         }
         self.paused_devices = self.devices.is_quiesced().then_some(quiesced);
@@ -108,11 +111,32 @@ impl Container {
         Ok(())
     }
 
+    /// The container's NCCL communicators quiesced and released, every process disconnected
+    /// from the shim (`nccl`), then the device quiesce ([`Container::quiesce_gpus`]). Undo
+    /// when the device quiesce fails: the communicators back (resumed or rebuilt) and Go.
+    async fn quiesce_devices(&mut self) -> Result<()> {
+        let comms = self.comms();
+        comms.quiesce().await?;
+        let quiesced = self.quiesce_gpus().await;
+        if let Err(e) = quiesced {
+            return Err(match comms.resume("checkpoint").await {
+                Ok(()) => e,
+                Err(ne) => with_undo(e, ne),
+            });
+        }
+        Ok(())
+    }
+
+    /// This container's NCCL layer (one that does nothing for a container without it).
+    pub(crate) fn comms(&self) -> std::sync::Arc<dyn crate::nccl::CommLayer> {
+        crate::nccl::of(&self.id)
+    }
+
     /// Device quiesce of the container's processes, on a node with a driver (no `runc ps`
     /// elsewhere), after the host memory the driver will stage is held to the container's
     /// memory cgroup (refused, or its limit raised: `memory_room.rs`). Undo of a raise on
     /// failure: the limit back.
-    async fn quiesce_devices(&mut self) -> Result<()> {
+    async fn quiesce_gpus(&mut self) -> Result<()> {
         if !self.devices.active().await? {
             return Ok(());
         }
@@ -133,8 +157,14 @@ impl Container {
     }
 
     /// Resume: thaw, then the device state back onto the GPUs and unlocked (whether or not a
-    /// checkpoint came in between).
+    /// checkpoint came in between), then the NCCL communicators back and Go.
     pub async fn resume(&mut self) -> Result<()> {
+        self.resume_gpus().await?;
+        self.comms().resume("resume").await
+    }
+
+    /// Thaw, then the device state back onto the GPUs and unlocked.
+    async fn resume_gpus(&mut self) -> Result<()> {
         if let Err(e) = self.runc.resume(&self.id).await {
             // A dump whose CRIU was killed leaves the cgroup thawed: runc finds the container
             // running ("container not paused"), which is what Resume is for.
@@ -199,6 +229,7 @@ impl Container {
         });
         if result.is_ok() && !plan.criu.leave_running {
             self.devices.forget();
+            self.comms().forget();
             self.memory.put_back().await;
         } else if here {
             let resumed = self
@@ -207,6 +238,10 @@ impl Container {
                 .instrument(info_span!("device_resume", id = %self.id))
                 .await;
             self.memory.put_back().await;
+            let resumed = match resumed {
+                Ok(()) => self.comms().resume("checkpoint").await,
+                Err(e) => Err(e),
+            };
             if let Err(de) = resumed {
                 return Err(match result {
                     Ok(_) => de,
@@ -243,7 +278,8 @@ impl Container {
             }
         };
         // Step 2: CRIU dump. Undo: remove what it wrote; CRIU resumes the tasks.
-        let mut timings = self.devices.timings();
+        let mut timings = self.comms().timings();
+        timings.extend(self.devices.timings());
         if let Some(quiesced) = self.paused_devices.filter(|_| paused) {
             timings.push(("device-quiesce", quiesced));
         }
@@ -630,6 +666,8 @@ impl Container {
         m.criu = plan.criu.clone();
         // The security context it ran under, for the restore's check against its new spec.
         m.security = Some(spec_check::security_record(&self.bundle));
+        // The NCCL processes released for this checkpoint, for the rebuild after a restore.
+        m.nccl = self.comms().record();
         let pages = plan.page_digests;
         // The node key (made on first use), and a copy of the container's rootfs changes.
         let key = if self.options.sign_checkpoints() {
@@ -666,6 +704,22 @@ impl Container {
         m.write_durable(&plan.image_path, plan.durability)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         Ok(m)
+    }
+}
+
+/// A step's error `e` whose undo failed with `undo`.
+fn with_undo(e: Error, undo: Error) -> Error {
+    match e {
+        Error::Step {
+            operation,
+            step,
+            message,
+        } => Error::Step {
+            operation,
+            step,
+            message: format!("{message}; and its undo failed: {undo}"),
+        },
+        e => Error::FailedPrecondition(format!("{e}; and its undo failed: {undo}")),
     }
 }
 

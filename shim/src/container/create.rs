@@ -20,10 +20,12 @@ use crate::{
     device::ContainerDevices,
     error::{Error, Result},
     events::EventSender,
+    nccl::inject,
     options::RuntimeOptions,
     process::Process,
     runc::{CreateOpts, Runc},
     stdio::Absent,
+    unsupported::Given,
 };
 
 impl Container {
@@ -38,6 +40,13 @@ impl Container {
         // Steps 1 to 3: the rootfs; the CRIU configuration; the restore handler's own restore.
         // Undo: what the restore unpacked, the mount.
         if let Err(e) = container.prepare(req, namespace).await {
+            container.discard_pending();
+            container.unmount_rootfs();
+            return Err(e);
+        }
+        // Step 3b: gpu-ckpt's NCCL layer and its control socket's directory, for a container
+        // that opts in, cold started or restored. Undo: the directory.
+        if let Err(e) = container.inject_nccl(namespace) {
             container.discard_pending();
             container.unmount_rootfs();
             return Err(e);
@@ -57,6 +66,7 @@ impl Container {
             if let Err(de) = container.runc.delete(&container.id, true).await {
                 warn!(id = %container.id, error = %de, "undo of a failed create: runc delete");
             }
+            container.remove_nccl();
             container.unmount_rootfs();
             return Err(e);
         }
@@ -96,7 +106,7 @@ impl Container {
         let annotations = Annotations::from_spec(bundle.annotations())?;
         let stdio = Stdio::new(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let devices = ContainerDevices::new(&options, annotations.get(annotations::LOCK_TIMEOUT))
-            .given(crate::unsupported::Given::from_spec(bundle.json()))
+            .given(Given::from_spec(bundle.json()))
             .stored_under(crate::device_storage::dir_for(&options, namespace, &req.id).ok());
         let memory = crate::memory_room::HostMemory::new(&req.id, &options);
         Ok(Container {
@@ -118,7 +128,45 @@ impl Container {
             memory,
             paused_devices: None,
             resumed_after_dump: false,
+            nccl: None,
         })
+    }
+
+    /// Step 3b: where the container opts in (`nccl::inject::opt_in`; at a restore, where the
+    /// checkpoint was taken with the layer: `opt_in_at_restore`), the NCCL layer's and the
+    /// socket directory's mounts and environment written into `config.json`, the directory
+    /// made, and the device steps told that its NCCL processes are managed. Undo: the
+    /// directory ([`Container::remove_nccl`]).
+    fn inject_nccl(&mut self, namespace: &str) -> Result<()> {
+        let _span = info_span!("nccl_inject", id = %self.id).entered();
+        let opt_in = match &self.pending {
+            Some(p) => inject::opt_in_at_restore(&self.options, &self.annotations, &p.dir),
+            None => inject::opt_in(&self.options, &self.annotations),
+        };
+        if !opt_in {
+            return Ok(());
+        }
+        let mut json = self.bundle.json().clone();
+        let setup = inject::inject_managed(&mut json, &self.options, namespace, &self.id)?;
+        if let Err(e) = self.bundle.rewrite(json) {
+            inject::remove_setup(&setup);
+            return Err(e);
+        }
+        let given = Given::from_spec(self.bundle.json()).nccl_managed(true);
+        let devices = std::mem::replace(
+            &mut self.devices,
+            ContainerDevices::new(&self.options, None),
+        );
+        self.devices = devices.given(given);
+        self.nccl = Some(setup);
+        Ok(())
+    }
+
+    /// Undo of step 3b: the socket directory.
+    pub(super) fn remove_nccl(&mut self) {
+        if let Some(setup) = self.nccl.take() {
+            inject::remove_setup(&setup);
+        }
     }
 
     /// Steps 1 to 3 of Create, before anything runs; the caller undoes them on failure.

@@ -30,6 +30,12 @@ impl Container {
                 )))
             }
         }
+        // The NCCL layer's control socket, open before any process of the container runs
+        // (and, for a restore, before the restored processes connect again).
+        if let Some(setup) = &self.nccl {
+            let name = self.bundle.cri(&self.id).name;
+            crate::nccl::open(&self.id, &name, setup, &self.options, self.init.pid)?;
+        }
         if let Some(pending) = self.pending.clone() {
             let span = info_span!("restore", id = %self.id);
             let restored = self.restore(&pending).instrument(span).await;
@@ -174,6 +180,9 @@ impl Container {
         self.unmount_rootfs();
         // A container created for a restore and never started.
         self.discard_pending();
+        // The NCCL control server, then its socket directory.
+        crate::nccl::close(&self.id);
+        self.remove_nccl();
         let _ = std::fs::remove_file(self.bundle.join(INIT_PID_FILE));
         Ok(())
     }

@@ -83,6 +83,9 @@ pub struct Container {
     /// A checkpoint resumed the container right after its dump (`ResumeAfterDump`): the
     /// Resume containerd sends after its copy has nothing left to do.
     pub resumed_after_dump: bool,
+    /// gpu-ckpt's NCCL layer and its control socket's directory, for a container that opts in
+    /// (`nccl::inject`): set at Create, the cold start's and the restore's.
+    pub nccl: Option<crate::nccl::inject::NcclSetup>,
 }
 
 impl Container {
@@ -173,6 +176,8 @@ pub async fn cleanup_bundle(bundle: &Path, id: &str, namespace: &str) -> Result<
     if let Ok(dir) = crate::device_storage::dir_for(&options, namespace, id) {
         crate::device_storage::remove(&dir);
     }
+    // The NCCL control socket's directory.
+    crate::nccl::inject::remove(namespace, id);
     // The restore handler's staging directory, had the shim gone before it removed it.
     if options.restore_mode() {
         if let Ok(staging) = crate::restore::staging_dir(&options, namespace, id) {

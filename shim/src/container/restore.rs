@@ -25,7 +25,10 @@
 //!   `device_nodes`);
 //! - 4\. `runc restore` ([`Container::run_restore`]). Undo: `runc delete` of the restored
 //!   tree ([`Container::undo_restored`]), which every later failure runs too;
-//! - 5\. the device state back onto the GPUs ([`Container::restore_devices`]).
+//! - 5\. the device state back onto the GPUs ([`Container::restore_devices`]);
+//! - 6\. the processes with NCCL communicators the manifest records connected again to the
+//!   control socket, their communicators rebuilt on fresh unique ids, Go (`nccl`). Undo of 4
+//!   on failure.
 //!
 //! # Which check runs where, and why some run twice
 //!
@@ -288,8 +291,12 @@ impl Container {
         deferred: DeferredDigests,
     ) -> Result<()> {
         let dir = &pending.dir;
-        // Step 2: sub-mounts held, the gate, CRIU's configuration.
+        // Step 2: sub-mounts held, the gate, CRIU's configuration; the processes with NCCL
+        // communicators expected at the control socket (open since Start began).
         let (gate, mounts) = self.prepare_criu(dir, &checked)?;
+        if let Some(record) = &checked.manifest.nccl {
+            self.comms().expect(record);
+        }
         // Steps 3 to 4, every wait bounded (`watchdog.rs`).
         let (ran, watchdog) = self
             .run_gated(dir, &checked, deferred, gate, mounts)
@@ -322,12 +329,26 @@ impl Container {
             self.undo_restored("a failed device restore").await;
             return Err(e);
         }
+        let device_restore = t.elapsed();
+        // Step 6: every process the manifest records with NCCL communicators connected again,
+        // its communicators rebuilt on fresh unique ids, Go (bounded by NcclTimeout). Undo:
+        // kill what was restored.
+        if let Err(e) = self
+            .comms()
+            .restored(self.init.pid)
+            .instrument(info_span!("nccl_restore", id = %self.id))
+            .await
+        {
+            self.undo_restored("a failed NCCL rebuild").await;
+            return Err(e);
+        }
         info!(
             id = %self.id,
             verify_ms = checked.verified_in.as_millis() as u64,
             page_verify_ms = pages.as_millis() as u64,
             runc_restore_ms = runc_restore.as_millis() as u64,
-            device_restore_ms = t.elapsed().as_millis() as u64,
+            device_restore_ms = device_restore.as_millis() as u64,
+            nccl_rebuild_ms = t.elapsed().saturating_sub(device_restore).as_millis() as u64,
             "restored"
         );
         Ok(())
@@ -357,6 +378,8 @@ impl Container {
             .instrument(info_span!("device_compat", id = %self.id))
             .await?;
         crate::driver_files::check_restore(&self.bundle, &manifest.devices).await?;
+        // The NCCL layer the checkpoint's processes mapped, held to this container's.
+        crate::nccl::check_layer(manifest.nccl.as_ref(), self.nccl.as_ref())?;
         let mount_policy = self.refuse_new_mounts(dir).await?;
         let tcp_close = self.tcp_close(&manifest);
         self.check_network(&manifest, tcp_close).await?;
@@ -705,6 +728,7 @@ impl Container {
             Ok(pid) => {
                 self.init.io = io;
                 self.init.pid = pid;
+                crate::nccl::started(&self.id, pid);
                 if self.options.criu_work_path.is_empty() {
                     let _ = std::fs::remove_dir_all(&work);
                 }

@@ -167,7 +167,7 @@ fn mig_nccl_and_mps_are_refused_and_the_workload_runs_on() -> Result<()> {
         &[
             step,
             &format!("pid {pid} (gpu-train"),
-            "maps NCCL (/opt/nccl/libnccl.so.2)",
+            "maps NCCL (/opt/nccl/libnccl.so.2) without gpu-ckpt's NCCL layer: set the annotation gpu-ckpt.io/nccl: managed (or the handler option Nccl = \"managed\") and start the container again",
         ],
     );
     remove(&node, "nccl");

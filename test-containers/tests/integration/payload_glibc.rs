@@ -6,6 +6,10 @@
 //!   payload, `gpu-ckpt-node-installer` beside it) run with the node's glibc: they need only
 //!   glibc's libraries, no symbol version above GLIBC_2.28 and no GLIBC_PRIVATE, and glibc's
 //!   standard loader;
+//! - gpu-ckpt's NCCL layer (`libgpu-ckpt-nccl.so`), which the shim preloads into the processes
+//!   of containers that opt in, runs with the container's glibc: a library (no interpreter) that
+//!   needs only glibc's libraries and libgcc_s.so.1, no symbol version above GLIBC_2.28 and no
+//!   GLIBC_PRIVATE;
 //! - CRIU (`criu/criu`) and every library in `criu/lib/` run with the bundled glibc: each library
 //!   they need is bundled, and each symbol version they need is defined by the bundled library
 //!   that they need it from; CRIU finds them through its RPATH `$ORIGIN/lib`, and its interpreter
@@ -44,6 +48,10 @@ const CRIU_INTERP_PLACEHOLDER: &str = "/gpu-ckpt-node-installer-sets-this-path-a
 /// The Rust programs in the payload, and the installer beside it.
 const PROGRAMS: &[&str] = &["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"];
 const INSTALLER: &str = "installer/gpu-ckpt-node-installer";
+/// The NCCL layer in the payload.
+const LAYER: &str = "payload/libgpu-ckpt-nccl.so";
+/// GCC's runtime library, which the layer (a Rust cdylib: its unwinder) needs besides glibc's.
+const LIBGCC: &str = "libgcc_s.so.1";
 
 /// What the dynamic loader needs to know of one ELF file.
 #[derive(Debug, Default)]
@@ -157,6 +165,35 @@ fn host_resolved_problems(name: &str, d: &Dynamic) -> Vec<String> {
     out
 }
 
+/// What is wrong with the NCCL layer, a library loaded into a container's processes with the
+/// container's glibc.
+fn layer_problems(name: &str, d: &Dynamic) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(i) = &d.interpreter {
+        out.push(format!("{name}: has interpreter {i:?}: not a library"));
+    }
+    for lib in &d.needed {
+        if !GLIBC.contains(&lib.as_str()) && lib != LIBGCC {
+            out.push(format!(
+                "{name}: needs {lib}, which is neither glibc's nor {LIBGCC}"
+            ));
+        }
+    }
+    for (lib, version) in &d.version_needs {
+        if lib == LIBGCC && version.starts_with("GCC_") {
+            continue;
+        }
+        match glibc_version(version) {
+            Some(v) if v <= FLOOR => {}
+            _ => out.push(format!(
+                "{name}: needs {version} of {lib}, not a glibc version up to the floor GLIBC_{}.{}",
+                FLOOR.0, FLOOR.1
+            )),
+        }
+    }
+    out
+}
+
 /// What is wrong with CRIU or one of its bundled libraries, `bundled` being every file of
 /// criu/lib by name.
 fn bundled_problems(name: &str, d: &Dynamic, bundled: &BTreeMap<String, Dynamic>) -> Vec<String> {
@@ -206,6 +243,10 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
         }
     }
     host_resolved.insert(INSTALLER.into());
+    ensure!(
+        host_resolved.remove(LAYER),
+        "the payload holds no NCCL layer ({LAYER}): {host_resolved:?}"
+    );
     let expected: BTreeSet<String> = PROGRAMS
         .iter()
         .map(|p| format!("payload/{p}"))
@@ -215,6 +256,10 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
         host_resolved == expected,
         "the payload's programs are {host_resolved:?}, expected {expected:?}"
     );
+    let layer = dir.join(LAYER);
+    let d = dynamic(&layer)?.with_context(|| format!("{} is not an ELF file", layer.display()))?;
+    println!("{LAYER}: needs {:?}", d.needed);
+    problems.extend(layer_problems(LAYER, &d));
     for name in &expected {
         let p = dir.join(name);
         let d = dynamic(&p)?.with_context(|| format!("{} is not an ELF file", p.display()))?;
@@ -282,6 +327,32 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
         problems.join("\n")
     );
     Ok(())
+}
+
+#[test]
+fn the_layer_may_need_libgcc_but_nothing_newer_than_the_floor() {
+    let layer = |needed: &[&str], needs: &[(&str, &str)]| Dynamic {
+        needed: needed.iter().map(|s| s.to_string()).collect(),
+        version_needs: needs
+            .iter()
+            .map(|(l, v)| (l.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let ok = layer(
+        &["libgcc_s.so.1", "libc.so.6"],
+        &[("libgcc_s.so.1", "GCC_3.0"), ("libc.so.6", "GLIBC_2.28")],
+    );
+    assert!(layer_problems("l", &ok).is_empty());
+    let newer = layer(&["libc.so.6"], &[("libc.so.6", "GLIBC_2.34")]);
+    assert_eq!(layer_problems("l", &newer).len(), 1);
+    let other = layer(&["libstdc++.so.6"], &[]);
+    assert_eq!(layer_problems("l", &other).len(), 1);
+    let program = Dynamic {
+        interpreter: Some(SYSTEM_LOADER.into()),
+        ..Default::default()
+    };
+    assert_eq!(layer_problems("l", &program).len(), 1);
 }
 
 #[test]

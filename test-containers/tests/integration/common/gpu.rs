@@ -61,7 +61,9 @@ pub fn cdi_node(name: &str, sim: &SimNode) -> Result<Node> {
 /// A GPU node on `sim`: CDI from its spec, and the shim loading its libcuda.so.1 and
 /// libnvidia-ml.so.1 (`DriverLibraryDir`) under every way a container reaches it: the gpu-ckpt
 /// handler (CRI), the restore handler, and ctr (the handler options file named by
-/// `GPU_CKPT_HANDLER_CONFIG`). `options` go to all three.
+/// `GPU_CKPT_HANDLER_CONFIG`), with the workspace's NCCL layer (`NcclLayer`: the build's
+/// `libgpu_ckpt_nccl.so`) for containers that opt in. `options` go to all three (a key of
+/// theirs in place of the default's).
 pub fn gpu_node(name: &str, sim: &SimNode, options: &[(&str, &str)]) -> Result<Node> {
     gpu_node_with(Node::builder(name)?, name, sim, options)
 }
@@ -74,7 +76,13 @@ pub fn gpu_node_with(
     options: &[(&str, &str)],
 ) -> Result<Node> {
     let lib_dir = sim.lib_dir().display().to_string();
-    let mut all: Vec<(&str, &str)> = vec![("DriverLibraryDir", lib_dir.as_str())];
+    let layer = nccl_layer()?.display().to_string();
+    let mut all: Vec<(&str, &str)> = vec![
+        ("DriverLibraryDir", lib_dir.as_str()),
+        ("NcclLayer", layer.as_str()),
+    ];
+    // A caller's own value of one of these goes in its place.
+    all.retain(|(k, _)| !options.iter().any(|(o, _)| o == k));
     all.extend_from_slice(options);
     let file = handler_file(name, &all)?;
     let mut restore = restore_handler(name, RESTORE_HANDLER)?;
@@ -86,6 +94,15 @@ pub fn gpu_node_with(
         restore.options.insert(k.to_string(), opt_value(v));
     }
     node_with(b.extra_runtime(restore))
+}
+
+/// The workspace's build of gpu-ckpt's NCCL layer (`gpu/nccl-layer`), which test nodes name as
+/// `NcclLayer`.
+pub fn nccl_layer() -> Result<PathBuf> {
+    test_containers::gpuproc::binary(
+        &test_containers::stack::Stack::discover()?,
+        "libgpu_ckpt_nccl.so",
+    )
 }
 
 /// The handler options file for ctr's containers on node `name` (ctr sends no options).

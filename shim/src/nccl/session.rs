@@ -1,0 +1,273 @@
+//! The control server's state for one container: its sessions (one per connected process),
+//! the processes released by a checkpoint and expected back, and the waits on them.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use image_format::manifest::{NcclComm, NcclProcess};
+use nccl_control::{Connection, LayerMsg, ShimMsg};
+
+/// How long a message to the layer may block.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One connected process.
+pub struct Session {
+    pub host_pid: i32,
+    pub ns_pid: i32,
+    /// The token this session was given (`Welcome`).
+    pub token: String,
+    /// The token it presented (`Hello.resumed`): which released process it is.
+    pub resumed: Option<String>,
+    pub nccl_version: i32,
+    /// Its communicators (`Comm` minus `CommGone`), by the layer's id.
+    pub comms: BTreeMap<u64, NcclComm>,
+    /// Replies not yet taken by a step, in order.
+    pub replies: VecDeque<LayerMsg>,
+    /// Why the connection ended, once it has.
+    pub closed: Option<String>,
+    writer: Connection,
+}
+
+impl Session {
+    pub fn new(
+        host_pid: i32,
+        ns_pid: i32,
+        token: String,
+        hello: (i32, Option<String>),
+        writer: Connection,
+    ) -> Session {
+        Session {
+            host_pid,
+            ns_pid,
+            token,
+            resumed: hello.1,
+            nccl_version: hello.0,
+            comms: BTreeMap::new(),
+            replies: VecDeque::new(),
+            closed: None,
+            writer,
+        }
+    }
+
+    /// Sends `msg`; a failure closes the session.
+    pub fn send(&mut self, msg: &ShimMsg) -> Result<(), String> {
+        if let Some(why) = &self.closed {
+            return Err(why.clone());
+        }
+        self.writer.send(msg, Some(SEND_TIMEOUT)).map_err(|e| {
+            self.writer.shutdown();
+            let why = format!("its control connection failed: {e}");
+            self.closed = Some(why.clone());
+            why
+        })
+    }
+
+    /// Ends the connection (the reader sees it closed).
+    pub fn shut(&mut self, why: &str) {
+        self.writer.shutdown();
+        if self.closed.is_none() {
+            self.closed = Some(why.to_string());
+        }
+    }
+
+    /// What the manifest and a later reconnection know of it.
+    pub fn record(&self, suspended: bool) -> NcclProcess {
+        NcclProcess {
+            pid: self.ns_pid,
+            token: self.token.clone(),
+            nccl_version: self.nccl_version,
+            suspended,
+            comms: self.comms.values().cloned().collect(),
+        }
+    }
+}
+
+/// `pid 1234 (rank 3 of 4, pid 7 in the container)`: the rank of `rank` where the layer named
+/// one, else of its first communicator; a host pid of 0 (not known yet) is left out.
+pub fn describe<'a>(
+    host_pid: i32,
+    ns_pid: i32,
+    comms: impl IntoIterator<Item = &'a NcclComm>,
+    rank: Option<(u64, i32)>,
+) -> String {
+    let comms: Vec<&NcclComm> = comms.into_iter().collect();
+    let named = rank.and_then(|(id, r)| comms.iter().find(|c| c.id == id).map(|c| (r, c.nranks)));
+    let first = comms
+        .iter()
+        .find(|c| !c.key.contains('/'))
+        .or(comms.first());
+    let rank = match named.or(first.map(|c| (c.rank, c.nranks))) {
+        Some((r, n)) => format!("rank {r} of {n}, "),
+        None => String::new(),
+    };
+    if host_pid > 0 {
+        format!("pid {host_pid} ({rank}pid {ns_pid} in the container)")
+    } else if rank.is_empty() {
+        format!("pid {ns_pid} in the container")
+    } else {
+        format!(
+            "pid {ns_pid} in the container ({})",
+            rank.trim_end_matches(", ")
+        )
+    }
+}
+
+/// A process released by a checkpoint, expected to connect again with its token.
+#[derive(Debug, Clone)]
+pub struct Held {
+    /// Its host pid before (0 after a restore: not known).
+    pub host_pid: i32,
+    pub record: NcclProcess,
+}
+
+impl Held {
+    pub fn describe(&self) -> String {
+        describe(self.host_pid, self.record.pid, &self.record.comms, None)
+    }
+}
+
+/// Everything under the lock.
+#[derive(Default)]
+pub struct State {
+    pub sessions: BTreeMap<u64, Session>,
+    pub next_session: u64,
+    /// Connections accepted and not yet ended (sessions and those still saying Hello).
+    pub connections: usize,
+    /// The container's init (host pid), once known: connections are held to its cgroup.
+    pub init: Option<i32>,
+    /// Released processes that have not connected again yet.
+    pub held: Vec<Held>,
+    /// The container is gone: every wait ends.
+    pub closed: bool,
+}
+
+/// The state and its condition variable (notified on every change).
+#[derive(Default)]
+pub struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Shared {
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn notify(&self) {
+        self.changed.notify_all();
+    }
+
+    /// Waits (until `deadline`) for `done` to hold, re-checked on every change; the guard and
+    /// whether it held.
+    pub fn wait_until<'a>(
+        &'a self,
+        mut guard: MutexGuard<'a, State>,
+        deadline: Instant,
+        mut done: impl FnMut(&mut State) -> bool,
+    ) -> (MutexGuard<'a, State>, bool) {
+        loop {
+            if done(&mut guard) {
+                return (guard, true);
+            }
+            let now = Instant::now();
+            if now >= deadline || guard.closed {
+                return (guard, false);
+            }
+            guard = self
+                .changed
+                .wait_timeout(guard, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Sends `msg` to every session of `ids` first, then waits (until `deadline`) for one reply
+    /// from each: each session's reply, or why it has none.
+    pub fn ask(
+        &self,
+        ids: &[u64],
+        msg: impl Fn(u64) -> ShimMsg,
+        deadline: Instant,
+    ) -> Vec<(u64, Result<LayerMsg, String>)> {
+        self.ask_many(ids.iter().map(|&id| (id, msg(id))).collect(), deadline)
+    }
+
+    /// Sends every request first (a session may get several), then waits (until `deadline`)
+    /// for one reply to each, taken in order per session: the answers in the requests' order.
+    pub fn ask_many(
+        &self,
+        requests: Vec<(u64, ShimMsg)>,
+        deadline: Instant,
+    ) -> Vec<(u64, Result<LayerMsg, String>)> {
+        let mut st = self.lock();
+        let mut answers: Vec<Option<Result<LayerMsg, String>>> = vec![None; requests.len()];
+        for (i, (id, msg)) in requests.iter().enumerate() {
+            match st.sessions.get_mut(id) {
+                Some(s) => {
+                    if let Err(e) = s.send(msg) {
+                        answers[i] = Some(Err(e));
+                    }
+                }
+                None => answers[i] = Some(Err("its control connection is gone".into())),
+            }
+        }
+        let (mut st, _) = self.wait_until(st, deadline, |st| {
+            for (i, (id, _)) in requests.iter().enumerate() {
+                if answers[i].is_some() {
+                    continue;
+                }
+                let Some(s) = st.sessions.get_mut(id) else {
+                    answers[i] = Some(Err("its control connection is gone".into()));
+                    continue;
+                };
+                if let Some(m) = s.replies.pop_front() {
+                    answers[i] = Some(Ok(m));
+                } else if let Some(why) = &s.closed {
+                    answers[i] = Some(Err(why.clone()));
+                }
+            }
+            answers.iter().all(Option::is_some)
+        });
+        let gone = st.closed;
+        let out = requests
+            .iter()
+            .zip(answers)
+            .map(|((id, _), a)| {
+                let a = a.unwrap_or_else(|| {
+                    // A late reply would be taken for the answer to the next request.
+                    if let Some(s) = st.sessions.get_mut(id) {
+                        s.shut("it did not answer in time");
+                    }
+                    Err(if gone {
+                        "the container is gone".to_string()
+                    } else {
+                        "no answer".to_string()
+                    })
+                });
+                (*id, a)
+            })
+            .collect();
+        drop(st);
+        self.notify();
+        out
+    }
+
+    /// Sends `msg` to every session of `ids`, expecting no reply; the failures.
+    pub fn tell(&self, ids: &[u64], msg: &ShimMsg) -> Vec<(u64, String)> {
+        let mut st = self.lock();
+        ids.iter()
+            .filter_map(|id| {
+                let s = st.sessions.get_mut(id)?;
+                s.send(msg).err().map(|e| (*id, e))
+            })
+            .collect()
+    }
+
+    /// The sessions still open, in the order they connected.
+    pub fn open_sessions(&self) -> Vec<u64> {
+        let mut st = self.lock();
+        st.sessions.retain(|_, s| s.closed.is_none());
+        st.sessions.keys().copied().collect()
+    }
+}
