@@ -51,17 +51,11 @@ const NCCL_TIMEOUT: &str = "20s";
 /// How long a rank may take for the steps a test waits for.
 const STEP_WAIT: Duration = Duration::from_secs(60);
 
-/// The layer the shim injects: the workspace's build of it.
-fn layer() -> String {
-    workspace_bin("libgpu_ckpt_nccl.so").display().to_string()
-}
-
-/// A GPU node ([`gpu_node`]) whose handlers inject the layer (`NcclLayer`) with `NcclTimeout`
-/// `timeout`; `managed`: `Nccl = "managed"` (every container opts in, as ctr's cannot carry an
-/// annotation), else the annotation decides.
+/// A GPU node ([`gpu_node`], whose handlers name the workspace's layer as `NcclLayer`) with
+/// `NcclTimeout` `timeout`; `managed`: `Nccl = "managed"` (every container opts in, as ctr's
+/// cannot carry an annotation), else the annotation decides.
 fn nccl_node(name: &str, sim: &SimNode, managed: bool, timeout: &str) -> Result<Node> {
-    let layer = layer();
-    let mut options = vec![("NcclLayer", layer.as_str()), ("NcclTimeout", timeout)];
+    let mut options = vec![("NcclTimeout", timeout)];
     if managed {
         options.push(("Nccl", "managed"));
     }
@@ -821,11 +815,14 @@ fn one_checkpoint_restored_into_two_pods_at_once() -> Result<()> {
             r0.context("the first restore")?,
             r1.context("the second restore")?,
         ];
-        for (i, (pod, id)) in pods.iter().zip(&ids).enumerate() {
-            let what = format!("restore {i}");
+        // Both run at once, each on its own 4 GPUs.
+        for (i, id) in ids.iter().enumerate() {
             let pids = rank_pids(cri_pid(&cri_b, id).await?, 4)?;
             let on: Vec<usize> = (4 * i..4 * i + 4).collect();
-            expect_on_gpus(&sim_b, &pids, &on, &what)?;
+            expect_on_gpus(&sim_b, &pids, &on, &format!("restore {i}"))?;
+        }
+        for (i, (pod, id)) in pods.iter().zip(&ids).enumerate() {
+            let what = format!("restore {i}");
             let log = pod.container_log("job");
             let text = wait_ranks(|| cri_log_since(&log, since), &ranks, |_| STEPS, &what)?;
             expect_resumed(&text, &Expected::new(4), &ranks, &c.before, &c.after, &what)?;
