@@ -187,6 +187,14 @@ pub struct RuntimeOptions {
     /// The bound of an NCCL quiesce, of the wait for the layer's reconnects and of a rebuild,
     /// e.g. "30s". Empty: [`DEFAULT_NCCL_TIMEOUT`].
     pub nccl_timeout: String,
+    /// What the NCCL layer does with a container's communicators before the device steps:
+    /// "destroy" (default; empty is the same): destroyed, and rebuilt on fresh unique ids after
+    /// the checkpoint, on this node too; "suspend": `ncclCommSuspend` where the application's
+    /// NCCL has it (2.29.7 and later; else destroyed), and a same-node resume only resumes
+    /// them. NCCL documents that suspend releases the communicator's dynamic GPU memory; its
+    /// connections (bootstrap sockets, proxy, peer mappings) stay, which CRIU and the driver's
+    /// checkpoint may not carry, so destroy is the default.
+    pub nccl_release: String,
 }
 
 /// Where the node installer puts the NCCL layer, when the options name no `NcclLayer`.
@@ -412,6 +420,12 @@ impl RuntimeOptions {
                 self.nccl
             )));
         }
+        if !matches!(self.nccl_release.as_str(), "" | "destroy" | "suspend") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid NcclRelease {:?}: expected \"destroy\" or \"suspend\"",
+                self.nccl_release
+            )));
+        }
         if !matches!(self.device_storage.as_str(), "" | "auto" | "staged") {
             return Err(Error::InvalidArgument(format!(
                 "invalid DeviceStorage {:?}: expected \"auto\" or \"staged\"",
@@ -623,6 +637,15 @@ impl RuntimeOptions {
             PathBuf::from(DEFAULT_NCCL_LAYER)
         } else {
             PathBuf::from(&self.nccl_layer)
+        }
+    }
+
+    /// `NcclRelease`: "destroy" (also for empty) or "suspend", as the layer reads it.
+    pub fn nccl_release(&self) -> &'static str {
+        if self.nccl_release == "suspend" {
+            "suspend"
+        } else {
+            "destroy"
         }
     }
 
@@ -924,6 +947,15 @@ mod tests {
                 .unwrap(),
             std::time::Duration::from_secs(45)
         );
+        assert_eq!(d.nccl_release(), "destroy");
+        assert_eq!(
+            RuntimeOptions::from_toml("NcclRelease = \"suspend\"", "t")
+                .unwrap()
+                .nccl_release(),
+            "suspend"
+        );
+        let err = RuntimeOptions::from_toml("NcclRelease = \"keep\"", "t").unwrap_err();
+        assert_mentions(err, &["NcclRelease", "\"keep\"", "destroy", "suspend"]);
         let err = RuntimeOptions::from_toml("Nccl = \"on\"", "t").unwrap_err();
         assert_mentions(err, &["Nccl", "\"on\"", "managed", "off"]);
         let err =

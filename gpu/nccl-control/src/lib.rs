@@ -37,6 +37,12 @@ pub const MAX_FRAME: usize = 64 * 1024;
 /// The environment variable that names the shim's socket inside the application.
 pub const ENV_SOCKET: &str = "GPU_CKPT_NCCL_SOCKET";
 
+/// The environment variable that chooses what the layer's Release does: `destroy` destroys
+/// every real communicator (a Rebuild brings them back, on this node too); `suspend` suspends
+/// them where the NCCL under the layer has `ncclCommSuspend` (2.29.7 and later), else destroys
+/// them. The shim sets it from its handler option `NcclRelease`.
+pub const ENV_RELEASE: &str = "GPU_CKPT_NCCL_RELEASE";
+
 /// How a communicator came from a split of another one.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub struct Split {

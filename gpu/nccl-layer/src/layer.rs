@@ -177,7 +177,7 @@ pub struct Layer<B> {
 /// under the layer has `ncclCommSuspend` (2.29.7 and later). A suspended communicator keeps its
 /// connections (its bootstrap sockets among them) and, before NCCL covers it, its NVLS state:
 /// a job whose checkpoint must not hold them chooses `destroy`.
-pub const ENV_RELEASE: &str = "GPU_CKPT_NCCL_RELEASE";
+pub const ENV_RELEASE: &str = nccl_control::ENV_RELEASE;
 
 fn failed(comm: Option<&Entry>, message: String) -> LayerMsg {
     LayerMsg::Failed {

@@ -53,6 +53,8 @@ pub const SOCKET_NAME: &str = "control.sock";
 pub const SOCKET_IN_CONTAINER: &str = "/run/gpu-ckpt-nccl/control.sock";
 /// The environment variable that tells the layer where the control socket is.
 pub const SOCKET_ENV: &str = "GPU_CKPT_NCCL_SOCKET";
+/// The environment variable that tells the layer what Release does (`NcclRelease`).
+pub const RELEASE_ENV: &str = nccl_control::ENV_RELEASE;
 /// The preload list the layer goes first in.
 pub const PRELOAD_ENV: &str = "LD_PRELOAD";
 /// Where the containers' socket directories are made: `<base>/<namespace>/<container id>`.
@@ -181,7 +183,7 @@ fn inject_under(
     let layer_blake3 = layer_digest(&layer)?;
     let host_dir = host_dir_under(base, namespace, id)?;
     let mut edited = spec.clone();
-    edit_spec(&mut edited, &layer, &host_dir)?;
+    edit_spec(&mut edited, &layer, &host_dir, options.nccl_release())?;
     make_fresh(&host_dir, base.parent().unwrap_or(base))?;
     *spec = edited;
     info!(%namespace, %id, layer = %layer.display(), %layer_blake3, dir = %host_dir.display(), "NCCL layer injected");
@@ -255,8 +257,8 @@ fn host_dir_under(base: &Path, namespace: &str, id: &str) -> Result<PathBuf> {
 
 /// The spec's edits: the two mounts (after the spec's own, so that they go over any mount of
 /// `/run` or `/usr`, and in place of any at their destinations), the layer first in every
-/// `LD_PRELOAD`, and `GPU_CKPT_NCCL_SOCKET`. Idempotent.
-fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
+/// `LD_PRELOAD`, `GPU_CKPT_NCCL_SOCKET` and `GPU_CKPT_NCCL_RELEASE` = `release`. Idempotent.
+fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path, release: &str) -> Result<()> {
     let malformed = |what: &str| {
         Error::InvalidArgument(format!("bundle config: {what}: cannot add the NCCL layer"))
     };
@@ -301,6 +303,34 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
         .get_mut("process")
         .and_then(Value::as_object_mut)
         .ok_or_else(|| malformed("no process"))?;
+    edit_env(process, release).map_err(|what| malformed(&what))
+}
+
+/// An exec's process spec (`ExecProcessRequest.spec`, JSON) in a container that got the layer:
+/// the same environment as its init (the layer first in `LD_PRELOAD`, `GPU_CKPT_NCCL_SOCKET`,
+/// `GPU_CKPT_NCCL_RELEASE` = `release`), so that a rank started by `kubectl exec` runs under
+/// the layer too.
+pub fn exec_process(spec: &[u8], release: &str) -> Result<Vec<u8>> {
+    let malformed = |what: String| {
+        Error::InvalidArgument(format!(
+            "exec process spec: {what}: cannot add the NCCL layer"
+        ))
+    };
+    let mut process: Value = serde_json::from_slice(spec).map_err(|e| malformed(e.to_string()))?;
+    let map = process
+        .as_object_mut()
+        .ok_or_else(|| malformed("not a JSON object".into()))?;
+    edit_env(map, release).map_err(malformed)?;
+    serde_json::to_vec(&process).map_err(|e| malformed(e.to_string()))
+}
+
+/// The layer first in every `LD_PRELOAD` of `process.env` (one made where there is none), and
+/// `GPU_CKPT_NCCL_SOCKET` and `GPU_CKPT_NCCL_RELEASE` (in place of any the spec has).
+/// Idempotent.
+fn edit_env(
+    process: &mut serde_json::Map<String, Value>,
+    release: &str,
+) -> std::result::Result<(), String> {
     let env = process
         .entry("env")
         .or_insert_with(|| Value::Array(Vec::new()));
@@ -309,10 +339,14 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
     }
     let env = env
         .as_array_mut()
-        .ok_or_else(|| malformed("process.env is not a list"))?;
+        .ok_or_else(|| "process.env is not a list".to_string())?;
     let socket_prefix = format!("{SOCKET_ENV}=");
+    let release_prefix = format!("{RELEASE_ENV}=");
     let preload_prefix = format!("{PRELOAD_ENV}=");
-    env.retain(|e| !e.as_str().is_some_and(|s| s.starts_with(&socket_prefix)));
+    env.retain(|e| {
+        !e.as_str()
+            .is_some_and(|s| s.starts_with(&socket_prefix) || s.starts_with(&release_prefix))
+    });
     let mut preloads = 0;
     for e in env.iter_mut() {
         let Some(list) = e.as_str().and_then(|s| s.strip_prefix(&preload_prefix)) else {
@@ -337,6 +371,7 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path) -> Result<()> {
     env.push(Value::String(format!(
         "{socket_prefix}{SOCKET_IN_CONTAINER}"
     )));
+    env.push(Value::String(format!("{release_prefix}{release}")));
     Ok(())
 }
 
@@ -542,6 +577,7 @@ mod tests {
                 "RANK=0",
                 "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so",
                 "GPU_CKPT_NCCL_SOCKET=/run/gpu-ckpt-nccl/control.sock",
+                "GPU_CKPT_NCCL_RELEASE=destroy",
             ]
         );
         let mounts = s["mounts"].as_array().unwrap();
@@ -602,18 +638,19 @@ mod tests {
         let layer = Path::new("/l.so");
         let dir = Path::new("/run/gpu-ckpt/nccl/ns/c");
         let mut s = spec(&["LD_PRELOAD=/opt/tcmalloc.so:/opt/x.so", "A=1"]);
-        edit_spec(&mut s, layer, dir).unwrap();
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
         assert_eq!(
             env_of(&s),
             [
                 "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so:/opt/tcmalloc.so:/opt/x.so",
                 "A=1",
                 "GPU_CKPT_NCCL_SOCKET=/run/gpu-ckpt-nccl/control.sock",
+                "GPU_CKPT_NCCL_RELEASE=destroy",
             ]
         );
         // An empty one becomes the layer alone; every duplicate gets it (ld.so reads the last).
         let mut s = spec(&["LD_PRELOAD=", "LD_PRELOAD=/opt/a.so"]);
-        edit_spec(&mut s, layer, dir).unwrap();
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
         assert_eq!(
             &env_of(&s)[..2],
             [
@@ -621,20 +658,49 @@ mod tests {
                 "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so:/opt/a.so",
             ]
         );
-        // A spec's own GPU_CKPT_NCCL_SOCKET is replaced; no env at all gets one.
-        let mut s = spec(&["GPU_CKPT_NCCL_SOCKET=/tmp/evil.sock"]);
-        edit_spec(&mut s, layer, dir).unwrap();
+        // A spec's own GPU_CKPT_NCCL_SOCKET and GPU_CKPT_NCCL_RELEASE are replaced; no env at
+        // all gets them.
+        let mut s = spec(&[
+            "GPU_CKPT_NCCL_SOCKET=/tmp/evil.sock",
+            "GPU_CKPT_NCCL_RELEASE=suspend",
+        ]);
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
         assert_eq!(
             env_of(&s),
             [
                 "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so",
                 "GPU_CKPT_NCCL_SOCKET=/run/gpu-ckpt-nccl/control.sock",
+                "GPU_CKPT_NCCL_RELEASE=destroy",
             ]
         );
         let mut s = spec(&[]);
         s["process"].as_object_mut().unwrap().remove("env");
-        edit_spec(&mut s, layer, dir).unwrap();
-        assert_eq!(env_of(&s).len(), 2);
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
+        assert_eq!(env_of(&s).len(), 3);
+    }
+
+    #[test]
+    fn an_exec_gets_the_same_environment() {
+        let spec = br#"{"args":["torchrun"],"cwd":"/","user":{"uid":0,"gid":0},"env":["PATH=/bin","LD_PRELOAD=/opt/a.so"]}"#;
+        let out = exec_process(spec, "suspend").unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(
+            env_of(&json!({ "process": v })),
+            [
+                "PATH=/bin",
+                "LD_PRELOAD=/usr/lib/gpu-ckpt/libgpu-ckpt-nccl.so:/opt/a.so",
+                "GPU_CKPT_NCCL_SOCKET=/run/gpu-ckpt-nccl/control.sock",
+                "GPU_CKPT_NCCL_RELEASE=suspend",
+            ]
+        );
+        assert_eq!(v["args"], json!(["torchrun"]));
+        // Still a process spec; twice is once.
+        serde_json::from_slice::<oci_spec::runtime::Process>(&out).unwrap();
+        assert_eq!(exec_process(&out, "suspend").unwrap(), out);
+        for bad in [&b"[]"[..], b"{\"env\": 1}", b"not json"] {
+            let err = exec_process(bad, "suspend").unwrap_err().to_string();
+            assert!(err.starts_with("exec process spec: "), "{err}");
+        }
     }
 
     #[test]
@@ -645,16 +711,22 @@ mod tests {
             .as_array_mut()
             .unwrap()
             .push(json!({"destination": "/run/gpu-ckpt-nccl/", "type": "bind", "source": "/tmp", "options": ["rw"]}));
-        edit_spec(&mut s, layer, dir).unwrap();
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
         let once = s.clone();
-        edit_spec(&mut s, layer, dir).unwrap();
+        edit_spec(&mut s, layer, dir, "destroy").unwrap();
         assert_eq!(s, once);
         let at = mount_at(&s, SOCKET_DIR_IN_CONTAINER);
         assert_eq!(at.len(), 1);
         assert_eq!(at[0]["source"], "/run/gpu-ckpt/nccl/ns/c");
         assert_eq!(mount_at(&s, LAYER_IN_CONTAINER).len(), 1);
         // A restore's spec (an earlier container's socket directory) gets this container's.
-        edit_spec(&mut s, layer, Path::new("/run/gpu-ckpt/nccl/ns/other")).unwrap();
+        edit_spec(
+            &mut s,
+            layer,
+            Path::new("/run/gpu-ckpt/nccl/ns/other"),
+            "destroy",
+        )
+        .unwrap();
         assert_eq!(
             mount_at(&s, SOCKET_DIR_IN_CONTAINER)[0]["source"],
             "/run/gpu-ckpt/nccl/ns/other"
@@ -672,7 +744,7 @@ mod tests {
             json!({"mounts": [], "process": 7}),
         ] {
             let mut s = bad.clone();
-            let err = edit_spec(&mut s, layer, dir).unwrap_err();
+            let err = edit_spec(&mut s, layer, dir, "destroy").unwrap_err();
             assert!(matches!(err, Error::InvalidArgument(_)), "{bad}: {err}");
             assert!(err.to_string().contains("NCCL layer"), "{err}");
         }

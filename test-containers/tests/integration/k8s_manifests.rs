@@ -1300,6 +1300,10 @@ pub(crate) fn stub_payload(payload: &Path) -> Result<()> {
         std::fs::write(&p, format!("#!/bin/sh\n# {f}\n"))?;
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
     }
+    std::fs::write(
+        payload.join("libgpu-ckpt-nccl.so"),
+        "# libgpu-ckpt-nccl.so\n",
+    )?;
     // CRIU as `make payload` bundles it: the installer gives it the bundled loader.
     crate::common::bundle_criu(
         &test_containers::stack::Stack::discover()?,

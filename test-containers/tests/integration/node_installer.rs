@@ -82,7 +82,8 @@ fn same_listing(
 }
 
 /// The payload the installer image carries: the workspace's shim, gpu-ckpt and gpu-ckpt-hook,
-/// and the stack's CRIU bundled as `make payload` bundles it (runtime-class/installer/payload.sh:
+/// its NCCL layer (`libgpu_ckpt_nccl.so`, shipped as `libgpu-ckpt-nccl.so`), and the stack's CRIU
+/// bundled as `make payload` bundles it (runtime-class/installer/payload.sh:
 /// every library it needs and glibc's loader in criu/lib, its RPATH `$ORIGIN/lib`, its
 /// interpreter a placeholder the installer replaces).
 pub(crate) fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
@@ -96,6 +97,13 @@ pub(crate) fn make_payload(stack: &Stack, dir: &Path) -> Result<()> {
             )
         })?;
     }
+    let layer = stack.shim_dir().join("libgpu_ckpt_nccl.so");
+    fs::copy(&layer, dir.join("libgpu-ckpt-nccl.so")).with_context(|| {
+        format!(
+            "copy {} (build it: cargo build -p gpu-ckpt-nccl-layer)",
+            layer.display()
+        )
+    })?;
     bundle_criu(stack, &dir.join("criu"))
 }
 
@@ -373,6 +381,23 @@ fn install_run_checkpoint_restore_uninstall_leaves_the_node_as_it_was() -> Resul
         lib_dir.display()
     );
     check_bundled_criu(&bin_dir, &root.join("usr/local/lib/gpu-ckpt/criu"))?;
+    // The NCCL layer, the payload's bytes, and both handlers told where it is on this node.
+    let layer = root.join("usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so");
+    ensure!(
+        fs::read(&layer)? == fs::read(inst.payload.join("libgpu-ckpt-nccl.so"))?,
+        "{} is not the payload's layer",
+        layer.display()
+    );
+    for side in [
+        "containerd-shim-gpu-ckpt-v1.toml",
+        "containerd-shim-gpu-ckpt-restore-v1.toml",
+    ] {
+        let text = fs::read_to_string(bin_dir.join(side))?;
+        ensure!(
+            text.contains(&format!("NcclLayer = \"{}\"", layer.display())),
+            "{side} does not name the installed layer:\n{text}"
+        );
+    }
 
     // containerd on that configuration.
     let node = node_with(builder.config_file(&config))?;
