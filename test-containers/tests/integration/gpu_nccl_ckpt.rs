@@ -12,8 +12,8 @@
 //! - 4 ranks of one container: CRI checkpoint on node A, restored through the restore
 //!   RuntimeClass on node B onto 4 other GPUs;
 //! - 2 containers of 2 ranks in one pod (a pod-wide cut), the same way;
-//! - ctr's checkpoint that leaves the task running: the job runs on without a restart, and the
-//!   checkpoint restores on node B;
+//! - ctr's checkpoint that leaves the task running (communicators suspended, not destroyed):
+//!   the job runs on without a restart, and the checkpoint restores on node B;
 //! - one checkpoint restored into two pods at once on one node of 8 GPUs: both jobs complete on
 //!   their own (the simulated NCCL refuses a rank that joins a unique id twice, so two restores
 //!   sharing one would fail);
@@ -53,12 +53,25 @@ const STEP_WAIT: Duration = Duration::from_secs(60);
 
 /// A GPU node ([`gpu_node`], whose handlers name the workspace's layer as `NcclLayer`) with
 /// `NcclTimeout` `timeout`; `managed`: `Nccl = "managed"` (every container opts in, as ctr's
-/// cannot carry an annotation), else the annotation decides.
+/// cannot carry an annotation), else the annotation decides. The layer's Release destroys the
+/// communicators (`NcclRelease`'s default), so that every resume rebuilds them on fresh ids.
 fn nccl_node(name: &str, sim: &SimNode, managed: bool, timeout: &str) -> Result<Node> {
+    nccl_node_with(name, sim, managed, timeout, &[])
+}
+
+/// [`nccl_node`] with `extra` handler options (`NcclRelease = "suspend"`).
+fn nccl_node_with(
+    name: &str,
+    sim: &SimNode,
+    managed: bool,
+    timeout: &str,
+    extra: &[(&str, &str)],
+) -> Result<Node> {
     let mut options = vec![("NcclTimeout", timeout)];
     if managed {
         options.push(("Nccl", "managed"));
     }
+    options.extend_from_slice(extra);
     gpu_node(name, sim, &options)
 }
 
@@ -340,8 +353,14 @@ fn expect_on_gpus(sim: &SimNode, pids: &[i32], want: &[usize], what: &str) -> Re
 /// The `nccl` record of a checkpoint's manifest (JSON): the layer's hash, and one process per
 /// rank of `ranks` (world ranks of a world of 4), each with its world communicator (a root key,
 /// its rank of 4) and its split one (`<root key>/<color>`, 2 ranks of its parity), all the
-/// processes on one world key; the step timings of the quiesce and the release.
-fn expect_nccl_record(manifest: &serde_json::Value, ranks: &[i64], what: &str) -> Result<()> {
+/// processes on one world key, each recorded as `suspended` (`NcclRelease = "suspend"`) or not
+/// (destroyed, the default); the step timings of the quiesce and the release.
+fn expect_nccl_record(
+    manifest: &serde_json::Value,
+    ranks: &[i64],
+    suspended: bool,
+    what: &str,
+) -> Result<()> {
     let rec = &manifest["nccl"];
     let procs = rec["processes"]
         .as_array()
@@ -379,6 +398,12 @@ fn expect_nccl_record(manifest: &serde_json::Value, ranks: &[i64], what: &str) -
             w["nranks"] == 4 && sp["nranks"] == 2 && sp["rank"].as_i64() == Some(rank / 2),
             "{what}: process {} records world {w} and split {sp}",
             p["pid"]
+        );
+        ensure!(
+            p["suspended"] == suspended,
+            "{what}: process {} recorded with suspended {}, want {suspended} (NcclRelease)",
+            p["pid"],
+            p["suspended"]
         );
         world_ranks.insert(rank);
         world_keys.insert(w["key"].as_str().unwrap_or_default().to_string());
@@ -506,7 +531,12 @@ fn four_ranks_checkpointed_through_cri_restore_on_other_gpus() -> Result<()> {
         let cri_a = Cri::connect(a.socket()).await?;
         let cri_b = Cri::connect(b.socket()).await?;
         let c = checkpoint_four_ranks(&a, &cri_a, "ranks", &four_ranks(true)).await?;
-        expect_nccl_record(&archive_manifest_json(&c.archive)?, &[0, 1, 2, 3], "CRI")?;
+        expect_nccl_record(
+            &archive_manifest_json(&c.archive)?,
+            &[0, 1, 2, 3],
+            false,
+            "CRI",
+        )?;
         cri_a.remove_pod(&c.pod).await?;
         let (pod, pids) = restore_four_ranks(&b, &cri_b, "ranks", &c, &four_ranks(true)).await?;
         expect_on_gpus(&sim_b, &pids, &[0, 1, 2, 3], "restored on node B")?;
@@ -599,7 +629,7 @@ fn two_containers_of_two_ranks_restore_as_one_job() -> Result<()> {
         for ((name, ranks), archive) in parts.iter().zip(&archives) {
             let m = archive_manifest_json(archive)?;
             let ranks: Vec<i64> = ranks.iter().map(|r| i64::from(*r)).collect();
-            expect_nccl_record(&m, &ranks, name)?;
+            expect_nccl_record(&m, &ranks, false, name)?;
             let cut = &m["nccl"]["cut"];
             let members: BTreeSet<&str> = cut["containers"]
                 .as_array()
@@ -702,16 +732,19 @@ fn ctr_job(node: &Node, verb: &[&str], id: &str) -> Result<()> {
 }
 
 /// `ctr task checkpoint --image-path` (the task keeps running) of 4 ranks on node A (the
-/// handler option `Nccl = "managed"`): the same processes go on, no rank starts afresh, with
-/// the numbers of an uninterrupted run; the checkpoint restores on node B's GPUs, where every
-/// rank goes on from it.
+/// handler options `Nccl = "managed"` and `NcclRelease = "suspend"`: the communicators are
+/// suspended, recorded so, and resumed in place; the other tests take the default, destroyed and
+/// rebuilt on fresh ids, through the resume after a CRI checkpoint): the same processes go on,
+/// no rank starts afresh, with the numbers of an uninterrupted run; the checkpoint restores on
+/// node B's GPUs, where every rank goes on from it.
 #[test]
 fn ctr_checkpoint_leaves_the_job_running_and_restores_on_another_node() -> Result<()> {
     let ranks = [0, 1, 2, 3];
     let expected = Expected::new(4);
     let (sim_a, sim_b) = (sim(4, "nccl-ctr-a")?, sim(4, "nccl-ctr-b")?);
-    let a = nccl_node("gpu-nccl-ctr-a", &sim_a, true, NCCL_TIMEOUT)?;
-    let b = nccl_node("gpu-nccl-ctr-b", &sim_b, true, NCCL_TIMEOUT)?;
+    let suspend = [("NcclRelease", "suspend")];
+    let a = nccl_node_with("gpu-nccl-ctr-a", &sim_a, true, NCCL_TIMEOUT, &suspend)?;
+    let b = nccl_node_with("gpu-nccl-ctr-b", &sim_b, true, NCCL_TIMEOUT, &suspend)?;
     ctr_job(&a, &["run", "-d"], "job")?;
     let init = a.task_pid("job")?;
     let pids = rank_pids(init, 4)?;
@@ -746,7 +779,7 @@ fn ctr_checkpoint_leaves_the_job_running_and_restores_on_another_node() -> Resul
         "the original's ranks are not the processes checkpointed"
     );
     let manifest: serde_json::Value = serde_json::to_value(Manifest::read_from(&dir)?)?;
-    expect_nccl_record(&manifest, &[0, 1, 2, 3], "leave-running")?;
+    expect_nccl_record(&manifest, &[0, 1, 2, 3], true, "leave-running")?;
 
     // On node B: the log came with the checkpoint, and goes on from it one step at a time.
     ctr_job(&b, &["container", "create"], "job")?;
