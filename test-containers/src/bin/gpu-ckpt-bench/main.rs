@@ -163,6 +163,9 @@ enum What {
         elements: u64,
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// What the layer's Release does (`NcclRelease`): destroy or suspend.
+        #[arg(long, default_value = "destroy")]
+        release: String,
     },
 }
 
@@ -176,7 +179,11 @@ fn main() -> Result<()> {
         } => return device_bench::bench(gib, rounds, pipe_kib),
         What::DeviceContainer { gib, runs } => return device_container(gib, runs),
         What::FreezeResume { mib, runs } => return freeze_resume::bench(mib, runs),
-        What::Nccl { elements, runs } => return nccl::bench(elements, runs),
+        What::Nccl {
+            elements,
+            runs,
+            release,
+        } => return nccl::bench(elements, runs, &release),
         What::DeviceStorage {
             gib,
             procs,

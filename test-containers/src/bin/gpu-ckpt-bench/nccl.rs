@@ -1,6 +1,7 @@
 //! `nccl`: what gpu-ckpt's NCCL steps add to the checkpoint and the restore of a 4-rank job,
 //! against the same run's device steps. One node with 4 simulated GPUs whose handler injects
-//! the communicator layer (`Nccl = "managed"`, `NcclLayer` next to this binary); the job is
+//! the communicator layer (`Nccl = "managed"`, `NcclLayer` next to this binary, `NcclRelease`
+//! from `--release`: destroy, the default, or suspend); the job is
 //! `nccl_allreduce --ranks 4` (one container, one rank per GPU). Each run: `ctr task checkpoint
 //! --exit --image-path`, then Tasks.Create with `CriuImagePath` and Tasks.Start on the same
 //! container (the restore rebuilds every communicator on a fresh unique id), and the job must
@@ -77,8 +78,14 @@ fn layer() -> Result<PathBuf> {
 
 /// A node `name` (debug logging, so that the shim logs its spans' times) on `sim`'s GPUs whose
 /// handlers (CRI: the handler's options; ctr: the handler options file) load the simulated
-/// driver and inject the NCCL layer into every container.
-fn nccl_node(stack: &Stack, name: &str, sim: &simgpu::testing::SimNode) -> Result<Node> {
+/// driver and inject the NCCL layer into every container, whose Release does `release`
+/// (`NcclRelease`: destroy or suspend the communicators).
+fn nccl_node(
+    stack: &Stack,
+    name: &str,
+    sim: &simgpu::testing::SimNode,
+    release: &str,
+) -> Result<Node> {
     let lib_dir = sim.lib_dir().display().to_string();
     let layer = layer()?.display().to_string();
     let options = [
@@ -86,6 +93,7 @@ fn nccl_node(stack: &Stack, name: &str, sim: &simgpu::testing::SimNode) -> Resul
         ("Nccl", "managed"),
         ("NcclLayer", layer.as_str()),
         ("NcclTimeout", "60s"),
+        ("NcclRelease", release),
     ];
     let handler_file = stack.node_dir(name).join("gpu-ckpt-handler.toml");
     std::fs::create_dir_all(stack.node_dir(name))?;
@@ -225,8 +233,12 @@ async fn run_once(node: &Node, api: &Containerd, id: &str, job: &str) -> Result<
     })
 }
 
-pub fn bench(elements: u64, runs: usize) -> Result<()> {
+pub fn bench(elements: u64, runs: usize, release: &str) -> Result<()> {
     ensure!(elements >= 1, "--elements must be at least 1");
+    ensure!(
+        matches!(release, "destroy" | "suspend"),
+        "--release must be destroy or suspend"
+    );
     ensure!(runs >= 1, "--runs must be at least 1");
     let stack = Stack::discover()?;
     // Three buffers of `elements` u32 per rank, and room for the driver's own.
@@ -239,14 +251,15 @@ pub fn bench(elements: u64, runs: usize) -> Result<()> {
         ..Default::default()
     })
     .context("starting the simulated GPUs (gpu-ckpt-simgpu next to this binary, and `cargo build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl`)")?;
-    let node = nccl_node(&stack, "bench-nccl", &sim)?;
+    let node = nccl_node(&stack, "bench-nccl", &sim, release)?;
     let job = format!(
         "exec /usr/bin/nccl_allreduce --ranks {RANKS} --elements {elements} --interval-ms 10 \
          --seed 3 > /{JOB_LOG} 2>&1"
     );
     println!(
         "One containerd node (debug logging) with {RANKS} simulated GPUs of {memory_mib} MiB; \
-         gpu-ckpt injects its NCCL layer into every container (`Nccl = \"managed\"`). The job: \
+         gpu-ckpt injects its NCCL layer into every container (`Nccl = \"managed\"`, \
+         `NcclRelease = \"{release}\"`). The job: \
          `nccl_allreduce --ranks {RANKS} --elements {elements}` (allreduce, broadcast and a split \
          communicator's allreduce of {elements} u32 per step, {RANKS} ranks in one container, \
          one per GPU). `ctr task checkpoint --exit --image-path`, then Tasks.Create with \
