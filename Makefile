@@ -134,6 +134,16 @@ bench-gpu-storage: deps images release-tools
 	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl
 	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench device-storage $(STORAGE_ARGS)
 
+# What the NCCL communicator layer's steps add to the checkpoint and restore of 4 ranks
+# (nccl_allreduce on 4 simulated GPUs, one container) through the release shim: quiesce and
+# release against the device lock and checkpoint, the rebuild against the device restore, as
+# ratios from one run (docs/benchmarks.md). The layer (a cdylib) is built here with the
+# simulated libraries.
+.PHONY: bench-nccl
+bench-nccl: deps images release-tools
+	$(CARGO) build --release -p gpu-ckpt-simcuda -p gpu-ckpt-simnvml -p gpu-ckpt-simnccl -p gpu-ckpt-nccl-layer
+	GPU_CKPT_SHIM_DIR=$(CURDIR)/target/release target/release/gpu-ckpt-bench nccl --runs 5
+
 # Real-GPU check: one folder, target/gpu-check, that runs on an NVIDIA machine with nothing but the
 # driver (see test-containers/gpu-workloads/README.md); without a GPU it says why and exits 0.
 .PHONY: gpu-check gpu-check-bundle

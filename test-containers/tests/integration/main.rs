@@ -25,6 +25,7 @@ mod gpu_hang;
 mod gpu_hooks;
 mod gpu_memory;
 mod gpu_nccl;
+mod gpu_nccl_ckpt;
 mod gpu_process;
 mod gpu_python;
 mod gpu_shim;

@@ -26,6 +26,9 @@
 //! - `device-storage` (device_storage.rs): device checkpoint and restore through the shim at
 //!   each size, by custom storage and by the staged path, and of 1, 2, 4 GPU processes, against
 //!   the storage's own O_DIRECT speed in the same directory.
+//! - `nccl` (nccl.rs): the checkpoint and restore of a 4-rank NCCL job under gpu-ckpt's
+//!   communicator layer: what its quiesce, release and rebuild take against the same run's
+//!   device steps.
 
 use std::{
     path::{Path, PathBuf},
@@ -39,6 +42,7 @@ use clap::{Parser, Subcommand};
 
 mod device_storage;
 mod host_memory;
+mod nccl;
 use test_containers::{
     containerd::{Containerd, EventStream},
     cri::{ContainerSpec, Cri, PodSpec},
@@ -150,6 +154,19 @@ enum What {
         #[arg(long, default_value_t = 1)]
         runs: usize,
     },
+    /// The checkpoint and restore of 4 NCCL ranks (nccl_allreduce on 4 simulated GPUs) under
+    /// the communicator layer: the NCCL steps (quiesce, release, rebuild) against the same
+    /// run's device steps.
+    Nccl {
+        /// u32 elements of each buffer of each rank (three buffers per rank).
+        #[arg(long, default_value_t = 1 << 20)]
+        elements: u64,
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// What the layer's Release does (`NcclRelease`): destroy or suspend.
+        #[arg(long, default_value = "destroy")]
+        release: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -162,6 +179,11 @@ fn main() -> Result<()> {
         } => return device_bench::bench(gib, rounds, pipe_kib),
         What::DeviceContainer { gib, runs } => return device_container(gib, runs),
         What::FreezeResume { mib, runs } => return freeze_resume::bench(mib, runs),
+        What::Nccl {
+            elements,
+            runs,
+            release,
+        } => return nccl::bench(elements, runs, &release),
         What::DeviceStorage {
             gib,
             procs,
@@ -200,7 +222,8 @@ fn main() -> Result<()> {
         What::Gpu { .. }
         | What::DeviceContainer { .. }
         | What::FreezeResume { .. }
-        | What::DeviceStorage { .. } => {
+        | What::DeviceStorage { .. }
+        | What::Nccl { .. } => {
             unreachable!("run before the node is started")
         }
     }
