@@ -50,4 +50,10 @@ pub trait Backend: Send + Sync + 'static {
     /// Whether the work queued on `stream` (of device `dev`) is complete (`cuStreamQuery`):
     /// Ok(true) done, Ok(false) still running, Err the driver's error.
     fn stream_done(&self, stream: usize, dev: i32) -> Result<bool, String>;
+    /// `ncclGetLastError(comm)` (`comm` may be 0): the text of NCCL's last error, where it has
+    /// one, at most [`LAST_ERROR_MAX`] bytes.
+    fn last_error(&self, comm: RealComm) -> Option<String>;
 }
+
+/// The most of `ncclGetLastError`'s text a failure message carries.
+pub const LAST_ERROR_MAX: usize = 256;

@@ -187,8 +187,13 @@ fn failed(comm: Option<&Entry>, message: String) -> LayerMsg {
     }
 }
 
-fn code(call: &str, r: ncclResult_t) -> String {
-    format!("{call}: {} ({r})", result_name(r))
+/// A failed NCCL call: its name, result, and what `ncclGetLastError` says of it (NCCL keeps the
+/// text of the last error; it can be unrelated where the call failed without setting one).
+fn code(call: &str, r: ncclResult_t, last: Option<String>) -> String {
+    match last {
+        Some(t) => format!("{call}: {} ({r}): {t}", result_name(r)),
+        None => format!("{call}: {} ({r})", result_name(r)),
+    }
 }
 
 impl<B: Backend> Layer<B> {
@@ -622,7 +627,10 @@ impl<B: Backend> Layer<B> {
                         self.use_device(e)?;
                         let r = self.backend.deregister(e.real(), h);
                         if r != NCCL_SUCCESS {
-                            return Err(failed(Some(e), code("ncclCommDeregister", r)));
+                            return Err(failed(
+                                Some(e),
+                                code("ncclCommDeregister", r, self.backend.last_error(e.real())),
+                            ));
                         }
                     }
                 }
@@ -648,7 +656,7 @@ impl<B: Backend> Layer<B> {
                 ("ncclCommDestroy", self.backend.destroy(e.real()))
             };
             if r != NCCL_SUCCESS {
-                return failed(Some(e), code(call, r));
+                return failed(Some(e), code(call, r, self.backend.last_error(e.real())));
             }
             e.state = if suspend {
                 RealState::Suspended
@@ -673,7 +681,10 @@ impl<B: Backend> Layer<B> {
                 self.use_device(e)?;
                 let (r, h) = self.backend.register(e.real(), b.ptr, b.size);
                 if r != NCCL_SUCCESS {
-                    return Err(failed(Some(e), code("ncclCommRegister", r)));
+                    return Err(failed(
+                        Some(e),
+                        code("ncclCommRegister", r, self.backend.last_error(e.real())),
+                    ));
                 }
                 b.real.store(h, Ordering::Release);
             }
@@ -707,7 +718,10 @@ impl<B: Backend> Layer<B> {
                     }
                     let r = self.backend.resume(e.real());
                     if r != NCCL_SUCCESS {
-                        return failed(Some(e), code("ncclCommResume", r));
+                        return failed(
+                            Some(e),
+                            code("ncclCommResume", r, self.backend.last_error(e.real())),
+                        );
                     }
                     e.state = RealState::Live;
                 }
@@ -726,7 +740,7 @@ impl<B: Backend> Layer<B> {
                 key,
                 id: hex::encode(id.bytes()),
             },
-            Err(r) => failed(None, code("ncclGetUniqueId", r)),
+            Err(r) => failed(None, code("ncclGetUniqueId", r, self.backend.last_error(0))),
         }
     }
 
@@ -798,7 +812,11 @@ impl<B: Backend> Layer<B> {
                 let _ = self.backend.use_device(e.dev());
                 let r = self.backend.destroy(real);
                 if r != NCCL_SUCCESS {
-                    tracing::warn!(comm = e.id, "{}", code("ncclCommDestroy", r));
+                    tracing::warn!(
+                        comm = e.id,
+                        "{}",
+                        code("ncclCommDestroy", r, self.backend.last_error(real))
+                    );
                 }
                 if let Some(h) = &e.handle {
                     h.real.store(0, Ordering::Release);
@@ -826,7 +844,10 @@ impl<B: Backend> Layer<B> {
         if grouped {
             let r = self.backend.group_start();
             if r != NCCL_SUCCESS {
-                return Err(failed(None, code("ncclGroupStart", r)));
+                return Err(failed(
+                    None,
+                    code("ncclGroupStart", r, self.backend.last_error(0)),
+                ));
             }
         }
         let mut results = Vec::new();
@@ -870,7 +891,10 @@ impl<B: Backend> Layer<B> {
         if grouped {
             let r = self.backend.group_end();
             if r != NCCL_SUCCESS {
-                return Err(failed(Some(&group[0]), code("ncclGroupEnd", r)));
+                return Err(failed(
+                    Some(&group[0]),
+                    code("ncclGroupEnd", r, self.backend.last_error(0)),
+                ));
             }
         }
         for (e, call, r) in results {
@@ -882,7 +906,10 @@ impl<B: Backend> Layer<B> {
                 r
             };
             if r != NCCL_SUCCESS {
-                return Err(failed(Some(e), code(call, r)));
+                return Err(failed(
+                    Some(e),
+                    code(call, r, self.backend.last_error(real)),
+                ));
             }
         }
         Ok(())

@@ -269,4 +269,27 @@ impl Backend for Real {
             r => Err(format!("cuStreamQuery({stream:#x}): CUDA error {r}")),
         }
     }
+
+    fn last_error(&self, comm: RealComm) -> Option<String> {
+        let f = next!(
+            ncclGetLastError,
+            unsafe extern "C" fn(ncclComm_t) -> *const std::ffi::c_char
+        )?;
+        // SAFETY: NCCL's signature; it returns a NUL-terminated string it owns, or null.
+        let p = unsafe { f(comm as ncclComm_t) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null, NUL-terminated, alive until the next NCCL call on this thread.
+        let text = unsafe { CStr::from_ptr(p) }.to_string_lossy();
+        let text = text.trim();
+        if text.is_empty() {
+            return None;
+        }
+        let mut end = text.len().min(crate::backend::LAST_ERROR_MAX);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        Some(text[..end].to_string())
+    }
 }

@@ -23,6 +23,8 @@ struct Fake {
     log: Mutex<Vec<String>>,
     pending: Mutex<HashSet<usize>>,
     no_suspend: bool,
+    /// Init fails with ncclUnhandledCudaError, and ncclGetLastError says this.
+    init_error: Option<&'static str>,
 }
 
 impl Fake {
@@ -57,6 +59,9 @@ impl Backend for Fake {
             id.bytes()[0],
             cfg(config)
         ));
+        if self.init_error.is_some() {
+            return (NCCL_UNHANDLED_CUDA_ERROR, 0);
+        }
         if self.nonblocking {
             *self.in_progress.lock().unwrap() = 3;
             return (NCCL_IN_PROGRESS, c);
@@ -130,6 +135,9 @@ impl Backend for Fake {
     }
     fn stream_done(&self, stream: usize, _dev: i32) -> Result<bool, String> {
         Ok(!self.pending.lock().unwrap().contains(&stream))
+    }
+    fn last_error(&self, _comm: RealComm) -> Option<String> {
+        self.init_error.map(str::to_string)
     }
 }
 
@@ -358,6 +366,22 @@ fn a_nonblocking_rebuild_waits_until_the_communicator_is_ready() {
     assert!(
         log[6] == "device 1" && log[7].starts_with("split "),
         "{log:?}"
+    );
+}
+
+#[test]
+fn a_failed_rebuild_says_what_nccl_said() {
+    let fake = Fake {
+        init_error: Some("cuDeviceGetUuid failed: CUresult 101"),
+        ..Fake::default()
+    };
+    let (l, _) = released(fake, false);
+    let id = hex::encode([4u8; NCCL_UNIQUE_ID_BYTES]);
+    let (_, rank, message) = failure(l.rebuild(vec![("k0".into(), id)]));
+    assert_eq!(rank, Some(1));
+    assert_eq!(
+        message,
+        "ncclCommInitRankConfig: ncclUnhandledCudaError (1): cuDeviceGetUuid failed: CUresult 101"
     );
 }
 
