@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nccl_control::{Connection, ControlError, LayerMsg, ShimMsg};
 use tracing::{debug, info, warn};
 
-use super::session::{Session, Shared, SEND_TIMEOUT};
+use super::session::{Session, Shared, MAX_COMMS, MAX_KEY, SEND_TIMEOUT};
 
 /// Connections of one container at once; more are closed as they come.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -307,6 +307,17 @@ fn read_loop(server: &Server, conn: &mut Connection, id: u64) {
                 cuda_dev,
                 split,
             } => {
+                if key.len() > MAX_KEY {
+                    s.shut(&format!(
+                        "it announced a communicator key of {} bytes (at most {MAX_KEY})",
+                        key.len()
+                    ));
+                    break None;
+                }
+                if s.comms.len() >= MAX_COMMS && !s.comms.contains_key(&comm) {
+                    s.shut(&format!("it announced more than {MAX_COMMS} communicators"));
+                    break None;
+                }
                 s.comms.insert(
                     comm,
                     image_format::manifest::NcclComm {
@@ -326,18 +337,16 @@ fn read_loop(server: &Server, conn: &mut Connection, id: u64) {
                 s.shut("it said Hello twice");
                 break None;
             }
-            other => s.replies.push_back(other),
+            other => {
+                if !s.queue(other) {
+                    break None;
+                }
+            }
         }
         drop(st);
         server.shared.notify();
     };
     conn.shutdown();
-    if let Some(why) = why {
-        if let Some(s) = server.shared.lock().sessions.get_mut(&id) {
-            if s.closed.is_none() {
-                s.closed = Some(why);
-            }
-        }
-    }
+    server.shared.lock().ended(id, why);
     server.shared.notify();
 }

@@ -10,6 +10,14 @@ use nccl_control::{Connection, LayerMsg, ShimMsg};
 
 /// How long a message to the layer may block.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Communicators one session may announce; more close it.
+pub const MAX_COMMS: usize = 4096;
+/// The longest communicator key a session may announce; a longer one closes it.
+pub const MAX_KEY: usize = 512;
+/// Replies nobody asked for that a session may have queued; more close it.
+pub const MAX_UNASKED: usize = 8;
+/// Ended sessions kept (for the messages of a step that was asking them); the oldest go first.
+pub const MAX_ENDED: usize = 64;
 
 /// One connected process.
 pub struct Session {
@@ -26,7 +34,10 @@ pub struct Session {
     pub replies: VecDeque<LayerMsg>,
     /// Why the connection ended, once it has.
     pub closed: Option<String>,
-    writer: Connection,
+    /// Requests sent that await a reply (each reply taken counts one off).
+    pub asked: usize,
+    /// The connection's writing end; none once the session ended (its descriptor closed).
+    writer: Option<Connection>,
 }
 
 impl Session {
@@ -46,7 +57,8 @@ impl Session {
             comms: BTreeMap::new(),
             replies: VecDeque::new(),
             closed: None,
-            writer,
+            asked: 0,
+            writer: Some(writer),
         }
     }
 
@@ -55,8 +67,11 @@ impl Session {
         if let Some(why) = &self.closed {
             return Err(why.clone());
         }
-        self.writer.send(msg, Some(SEND_TIMEOUT)).map_err(|e| {
-            self.writer.shutdown();
+        let Some(writer) = self.writer.as_mut() else {
+            return Err("its control connection is gone".into());
+        };
+        writer.send(msg, Some(SEND_TIMEOUT)).map_err(|e| {
+            writer.shutdown();
             let why = format!("its control connection failed: {e}");
             self.closed = Some(why.clone());
             why
@@ -65,10 +80,46 @@ impl Session {
 
     /// Ends the connection (the reader sees it closed).
     pub fn shut(&mut self, why: &str) {
-        self.writer.shutdown();
+        if let Some(w) = &self.writer {
+            w.shutdown();
+        }
         if self.closed.is_none() {
             self.closed = Some(why.to_string());
         }
+    }
+
+    /// A reply arrived: queued for the step that asked, or the session closed when it has
+    /// queued more than [`MAX_UNASKED`] that nobody asked for. Whether it is still open.
+    pub fn queue(&mut self, reply: LayerMsg) -> bool {
+        if self.replies.len() >= self.asked + MAX_UNASKED {
+            self.shut(&format!(
+                "it sent more than {MAX_UNASKED} replies nobody asked for"
+            ));
+            return false;
+        }
+        self.replies.push_back(reply);
+        true
+    }
+
+    /// The oldest reply, taken by the step that asked.
+    pub fn take_reply(&mut self) -> Option<LayerMsg> {
+        let m = self.replies.pop_front()?;
+        self.asked = self.asked.saturating_sub(1);
+        Some(m)
+    }
+
+    /// The connection ended: its descriptor closed, and everything it sent dropped but the
+    /// replies a step asked for and the communicator that names it in messages.
+    fn retire(&mut self) {
+        self.writer = None;
+        self.replies.truncate(self.asked);
+        let keep = self
+            .comms
+            .values()
+            .find(|c| !c.key.contains('/'))
+            .or(self.comms.values().next())
+            .cloned();
+        self.comms = keep.into_iter().map(|c| (c.id, c)).collect();
     }
 
     /// What the manifest and a later reconnection know of it.
@@ -124,6 +175,32 @@ pub struct Held {
 impl Held {
     pub fn describe(&self) -> String {
         describe(self.host_pid, self.record.pid, &self.record.comms, None)
+    }
+}
+
+impl State {
+    /// Session `id`'s connection ended (`why`, unless it was closed before): the session is
+    /// retired, and the oldest ended sessions beyond [`MAX_ENDED`] are forgotten, so that
+    /// connections that come and go hold neither descriptors nor memory.
+    pub fn ended(&mut self, id: u64, why: Option<String>) {
+        if let Some(s) = self.sessions.get_mut(&id) {
+            if s.closed.is_none() {
+                s.closed = Some(why.unwrap_or_else(|| "its control connection ended".into()));
+            }
+            if let Some(w) = &s.writer {
+                w.shutdown();
+            }
+            s.retire();
+        }
+        let ended: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.writer.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ended.iter().take(ended.len().saturating_sub(MAX_ENDED)) {
+            self.sessions.remove(id);
+        }
     }
 }
 
@@ -204,11 +281,10 @@ impl Shared {
         let mut answers: Vec<Option<Result<LayerMsg, String>>> = vec![None; requests.len()];
         for (i, (id, msg)) in requests.iter().enumerate() {
             match st.sessions.get_mut(id) {
-                Some(s) => {
-                    if let Err(e) = s.send(msg) {
-                        answers[i] = Some(Err(e));
-                    }
-                }
+                Some(s) => match s.send(msg) {
+                    Ok(()) => s.asked += 1,
+                    Err(e) => answers[i] = Some(Err(e)),
+                },
                 None => answers[i] = Some(Err("its control connection is gone".into())),
             }
         }
@@ -221,7 +297,7 @@ impl Shared {
                     answers[i] = Some(Err("its control connection is gone".into()));
                     continue;
                 };
-                if let Some(m) = s.replies.pop_front() {
+                if let Some(m) = s.take_reply() {
                     answers[i] = Some(Ok(m));
                 } else if let Some(why) = &s.closed {
                     answers[i] = Some(Err(why.clone()));

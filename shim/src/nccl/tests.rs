@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use image_format::manifest::{NcclComm, NcclProcess, NcclRecord};
 use nccl_control::{Connection, ControlError, LayerMsg, ShimMsg};
 
+use super::session::{MAX_COMMS, MAX_ENDED, MAX_KEY, MAX_UNASKED};
 use super::*;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -899,4 +900,108 @@ fn check_restore_cut_of(id: &str) -> String {
     check_layer(Some(&record), Some(&setup))
         .unwrap_err()
         .to_string()
+}
+
+fn kept(c: &ContainerComms) -> usize {
+    c.server.shared.lock().sessions.len()
+}
+
+/// Waits for the one open session to end and says why it ended.
+fn ended_why(c: &ContainerComms) -> String {
+    let mut why = String::new();
+    wait_for("the session closed", || {
+        let st = c.server.shared.lock();
+        match st.sessions.values().find_map(|s| s.closed.clone()) {
+            Some(w) => {
+                why = w;
+                true
+            }
+            None => false,
+        }
+    });
+    why
+}
+
+#[test]
+fn connections_that_come_and_go_leave_no_session_behind() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    for i in 0..MAX_ENDED as u64 + 40 {
+        let mut cl = Client::connect(&path, None);
+        cl.comm(i, &format!("k{i}"), 0, 1);
+        drop(cl);
+    }
+    wait_for("every connection ended", || {
+        c.server.shared.lock().connections == 0
+    });
+    assert!(kept(&c) <= MAX_ENDED, "{} sessions kept", kept(&c));
+    // The ended ones hold no descriptor and no replies.
+    let st = c.server.shared.lock();
+    assert!(st
+        .sessions
+        .values()
+        .all(|s| s.closed.is_some() && s.comms.len() <= 1));
+    drop(st);
+    c.close();
+}
+
+#[test]
+fn a_session_announcing_too_many_or_too_long_communicators_is_closed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    let mut cl = Client::connect(&path, None);
+    cl.comm(1, &"k".repeat(MAX_KEY + 1), 0, 1);
+    assert!(ended_why(&c).contains("key of"), "closed for its key");
+    drop(cl);
+    wait_for("ended", || c.server.shared.lock().connections == 0);
+    c.server.shared.lock().sessions.clear();
+
+    let cl = Client::connect(&path, None);
+    let msgs: Vec<u8> = (0..MAX_COMMS as u64 + 1)
+        .flat_map(|i| {
+            let mut b = Vec::new();
+            nccl_control::write_frame(
+                &mut b,
+                &LayerMsg::Comm {
+                    id: i,
+                    key: "k".into(),
+                    rank: 0,
+                    nranks: 1,
+                    cuda_dev: 0,
+                    split: None,
+                },
+            )
+            .unwrap();
+            b
+        })
+        .collect();
+    let _ = cl.conn.stream().try_clone().unwrap().write_all(&msgs);
+    let why = ended_why(&c);
+    assert!(why.contains(&format!("more than {MAX_COMMS}")), "{why}");
+    drop(cl);
+    c.close();
+}
+
+#[test]
+fn a_session_queueing_replies_nobody_asked_for_is_closed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    let mut cl = Client::connect(&path, None);
+    for _ in 0..MAX_UNASKED + 1 {
+        let _ = cl.conn.send(&LayerMsg::Rebuilt, Some(WAIT));
+    }
+    let why = ended_why(&c);
+    assert!(why.contains("nobody asked for"), "{why}");
+    assert!(kept(&c) <= 1);
+    assert!(c
+        .server
+        .shared
+        .lock()
+        .sessions
+        .values()
+        .all(|s| s.replies.is_empty()));
+    c.close();
 }
