@@ -225,8 +225,14 @@ fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, Strin
         resumed,
     } = hello
     else {
-        return Err(format!("first message {hello:?} is not Hello"));
+        return Err(format!(
+            "first message {} is not Hello",
+            super::steps::shown(&format!("{hello:?}"))
+        ));
     };
+    if resumed.as_ref().is_some_and(|t| t.len() > 64) {
+        return Err("it presents a token longer than any this shim gives".into());
+    }
     if version != nccl_control::VERSION {
         return Err(format!(
             "protocol version {version}; this shim speaks {}",

@@ -42,6 +42,20 @@ pub(super) fn first_of(mut failures: Vec<String>) -> Option<String> {
     Some(m)
 }
 
+/// Text a process sent, for an error or a log: at most 256 bytes, escaped.
+pub(super) fn shown(text: &str) -> String {
+    const MAX: usize = 256;
+    let mut end = text.len().min(MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut s: String = text[..end].escape_debug().collect();
+    if end < text.len() {
+        s.push_str(&format!("... ({} bytes)", text.len()));
+    }
+    s
+}
+
 /// Who session `id` is, with the rank the layer named where it named one.
 fn who(server: &Server, id: u64, rank: Option<(u64, i32)>) -> String {
     let st = server.shared.lock();
@@ -62,8 +76,11 @@ pub(super) fn failure(
             comm,
             rank,
             message,
-        }) => (who(server, id, comm.zip(rank)), message),
-        Ok(other) => (who(server, id, None), format!("answered {other:?}")),
+        }) => (who(server, id, comm.zip(rank)), shown(&message)),
+        Ok(other) => (
+            who(server, id, None),
+            format!("answered {}", shown(&format!("{other:?}"))),
+        ),
         Err(why) => (who(server, id, None), why),
     }
 }

@@ -1005,3 +1005,225 @@ fn a_session_queueing_replies_nobody_asked_for_is_closed() {
         .all(|s| s.replies.is_empty()));
     c.close();
 }
+
+/// Two sessions connected, with their comms announced; their ids.
+fn two(
+    c: &ContainerComms,
+    path: &Path,
+    a: &[(u64, &str, i32, i32)],
+    b: &[(u64, &str, i32, i32)],
+) -> (Client, Client) {
+    let mut ca = Client::connect(path, None);
+    for (id, k, r, n) in a {
+        ca.comm(*id, k, *r, *n);
+    }
+    let mut cb = Client::connect(path, None);
+    for (id, k, r, n) in b {
+        cb.comm(*id, k, *r, *n);
+    }
+    let want = a.len() + b.len();
+    wait_for("comms announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .map(|s| s.comms.len())
+            .sum::<usize>()
+            == want
+    });
+    (ca, cb)
+}
+
+#[test]
+fn a_second_claim_of_a_rank_fails_the_quiesce_before_any_layer_is_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 0, 2)]);
+    let e = c_quiesce(&c);
+    assert!(
+        e.contains("both claim rank 0 of 2 on communicator key k"),
+        "{e}"
+    );
+    assert_eq!(
+        e.matches(&format!("pid {} (rank 0 of 2", me())).count(),
+        2,
+        "{e}"
+    );
+    for cl in [&mut a, &mut b] {
+        let r = cl.conn.recv::<ShimMsg>(Some(Duration::from_millis(200)));
+        assert!(matches!(r, Err(ControlError::Timeout { .. })), "{r:?}");
+    }
+    c.close();
+
+    // Another number of ranks, or a rank out of range: refused alike.
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 4)]);
+    let e = c_quiesce(&c);
+    assert!(e.contains("says communicator key k has"), "{e}");
+    c.close();
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 2, 2)]);
+    let e = c_quiesce(&c);
+    assert!(e.contains("claims rank 2 of 2"), "{e}");
+    c.close();
+}
+
+/// Answers NewUniqueId with `id` and then the Rebuild it gets (sent on `seen`) with Rebuilt.
+fn answer_rebuild(
+    mut cl: Client,
+    id: String,
+    seen: Sender<ShimMsg>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || loop {
+        let Ok(m) = cl.conn.recv::<ShimMsg>(Some(WAIT)) else {
+            return;
+        };
+        match m {
+            ShimMsg::NewUniqueId { key } => cl.send(LayerMsg::UniqueId {
+                key,
+                id: id.clone(),
+            }),
+            m @ ShimMsg::Rebuild { .. } => {
+                let _ = seen.send(m);
+                cl.send(LayerMsg::Rebuilt);
+                return;
+            }
+            _ => {}
+        }
+    })
+}
+
+#[test]
+fn a_rebuild_sends_each_process_only_the_ids_of_its_keys() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (a, b) = two(
+        &c,
+        &path,
+        &[(1, "ka", 0, 1)],
+        &[(5, "kb", 0, 1), (6, "kb/3", 0, 1)],
+    );
+    let ids = c.server.shared.open_sessions();
+    let (seen, log) = channel();
+    let ta = answer_rebuild(a, "ab".repeat(128), seen.clone());
+    let tb = answer_rebuild(b, "cd".repeat(128), seen);
+    steps::rebuild(&c.server, &ids, "checkpoint").unwrap();
+    ta.join().unwrap();
+    tb.join().unwrap();
+    let mut got: Vec<ShimMsg> = log.try_iter().collect();
+    got.sort_by_key(|m| format!("{m:?}"));
+    assert_eq!(
+        got,
+        vec![
+            ShimMsg::Rebuild {
+                ids: vec![("ka".into(), "ab".repeat(128))]
+            },
+            ShimMsg::Rebuild {
+                ids: vec![("kb".into(), "cd".repeat(128))]
+            },
+        ]
+    );
+    c.close();
+}
+
+#[test]
+fn a_unique_id_that_is_not_128_bytes_of_hex_fails_the_rebuild() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (a, b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
+    let ids = c.server.shared.open_sessions();
+    let (seen, log) = channel();
+    let ta = answer_rebuild(a, "attacker-chosen\n".into(), seen.clone());
+    let tb = answer_rebuild(b, "ab".repeat(128), seen);
+    let e = steps::rebuild(&c.server, &ids, "checkpoint")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("made no unique id for k"), "{e}");
+    assert!(e.contains("\\n"), "the reply is escaped: {e}");
+    assert_eq!(log.try_iter().count(), 0, "no Rebuild sent");
+    c.close();
+    let _ = ta.join();
+    let _ = tb.join();
+}
+
+#[test]
+fn a_drain_target_no_rank_reaches_names_who_reported_it() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
+    let ta = std::thread::spawn(move || {
+        assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Holding {
+            issued: vec![(1, 1_000_000)],
+        });
+        assert!(matches!(a.recv(), ShimMsg::Drain { .. }));
+        a.send(LayerMsg::Quiesced { comms: vec![1] });
+        assert_eq!(a.recv(), ShimMsg::Go);
+    });
+    let tb = std::thread::spawn(move || {
+        assert!(matches!(b.recv(), ShimMsg::Quiesce { .. }));
+        b.send(LayerMsg::Holding {
+            issued: vec![(5, 3)],
+        });
+        assert!(matches!(b.recv(), ShimMsg::Drain { .. }));
+        b.send(LayerMsg::Failed {
+            comm: Some(5),
+            rank: Some(1),
+            message: "communicator 5 (rank 1): 3 of 1000000 collectives issued".into(),
+        });
+        assert_eq!(b.recv(), ShimMsg::Go);
+    });
+    let e = c_quiesce(&c);
+    assert!(e.contains("did not quiesce within 3s"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "its drain target 1000000 on key k was reported by pid {} (rank 0 of 2",
+            me()
+        )),
+        "{e}"
+    );
+    ta.join().unwrap();
+    tb.join().unwrap();
+    c.close();
+}
+
+#[test]
+fn what_a_layer_says_reaches_errors_bounded_and_escaped() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let mut a = Client::connect(&path, None);
+    a.comm(1, "k", 0, 1);
+    wait_for("comm announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .all(|s| !s.comms.is_empty())
+    });
+    let t = std::thread::spawn(move || {
+        assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Failed {
+            comm: None,
+            rank: None,
+            message: "x\n\u{1b}[2Jy".repeat(2000),
+        });
+        assert_eq!(a.recv(), ShimMsg::Go);
+    });
+    let e = c_quiesce(&c);
+    assert!(e.contains("x\\n\\u{1b}[2Jy"), "{e}");
+    assert!(!e.contains('\n') && !e.contains('\u{1b}'), "{e}");
+    assert!(e.len() < 2000, "{} bytes", e.len());
+    t.join().unwrap();
+    c.close();
+}
