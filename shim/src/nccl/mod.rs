@@ -403,6 +403,14 @@ pub fn close(id: &str) {
     }
 }
 
+/// SIGKILL of container `id`: every session ends and every wait of a step on them ends now,
+/// so that a checkpoint holding the container's lock gives it up at once.
+pub fn abort(id: &str) {
+    if let Some(c) = containers().get(id).cloned() {
+        c.server.shared.abort();
+    }
+}
+
 /// Whether host process `pid` is known to the control server of its container: connected, or
 /// released by the checkpoint under way. A process that maps the layer and is not known holds
 /// communicators the checkpoint cannot quiesce (it is refused before any device lock).

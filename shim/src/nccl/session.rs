@@ -62,20 +62,13 @@ impl Session {
         }
     }
 
-    /// Sends `msg`; a failure closes the session.
-    pub fn send(&mut self, msg: &ShimMsg) -> Result<(), String> {
-        if let Some(why) = &self.closed {
-            return Err(why.clone());
-        }
-        let Some(writer) = self.writer.as_mut() else {
-            return Err("its control connection is gone".into());
-        };
-        writer.send(msg, Some(SEND_TIMEOUT)).map_err(|e| {
-            writer.shutdown();
-            let why = format!("its control connection failed: {e}");
-            self.closed = Some(why.clone());
-            why
-        })
+    /// A second handle on the connection, to write outside the lock.
+    pub(super) fn writer_clone(&self) -> Result<Connection, String> {
+        self.writer
+            .as_ref()
+            .ok_or("its control connection is gone")?
+            .try_clone()
+            .map_err(|e| format!("its control connection: {e}"))
     }
 
     /// Ends the connection (the reader sees it closed).
@@ -277,17 +270,18 @@ impl Shared {
         requests: Vec<(u64, ShimMsg)>,
         deadline: Instant,
     ) -> Vec<(u64, Result<LayerMsg, String>)> {
-        let mut st = self.lock();
         let mut answers: Vec<Option<Result<LayerMsg, String>>> = vec![None; requests.len()];
-        for (i, (id, msg)) in requests.iter().enumerate() {
-            match st.sessions.get_mut(id) {
-                Some(s) => match s.send(msg) {
-                    Ok(()) => s.asked += 1,
-                    Err(e) => answers[i] = Some(Err(e)),
-                },
-                None => answers[i] = Some(Err("its control connection is gone".into())),
+        let sent = self.send_each(
+            requests.iter().map(|(id, m)| (*id, m)).collect(),
+            deadline,
+            true,
+        );
+        for (i, r) in sent.into_iter().enumerate() {
+            if let Err(e) = r {
+                answers[i] = Some(Err(e));
             }
         }
+        let st = self.lock();
         let (mut st, _) = self.wait_until(st, deadline, |st| {
             for (i, (id, _)) in requests.iter().enumerate() {
                 if answers[i].is_some() {
@@ -331,13 +325,77 @@ impl Shared {
 
     /// Sends `msg` to every session of `ids`, expecting no reply; the failures.
     pub fn tell(&self, ids: &[u64], msg: &ShimMsg) -> Vec<(u64, String)> {
-        let mut st = self.lock();
+        let sent = self.send_each(
+            ids.iter().map(|id| (*id, msg)).collect(),
+            Instant::now() + SEND_TIMEOUT,
+            false,
+        );
         ids.iter()
-            .filter_map(|id| {
-                let s = st.sessions.get_mut(id)?;
-                s.send(msg).err().map(|e| (*id, e))
+            .zip(sent)
+            .filter_map(|(id, r)| r.err().map(|e| (*id, e)))
+            .collect()
+    }
+
+    /// Sends each message to its session, outside the lock (a session that does not read
+    /// holds no one else up), each write bounded by [`SEND_TIMEOUT`] and `deadline`, none
+    /// once the container is closed ([`Shared::abort`]); `asking`: each awaits a reply. A
+    /// session whose write fails is closed. Each send's result, in order.
+    fn send_each(
+        &self,
+        sends: Vec<(u64, &ShimMsg)>,
+        deadline: Instant,
+        asking: bool,
+    ) -> Vec<Result<(), String>> {
+        let writers: Vec<Result<Connection, String>> = {
+            let mut st = self.lock();
+            sends
+                .iter()
+                .map(|(id, _)| {
+                    let s = st
+                        .sessions
+                        .get_mut(id)
+                        .ok_or("its control connection is gone")?;
+                    if let Some(why) = &s.closed {
+                        return Err(why.clone());
+                    }
+                    let w = s.writer_clone()?;
+                    if asking {
+                        s.asked += 1;
+                    }
+                    Ok(w)
+                })
+                .collect()
+        };
+        sends
+            .iter()
+            .zip(writers)
+            .map(|((id, msg), w)| {
+                let mut w = w?;
+                if self.lock().closed {
+                    return Err("the container is gone".to_string());
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                w.send(*msg, Some(left.min(SEND_TIMEOUT))).map_err(|e| {
+                    let why = format!("its control connection failed: {e}");
+                    if let Some(s) = self.lock().sessions.get_mut(id) {
+                        s.shut(&why);
+                    }
+                    why
+                })
             })
             .collect()
+    }
+
+    /// The container is being killed: every session ends (a write in progress fails at
+    /// once) and every wait on them ends now.
+    pub fn abort(&self) {
+        let mut st = self.lock();
+        st.closed = true;
+        for s in st.sessions.values_mut() {
+            s.shut("the container is being killed");
+        }
+        drop(st);
+        self.notify();
     }
 
     /// The sessions still open, in the order they connected.

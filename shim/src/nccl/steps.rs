@@ -11,7 +11,7 @@ use nccl_control::{LayerMsg, ShimMsg};
 use tracing::{info_span, warn};
 
 use super::server::Server;
-use super::session::{describe, Held};
+use super::session::{describe, Held, SEND_TIMEOUT};
 use crate::error::Error;
 
 /// Beyond the layer's own deadline, for its answer to arrive.
@@ -129,11 +129,11 @@ pub fn release(server: &Server, ids: &[u64]) -> Result<BTreeMap<u64, bool>, Erro
 /// end.
 pub fn disconnect(server: &Server, released: &BTreeMap<u64, bool>) {
     let mut st = server.shared.lock();
+    let mut writers = Vec::new();
     for (id, suspended) in released {
-        if let Some(mut s) = st.sessions.remove(id) {
+        if let Some(s) = st.sessions.remove(id) {
             let record = s.record(*suspended);
-            let _ = s.send(&ShimMsg::Disconnect);
-            s.shut("disconnected for the checkpoint");
+            writers.extend(s.writer_clone().ok());
             st.held.push(Held {
                 host_pid: s.host_pid,
                 record,
@@ -142,6 +142,15 @@ pub fn disconnect(server: &Server, released: &BTreeMap<u64, bool>) {
     }
     drop(st);
     server.shared.notify();
+    // Outside the lock: a process that does not read holds no one else up.
+    for mut w in writers {
+        if server.shared.lock().closed {
+            w.shutdown();
+            continue;
+        }
+        let _ = w.send(&ShimMsg::Disconnect, Some(SEND_TIMEOUT));
+        w.shutdown();
+    }
 }
 
 /// Go to every session of `ids` (no reply); failures are logged: a layer that lost its

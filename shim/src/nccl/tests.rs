@@ -1227,3 +1227,73 @@ fn what_a_layer_says_reaches_errors_bounded_and_escaped() {
     t.join().unwrap();
     c.close();
 }
+
+#[test]
+fn a_kill_ends_a_quiesce_waiting_on_a_rank_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(60), ours());
+    let mut a = Client::connect(&path, None);
+    a.comm(1, "k", 0, 1);
+    wait_for("comm announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .all(|s| !s.comms.is_empty())
+    });
+    let q = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            (c_quiesce(&c), t.elapsed())
+        })
+    };
+    // It gets Quiesce and never answers.
+    assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+    c.server.shared.abort();
+    let (e, took) = q.join().unwrap();
+    assert!(took < Duration::from_secs(5), "{took:?}: {e}");
+    assert!(e.contains("nccl-quiesce"), "{e}");
+    c.close();
+}
+
+#[test]
+fn a_process_that_does_not_read_holds_neither_the_state_nor_a_kill() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(60), ours());
+    let _a = Client::connect(&path, None);
+    wait_for("one session", || sessions(&c) == 1);
+    let ids = c.server.shared.open_sessions();
+    // Messages until its socket is full and a write blocks.
+    let big = ShimMsg::Rebuild {
+        ids: (0..200)
+            .map(|i| (format!("k{i}"), "ab".repeat(128)))
+            .collect(),
+    };
+    let teller = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            for _ in 0..1000 {
+                if !c.server.shared.tell(&ids, &big).is_empty() {
+                    return;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // The state is not held by the blocked write.
+    let t = Instant::now();
+    drop(c.server.shared.lock());
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
+    c.server.shared.abort();
+    teller.join().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    c.close();
+}
