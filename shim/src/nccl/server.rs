@@ -202,7 +202,8 @@ fn serve(server: &Server, stream: UnixStream) {
         }
     };
     let mut conn = Connection::new(stream);
-    let session = match admit(server, &mut conn, peer) {
+    // Before a byte is read: a process of another cgroup is refused at once.
+    let session = match member(server, peer).and_then(|ns| admit(server, &mut conn, peer, ns)) {
         Ok(s) => s,
         Err(why) => {
             warn!(id = %server.id, pid = peer, "NCCL control connection refused: {why}");
@@ -213,10 +214,24 @@ fn serve(server: &Server, stream: UnixStream) {
     read_loop(server, &mut conn, session);
 }
 
-/// Hello, authentication, Welcome: the session's id.
-fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, String> {
+/// The pid in the container of host process `peer`, when it is a process of the container.
+fn member(server: &Server, peer: i32) -> Result<i32, String> {
+    // The init is known once runc has started (or restored) it.
+    let deadline = Instant::now() + server.timeout;
+    let (st, known) = server
+        .shared
+        .wait_until(server.shared.lock(), deadline, |st| st.init.is_some());
+    let init = st.init.filter(|_| known);
+    drop(st);
+    let init = init.ok_or("the container's init is not known")?;
+    server.members.check(init, peer)
+}
+
+/// Hello, whole within [`HELLO_TIMEOUT`] and with pid `ns_pid` (the peer's in the
+/// container), then Welcome: the session's id.
+fn admit(server: &Server, conn: &mut Connection, peer: i32, ns_pid: i32) -> Result<u64, String> {
     let hello = conn
-        .recv::<LayerMsg>(Some(HELLO_TIMEOUT))
+        .recv_by::<LayerMsg>(Instant::now() + HELLO_TIMEOUT)
         .map_err(|e| format!("no Hello: {e}"))?;
     let LayerMsg::Hello {
         version,
@@ -239,15 +254,6 @@ fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, Strin
             nccl_control::VERSION
         ));
     }
-    // The init is known once runc has started (or restored) it.
-    let deadline = Instant::now() + server.timeout;
-    let (st, known) = server
-        .shared
-        .wait_until(server.shared.lock(), deadline, |st| st.init.is_some());
-    let init = st.init.filter(|_| known);
-    drop(st);
-    let init = init.ok_or("the container's init is not known")?;
-    let ns_pid = server.members.check(init, peer)?;
     if ns_pid != pid {
         return Err(format!(
             "Hello says pid {pid}, but host pid {peer} is pid {ns_pid} in the container"
