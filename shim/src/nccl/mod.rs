@@ -438,6 +438,73 @@ pub fn check_layer(record: Option<&NcclRecord>, setup: Option<&inject::NcclSetup
             "the NCCL layer on this node ({}) is not the one the checkpoint was taken with ({})",
             s.layer_blake3, record.layer_blake3
         ))),
-        Some(_) => cut::check_restore(record.cut.as_ref(), &record.processes),
+        Some(_) => {
+            check_record(record).map_err(fail)?;
+            cut::check_restore(record.cut.as_ref(), &record.processes)
+        }
     }
+}
+
+/// Containers one cut may name.
+const MAX_CUT: usize = 1024;
+
+/// The record holds what a checkpoint of this shim writes, within the bounds the server keeps:
+/// at most [`MAX_CONNECTIONS`] processes, each with a pid of its own, a token as the server
+/// gives them, at most [`session::MAX_COMMS`] communicators, each with a key of at most
+/// [`session::MAX_KEY`] bytes and a rank within its number of ranks; a cut of at most
+/// [`MAX_CUT`] containers.
+fn check_record(record: &NcclRecord) -> std::result::Result<(), String> {
+    let shown = steps::shown;
+    if record.processes.len() > MAX_CONNECTIONS {
+        return Err(format!(
+            "the checkpoint's NCCL record lists {} processes (at most {MAX_CONNECTIONS})",
+            record.processes.len()
+        ));
+    }
+    let mut pids = std::collections::BTreeSet::new();
+    for p in &record.processes {
+        if p.pid <= 0 || !pids.insert(p.pid) {
+            return Err(format!(
+                "the checkpoint's NCCL record lists pid {} {}",
+                p.pid,
+                if p.pid <= 0 { "(not a pid)" } else { "twice" }
+            ));
+        }
+        if p.token.len() != 32 || !p.token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "the checkpoint's NCCL record gives pid {} the token {}, not one this shim gives",
+                p.pid,
+                shown(&p.token)
+            ));
+        }
+        if p.comms.len() > session::MAX_COMMS {
+            return Err(format!(
+                "the checkpoint's NCCL record gives pid {} {} communicators (at most {})",
+                p.pid,
+                p.comms.len(),
+                session::MAX_COMMS
+            ));
+        }
+        for c in &p.comms {
+            if c.key.len() > session::MAX_KEY || c.nranks < 1 || c.rank < 0 || c.rank >= c.nranks {
+                return Err(format!(
+                    "the checkpoint's NCCL record gives pid {} communicator {} rank {} of {} on key {}: not one the layer announces",
+                    p.pid,
+                    c.id,
+                    c.rank,
+                    c.nranks,
+                    shown(&c.key)
+                ));
+            }
+        }
+    }
+    if let Some(cut) = &record.cut {
+        if cut.containers.len() > MAX_CUT {
+            return Err(format!(
+                "the checkpoint's NCCL cut names {} containers (at most {MAX_CUT})",
+                cut.containers.len()
+            ));
+        }
+    }
+    Ok(())
 }

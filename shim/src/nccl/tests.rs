@@ -879,8 +879,12 @@ fn check_restore_cut_of(id: &str) -> String {
     let record = NcclRecord {
         layer_blake3: "h".into(),
         processes: vec![NcclProcess {
+            pid: 7,
+            token: "0".repeat(32),
             comms: vec![NcclComm {
                 key: "rk/1".into(),
+                rank: 1,
+                nranks: 2,
                 ..Default::default()
             }],
             ..Default::default()
@@ -1338,4 +1342,63 @@ fn a_hello_trickled_in_is_closed_at_the_hello_bound() {
     assert!(closed, "still open after {:?}", t.elapsed());
     assert!(t.elapsed() < HELLO_TIMEOUT + Duration::from_secs(1));
     c.close();
+}
+
+#[test]
+fn a_record_beyond_what_the_server_keeps_is_refused_at_restore() {
+    let setup = inject::NcclSetup {
+        host_dir: "/nonexistent".into(),
+        socket: "/nonexistent/control.sock".into(),
+        layer_blake3: "h".into(),
+    };
+    let process = |pid: i32| NcclProcess {
+        pid,
+        token: format!("{pid:032x}"),
+        comms: vec![NcclComm {
+            key: "k".into(),
+            rank: 0,
+            nranks: 1,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let check = |edit: &dyn Fn(&mut NcclRecord)| {
+        let mut r = NcclRecord {
+            layer_blake3: "h".into(),
+            processes: vec![process(7), process(8)],
+            cut: None,
+        };
+        edit(&mut r);
+        check_layer(Some(&r), Some(&setup)).map_err(|e| e.to_string())
+    };
+    assert!(check(&|_| {}).is_ok());
+    let refused = |edit: &dyn Fn(&mut NcclRecord), why: &str| {
+        let e = check(edit).unwrap_err();
+        assert!(e.contains("nccl-layer") && e.contains(why), "{e}");
+    };
+    refused(&|r| r.processes[1].pid = 7, "pid 7 twice");
+    refused(&|r| r.processes[1].pid = 0, "not a pid");
+    refused(&|r| r.processes[0].token = "../x".into(), "token ../x");
+    refused(
+        &|r| r.processes = (1..=MAX_CONNECTIONS as i32 + 1).map(process).collect(),
+        "processes (at most",
+    );
+    refused(
+        &|r| r.processes[0].comms = vec![NcclComm::default(); MAX_COMMS + 1],
+        "communicators (at most",
+    );
+    refused(
+        &|r| r.processes[0].comms[0].key = "k".repeat(MAX_KEY + 1),
+        "not one the layer announces",
+    );
+    refused(&|r| r.processes[0].comms[0].rank = 1, "rank 1 of 1");
+    refused(
+        &|r| {
+            r.cut = Some(image_format::manifest::NcclCut {
+                id: "c".into(),
+                containers: vec![String::new(); 5000],
+            })
+        },
+        "names 5000 containers",
+    );
 }
