@@ -150,7 +150,11 @@ impl ContainerComms {
 
     /// The container's init is host pid `pid`: connections are held to its cgroup.
     pub fn started(&self, pid: i32) {
-        self.server.shared.lock().init = Some(pid);
+        let fd = session::pidfd_open(pid);
+        let mut st = self.server.shared.lock();
+        st.init = Some(pid);
+        st.init_fd = fd;
+        drop(st);
         self.server.shared.notify();
     }
 

@@ -184,6 +184,26 @@ fn peer_pid(stream: &UnixStream) -> Result<i32, String> {
         .map_err(|e| format!("SO_PEERCRED: {e}"))
 }
 
+/// A pidfd of the peer as it connected (`SO_PEERPIDFD`); none where the kernel has none.
+fn peer_pidfd(stream: &UnixStream) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    const SO_PEERPIDFD: libc::c_int = 77;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into an int of the size given.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: a new descriptor the kernel returned, owned by nothing else.
+    (r == 0 && fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// 16 random bytes, hex.
 fn new_token() -> Result<String, String> {
     let mut b = [0u8; 16];
@@ -201,9 +221,18 @@ fn serve(server: &Server, stream: UnixStream) {
             return;
         }
     };
+    // The peer itself (Linux 6.5 and later): its pid cannot be another process's while
+    // its membership is checked.
+    let peer_fd = peer_pidfd(&stream);
     let mut conn = Connection::new(stream);
     // Before a byte is read: a process of another cgroup is refused at once.
-    let session = match member(server, peer).and_then(|ns| admit(server, &mut conn, peer, ns)) {
+    let checked = member(server, peer).and_then(|ns| match &peer_fd {
+        Some(fd) if super::session::pidfd_signal(fd, 0).is_err() => Err(format!(
+            "pid {peer} exited while it was checked (its pid may be another process's now)"
+        )),
+        _ => Ok(ns),
+    });
+    let session = match checked.and_then(|ns| admit(server, &mut conn, peer, ns)) {
         Ok(s) => s,
         Err(why) => {
             warn!(id = %server.id, pid = peer, "NCCL control connection refused: {why}");

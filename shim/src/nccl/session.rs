@@ -206,6 +206,9 @@ pub struct State {
     pub connections: usize,
     /// The container's init (host pid), once known: connections are held to its cgroup.
     pub init: Option<i32>,
+    /// A pidfd of the init, taken when it was known: a signal through it never reaches a
+    /// process that has the init's pid after the init exited.
+    pub init_fd: Option<std::os::fd::OwnedFd>,
     /// Released processes that have not connected again yet.
     pub held: Vec<Held>,
     /// The container is gone: every wait ends.
@@ -403,5 +406,50 @@ impl Shared {
         let mut st = self.lock();
         st.sessions.retain(|_, s| s.closed.is_none());
         st.sessions.keys().copied().collect()
+    }
+}
+
+/// A pidfd of process `pid`; none where it is gone or the kernel has none.
+pub fn pidfd_open(pid: i32) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a new descriptor the kernel returned, owned by nothing else.
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Sends `signal` (0: none, whether the process is still there) through pidfd `fd`.
+pub fn pidfd_signal(fd: &std::os::fd::OwnedFd, signal: i32) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on a pidfd we own, no siginfo, no flags.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+impl State {
+    /// SIGKILL of the container's init: through its pidfd (an init that exited is not
+    /// confused with a later process of the same pid), else by pid where the kernel gave none.
+    pub fn kill_init(&self) -> std::io::Result<()> {
+        match (&self.init_fd, self.init) {
+            (Some(fd), _) => pidfd_signal(fd, libc::SIGKILL),
+            (None, Some(pid)) => nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            )
+            .map_err(std::io::Error::from),
+            (None, None) => Ok(()),
+        }
     }
 }

@@ -1402,3 +1402,26 @@ fn a_record_beyond_what_the_server_keeps_is_refused_at_restore() {
         "names 5000 containers",
     );
 }
+
+#[test]
+fn a_failed_cut_restore_kills_the_init_through_its_pidfd() {
+    let d = tempfile::tempdir().unwrap();
+    let c = server(d.path(), WAIT, ours());
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    c.started(child.id() as i32);
+    assert!(
+        c.server.shared.lock().init_fd.is_some(),
+        "a pidfd of the init"
+    );
+    c.server.shared.lock().kill_init().unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    // Reaped: its pid may be another process's now; the pidfd reaches nothing.
+    let e = c.server.shared.lock().kill_init().unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ESRCH));
+    c.close();
+}
