@@ -806,12 +806,14 @@ impl Task for TaskService {
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
         let fut = async {
             let container = self.container(&req.id).await?;
-            // SIGKILL of the container ends a driver call in flight on it first: a checkpoint
-            // holds the container's lock until its call returns or reaches its bound.
+            // SIGKILL of the container ends a driver call in flight on it, and every wait on its
+            // NCCL layers, first: a checkpoint holds the container's lock until its call
+            // returns or reaches its bound.
             if req.signal == libc::SIGKILL as u32 && req.exec_id.is_empty() {
                 if let Some(init) = self.init_pid_of(&req.id) {
                     crate::device::abandon_calls_under(init);
                 }
+                crate::nccl::abort(&req.id);
             }
             let c = container.lock().await;
             c.kill(&req.exec_id, req.signal, req.all).await

@@ -3,7 +3,7 @@
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -184,6 +184,20 @@ impl Connection {
         read_frame_within(&mut self.stream, ms)
     }
 
+    /// Receives one message that must arrive whole by `deadline`: one bound for the frame,
+    /// however slowly its bytes come ([`ControlError::Timeout`] when none had come,
+    /// [`ControlError::Truncated`] when some had).
+    pub fn recv_by<T: DeserializeOwned>(&mut self, deadline: Instant) -> Result<T, ControlError> {
+        let ms = deadline
+            .saturating_duration_since(Instant::now())
+            .as_millis() as u64;
+        let mut r = ByDeadline {
+            stream: &self.stream,
+            deadline,
+        };
+        read_frame_within(&mut r, ms)
+    }
+
     /// Closes both directions (the peer sees the end of the stream; other handles on the
     /// connection too).
     pub fn shutdown(&self) {
@@ -193,6 +207,24 @@ impl Connection {
     /// The underlying stream.
     pub fn stream(&self) -> &UnixStream {
         &self.stream
+    }
+}
+
+/// Reads of a stream, each bounded by what is left until one deadline.
+struct ByDeadline<'a> {
+    stream: &'a UnixStream,
+    deadline: Instant,
+}
+
+impl Read for ByDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(nonzero(left)))?;
+        let mut s = self.stream;
+        s.read(buf)
     }
 }
 
@@ -206,7 +238,6 @@ mod tests {
     use super::*;
     use crate::{LayerMsg, ShimMsg, Split};
     use std::io::Cursor;
-    use std::time::Instant;
 
     fn frame_of(body: &[u8]) -> Vec<u8> {
         let mut v = (body.len() as u32).to_be_bytes().to_vec();
@@ -471,5 +502,32 @@ mod tests {
             f.recv::<ShimMsg>(None),
             Err(ControlError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn a_frame_trickled_in_ends_at_the_one_deadline() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut reader = Connection::new(b);
+        let writer = std::thread::spawn(move || {
+            let mut a = a;
+            // A byte every 100 ms: each read is quick, the frame never ends.
+            let _ = a.write_all(&[0, 0, 0, 50]);
+            for _ in 0..40 {
+                std::thread::sleep(Duration::from_millis(100));
+                if a.write_all(b" ").is_err() {
+                    return;
+                }
+            }
+        });
+        let t = Instant::now();
+        let r = reader.recv_by::<LayerMsg>(Instant::now() + Duration::from_millis(700));
+        assert!(matches!(r, Err(ControlError::Truncated { .. })), "{r:?}");
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t.elapsed()
+        );
+        drop(reader);
+        writer.join().unwrap();
     }
 }

@@ -401,12 +401,7 @@ fn rebuild_restored(id: &str) {
 fn fail_restore(id: &str, members: &[Arc<ContainerComms>], why: String) {
     error!(cut = %id, "the restore of the pod's NCCL cut failed, its restored containers are killed: {why}");
     for m in members {
-        if let Some(init) = m.server.shared.lock().init {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(init),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
+        let _ = m.server.shared.lock().kill_init();
     }
     restoring().remove(id);
 }

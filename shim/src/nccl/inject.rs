@@ -184,7 +184,7 @@ fn inject_under(
     let host_dir = host_dir_under(base, namespace, id)?;
     let mut edited = spec.clone();
     edit_spec(&mut edited, &layer, &host_dir, options.nccl_release())?;
-    make_fresh(&host_dir, base.parent().unwrap_or(base))?;
+    make_fresh(&host_dir, base.parent().unwrap_or(base), base)?;
     *spec = edited;
     info!(%namespace, %id, layer = %layer.display(), %layer_blake3, dir = %host_dir.display(), "NCCL layer injected");
     Ok(NcclSetup {
@@ -377,9 +377,10 @@ fn edit_env(
 
 /// Makes `dir` afresh, mode 0755: every directory on the way from `/` opened without following
 /// a link (and made 0755 where missing); those from `trusted_from` down must be directories
-/// owned by root (or the shim's user) that no one else can write; a link at `dir` is refused;
+/// owned by root (or the shim's user) that no one else can write, and those from
+/// `private_from` down are made 0700 (others cannot reach the socket); a link at `dir` is refused;
 /// a directory there (an earlier shim's of the same container) is removed first.
-fn make_fresh(dir: &Path, trusted_from: &Path) -> Result<()> {
+fn make_fresh(dir: &Path, trusted_from: &Path, private_from: &Path) -> Result<()> {
     let refuse = |why: String| {
         Error::FailedPrecondition(format!(
             "cannot make the NCCL control socket's directory {}: {why}",
@@ -405,7 +406,11 @@ fn make_fresh(dir: &Path, trusted_from: &Path) -> Result<()> {
             _ => return Err(refuse("its path is not plain".into())),
         };
         walked.push(c);
-        match mkdirat(at.as_fd(), c, Mode::from_bits_truncate(0o755)) {
+        // From the base down, root's only: the container reaches its own directory through
+        // the bind mount, and no one else on the host reaches the socket.
+        let private = walked.starts_with(private_from);
+        let mode = if private { 0o700 } else { 0o755 };
+        match mkdirat(at.as_fd(), c, Mode::from_bits_truncate(mode)) {
             Ok(()) | Err(Errno::EEXIST) => {}
             Err(e) => return Err(refuse(format!("create {}: {e}", walked.display()))),
         }
@@ -440,6 +445,10 @@ fn make_fresh(dir: &Path, trusted_from: &Path) -> Result<()> {
                     st.st_mode & 0o7777
                 )));
             }
+        }
+        if private {
+            fchmod(at.as_fd(), Mode::from_bits_truncate(0o700))
+                .map_err(|e| refuse(format!("chmod {}: {e}", walked.display())))?;
         }
     }
     match fstatat(at.as_fd(), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
@@ -631,6 +640,11 @@ mod tests {
         assert!(m.is_dir());
         assert_eq!(m.permissions().mode() & 0o7777, 0o755);
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        // The base and the namespace's directory: root's only.
+        for d in [node.base(), node.base().join("k8s.io")] {
+            let m = std::fs::symlink_metadata(&d).unwrap();
+            assert_eq!(m.permissions().mode() & 0o7777, 0o700, "{}", d.display());
+        }
     }
 
     #[test]

@@ -150,7 +150,11 @@ impl ContainerComms {
 
     /// The container's init is host pid `pid`: connections are held to its cgroup.
     pub fn started(&self, pid: i32) {
-        self.server.shared.lock().init = Some(pid);
+        let fd = session::pidfd_open(pid);
+        let mut st = self.server.shared.lock();
+        st.init = Some(pid);
+        st.init_fd = fd;
+        drop(st);
         self.server.shared.notify();
     }
 
@@ -403,6 +407,14 @@ pub fn close(id: &str) {
     }
 }
 
+/// SIGKILL of container `id`: every session ends and every wait of a step on them ends now,
+/// so that a checkpoint holding the container's lock gives it up at once.
+pub fn abort(id: &str) {
+    if let Some(c) = containers().get(id).cloned() {
+        c.server.shared.abort();
+    }
+}
+
 /// Whether host process `pid` is known to the control server of its container: connected, or
 /// released by the checkpoint under way. A process that maps the layer and is not known holds
 /// communicators the checkpoint cannot quiesce (it is refused before any device lock).
@@ -430,6 +442,73 @@ pub fn check_layer(record: Option<&NcclRecord>, setup: Option<&inject::NcclSetup
             "the NCCL layer on this node ({}) is not the one the checkpoint was taken with ({})",
             s.layer_blake3, record.layer_blake3
         ))),
-        Some(_) => cut::check_restore(record.cut.as_ref(), &record.processes),
+        Some(_) => {
+            check_record(record).map_err(fail)?;
+            cut::check_restore(record.cut.as_ref(), &record.processes)
+        }
     }
+}
+
+/// Containers one cut may name.
+const MAX_CUT: usize = 1024;
+
+/// The record holds what a checkpoint of this shim writes, within the bounds the server keeps:
+/// at most [`MAX_CONNECTIONS`] processes, each with a pid of its own, a token as the server
+/// gives them, at most [`session::MAX_COMMS`] communicators, each with a key of at most
+/// [`session::MAX_KEY`] bytes and a rank within its number of ranks; a cut of at most
+/// [`MAX_CUT`] containers.
+fn check_record(record: &NcclRecord) -> std::result::Result<(), String> {
+    let shown = steps::shown;
+    if record.processes.len() > MAX_CONNECTIONS {
+        return Err(format!(
+            "the checkpoint's NCCL record lists {} processes (at most {MAX_CONNECTIONS})",
+            record.processes.len()
+        ));
+    }
+    let mut pids = std::collections::BTreeSet::new();
+    for p in &record.processes {
+        if p.pid <= 0 || !pids.insert(p.pid) {
+            return Err(format!(
+                "the checkpoint's NCCL record lists pid {} {}",
+                p.pid,
+                if p.pid <= 0 { "(not a pid)" } else { "twice" }
+            ));
+        }
+        if p.token.len() != 32 || !p.token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "the checkpoint's NCCL record gives pid {} the token {}, not one this shim gives",
+                p.pid,
+                shown(&p.token)
+            ));
+        }
+        if p.comms.len() > session::MAX_COMMS {
+            return Err(format!(
+                "the checkpoint's NCCL record gives pid {} {} communicators (at most {})",
+                p.pid,
+                p.comms.len(),
+                session::MAX_COMMS
+            ));
+        }
+        for c in &p.comms {
+            if c.key.len() > session::MAX_KEY || c.nranks < 1 || c.rank < 0 || c.rank >= c.nranks {
+                return Err(format!(
+                    "the checkpoint's NCCL record gives pid {} communicator {} rank {} of {} on key {}: not one the layer announces",
+                    p.pid,
+                    c.id,
+                    c.rank,
+                    c.nranks,
+                    shown(&c.key)
+                ));
+            }
+        }
+    }
+    if let Some(cut) = &record.cut {
+        if cut.containers.len() > MAX_CUT {
+            return Err(format!(
+                "the checkpoint's NCCL cut names {} containers (at most {MAX_CUT})",
+                cut.containers.len()
+            ));
+        }
+    }
+    Ok(())
 }

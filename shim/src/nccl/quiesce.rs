@@ -77,6 +77,7 @@ pub fn quiesce(parts: &Parts<'_>) -> Result<(), Error> {
         let (who, why) = failure(parts[p].0, id, a);
         format!("{who} did not quiesce within {}: {why}", within(t))
     };
+    check_keys(parts).map_err(|m| step_error("checkpoint", "nccl-quiesce", m))?;
     let deadline_ms = left_ms();
     let answers = ask_all(
         parts,
@@ -97,7 +98,7 @@ pub fn quiesce(parts: &Parts<'_>) -> Result<(), Error> {
         go_all(parts);
         return Err(step_error("checkpoint", "nccl-quiesce", m));
     }
-    let targets = drain_targets(parts, &issued);
+    let (targets, most) = drain_targets(parts, &issued);
     let deadline_ms = left_ms();
     let answers = ask_all(
         parts,
@@ -110,7 +111,13 @@ pub fn quiesce(parts: &Parts<'_>) -> Result<(), Error> {
     let failures: Vec<String> = answers
         .into_iter()
         .filter(|(_, _, a)| !matches!(a, Ok(LayerMsg::Quiesced { .. })))
-        .map(|(p, id, a)| fail(p, id, a))
+        .map(|(p, id, a)| {
+            let m = fail(p, id, a);
+            match set_by_another(parts, &issued, &targets, &most, (p, id)) {
+                Some(by) => format!("{m} ({by})"),
+                None => m,
+            }
+        })
         .collect();
     match first_of(failures) {
         None => Ok(()),
@@ -121,12 +128,117 @@ pub fn quiesce(parts: &Parts<'_>) -> Result<(), Error> {
     }
 }
 
+type Targets = BTreeMap<(usize, u64), Vec<(u64, u64)>>;
+/// Per key, the most issued and the (part, session) that said so.
+type Most = BTreeMap<String, (u64, (usize, u64))>;
+
+/// Who session `of` is.
+fn who(parts: &Parts<'_>, of: (usize, u64)) -> String {
+    failure(parts[of.0].0, of.1, Err(String::new())).0
+}
+
+/// Where session `of`'s drain target of a communicator is above its own count and another
+/// session reported that count: which, so that a count no rank can reach names its source.
+fn set_by_another(
+    parts: &Parts<'_>,
+    issued: &BTreeMap<(usize, u64), Vec<(u64, u64)>>,
+    targets: &Targets,
+    most: &Most,
+    of: (usize, u64),
+) -> Option<String> {
+    let mine = issued.get(&of)?;
+    let st = parts[of.0].0.shared.lock();
+    let comms: Vec<(u64, String)> = st
+        .sessions
+        .get(&of.1)?
+        .comms
+        .values()
+        .map(|c| (c.id, c.key.clone()))
+        .collect();
+    drop(st);
+    for (comm, target) in targets.get(&of)? {
+        let own = mine.iter().find(|(c, _)| c == comm).map(|(_, n)| *n);
+        let Some((_, key)) = comms.iter().find(|(c, _)| c == comm) else {
+            continue;
+        };
+        match (own, most.get(key)) {
+            (Some(n), Some((m, by))) if *target > n && *m == *target && *by != of => {
+                return Some(format!(
+                    "its drain target {target} on key {} was reported by {}",
+                    super::steps::shown(key),
+                    who(parts, *by)
+                ));
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Each communicator key of the sessions of `parts` is one communicator's: one number of
+/// ranks, each rank in range and claimed by one process only. Else which key and who claim
+/// it.
+pub(super) fn check_keys(parts: &Parts<'_>) -> Result<(), String> {
+    // Per key: its number of ranks and who claimed it; per rank, who claims it.
+    type Claims = (i32, (usize, u64), BTreeMap<i32, (usize, u64)>);
+    let mut keys: BTreeMap<String, Claims> = BTreeMap::new();
+    for (p, (server, ids)) in parts.iter().enumerate() {
+        let comms: Vec<(u64, String, i32, i32)> = {
+            let st = server.shared.lock();
+            ids.iter()
+                .filter_map(|id| st.sessions.get(id).map(|s| (id, s)))
+                .flat_map(|(id, s)| {
+                    s.comms
+                        .values()
+                        .map(|c| (*id, c.key.clone(), c.rank, c.nranks))
+                })
+                .collect()
+        };
+        for (id, key, rank, nranks) in comms {
+            let me = (p, id);
+            let k = super::steps::shown(&key);
+            if nranks < 1 || rank < 0 || rank >= nranks {
+                return Err(format!(
+                    "{} claims rank {rank} of {nranks} on communicator key {k}, which is no rank",
+                    who(parts, me)
+                ));
+            }
+            let e = keys
+                .entry(key)
+                .or_insert_with(|| (nranks, me, BTreeMap::new()));
+            if e.0 != nranks {
+                return Err(format!(
+                    "{} says communicator key {k} has {nranks} ranks, {} says {}",
+                    who(parts, me),
+                    who(parts, e.1),
+                    e.0
+                ));
+            }
+            match e.2.get(&rank) {
+                Some(other) if *other != me => {
+                    return Err(format!(
+                        "{} and {} both claim rank {rank} of {nranks} on communicator key {k}",
+                        who(parts, *other),
+                        who(parts, me)
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    e.2.insert(rank, me);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Each session's drain targets: for each of its communicators, the most collectives any
-/// communicator of the same key issued, in any session of any part.
+/// communicator of the same key issued, in any session of any part; and per key, who
+/// reported the most.
 fn drain_targets(
     parts: &Parts<'_>,
     issued: &BTreeMap<(usize, u64), Vec<(u64, u64)>>,
-) -> BTreeMap<(usize, u64), Vec<(u64, u64)>> {
+) -> (Targets, Most) {
     // Each (part, session, comm)'s key.
     let mut keys: BTreeMap<(usize, u64, u64), String> = BTreeMap::new();
     for (p, (server, ids)) in parts.iter().enumerate() {
@@ -139,16 +251,18 @@ fn drain_targets(
             }
         }
     }
-    let mut most: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut most: Most = BTreeMap::new();
     for ((p, session), counts) in issued {
         for (comm, n) in counts {
             if let Some(key) = keys.get(&(*p, *session, *comm)) {
-                let m = most.entry(key).or_default();
-                *m = (*m).max(*n);
+                let m = most.entry(key.clone()).or_insert((0, (*p, *session)));
+                if *n > m.0 {
+                    *m = (*n, (*p, *session));
+                }
             }
         }
     }
-    issued
+    let targets = issued
         .iter()
         .map(|((p, session), counts)| {
             let targets = counts
@@ -156,12 +270,13 @@ fn drain_targets(
                 .map(|(comm, n)| {
                     let target = keys
                         .get(&(*p, *session, *comm))
-                        .and_then(|k| most.get(k.as_str()).copied())
+                        .and_then(|k| most.get(k.as_str()).map(|m| m.0))
                         .unwrap_or(*n);
                     (*comm, target.max(*n))
                 })
                 .collect();
             ((*p, *session), targets)
         })
-        .collect()
+        .collect();
+    (targets, most)
 }

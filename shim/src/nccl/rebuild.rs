@@ -3,14 +3,14 @@
 //! it), then Rebuild with every fresh id to all sessions at once, then every Rebuilt awaited,
 //! within `NcclTimeout`. Fresh ids every time: two restores of one checkpoint never share one.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use nccl_control::{LayerMsg, ShimMsg};
 use tracing::{info, info_span};
 
-use super::quiesce::{ask_all, Parts};
-use super::steps::{failure, first_of, step_error, within, ANSWER_GRACE};
+use super::quiesce::{ask_all, check_keys, Parts};
+use super::steps::{failure, first_of, shown, step_error, within, ANSWER_GRACE};
 use crate::error::Error;
 
 /// Rebuilds every session of `parts`; `operation` names it in errors.
@@ -23,6 +23,7 @@ pub fn rebuild(parts: &Parts<'_>, operation: &'static str) -> Result<(), Error> 
         .entered();
     let t = first.timeout;
     let fail = |m: String| step_error(operation, "nccl-rebuild", m);
+    check_keys(parts).map_err(fail)?;
     let roots = root_holders(parts);
     let mut fresh = Vec::new();
     let mut failures = Vec::new();
@@ -37,10 +38,12 @@ pub fn rebuild(parts: &Parts<'_>, operation: &'static str) -> Result<(), Error> 
             .ask_many(asks, Instant::now() + t + ANSWER_GRACE);
         for ((key, _, _), (id, a)) in mine.into_iter().zip(answers) {
             match a {
-                Ok(LayerMsg::UniqueId { key: k, id: uid }) if &k == key => fresh.push((k, uid)),
+                Ok(LayerMsg::UniqueId { key: k, id: uid }) if &k == key && unique_id(&uid) => {
+                    fresh.push((k, uid))
+                }
                 a => {
                     let (who, why) = failure(server, id, a);
-                    failures.push(format!("{who} made no unique id for {key}: {why}"));
+                    failures.push(format!("{who} made no unique id for {}: {why}", shown(key)));
                 }
             }
         }
@@ -48,9 +51,28 @@ pub fn rebuild(parts: &Parts<'_>, operation: &'static str) -> Result<(), Error> 
     if let Some(m) = first_of(failures) {
         return Err(fail(m));
     }
+    // Each session gets the ids of the root keys it holds a communicator under, no other.
+    let mut held: BTreeMap<(usize, u64), BTreeSet<String>> = BTreeMap::new();
+    for (p, (server, ids)) in parts.iter().enumerate() {
+        let st = server.shared.lock();
+        for id in ids {
+            if let Some(s) = st.sessions.get(id) {
+                held.insert(
+                    (p, *id),
+                    s.comms.values().map(|c| root_of(&c.key)).collect(),
+                );
+            }
+        }
+    }
     let answers = ask_all(
         parts,
-        &|_, _| ShimMsg::Rebuild { ids: fresh.clone() },
+        &|p, id| ShimMsg::Rebuild {
+            ids: fresh
+                .iter()
+                .filter(|(k, _)| held.get(&(p, id)).is_some_and(|h| h.contains(k)))
+                .cloned()
+                .collect(),
+        },
         Instant::now() + t + ANSWER_GRACE,
     );
     let failures: Vec<String> = answers
@@ -73,6 +95,15 @@ pub fn rebuild(parts: &Parts<'_>, operation: &'static str) -> Result<(), Error> 
     }
 }
 
+/// A unique id as NCCL makes one: `NCCL_UNIQUE_ID_BYTES` (128) bytes, in hex.
+fn unique_id(id: &str) -> bool {
+    id.len() == 256 && id.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn root_of(key: &str) -> String {
+    key.split('/').next().unwrap_or_default().to_string()
+}
+
 /// The root keys (a communicator's key up to its first `/`) of the sessions' communicators,
 /// each with the part and session that makes its unique id.
 fn root_holders(parts: &Parts<'_>) -> Vec<(String, usize, u64)> {
@@ -84,7 +115,7 @@ fn root_holders(parts: &Parts<'_>) -> Vec<(String, usize, u64)> {
                 continue;
             };
             for c in s.comms.values() {
-                let root = c.key.split('/').next().unwrap_or_default().to_string();
+                let root = root_of(&c.key);
                 let zero = c.key == root && c.rank == 0;
                 match roots.get(&root) {
                     Some((_, _, true)) => {}

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nccl_control::{Connection, ControlError, LayerMsg, ShimMsg};
 use tracing::{debug, info, warn};
 
-use super::session::{Session, Shared, SEND_TIMEOUT};
+use super::session::{Session, Shared, MAX_COMMS, MAX_KEY, SEND_TIMEOUT};
 
 /// Connections of one container at once; more are closed as they come.
 pub const MAX_CONNECTIONS: usize = 256;
@@ -184,6 +184,26 @@ fn peer_pid(stream: &UnixStream) -> Result<i32, String> {
         .map_err(|e| format!("SO_PEERCRED: {e}"))
 }
 
+/// A pidfd of the peer as it connected (`SO_PEERPIDFD`); none where the kernel has none.
+fn peer_pidfd(stream: &UnixStream) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    const SO_PEERPIDFD: libc::c_int = 77;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt into an int of the size given.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: a new descriptor the kernel returned, owned by nothing else.
+    (r == 0 && fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
 /// 16 random bytes, hex.
 fn new_token() -> Result<String, String> {
     let mut b = [0u8; 16];
@@ -201,8 +221,18 @@ fn serve(server: &Server, stream: UnixStream) {
             return;
         }
     };
+    // The peer itself (Linux 6.5 and later): its pid cannot be another process's while
+    // its membership is checked.
+    let peer_fd = peer_pidfd(&stream);
     let mut conn = Connection::new(stream);
-    let session = match admit(server, &mut conn, peer) {
+    // Before a byte is read: a process of another cgroup is refused at once.
+    let checked = member(server, peer).and_then(|ns| match &peer_fd {
+        Some(fd) if super::session::pidfd_signal(fd, 0).is_err() => Err(format!(
+            "pid {peer} exited while it was checked (its pid may be another process's now)"
+        )),
+        _ => Ok(ns),
+    });
+    let session = match checked.and_then(|ns| admit(server, &mut conn, peer, ns)) {
         Ok(s) => s,
         Err(why) => {
             warn!(id = %server.id, pid = peer, "NCCL control connection refused: {why}");
@@ -213,26 +243,8 @@ fn serve(server: &Server, stream: UnixStream) {
     read_loop(server, &mut conn, session);
 }
 
-/// Hello, authentication, Welcome: the session's id.
-fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, String> {
-    let hello = conn
-        .recv::<LayerMsg>(Some(HELLO_TIMEOUT))
-        .map_err(|e| format!("no Hello: {e}"))?;
-    let LayerMsg::Hello {
-        version,
-        pid,
-        nccl_version,
-        resumed,
-    } = hello
-    else {
-        return Err(format!("first message {hello:?} is not Hello"));
-    };
-    if version != nccl_control::VERSION {
-        return Err(format!(
-            "protocol version {version}; this shim speaks {}",
-            nccl_control::VERSION
-        ));
-    }
+/// The pid in the container of host process `peer`, when it is a process of the container.
+fn member(server: &Server, peer: i32) -> Result<i32, String> {
     // The init is known once runc has started (or restored) it.
     let deadline = Instant::now() + server.timeout;
     let (st, known) = server
@@ -241,7 +253,36 @@ fn admit(server: &Server, conn: &mut Connection, peer: i32) -> Result<u64, Strin
     let init = st.init.filter(|_| known);
     drop(st);
     let init = init.ok_or("the container's init is not known")?;
-    let ns_pid = server.members.check(init, peer)?;
+    server.members.check(init, peer)
+}
+
+/// Hello, whole within [`HELLO_TIMEOUT`] and with pid `ns_pid` (the peer's in the
+/// container), then Welcome: the session's id.
+fn admit(server: &Server, conn: &mut Connection, peer: i32, ns_pid: i32) -> Result<u64, String> {
+    let hello = conn
+        .recv_by::<LayerMsg>(Instant::now() + HELLO_TIMEOUT)
+        .map_err(|e| format!("no Hello: {e}"))?;
+    let LayerMsg::Hello {
+        version,
+        pid,
+        nccl_version,
+        resumed,
+    } = hello
+    else {
+        return Err(format!(
+            "first message {} is not Hello",
+            super::steps::shown(&format!("{hello:?}"))
+        ));
+    };
+    if resumed.as_ref().is_some_and(|t| t.len() > 64) {
+        return Err("it presents a token longer than any this shim gives".into());
+    }
+    if version != nccl_control::VERSION {
+        return Err(format!(
+            "protocol version {version}; this shim speaks {}",
+            nccl_control::VERSION
+        ));
+    }
     if ns_pid != pid {
         return Err(format!(
             "Hello says pid {pid}, but host pid {peer} is pid {ns_pid} in the container"
@@ -307,6 +348,17 @@ fn read_loop(server: &Server, conn: &mut Connection, id: u64) {
                 cuda_dev,
                 split,
             } => {
+                if key.len() > MAX_KEY {
+                    s.shut(&format!(
+                        "it announced a communicator key of {} bytes (at most {MAX_KEY})",
+                        key.len()
+                    ));
+                    break None;
+                }
+                if s.comms.len() >= MAX_COMMS && !s.comms.contains_key(&comm) {
+                    s.shut(&format!("it announced more than {MAX_COMMS} communicators"));
+                    break None;
+                }
                 s.comms.insert(
                     comm,
                     image_format::manifest::NcclComm {
@@ -326,18 +378,16 @@ fn read_loop(server: &Server, conn: &mut Connection, id: u64) {
                 s.shut("it said Hello twice");
                 break None;
             }
-            other => s.replies.push_back(other),
+            other => {
+                if !s.queue(other) {
+                    break None;
+                }
+            }
         }
         drop(st);
         server.shared.notify();
     };
     conn.shutdown();
-    if let Some(why) = why {
-        if let Some(s) = server.shared.lock().sessions.get_mut(&id) {
-            if s.closed.is_none() {
-                s.closed = Some(why);
-            }
-        }
-    }
+    server.shared.lock().ended(id, why);
     server.shared.notify();
 }

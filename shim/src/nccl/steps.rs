@@ -11,7 +11,7 @@ use nccl_control::{LayerMsg, ShimMsg};
 use tracing::{info_span, warn};
 
 use super::server::Server;
-use super::session::{describe, Held};
+use super::session::{describe, Held, SEND_TIMEOUT};
 use crate::error::Error;
 
 /// Beyond the layer's own deadline, for its answer to arrive.
@@ -42,6 +42,20 @@ pub(super) fn first_of(mut failures: Vec<String>) -> Option<String> {
     Some(m)
 }
 
+/// Text a process sent, for an error or a log: at most 256 bytes, escaped.
+pub(super) fn shown(text: &str) -> String {
+    const MAX: usize = 256;
+    let mut end = text.len().min(MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut s: String = text[..end].escape_debug().collect();
+    if end < text.len() {
+        s.push_str(&format!("... ({} bytes)", text.len()));
+    }
+    s
+}
+
 /// Who session `id` is, with the rank the layer named where it named one.
 fn who(server: &Server, id: u64, rank: Option<(u64, i32)>) -> String {
     let st = server.shared.lock();
@@ -62,8 +76,11 @@ pub(super) fn failure(
             comm,
             rank,
             message,
-        }) => (who(server, id, comm.zip(rank)), message),
-        Ok(other) => (who(server, id, None), format!("answered {other:?}")),
+        }) => (who(server, id, comm.zip(rank)), shown(&message)),
+        Ok(other) => (
+            who(server, id, None),
+            format!("answered {}", shown(&format!("{other:?}"))),
+        ),
         Err(why) => (who(server, id, None), why),
     }
 }
@@ -112,11 +129,11 @@ pub fn release(server: &Server, ids: &[u64]) -> Result<BTreeMap<u64, bool>, Erro
 /// end.
 pub fn disconnect(server: &Server, released: &BTreeMap<u64, bool>) {
     let mut st = server.shared.lock();
+    let mut writers = Vec::new();
     for (id, suspended) in released {
-        if let Some(mut s) = st.sessions.remove(id) {
+        if let Some(s) = st.sessions.remove(id) {
             let record = s.record(*suspended);
-            let _ = s.send(&ShimMsg::Disconnect);
-            s.shut("disconnected for the checkpoint");
+            writers.extend(s.writer_clone().ok());
             st.held.push(Held {
                 host_pid: s.host_pid,
                 record,
@@ -125,6 +142,15 @@ pub fn disconnect(server: &Server, released: &BTreeMap<u64, bool>) {
     }
     drop(st);
     server.shared.notify();
+    // Outside the lock: a process that does not read holds no one else up.
+    for mut w in writers {
+        if server.shared.lock().closed {
+            w.shutdown();
+            continue;
+        }
+        let _ = w.send(&ShimMsg::Disconnect, Some(SEND_TIMEOUT));
+        w.shutdown();
+    }
 }
 
 /// Go to every session of `ids` (no reply); failures are logged: a layer that lost its

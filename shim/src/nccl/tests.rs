@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use image_format::manifest::{NcclComm, NcclProcess, NcclRecord};
 use nccl_control::{Connection, ControlError, LayerMsg, ShimMsg};
 
+use super::session::{MAX_COMMS, MAX_ENDED, MAX_KEY, MAX_UNASKED};
 use super::*;
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -191,11 +192,9 @@ fn a_process_outside_the_container_is_refused() {
         WAIT,
         Members(Err("pid 1 is not a process of the container".into())),
     );
+    // Refused before its Hello is read: the Hello's write may fail too.
     let r = Client::try_connect(&d.path().join("control.sock"), me(), None);
-    assert!(
-        matches!(r, Err(ControlError::Closed) | Err(ControlError::Io { .. })),
-        "no Welcome for a stranger"
-    );
+    assert!(r.is_err(), "no Welcome for a stranger");
     assert_eq!(sessions(&c), 0);
     c.close();
 }
@@ -880,8 +879,12 @@ fn check_restore_cut_of(id: &str) -> String {
     let record = NcclRecord {
         layer_blake3: "h".into(),
         processes: vec![NcclProcess {
+            pid: 7,
+            token: "0".repeat(32),
             comms: vec![NcclComm {
                 key: "rk/1".into(),
+                rank: 1,
+                nranks: 2,
                 ..Default::default()
             }],
             ..Default::default()
@@ -899,4 +902,526 @@ fn check_restore_cut_of(id: &str) -> String {
     check_layer(Some(&record), Some(&setup))
         .unwrap_err()
         .to_string()
+}
+
+fn kept(c: &ContainerComms) -> usize {
+    c.server.shared.lock().sessions.len()
+}
+
+/// Waits for the one open session to end and says why it ended.
+fn ended_why(c: &ContainerComms) -> String {
+    let mut why = String::new();
+    wait_for("the session closed", || {
+        let st = c.server.shared.lock();
+        match st.sessions.values().find_map(|s| s.closed.clone()) {
+            Some(w) => {
+                why = w;
+                true
+            }
+            None => false,
+        }
+    });
+    why
+}
+
+#[test]
+fn connections_that_come_and_go_leave_no_session_behind() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    for i in 0..MAX_ENDED as u64 + 40 {
+        let mut cl = Client::connect(&path, None);
+        cl.comm(i, &format!("k{i}"), 0, 1);
+        drop(cl);
+    }
+    wait_for("every connection ended", || {
+        c.server.shared.lock().connections == 0
+    });
+    assert!(kept(&c) <= MAX_ENDED, "{} sessions kept", kept(&c));
+    // The ended ones hold no descriptor and no replies.
+    let st = c.server.shared.lock();
+    assert!(st
+        .sessions
+        .values()
+        .all(|s| s.closed.is_some() && s.comms.len() <= 1));
+    drop(st);
+    c.close();
+}
+
+#[test]
+fn a_session_announcing_too_many_or_too_long_communicators_is_closed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    let mut cl = Client::connect(&path, None);
+    cl.comm(1, &"k".repeat(MAX_KEY + 1), 0, 1);
+    assert!(ended_why(&c).contains("key of"), "closed for its key");
+    drop(cl);
+    wait_for("ended", || c.server.shared.lock().connections == 0);
+    c.server.shared.lock().sessions.clear();
+
+    let cl = Client::connect(&path, None);
+    let msgs: Vec<u8> = (0..MAX_COMMS as u64 + 1)
+        .flat_map(|i| {
+            let mut b = Vec::new();
+            nccl_control::write_frame(
+                &mut b,
+                &LayerMsg::Comm {
+                    id: i,
+                    key: "k".into(),
+                    rank: 0,
+                    nranks: 1,
+                    cuda_dev: 0,
+                    split: None,
+                },
+            )
+            .unwrap();
+            b
+        })
+        .collect();
+    let _ = cl.conn.stream().try_clone().unwrap().write_all(&msgs);
+    let why = ended_why(&c);
+    assert!(why.contains(&format!("more than {MAX_COMMS}")), "{why}");
+    drop(cl);
+    c.close();
+}
+
+#[test]
+fn a_session_queueing_replies_nobody_asked_for_is_closed() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), WAIT, ours());
+    let mut cl = Client::connect(&path, None);
+    for _ in 0..MAX_UNASKED + 1 {
+        let _ = cl.conn.send(&LayerMsg::Rebuilt, Some(WAIT));
+    }
+    let why = ended_why(&c);
+    assert!(why.contains("nobody asked for"), "{why}");
+    assert!(kept(&c) <= 1);
+    assert!(c
+        .server
+        .shared
+        .lock()
+        .sessions
+        .values()
+        .all(|s| s.replies.is_empty()));
+    c.close();
+}
+
+/// Two sessions connected, with their comms announced; their ids.
+fn two(
+    c: &ContainerComms,
+    path: &Path,
+    a: &[(u64, &str, i32, i32)],
+    b: &[(u64, &str, i32, i32)],
+) -> (Client, Client) {
+    let mut ca = Client::connect(path, None);
+    for (id, k, r, n) in a {
+        ca.comm(*id, k, *r, *n);
+    }
+    let mut cb = Client::connect(path, None);
+    for (id, k, r, n) in b {
+        cb.comm(*id, k, *r, *n);
+    }
+    let want = a.len() + b.len();
+    wait_for("comms announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .map(|s| s.comms.len())
+            .sum::<usize>()
+            == want
+    });
+    (ca, cb)
+}
+
+#[test]
+fn a_second_claim_of_a_rank_fails_the_quiesce_before_any_layer_is_asked() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 0, 2)]);
+    let e = c_quiesce(&c);
+    assert!(
+        e.contains("both claim rank 0 of 2 on communicator key k"),
+        "{e}"
+    );
+    assert_eq!(
+        e.matches(&format!("pid {} (rank 0 of 2", me())).count(),
+        2,
+        "{e}"
+    );
+    for cl in [&mut a, &mut b] {
+        let r = cl.conn.recv::<ShimMsg>(Some(Duration::from_millis(200)));
+        assert!(matches!(r, Err(ControlError::Timeout { .. })), "{r:?}");
+    }
+    c.close();
+
+    // Another number of ranks, or a rank out of range: refused alike.
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 4)]);
+    let e = c_quiesce(&c);
+    assert!(e.contains("says communicator key k has"), "{e}");
+    c.close();
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 2, 2)]);
+    let e = c_quiesce(&c);
+    assert!(e.contains("claims rank 2 of 2"), "{e}");
+    c.close();
+}
+
+/// Answers NewUniqueId with `id` and then the Rebuild it gets (sent on `seen`) with Rebuilt.
+fn answer_rebuild(
+    mut cl: Client,
+    id: String,
+    seen: Sender<ShimMsg>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || loop {
+        let Ok(m) = cl.conn.recv::<ShimMsg>(Some(WAIT)) else {
+            return;
+        };
+        match m {
+            ShimMsg::NewUniqueId { key } => cl.send(LayerMsg::UniqueId {
+                key,
+                id: id.clone(),
+            }),
+            m @ ShimMsg::Rebuild { .. } => {
+                let _ = seen.send(m);
+                cl.send(LayerMsg::Rebuilt);
+                return;
+            }
+            _ => {}
+        }
+    })
+}
+
+#[test]
+fn a_rebuild_sends_each_process_only_the_ids_of_its_keys() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (a, b) = two(
+        &c,
+        &path,
+        &[(1, "ka", 0, 1)],
+        &[(5, "kb", 0, 1), (6, "kb/3", 0, 1)],
+    );
+    let ids = c.server.shared.open_sessions();
+    let (seen, log) = channel();
+    let ta = answer_rebuild(a, "ab".repeat(128), seen.clone());
+    let tb = answer_rebuild(b, "cd".repeat(128), seen);
+    steps::rebuild(&c.server, &ids, "checkpoint").unwrap();
+    ta.join().unwrap();
+    tb.join().unwrap();
+    let mut got: Vec<ShimMsg> = log.try_iter().collect();
+    got.sort_by_key(|m| format!("{m:?}"));
+    assert_eq!(
+        got,
+        vec![
+            ShimMsg::Rebuild {
+                ids: vec![("ka".into(), "ab".repeat(128))]
+            },
+            ShimMsg::Rebuild {
+                ids: vec![("kb".into(), "cd".repeat(128))]
+            },
+        ]
+    );
+    c.close();
+}
+
+#[test]
+fn a_unique_id_that_is_not_128_bytes_of_hex_fails_the_rebuild() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (a, b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
+    let ids = c.server.shared.open_sessions();
+    let (seen, log) = channel();
+    let ta = answer_rebuild(a, "attacker-chosen\n".into(), seen.clone());
+    let tb = answer_rebuild(b, "ab".repeat(128), seen);
+    let e = steps::rebuild(&c.server, &ids, "checkpoint")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("made no unique id for k"), "{e}");
+    assert!(e.contains("\\n"), "the reply is escaped: {e}");
+    assert_eq!(log.try_iter().count(), 0, "no Rebuild sent");
+    c.close();
+    let _ = ta.join();
+    let _ = tb.join();
+}
+
+#[test]
+fn a_drain_target_no_rank_reaches_names_who_reported_it() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
+    let ta = std::thread::spawn(move || {
+        assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Holding {
+            issued: vec![(1, 1_000_000)],
+        });
+        assert!(matches!(a.recv(), ShimMsg::Drain { .. }));
+        a.send(LayerMsg::Quiesced { comms: vec![1] });
+        assert_eq!(a.recv(), ShimMsg::Go);
+    });
+    let tb = std::thread::spawn(move || {
+        assert!(matches!(b.recv(), ShimMsg::Quiesce { .. }));
+        b.send(LayerMsg::Holding {
+            issued: vec![(5, 3)],
+        });
+        assert!(matches!(b.recv(), ShimMsg::Drain { .. }));
+        b.send(LayerMsg::Failed {
+            comm: Some(5),
+            rank: Some(1),
+            message: "communicator 5 (rank 1): 3 of 1000000 collectives issued".into(),
+        });
+        assert_eq!(b.recv(), ShimMsg::Go);
+    });
+    let e = c_quiesce(&c);
+    assert!(e.contains("did not quiesce within 3s"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "its drain target 1000000 on key k was reported by pid {} (rank 0 of 2",
+            me()
+        )),
+        "{e}"
+    );
+    ta.join().unwrap();
+    tb.join().unwrap();
+    c.close();
+}
+
+#[test]
+fn what_a_layer_says_reaches_errors_bounded_and_escaped() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(3), ours());
+    let mut a = Client::connect(&path, None);
+    a.comm(1, "k", 0, 1);
+    wait_for("comm announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .all(|s| !s.comms.is_empty())
+    });
+    let t = std::thread::spawn(move || {
+        assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+        a.send(LayerMsg::Failed {
+            comm: None,
+            rank: None,
+            message: "x\n\u{1b}[2Jy".repeat(2000),
+        });
+        assert_eq!(a.recv(), ShimMsg::Go);
+    });
+    let e = c_quiesce(&c);
+    assert!(e.contains("x\\n\\u{1b}[2Jy"), "{e}");
+    assert!(!e.contains('\n') && !e.contains('\u{1b}'), "{e}");
+    assert!(e.len() < 2000, "{} bytes", e.len());
+    t.join().unwrap();
+    c.close();
+}
+
+#[test]
+fn a_kill_ends_a_quiesce_waiting_on_a_rank_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(60), ours());
+    let mut a = Client::connect(&path, None);
+    a.comm(1, "k", 0, 1);
+    wait_for("comm announced", || {
+        c.server
+            .shared
+            .lock()
+            .sessions
+            .values()
+            .all(|s| !s.comms.is_empty())
+    });
+    let q = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            (c_quiesce(&c), t.elapsed())
+        })
+    };
+    // It gets Quiesce and never answers.
+    assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
+    c.server.shared.abort();
+    let (e, took) = q.join().unwrap();
+    assert!(took < Duration::from_secs(5), "{took:?}: {e}");
+    assert!(e.contains("nccl-quiesce"), "{e}");
+    c.close();
+}
+
+#[test]
+fn a_process_that_does_not_read_holds_neither_the_state_nor_a_kill() {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), Duration::from_secs(60), ours());
+    let _a = Client::connect(&path, None);
+    wait_for("one session", || sessions(&c) == 1);
+    let ids = c.server.shared.open_sessions();
+    // Messages until its socket is full and a write blocks.
+    let big = ShimMsg::Rebuild {
+        ids: (0..200)
+            .map(|i| (format!("k{i}"), "ab".repeat(128)))
+            .collect(),
+    };
+    let teller = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            for _ in 0..1000 {
+                if !c.server.shared.tell(&ids, &big).is_empty() {
+                    return;
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    // The state is not held by the blocked write.
+    let t = Instant::now();
+    drop(c.server.shared.lock());
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "{:?}",
+        t.elapsed()
+    );
+    c.server.shared.abort();
+    teller.join().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    c.close();
+}
+
+#[test]
+fn a_stranger_is_refused_before_it_says_anything() {
+    let d = tempfile::tempdir().unwrap();
+    let c = server(
+        d.path(),
+        WAIT,
+        Members(Err("pid 1 is not a process of the container".into())),
+    );
+    let s = UnixStream::connect(d.path().join("control.sock")).unwrap();
+    let mut conn = Connection::new(s);
+    let t = Instant::now();
+    let r = conn.recv::<ShimMsg>(Some(WAIT));
+    assert!(
+        matches!(r, Err(ControlError::Closed) | Err(ControlError::Io { .. })),
+        "{r:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    wait_for("its slot is free", || {
+        c.server.shared.lock().connections == 0
+    });
+    c.close();
+}
+
+#[test]
+fn a_hello_trickled_in_is_closed_at_the_hello_bound() {
+    let d = tempfile::tempdir().unwrap();
+    let c = server(d.path(), WAIT, ours());
+    let mut s = UnixStream::connect(d.path().join("control.sock")).unwrap();
+    let t = Instant::now();
+    s.write_all(&[0, 0, 1, 0]).unwrap();
+    // A byte every 200 ms: each read is quick, the frame never ends.
+    let mut closed = false;
+    while t.elapsed() < HELLO_TIMEOUT + Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(200));
+        if s.write_all(b" ").is_err() {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "still open after {:?}", t.elapsed());
+    assert!(t.elapsed() < HELLO_TIMEOUT + Duration::from_secs(1));
+    c.close();
+}
+
+#[test]
+fn a_record_beyond_what_the_server_keeps_is_refused_at_restore() {
+    let setup = inject::NcclSetup {
+        host_dir: "/nonexistent".into(),
+        socket: "/nonexistent/control.sock".into(),
+        layer_blake3: "h".into(),
+    };
+    let process = |pid: i32| NcclProcess {
+        pid,
+        token: format!("{pid:032x}"),
+        comms: vec![NcclComm {
+            key: "k".into(),
+            rank: 0,
+            nranks: 1,
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let check = |edit: &dyn Fn(&mut NcclRecord)| {
+        let mut r = NcclRecord {
+            layer_blake3: "h".into(),
+            processes: vec![process(7), process(8)],
+            cut: None,
+        };
+        edit(&mut r);
+        check_layer(Some(&r), Some(&setup)).map_err(|e| e.to_string())
+    };
+    assert!(check(&|_| {}).is_ok());
+    let refused = |edit: &dyn Fn(&mut NcclRecord), why: &str| {
+        let e = check(edit).unwrap_err();
+        assert!(e.contains("nccl-layer") && e.contains(why), "{e}");
+    };
+    refused(&|r| r.processes[1].pid = 7, "pid 7 twice");
+    refused(&|r| r.processes[1].pid = 0, "not a pid");
+    refused(&|r| r.processes[0].token = "../x".into(), "token ../x");
+    refused(
+        &|r| r.processes = (1..=MAX_CONNECTIONS as i32 + 1).map(process).collect(),
+        "processes (at most",
+    );
+    refused(
+        &|r| r.processes[0].comms = vec![NcclComm::default(); MAX_COMMS + 1],
+        "communicators (at most",
+    );
+    refused(
+        &|r| r.processes[0].comms[0].key = "k".repeat(MAX_KEY + 1),
+        "not one the layer announces",
+    );
+    refused(&|r| r.processes[0].comms[0].rank = 1, "rank 1 of 1");
+    refused(
+        &|r| {
+            r.cut = Some(image_format::manifest::NcclCut {
+                id: "c".into(),
+                containers: vec![String::new(); 5000],
+            })
+        },
+        "names 5000 containers",
+    );
+}
+
+#[test]
+fn a_failed_cut_restore_kills_the_init_through_its_pidfd() {
+    let d = tempfile::tempdir().unwrap();
+    let c = server(d.path(), WAIT, ours());
+    let mut child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    c.started(child.id() as i32);
+    assert!(
+        c.server.shared.lock().init_fd.is_some(),
+        "a pidfd of the init"
+    );
+    c.server.shared.lock().kill_init().unwrap();
+    let status = child.wait().unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL));
+    // Reaped: its pid may be another process's now; the pidfd reaches nothing.
+    let e = c.server.shared.lock().kill_init().unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ESRCH));
+    c.close();
 }
