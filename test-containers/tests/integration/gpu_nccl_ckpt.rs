@@ -934,7 +934,6 @@ fn frozen(pid: i32) -> Result<bool> {
 /// answering.
 #[test]
 fn a_rank_stuck_on_a_dead_peer_fails_the_checkpoint_within_its_bound() -> Result<()> {
-    let ranks = [0, 1, 2, 3];
     let sim_a = sim(4, "nccl-stuck")?;
     let node = nccl_node(
         "gpu-nccl-stuck",
@@ -942,44 +941,8 @@ fn a_rank_stuck_on_a_dead_peer_fails_the_checkpoint_within_its_bound() -> Result
         true,
         &format!("{STUCK_TIMEOUT_S}s"),
     )?;
-    let one = job_args(&["--rendezvous", "/tmp/rendezvous"]).join(" ");
-    let cmd = format!(
-        "mkdir -p /tmp/rendezvous; for r in 0 1 2 3; do \
-         RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r /usr/bin/nccl_allreduce {one} > /out/rank-$r.log 2>&1 & \
-         done; wait; sleep 100000"
-    );
-    ctr_sh(&node, &["run", "-d"], &format!("{KIND}=all"), "stuck", &cmd)?;
-    let init = node.task_pid("stuck")?;
-    let log = |r: u32| {
-        std::fs::read_to_string(format!("/proc/{init}/root/out/rank-{r}.log")).unwrap_or_default()
-    };
-    let all = || (0..4).map(log).collect::<String>();
-    let pids = rank_pids(init, 4)?;
-    wait_ranks(all, &ranks, |_| 3, "the 4 ranks")?;
-    let dead = pid_of_rank(&pids, 3)?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(dead),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
-    wait_until(Duration::from_secs(10), "rank 3 to die", || {
-        (!Path::new(&format!("/proc/{dead}")).exists() || proc_state(dead).is_ok_and(|s| s == 'Z'))
-            .then_some(())
-    })?;
-    // The others stop at the step rank 3 never joins.
-    let mut stuck = None;
-    for _ in 0..20 {
-        let now = last_steps(&all(), &ranks[..3]);
-        std::thread::sleep(Duration::from_millis(4 * INTERVAL_MS + 500));
-        if last_steps(&all(), &ranks[..3]) == now {
-            stuck = Some(now);
-            break;
-        }
-    }
-    let stuck = stuck.context("the other ranks go on stepping without rank 3")?;
-    println!("rank 3 (pid {dead}) killed; the others wait after steps {stuck:?}");
-    let survivors: Vec<(u32, i32)> = (0..3)
-        .map(|r| Ok((r, pid_of_rank(&pids, r)?)))
-        .collect::<Result<_>>()?;
+    let (_, survivors) = stuck_job(&node, "stuck")?;
+    println!("rank 3 killed; ranks 0 to 2 {survivors:?} wait for it");
 
     let dir = node.paths().dir.join("nccl-stuck");
     let _ = std::fs::remove_dir_all(&dir);
@@ -1048,6 +1011,97 @@ fn a_rank_stuck_on_a_dead_peer_fails_the_checkpoint_within_its_bound() -> Result
         ensure!(!frozen(*p)?, "rank {r} (pid {p}) is still frozen");
     }
     remove(&node, "stuck");
+    Ok(())
+}
+
+/// Four single-rank processes on `node` (one per GPU, meeting through a rendezvous directory),
+/// container `id`, with rank 3 killed and the others stopped in the collective it never joins:
+/// the container's init and the host pids of ranks 0 to 2.
+fn stuck_job(node: &Node, id: &str) -> Result<(i32, Vec<(u32, i32)>)> {
+    let ranks = [0, 1, 2, 3];
+    let one = job_args(&["--rendezvous", "/tmp/rendezvous"]).join(" ");
+    let cmd = format!(
+        "mkdir -p /tmp/rendezvous; for r in 0 1 2 3; do \
+         RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r /usr/bin/nccl_allreduce {one} > /out/rank-$r.log 2>&1 & \
+         done; wait; sleep 100000"
+    );
+    ctr_sh(node, &["run", "-d"], &format!("{KIND}=all"), id, &cmd)?;
+    let init = node.task_pid(id)?;
+    let log = |r: u32| {
+        std::fs::read_to_string(format!("/proc/{init}/root/out/rank-{r}.log")).unwrap_or_default()
+    };
+    let all = || (0..4).map(log).collect::<String>();
+    let pids = rank_pids(init, 4)?;
+    wait_ranks(all, &ranks, |_| 3, "the 4 ranks")?;
+    let dead = pid_of_rank(&pids, 3)?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(dead),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    wait_until(Duration::from_secs(10), "rank 3 to die", || {
+        (!Path::new(&format!("/proc/{dead}")).exists() || proc_state(dead).is_ok_and(|s| s == 'Z'))
+            .then_some(())
+    })?;
+    let mut stuck = None;
+    for _ in 0..20 {
+        let now = last_steps(&all(), &ranks[..3]);
+        std::thread::sleep(Duration::from_millis(4 * INTERVAL_MS + 500));
+        if last_steps(&all(), &ranks[..3]) == now {
+            stuck = Some(now);
+            break;
+        }
+    }
+    stuck.context("the other ranks go on stepping without rank 3")?;
+    let survivors = (0..3)
+        .map(|r| Ok((r, pid_of_rank(&pids, r)?)))
+        .collect::<Result<_>>()?;
+    Ok((init, survivors))
+}
+
+/// A Kill while the checkpoint's quiesce waits for ranks stuck on a dead peer, with a bound of
+/// 300 s: the kill, not the bound, ends the quiesce, and the task stops at once (the quiesce
+/// holds the container's lock, which Kill needs).
+#[test]
+fn a_kill_during_an_nccl_quiesce_ends_it_at_once() -> Result<()> {
+    let sim_a = sim(4, "nccl-kill")?;
+    let node = nccl_node("gpu-nccl-kill", &sim_a, true, "300s")?;
+    let (init, survivors) = stuck_job(&node, "victim")?;
+    println!("ranks 0 to 2 {survivors:?} wait for rank 3, which is dead");
+    let image = node.paths().dir.join("nccl-kill").display().to_string();
+    let start = Instant::now();
+    let (out, took, killed) = std::thread::scope(|s| -> Result<_> {
+        let ckpt = s.spawn(|| {
+            let out = node.ctr(&["task", "checkpoint", "--image-path", &image, "victim"]);
+            (out, start.elapsed())
+        });
+        // The checkpoint's Pause quiesces first; give it time to be waiting on the ranks.
+        std::thread::sleep(Duration::from_secs(2));
+        let t = Instant::now();
+        node.ctr_ok(&["task", "kill", "-s", "SIGKILL", "victim"])?;
+        wait_until(Duration::from_secs(60), "the killed init to go", || {
+            (!Path::new(&format!("/proc/{init}")).exists()
+                || proc_state(init).is_ok_and(|s| s == 'Z'))
+            .then_some(())
+        })?;
+        let killed = t.elapsed();
+        let (out, took) = ckpt
+            .join()
+            .map_err(|_| anyhow::anyhow!("the checkpoint thread panicked"))?;
+        Ok((out, took, killed))
+    })?;
+    let out = out?;
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    println!("kill during the NCCL quiesce: init gone in {killed:?}; checkpoint failed after {took:?}: {err}");
+    ensure!(
+        !out.status.success(),
+        "the checkpoint succeeded though its task was killed"
+    );
+    ensure!(killed < Duration::from_secs(10), "the kill took {killed:?}");
+    ensure!(
+        took < Duration::from_secs(60),
+        "the checkpoint took {took:?} (its quiesce's bound is 300 s)"
+    );
+    remove(&node, "victim");
     Ok(())
 }
 
