@@ -75,7 +75,12 @@ pub fn quiesce(parts: &Parts<'_>) -> Result<(), Error> {
     let left_ms = || until.saturating_duration_since(Instant::now()).as_millis() as u64;
     let fail = |p: usize, id: u64, a| {
         let (who, why) = failure(parts[p].0, id, a);
-        format!("{who} did not quiesce within {}: {why}", within(t))
+        // A Kill ends the wait before its bound: say so rather than the bound.
+        if parts[p].0.shared.lock().closed {
+            format!("{who} was not quiesced: {why}")
+        } else {
+            format!("{who} did not quiesce within {}: {why}", within(t))
+        }
     };
     check_keys(parts).map_err(|m| step_error("checkpoint", "nccl-quiesce", m))?;
     let deadline_ms = left_ms();

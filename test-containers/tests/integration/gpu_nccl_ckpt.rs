@@ -1096,6 +1096,11 @@ fn a_kill_during_an_nccl_quiesce_ends_it_at_once() -> Result<()> {
         !out.status.success(),
         "the checkpoint succeeded though its task was killed"
     );
+    ensure!(
+        err.contains("nccl-quiesce")
+            && err.contains("was not quiesced: the container is being killed"),
+        "the checkpoint's error does not say the kill ended its quiesce: {err}"
+    );
     ensure!(killed < Duration::from_secs(10), "the kill took {killed:?}");
     ensure!(
         took < Duration::from_secs(60),
