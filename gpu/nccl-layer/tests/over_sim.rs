@@ -112,8 +112,18 @@ impl Drop for Rank {
 
 /// Every rank does step `s` and checks its results.
 fn step(ranks: &mut [Rank], s: u32) {
+    all_ok(ranks, "step", s);
+}
+
+/// Every rank finishes its enqueued step `s` (waits for its stream) and checks its results.
+fn finish(ranks: &mut [Rank], s: u32) {
+    all_ok(ranks, "finish", s);
+}
+
+/// Every rank is told `<command> <s>`, then each answers `ok <s>`.
+fn all_ok(ranks: &mut [Rank], command: &str, s: u32) {
     for r in ranks.iter_mut() {
-        r.say(&format!("step {s}"));
+        r.say(&format!("{command} {s}"));
     }
     for r in ranks.iter() {
         r.expect(&format!("ok {s}"));
@@ -465,12 +475,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     ranks[1].expect("enqueued 7");
     ranks[0].say("enqueue 7");
     ranks[0].expect("enqueued 7");
-    for r in ranks.iter_mut() {
-        r.say("finish 7");
-    }
-    for r in &ranks {
-        r.expect("ok 7");
-    }
+    finish(&mut ranks, 7);
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
     // quiesce fails within its bound naming rank 0; the calls then go on.
@@ -492,12 +497,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
     ranks[1].say("enqueue 4");
     ranks[1].expect("enqueued 4");
-    for r in ranks.iter_mut() {
-        r.say("finish 4");
-    }
-    for r in &ranks {
-        r.expect("ok 4");
-    }
+    finish(&mut ranks, 4);
 
     // The end: each communicator gone, told to the shim.
     for r in ranks.iter_mut() {
