@@ -707,7 +707,7 @@ fn a_pod_wide_cut_holds_every_rank_until_every_container_is_checkpointed() {
     wait_for("both announced", || {
         [&c1, &c2]
             .iter()
-            .all(|c| sessions_any(&c, |s| !s.comms.is_empty()))
+            .all(|c| sessions_any(c, |s| !s.comms.is_empty()))
     });
     rt().block_on(c1.quiesce(Vec::new())).unwrap();
     let r1 = c1.record().unwrap();
