@@ -175,16 +175,7 @@ fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
         .stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("spawn a rank");
     let stdin = child.stdin.take().expect("stdin");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, lines) = channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
+    let lines = lines_of(&mut child);
     let pid = child.id() as i32;
     Rank {
         child,
