@@ -378,15 +378,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     for m in quiesce_all(&mut sessions, 5000) {
         assert!(matches!(m, LayerMsg::Quiesced { comms } if comms.len() == 2));
     }
-    for s in sessions.iter_mut() {
-        s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
-        s.send(ShimMsg::Disconnect);
-        assert!(matches!(
-            s.conn.recv::<LayerMsg>(Some(WAIT)),
-            Err(nccl_control::ControlError::Closed)
-        ));
-    }
+    release_and_disconnect(&mut sessions);
     // Calls made now are held: nothing comes back until Go.
     for r in ranks.iter_mut() {
         r.say("step 2");
@@ -650,15 +642,9 @@ impl Progress {
     }
 }
 
-/// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
-/// holds the ranks: no step is printed until Go.
-fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
-    for m in quiesce_all(sessions, 10_000) {
-        match m {
-            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
-            other => panic!("expected Quiesced, got {other:?}"),
-        }
-    }
+/// Every session: Release (every communicator suspended), then Disconnect, after which the
+/// layer closes the connection.
+fn release_and_disconnect(sessions: &mut [Session]) {
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Release);
         assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
@@ -668,6 +654,18 @@ fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>)
             Err(nccl_control::ControlError::Closed)
         ));
     }
+}
+
+/// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
+/// holds the ranks: no step is printed until Go.
+fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
+    for m in quiesce_all(sessions, 10_000) {
+        match m {
+            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
+            other => panic!("expected Quiesced, got {other:?}"),
+        }
+    }
+    release_and_disconnect(sessions);
     // A step whose collectives were all done before the hold may still print; then nothing.
     p.take(rx, Duration::from_millis(300));
     assert_eq!(
