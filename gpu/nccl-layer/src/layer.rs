@@ -134,6 +134,15 @@ impl Registry {
         self.entries.iter_mut().find(|e| e.id == id)
     }
 
+    /// The ids of the live communicators, in the order they were made.
+    fn live_ids(&self) -> Vec<u64> {
+        self.entries
+            .iter()
+            .filter(|e| e.live())
+            .map(|e| e.id)
+            .collect()
+    }
+
     /// Sends `msg` to the shim, if connected; a failed send drops the connection (the
     /// control thread sees it closed and connects again).
     fn send(&mut self, msg: &LayerMsg) {
@@ -507,13 +516,7 @@ impl<B: Backend> Layer<B> {
         }
         let _span = tracing::info_span!("nccl drain", ms = deadline.as_millis() as u64).entered();
         let until = std::time::Instant::now() + deadline;
-        let live: Vec<u64> = self
-            .reg()
-            .entries
-            .iter()
-            .filter(|e| e.live())
-            .map(|e| e.id)
-            .collect();
+        let live = self.reg().live_ids();
         let targets = targets
             .into_iter()
             .filter(|(id, _)| live.contains(id))
@@ -583,13 +586,7 @@ impl<B: Backend> Layer<B> {
             }
         }
         self.gate.clear_streams();
-        let comms = self
-            .reg()
-            .entries
-            .iter()
-            .filter(|e| e.live())
-            .map(|e| e.id)
-            .collect();
+        let comms = self.reg().live_ids();
         LayerMsg::Quiesced { comms }
     }
 

@@ -112,8 +112,18 @@ impl Drop for Rank {
 
 /// Every rank does step `s` and checks its results.
 fn step(ranks: &mut [Rank], s: u32) {
+    all_ok(ranks, "step", s);
+}
+
+/// Every rank finishes its enqueued step `s` (waits for its stream) and checks its results.
+fn finish(ranks: &mut [Rank], s: u32) {
+    all_ok(ranks, "finish", s);
+}
+
+/// Every rank is told `<command> <s>`, then each answers `ok <s>`.
+fn all_ok(ranks: &mut [Rank], command: &str, s: u32) {
     for r in ranks.iter_mut() {
-        r.say(&format!("step {s}"));
+        r.say(&format!("{command} {s}"));
     }
     for r in ranks.iter() {
         r.expect(&format!("ok {s}"));
@@ -165,16 +175,7 @@ fn spawn_rank(t: &Setup, which: &str, id: &str) -> Rank {
         .stderr(Stdio::inherit());
     let mut child = cmd.spawn().expect("spawn a rank");
     let stdin = child.stdin.take().expect("stdin");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, lines) = channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stdout).lines() {
-            let Ok(l) = l else { break };
-            if tx.send(l).is_err() {
-                break;
-            }
-        }
-    });
+    let lines = lines_of(&mut child);
     let pid = child.id() as i32;
     Rank {
         child,
@@ -377,15 +378,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     for m in quiesce_all(&mut sessions, 5000) {
         assert!(matches!(m, LayerMsg::Quiesced { comms } if comms.len() == 2));
     }
-    for s in sessions.iter_mut() {
-        s.send(ShimMsg::Release);
-        assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
-        s.send(ShimMsg::Disconnect);
-        assert!(matches!(
-            s.conn.recv::<LayerMsg>(Some(WAIT)),
-            Err(nccl_control::ControlError::Closed)
-        ));
-    }
+    release_and_disconnect(&mut sessions);
     // Calls made now are held: nothing comes back until Go.
     for r in ranks.iter_mut() {
         r.say("step 2");
@@ -465,12 +458,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     ranks[1].expect("enqueued 7");
     ranks[0].say("enqueue 7");
     ranks[0].expect("enqueued 7");
-    for r in ranks.iter_mut() {
-        r.say("finish 7");
-    }
-    for r in &ranks {
-        r.expect("ok 7");
-    }
+    finish(&mut ranks, 7);
 
     // Rank 0 enqueues an allreduce whose peer has not come: its stream cannot complete, and the
     // quiesce fails within its bound naming rank 0; the calls then go on.
@@ -492,12 +480,7 @@ fn checkpoint_cycle_over_the_simulated_nccl() {
     }
     ranks[1].say("enqueue 4");
     ranks[1].expect("enqueued 4");
-    for r in ranks.iter_mut() {
-        r.say("finish 4");
-    }
-    for r in &ranks {
-        r.expect("ok 4");
-    }
+    finish(&mut ranks, 4);
 
     // The end: each communicator gone, told to the shim.
     for r in ranks.iter_mut() {
@@ -659,15 +642,9 @@ impl Progress {
     }
 }
 
-/// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
-/// holds the ranks: no step is printed until Go.
-fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
-    for m in quiesce_all(sessions, 10_000) {
-        match m {
-            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
-            other => panic!("expected Quiesced, got {other:?}"),
-        }
-    }
+/// Every session: Release (every communicator suspended), then Disconnect, after which the
+/// layer closes the connection.
+fn release_and_disconnect(sessions: &mut [Session]) {
     for s in sessions.iter_mut() {
         s.send(ShimMsg::Release);
         assert_eq!(s.recv(), LayerMsg::Released { suspended: true });
@@ -677,6 +654,18 @@ fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>)
             Err(nccl_control::ControlError::Closed)
         ));
     }
+}
+
+/// Every session: Quiesce, Release (every communicator suspended), Disconnect; then the layer
+/// holds the ranks: no step is printed until Go.
+fn checkpoint(sessions: &mut [Session], p: &mut Progress, rx: &Receiver<String>) {
+    for m in quiesce_all(sessions, 10_000) {
+        match m {
+            LayerMsg::Quiesced { comms } => assert_eq!(comms.len(), 2),
+            other => panic!("expected Quiesced, got {other:?}"),
+        }
+    }
+    release_and_disconnect(sessions);
     // A step whose collectives were all done before the hold may still print; then nothing.
     p.take(rx, Duration::from_millis(300));
     assert_eq!(

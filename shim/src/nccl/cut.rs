@@ -319,14 +319,7 @@ pub fn restored(me: &Arc<ContainerComms>, cut: Option<&NcclCut>) -> bool {
         members: Vec::new(),
         deadline: Instant::now() + me.server.timeout,
     });
-    let held: Vec<NcclProcess> = me
-        .server
-        .shared
-        .lock()
-        .held
-        .iter()
-        .map(|h| h.record.clone())
-        .collect();
+    let held = me.server.shared.lock().held_records();
     r.keys.extend(record_keys(&held));
     r.members.push(me.clone());
     info!(id = %me.server.id, cut = %cut.id, "restored: NCCL ranks wait for the other containers of the cut");

@@ -259,9 +259,7 @@ fn host_dir_under(base: &Path, namespace: &str, id: &str) -> Result<PathBuf> {
 /// `/run` or `/usr`, and in place of any at their destinations), the layer first in every
 /// `LD_PRELOAD`, `GPU_CKPT_NCCL_SOCKET` and `GPU_CKPT_NCCL_RELEASE` = `release`. Idempotent.
 fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path, release: &str) -> Result<()> {
-    let malformed = |what: &str| {
-        Error::InvalidArgument(format!("bundle config: {what}: cannot add the NCCL layer"))
-    };
+    let malformed = |what: &str| cannot_add("bundle config", what);
     let path_text = |p: &Path| {
         p.to_str()
             .map(str::to_string)
@@ -271,15 +269,7 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path, release: &str) -> 
     let root = spec
         .as_object_mut()
         .ok_or_else(|| malformed("not a JSON object"))?;
-    let mounts = root
-        .entry("mounts")
-        .or_insert_with(|| Value::Array(Vec::new()));
-    if mounts.is_null() {
-        *mounts = Value::Array(Vec::new());
-    }
-    let mounts = mounts
-        .as_array_mut()
-        .ok_or_else(|| malformed("mounts is not a list"))?;
+    let mounts = list_entry(root, "mounts").ok_or_else(|| malformed("mounts is not a list"))?;
     let ours = [LAYER_IN_CONTAINER, SOCKET_DIR_IN_CONTAINER];
     mounts.retain(|m| {
         let dest = m["destination"]
@@ -311,17 +301,31 @@ fn edit_spec(spec: &mut Value, layer: &Path, host_dir: &Path, release: &str) -> 
 /// `GPU_CKPT_NCCL_RELEASE` = `release`), so that a rank started by `kubectl exec` runs under
 /// the layer too.
 pub fn exec_process(spec: &[u8], release: &str) -> Result<Vec<u8>> {
-    let malformed = |what: String| {
-        Error::InvalidArgument(format!(
-            "exec process spec: {what}: cannot add the NCCL layer"
-        ))
-    };
+    let malformed = |what: String| cannot_add("exec process spec", &what);
     let mut process: Value = serde_json::from_slice(spec).map_err(|e| malformed(e.to_string()))?;
     let map = process
         .as_object_mut()
         .ok_or_else(|| malformed("not a JSON object".into()))?;
     edit_env(map, release).map_err(malformed)?;
     serde_json::to_vec(&process).map_err(|e| malformed(e.to_string()))
+}
+
+/// Why a spec (`spec`: which one) cannot get the layer.
+fn cannot_add(spec: &str, what: &str) -> Error {
+    Error::InvalidArgument(format!("{spec}: {what}: cannot add the NCCL layer"))
+}
+
+/// The list at `key` of `map` (an empty one made where it is missing or null); `None` where
+/// it is something else.
+fn list_entry<'a>(
+    map: &'a mut serde_json::Map<String, Value>,
+    key: &str,
+) -> Option<&'a mut Vec<Value>> {
+    let list = map.entry(key).or_insert_with(|| Value::Array(Vec::new()));
+    if list.is_null() {
+        *list = Value::Array(Vec::new());
+    }
+    list.as_array_mut()
 }
 
 /// The layer first in every `LD_PRELOAD` of `process.env` (one made where there is none), and
@@ -331,15 +335,7 @@ fn edit_env(
     process: &mut serde_json::Map<String, Value>,
     release: &str,
 ) -> std::result::Result<(), String> {
-    let env = process
-        .entry("env")
-        .or_insert_with(|| Value::Array(Vec::new()));
-    if env.is_null() {
-        *env = Value::Array(Vec::new());
-    }
-    let env = env
-        .as_array_mut()
-        .ok_or_else(|| "process.env is not a list".to_string())?;
+    let env = list_entry(process, "env").ok_or_else(|| "process.env is not a list".to_string())?;
     let socket_prefix = format!("{SOCKET_ENV}=");
     let release_prefix = format!("{RELEASE_ENV}=");
     let preload_prefix = format!("{PRELOAD_ENV}=");

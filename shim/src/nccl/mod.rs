@@ -237,14 +237,7 @@ impl ContainerComms {
             }
         };
         steps::disconnect(&self.server, &released);
-        let records: Vec<NcclProcess> = self
-            .server
-            .shared
-            .lock()
-            .held
-            .iter()
-            .map(|h| h.record.clone())
-            .collect();
+        let records = self.server.shared.lock().held_records();
         info!(id = %self.server.id, processes = records.len(), "NCCL communicators released");
         let mut last = self.last();
         last.released = Some(records);

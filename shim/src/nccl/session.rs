@@ -172,6 +172,11 @@ impl Held {
 }
 
 impl State {
+    /// The records of the processes held (released, not connected again yet), in order.
+    pub fn held_records(&self) -> Vec<NcclProcess> {
+        self.held.iter().map(|h| h.record.clone()).collect()
+    }
+
     /// Session `id`'s connection ended (`why`, unless it was closed before): the session is
     /// retired, and the oldest ended sessions beyond [`MAX_ENDED`] are forgotten, so that
     /// connections that come and go hold neither descriptors nor memory.

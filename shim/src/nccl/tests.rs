@@ -4,7 +4,7 @@
 
 use std::io::Write;
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,6 +46,15 @@ fn server(dir: &Path, timeout: Duration, members: Members) -> Arc<ContainerComms
 
 fn ours() -> Members {
     Members(Ok(me()))
+}
+
+/// A server (bound `timeout`) whose peers are all ours, in a fresh directory: the directory,
+/// the control socket's path and the server.
+fn our_server(timeout: Duration) -> (tempfile::TempDir, PathBuf, Arc<ContainerComms>) {
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("control.sock");
+    let c = server(d.path(), timeout, ours());
+    (d, path, c)
 }
 
 /// A client as the layer is one: Hello, Welcome, then messages.
@@ -176,6 +185,16 @@ fn sessions(c: &ContainerComms) -> usize {
         .count()
 }
 
+/// Whether every session of `c` (ended ones too) passes `f`.
+fn sessions_all(c: &ContainerComms, f: impl FnMut(&super::session::Session) -> bool) -> bool {
+    c.server.shared.lock().sessions.values().all(f)
+}
+
+/// Whether a session of `c` (ended ones too) passes `f`.
+fn sessions_any(c: &ContainerComms, f: impl FnMut(&super::session::Session) -> bool) -> bool {
+    c.server.shared.lock().sessions.values().any(f)
+}
+
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let until = Instant::now() + WAIT;
     while !f() {
@@ -234,9 +253,7 @@ fn a_token_presented_by_another_process_is_refused() {
 
 #[test]
 fn hostile_frames_close_the_connection_and_the_server_serves_on() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     let closed = |bytes: &[u8]| {
         let mut s = UnixStream::connect(&path).unwrap();
         let _ = s.write_all(bytes);
@@ -278,9 +295,7 @@ fn hostile_frames_close_the_connection_and_the_server_serves_on() {
 
 #[test]
 fn connections_beyond_the_bound_are_closed() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     let mut held = Vec::new();
     for _ in 0..MAX_CONNECTIONS + 20 {
         if let Ok(s) = UnixStream::connect(&path) {
@@ -298,20 +313,13 @@ fn connections_beyond_the_bound_are_closed() {
 
 #[test]
 fn a_rank_that_does_not_quiesce_fails_the_checkpoint_naming_it_and_the_others_go_on() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_millis(300), ours());
+    let (_d, path, c) = our_server(Duration::from_millis(300));
     let mut good = Client::connect(&path, None);
     good.comm(1, "k", 0, 4);
     let mut stuck = Client::connect(&path, None);
     stuck.comm(1, "k", 3, 4);
     wait_for("comms announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .all(|s| !s.comms.is_empty())
+        sessions_all(&c, |s| !s.comms.is_empty())
     });
     let answer = std::thread::spawn(move || {
         assert!(matches!(good.recv(), ShimMsg::Quiesce { deadline_ms } if deadline_ms <= 300));
@@ -341,19 +349,12 @@ fn a_rank_that_does_not_quiesce_fails_the_checkpoint_naming_it_and_the_others_go
 
 #[test]
 fn a_layer_failure_names_the_rank_it_gives() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     let mut a = Client::connect(&path, None);
     a.comm(1, "k", 0, 2);
     a.comm(2, "k/1", 1, 3);
     wait_for("comms announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .any(|s| s.comms.len() == 2)
+        sessions_any(&c, |s| s.comms.len() == 2)
     });
     let t = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
@@ -381,9 +382,7 @@ fn a_layer_failure_names_the_rank_it_gives() {
 /// first would time out); Go to all after.
 #[test]
 fn a_rebuild_asks_rank_0_for_the_id_and_sends_rebuild_to_all_before_awaiting() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (seen, log) = channel();
     let (rank1_rebuild, wait_rank1) = channel::<()>();
     let wait_rank1 = std::sync::Mutex::new(wait_rank1);
@@ -399,13 +398,7 @@ fn a_rebuild_asks_rank_0_for_the_id_and_sends_rebuild_to_all_before_awaiting() {
         }
     });
     wait_for("comms announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .all(|s| !s.comms.is_empty())
-            && sessions(&c) == 2
+        sessions_all(&c, |s| !s.comms.is_empty()) && sessions(&c) == 2
     });
     rt().block_on(c.quiesce(Vec::new())).unwrap();
     assert!(
@@ -455,9 +448,7 @@ fn a_rebuild_asks_rank_0_for_the_id_and_sends_rebuild_to_all_before_awaiting() {
 
 #[test]
 fn suspended_communicators_are_resumed_in_place() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (seen, log) = channel();
     let r0 = layer_cycle(path.clone(), 0, true, seen.clone(), |_| {});
     let r1 = layer_cycle(path.clone(), 1, true, seen, |_| {});
@@ -475,19 +466,10 @@ fn suspended_communicators_are_resumed_in_place() {
 
 #[test]
 fn a_process_that_does_not_come_back_fails_the_resume_naming_it() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_millis(300), ours());
+    let (_d, path, c) = our_server(Duration::from_millis(300));
     let mut a = Client::connect(&path, None);
     a.comm(1, "k", 2, 4);
-    wait_for("comm", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .any(|s| !s.comms.is_empty())
-    });
+    wait_for("comm", || sessions_any(&c, |s| !s.comms.is_empty()));
     let t = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
         a.send(LayerMsg::Holding {
@@ -517,9 +499,7 @@ fn a_process_that_does_not_come_back_fails_the_resume_naming_it() {
 /// from rank 0, Rebuild to all, Go; the restore fails naming a process that does not answer.
 #[test]
 fn a_restore_rebuilds_the_recorded_processes_on_fresh_ids() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let proc = |rank: i32, token: &str| NcclProcess {
         pid: me(),
         token: token.into(),
@@ -607,9 +587,7 @@ fn the_layer_must_be_the_checkpoints() {
 /// Go.
 #[test]
 fn drain_targets_are_the_most_issued_per_key_and_a_failed_drain_names_the_rank() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let mut a = Client::connect(&path, None);
     a.comm(1, "k", 0, 2);
     a.comm(2, "k/0", 0, 2);
@@ -617,12 +595,7 @@ fn drain_targets_are_the_most_issued_per_key_and_a_failed_drain_names_the_rank()
     b.comm(7, "k", 1, 2);
     b.comm(9, "k/0", 1, 2);
     wait_for("comms announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .all(|s| s.comms.len() == 2)
+        sessions_all(&c, |s| s.comms.len() == 2)
     });
     let ta = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
@@ -732,14 +705,9 @@ fn a_pod_wide_cut_holds_every_rank_until_every_container_is_checkpointed() {
     let t1 = client(p1, 0, seen.clone());
     let t2 = client(p2, 1, seen);
     wait_for("both announced", || {
-        [&c1, &c2].iter().all(|c| {
-            c.server
-                .shared
-                .lock()
-                .sessions
-                .values()
-                .any(|s| !s.comms.is_empty())
-        })
+        [&c1, &c2]
+            .iter()
+            .all(|c| sessions_any(c, |s| !s.comms.is_empty()))
     });
     rt().block_on(c1.quiesce(Vec::new())).unwrap();
     let r1 = c1.record().unwrap();
@@ -926,9 +894,7 @@ fn ended_why(c: &ContainerComms) -> String {
 
 #[test]
 fn connections_that_come_and_go_leave_no_session_behind() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     for i in 0..MAX_ENDED as u64 + 40 {
         let mut cl = Client::connect(&path, None);
         cl.comm(i, &format!("k{i}"), 0, 1);
@@ -950,9 +916,7 @@ fn connections_that_come_and_go_leave_no_session_behind() {
 
 #[test]
 fn a_session_announcing_too_many_or_too_long_communicators_is_closed() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     let mut cl = Client::connect(&path, None);
     cl.comm(1, &"k".repeat(MAX_KEY + 1), 0, 1);
     assert!(ended_why(&c).contains("key of"), "closed for its key");
@@ -988,9 +952,7 @@ fn a_session_announcing_too_many_or_too_long_communicators_is_closed() {
 
 #[test]
 fn a_session_queueing_replies_nobody_asked_for_is_closed() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), WAIT, ours());
+    let (_d, path, c) = our_server(WAIT);
     let mut cl = Client::connect(&path, None);
     for _ in 0..MAX_UNASKED + 1 {
         let _ = cl.conn.send(&LayerMsg::Rebuilt, Some(WAIT));
@@ -1039,9 +1001,7 @@ fn two(
 
 #[test]
 fn a_second_claim_of_a_rank_fails_the_quiesce_before_any_layer_is_asked() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 0, 2)]);
     let e = c_quiesce(&c);
     assert!(
@@ -1060,16 +1020,12 @@ fn a_second_claim_of_a_rank_fails_the_quiesce_before_any_layer_is_asked() {
     c.close();
 
     // Another number of ranks, or a rank out of range: refused alike.
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 4)]);
     let e = c_quiesce(&c);
     assert!(e.contains("says communicator key k has"), "{e}");
     c.close();
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let _ab = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 2, 2)]);
     let e = c_quiesce(&c);
     assert!(e.contains("claims rank 2 of 2"), "{e}");
@@ -1103,9 +1059,7 @@ fn answer_rebuild(
 
 #[test]
 fn a_rebuild_sends_each_process_only_the_ids_of_its_keys() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (a, b) = two(
         &c,
         &path,
@@ -1137,9 +1091,7 @@ fn a_rebuild_sends_each_process_only_the_ids_of_its_keys() {
 
 #[test]
 fn a_unique_id_that_is_not_128_bytes_of_hex_fails_the_rebuild() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (a, b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
     let ids = c.server.shared.open_sessions();
     let (seen, log) = channel();
@@ -1158,9 +1110,7 @@ fn a_unique_id_that_is_not_128_bytes_of_hex_fails_the_rebuild() {
 
 #[test]
 fn a_drain_target_no_rank_reaches_names_who_reported_it() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let (mut a, mut b) = two(&c, &path, &[(1, "k", 0, 2)], &[(5, "k", 1, 2)]);
     let ta = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
@@ -1200,18 +1150,11 @@ fn a_drain_target_no_rank_reaches_names_who_reported_it() {
 
 #[test]
 fn what_a_layer_says_reaches_errors_bounded_and_escaped() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(3), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(3));
     let mut a = Client::connect(&path, None);
     a.comm(1, "k", 0, 1);
     wait_for("comm announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .all(|s| !s.comms.is_empty())
+        sessions_all(&c, |s| !s.comms.is_empty())
     });
     let t = std::thread::spawn(move || {
         assert!(matches!(a.recv(), ShimMsg::Quiesce { .. }));
@@ -1232,18 +1175,11 @@ fn what_a_layer_says_reaches_errors_bounded_and_escaped() {
 
 #[test]
 fn a_kill_ends_a_quiesce_waiting_on_a_rank_at_once() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(60), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(60));
     let mut a = Client::connect(&path, None);
     a.comm(1, "k", 0, 1);
     wait_for("comm announced", || {
-        c.server
-            .shared
-            .lock()
-            .sessions
-            .values()
-            .all(|s| !s.comms.is_empty())
+        sessions_all(&c, |s| !s.comms.is_empty())
     });
     let q = {
         let c = c.clone();
@@ -1263,9 +1199,7 @@ fn a_kill_ends_a_quiesce_waiting_on_a_rank_at_once() {
 
 #[test]
 fn a_process_that_does_not_read_holds_neither_the_state_nor_a_kill() {
-    let d = tempfile::tempdir().unwrap();
-    let path = d.path().join("control.sock");
-    let c = server(d.path(), Duration::from_secs(60), ours());
+    let (_d, path, c) = our_server(Duration::from_secs(60));
     let _a = Client::connect(&path, None);
     wait_for("one session", || sessions(&c) == 1);
     let ids = c.server.shared.open_sessions();

@@ -605,6 +605,18 @@ fn ctr_train(node: &Node, verb: &[&str], device: &str, id: &str) -> Result<()> {
 /// `ctr <verb> --device <device> … <image> <id> sh -c <cmd>` on `node` with a tmpfs at /out
 /// (which travels with a checkpoint), `verb` being `run -d` or `container create`.
 pub(crate) fn ctr_sh(node: &Node, verb: &[&str], device: &str, id: &str, cmd: &str) -> Result<()> {
+    ctr_sh_with(node, verb, device, &[], id, cmd)
+}
+
+/// [`ctr_sh`] with the ctr flags `extra` too.
+pub(crate) fn ctr_sh_with(
+    node: &Node,
+    verb: &[&str],
+    device: &str,
+    extra: &[&str],
+    id: &str,
+    cmd: &str,
+) -> Result<()> {
     // `container create` has no --fifo-dir (that is `run`'s).
     let flags: Vec<String> = if verb[0] == "run" {
         run_flags(node)
@@ -617,6 +629,7 @@ pub(crate) fn ctr_sh(node: &Node, verb: &[&str], device: &str, id: &str, cmd: &s
         "--mount",
         "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m",
     ]);
+    args.extend_from_slice(extra);
     args.extend(flags.iter().map(String::as_str));
     args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", cmd]);
     let out = node.ctr_cdi("default", &args)?;
@@ -631,7 +644,7 @@ pub(crate) fn ctr_sh(node: &Node, verb: &[&str], device: &str, id: &str, cmd: &s
 }
 
 /// The log of a ctr training container whose init is host pid `pid`.
-fn ctr_log(pid: i32) -> PathBuf {
+pub(crate) fn ctr_log(pid: i32) -> PathBuf {
     PathBuf::from(format!("/proc/{pid}/root/out/train.log"))
 }
 

@@ -12,9 +12,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::common::{gpu::*, restore_from_dir, run_flags, wait_until, RUNTIME};
+use crate::common::{gpu::*, restore_from_dir, wait_until};
+use crate::gpu_shim::{ctr_log, ctr_sh_with};
 use anyhow::{bail, ensure, Context, Result};
-use test_containers::stack::{Node, GPU_WORKLOADS_IMAGE};
+use test_containers::stack::Node;
 
 /// gpu-train, its log on a tmpfs that travels with a checkpoint.
 const TRAIN: &str =
@@ -26,43 +27,14 @@ const SOCKET_DIR: &str = "/run/gpu-ckpt-nccl";
 /// `ctr <verb> --device <GPU 0> <extra> … <image> <id> sh -c TRAIN`, `verb` being `run -d` or
 /// `container create`.
 fn ctr_train(node: &Node, verb: &[&str], extra: &[&str], id: &str) -> Result<()> {
-    let device = format!("{KIND}=0");
-    // `container create` has no --fifo-dir (that is `run`'s).
-    let flags: Vec<String> = if verb[0] == "run" {
-        run_flags(node)
-    } else {
-        vec!["--runtime".into(), RUNTIME.into()]
-    };
-    let mut args: Vec<&str> = verb.to_vec();
-    args.extend(["--device", &device]);
-    args.extend([
-        "--mount",
-        "type=tmpfs,src=tmpfs,dst=/out,options=rw:size=16m",
-    ]);
-    args.extend_from_slice(extra);
-    args.extend(flags.iter().map(String::as_str));
-    args.extend([GPU_WORKLOADS_IMAGE, id, "/bin/sh", "-c", TRAIN]);
-    let out = node.ctr_cdi("default", &args)?;
-    ensure!(
-        out.status.success(),
-        "ctr {} failed: {}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    Ok(())
-}
-
-/// The log of a training container whose init is host pid `pid`.
-fn log_of(pid: i32) -> PathBuf {
-    PathBuf::from(format!("/proc/{pid}/root/out/train.log"))
+    ctr_sh_with(node, verb, &format!("{KIND}=0"), extra, id, TRAIN)
 }
 
 /// gpu-train run with `extra` ctr flags, up to its third step; its pid.
 fn train(node: &Node, extra: &[&str], id: &str) -> Result<i32> {
     ctr_train(node, &["run", "-d"], extra, id)?;
     let pid = node.task_pid(id)?;
-    wait_steps(&log_of(pid), 3).with_context(|| format!("{id} before its checkpoint"))?;
+    wait_steps(&ctr_log(pid), 3).with_context(|| format!("{id} before its checkpoint"))?;
     Ok(pid)
 }
 
@@ -198,8 +170,8 @@ fn a_container_that_opts_in_gets_the_layer_and_keeps_it_through_a_restore() -> R
             "the managed container's checkpoint failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let now = last_step(&log_of(pid)).map(|s| s.0).unwrap_or_default();
-        wait_steps_after(&log_of(pid), now, 3)?;
+        let now = last_step(&ctr_log(pid)).map(|s| s.0).unwrap_or_default();
+        wait_steps_after(&ctr_log(pid), now, 3)?;
         // ctr names a checkpoint's image by the second: the next one must not share it.
         std::thread::sleep(Duration::from_millis(1100));
         let dir = node.paths().dir.join("managed-exit");
@@ -221,9 +193,9 @@ fn a_container_that_opts_in_gets_the_layer_and_keeps_it_through_a_restore() -> R
         )?;
         let pid = restore_from_dir(&node, "managed", &dir)?;
         check_managed(pid, "managed")?;
-        let log = std::fs::read_to_string(log_of(pid)).unwrap_or_default();
+        let log = std::fs::read_to_string(ctr_log(pid)).unwrap_or_default();
         let at = steps(&log).last().map(|s| s.0).unwrap_or(0);
-        wait_steps_after(&log_of(pid), at, 3).context("the restored training")?;
+        wait_steps_after(&ctr_log(pid), at, 3).context("the restored training")?;
         remove(&node, "managed");
 
         // A value other than managed or off: refused at Create, naming it.
