@@ -33,18 +33,21 @@ pub struct Assigned {
     pub gpus: Vec<GpuUuid>,
 }
 
+/// The minor number of a GPU's device node path (`/dev/nvidia<N>`); None for any other path
+/// (`/dev/nvidiactl`, `/dev/nvidia-uvm`, …).
+pub fn gpu_node_minor(path: &str) -> Option<u32> {
+    path.strip_prefix("/dev/nvidia")
+        .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|n| n.parse().ok())
+}
+
 /// The GPUs the container whose spec is `spec` (a parsed `config.json`) was given. `None` when
 /// it was given none.
 pub fn from_spec(spec: &Value, inv: &NodeInventory) -> Result<Option<Assigned>, GpuError> {
     // 1. NVIDIA device nodes, by minor number.
     let mut gpus = Vec::new();
     for d in spec["linux"]["devices"].as_array().into_iter().flatten() {
-        let Some(minor) = d["path"]
-            .as_str()
-            .and_then(|p| p.strip_prefix("/dev/nvidia"))
-            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
+        let Some(minor) = d["path"].as_str().and_then(gpu_node_minor) else {
             continue;
         };
         let gpu = inv
@@ -183,6 +186,21 @@ mod tests {
     use super::*;
     use crate::GpuInfo;
     use serde_json::json;
+
+    #[test]
+    fn only_a_gpus_own_node_has_a_minor() {
+        assert_eq!(gpu_node_minor("/dev/nvidia0"), Some(0));
+        assert_eq!(gpu_node_minor("/dev/nvidia17"), Some(17));
+        for other in [
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia",
+            "/dev/nvidia1x",
+            "/dev/nvidia-caps/nvidia-cap1",
+        ] {
+            assert_eq!(gpu_node_minor(other), None, "{other}");
+        }
+    }
 
     fn inv() -> NodeInventory {
         let gpu = |i: u32, minor: u32| GpuInfo {

@@ -1015,7 +1015,8 @@ pub fn ns_pid(pid: i32) -> Option<u32> {
         .ok()
 }
 
-fn comm(pid: i32) -> String {
+/// Process `pid`'s command name, for messages (`?` where it cannot be read).
+pub(crate) fn comm(pid: i32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/comm"))
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "?".into())

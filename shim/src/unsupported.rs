@@ -147,12 +147,21 @@ fn mig<P: Process>(
 
 /// A MIG device node among process `pid`'s open files.
 fn mig_node_held(pid: i32) -> Option<String> {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .ok()?
-        .flatten()
+    open_files(pid)
+        .into_iter()
+        .find(|l| gpu::assign::is_mig_node(l))
+}
+
+/// What process `pid`'s file descriptors name (the links of `/proc/PID/fd` read, never
+/// followed; names that are not UTF-8 left out); empty when they cannot be read.
+pub(crate) fn open_files(pid: i32) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    dir.flatten()
         .filter_map(|e| std::fs::read_link(e.path()).ok())
         .filter_map(|l| l.to_str().map(str::to_string))
-        .find(|l| gpu::assign::is_mig_node(l))
+        .collect()
 }
 
 /// The NCCL library a process whose `/proc/PID/maps` is `maps` uses without gpu-ckpt's NCCL
@@ -176,13 +185,13 @@ fn mapped_file(maps: &str, prefix: &str) -> Option<String> {
 }
 
 /// The first `libnccl.so*` file a `/proc/PID/maps` text names.
-fn nccl_in_maps(maps: &str) -> Option<String> {
+pub(crate) fn nccl_in_maps(maps: &str) -> Option<String> {
     mapped_file(maps, "libnccl.so")
 }
 
 /// Whether a `/proc/PID/maps` text names gpu-ckpt's NCCL layer (`libgpu-ckpt-nccl.so`, where
 /// the shim mounts it or elsewhere, by its file name).
-fn maps_layer(maps: &str) -> bool {
+pub(crate) fn maps_layer(maps: &str) -> bool {
     mapped_file(maps, crate::nccl::inject::LAYER_FILE_NAME).is_some()
 }
 

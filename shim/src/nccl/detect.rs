@@ -4,40 +4,16 @@
 //! made none yet (the layer connects with its first), or cannot reach the socket. Refused,
 //! the container running on untouched.
 
-use super::inject::{LAYER_FILE_NAME, SOCKET_IN_CONTAINER};
-
-/// Whether a `/proc/PID/maps` text maps a file whose name starts with `prefix`.
-fn maps(text: &str, prefix: &str) -> bool {
-    crate::driver_files::file_mappings(text).any(|(_, path)| {
-        path.rsplit('/')
-            .next()
-            .is_some_and(|f| f.starts_with(prefix))
-    })
-}
-
-/// Whether a file descriptor target names a GPU's device node (`/dev/nvidia<N>`).
-fn is_gpu_node(target: &str) -> bool {
-    target
-        .strip_prefix("/dev/nvidia")
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-}
+use super::inject::SOCKET_IN_CONTAINER;
+use crate::unsupported::{maps_layer, nccl_in_maps, open_files};
 
 /// Whether a process with these mappings and open files is one the quiesce must reach.
 pub fn needs_session(maps_text: &str, fd_targets: &[String]) -> bool {
-    maps(maps_text, "libnccl.so")
-        && maps(maps_text, LAYER_FILE_NAME)
-        && fd_targets.iter().any(|t| is_gpu_node(t))
-}
-
-/// The open files of host process `pid` (the links read, never followed).
-fn fd_targets(pid: i32) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|e| std::fs::read_link(e.path()).ok())
-        .map(|p| p.to_string_lossy().into_owned())
-        .collect()
+    nccl_in_maps(maps_text).is_some()
+        && maps_layer(maps_text)
+        && fd_targets
+            .iter()
+            .any(|t| gpu::assign::gpu_node_minor(t).is_some())
 }
 
 /// The refusal for the first of `pids` that needs a session and has none (`known`).
@@ -47,14 +23,13 @@ pub fn refuse_unconnected(pids: &[i32], known: impl Fn(i32) -> bool) -> Option<S
             return None;
         }
         let text = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-        if !needs_session(&text, &fd_targets(pid)) {
+        if !needs_session(&text, &open_files(pid)) {
             return None;
         }
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        let comm = crate::device::comm(pid);
         let ns = crate::device::ns_pid(pid).unwrap_or(0);
         Some(format!(
-            "pid {pid} ({}, pid {ns} in the container) maps gpu-ckpt's NCCL layer and holds a GPU but has no control session with the shim (it has made no communicator yet, or cannot reach {SOCKET_IN_CONTAINER}): its communicators cannot be quiesced; the container runs on untouched",
-            comm.trim()
+            "pid {pid} ({comm}, pid {ns} in the container) maps gpu-ckpt's NCCL layer and holds a GPU but has no control session with the shim (it has made no communicator yet, or cannot reach {SOCKET_IN_CONTAINER}): its communicators cannot be quiesced; the container runs on untouched"
         ))
     })
 }

@@ -209,11 +209,7 @@ impl ContainerComms {
 
     fn quiesce_blocking(self: &Arc<Self>, pids: &[i32]) -> Result<()> {
         if let Some(m) = detect::refuse_unconnected(pids, |p| self.knows(p)) {
-            return Err(Error::Step {
-                operation: "checkpoint",
-                step: "nccl-quiesce",
-                message: m,
-            });
+            return Err(steps::step_error("checkpoint", "nccl-quiesce", m));
         }
         self.unlisten();
         let ids = self.server.shared.open_sessions();
@@ -421,11 +417,7 @@ pub fn check_layer(record: Option<&NcclRecord>, setup: Option<&inject::NcclSetup
     let Some(record) = record else {
         return Ok(());
     };
-    let fail = |m: String| Error::Step {
-        operation: "restore",
-        step: "nccl-layer",
-        message: m,
-    };
+    let fail = |m: String| steps::step_error("restore", "nccl-layer", m);
     match setup {
         None => Err(fail(format!(
             "the checkpoint was taken with gpu-ckpt's NCCL layer ({} processes with communicators), and this container has none: set the annotation gpu-ckpt.io/nccl: managed (or the handler option Nccl = \"managed\")",
