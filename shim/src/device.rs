@@ -603,6 +603,12 @@ impl ContainerDevices {
         self
     }
 
+    /// The container got gpu-ckpt's NCCL layer: its processes that map NCCL with the layer
+    /// are the layer's to quiesce, not refused (`unsupported.rs`).
+    pub fn nccl_managed(&mut self) {
+        self.given = std::mem::take(&mut self.given).nccl_managed(true);
+    }
+
     /// The layer, loaded once (`cuInit` can take a while on a real driver, so off the
     /// runtime's thread).
     async fn layer(&mut self) -> Result<Option<Arc<DeviceLayer>>> {

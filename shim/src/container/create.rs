@@ -152,12 +152,7 @@ impl Container {
             inject::remove_setup(&setup);
             return Err(e);
         }
-        let given = Given::from_spec(self.bundle.json()).nccl_managed(true);
-        let devices = std::mem::replace(
-            &mut self.devices,
-            ContainerDevices::new(&self.options, None),
-        );
-        self.devices = devices.given(given);
+        self.devices.nccl_managed();
         self.nccl = Some(setup);
         Ok(())
     }
