@@ -24,6 +24,8 @@
 mod fsutil;
 mod read;
 mod record;
+#[cfg(test)]
+mod tests;
 mod util;
 mod write;
 
