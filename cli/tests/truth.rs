@@ -575,6 +575,7 @@ fn completions_name_every_subcommand() {
         "device",
         "drain-plan",
         "extract",
+        "events",
         "completion",
     ] {
         assert!(out.contains(sub), "the bash completion lacks {sub}");

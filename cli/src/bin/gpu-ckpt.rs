@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 
 use gpu_ckpt_cli::commands::{
-    build, compat, completion, device, extract, inspect, key, pull, verify,
+    build, compat, completion, device, events, extract, inspect, key, pull, verify,
 };
 use gpu_ckpt_cli::drain_plan;
 use gpu_ckpt_cli::exit::{self, ExitClass};
@@ -55,6 +55,9 @@ enum Cmd {
     /// Extract: an archive into a directory (checked, verified, root-only), or an image back to its
     /// archive (--archive).
     Extract(extract::ExtractArgs),
+    /// The node's records of checkpoints and restores (the shims' journal), oldest first: one
+    /// line each, or the records as JSON/YAML; filtered by operation, outcome, pod, time.
+    Events(events::EventsArgs),
     /// Print the shell's completion script: `source <(gpu-ckpt completion bash)`.
     Completion(completion::CompletionArgs),
 }
@@ -71,6 +74,7 @@ impl Cmd {
             Cmd::Device(a) => a.out.format(),
             Cmd::DrainPlan(a) => Format::from_args(&["-o".into(), a.output.clone()]),
             Cmd::Extract(a) => a.out.format(),
+            Cmd::Events(a) => a.out.format(),
             Cmd::Completion(_) => Format::Text,
         }
     }
@@ -149,6 +153,7 @@ fn run(cmd: Cmd, format: Format) -> anyhow::Result<Outcome> {
         Cmd::Extract(a) => extract::run(&a)?,
         Cmd::Key(k) => key::run(&k)?,
         Cmd::Device(a) => device::run(&a)?,
+        Cmd::Events(a) => events::run(&a)?,
         Cmd::DrainPlan(a) if format == Format::Yaml => {
             let plan = drain_plan::cli::make_plan(&a)?;
             Report::new(String::new(), serde_json::to_value(&plan)?).yes_if(plan.complete)

@@ -7,6 +7,7 @@ pub mod build;
 pub mod compat;
 pub mod completion;
 pub mod device;
+pub mod events;
 pub mod extract;
 pub mod input;
 pub mod inspect;
