@@ -53,6 +53,7 @@ pub mod nccl;
 pub mod oom;
 pub mod options;
 pub mod pod_network;
+pub mod record;
 pub mod private_dir;
 pub mod process;
 pub mod restore;
