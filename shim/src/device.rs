@@ -28,8 +28,8 @@ use tracing::{info, info_span, warn};
 
 use crate::bundle::Bundle;
 use crate::error::{Error, Result};
-use crate::record::OpLog;
 use crate::options::RuntimeOptions;
+use crate::record::OpLog;
 
 /// A process of the container that holds device state.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -517,7 +517,9 @@ impl RuntimeOptions {
         let url = endpoint
             .strip_prefix("http://")
             .or_else(|| endpoint.strip_prefix("https://"));
-        if !endpoint.is_empty() && url.is_none_or(|rest| rest.is_empty() || rest.contains(char::is_whitespace)) {
+        if !endpoint.is_empty()
+            && url.is_none_or(|rest| rest.is_empty() || rest.contains(char::is_whitespace))
+        {
             return Err(Error::InvalidArgument(format!(
                 "invalid OtlpEndpoint {endpoint:?}: expected an http:// or https:// URL"
             )));
@@ -921,6 +923,35 @@ mod tests {
             RuntimeOptions::from_any(Some(&any)),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn events_and_otlp_options_are_decoded_and_checked() {
+        let d = RuntimeOptions::default();
+        assert_eq!(d.events_dir(), PathBuf::from(journal::DEFAULT_DIR));
+        assert_eq!(d.events_segment_bytes(), journal::DEFAULT_SEGMENT_BYTES);
+        assert_eq!(
+            (d.otlp_endpoint(), d.otlp_protocol()),
+            (None, "http/protobuf")
+        );
+        let o = RuntimeOptions::from_toml(
+            "EventsDir = \"/var/lib/x/events\"\nEventsSegmentBytes = 1048576\nOtlpEndpoint = \"http://collector:4318\"\nOtlpProtocol = \"grpc\"\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(o.events_dir(), PathBuf::from("/var/lib/x/events"));
+        assert_eq!(o.events_segment_bytes(), 1 << 20);
+        assert_eq!(o.otlp_endpoint(), Some("http://collector:4318"));
+        assert_eq!(o.otlp_protocol(), "grpc");
+        for (bad, key) in [
+            ("EventsDir = \"events\"", "EventsDir"),
+            ("EventsSegmentBytes = 100", "EventsSegmentBytes"),
+            ("OtlpProtocol = \"http/json\"", "OtlpProtocol"),
+            ("OtlpEndpoint = \"collector:4318\"", "OtlpEndpoint"),
+        ] {
+            let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
+        }
     }
 
     #[test]

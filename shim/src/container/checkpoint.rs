@@ -279,7 +279,13 @@ impl Container {
         // Undo: remove what the checkpoint wrote; the CRIU configuration back.
         let op = self.op.clone();
         let step = op.step("prepare");
-        let image = ImageDir::create(&plan.image_path).inspect_err(|e| step.failed(e))?;
+        let image = match ImageDir::create(&plan.image_path) {
+            Ok(image) => image,
+            Err(e) => {
+                step.failed(&e);
+                return Err(e);
+            }
+        };
         let work = plan
             .work_path
             .clone()

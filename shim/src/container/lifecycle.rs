@@ -1,7 +1,7 @@
 //! Start (or the restore Create left pending), exec, kill and delete.
 
 use containerd_shim::util::read_pid_from_file;
-use tracing::{info_span, warn, Instrument};
+use tracing::warn;
 
 use super::{Container, INIT_PID_FILE};
 use crate::{

@@ -329,7 +329,8 @@ impl Container {
         // restored (which also ends a driver call still waiting on it).
         let t = Instant::now();
         let op = self.op.clone();
-        let devices = self.restore_devices(dir, &checked.manifest, &checked.devices, deadline, bound);
+        let devices =
+            self.restore_devices(dir, &checked.manifest, &checked.devices, deadline, bound);
         if let Err(e) = op.timed("device-restore", devices).await {
             self.undo_restored("a failed device restore").await;
             return Err(e);
@@ -393,9 +394,7 @@ impl Container {
         op.timed("driver-files", driver_files).await?;
         // The NCCL layer the checkpoint's processes mapped, held to this container's.
         crate::nccl::check_layer(manifest.nccl.as_ref(), self.nccl.as_ref())?;
-        let mount_policy = op
-            .timed("mount-check", self.refuse_new_mounts(dir))
-            .await?;
+        let mount_policy = op.timed("mount-check", self.refuse_new_mounts(dir)).await?;
         let tcp_close = self.tcp_close(&manifest);
         op.timed("network", self.check_network(&manifest, tcp_close))
             .await?;
