@@ -241,7 +241,10 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         "prometheus",
         Command::new(prometheus_bin()?)
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", work.path().join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                work.path().join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
             .arg("--storage.tsdb.retention.time=1h"),
         work.path().join("prometheus.log"),
@@ -260,7 +263,10 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         std::thread::sleep(Duration::from_millis(300));
     }
     let (status, body) = http_get(agent_port, "/healthz")?;
-    ensure!(status == 200 && body.trim() == "ok", "/healthz: {status} {body}");
+    ensure!(
+        status == 200 && body.trim() == "ok",
+        "/healthz: {status} {body}"
+    );
 
     rt().block_on(async {
         let cri = Cri::connect(node.socket()).await?;
@@ -270,15 +276,31 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         let archive = ckpt_dir.join("checkpoint-worker_default-counter.tar");
         cri.checkpoint_container(&id, &archive, 60).await?;
         cri.remove_pod(&pod).await?;
-        try_restore(&cri, &node, RESTORE_HANDLER, "default", &archive.display().to_string())
-            .await?
-            .map_err(anyhow::Error::msg)
-            .context("the restore of the checkpoint")?;
+        try_restore(
+            &cri,
+            &node,
+            RESTORE_HANDLER,
+            "default",
+            &archive.display().to_string(),
+        )
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("the restore of the checkpoint")?;
         // One restore refused: a source outside RestoreSources.
         let outside = work.path().join("elsewhere.tar");
         std::fs::copy(&archive, &outside)?;
-        let refused = try_restore(&cri, &node, RESTORE_HANDLER, "default", &outside.display().to_string()).await?;
-        ensure!(refused.is_err(), "a checkpoint outside RestoreSources was restored");
+        let refused = try_restore(
+            &cri,
+            &node,
+            RESTORE_HANDLER,
+            "default",
+            &outside.display().to_string(),
+        )
+        .await?;
+        ensure!(
+            refused.is_err(),
+            "a checkpoint outside RestoreSources was restored"
+        );
         // One checkpoint that fails at CRIU's dump.
         let pod = cri
             .run_pod(&PodSpec::new("tcp", node.pod_log_root()).handler(GPU_CKPT_HANDLER))
@@ -286,10 +308,20 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         let cid = cri.run_container(&pod, &tcp_spec()).await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let failed = cri
-            .checkpoint_container(&cid, &ckpt_dir.join("checkpoint-tcp_default-client.tar"), 60)
+            .checkpoint_container(
+                &cid,
+                &ckpt_dir.join("checkpoint-tcp_default-client.tar"),
+                60,
+            )
             .await;
-        let err = format!("{:#}", failed.err().context("the TCP checkpoint succeeded")?);
-        ensure!(err.contains("criu-dump"), "the failed checkpoint's error: {err}");
+        let err = format!(
+            "{:#}",
+            failed.err().context("the TCP checkpoint succeeded")?
+        );
+        ensure!(
+            err.contains("criu-dump"),
+            "the failed checkpoint's error: {err}"
+        );
         cri.remove_pod(&pod).await?;
         anyhow::Ok(())
     })?;
@@ -355,7 +387,9 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
     );
     let refused = query(prom_port, "gpu_ckpt_operations_total{outcome=\"refused\"}")?;
     ensure!(
-        refused.len() == 1 && refused[0].0["error_class"] == refusal.class && !refusal.step.is_empty(),
+        refused.len() == 1
+            && refused[0].0["error_class"] == refusal.class
+            && !refusal.step.is_empty(),
         "{refused:?}"
     );
     // Nothing was counted twice or skipped.
@@ -374,7 +408,9 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         }
     }
     ensure!(
-        want_steps.keys().any(|(o, s)| o == "checkpoint" && s == "criu-dump"),
+        want_steps
+            .keys()
+            .any(|(o, s)| o == "checkpoint" && s == "criu-dump"),
         "no criu-dump step in the records: {want_steps:?}"
     );
     ensure!(
@@ -389,14 +425,20 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         .iter()
         .map(|(l, v)| ((l["operation"].clone(), l["step"].clone()), *v))
         .collect();
-    ensure!(got_steps == want_steps, "step counts {got_steps:?}, records {want_steps:?}");
+    ensure!(
+        got_steps == want_steps,
+        "step counts {got_steps:?}, records {want_steps:?}"
+    );
     let p99 = query(
         prom_port,
         "histogram_quantile(0.99, sum by (le, step) (rate(gpu_ckpt_step_duration_seconds_bucket[5m])))",
     )?;
     let p99_steps: BTreeSet<String> = p99.iter().map(|(l, _)| l["step"].clone()).collect();
     let names: BTreeSet<String> = want_steps.keys().map(|(_, s)| s.clone()).collect();
-    ensure!(p99_steps == names, "p99 by step has {p99_steps:?}, the records {names:?}");
+    ensure!(
+        p99_steps == names,
+        "p99 by step has {p99_steps:?}, the records {names:?}"
+    );
     let buckets = query(
         prom_port,
         "count by (step) (gpu_ckpt_step_duration_seconds_bucket{operation=\"checkpoint\",step=\"criu-dump\"})",
@@ -414,9 +456,18 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         restore_p99.len() == 1 && restore_p99[0].0["node"] == name,
         "{restore_p99:?}"
     );
-    let frozen = query(prom_port, "sum(gpu_ckpt_frozen_seconds_count{operation=\"checkpoint\"})")?;
-    let frozen_records = records.iter().filter(|r| r.frozen_seconds.is_some()).count() as f64;
-    ensure!(frozen.first().map(|f| f.1) == Some(frozen_records), "{frozen:?}");
+    let frozen = query(
+        prom_port,
+        "sum(gpu_ckpt_frozen_seconds_count{operation=\"checkpoint\"})",
+    )?;
+    let frozen_records = records
+        .iter()
+        .filter(|r| r.frozen_seconds.is_some())
+        .count() as f64;
+    ensure!(
+        frozen.first().map(|f| f.1) == Some(frozen_records),
+        "{frozen:?}"
+    );
 
     // Bytes moved, as the records say.
     let host: u64 = records
@@ -429,27 +480,41 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
         prom_port,
         "gpu_ckpt_moved_bytes_total{operation=\"checkpoint\",memory=\"host\"}",
     )?;
-    ensure!(moved.first().map(|m| m.1) == Some(host as f64), "{moved:?} != {host}");
+    ensure!(
+        moved.first().map(|m| m.1) == Some(host as f64),
+        "{moved:?} != {host}"
+    );
 
     // Checkpoints on disk (the one archive) and their bytes; the key the checkpoint was signed with.
     let size = std::fs::metadata(ckpt_dir.join("checkpoint-worker_default-counter.tar"))?.len();
-    query_until(prom_port, "gpu_ckpt_checkpoints_on_disk", "checkpoints on disk", |r| {
-        r.first().map(|x| x.1) == Some(1.0)
-    })?;
+    query_until(
+        prom_port,
+        "gpu_ckpt_checkpoints_on_disk",
+        "checkpoints on disk",
+        |r| r.first().map(|x| x.1) == Some(1.0),
+    )?;
     let bytes = query(prom_port, "gpu_ckpt_checkpoints_on_disk_bytes")?;
-    ensure!(bytes.first().map(|b| b.1) == Some(size as f64), "{bytes:?} != {size}");
+    ensure!(
+        bytes.first().map(|b| b.1) == Some(size as f64),
+        "{bytes:?} != {size}"
+    );
     let signed = records
         .iter()
         .find(|r| r.operation.as_str() == "checkpoint" && r.outcome.as_str() == "succeeded")
         .and_then(|r| r.signing_key.clone());
-    let key_id = image_format::sign::key_id(&image_format::sign::read_public_key(&keys.join("node.pub"))?);
+    let key_id = image_format::sign::key_id(&image_format::sign::read_public_key(
+        &keys.join("node.pub"),
+    )?);
     let info = query(prom_port, "gpu_ckpt_signing_key_info")?;
     ensure!(
         info.len() == 1 && info[0].0["key_id"] == key_id && info[0].1 == 1.0,
         "{info:?}, the node's key {key_id}"
     );
     if let Some(signed) = signed {
-        ensure!(signed == key_id, "the record says {signed}, the node's key is {key_id}");
+        ensure!(
+            signed == key_id,
+            "the record says {signed}, the node's key is {key_id}"
+        );
     }
     agent.alive()?;
     prom.alive()?;
