@@ -138,7 +138,7 @@ fn phase(pid: u32, port: u16, path: &str, n: u64, scraped: bool, ticks: u64) -> 
 }
 
 fn record(i: u64) -> Record {
-    let op = if i % 2 == 0 {
+    let op = if i.is_multiple_of(2) {
         Operation::Checkpoint
     } else {
         Operation::Restore
@@ -147,10 +147,22 @@ fn record(i: u64) -> Record {
     r.pod = Some(format!("trainer-{}", i % 50));
     r.pod_namespace = Some("ml".into());
     r.container = Some("trainer".into());
-    let names: &[&str] = if i % 2 == 0 {
-        &["device-lock", "device-checkpoint", "criu-dump", "manifest", "sign"]
+    let names: &[&str] = if i.is_multiple_of(2) {
+        &[
+            "device-lock",
+            "device-checkpoint",
+            "criu-dump",
+            "manifest",
+            "sign",
+        ]
     } else {
-        &["verify", "runc-restore", "device-restore", "device-unlock", "resume"]
+        &[
+            "verify",
+            "runc-restore",
+            "device-restore",
+            "device-unlock",
+            "resume",
+        ]
     };
     r.steps = names
         .iter()
@@ -161,7 +173,7 @@ fn record(i: u64) -> Record {
         })
         .collect();
     r.duration_seconds = r.steps.iter().map(|s| s.seconds).sum();
-    r.frozen_seconds = (i % 2 == 0).then_some(0.2);
+    r.frozen_seconds = (i.is_multiple_of(2)).then_some(0.2);
     r.host_bytes = 1 << 30;
     r.device_bytes = 4 << 30;
     r.gpus = vec!["GPU-00000000-0000-0000-0000-000000000000".into()];
@@ -192,7 +204,10 @@ fn main() -> Result<()> {
     let ckpts = tmp.path().join("checkpoints");
     std::fs::create_dir_all(&ckpts)?;
     for i in 0..20 {
-        std::fs::write(ckpts.join(format!("checkpoint-p{i}_ns-c-0.tar")), vec![0u8; 4096])?;
+        std::fs::write(
+            ckpts.join(format!("checkpoint-p{i}_ns-c-0.tar")),
+            vec![0u8; 4096],
+        )?;
     }
 
     let port = free_port()?;
@@ -247,7 +262,13 @@ fn main() -> Result<()> {
     let bport = free_port()?;
     let base = Kill(
         Command::new("python3")
-            .args(["-m", "http.server", "--bind", "127.0.0.1", &bport.to_string()])
+            .args([
+                "-m",
+                "http.server",
+                "--bind",
+                "127.0.0.1",
+                &bport.to_string(),
+            ])
             .current_dir(&www)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -283,7 +304,13 @@ fn main() -> Result<()> {
     row("agent scraped 1/s", &scraped);
     row("baseline idle", &bidle);
     row("baseline scraped 1/s", &bscraped);
-    let ratio = |x: f64, y: f64| if y > 0.0 { format!("{:.2}", x / y) } else { "-".into() };
+    let ratio = |x: f64, y: f64| {
+        if y > 0.0 {
+            format!("{:.2}", x / y)
+        } else {
+            "-".into()
+        }
+    };
     println!(
         "agent / baseline: idle CPU {}, scraped CPU {}, scraped RSS {}",
         ratio(idle.cpu_ms_per_s, bidle.cpu_ms_per_s),
@@ -292,4 +319,3 @@ fn main() -> Result<()> {
     );
     Ok(())
 }
-

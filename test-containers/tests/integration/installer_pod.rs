@@ -154,7 +154,7 @@ fn path_env() -> Result<String> {
 fn daemonset(rendered: &Value) -> Result<Value> {
     valid_documents(rendered)?
         .into_iter()
-        .find(|d| is_installer_daemonset(d))
+        .find(is_installer_daemonset)
         .context("no DaemonSet")
 }
 
