@@ -177,6 +177,17 @@ gpu-check-shim-sim: gpu-check-shim-bundle
 	DRIVER_LIB=$$d/node/lib CDI_SPEC=$$(ls $$d/node/cdi/*.json) target/gpu-check-shim/shim-run.sh; rc=$$?; \
 	kill $$sim; { wait $$sim; } 2>/dev/null; rm -rf $$d; exit $$rc
 
+# The node agent's cost (docs/benchmarks.md, "The node agent"): CPU (utime+stime from /proc) and
+# memory (VmRSS, VmHWM) of the release gpu-ckpt-agent at idle and scraped once a second, with
+# AGENT_RECORDS records counted from its journal, next to a trivial exporter (Python's
+# http.server serving the same /metrics body) measured the same way; AGENT_SECONDS per phase.
+AGENT_SECONDS ?= 30
+AGENT_RECORDS ?= 10000
+.PHONY: bench-agent
+bench-agent:
+	$(CARGO) build --release -p gpu-ckpt-agent --bins
+	target/release/gpu-ckpt-agent-bench target/release/gpu-ckpt-agent --seconds $(AGENT_SECONDS) --records $(AGENT_RECORDS)
+
 # gpu-ckpt build and verify throughput on a 4 GiB archive, next to sha256sum and tar.
 bench-image-format:
 	$(MAKE) -C image-format bench SIZE_GIB=4

@@ -5,7 +5,8 @@
 #                          zig as the linker, both from the stack's venv: `make deps`) into
 #                          target/payload/, then
 #                          target/payload/payload/     what the image carries in /payload
-#                          target/payload/installer/   gpu-ckpt-node-installer, the image's entrypoint
+#                          target/payload/installer/   gpu-ckpt-node-installer, the image's entrypoint,
+#                                                      and gpu-ckpt-agent (the chart's agent DaemonSet)
 #   payload.sh criu CRIU DIR
 #                          CRIU with every library it needs and glibc's loader: DIR/criu and DIR/lib/
 #
@@ -28,6 +29,9 @@ TARGET=$TRIPLE.2.28
 OUT="$repo/target/payload"
 PAYLOAD_BINARIES=(containerd-shim-gpu-ckpt-v1 gpu-ckpt gpu-ckpt-hook)
 INSTALLER=gpu-ckpt-node-installer
+# The node agent (agent/, docs/metrics.md): beside the installer, in the image's PATH; not
+# installed onto the node (its DaemonSet runs it from the image).
+AGENT=gpu-ckpt-agent
 # The NCCL layer: built as libgpu_ckpt_nccl.so (a library's name cannot hold '-'), shipped under
 # its soname, which the installer puts in its --lib-dir (the shim's default NcclLayer).
 LAYER_BUILT=libgpu_ckpt_nccl.so
@@ -84,12 +88,12 @@ build() {
   local py="$STACK/py/bin"
   [ -x "$py/cargo-zigbuild" ] || die "$py/cargo-zigbuild is missing: run 'make deps'"
   local bins=() b
-  for b in "${PAYLOAD_BINARIES[@]}" "$INSTALLER"; do bins+=(--bin "$b"); done
+  for b in "${PAYLOAD_BINARIES[@]}" "$INSTALLER" "$AGENT"; do bins+=(--bin "$b"); done
   # The venv first: cargo-zigbuild runs zig as `python3 -m ziglang`. Its own target directory,
   # so the workspace's build is never invalidated.
   (cd "$repo" && PATH="$py:$PATH" "$CARGO" zigbuild --release --locked --target "$TARGET" \
     --target-dir "$OUT" -p gpu-ckpt-shim -p gpu-ckpt-cli -p gpu-ckpt-oci-hooks \
-    -p gpu-ckpt-node-installer "${bins[@]}")
+    -p gpu-ckpt-node-installer -p gpu-ckpt-agent "${bins[@]}")
   (cd "$repo" && PATH="$py:$PATH" "$CARGO" zigbuild --release --locked --target "$TARGET" \
     --target-dir "$OUT" -p gpu-ckpt-nccl-layer --lib)
   local built="$OUT/$TRIPLE/release"
@@ -98,6 +102,7 @@ build() {
   for b in "${PAYLOAD_BINARIES[@]}"; do install -m 0755 "$built/$b" "$OUT/payload/$b"; done
   install -m 0644 "$built/$LAYER_BUILT" "$OUT/payload/$LAYER"
   install -m 0755 "$built/$INSTALLER" "$OUT/installer/$INSTALLER"
+  install -m 0755 "$built/$AGENT" "$OUT/installer/$AGENT"
   bundle_criu "$STACK/bin/criu" "$OUT/payload/criu"
   echo "payload.sh: $OUT/payload (the image's /payload), $OUT/installer/$INSTALLER"
 }

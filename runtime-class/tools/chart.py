@@ -25,6 +25,7 @@ import sys
 import tomllib
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import kubernetes_validate.utils as kv_utils
 import yaml
@@ -34,9 +35,16 @@ import yaml
 MANIFEST_FILES = {
     "runtimeclasses.yaml": ["runtimeclasses.yaml"],
     "node-installer.yaml": ["serviceaccount.yaml", "registry-ca.yaml", "daemonset.yaml"],
+    "agent.yaml": ["agent.yaml"],
     "admission.yaml": ["admission.yaml"],
 }
 MANIFESTS_RELEASE = "gpu-ckpt"
+# Custom resources the chart renders, which kubernetes-validate has no schema for: (apiVersion,
+# kind) -> a strict JSON schema of the part of them the chart uses (schemas/, from the CRD).
+CRD_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-v1.json",
+}
+SCHEMA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas")
 MANIFESTS_NAMESPACE = "gpu-ckpt-system"
 
 
@@ -109,6 +117,19 @@ def validate_doc(doc, version):
     }
     if not isinstance(doc, dict) or "apiVersion" not in doc or "kind" not in doc:
         res["error"] = "not a Kubernetes object (no apiVersion or kind)"
+        return res
+    crd = CRD_SCHEMAS.get((doc.get("apiVersion"), doc.get("kind")))
+    if crd:
+        with open(os.path.join(SCHEMA_DIR, crd)) as f:
+            schema = json.load(f)
+        errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
+        if errors:
+            res["field"] = field_path(errors[0].absolute_path)
+            res["error"] = errors[0].message
+        else:
+            res["valid"] = True
+            res["schema_version"] = version
+            res["schema"] = crd
         return res
     try:
         res["schema_version"] = kubernetes_validate.validate(doc, version, strict=True)

@@ -9,6 +9,7 @@
 #   $STACK/sidlibc                                                  libc6 from sid (never installed)
 #   $STACK/registry/usr/bin/docker-registry                         bookworm .deb (see registry.sh)
 #   $STACK/cni/usr/lib/cni                                          bookworm containernetworking-plugins
+#   $STACK/prometheus/usr/bin/prometheus                            bookworm prometheus .deb (pinned; tests/integration/metrics.rs)
 #   $STACK/py                                                       Python venv (system python3) with the pinned
 #                                                                   CUDA/NVML client libraries the GPU simulator's
 #                                                                   tests run (test-containers/tests/integration/gpu_python.rs)
@@ -45,6 +46,9 @@ CRIU_PIN="4.2.1-1"                 # sid source; else newest 4.x source in trixi
 CRIU_OLDEST_PIN="4.1.1-1"          # trixie source: the oldest CRIU gpu-ckpt supports
 LIBC_PIN="2.43-7"                  # sid; else newest libc6 in sid
 CHECKPOINTCTL_PIN="1.3.0+ds1-2+b5" # trixie; else newest 1.x in trixie/sid
+# Debian's Prometheus, which scrapes the node agent in tests/integration/metrics.rs (unpacked, never
+# installed or run as a service).
+PROMETHEUS_PIN="2.42.0+ds-5+b6"    # bookworm; else bookworm's candidate 2.x
 # NVIDIA's Python clients, exact pins from PyPI (docs/gpu-sim-api.md): the driver bindings (13.5 has
 # the CUDA 13.4 custom-storage checkpoint API), the library finder they load libcuda.so.1 with, and
 # NVML's official bindings.
@@ -568,6 +572,32 @@ install_registry() {
   log "docker-registry $ver -> $STACK/registry/usr/bin/docker-registry"
 }
 
+install_prometheus() {
+  COMPONENT="prometheus"
+  local bin="$STACK/prometheus/usr/bin/prometheus"
+  if stamp_valid prometheus "$bin" && [ "$(stamp_get prometheus)" = "$PROMETHEUS_PIN" ]; then
+    log "prometheus $(stamp_get prometheus) -> $STACK/prometheus (installed)"
+    return
+  fi
+  local deb ver
+  deb=$(deb_file "$CACHE/debs/bookworm" prometheus "$PROMETHEUS_PIN")
+  if [ -z "$deb" ]; then
+    if apt-cache madison prometheus 2>/dev/null | awk -F'|' '{ gsub(/ /, "", $2); print $2 }' | grep -qxF "$PROMETHEUS_PIN"; then
+      deb=$(fetch_deb bookworm prometheus "$PROMETHEUS_PIN")
+    else
+      deb=$(fetch_bookworm prometheus)
+      log "prometheus: pinned $PROMETHEUS_PIN is not available; taking $(dpkg-deb -f "$deb" Version)"
+    fi
+  fi
+  ver=$(dpkg-deb -f "$deb" Version)
+  case $ver in 2.*) ;; *) die "prometheus $ver is not 2.x (tests/integration/metrics.rs speaks its 2.x API and flags)" ;; esac
+  unpack "$deb" "$STACK/prometheus"
+  [ -x "$bin" ] || die "$deb has no usr/bin/prometheus"
+  "$bin" --version >/dev/null 2>&1 || die "$bin --version does not run: $("$bin" --version 2>&1 | tail -n 3)"
+  stamp_set prometheus "$ver"
+  log "prometheus $ver -> $bin"
+}
+
 install_cni() {
   COMPONENT="containernetworking-plugins"
   if stamp_valid cni "$STACK/cni/usr/lib/cni/bridge" "$STACK/cni/usr/lib/cni/host-local"; then
@@ -668,6 +698,7 @@ EOF
     echo "libc6-sid $(stamp_get sidlibc)"
     echo "docker-registry $(stamp_get docker-registry)"
     echo "containernetworking-plugins $(stamp_get cni)"
+    echo "prometheus $(stamp_get prometheus)"
     echo "iptables $(host_version iptables)"
     echo "busybox-static $(host_version busybox-static)"
     echo "patchelf $(host_version patchelf)"
@@ -692,6 +723,7 @@ install_sidlibc
 install_checkpointctl
 install_registry
 install_cni
+install_prometheus
 install_pyvenv
 install_zigbuild
 write_env

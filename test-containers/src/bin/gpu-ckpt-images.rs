@@ -21,7 +21,8 @@
 //! installer's image instead, `ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:<version>` (the Helm
 //! chart's default image) in `<out>/gpu-ckpt-node-installer-<version>.tar` (not listed in
 //! `images.json`, which the tests import into every node): `gpu-ckpt-node-installer` from the
-//! first DIR as its entrypoint (default argument `install`) with the glibc it needs, busybox's
+//! first DIR as its entrypoint (default argument `install`) and `gpu-ckpt-agent` from the same DIR
+//! (the chart's agent DaemonSet) with the glibc they need, busybox's
 //! `sh`, `sleep` and `nsenter` (the default restart command), and the payload DIR (`make
 //! payload`: runtime-class/installer/payload.sh) as it is in /payload: the shim, `gpu-ckpt`,
 //! `gpu-ckpt-hook`, and CRIU with its libraries and loader in `criu/`.
@@ -227,6 +228,8 @@ const NODE_INSTALLER_REF: &str = concat!(
     env!("CARGO_PKG_VERSION")
 );
 const NODE_INSTALLER: &str = "gpu-ckpt-node-installer";
+/// The node agent (the chart's agent DaemonSet runs it from this image), beside the installer.
+const AGENT: &str = "gpu-ckpt-agent";
 /// What the installer copies onto a node from /payload (runtime-class/installer/README.md).
 const PAYLOAD_FILES: &[&str] = &[
     "containerd-shim-gpu-ckpt-v1",
@@ -238,16 +241,19 @@ const PAYLOAD_FILES: &[&str] = &[
 
 fn node_installer_image(bins: &Path, payload: &Path, busybox: &Path) -> Result<ImageBuilder> {
     let installer = bins.join(NODE_INSTALLER);
+    let agent = bins.join(AGENT);
     let hint = "build them with `make payload`";
-    for p in std::iter::once(installer.clone()).chain(PAYLOAD_FILES.iter().map(|b| payload.join(b)))
+    for p in [installer.clone(), agent.clone()]
+        .into_iter()
+        .chain(PAYLOAD_FILES.iter().map(|b| payload.join(b)))
     {
         if !p.is_file() {
             bail!("{} is missing: {hint}", p.display());
         }
     }
     let dirs: Vec<PathBuf> = HOST_LIB_DIRS.iter().map(PathBuf::from).collect();
-    let libs = HostLibraries::resolve(std::slice::from_ref(&installer), &[], &dirs)
-        .context("finding the shared libraries of gpu-ckpt-node-installer")?;
+    let libs = HostLibraries::resolve(&[installer.clone(), agent.clone()], &[], &dirs)
+        .context("finding the shared libraries of gpu-ckpt-node-installer and gpu-ckpt-agent")?;
     let b = ImageBuilder::new(NODE_INSTALLER_REF)
         .dir_mode("/tmp", 0o1777)
         .file("/usr/bin/busybox", busybox, 0o755)
@@ -260,6 +266,7 @@ fn node_installer_image(bins: &Path, payload: &Path, busybox: &Path) -> Result<I
             installer.as_path(),
             0o755,
         )
+        .file(format!("/usr/bin/{AGENT}"), agent.as_path(), 0o755)
         .merged_usr_libraries(&libs)
         .env("PATH", "/usr/bin:/bin")
         .workdir("/")

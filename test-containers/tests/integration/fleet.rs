@@ -24,7 +24,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::common::*;
-use crate::k8s_manifests::{installer_container, object, render, strings, valid_documents};
+use crate::k8s_manifests::{
+    installer_container, is_installer_daemonset, object, render, strings, valid_documents,
+};
 use crate::node_installer::{installer_bin, make_payload, scratch_root};
 use crate::registry::cli_push;
 use anyhow::{bail, ensure, Context, Result};
@@ -134,7 +136,7 @@ fn installer_invocation(
 ) -> Result<Invocation> {
     let ds = docs
         .iter()
-        .find(|d| d["kind"] == "DaemonSet")
+        .find(|d| is_installer_daemonset(d))
         .context("no DaemonSet in the rendering")?;
     let c = installer_container(ds)?;
     let mapped = mounted_files(docs, ds, root, secrets, &files.join(node))?;
@@ -231,7 +233,7 @@ impl FleetNode {
         let stack = Stack::discover()?;
         let ds = docs
             .iter()
-            .find(|d| d["kind"] == "DaemonSet")
+            .find(|d| is_installer_daemonset(d))
             .context("no DaemonSet in the rendering")?;
         let c = installer_container(ds)?;
         let cmd = strings(&c["readinessProbe"]["exec"]["command"]);

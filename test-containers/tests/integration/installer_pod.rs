@@ -29,7 +29,8 @@ use simgpu::testing::SimConfig;
 
 use crate::common::gpu::sim_node;
 use crate::k8s_manifests::{
-    installer_container, path_str, render, strings, stub_payload, valid_documents, workspace_bin,
+    installer_container, is_installer_daemonset, path_str, render, strings, stub_payload,
+    valid_documents, workspace_bin,
 };
 use crate::node_installer::FakeApi;
 
@@ -153,7 +154,7 @@ fn path_env() -> Result<String> {
 fn daemonset(rendered: &Value) -> Result<Value> {
     valid_documents(rendered)?
         .into_iter()
-        .find(|d| d["kind"] == "DaemonSet")
+        .find(is_installer_daemonset)
         .context("no DaemonSet")
 }
 

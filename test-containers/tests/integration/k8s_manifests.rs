@@ -154,6 +154,12 @@ fn chart_app_version() -> Result<String> {
         .context("Chart.yaml has no appVersion")
 }
 
+/// Whether `d` is the node installer's DaemonSet (the chart renders the agent's too).
+pub(crate) fn is_installer_daemonset(d: &Value) -> bool {
+    d["kind"] == "DaemonSet"
+        && d["metadata"]["labels"]["app.kubernetes.io/component"] == "node-installer"
+}
+
 /// The DaemonSet's one container.
 pub(crate) fn installer_container(ds: &Value) -> Result<&Value> {
     let cs = ds["spec"]["template"]["spec"]["containers"]
@@ -292,7 +298,8 @@ fn the_default_rendering_is_valid_and_wires_the_runtime_classes_to_the_installer
         ("ClusterRoleBinding", 1),
         ("Role", 1),
         ("RoleBinding", 1),
-        ("DaemonSet", 1),
+        ("DaemonSet", 2),
+        ("Service", 1),
         ("ValidatingAdmissionPolicy", 2),
         ("ValidatingAdmissionPolicyBinding", 2),
     ]
@@ -778,7 +785,7 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
         }
     }
     files.sort();
-    ensure!(files.len() == 3, "runtime-class/manifests has {files:?}");
+    ensure!(files.len() == 4, "runtime-class/manifests has {files:?}");
     for p in &files {
         std::fs::copy(p, tmp.path().join(p.file_name().context("name")?))?;
     }
@@ -809,7 +816,8 @@ fn the_plain_manifests_are_the_default_rendering_and_every_manifest_validates() 
     let docs = valid_documents(&out)?;
     let k = kinds(&docs);
     ensure!(k.get("RuntimeClass") == Some(&2), "{k:?}");
-    ensure!(k.get("DaemonSet") == Some(&1), "{k:?}");
+    ensure!(k.get("DaemonSet") == Some(&2), "{k:?}");
+    ensure!(k.get("Service") == Some(&1), "{k:?}");
     ensure!(k.get("ValidatingAdmissionPolicy") == Some(&2), "{k:?}");
     ensure!(
         k.get("ValidatingAdmissionPolicyBinding") == Some(&2),
@@ -1085,7 +1093,7 @@ pub(crate) fn pod_command(rendered: &Value, node: &str) -> Result<(Vec<String>, 
     let docs = valid_documents(rendered)?;
     let ds = docs
         .iter()
-        .find(|d| d["kind"] == "DaemonSet")
+        .find(|d| is_installer_daemonset(d))
         .context("no DaemonSet")?;
     let c = installer_container(ds)?;
     let command = strings(&c["command"]);
@@ -1488,7 +1496,7 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
     ])?)?;
     let ds = docs
         .iter()
-        .find(|d| d["kind"] == "DaemonSet")
+        .find(|d| is_installer_daemonset(d))
         .context("no DaemonSet")?;
     let c = installer_container(ds)?;
     ensure!(flag(&strings(&c["args"]), "--driver-root") == Some("/run/nvidia/driver"));
@@ -1527,8 +1535,300 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
     ])?)?;
     let ds = docs
         .iter()
-        .find(|d| d["kind"] == "DaemonSet")
+        .find(|d| is_installer_daemonset(d))
         .context("no DaemonSet")?;
     ensure!(flag(&strings(&installer_container(ds)?["args"]), "--daemonset").is_none());
+    Ok(())
+}
+
+/// The node agent (templates/agent.yaml, docs/metrics.md): by default its DaemonSet, running
+/// gpu-ckpt-agent from the installer's image on the nodes the RuntimeClasses select, with the
+/// journal's directory and the kubelet's checkpoints read-only, no capabilities, a port
+/// `metrics`, resources and probes, and a headless Service on port 9402; no ServiceMonitor
+/// unless asked for. With every value set (ci/all-values.yaml, the agent on) the objects follow
+/// them and the ServiceMonitor validates against its CRD's schema (runtime-class/tools/schemas/);
+/// `metrics.enabled: false` renders none of them.
+#[test]
+fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> {
+    let docs = valid_documents(&render(&[
+        "--release",
+        "gpu-ckpt",
+        "--namespace",
+        "gpu-ckpt-system",
+    ])?)?;
+    ensure!(
+        !docs.iter().any(|d| d["kind"] == "ServiceMonitor"),
+        "a ServiceMonitor by default"
+    );
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-agent")?;
+    let pod = &ds["spec"]["template"]["spec"];
+    ensure!(
+        pod["nodeSelector"]
+            == json!({"node-restriction.kubernetes.io/gpu-ckpt-runtime": "installed"}),
+        "{}",
+        pod["nodeSelector"]
+    );
+    ensure!(
+        pod.get("hostPID").is_none() && pod.get("hostNetwork").is_none(),
+        "{pod}"
+    );
+    let cs = pod["containers"].as_array().context("containers")?;
+    ensure!(cs.len() == 1 && cs[0]["name"] == "agent", "{cs:?}");
+    let c = &cs[0];
+    ensure!(
+        c["image"]
+            == format!(
+                "ghcr.io/gpu-ckpt/gpu-ckpt-node-installer:{}",
+                chart_app_version()?
+            ),
+        "{}",
+        c["image"]
+    );
+    ensure!(
+        strings(&c["command"]) == ["gpu-ckpt-agent"],
+        "{}",
+        c["command"]
+    );
+    let args = strings(&c["args"]);
+    ensure!(flag(&args, "--listen") == Some("0.0.0.0:9402"), "{args:?}");
+    ensure!(
+        flag(&args, "--events-dir") == Some("/var/lib/gpu-ckpt/events"),
+        "{args:?}"
+    );
+    ensure!(
+        flag(&args, "--key-dir") == Some("/var/lib/gpu-ckpt/keys"),
+        "{args:?}"
+    );
+    ensure!(
+        flag(&args, "--checkpoint-dir") == Some("/var/lib/kubelet/checkpoints"),
+        "{args:?}"
+    );
+    ensure!(
+        c["ports"] == json!([{"name": "metrics", "containerPort": 9402, "protocol": "TCP"}]),
+        "{}",
+        c["ports"]
+    );
+    ensure!(c["readinessProbe"]["httpGet"]["path"] == "/healthz", "{c}");
+    ensure!(c["resources"]["requests"]["cpu"].is_string(), "{c}");
+    ensure!(c["resources"]["limits"]["memory"].is_string(), "{c}");
+    let sc = &c["securityContext"];
+    ensure!(sc["capabilities"]["drop"] == json!(["ALL"]), "{sc}");
+    ensure!(
+        sc["readOnlyRootFilesystem"] == true && sc["allowPrivilegeEscalation"] == false,
+        "{sc}"
+    );
+    ensure!(sc.get("privileged").is_none(), "{sc}");
+    // Every mount read-only; the journal's parent and the kubelet's checkpoints from the host.
+    for m in c["volumeMounts"].as_array().context("volumeMounts")? {
+        ensure!(m["readOnly"] == true, "{m}");
+    }
+    let host_paths: BTreeSet<String> = pod["volumes"]
+        .as_array()
+        .context("volumes")?
+        .iter()
+        .map(|v| {
+            v["hostPath"]["path"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    ensure!(
+        host_paths
+            == ["/var/lib/gpu-ckpt", "/var/lib/kubelet/checkpoints"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+        "{host_paths:?}"
+    );
+    let svc = object(&docs, "Service", "gpu-ckpt-agent")?;
+    ensure!(svc["spec"]["clusterIP"] == "None", "{svc}");
+    ensure!(
+        svc["spec"]["ports"]
+            == json!([{"name": "metrics", "port": 9402, "targetPort": "metrics", "protocol": "TCP"}]),
+        "{svc}"
+    );
+    ensure!(
+        svc["spec"]["selector"] == ds["spec"]["selector"]["matchLabels"],
+        "the Service selects {} but the agent's pods are {}",
+        svc["spec"]["selector"],
+        ds["spec"]["selector"]["matchLabels"]
+    );
+    // The installer's pods are not the Service's.
+    let installer = object(&docs, "DaemonSet", "gpu-ckpt-node-installer")?;
+    let inst_labels = &installer["spec"]["template"]["metadata"]["labels"];
+    let selects_installer = svc["spec"]["selector"]
+        .as_object()
+        .context("selector")?
+        .iter()
+        .all(|(k, v)| inst_labels[k] == *v);
+    ensure!(
+        !selects_installer,
+        "the agent's Service selects the installer's pods"
+    );
+
+    // Every value set, the agent on.
+    let all = yaml_file(&all_values())?;
+    let m = &all["metrics"];
+    let docs = prod_documents(&[
+        "--values",
+        path_str(&all_values()),
+        "--set-json",
+        r#"{"metrics":{"enabled":true}}"#,
+    ])?;
+    let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-agent")?;
+    ensure!(ds["metadata"]["namespace"] == "infra");
+    ensure!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == m["maxUnavailable"]);
+    let tpl = &ds["spec"]["template"];
+    ensure!(
+        tpl["metadata"]["annotations"] == m["podAnnotations"],
+        "{}",
+        tpl["metadata"]
+    );
+    let pod = &tpl["spec"];
+    for (field, value) in [
+        ("nodeSelector", &m["nodeSelector"]),
+        ("affinity", &m["affinity"]),
+        ("tolerations", &m["tolerations"]),
+        ("priorityClassName", &m["priorityClassName"]),
+        ("imagePullSecrets", &all["imagePullSecrets"]),
+    ] {
+        ensure!(
+            pod[field] == *value,
+            "pod {field}: {} != {value}",
+            pod[field]
+        );
+    }
+    let c = &pod["containers"][0];
+    ensure!(c["resources"] == m["resources"], "{}", c["resources"]);
+    ensure!(c["imagePullPolicy"] == all["image"]["pullPolicy"]);
+    ensure!(
+        c["env"] == json!([{"name": "RUST_LOG", "value": m["logLevel"]}]),
+        "{}",
+        c["env"]
+    );
+    let args = strings(&c["args"]);
+    ensure!(
+        flag(&args, "--listen") == Some(format!("0.0.0.0:{}", m["port"]).as_str()),
+        "{args:?}"
+    );
+    ensure!(
+        flag(&args, "--events-dir") == m["eventsDir"].as_str(),
+        "{args:?}"
+    );
+    // Trust mode cluster: the cluster key the installer writes.
+    ensure!(
+        flag(&args, "--key-dir") == Some("/etc/gpu-ckpt/cluster-key"),
+        "{args:?}"
+    );
+    let dirs: Vec<&str> = args
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| *a == "--checkpoint-dir")
+        .filter_map(|(i, _)| args.get(i + 1).map(String::as_str))
+        .collect();
+    ensure!(dirs == strings(&m["checkpointDirs"]), "{args:?}");
+    let host_paths: BTreeMap<String, String> = pod["volumes"]
+        .as_array()
+        .context("volumes")?
+        .iter()
+        .map(|v| {
+            (
+                v["hostPath"]["path"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                v["hostPath"]["type"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect();
+    ensure!(
+        host_paths.get("/srv/gpu-ckpt").map(String::as_str) == Some("DirectoryOrCreate"),
+        "{host_paths:?}"
+    );
+    ensure!(
+        host_paths
+            .get("/etc/gpu-ckpt/cluster-key")
+            .map(String::as_str)
+            == Some("Directory"),
+        "{host_paths:?}"
+    );
+    ensure!(
+        host_paths.contains_key("/srv/checkpoints"),
+        "{host_paths:?}"
+    );
+    let svc = object(&docs, "Service", "gpu-ckpt-prod-agent")?;
+    ensure!(
+        svc["metadata"]["annotations"] == m["service"]["annotations"],
+        "{svc}"
+    );
+    ensure!(svc["spec"]["ports"][0]["port"] == m["port"], "{svc}");
+    let sm = object(&docs, "ServiceMonitor", "gpu-ckpt-prod-agent")?;
+    ensure!(sm["apiVersion"] == "monitoring.coreos.com/v1", "{sm}");
+    ensure!(
+        sm["metadata"]["labels"]["release"] == "kube-prometheus-stack",
+        "{sm}"
+    );
+    ensure!(
+        sm["spec"]["selector"]["matchLabels"] == svc["spec"]["selector"],
+        "{sm}"
+    );
+    ensure!(
+        sm["spec"]["namespaceSelector"]["matchNames"] == json!(["infra"]),
+        "{sm}"
+    );
+    let ep = &sm["spec"]["endpoints"][0];
+    ensure!(ep["port"] == "metrics" && ep["path"] == "/metrics", "{ep}");
+    ensure!(ep["interval"] == m["serviceMonitor"]["interval"], "{ep}");
+    ensure!(
+        ep["scrapeTimeout"] == m["serviceMonitor"]["scrapeTimeout"],
+        "{ep}"
+    );
+    ensure!(ep["relabelings"][0]["targetLabel"] == "node", "{ep}");
+
+    // The ServiceMonitor's schema refuses a field the CRD does not have.
+    let tmp = tempfile::tempdir()?;
+    let mut bad = sm.clone();
+    bad["spec"]["endpoints"][0]["intervall"] = json!("15s");
+    let f = tmp.path().join("sm.yaml");
+    std::fs::write(&f, serde_yaml::to_string(&bad)?)?;
+    let out = chart_ok(&["validate", "--kube-version", KUBE_VERSION, path_str(&f)])?;
+    let d = &out["documents"][0];
+    ensure!(d["valid"] == false, "{d}");
+    ensure!(
+        d["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("intervall"),
+        "{d}"
+    );
+
+    // Off: no agent, Service or ServiceMonitor.
+    let docs = prod_documents(&["--values", path_str(&all_values())])?;
+    ensure!(
+        !docs
+            .iter()
+            .any(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "agent"),
+        "metrics.enabled false rendered {:?}",
+        kinds(&docs)
+    );
+    // A wrong value is refused by the chart's schema, naming it.
+    let (_, out) = chart_py(&[
+        "lint",
+        path_str(&chart()),
+        "--set-json",
+        r#"{"metrics":{"serviceMonitor":{"interval":"soon"}}}"#,
+    ])?;
+    ensure!(
+        out["lint"]["messages"]
+            .as_array()
+            .is_some_and(|ms| ms.iter().any(|m| m["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("/metrics/serviceMonitor/interval")))),
+        "{out}"
+    );
     Ok(())
 }

@@ -35,6 +35,7 @@ mod installer_pod;
 mod k8s_manifests;
 mod key_rotation;
 mod log_uri;
+mod metrics;
 mod nccl_inject;
 mod node_installer;
 mod nonroot_caps;

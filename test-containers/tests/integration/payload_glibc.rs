@@ -2,8 +2,8 @@
 //! target/payload/) against the payload's glibc floor, from the dynamic sections' version needs
 //! (read with the `object` crate):
 //!
-//! - the four Rust binaries (`containerd-shim-gpu-ckpt-v1`, `gpu-ckpt`, `gpu-ckpt-hook` in the
-//!   payload, `gpu-ckpt-node-installer` beside it) run with the node's glibc: they need only
+//! - the five Rust binaries (`containerd-shim-gpu-ckpt-v1`, `gpu-ckpt`, `gpu-ckpt-hook` in the
+//!   payload, `gpu-ckpt-node-installer` and `gpu-ckpt-agent` beside it) run with the node's glibc: they need only
 //!   glibc's libraries, no symbol version above GLIBC_2.28 and no GLIBC_PRIVATE, and glibc's
 //!   standard loader;
 //! - gpu-ckpt's NCCL layer (`libgpu-ckpt-nccl.so`), which the shim preloads into the processes
@@ -48,6 +48,8 @@ const CRIU_INTERP_PLACEHOLDER: &str = "/gpu-ckpt-node-installer-sets-this-path-a
 /// The Rust programs in the payload, and the installer beside it.
 const PROGRAMS: &[&str] = &["containerd-shim-gpu-ckpt-v1", "gpu-ckpt", "gpu-ckpt-hook"];
 const INSTALLER: &str = "installer/gpu-ckpt-node-installer";
+/// The node agent beside it (the chart's agent DaemonSet runs it from the image).
+const AGENT: &str = "installer/gpu-ckpt-agent";
 /// The NCCL layer in the payload.
 const LAYER: &str = "payload/libgpu-ckpt-nccl.so";
 /// GCC's runtime library, which the layer (a Rust cdylib: its unwinder) needs besides glibc's.
@@ -243,6 +245,7 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
         }
     }
     host_resolved.insert(INSTALLER.into());
+    host_resolved.insert(AGENT.into());
     ensure!(
         host_resolved.remove(LAYER),
         "the payload holds no NCCL layer ({LAYER}): {host_resolved:?}"
@@ -250,7 +253,7 @@ fn every_shipped_elf_needs_at_most_the_glibc_floor() -> Result<()> {
     let expected: BTreeSet<String> = PROGRAMS
         .iter()
         .map(|p| format!("payload/{p}"))
-        .chain([INSTALLER.to_string()])
+        .chain([INSTALLER.to_string(), AGENT.to_string()])
         .collect();
     ensure!(
         host_resolved == expected,

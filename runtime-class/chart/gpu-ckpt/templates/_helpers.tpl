@@ -175,3 +175,24 @@ volumes (siteVolumes), read-only, root-only. */}}
     defaultMode: 0444
 {{- end }}
 {{- end -}}
+
+{{/* The node agent's DaemonSet and Service (templates/agent.yaml). */}}
+{{- define "gpu-ckpt.agentName" -}}
+{{- printf "%s-agent" (include "gpu-ckpt.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The journal the agent reads: metrics.eventsDir, else the handlers' EventsDir, else the
+shim's default. */}}
+{{- define "gpu-ckpt.eventsDir" -}}
+{{- .Values.metrics.eventsDir | default (get .Values.handlerOptions "EventsDir") | default "/var/lib/gpu-ckpt/events" -}}
+{{- end -}}
+
+{{/* The directory of the signing key in use (its node.pub): trust mode cluster, the key the
+installer writes under its site directory; node mode, each node's own key. */}}
+{{- define "gpu-ckpt.keyDir" -}}
+{{- if eq .Values.trust.mode "cluster" -}}
+/etc/gpu-ckpt/cluster-key
+{{- else -}}
+/var/lib/gpu-ckpt/keys
+{{- end -}}
+{{- end -}}
