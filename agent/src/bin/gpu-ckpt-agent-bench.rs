@@ -5,10 +5,10 @@
 //!    each, as the shim writes them) are appended through `Journal::append`, then it is left
 //!    idle N seconds (it polls the journal every second), then scraped once a second for N
 //!    seconds (HTTP GET /metrics, as Prometheus would).
-//! 2. The baseline: Python's `http.server` serving a static copy of the agent's last /metrics
+//! 2. The baseline: Python's `http.server` (one thread, as the agent) serving a static copy of the agent's last /metrics
 //!    body (a trivial exporter), idle N seconds, then scraped the same way.
 //!
-//! For each: CPU (utime + stime from /proc/PID/stat, in ms per second of wall time) and memory
+//! For each: CPU (the threads' schedstat run time, in ms per second of wall time) and memory
 //! (VmRSS at the end of the phase, VmHWM), printed as a table with the agent / baseline ratios.
 
 use std::io::{Read, Write};
@@ -76,24 +76,21 @@ fn wait_up(port: u16, path: &str) -> Result<()> {
     bail!("nothing answers on 127.0.0.1:{port}{path}")
 }
 
-fn clock_ticks() -> u64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .unwrap_or(100)
-}
-
-/// utime + stime of `pid`, in ms.
-fn cpu_ms(pid: u32, ticks: u64) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let rest = stat.rsplit_once(')').context("stat")?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the command: state is field 3, utime 14 and stime 15 (1-based in proc(5)).
-    let ut: u64 = f.get(11).context("utime")?.parse()?;
-    let st: u64 = f.get(12).context("stime")?.parse()?;
-    Ok((ut + st) * 1000 / ticks)
+/// CPU time of `pid`'s threads, in ns: the first field of each `/proc/PID/task/TID/schedstat`
+/// (nanoseconds on the CPU), summed. `/proc/PID/stat`'s utime and stime count 10 ms ticks, too
+/// coarse for a process that runs a few milliseconds a minute. A thread that exited within a phase
+/// takes its time with it; the agent's threads (the runtime's, the blocking pool's) live on.
+fn cpu_ns(pid: u32) -> Result<u64> {
+    let mut total = 0u64;
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let t = t?;
+        let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) else {
+            continue;
+        };
+        let ns: u64 = s.split_whitespace().next().context("schedstat")?.parse()?;
+        total += ns;
+    }
+    Ok(total)
 }
 
 /// VmRSS and VmHWM of `pid`, in KiB.
@@ -118,8 +115,8 @@ struct Phase {
 }
 
 /// Runs `n` seconds, with a GET of `path` every second when `scraped`.
-fn phase(pid: u32, port: u16, path: &str, n: u64, scraped: bool, ticks: u64) -> Result<Phase> {
-    let c0 = cpu_ms(pid, ticks)?;
+fn phase(pid: u32, port: u16, path: &str, n: u64, scraped: bool) -> Result<Phase> {
+    let c0 = cpu_ns(pid)?;
     let t0 = Instant::now();
     for i in 1..=n {
         if scraped {
@@ -128,10 +125,10 @@ fn phase(pid: u32, port: u16, path: &str, n: u64, scraped: bool, ticks: u64) -> 
         let next = t0 + Duration::from_secs(i);
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
     }
-    let c1 = cpu_ms(pid, ticks)?;
+    let c1 = cpu_ns(pid)?;
     let (rss, hwm) = mem_kib(pid)?;
     Ok(Phase {
-        cpu_ms_per_s: (c1 - c0) as f64 / t0.elapsed().as_secs_f64(),
+        cpu_ms_per_s: c1.saturating_sub(c0) as f64 / 1e6 / t0.elapsed().as_secs_f64(),
         rss_kib: rss,
         hwm_kib: hwm,
     })
@@ -198,7 +195,6 @@ impl Drop for Kill {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let ticks = clock_ticks();
     let tmp = tempfile::tempdir()?;
     let events = tmp.path().join("events");
     let ckpts = tmp.path().join("checkpoints");
@@ -229,7 +225,7 @@ fn main() -> Result<()> {
     wait_up(port, "/healthz")?;
     let j = Journal::open(&events, journal::DEFAULT_SEGMENT_BYTES)?;
     let t = Instant::now();
-    let c0 = cpu_ms(pid, ticks)?;
+    let c0 = cpu_ns(pid)?;
     for i in 0..a.records {
         j.append(&record(i))?;
     }
@@ -250,9 +246,9 @@ fn main() -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(200));
     };
-    let ingest_ms = cpu_ms(pid, ticks)? - c0;
-    let idle = phase(pid, port, "/metrics", a.seconds, false, ticks)?;
-    let scraped = phase(pid, port, "/metrics", a.seconds, true, ticks)?;
+    let ingest_ms = cpu_ns(pid)?.saturating_sub(c0) / 1_000_000;
+    let idle = phase(pid, port, "/metrics", a.seconds, false)?;
+    let scraped = phase(pid, port, "/metrics", a.seconds, true)?;
     drop(agent);
 
     // The baseline: a trivial exporter serving the same body.
@@ -262,11 +258,11 @@ fn main() -> Result<()> {
     let bport = free_port()?;
     let base = Kill(
         Command::new("python3")
+            // One thread, as the agent has: `python3 -m http.server` starts a thread per
+            // request, whose CPU time would leave with it.
             .args([
-                "-m",
-                "http.server",
-                "--bind",
-                "127.0.0.1",
+                "-c",
+                "import http.server as h, sys; h.HTTPServer(('127.0.0.1', int(sys.argv[1])), h.SimpleHTTPRequestHandler).serve_forever()",
                 &bport.to_string(),
             ])
             .current_dir(&www)
@@ -274,12 +270,12 @@ fn main() -> Result<()> {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .context("starting python3 -m http.server")?,
+            .context("starting python3's http.server")?,
     );
     let bpid = base.0.id();
     wait_up(bport, "/metrics")?;
-    let bidle = phase(bpid, bport, "/metrics", a.seconds, false, ticks)?;
-    let bscraped = phase(bpid, bport, "/metrics", a.seconds, true, ticks)?;
+    let bidle = phase(bpid, bport, "/metrics", a.seconds, false)?;
+    let bscraped = phase(bpid, bport, "/metrics", a.seconds, true)?;
     drop(base);
 
     println!(
