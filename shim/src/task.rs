@@ -244,10 +244,13 @@ impl Tasks {
         if req.id.is_empty() {
             return Err(Error::InvalidArgument("container id is empty".into()));
         }
+        // A restore refused at Create is timed from here.
+        let log = OpLog::default();
         let created = self.create_container(&req).await;
         if let Err(e) = &created {
             if let Some(asked) = Container::restore_asked(&req) {
-                self.record_refused_restore(&req, asked, e, parent).await;
+                self.record_refused_restore(&req, asked, e, (&log, parent))
+                    .await;
             }
         }
         created
@@ -260,13 +263,13 @@ impl Tasks {
         req: &CreateTaskRequest,
         asked: crate::container::RestoreAsked,
         e: &Error,
-        parent: &Metadata,
+        (log, parent): (&OpLog, &Metadata),
     ) {
         let options = &asked.options;
         record::configure_traces(options.otlp_endpoint(), options.otlp_protocol());
         let root = record::root_span(journal::Operation::Restore, &req.id, Some(&asked.cri));
         record::adopt_parent(&root, parent);
-        let log = OpLog::new(root);
+        log.set_root(root);
         let mut facts = Facts::new(&self.namespace, &req.id, Some(asked.cri.clone()));
         facts.checkpoint = Some(asked.checkpoint.clone());
         let ending = record::Ending {
@@ -275,7 +278,7 @@ impl Tasks {
             result: Err(e),
             manifest: None,
         };
-        record::finish(&log, ending, options).await;
+        record::finish(log, ending, options).await;
         record::flush_traces(FLUSH_BOUND);
     }
 
