@@ -31,7 +31,7 @@ use std::{
 
 use opentelemetry::{
     propagation::{Extractor, TextMapPropagator},
-    trace::{Link, SpanKind, TraceContextExt, TraceId, TraceState, TracerProvider as _},
+    trace::{Link, SpanKind, Status, TraceContextExt, TraceId, TraceState, TracerProvider as _},
     Context as OtelContext, KeyValue,
 };
 use opentelemetry_otlp::{Protocol as OtlpProtocol, WithExportConfig, WithHttpConfig};
@@ -59,7 +59,7 @@ use tracing_subscriber::{
 pub const OP_TARGET: &str = "gpu_ckpt::op";
 /// The target of a step's span.
 pub const STEP_TARGET: &str = "gpu_ckpt::step";
-/// `service.name` unless `OTEL_SERVICE_NAME` says otherwise.
+/// `service.name` of the shim's spans.
 pub const SERVICE_NAME: &str = "gpu-ckpt-shim";
 /// The longest one export (one HTTP request or gRPC call, retries included) may take.
 pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -174,16 +174,15 @@ fn state() -> &'static State {
     STATE.get_or_init(|| {
         let export = Arc::new(LazyExport::default());
         let on = Arc::new(AtomicBool::new(false));
-        let service = std::env::var("OTEL_SERVICE_NAME")
-            .ok()
-            .filter(|s| !s.trim().is_empty())
-            .unwrap_or_else(|| SERVICE_NAME.to_string());
+        // Not OTEL_SERVICE_NAME: the shim inherits containerd's environment, and containerd
+        // (pkg/tracing/plugin/otlp.go, newTracer) sets it to "containerd" for itself.
+        let service = SERVICE_NAME;
         let provider = SdkTracerProvider::builder()
             .with_sampler(Gate {
                 on: on.clone(),
                 inner: Sampler::ParentBased(Box::new(Sampler::AlwaysOn)),
             })
-            .with_span_processor(SharedExport(export.clone()))
+            .with_span_processor(StatusMessage(SharedExport(export.clone())))
             .with_resource(
                 Resource::builder()
                     .with_service_name(service)
@@ -431,6 +430,50 @@ impl SpanProcessor for SharedExport {
     }
 }
 
+/// The span conventions' `otel.status_message` (tracing-opentelemetry itself reads
+/// `otel.status_description`): the message of an Error status, not an attribute.
+#[derive(Debug)]
+pub struct StatusMessage<P>(pub P);
+
+const STATUS_MESSAGE_FIELD: &str = "otel.status_message";
+
+fn status_message(span: &mut SpanData) {
+    let Some(at) = span
+        .attributes
+        .iter()
+        .position(|kv| kv.key.as_str() == STATUS_MESSAGE_FIELD)
+    else {
+        return;
+    };
+    let message = span.attributes.remove(at).value.as_str().into_owned();
+    if matches!(span.status, Status::Error { .. }) {
+        span.status = Status::error(message);
+    }
+}
+
+impl<P: SpanProcessor> SpanProcessor for StatusMessage<P> {
+    fn on_start(&self, span: &mut opentelemetry_sdk::trace::Span, cx: &OtelContext) {
+        self.0.on_start(span, cx)
+    }
+
+    fn on_end(&self, mut span: SpanData) {
+        status_message(&mut span);
+        self.0.on_end(span)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource)
+    }
+}
+
 /// Samples nothing until an export is configured (no ids handed out, [`trace_id`] is None);
 /// then follows the parent's decision (containerd's sampling), and samples roots.
 #[derive(Debug, Clone)]
@@ -567,9 +610,30 @@ impl Extractor for MetadataCarrier<'_> {
 /// The remote parent a request's metadata carries: containerd's span, when its `traceparent` is
 /// valid.
 pub fn remote_parent(metadata: &HashMap<String, Vec<String>>) -> Option<OtelContext> {
+    if !well_formed(MetadataCarrier(metadata).get("traceparent")?) {
+        return None;
+    }
     let cx = TraceContextPropagator::new().extract(&MetadataCarrier(metadata));
     let sc = cx.span().span_context().clone();
     (sc.is_valid() && sc.is_remote()).then_some(cx)
+}
+
+/// W3C trace context's `traceparent`: `version-trace_id-parent_id-flags`, lowercase hex of 2,
+/// 32, 16 and 2 digits (a later version may add fields after them; version ff is invalid).
+fn well_formed(traceparent: &str) -> bool {
+    let parts: Vec<&str> = traceparent.trim().split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && (parts[0] != "00" || parts.len() == 4)
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
 }
 
 /// Makes containerd's span, when the RPC's ttrpc metadata carries W3C `traceparent` (and
@@ -622,5 +686,344 @@ pub fn shutdown(timeout: Duration) {
     }
     if let Err(e) = state().provider.shutdown_with_timeout(timeout) {
         tracing::debug!(error = %e, "trace exporter shutdown");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::SpanId;
+    use opentelemetry_sdk::trace::SimpleSpanProcessor;
+    use tracing::{info_span, Instrument};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// An exporter that keeps what it is given.
+    #[derive(Debug, Clone, Default)]
+    struct Collect(Arc<Mutex<Vec<SpanData>>>);
+
+    impl SpanExporter for Collect {
+        fn export(
+            &self,
+            batch: Vec<SpanData>,
+        ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+            self.0.lock().expect("collect").extend(batch);
+            std::future::ready(Ok(()))
+        }
+    }
+
+    /// A subscriber like the shim's (a log layer with its own level, the export layer), the
+    /// export going to a [`Collect`].
+    fn subscriber() -> (tracing::Dispatch, Collect, SdkTracerProvider) {
+        let collect = Collect::default();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(StatusMessage(SimpleSpanProcessor::new(collect.clone())))
+            .build();
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_test_writer()
+            .with_filter(tracing_subscriber::EnvFilter::new("debug"));
+        let sub = tracing_subscriber::registry()
+            .with(fmt)
+            .with(layer_with(provider.tracer("test")));
+        (tracing::Dispatch::new(sub), collect, provider)
+    }
+
+    fn spans(c: &Collect) -> Vec<SpanData> {
+        c.0.lock().expect("collect").clone()
+    }
+
+    fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no span {name}: {:?}", names(spans)))
+    }
+
+    fn names(spans: &[SpanData]) -> Vec<String> {
+        spans.iter().map(|s| s.name.to_string()).collect()
+    }
+
+    fn root() -> tracing::Span {
+        info_span!(target: "gpu_ckpt::op", "checkpoint", otel.name = "checkpoint",
+            otel.status_code = tracing::field::Empty, otel.status_message = tracing::field::Empty,
+            container.id = "c1", gpu_ckpt.outcome = tracing::field::Empty)
+    }
+
+    fn step(name: &'static str) -> tracing::Span {
+        info_span!(target: "gpu_ckpt::step", "step", otel.name = name,
+            otel.status_code = tracing::field::Empty, otel.status_message = tracing::field::Empty)
+    }
+
+    fn env(vars: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn resolve_takes_the_option_then_the_environment() {
+        let none = env(&[]);
+        assert_eq!(resolve(None, "", &none).unwrap(), None);
+        assert_eq!(resolve(Some(""), "", &none).unwrap(), None);
+        let d = resolve(Some("http://c:4318"), "", &none).unwrap().unwrap();
+        assert_eq!(d.endpoint, "http://c:4318/v1/traces");
+        assert_eq!(d.protocol, Protocol::HttpProtobuf);
+        let d = resolve(Some("http://c:4318/v1/traces/"), "", &none)
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.endpoint, "http://c:4318/v1/traces");
+        let d = resolve(Some("http://c:4317"), "grpc", &none)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (d.endpoint.as_str(), d.protocol),
+            ("http://c:4317", Protocol::Grpc)
+        );
+
+        let both = env(&[
+            ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://t:1/custom"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://e:2"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        ]);
+        // The option first; the traces variable as it is; the base one with the path.
+        let d = resolve(Some("http://o:3"), "", &both).unwrap().unwrap();
+        assert_eq!(d.endpoint, "http://o:3/v1/traces");
+        let d = resolve(None, "", &both).unwrap().unwrap();
+        assert_eq!(d.endpoint, "http://t:1/custom");
+        let base = env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://e:2/"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"),
+        ]);
+        let d = resolve(None, "", &base).unwrap().unwrap();
+        assert_eq!(d.endpoint, "http://e:2/v1/traces");
+        assert_eq!(d.protocol, Protocol::HttpProtobuf);
+        // The option's protocol wins over the environment's.
+        let d = resolve(None, "grpc", &base).unwrap().unwrap();
+        assert_eq!(
+            (d.endpoint.as_str(), d.protocol),
+            ("http://e:2/", Protocol::Grpc)
+        );
+
+        assert!(matches!(
+            resolve(Some("http://c"), "http/json", &none),
+            Err(TelemetryError::Protocol(_))
+        ));
+        assert!(matches!(
+            resolve(Some("c:4318"), "", &none),
+            Err(TelemetryError::Endpoint(_))
+        ));
+    }
+
+    fn md(pairs: &[(&str, &str)]) -> HashMap<String, Vec<String>> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), vec![v.to_string()]))
+            .collect()
+    }
+
+    const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn traceparent_is_read_from_the_metadata() {
+        let cx = remote_parent(&md(&[("traceparent", PARENT), ("tracestate", "k=v")]))
+            .expect("a valid traceparent");
+        let sc = cx.span().span_context().clone();
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(sc.span_id().to_string(), "00f067aa0ba902b7");
+        assert!(sc.is_sampled() && sc.is_remote());
+        assert_eq!(sc.trace_state().get("k"), Some("v"));
+        // Any case of the key.
+        assert!(remote_parent(&md(&[("Traceparent", PARENT)])).is_some());
+        // A later version's extra fields.
+        assert!(remote_parent(&md(&[(
+            "traceparent",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-later"
+        )]))
+        .is_some());
+    }
+
+    #[test]
+    fn bad_or_absent_traceparent_gives_no_parent() {
+        for bad in [
+            "",
+            "garbage",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        ] {
+            assert!(
+                remote_parent(&md(&[("traceparent", bad)])).is_none(),
+                "{bad:?} taken"
+            );
+        }
+        assert!(remote_parent(&HashMap::new()).is_none());
+        assert!(remote_parent(&md(&[("containerd-namespace", "k8s.io")])).is_none());
+    }
+
+    #[test]
+    fn only_operations_and_steps_are_exported_and_steps_hang_from_the_root() {
+        let (dispatch, collect, _p) = subscriber();
+        tracing::dispatcher::with_default(&dispatch, || {
+            let _rpc = info_span!("rpc_checkpoint").entered();
+            let root = root();
+            let _r = root.clone().entered();
+            step("device-lock").in_scope(|| {});
+            let helper = info_span!("checkpoint_work");
+            helper.in_scope(|| {
+                let _inner = tracing::debug_span!("criu").entered();
+                step("criu-dump").in_scope(|| {});
+            });
+            // An explicit parent that the export filter drops.
+            tracing::info_span!(target: "gpu_ckpt::step", parent: &helper, "step", otel.name = "sign")
+                .in_scope(|| {});
+            root.record("gpu_ckpt.outcome", "succeeded");
+        });
+        let spans = spans(&collect);
+        assert_eq!(
+            names(&spans),
+            ["device-lock", "criu-dump", "sign", "checkpoint"],
+            "exported spans"
+        );
+        let root = named(&spans, "checkpoint");
+        assert_eq!(root.parent_span_id, SpanId::INVALID);
+        assert!(root
+            .attributes
+            .iter()
+            .any(|kv| kv.key.as_str() == "container.id" && kv.value.as_str() == "c1"));
+        assert!(root
+            .attributes
+            .iter()
+            .any(|kv| kv.key.as_str() == "gpu_ckpt.outcome" && kv.value.as_str() == "succeeded"));
+        for s in ["device-lock", "criu-dump", "sign"] {
+            let s = named(&spans, s);
+            assert_eq!(s.parent_span_id, root.span_context.span_id(), "{}", s.name);
+            assert_eq!(s.span_context.trace_id(), root.span_context.trace_id());
+        }
+        let starts: Vec<_> = ["device-lock", "criu-dump", "sign"]
+            .iter()
+            .map(|n| named(&spans, n).start_time)
+            .collect();
+        assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+    }
+
+    #[test]
+    fn a_step_in_a_spawned_task_hangs_from_the_root() {
+        use tracing::instrument::WithSubscriber;
+        let (dispatch, collect, _p) = subscriber();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .build()
+            .unwrap();
+        let d = dispatch.clone();
+        rt.block_on(
+            async move {
+                let root = root();
+                // Spawned from inside the root, instrumented with a span the filter drops.
+                let span = root.in_scope(|| info_span!("checkpoint_work"));
+                let work = async {
+                    tokio::task::yield_now().await;
+                    let s = step("criu-dump");
+                    async { tokio::task::yield_now().await }.instrument(s).await;
+                }
+                .instrument(span);
+                // (The dispatcher is the test's, not the process's: the span ends inside it.)
+                let task = tokio::spawn(async move { work.await }.with_subscriber(d));
+                task.await.unwrap();
+                drop(root);
+            }
+            .with_subscriber(dispatch.clone()),
+        );
+        let spans = spans(&collect);
+        let root = named(&spans, "checkpoint");
+        let step = named(&spans, "criu-dump");
+        assert_eq!(step.parent_span_id, root.span_context.span_id());
+        assert_eq!(step.span_context.trace_id(), root.span_context.trace_id());
+    }
+
+    #[test]
+    fn the_root_joins_containerds_trace_and_trace_id_says_so() {
+        let (dispatch, collect, _p) = subscriber();
+        let (id, plain) = tracing::dispatcher::with_default(&dispatch, || {
+            let root = root();
+            adopt_parent(&root, &md(&[("traceparent", PARENT)]));
+            let id = trace_id(&root);
+            root.in_scope(|| step("criu-dump").in_scope(|| {}));
+            (id, trace_id(&info_span!("not_exported")))
+        });
+        assert_eq!(id.as_deref(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert_eq!(plain, None);
+        let spans = spans(&collect);
+        let root = named(&spans, "checkpoint");
+        assert_eq!(root.parent_span_id.to_string(), "00f067aa0ba902b7");
+        assert_eq!(
+            root.span_context.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+        assert_eq!(
+            named(&spans, "criu-dump").parent_span_id,
+            root.span_context.span_id()
+        );
+    }
+
+    #[test]
+    fn without_traceparent_the_root_starts_a_trace() {
+        let (dispatch, collect, _p) = subscriber();
+        let id = tracing::dispatcher::with_default(&dispatch, || {
+            let root = root();
+            adopt_parent(&root, &md(&[("traceparent", "00-bad")]));
+            trace_id(&root)
+        });
+        let spans = spans(&collect);
+        let root = named(&spans, "checkpoint");
+        assert_eq!(root.parent_span_id, SpanId::INVALID);
+        assert_eq!(id, Some(root.span_context.trace_id().to_string()));
+        assert_ne!(id.as_deref(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+    }
+
+    #[test]
+    fn a_failed_step_and_its_root_have_status_error() {
+        let (dispatch, collect, _p) = subscriber();
+        tracing::dispatcher::with_default(&dispatch, || {
+            let root = root();
+            root.in_scope(|| {
+                step("device-lock").in_scope(|| {});
+                let s = step("device-checkpoint");
+                s.record("otel.status_code", "ERROR");
+                s.record(
+                    "otel.status_message",
+                    "cuCheckpointProcessCheckpoint failed",
+                );
+            });
+            root.record("otel.status_code", "ERROR");
+            root.record("otel.status_message", "device-checkpoint: failed");
+        });
+        let spans = spans(&collect);
+        assert_eq!(named(&spans, "device-lock").status, Status::Unset);
+        assert_eq!(
+            named(&spans, "device-checkpoint").status,
+            Status::error("cuCheckpointProcessCheckpoint failed")
+        );
+        assert_eq!(
+            named(&spans, "checkpoint").status,
+            Status::error("device-checkpoint: failed")
+        );
+    }
+
+    #[test]
+    fn nothing_is_sampled_before_configure() {
+        // The process's provider, before any configure: spans are dropped, no trace id.
+        let sub = tracing_subscriber::registry().with(layer());
+        let id = tracing::subscriber::with_default(sub, || trace_id(&root()));
+        assert_eq!(id, None);
+        assert!(!enabled());
     }
 }
