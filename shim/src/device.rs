@@ -29,6 +29,7 @@ use tracing::{info, info_span, warn};
 use crate::bundle::Bundle;
 use crate::error::{Error, Result};
 use crate::options::RuntimeOptions;
+use crate::record::OpLog;
 
 /// A process of the container that holds device state.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -207,13 +208,29 @@ impl DeviceLayer {
         timeout: Duration,
         storage: &Storage,
     ) -> Result<Quiesce> {
+        self.quiesce_logged(holders, timeout, storage, &OpLog::default())
+    }
+
+    /// [`DeviceLayer::quiesce`], each of its two steps (`device-lock`, `device-checkpoint`)
+    /// timed into `log`, in its span.
+    pub fn quiesce_logged(
+        &self,
+        holders: &[Holder],
+        timeout: Duration,
+        storage: &Storage,
+        log: &OpLog,
+    ) -> Result<Quiesce> {
         let t = Instant::now();
-        let locks = each(holders, |h| {
-            let _span = info_span!("device_lock", pid = h.pid).entered();
-            self.cuda.lock(h.pid, Some(timeout))
+        let step = log.step("device-lock");
+        let locks = step.span().in_scope(|| {
+            each(holders, |h| {
+                let _span = info_span!("device_lock", pid = h.pid).entered();
+                self.cuda.lock(h.pid, Some(timeout))
+            })
         });
         let lock = t.elapsed();
         if let Some((n, e)) = first_error(&locks) {
+            step.failed(&step_error("device-lock", &holders[n], e, Vec::new()));
             let mut undo = Vec::new();
             for (h, r) in holders.iter().zip(&locks) {
                 if let Err(e) = r {
@@ -229,19 +246,24 @@ impl DeviceLayer {
             undo.extend(self.undo(&locked, storage));
             return Err(step_error("device-lock", &holders[n], e, undo));
         }
+        step.done();
         let t = Instant::now();
-        let done = each(holders, |h| {
-            let _span = info_span!("device_checkpoint", pid = h.pid).entered();
-            match storage {
-                Storage::Staged => self.cuda.checkpoint(h.pid).map(|()| Vec::new()),
-                Storage::Custom { dir } => {
-                    let gpus: Vec<GpuUuid> = h.gpus.iter().map(|g| g.0).collect();
-                    self.cuda.checkpoint_to(h.pid, &gpus, dir, &file_prefix(h))
+        let step = log.step("device-checkpoint");
+        let done = step.span().in_scope(|| {
+            each(holders, |h| {
+                let _span = info_span!("device_checkpoint", pid = h.pid).entered();
+                match storage {
+                    Storage::Staged => self.cuda.checkpoint(h.pid).map(|()| Vec::new()),
+                    Storage::Custom { dir } => {
+                        let gpus: Vec<GpuUuid> = h.gpus.iter().map(|g| g.0).collect();
+                        self.cuda.checkpoint_to(h.pid, &gpus, dir, &file_prefix(h))
+                    }
                 }
-            }
+            })
         });
         let checkpoint = t.elapsed();
         if let Some((n, e)) = first_error(&done) {
+            step.failed(&step_error("device-checkpoint", &holders[n], e, Vec::new()));
             let mut undo = Vec::new();
             for (h, r) in holders.iter().zip(&done) {
                 if let Err(e) = r {
@@ -263,6 +285,7 @@ impl DeviceLayer {
             undo.extend(self.undo(&locked, storage));
             return Err(step_error("device-checkpoint", &holders[n], e, undo));
         }
+        step.done();
         let files = done.into_iter().flatten().collect();
         Ok(Quiesce {
             files,
@@ -644,7 +667,9 @@ impl ContainerDevices {
         &mut self,
         pids: Vec<i32>,
         room: impl FnOnce(&[Holder]) -> Result<()> + Send + 'static,
+        log: &OpLog,
     ) -> Result<()> {
+        let log = log.clone();
         if self.quiesced.is_some() {
             return Ok(());
         }
@@ -684,7 +709,7 @@ impl ContainerDevices {
                 }
                 Storage::Staged => room(&q.holders)?,
             }
-            match layer.quiesce(&q.holders, timeout, &q.storage) {
+            match layer.quiesce_logged(&q.holders, timeout, &q.storage, &log) {
                 Ok(done) => {
                     (q.files, q.lock, q.checkpoint) = (done.files, done.lock, done.checkpoint);
                     q.checkpointed = true;

@@ -55,6 +55,7 @@ pub mod options;
 pub mod pod_network;
 pub mod private_dir;
 pub mod process;
+pub mod record;
 pub mod restore;
 pub mod restored_annotations;
 pub mod restored_root;

@@ -195,10 +195,28 @@ pub struct RuntimeOptions {
     /// connections (bootstrap sockets, proxy, peer mappings) stay, which CRIU and the driver's
     /// checkpoint may not carry, so destroy is the default.
     pub nccl_release: String,
+    /// The node's record of checkpoints and restores (the `journal` crate): one line per
+    /// checkpoint, restore and refusal, root-only. Empty: [`journal::DEFAULT_DIR`]
+    /// (`/var/lib/gpu-ckpt/events`).
+    pub events_dir: String,
+    /// The size at which the record's current file is rotated (the record keeps at most two
+    /// files of about this size). 0: [`journal::DEFAULT_SEGMENT_BYTES`] (4 MiB).
+    pub events_segment_bytes: u64,
+    /// Where the shim exports its traces over OTLP (e.g. `http://collector:4318`). Empty: the
+    /// environment's `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`;
+    /// none of them: no export.
+    pub otlp_endpoint: String,
+    /// The OTLP protocol: "http/protobuf" (default; empty is the same) or "grpc".
+    pub otlp_protocol: String,
 }
 
 /// Where the node installer puts the NCCL layer, when the options name no `NcclLayer`.
 pub const DEFAULT_NCCL_LAYER: &str = "/usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so";
+
+/// The smallest `EventsSegmentBytes` other than 0: a record line may take 64 KiB.
+pub const MIN_EVENTS_SEGMENT_BYTES: u64 = 64 * 1024;
+/// The largest `EventsSegmentBytes`: the record is a node's recent history, not an archive.
+pub const MAX_EVENTS_SEGMENT_BYTES: u64 = 1 << 30;
 
 /// `NcclTimeout` when the options name none.
 pub const DEFAULT_NCCL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -448,6 +466,7 @@ impl RuntimeOptions {
             duration_or(value, key, std::time::Duration::ZERO)?;
         }
         absolute_paths(&[("DriverLibraryDir", &self.driver_library_dir)])?;
+        self.check_telemetry()?;
         if !matches!(self.mode.as_str(), "" | "run" | "restore") {
             return Err(Error::InvalidArgument(format!(
                 "invalid Mode {:?}: expected \"run\" or \"restore\"",
@@ -475,6 +494,68 @@ impl RuntimeOptions {
             )));
         }
         Ok(())
+    }
+
+    /// `EventsDir` absolute, `EventsSegmentBytes` within its bounds, `OtlpProtocol` one of its
+    /// values, `OtlpEndpoint` a URL.
+    fn check_telemetry(&self) -> Result<()> {
+        absolute_paths(&[("EventsDir", &self.events_dir)])?;
+        let segment = self.events_segment_bytes;
+        if segment != 0 && !(MIN_EVENTS_SEGMENT_BYTES..=MAX_EVENTS_SEGMENT_BYTES).contains(&segment)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "invalid EventsSegmentBytes {segment}: expected 0 (the default, 4 MiB) or {MIN_EVENTS_SEGMENT_BYTES} to {MAX_EVENTS_SEGMENT_BYTES}"
+            )));
+        }
+        if !matches!(self.otlp_protocol.as_str(), "" | "http/protobuf" | "grpc") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid OtlpProtocol {:?}: expected \"http/protobuf\" or \"grpc\"",
+                self.otlp_protocol
+            )));
+        }
+        let endpoint = &self.otlp_endpoint;
+        let url = endpoint
+            .strip_prefix("http://")
+            .or_else(|| endpoint.strip_prefix("https://"));
+        if !endpoint.is_empty()
+            && url.is_none_or(|rest| rest.is_empty() || rest.contains(char::is_whitespace))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "invalid OtlpEndpoint {endpoint:?}: expected an http:// or https:// URL"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The record's directory: `EventsDir`, or [`journal::DEFAULT_DIR`].
+    pub fn events_dir(&self) -> PathBuf {
+        if self.events_dir.is_empty() {
+            PathBuf::from(journal::DEFAULT_DIR)
+        } else {
+            PathBuf::from(&self.events_dir)
+        }
+    }
+
+    /// The record's segment size: `EventsSegmentBytes`, or [`journal::DEFAULT_SEGMENT_BYTES`].
+    pub fn events_segment_bytes(&self) -> u64 {
+        match self.events_segment_bytes {
+            0 => journal::DEFAULT_SEGMENT_BYTES,
+            n => n,
+        }
+    }
+
+    /// `OtlpEndpoint`, when set.
+    pub fn otlp_endpoint(&self) -> Option<&str> {
+        (!self.otlp_endpoint.is_empty()).then_some(self.otlp_endpoint.as_str())
+    }
+
+    /// `OtlpProtocol`, or "http/protobuf".
+    pub fn otlp_protocol(&self) -> &str {
+        if self.otlp_protocol.is_empty() {
+            "http/protobuf"
+        } else {
+            &self.otlp_protocol
+        }
     }
 
     /// Each `NamespaceMoves` entry `from/to`, two namespaces.
@@ -842,6 +923,35 @@ mod tests {
             RuntimeOptions::from_any(Some(&any)),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn events_and_otlp_options_are_decoded_and_checked() {
+        let d = RuntimeOptions::default();
+        assert_eq!(d.events_dir(), PathBuf::from(journal::DEFAULT_DIR));
+        assert_eq!(d.events_segment_bytes(), journal::DEFAULT_SEGMENT_BYTES);
+        assert_eq!(
+            (d.otlp_endpoint(), d.otlp_protocol()),
+            (None, "http/protobuf")
+        );
+        let o = RuntimeOptions::from_toml(
+            "EventsDir = \"/var/lib/x/events\"\nEventsSegmentBytes = 1048576\nOtlpEndpoint = \"http://collector:4318\"\nOtlpProtocol = \"grpc\"\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(o.events_dir(), PathBuf::from("/var/lib/x/events"));
+        assert_eq!(o.events_segment_bytes(), 1 << 20);
+        assert_eq!(o.otlp_endpoint(), Some("http://collector:4318"));
+        assert_eq!(o.otlp_protocol(), "grpc");
+        for (bad, key) in [
+            ("EventsDir = \"events\"", "EventsDir"),
+            ("EventsSegmentBytes = 100", "EventsSegmentBytes"),
+            ("OtlpProtocol = \"http/json\"", "OtlpProtocol"),
+            ("OtlpEndpoint = \"collector:4318\"", "OtlpEndpoint"),
+        ] {
+            let err = RuntimeOptions::from_toml(bad, "t").unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
+        }
     }
 
     #[test]

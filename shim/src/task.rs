@@ -41,8 +41,15 @@ use crate::{
     error::{Error, Result},
     events::EventSender,
     process::{Exit, Status},
+    record::{self, Facts, OpLog},
     stdio,
 };
+
+/// The ttrpc request's metadata (containerd's W3C `traceparent` travels there).
+type Metadata = HashMap<String, Vec<String>>;
+
+/// How long a checkpoint's or restore's spans may take to leave before its reply.
+const FLUSH_BOUND: Duration = Duration::from_secs(2);
 
 type Shared = Arc<Mutex<Container>>;
 
@@ -229,10 +236,53 @@ impl Tasks {
         );
     }
 
-    async fn do_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse> {
+    async fn do_create(
+        &self,
+        req: CreateTaskRequest,
+        parent: &Metadata,
+    ) -> Result<CreateTaskResponse> {
         if req.id.is_empty() {
             return Err(Error::InvalidArgument("container id is empty".into()));
         }
+        // A restore refused at Create is timed from here.
+        let log = OpLog::default();
+        let created = self.create_container(&req).await;
+        if let Err(e) = &created {
+            if let Some(asked) = Container::restore_asked(&req) {
+                self.record_refused_restore(&req, asked, e, (&log, parent))
+                    .await;
+            }
+        }
+        created
+    }
+
+    /// The record of a restore Create refused or failed (trust, admission, the restore
+    /// handler's fetch and unpack, containerd's annotations held to the signed record).
+    async fn record_refused_restore(
+        &self,
+        req: &CreateTaskRequest,
+        asked: crate::container::RestoreAsked,
+        e: &Error,
+        (log, parent): (&OpLog, &Metadata),
+    ) {
+        let options = &asked.options;
+        record::configure_traces(options.otlp_endpoint(), options.otlp_protocol());
+        let root = record::root_span(journal::Operation::Restore, &req.id, Some(&asked.cri));
+        record::adopt_parent(&root, parent);
+        log.set_root(root);
+        let mut facts = Facts::new(&self.namespace, &req.id, Some(asked.cri.clone()));
+        facts.checkpoint = Some(asked.checkpoint.clone());
+        let ending = record::Ending {
+            operation: journal::Operation::Restore,
+            facts,
+            result: Err(e),
+            manifest: None,
+        };
+        record::finish(log, ending, options).await;
+        record::flush_traces(FLUSH_BOUND);
+    }
+
+    async fn create_container(&self, req: &CreateTaskRequest) -> Result<CreateTaskResponse> {
         let mut containers = self.containers.write().await;
         if containers.contains_key(&req.id) {
             return Err(Error::AlreadyExists(format!(
@@ -241,7 +291,11 @@ impl Tasks {
             )));
         }
         let since = Instant::now();
-        let container = Container::create(&req, &self.namespace, &self.events).await?;
+        let container = Container::create(req, &self.namespace, &self.events).await?;
+        record::configure_traces(
+            container.options.otlp_endpoint(),
+            container.options.otlp_protocol(),
+        );
         let pid = container.init.pid;
         let id = container.id.clone();
         let early = self.register_pid(pid, &id, "", since);
@@ -276,13 +330,16 @@ impl Tasks {
         })
     }
 
-    async fn do_start(&self, req: StartRequest) -> Result<StartResponse> {
+    async fn do_start(&self, req: StartRequest, parent: &Metadata) -> Result<StartResponse> {
         let container = self.container(&req.id).await?;
         let mut c = container.lock().await;
         if req.exec_id.is_empty() {
             let since = Instant::now();
             let created_pid = c.init.pid;
-            c.start_init(&self.events).await?;
+            match c.restore_source() {
+                Some(checkpoint) => self.start_restore(&mut c, checkpoint, parent).await?,
+                None => c.start_init(&self.events).await?,
+            }
             let pid = c.init.pid;
             // A restore has a pid only now: exits are matched to it from here on.
             let early = (pid != created_pid)
@@ -323,6 +380,33 @@ impl Tasks {
             pid: pid as u32,
             ..Default::default()
         })
+    }
+
+    /// Start of a container Create left a restore pending: the restore in its root span, its
+    /// record, its spans flushed before the reply.
+    async fn start_restore(
+        &self,
+        c: &mut Container,
+        checkpoint: String,
+        parent: &Metadata,
+    ) -> Result<()> {
+        let cri = c.bundle.cri(&c.id);
+        let root = record::root_span(journal::Operation::Restore, &c.id, Some(&cri));
+        record::adopt_parent(&root, parent);
+        c.op = OpLog::new(root.clone());
+        let result = c.start_init(&self.events).instrument(root).await;
+        let mut facts = Facts::new(&self.namespace, &c.id, Some(cri)).with_noted(&c.op);
+        facts.checkpoint = Some(checkpoint);
+        let ending = record::Ending {
+            operation: journal::Operation::Restore,
+            facts,
+            result: result.as_ref().map(|_| ()),
+            manifest: None,
+        };
+        record::finish(&c.op, ending, &c.options).await;
+        c.op = OpLog::default();
+        record::flush_traces(FLUSH_BOUND);
+        result
     }
 
     async fn do_delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
@@ -540,7 +624,10 @@ impl Tasks {
             )));
         }
         if pause {
-            c.pause().await?;
+            if let Err(e) = c.pause().await {
+                self.record_failed_pause(&mut c, &e).await;
+                return Err(e);
+            }
             self.events.send(
                 TASK_PAUSED_EVENT_TOPIC,
                 TaskPaused {
@@ -666,7 +753,11 @@ impl Tasks {
     /// restarted), and a checkpoint cut off at an arbitrary step would skip its undo and free
     /// the container for a Resume while CRIU still holds the cgroup frozen. A checkpoint whose
     /// caller is gone when it ends is abandoned ([`Tasks::abandon_checkpoint`]).
-    async fn do_checkpoint(self: Arc<Self>, req: CheckpointTaskRequest) -> Result<()> {
+    async fn do_checkpoint(
+        self: Arc<Self>,
+        req: CheckpointTaskRequest,
+        parent: Metadata,
+    ) -> Result<()> {
         let container = self.container(&req.id).await?;
         let service = self.clone();
         let id = req.id.clone();
@@ -675,17 +766,20 @@ impl Tasks {
         tokio::spawn(
             async move {
                 let mut c = container.lock_owned().await;
-                let result = CheckpointPlan::resolve(
-                    &req.path,
-                    req.options.as_ref(),
-                    &c.options,
-                    &c.annotations,
-                    c.init.stdio.terminal,
-                );
-                let result = match result {
-                    Ok(plan) => c.checkpoint(&plan).await.map(|m| (plan, m)),
-                    Err(e) => Err(e),
-                };
+                let root = checkpoint_root(&mut c, &parent);
+                let result = async {
+                    let plan = CheckpointPlan::resolve(
+                        &req.path,
+                        req.options.as_ref(),
+                        &c.options,
+                        &c.annotations,
+                        c.init.stdio.terminal,
+                    )?;
+                    c.checkpoint(&plan).await.map(|m| (plan, m))
+                }
+                .instrument(root)
+                .await;
+                service.record_checkpoint(&mut c, &req.path, &result).await;
                 // Resumed right after the dump (`ResumeAfterDump`): containerd sees the task
                 // running from here, and its Resume after the copy has nothing to do.
                 if c.resumed_after_dump {
@@ -724,6 +818,55 @@ impl Tasks {
         })?
     }
 
+    /// The record of a checkpoint (its steps as its manifest holds them when it succeeded),
+    /// and its spans flushed before the reply.
+    async fn record_checkpoint(
+        &self,
+        c: &mut Container,
+        path: &str,
+        result: &Result<(CheckpointPlan, image_format::manifest::Manifest)>,
+    ) {
+        let cri = c.bundle.cri(&c.id);
+        let mut facts = Facts::new(&self.namespace, &c.id, Some(cri));
+        facts.checkpoint = (!path.is_empty()).then(|| path.to_string());
+        let (result, manifest) = match result {
+            Ok((_, m)) => (Ok(()), Some(m)),
+            Err(e) => (Err(e), None),
+        };
+        let ending = record::Ending {
+            operation: journal::Operation::Checkpoint,
+            facts,
+            result,
+            manifest,
+        };
+        record::finish(&c.op, ending, &c.options).await;
+        c.op = OpLog::default();
+        record::flush_traces(FLUSH_BOUND);
+    }
+
+    /// The record of a Pause whose device steps failed: ctr and CRI pause a task before they
+    /// checkpoint it, so this is the checkpoint that failed (its Checkpoint never comes).
+    async fn record_failed_pause(&self, c: &mut Container, e: &Error) {
+        if !matches!(
+            e,
+            Error::Step {
+                operation: "checkpoint",
+                ..
+            }
+        ) {
+            return;
+        }
+        let cri = c.bundle.cri(&c.id);
+        let ending = record::Ending {
+            operation: journal::Operation::Checkpoint,
+            facts: Facts::new(&self.namespace, &c.id, Some(cri)),
+            result: Err(e),
+            manifest: None,
+        };
+        record::finish(&c.op, ending, &c.options).await;
+        c.op = OpLog::default();
+    }
+
     async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
         let container = self.container(&req.id).await?;
         let mut rx = container.lock().await.process(&req.exec_id)?.exit_watch();
@@ -739,6 +882,20 @@ impl Tasks {
             ..Default::default()
         })
     }
+}
+
+/// The root span of a checkpoint of `c`, joined to containerd's trace; its clock goes on from
+/// the Pause that began it (the container is paused, frozen since), else starts now.
+fn checkpoint_root(c: &mut Container, parent: &Metadata) -> tracing::Span {
+    let cri = c.bundle.cri(&c.id);
+    let root = record::root_span(journal::Operation::Checkpoint, &c.id, Some(&cri));
+    record::adopt_parent(&root, parent);
+    if c.init.status == Status::Paused && c.op.frozen() {
+        c.op.set_root(root.clone());
+    } else {
+        c.op = OpLog::new(root.clone());
+    }
+    root
 }
 
 /// Runs one request in a span and maps its error to a ttrpc status, in one place.
@@ -761,16 +918,16 @@ async fn serve<T>(
 impl Task for TaskService {
     async fn create(
         &self,
-        _ctx: &TtrpcContext,
+        ctx: &TtrpcContext,
         req: CreateTaskRequest,
     ) -> ttrpc::Result<CreateTaskResponse> {
         let id = req.id.clone();
-        serve("create", &id, self.do_create(req)).await
+        serve("create", &id, self.do_create(req, &ctx.metadata)).await
     }
 
-    async fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> ttrpc::Result<StartResponse> {
+    async fn start(&self, ctx: &TtrpcContext, req: StartRequest) -> ttrpc::Result<StartResponse> {
         let id = req.id.clone();
-        serve("start", &id, self.do_start(req)).await
+        serve("start", &id, self.do_start(req, &ctx.metadata)).await
     }
 
     async fn delete(
@@ -870,11 +1027,12 @@ impl Task for TaskService {
 
     async fn checkpoint(
         &self,
-        _ctx: &TtrpcContext,
+        ctx: &TtrpcContext,
         req: CheckpointTaskRequest,
     ) -> ttrpc::Result<Empty> {
         let id = req.id.clone();
-        serve("checkpoint", &id, self.0.clone().do_checkpoint(req))
+        let parent = ctx.metadata.clone();
+        serve("checkpoint", &id, self.0.clone().do_checkpoint(req, parent))
             .await
             .map(|_| Empty::new())
     }

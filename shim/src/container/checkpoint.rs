@@ -93,9 +93,12 @@ impl Container {
     /// freeze. containerd pauses a task before it checkpoints it (ctr, the containerd client,
     /// CRI), so this is where a checkpoint's device steps run. Undo: device resume.
     pub async fn pause(&mut self) -> Result<()> {
+        // A Pause may be a checkpoint's first step (ctr and CRI pause first): its clock.
+        self.op = crate::record::OpLog::default();
         let quiesce = Instant::now();
         self.quiesce_devices().await?;
         let quiesced = quiesce.elapsed();
+        self.op.frozen_from(Instant::now());
         if let Err(e) = self.runc.pause(&self.id).await {
             if let Err(de) = self.devices.resume().await {
                 warn!(id = %self.id, error = %de, "undo of a failed pause: device resume");
@@ -120,7 +123,10 @@ impl Container {
             Some(_) => self.runc.ps(&self.id).await?,
             None => Vec::new(),
         };
-        comms.quiesce(pids).await?;
+        match self.nccl {
+            Some(_) => self.op.timed("nccl-quiesce", comms.quiesce(pids)).await?,
+            None => comms.quiesce(pids).await?,
+        }
         let quiesced = self.quiesce_gpus().await;
         if let Err(e) = quiesced {
             return Err(match comms.resume("checkpoint").await {
@@ -151,7 +157,7 @@ impl Container {
         let room = self.memory.room(self.bundle.json());
         let quiesced = self
             .devices
-            .quiesce(pids, move |holders| room.make(holders))
+            .quiesce(pids, move |holders| room.make(holders), &self.op)
             .instrument(info_span!("device_quiesce", id = %self.id))
             .await;
         if quiesced.is_err() {
@@ -164,7 +170,9 @@ impl Container {
     /// checkpoint came in between), then the NCCL communicators back and Go.
     pub async fn resume(&mut self) -> Result<()> {
         self.resume_gpus().await?;
-        self.comms().resume("resume").await
+        self.comms().resume("resume").await?;
+        self.op.runs_again(Instant::now());
+        Ok(())
     }
 
     /// Thaw, then the device state back onto the GPUs and unlocked.
@@ -252,6 +260,7 @@ impl Container {
                     Err(e) => Error::FailedPrecondition(format!("{e}; and its undo failed: {de}")),
                 });
             }
+            self.op.runs_again(Instant::now());
         }
         result
     }
@@ -268,26 +277,46 @@ impl Container {
     ) -> Result<Manifest> {
         // Step 1: the image directory, the CRIU configuration of this dump, the addresses.
         // Undo: remove what the checkpoint wrote; the CRIU configuration back.
-        let image = ImageDir::create(&plan.image_path)?;
+        let op = self.op.clone();
+        let step = op.step("prepare");
+        let image = match ImageDir::create(&plan.image_path) {
+            Ok(image) => image,
+            Err(e) => {
+                step.failed(&e);
+                return Err(e);
+            }
+        };
         let work = plan
             .work_path
             .clone()
             .unwrap_or_else(|| self.bundle.join(CRIU_WORK));
-        let setup = match self.prepare_dump(plan, image.path, &work).await {
+        let setup = match self
+            .prepare_dump(plan, image.path, &work)
+            .instrument(step.span().clone())
+            .await
+        {
             Ok(setup) => setup,
             Err(e) => {
+                step.failed(&e);
                 image.undo();
                 self.reset_criu_conf("checkpoint");
                 return Err(e);
             }
         };
+        step.done();
         // Step 2: CRIU dump. Undo: remove what it wrote; CRIU resumes the tasks.
         let mut timings = self.comms().timings();
         timings.extend(self.devices.timings());
         if let Some(quiesced) = self.paused_devices.filter(|_| paused) {
             timings.push(("device-quiesce", quiesced));
         }
-        let (node, followed) = match self.dump(plan, &image, &work, &setup, &mut timings).await {
+        let dumped = op
+            .timed(
+                "criu-dump",
+                self.dump(plan, &image, &work, &setup, &mut timings),
+            )
+            .await;
+        let (node, followed) = match dumped {
             Ok(dumped) => dumped,
             Err(e) => {
                 image.undo();
@@ -302,13 +331,17 @@ impl Container {
             Some(stored) => {
                 let (stored, image_path) = (stored.clone(), image.path.to_path_buf());
                 let keep = plan.criu.leave_running;
-                tokio::task::spawn_blocking(move || {
+                let place = tokio::task::spawn_blocking(move || {
                     crate::device_storage::place(&stored, &image_path, keep)
                 })
-                .instrument(info_span!("device_files", id = %self.id))
+                .instrument(info_span!("device_files", id = %self.id));
+                op.timed("device-storage", async {
+                    place
+                        .await
+                        .map_err(|e| fail("device-storage", e.to_string()))
+                        .and_then(|r| r)
+                })
                 .await
-                .map_err(|e| fail("device-storage", e.to_string()))
-                .and_then(|r| r)
             }
             None => Ok(Default::default()),
         };
@@ -320,7 +353,8 @@ impl Container {
             }
         };
         let early = plan.resume_after_dump && paused;
-        let span = info_span!("manifest", id = %self.id);
+        let step = op.step("manifest-hash");
+        let span = info_span!(parent: step.span(), "manifest", id = %self.id);
         let written = self
             .write_manifest(
                 plan,
@@ -336,11 +370,13 @@ impl Container {
         if plan.work_path.is_none() {
             let _ = std::fs::remove_dir_all(&work);
         }
-        written.map_err(|e| {
+        let written = written.map_err(|e| {
             placed.undo(image.path);
             image.undo();
             fail("manifest", e.to_string())
-        })
+        });
+        step.end(&written);
+        written
     }
 
     /// Step 1 of [`Container::checkpoint_files`] after the image directory: the network lock
@@ -511,6 +547,11 @@ impl Container {
             return Err(fail("criu-dump", message));
         }
         timings.push(("criu-dump", t.elapsed()));
+        // A container CRIU froze itself (not paused) runs again when the dump ends, unless its
+        // device state waits for the end of the checkpoint (which says so then).
+        if plan.criu.leave_running && self.init.status == Status::Running {
+            self.op.runs_again(Instant::now());
+        }
         // CRIU's own statistics travel with the images (checkpointctl and `gpu-ckpt inspect`
         // show them); CRIU wrote them to the work directory.
         let stats = work.join("stats-dump");
@@ -568,9 +609,11 @@ impl Container {
             return Duration::ZERO;
         }
         let t = Instant::now();
-        let span = info_span!("resume_after_dump", id = %self.id);
+        let step = self.op.step(checkpoint::RESUME_AFTER_DUMP_STEP);
+        let span = info_span!(parent: step.span(), "resume_after_dump", id = %self.id);
         let resumed = self.resume().instrument(span).await;
         let took = t.elapsed();
+        step.end(&resumed);
         match resumed {
             Ok(()) => {
                 self.init.status = Status::Running;

@@ -28,7 +28,39 @@ use crate::{
     unsupported::Given,
 };
 
+/// A restore Create was asked for, for the record of one it refused or failed.
+#[derive(Debug, Clone)]
+pub struct RestoreAsked {
+    pub cri: crate::bundle::CriIdentity,
+    /// Where the checkpoint is: containerd's directory, a CRIU image directory, or the pod's
+    /// `gpu-ckpt.io/restore-from` (a credential in a URL left out).
+    pub checkpoint: String,
+    pub options: RuntimeOptions,
+}
+
 impl Container {
+    /// Whether `req` asks for a restore: containerd's checkpoint, a CRIU image directory, or
+    /// under the restore handler a checkpoint the pod names for this container. Read again
+    /// from the bundle for a Create that failed, when nothing else is left of it.
+    pub fn restore_asked(req: &CreateTaskRequest) -> Option<RestoreAsked> {
+        let bundle = Bundle::load(Path::new(&req.bundle)).ok()?;
+        let options = RuntimeOptions::from_any(req.options.as_ref()).ok()?;
+        let cri = bundle.cri(&req.id);
+        let checkpoint = match PendingRestore::from_containerd(&req.checkpoint, &options) {
+            Some(pending) => pending.dir.display().to_string(),
+            None if options.restore_mode() && cri.container_type == "container" => {
+                let annotations = Annotations::from_spec(bundle.annotations()).ok()?;
+                without_userinfo(annotations.restore_from(&cri.name)?)
+            }
+            None => return None,
+        };
+        Some(RestoreAsked {
+            cri,
+            checkpoint,
+            options,
+        })
+    }
+
     /// Creates the container: options, rootfs, stdio, `runc create`. On failure every step
     /// already taken is undone, in reverse order, and the error says which step failed.
     pub async fn create(
@@ -129,6 +161,7 @@ impl Container {
             paused_devices: None,
             resumed_after_dump: false,
             nccl: None,
+            op: Default::default(),
         })
     }
 
@@ -195,6 +228,7 @@ impl Container {
         let Some(source) = self.annotations.restore_from(&me.name).map(str::to_string) else {
             return Ok(());
         };
+        let named = source.clone();
         let staging = crate::restore::staging_dir(&self.options, containerd_namespace, &self.id)?;
         let (mut bundle, ann, options) = (
             self.bundle.clone(),
@@ -228,7 +262,10 @@ impl Container {
         })?;
         // Its spec may have lost the checkpoint volume's mounts.
         self.bundle = bundle;
-        self.pending = PendingRestore::from_plan(plan?, staging);
+        self.pending = PendingRestore::from_plan(plan?, staging).map(|mut p| {
+            p.named = Some(without_userinfo(&named));
+            p
+        });
         Ok(())
     }
 
@@ -305,5 +342,40 @@ impl Container {
         }
         self.init.pid = read_pid_from_file(&pid_file).await?;
         Ok(())
+    }
+}
+
+/// `source` without a `user:password@` before its host, if it has one.
+fn without_userinfo(source: &str) -> String {
+    let (scheme, rest) = match source.split_once("://") {
+        Some((scheme, rest)) => (format!("{scheme}://"), rest),
+        None => (String::new(), source),
+    };
+    let host_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..host_end].rfind('@') {
+        Some(at) => format!("{scheme}{}", &rest[at + 1..]),
+        None => source.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_userinfo;
+
+    #[test]
+    fn a_credential_in_a_source_is_left_out() {
+        assert_eq!(
+            without_userinfo("https://u:p@reg.example/ckpt/a:1"),
+            "https://reg.example/ckpt/a:1"
+        );
+        assert_eq!(without_userinfo("u:p@reg.example/a:1"), "reg.example/a:1");
+        assert_eq!(
+            without_userinfo("reg.example/ckpt/a@sha256:00"),
+            "reg.example/ckpt/a@sha256:00"
+        );
+        assert_eq!(
+            without_userinfo("/var/lib/kubelet/checkpoints/c.tar"),
+            "/var/lib/kubelet/checkpoints/c.tar"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! Start (or the restore Create left pending), exec, kill and delete.
 
 use containerd_shim::util::read_pid_from_file;
-use tracing::{info_span, warn, Instrument};
+use tracing::warn;
 
 use super::{Container, INIT_PID_FILE};
 use crate::{
@@ -37,8 +37,7 @@ impl Container {
             crate::nccl::open(&self.id, &name, setup, &self.options, self.init.pid)?;
         }
         if let Some(pending) = self.pending.clone() {
-            let span = info_span!("restore", id = %self.id);
-            let restored = self.restore(&pending).instrument(span).await;
+            let restored = self.restore(&pending).await;
             // Restored or not, nothing reads the checkpoint again (a failed Start is not
             // retried on it): what containerd extracted and what the restore handler unpacked
             // go now.

@@ -40,6 +40,7 @@ mod create;
 mod lifecycle;
 mod restore;
 
+pub use create::RestoreAsked;
 pub(crate) use restore::{PendingRestore, RestoreSource};
 
 const INIT_PID_FILE: &str = "init.pid";
@@ -86,6 +87,9 @@ pub struct Container {
     /// gpu-ckpt's NCCL layer and its control socket's directory, for a container that opts in
     /// (`nccl::inject`): set at Create, the cold start's and the restore's.
     pub nccl: Option<crate::nccl::inject::NcclSetup>,
+    /// The clock of the checkpoint or restore in progress (or of the Pause that began a
+    /// checkpoint): its steps, the application's stop and run again, for its record and spans.
+    pub(crate) op: crate::record::OpLog,
 }
 
 impl Container {
@@ -133,6 +137,17 @@ impl Container {
     /// an exec), owned by the handler's IO user.
     async fn prepare_io(&self, stdio: &Stdio, id: &str, absent: Absent) -> Result<PreparedIo> {
         stdio::prepare(stdio, id, self.options.io_uid, self.options.io_gid, absent).await
+    }
+
+    /// Where the restore Create left pending reads from, while it is pending.
+    pub fn restore_source(&self) -> Option<String> {
+        let pending = self.pending.as_ref()?;
+        (self.init.status == crate::process::Status::Created).then(|| {
+            pending
+                .named
+                .clone()
+                .unwrap_or_else(|| pending.dir.display().to_string())
+        })
     }
 
     /// The directory CRIU works in (its logs): the options', else the bundle's.

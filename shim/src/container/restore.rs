@@ -130,6 +130,8 @@ pub(crate) struct PendingRestore {
     /// The restore handler's staging directory holding `dir` (`restore::staging_dir`),
     /// removed once Start's restore is done, or at Delete.
     staging: Option<PathBuf>,
+    /// What the pod named (`gpu-ckpt.io/restore-from`), for the record, where it is not `dir`.
+    pub named: Option<String>,
 }
 
 impl PendingRestore {
@@ -149,6 +151,7 @@ impl PendingRestore {
             source,
             dir: PathBuf::from(dir),
             staging: None,
+            named: None,
         })
     }
 
@@ -159,12 +162,14 @@ impl PendingRestore {
                 source: RestoreSource::Unpacked,
                 dir,
                 staging: Some(staging),
+                named: None,
             }),
             // Read in place from an image volume: Start verifies all of it.
             steps::Plan::RestoreInPlace(dir) => Some(PendingRestore {
                 source: RestoreSource::ImageVolume,
                 dir,
                 staging: None,
+                named: None,
             }),
             steps::Plan::ColdStart(_) => None,
         }
@@ -271,9 +276,12 @@ impl Container {
         // Step 1f: host memory for the pages CRIU brings back, the staged device memory among
         // them: refused, or the spec's limit raised for the restore (`memory_room.rs`). Undo,
         // after step 5 whatever happened: the spec's limit back.
+        let step = self.op.step("host-memory");
         let spec_limit = self
             .memory
-            .before_restore(&mut self.bundle, &checked.manifest)?;
+            .before_restore(&mut self.bundle, &checked.manifest);
+        step.end(&spec_limit);
+        let spec_limit = spec_limit?;
         let restored = self.restore_checked(pending, checked, deferred).await;
         let running = restored.is_ok() && self.init.pid > 0;
         let memory = self.memory.clone();
@@ -293,7 +301,10 @@ impl Container {
         let dir = &pending.dir;
         // Step 2: sub-mounts held, the gate, CRIU's configuration; the processes with NCCL
         // communicators expected at the control socket (open since Start began).
-        let (gate, mounts) = self.prepare_criu(dir, &checked)?;
+        let step = self.op.step("prepare");
+        let prepared = self.prepare_criu(dir, &checked);
+        step.end(&prepared);
+        let (gate, mounts) = prepared?;
         if let Some(record) = &checked.manifest.nccl {
             self.comms().expect(record);
         }
@@ -322,10 +333,10 @@ impl Container {
         // Step 5: the device state back onto this container's GPUs. Undo: kill what was
         // restored (which also ends a driver call still waiting on it).
         let t = Instant::now();
-        if let Err(e) = self
-            .restore_devices(dir, &checked.manifest, &checked.devices, deadline, bound)
-            .await
-        {
+        let op = self.op.clone();
+        let devices =
+            self.restore_devices(dir, &checked.manifest, &checked.devices, deadline, bound);
+        if let Err(e) = op.timed("device-restore", devices).await {
             self.undo_restored("a failed device restore").await;
             return Err(e);
         }
@@ -333,12 +344,15 @@ impl Container {
         // Step 6: every process the manifest records with NCCL communicators connected again,
         // its communicators rebuilt on fresh unique ids, Go (bounded by NcclTimeout). Undo:
         // kill what was restored.
-        if let Err(e) = self
-            .comms()
+        let comms = self.comms();
+        let rebuild = comms
             .restored(self.init.pid)
-            .instrument(info_span!("nccl_restore", id = %self.id))
-            .await
-        {
+            .instrument(info_span!("nccl_restore", id = %self.id));
+        let rebuilt = match checked.manifest.nccl {
+            Some(_) => op.timed("nccl-rebuild", rebuild).await,
+            None => rebuild.await,
+        };
+        if let Err(e) = rebuilt {
             self.undo_restored("a failed NCCL rebuild").await;
             return Err(e);
         }
@@ -362,27 +376,33 @@ impl Container {
     ) -> Result<(Checked, DeferredDigests)> {
         let dir = &pending.dir;
         let t = Instant::now();
-        let (manifest, deferred) = self
+        let op = self.op.clone();
+        let verify = self
             .verify(pending)
-            .instrument(info_span!("verify", id = %self.id))
-            .await?;
+            .instrument(info_span!("verify", id = %self.id));
+        let (manifest, deferred) = op.timed("verify", verify).await?;
+        op.note_manifest(&manifest);
         let verified_in = t.elapsed();
-        let (policy, expected) = self.check_security(dir, &manifest).await?;
+        let (policy, expected) = op
+            .timed("spec-check", self.check_security(dir, &manifest))
+            .await?;
         // Step 1c: the checkpoint's GPUs held to the ones this container was given on this
         // node (model, count, memory, free memory, driver branch, CUDA version), and the pairs
         // that map one onto the other, in order; then the driver files its processes mapped
         // held to the ones this container's spec mounts (`driver_files`).
-        let devices = self
+        let compat = self
             .devices
             .plan_restore(&manifest.devices, &self.bundle)
-            .instrument(info_span!("device_compat", id = %self.id))
-            .await?;
-        crate::driver_files::check_restore(&self.bundle, &manifest.devices).await?;
+            .instrument(info_span!("device_compat", id = %self.id));
+        let devices = op.timed("compat", compat).await?;
+        let driver_files = crate::driver_files::check_restore(&self.bundle, &manifest.devices);
+        op.timed("driver-files", driver_files).await?;
         // The NCCL layer the checkpoint's processes mapped, held to this container's.
         crate::nccl::check_layer(manifest.nccl.as_ref(), self.nccl.as_ref())?;
-        let mount_policy = self.refuse_new_mounts(dir).await?;
+        let mount_policy = op.timed("mount-check", self.refuse_new_mounts(dir)).await?;
         let tcp_close = self.tcp_close(&manifest);
-        self.check_network(&manifest, tcp_close).await?;
+        op.timed("network", self.check_network(&manifest, tcp_close))
+            .await?;
         let checked = Checked {
             manifest,
             verified_in,
@@ -580,7 +600,8 @@ impl Container {
         mounts: Arc<Mounts>,
     ) -> Result<(Ran, Watchdog)> {
         let cancel = Arc::new(AtomicBool::new(false));
-        let verified = verify_pages(deferred, cancel.clone(), gate.clone());
+        let pages = self.op.step("page-verify");
+        let verified = verify_pages(deferred, cancel.clone(), gate.clone(), pages);
         let held = self.hold_at_gate(&gate, checked, &mounts);
         let checkpoint_bytes: u64 = checked.manifest.files.values().map(|f| f.size).sum();
         let watchdog = Watchdog::start(
@@ -591,10 +612,11 @@ impl Container {
         );
         let t = Instant::now();
         let span = info_span!("runc_restore", id = %self.id);
-        let restored = self
+        let op = self.op.clone();
+        let restore = self
             .run_restore(dir, &checked.manifest, checked.tcp_close)
-            .instrument(span)
-            .await;
+            .instrument(span);
+        let restored = op.timed("criu-restore", restore).await;
         let runc_restore = t.elapsed();
         if restored.is_err() {
             cancel.store(true, Ordering::Relaxed);
@@ -805,18 +827,22 @@ fn verify_pages(
     deferred: DeferredDigests,
     cancel: Arc<AtomicBool>,
     gate: Arc<VerifyGate>,
+    step: crate::record::Step,
 ) -> JoinHandle<Result<Duration>> {
     tokio::task::spawn_blocking(move || -> Result<Duration> {
         let t = Instant::now();
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| deferred.verify(&cancel)))
-            .unwrap_or_else(|_| {
-                Err(image_format::Error::Cancelled {
-                    name: "page images (the verification panicked)".into(),
-                })
-            });
-        gate.open(result.is_ok())?;
-        result?;
-        Ok(t.elapsed())
+        let verified = step.span().in_scope(|| -> Result<()> {
+            let result = std::panic::catch_unwind(AssertUnwindSafe(|| deferred.verify(&cancel)))
+                .unwrap_or_else(|_| {
+                    Err(image_format::Error::Cancelled {
+                        name: "page images (the verification panicked)".into(),
+                    })
+                });
+            gate.open(result.is_ok())?;
+            Ok(result?)
+        });
+        step.end(&verified);
+        verified.map(|()| t.elapsed())
     })
 }
 

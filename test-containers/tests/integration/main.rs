@@ -49,6 +49,7 @@ mod restore_trust;
 mod restore_unsigned;
 mod restore_via_create;
 mod rootfs_race;
+mod records;
 mod rro_restore;
 mod runc_typed;
 mod shim_binary;
