@@ -44,6 +44,25 @@ fn children<'a>(spans: &'a [ReceivedSpan], root: &ReceivedSpan) -> Vec<&'a Recei
     c
 }
 
+/// The spans, one a line: service, name, ids, parent, status.
+fn summary(spans: &[ReceivedSpan]) -> String {
+    spans
+        .iter()
+        .map(|s| {
+            format!(
+                "\n  {}/{} trace {} span {} parent {:?} {:?} {:?}",
+                s.service.as_deref().unwrap_or("?"),
+                s.name,
+                s.trace_id,
+                s.span_id,
+                s.parent_span_id,
+                s.status,
+                s.status_message
+            )
+        })
+        .collect()
+}
+
 fn names<'a>(spans: &[&'a ReceivedSpan]) -> Vec<&'a str> {
     spans.iter().map(|s| s.name.as_str()).collect()
 }
@@ -72,7 +91,7 @@ fn well_formed(root: &ReceivedSpan, steps: &[&ReceivedSpan]) -> Result<()> {
 }
 
 /// The root's parent is a span containerd exported, of the same trace: the ttrpc client call of
-/// `method` (otelttrpc names it `containerd.task.v2.Task/<Method>`).
+/// `method` (otelttrpc names it `containerd.task.v3.Task/<Method>` in containerd 2.x).
 fn joins_containerd(
     containerd: &OtlpReceiver,
     root: &ReceivedSpan,
@@ -82,11 +101,9 @@ fn joins_containerd(
         .parent_span_id
         .clone()
         .with_context(|| format!("the shim's {} has no parent: {root:?}", root.name))?;
-    let spans = containerd.wait_for(
-        &format!("containerd's span {parent}"),
-        ARRIVE,
-        |s| s.iter().any(|c| c.span_id == parent),
-    )?;
+    let spans = containerd.wait_for(&format!("containerd's span {parent}"), ARRIVE, |s| {
+        s.iter().any(|c| c.span_id == parent)
+    })?;
     let p = spans
         .iter()
         .find(|c| c.span_id == parent)
@@ -101,7 +118,7 @@ fn joins_containerd(
         "the parent is not containerd's: {p:?}"
     );
     ensure!(
-        p.name == format!("containerd.task.v2.Task/{method}"),
+        p.name.starts_with("containerd.task.v") && p.name.ends_with(&format!(".Task/{method}")),
         "the parent is {:?}, not the ttrpc call {method}",
         p.name
     );
@@ -115,7 +132,10 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
     let sim = sim_gpus(1, 256, "traces")?;
     let name = "traces-gpu";
     let builder = Node::builder(name)?
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &containerd_rx.http_endpoint())
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            &containerd_rx.http_endpoint(),
+        )
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .env("OTEL_BSP_SCHEDULE_DELAY", "200");
     let endpoint = shim_rx.http_endpoint();
@@ -146,8 +166,9 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
         let want: Vec<&str> = manifest.timings.iter().map(|t| t.step.as_str()).collect();
         ensure!(
             names(&steps) == want,
-            "the checkpoint's child spans {:?} are not the manifest's steps {want:?}",
-            names(&steps)
+            "the checkpoint's child spans {:?} are not the manifest's steps {want:?}; all spans: {}",
+            names(&steps),
+            summary(&spans)
         );
         for step in ["device-lock", "device-checkpoint", "criu-dump"] {
             ensure!(want.contains(&step), "no {step} in the manifest's {want:?}");
@@ -255,4 +276,65 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
         joins_containerd(&containerd_rx, root, "Start")?;
         cri.remove_pod(&pod_r).await
     })
+}
+
+/// A checkpoint through ctr on a node whose containerd does not trace (it sends no trace
+/// context): the shim, its handler's `OtlpProtocol` grpc, exports a `checkpoint` span that
+/// starts its own trace, over gRPC, its children the manifest's steps in order.
+#[test]
+fn ctr_checkpoint_over_grpc_stands_alone_without_containerds_context() -> Result<()> {
+    let rx = OtlpReceiver::start()?;
+    let name = "traces-grpc";
+    // ctr sends no runtime options: the shim reads them from the handler's file.
+    let dir = test_containers::stack::Stack::discover()?.node_dir(name);
+    std::fs::create_dir_all(&dir)?;
+    let options = dir.join("gpu-ckpt-handler.toml");
+    std::fs::write(
+        &options,
+        format!(
+            "OtlpEndpoint = \"{}\"\nOtlpProtocol = \"grpc\"\n",
+            rx.grpc_endpoint()
+        ),
+    )?;
+    let node = node_with(
+        Node::builder(name)?.env("GPU_CKPT_HANDLER_CONFIG", &options.display().to_string()),
+    )?;
+    start_counter(&node, "t1", "100")?;
+    let dir = node.paths().dir.join("traces-t1");
+    node.checkpoint_task_exit("t1", &dir)?;
+    let spans = rx.wait_for("a checkpoint span", ARRIVE, |s| {
+        !roots(s, "checkpoint").is_empty()
+    })?;
+    let root = roots(&spans, "checkpoint");
+    ensure!(root.len() == 1, "one checkpoint, roots {root:?}");
+    let root = root[0];
+    ensure!(
+        root.parent_span_id.is_none(),
+        "containerd sent no trace context, yet the root has a parent: {root:?}"
+    );
+    ensure!(
+        spans.iter().all(|s| s.protocol == "grpc"),
+        "spans not over gRPC: {}",
+        summary(&spans)
+    );
+    let steps = children(&spans, root);
+    let manifest = image_format::Manifest::read_from(&dir)?;
+    let want: Vec<&str> = manifest.timings.iter().map(|t| t.step.as_str()).collect();
+    ensure!(
+        names(&steps) == want,
+        "the checkpoint's child spans {:?} are not the manifest's steps {want:?}; all spans: {}",
+        names(&steps),
+        summary(&spans)
+    );
+    ensure!(want.contains(&"criu-dump"), "no criu-dump in {want:?}");
+    well_formed(root, &steps)?;
+    ensure!(
+        root.attribute("container.id") == Some("t1")
+            && root.attribute("gpu_ckpt.outcome") == Some("succeeded"),
+        "the root's attributes: {:?}",
+        root.attributes
+    );
+    node.ctr_ok(&["task", "rm", "t1"])?;
+    node.ctr_ok(&["container", "rm", "t1"])?;
+    Ok(())
 }
