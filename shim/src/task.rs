@@ -279,7 +279,7 @@ impl Tasks {
             manifest: None,
         };
         record::finish(log, ending, options).await;
-        record::flush_traces(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND).await;
     }
 
     async fn create_container(&self, req: &CreateTaskRequest) -> Result<CreateTaskResponse> {
@@ -405,7 +405,7 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND).await;
         result
     }
 
@@ -841,7 +841,7 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND).await;
     }
 
     /// The record of a Pause whose device steps failed: ctr and CRI pause a task before they

@@ -16,8 +16,8 @@ use test_containers::cri::Cri;
 
 /// The records of `dir` appended after the first `seen`, all of them well-formed.
 fn records_after(dir: &Path, seen: usize) -> Result<Vec<Record>> {
-    let (all, skipped) = journal::read_all(dir)
-        .with_context(|| format!("read the records in {}", dir.display()))?;
+    let (all, skipped) =
+        journal::read_all(dir).with_context(|| format!("read the records in {}", dir.display()))?;
     ensure!(
         skipped.total() == 0,
         "the record has lines that are not records: {skipped:?}"
@@ -60,7 +60,10 @@ fn checkpoints_and_restores_leave_one_record_each() -> Result<()> {
         let log = pod.container_log("train");
         let new = records_after(&events, 0)?;
         let r = only(&new, Operation::Checkpoint, "a successful checkpoint")?;
-        ensure!(r.outcome == Outcome::Succeeded && r.error.is_none(), "{r:#?}");
+        ensure!(
+            r.outcome == Outcome::Succeeded && r.error.is_none(),
+            "{r:#?}"
+        );
         let manifest = archive_manifest(&archive)?;
         let want: Vec<&str> = manifest.timings.iter().map(|t| t.step.as_str()).collect();
         ensure!(
@@ -101,7 +104,10 @@ fn checkpoints_and_restores_leave_one_record_each() -> Result<()> {
         ensure!(failed.is_err(), "the checkpoint succeeded under the fault");
         let new = records_after(&events, seen)?;
         let r = only(&new, Operation::Checkpoint, "a failed checkpoint")?;
-        let error = r.error.as_ref().context("a failed record without its error")?;
+        let error = r
+            .error
+            .as_ref()
+            .context("a failed record without its error")?;
         ensure!(
             r.outcome == Outcome::Failed
                 && error.step == "device-checkpoint"
@@ -122,7 +128,11 @@ fn checkpoints_and_restores_leave_one_record_each() -> Result<()> {
         let seen = journal::read_all(&events)?.0.len();
         let missing = node.paths().dir.join("records-missing.tar");
         let refused_pod = cri
-            .run_pod(&restore_pod("records-r", &node, &missing.display().to_string()))
+            .run_pod(&restore_pod(
+                "records-r",
+                &node,
+                &missing.display().to_string(),
+            ))
             .await?;
         let created = cri
             .run_container(&refused_pod, &train_spec("train", "0"))
@@ -131,7 +141,10 @@ fn checkpoints_and_restores_leave_one_record_each() -> Result<()> {
         cri.remove_pod(&refused_pod).await?;
         let new = records_after(&events, seen)?;
         let r = only(&new, Operation::Restore, "a refused restore")?;
-        let error = r.error.as_ref().context("a refused record without its error")?;
+        let error = r
+            .error
+            .as_ref()
+            .context("a refused record without its error")?;
         ensure!(
             r.outcome == Outcome::Refused && error.class == "refused" && error.step == "trust",
             "{r:#?}"
@@ -141,13 +154,20 @@ fn checkpoints_and_restores_leave_one_record_each() -> Result<()> {
         //    it put back, its verify and device restore steps, and its GPU.
         let seen = journal::read_all(&events)?.0.len();
         let pod_r = cri
-            .run_pod(&restore_pod("records-ok", &node, &archive.display().to_string()))
+            .run_pod(&restore_pod(
+                "records-ok",
+                &node,
+                &archive.display().to_string(),
+            ))
             .await?;
         cri.run_container(&pod_r, &train_spec("train", "0")).await?;
         keeps_training(&pod_r.container_log("train"), 2, "the restored training")?;
         let new = records_after(&events, seen)?;
         let r = only(&new, Operation::Restore, "a successful restore")?;
-        ensure!(r.outcome == Outcome::Succeeded && r.error.is_none(), "{r:#?}");
+        ensure!(
+            r.outcome == Outcome::Succeeded && r.error.is_none(),
+            "{r:#?}"
+        );
         ensure!(
             r.device_bytes == manifest.devices.device_bytes() && r.device_bytes > 0,
             "device bytes {} of a checkpoint holding {}",
