@@ -31,7 +31,7 @@ use std::{
 
 use opentelemetry::{
     propagation::{Extractor, TextMapPropagator},
-    trace::{Link, SpanKind, Status, TraceContextExt, TraceId, TraceState, TracerProvider as _},
+    trace::{Link, SpanKind, Status, TraceContextExt, TraceId, TracerProvider as _},
     Context as OtelContext, KeyValue,
 };
 use opentelemetry_otlp::{Protocol as OtlpProtocol, WithExportConfig, WithHttpConfig};
@@ -507,7 +507,7 @@ impl ShouldSample for Gate {
             attributes: Vec::new(),
             trace_state: parent_context
                 .map(|cx| cx.span().span_context().trace_state().clone())
-                .unwrap_or_else(TraceState::default),
+                .unwrap_or_default(),
         }
     }
 }
@@ -936,7 +936,12 @@ mod tests {
                 }
                 .instrument(span);
                 // (The dispatcher is the test's, not the process's: the span ends inside it.)
-                let task = tokio::spawn(async move { work.await }.with_subscriber(d));
+                let task = tokio::spawn(
+                    async move {
+                        work.await;
+                    }
+                    .with_subscriber(d),
+                );
                 task.await.unwrap();
                 drop(root);
             }

@@ -58,3 +58,4 @@ mod shim_ctr;
 mod shim_features;
 mod soak;
 mod stack_smoke;
+mod traces;
