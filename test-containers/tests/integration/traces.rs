@@ -4,9 +4,12 @@
 //! through the handler's `OtlpEndpoint`, to another (the option wins over the variables the shim
 //! inherits from containerd). A checkpoint that succeeds is a `checkpoint` span of service
 //! gpu-ckpt-shim whose children are its steps, in the order they ran, named as the manifest's
-//! timings; its parent is containerd's span of the ttrpc call (otelttrpc, W3C `traceparent` in
-//! the ttrpc metadata), in containerd's trace. A device checkpoint that fails marks its step and
-//! the root Error, with the message; a restore is a `restore` span with its steps.
+//! timings. CRI and ctr pause a task before they checkpoint it and the device steps run in that
+//! Pause: the root opens there, so its parent is containerd's span of the Pause ttrpc call
+//! (otelttrpc, W3C `traceparent` in the ttrpc metadata), in containerd's trace, and the Pause's
+//! device steps and the Checkpoint's steps are its children. A device checkpoint that fails (in
+//! the Pause) marks its step and the root Error, with the message; a restore is a `restore` span
+//! with its steps. A Pause that no checkpoint follows is a `pause` span, ended at the Resume.
 
 use std::time::Duration;
 
@@ -65,6 +68,49 @@ fn summary(spans: &[ReceivedSpan]) -> String {
 
 fn names<'a>(spans: &[&'a ReceivedSpan]) -> Vec<&'a str> {
     spans.iter().map(|s| s.name.as_str()).collect()
+}
+
+/// Manifest timings that are no step of their own: `device-quiesce` is a Pause's whole device
+/// quiesce (its NCCL and device steps), `nccl-release` is timed within `nccl-quiesce`.
+const AGGREGATE_TIMINGS: [&str; 2] = ["device-quiesce", "nccl-release"];
+
+/// Steps with a span that the manifest's timings do not list (a failure there is in the record).
+const UNTIMED_STEPS: [&str; 1] = ["prepare"];
+
+/// The root's children `steps` (in the order they started) are the manifest's steps in the
+/// order they ran: the timings that are steps, in the manifest's order, and no other span but
+/// an untimed step.
+fn steps_are_the_manifests(
+    steps: &[&ReceivedSpan],
+    manifest: &image_format::Manifest,
+    spans: &[ReceivedSpan],
+) -> Result<()> {
+    let want: Vec<&str> = manifest
+        .timings
+        .iter()
+        .map(|t| t.step.as_str())
+        .filter(|s| !AGGREGATE_TIMINGS.contains(s))
+        .collect();
+    let got: Vec<&str> = names(steps)
+        .into_iter()
+        .filter(|s| !UNTIMED_STEPS.contains(s))
+        .collect();
+    ensure!(
+        got == want,
+        "the checkpoint's child spans {:?} are not the manifest's steps {want:?} (timings {:?}); all spans: {}",
+        names(steps),
+        manifest.timings,
+        summary(spans)
+    );
+    Ok(())
+}
+
+/// The position of step `name` among `steps`.
+fn at(steps: &[&ReceivedSpan], name: &str) -> Result<usize> {
+    steps
+        .iter()
+        .position(|s| s.name == name)
+        .with_context(|| format!("no step {name} in {:?}", names(steps)))
 }
 
 /// Every span of the shim's trace of `root` (root, steps) is in one trace, from the shim, ends
@@ -163,16 +209,15 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
         let root = root[0];
         let steps = children(&spans, root);
         let manifest = archive_manifest(&archive)?;
-        let want: Vec<&str> = manifest.timings.iter().map(|t| t.step.as_str()).collect();
+        steps_are_the_manifests(&steps, &manifest, &spans)?;
+        // The Pause's device steps, then the Checkpoint's.
         ensure!(
-            names(&steps) == want,
-            "the checkpoint's child spans {:?} are not the manifest's steps {want:?}; all spans: {}",
-            names(&steps),
-            summary(&spans)
+            at(&steps, "device-lock")? < at(&steps, "device-checkpoint")?
+                && at(&steps, "device-checkpoint")? < at(&steps, "prepare")?
+                && at(&steps, "prepare")? < at(&steps, "criu-dump")?,
+            "steps out of the order they ran: {:?}",
+            names(&steps)
         );
-        for step in ["device-lock", "device-checkpoint", "criu-dump"] {
-            ensure!(want.contains(&step), "no {step} in the manifest's {want:?}");
-        }
         well_formed(root, &steps)?;
         ensure!(
             root.status != SpanStatus::Error && steps.iter().all(|s| s.status != SpanStatus::Error),
@@ -186,7 +231,17 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
             "the root's attributes: {:?}",
             root.attributes
         );
-        joins_containerd(&containerd_rx, root, "Checkpoint")?;
+        let pause = joins_containerd(&containerd_rx, root, "Pause")?;
+        // containerd's Checkpoint call is of the same trace (CRI's CheckpointContainer).
+        let call = containerd_rx.wait_for("containerd's Checkpoint call", ARRIVE, |s| {
+            s.iter().any(|c| c.name.ends_with(".Task/Checkpoint"))
+        })?;
+        ensure!(
+            call.iter()
+                .any(|c| c.name.ends_with(".Task/Checkpoint") && c.trace_id == root.trace_id),
+            "containerd's Checkpoint call is not in the trace of its Pause {pause:?}: {}",
+            summary(&call)
+        );
         // The option, not the inherited OTEL_EXPORTER_OTLP_ENDPOINT, says where the shim's go.
         ensure!(
             containerd_rx
@@ -213,6 +268,11 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
         let root = *roots(&spans, "checkpoint").last().context("root")?;
         let steps = children(&spans, root);
         well_formed(root, &steps)?;
+        ensure!(
+            names(&steps) == ["device-lock", "device-checkpoint"],
+            "the failed Pause's steps: {:?}",
+            names(&steps)
+        );
         let last = *steps.last().context("the failed checkpoint has no step")?;
         ensure!(
             last.name == "device-checkpoint"
@@ -239,13 +299,18 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
             "the step's message {:?} is not the error CRI got: {failed}",
             last.status_message
         );
-        joins_containerd(&containerd_rx, root, "Checkpoint")?;
+        // The failure is in the Pause: its root ends there.
+        joins_containerd(&containerd_rx, root, "Pause")?;
         keeps_training(&log, 3, "after the failed checkpoint")?;
         cri.remove_pod(&pod).await?;
 
         // 3. A restore by the restore handler: a root `restore` with its steps in order.
         let pod_r = cri
-            .run_pod(&restore_pod("traces-r", &node, &archive.display().to_string()))
+            .run_pod(&restore_pod(
+                "traces-r",
+                &node,
+                &archive.display().to_string(),
+            ))
             .await?;
         cri.run_container(&pod_r, &train_spec("train", "0")).await?;
         keeps_training(&pod_r.container_log("train"), 2, "the restored training")?;
@@ -274,13 +339,22 @@ fn checkpoint_and_restore_spans_join_containerds_trace() -> Result<()> {
         );
         // The restore runs at Start (the restore handler's Create stages it).
         joins_containerd(&containerd_rx, root, "Start")?;
-        cri.remove_pod(&pod_r).await
+        cri.remove_pod(&pod_r).await?;
+        // Every Pause was a checkpoint's: none ended as a `pause`.
+        let pauses = roots(&shim_rx.spans(), "pause").len();
+        ensure!(
+            pauses == 0,
+            "{pauses} `pause` roots: {}",
+            summary(&shim_rx.spans())
+        );
+        Ok(())
     })
 }
 
 /// A checkpoint through ctr on a node whose containerd does not trace (it sends no trace
 /// context): the shim, its handler's `OtlpProtocol` grpc, exports a `checkpoint` span that
-/// starts its own trace, over gRPC, its children the manifest's steps in order.
+/// starts its own trace, over gRPC, its children the manifest's steps in order. A `ctr task
+/// pause` and `resume` before it is a `pause` span, succeeded, and no record.
 #[test]
 fn ctr_checkpoint_over_grpc_stands_alone_without_containerds_context() -> Result<()> {
     let rx = OtlpReceiver::start()?;
@@ -300,6 +374,19 @@ fn ctr_checkpoint_over_grpc_stands_alone_without_containerds_context() -> Result
         Node::builder(name)?.env("GPU_CKPT_HANDLER_CONFIG", &options.display().to_string()),
     )?;
     start_counter(&node, "t1", "100")?;
+    node.ctr_ok(&["task", "pause", "t1"])?;
+    node.ctr_ok(&["task", "resume", "t1"])?;
+    let spans = rx.wait_for("a pause span", ARRIVE, |s| !roots(s, "pause").is_empty())?;
+    let pause = roots(&spans, "pause");
+    ensure!(
+        pause.len() == 1
+            && pause[0].attribute("gpu_ckpt.outcome") == Some("succeeded")
+            && pause[0].attribute("container.id") == Some("t1")
+            && pause[0].status != SpanStatus::Error
+            && roots(&spans, "checkpoint").is_empty(),
+        "a Pause and Resume: {}",
+        summary(&spans)
+    );
     let dir = node.paths().dir.join("traces-t1");
     node.checkpoint_task_exit("t1", &dir)?;
     let spans = rx.wait_for("a checkpoint span", ARRIVE, |s| {
@@ -319,14 +406,12 @@ fn ctr_checkpoint_over_grpc_stands_alone_without_containerds_context() -> Result
     );
     let steps = children(&spans, root);
     let manifest = image_format::Manifest::read_from(&dir)?;
-    let want: Vec<&str> = manifest.timings.iter().map(|t| t.step.as_str()).collect();
+    steps_are_the_manifests(&steps, &manifest, &spans)?;
     ensure!(
-        names(&steps) == want,
-        "the checkpoint's child spans {:?} are not the manifest's steps {want:?}; all spans: {}",
-        names(&steps),
-        summary(&spans)
+        at(&steps, "prepare")? < at(&steps, "criu-dump")?,
+        "steps out of the order they ran: {:?}",
+        names(&steps)
     );
-    ensure!(want.contains(&"criu-dump"), "no criu-dump in {want:?}");
     well_formed(root, &steps)?;
     ensure!(
         root.attribute("container.id") == Some("t1")
