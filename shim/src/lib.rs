@@ -67,6 +67,7 @@ pub mod stats;
 pub mod stdio;
 pub mod sub_mounts;
 pub mod task;
+pub mod telemetry;
 pub mod trust;
 pub mod unsupported;
 pub mod verify_gate;

@@ -31,4 +31,6 @@ async fn shim() {
         return;
     }
     containerd_shim::asynchronous::run::<Service>(RUNTIME_ID, None).await;
+    // The spans that ended and are not sent yet, bounded: the shim exits next.
+    gpu_ckpt_shim::telemetry::shutdown(std::time::Duration::from_secs(2));
 }

@@ -126,6 +126,29 @@ pub fn end_root(span: &Span, outcome: Outcome, error: Option<&Error>) {
     }
 }
 
+/// A Pause that no checkpoint followed ended (Resume, Kill, Delete; or the Pause failed
+/// otherwise than at a checkpoint's step): its root, named `pause` from here, is given the
+/// outcome (`error`: what ended or failed it) and closed. No record: it was no checkpoint.
+/// Whether there was such a root (then its spans are to be flushed).
+pub fn end_pause(log: &OpLog, error: Option<&Error>) -> bool {
+    let Some(root) = log.take_pause_root() else {
+        return false;
+    };
+    rename(&root, "pause");
+    end_root(&root, error.map_or(Outcome::Succeeded, outcome_of), error);
+    true
+}
+
+/// `span`'s OpenTelemetry name from here on. tracing-opentelemetry takes an `otel.name`
+/// recorded only while the span has not started (no child, no context asked yet); a started
+/// one is renamed through its context.
+fn rename(span: &Span, name: &'static str) {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    span.record("otel.name", name);
+    span.context().span().update_name(name);
+}
+
 /// One operation's clock: its steps in the order they ran, the failing one, and when the
 /// application stopped and ran again. Cloned handles share it (a step timed in a blocking
 /// thread writes to the same log).
@@ -146,6 +169,9 @@ struct State {
     runs_again: Option<Instant>,
     /// What the checkpoint's manifest says (a restore, once it has read it).
     manifest: Option<Facts>,
+    /// The root was opened by a Pause and no checkpoint has taken it on yet
+    /// ([`OpLog::continue_pause`], [`end_pause`]).
+    from_pause: bool,
 }
 
 impl Default for OpLog {
@@ -169,7 +195,37 @@ impl OpLog {
             frozen_from: None,
             runs_again: None,
             manifest: None,
+            from_pause: false,
         })))
+    }
+
+    /// The log of a Pause, its root the root of the checkpoint that may follow (ctr and CRI
+    /// pause a task, then checkpoint it, then resume it): the Pause's device and NCCL steps
+    /// are that checkpoint's first steps.
+    pub fn at_pause(root: Span) -> Self {
+        let log = OpLog::new(root);
+        log.state().from_pause = true;
+        log
+    }
+
+    /// The root a Pause opened, for the checkpoint that goes on from it (once): None when this
+    /// log is not a Pause's, or a checkpoint has already taken it.
+    pub fn continue_pause(&self) -> Option<Span> {
+        let mut state = self.state();
+        std::mem::take(&mut state.from_pause).then(|| state.root.clone())
+    }
+
+    /// The root a Pause opened and no checkpoint took, taken out of the log.
+    fn take_pause_root(&self) -> Option<Span> {
+        let from_pause = std::mem::take(&mut self.state().from_pause);
+        from_pause.then(|| self.take_root())
+    }
+
+    /// The root taken out of the log, to be ended: the steps from here on are not exported.
+    fn take_root(&self) -> Span {
+        let mut state = self.state();
+        state.from_pause = false;
+        std::mem::replace(&mut state.root, Span::none())
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -477,7 +533,7 @@ pub struct Ending<'a> {
 /// The end of an operation timed by `log`: its root span given the outcome (and error) and
 /// closed, its record built and appended to the node's journal (bounded, a warning at worst).
 pub async fn finish(log: &OpLog, ending: Ending<'_>, options: &RuntimeOptions) {
-    let root = std::mem::replace(&mut log.state().root, Span::none());
+    let root = log.take_root();
     let running = log.running();
     let times = log.times();
     let error = ending.result.err();
@@ -522,25 +578,30 @@ pub async fn append(options: &RuntimeOptions, record: Record) {
 }
 
 /// The shim's traces sent where the handler options say (`OtlpEndpoint`, `OtlpProtocol`; the
-/// environment's OTLP variables where they are empty): the first call wins.
+/// environment's OTLP variables where they are empty): the first call wins (`telemetry`).
 pub fn configure_traces(endpoint: Option<&str>, protocol: &str) {
-    let _ = (endpoint, protocol);
+    crate::telemetry::configure(endpoint, protocol);
 }
 
 /// `span` joined to the trace containerd sent in the request's metadata (W3C `traceparent`).
 pub fn adopt_parent(span: &Span, metadata: &std::collections::HashMap<String, Vec<String>>) {
-    let _ = (span, metadata);
+    crate::telemetry::adopt_parent(span, metadata);
 }
 
 /// The trace id of `span`, when it is traced.
 pub fn trace_id(span: &Span) -> Option<String> {
-    let _ = span;
-    None
+    crate::telemetry::trace_id(span)
 }
 
-/// The spans ended so far sent, waiting at most `bound`.
-pub fn flush_traces(bound: Duration) {
-    let _ = bound;
+/// The spans ended so far sent, waiting at most `bound` (off the executor: the export waits).
+pub async fn flush_traces(bound: Duration) {
+    if !crate::telemetry::enabled() {
+        return;
+    }
+    let flushed = tokio::task::spawn_blocking(move || crate::telemetry::flush(bound));
+    if let Err(e) = flushed.await {
+        warn!(error = %e, "trace export before the reply");
+    }
 }
 
 #[cfg(test)]
@@ -766,9 +827,271 @@ mod tests {
         );
         let frozen = r.frozen_seconds.unwrap();
         assert!(
-            frozen >= 0.01 && frozen < 0.03,
+            frozen >= 0.01 && frozen + 0.025 <= r.duration_seconds,
             "{frozen}: it ran again before the end"
         );
         assert!(r.duration_seconds >= 0.04);
+    }
+}
+
+/// The spans of a Pause and the checkpoint that continues it, as the export layer sends them.
+#[cfg(test)]
+mod pause_traces {
+    use std::collections::HashMap;
+
+    use opentelemetry::trace::{SpanId, Status, TracerProvider as _};
+    use opentelemetry_sdk::{
+        error::OTelSdkResult,
+        trace::{SdkTracerProvider, SimpleSpanProcessor, SpanData, SpanExporter},
+    };
+    use tracing_subscriber::layer::SubscriberExt;
+
+    use super::*;
+
+    /// An exporter that keeps what it is given.
+    #[derive(Debug, Clone, Default)]
+    struct Collect(Arc<Mutex<Vec<SpanData>>>);
+
+    impl SpanExporter for Collect {
+        fn export(
+            &self,
+            batch: Vec<SpanData>,
+        ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+            self.0.lock().expect("collect").extend(batch);
+            std::future::ready(Ok(()))
+        }
+    }
+
+    /// Runs `f` under a subscriber with the shim's export layer, and returns the spans it
+    /// exported.
+    fn traced<T>(f: impl FnOnce() -> T) -> (T, Vec<SpanData>) {
+        let collect = Collect::default();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(crate::telemetry::StatusMessage(SimpleSpanProcessor::new(
+                collect.clone(),
+            )))
+            .build();
+        let sub = tracing_subscriber::registry()
+            .with(crate::telemetry::layer_with(provider.tracer("test")));
+        let out = tracing::subscriber::with_default(sub, f);
+        let spans = collect.0.lock().expect("collect").clone();
+        (out, spans)
+    }
+
+    fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
+        let names: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no span {name}: {names:?}"))
+    }
+
+    fn attribute(span: &SpanData, key: &str) -> Option<String> {
+        span.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.as_str().into_owned())
+    }
+
+    /// The steps' names in the order they started, each checked to hang from `root`.
+    fn children_of(spans: &[SpanData], root: &SpanData) -> Vec<String> {
+        let mut children: Vec<&SpanData> = spans
+            .iter()
+            .filter(|s| s.parent_span_id == root.span_context.span_id())
+            .collect();
+        children.sort_by_key(|s| s.start_time);
+        for c in &children {
+            assert_eq!(c.span_context.trace_id(), root.span_context.trace_id());
+        }
+        children.iter().map(|s| s.name.to_string()).collect()
+    }
+
+    const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    fn paused(id: &str) -> OpLog {
+        let root = root_span(Operation::Checkpoint, id, None);
+        let metadata = HashMap::from([("traceparent".to_string(), vec![PARENT.to_string()])]);
+        adopt_parent(&root, &metadata);
+        OpLog::at_pause(root)
+    }
+
+    fn events_dir(name: &str) -> (std::path::PathBuf, RuntimeOptions) {
+        let dir = std::env::temp_dir().join(format!("gpu-ckpt-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = RuntimeOptions {
+            events_dir: dir.display().to_string(),
+            ..Default::default()
+        };
+        (dir, options)
+    }
+
+    fn block_on<F: Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(f)
+    }
+
+    /// ctr and CRI: Pause (the device steps), then Checkpoint: one `checkpoint` root, joined to
+    /// the Pause's parent, its steps from both RPCs its children in the order they ran; the
+    /// record carries its trace id.
+    #[test]
+    fn a_checkpoint_after_its_pause_is_one_trace() {
+        let (dir, options) = events_dir("pause-then-checkpoint");
+        let ((), spans) = traced(|| {
+            let log = paused("c1");
+            log.step("device-lock").done();
+            log.step("device-checkpoint").done();
+            // The Checkpoint RPC.
+            let root = log.continue_pause().expect("the Pause's root");
+            assert!(log.continue_pause().is_none(), "taken once");
+            assert!(
+                !end_pause(&log, None),
+                "a checkpoint took it: no pause ends"
+            );
+            for step in ["prepare", "criu-dump", "manifest-hash"] {
+                let s = log.step(step);
+                s.span().in_scope(|| {});
+                s.done();
+            }
+            drop(root);
+            let ending = Ending {
+                operation: Operation::Checkpoint,
+                facts: Facts::new("default", "c1", None),
+                result: Ok(()),
+                manifest: None,
+            };
+            block_on(finish(&log, ending, &options));
+        });
+        let root = named(&spans, "checkpoint");
+        assert_eq!(root.parent_span_id.to_string(), "00f067aa0ba902b7");
+        assert_eq!(
+            children_of(&spans, root),
+            [
+                "device-lock",
+                "device-checkpoint",
+                "prepare",
+                "criu-dump",
+                "manifest-hash"
+            ]
+        );
+        assert_eq!(
+            attribute(root, "gpu_ckpt.outcome").as_deref(),
+            Some("succeeded")
+        );
+        assert!(spans.iter().all(|s| s.name != "pause"));
+        let (records, _) = journal::read_all(&dir).expect("records");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(records.len(), 1);
+        assert_eq!(
+            records[0].trace_id.as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        let steps: Vec<&str> = records[0].steps.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            steps,
+            [
+                "device-lock",
+                "device-checkpoint",
+                "prepare",
+                "criu-dump",
+                "manifest-hash"
+            ]
+        );
+    }
+
+    /// A Pause that a Resume ends with no checkpoint between: its root is `pause`, succeeded,
+    /// its device steps under it; a Pause without steps too (its root never started before).
+    #[test]
+    fn a_pause_no_checkpoint_followed_is_a_pause() {
+        let ((), spans) = traced(|| {
+            let log = paused("c1");
+            log.step("device-lock").done();
+            log.step("device-checkpoint").done();
+            assert!(end_pause(&log, None));
+            assert!(!end_pause(&log, None), "ended once");
+            assert!(log.continue_pause().is_none());
+            let plain = paused("c2");
+            assert!(end_pause(&plain, None));
+        });
+        assert!(spans.iter().all(|s| s.name != "checkpoint"), "renamed");
+        let pauses: Vec<&SpanData> = spans.iter().filter(|s| s.name == "pause").collect();
+        assert_eq!(pauses.len(), 2);
+        for root in &pauses {
+            assert_eq!(
+                attribute(root, "gpu_ckpt.outcome").as_deref(),
+                Some("succeeded")
+            );
+            assert_eq!(root.status, Status::Unset);
+            assert_eq!(root.parent_span_id.to_string(), "00f067aa0ba902b7");
+        }
+        let with_steps = pauses
+            .iter()
+            .find(|r| attribute(r, "container.id").as_deref() == Some("c1"))
+            .expect("c1's pause");
+        assert_eq!(
+            children_of(&spans, with_steps),
+            ["device-lock", "device-checkpoint"]
+        );
+    }
+
+    /// A Pause whose device step fails is the failed checkpoint: the step and the root have
+    /// status Error, and the record names the step. One that fails otherwise (runc) is a
+    /// failed `pause`, with no record.
+    #[test]
+    fn a_failed_pause_ends_its_root_at_once() {
+        let (dir, options) = events_dir("failed-pause");
+        let e = Error::Step {
+            operation: "checkpoint",
+            step: "device-checkpoint",
+            message: "cuCheckpointProcessCheckpoint failed".into(),
+        };
+        let runc = Error::Runc {
+            command: "pause".into(),
+            message: "freezer stuck".into(),
+        };
+        let ((), spans) = traced(|| {
+            let log = paused("c1");
+            log.step("device-lock").done();
+            log.step("device-checkpoint").failed(&e);
+            let ending = Ending {
+                operation: Operation::Checkpoint,
+                facts: Facts::new("default", "c1", None),
+                result: Err(&e),
+                manifest: None,
+            };
+            block_on(finish(&log, ending, &options));
+            assert!(!end_pause(&log, None), "ended by its record");
+            let other = paused("c2");
+            assert!(end_pause(&other, Some(&runc)));
+        });
+        let root = named(&spans, "checkpoint");
+        assert_eq!(root.status, Status::error(e.to_string()));
+        assert_eq!(
+            attribute(root, "gpu_ckpt.outcome").as_deref(),
+            Some("failed")
+        );
+        assert_eq!(
+            children_of(&spans, root),
+            ["device-lock", "device-checkpoint"]
+        );
+        assert_eq!(
+            named(&spans, "device-checkpoint").status,
+            Status::error(e.to_string())
+        );
+        assert_eq!(named(&spans, "device-lock").status, Status::Unset);
+        let pause = named(&spans, "pause");
+        assert_eq!(pause.status, Status::error(runc.to_string()));
+        assert_eq!(
+            attribute(pause, "gpu_ckpt.outcome").as_deref(),
+            Some("failed")
+        );
+        assert_ne!(pause.parent_span_id, SpanId::INVALID);
+        let (records, _) = journal::read_all(&dir).expect("records");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(records.len(), 1, "the failed pause of c2 has no record");
+        let error = records[0].error.as_ref().expect("its error");
+        assert_eq!(error.step, "device-checkpoint");
     }
 }

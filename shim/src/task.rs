@@ -244,10 +244,13 @@ impl Tasks {
         if req.id.is_empty() {
             return Err(Error::InvalidArgument("container id is empty".into()));
         }
+        // A restore refused at Create is timed from here.
+        let log = OpLog::default();
         let created = self.create_container(&req).await;
         if let Err(e) = &created {
             if let Some(asked) = Container::restore_asked(&req) {
-                self.record_refused_restore(&req, asked, e, parent).await;
+                self.record_refused_restore(&req, asked, e, (&log, parent))
+                    .await;
             }
         }
         created
@@ -260,13 +263,13 @@ impl Tasks {
         req: &CreateTaskRequest,
         asked: crate::container::RestoreAsked,
         e: &Error,
-        parent: &Metadata,
+        (log, parent): (&OpLog, &Metadata),
     ) {
         let options = &asked.options;
         record::configure_traces(options.otlp_endpoint(), options.otlp_protocol());
         let root = record::root_span(journal::Operation::Restore, &req.id, Some(&asked.cri));
         record::adopt_parent(&root, parent);
-        let log = OpLog::new(root);
+        log.set_root(root);
         let mut facts = Facts::new(&self.namespace, &req.id, Some(asked.cri.clone()));
         facts.checkpoint = Some(asked.checkpoint.clone());
         let ending = record::Ending {
@@ -275,8 +278,8 @@ impl Tasks {
             result: Err(e),
             manifest: None,
         };
-        record::finish(&log, ending, options).await;
-        record::flush_traces(FLUSH_BOUND);
+        record::finish(log, ending, options).await;
+        record::flush_traces(FLUSH_BOUND).await;
     }
 
     async fn create_container(&self, req: &CreateTaskRequest) -> Result<CreateTaskResponse> {
@@ -402,7 +405,7 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND).await;
         result
     }
 
@@ -430,6 +433,7 @@ impl Tasks {
                 ..Default::default()
             });
         }
+        self.end_pause(&c, None).await;
         c.delete()
             .instrument(info_span!("delete", id = %req.id))
             .await?;
@@ -598,8 +602,9 @@ impl Tasks {
     /// Pauses (`pause`) or resumes the container's processes (cgroup freezer through runc).
     /// A Resume after a checkpoint that resumed the container right after its dump
     /// (`ResumeAfterDump`) is answered as done, once, with no second event: containerd's
-    /// client sends it after its copy, as it would to a task it left paused.
-    async fn set_paused(&self, id: &str, pause: bool) -> Result<()> {
+    /// client sends it after its copy, as it would to a task it left paused. `parent`: the
+    /// request's metadata, the parent of a Pause's root.
+    async fn set_paused(&self, id: &str, pause: bool, parent: &Metadata) -> Result<()> {
         let container = self.container(id).await?;
         if !pause {
             info!(%id, "resume requested");
@@ -621,28 +626,45 @@ impl Tasks {
             )));
         }
         if pause {
-            if let Err(e) = c.pause().await {
-                self.record_failed_pause(&mut c, &e).await;
-                return Err(e);
-            }
-            self.events.send(
-                TASK_PAUSED_EVENT_TOPIC,
-                TaskPaused {
-                    container_id: id.to_string(),
-                    ..Default::default()
-                },
-            );
+            self.pause_init(&mut c, parent).await?;
         } else {
-            c.resume().await?;
-            self.events.send(
-                TASK_RESUMED_EVENT_TOPIC,
-                TaskResumed {
-                    container_id: id.to_string(),
-                    ..Default::default()
-                },
-            );
+            self.resume_init(&mut c).await?;
         }
         c.init.status = to;
+        Ok(())
+    }
+
+    /// Pause of a running container, in the root of the checkpoint that may follow it
+    /// ([`OpLog::at_pause`]): its device and NCCL steps are that checkpoint's first.
+    async fn pause_init(&self, c: &mut Container, parent: &Metadata) -> Result<()> {
+        let root = new_root(c, parent);
+        c.op = OpLog::at_pause(root.clone());
+        if let Err(e) = c.pause().instrument(root).await {
+            self.record_failed_pause(c, &e).await;
+            return Err(e);
+        }
+        self.events.send(
+            TASK_PAUSED_EVENT_TOPIC,
+            TaskPaused {
+                container_id: c.id.clone(),
+                ..Default::default()
+            },
+        );
+        Ok(())
+    }
+
+    /// Resume of a paused container; a Pause no checkpoint followed ends here.
+    async fn resume_init(&self, c: &mut Container) -> Result<()> {
+        let resumed = c.resume().await;
+        self.end_pause(c, resumed.as_ref().err()).await;
+        resumed?;
+        self.events.send(
+            TASK_RESUMED_EVENT_TOPIC,
+            TaskResumed {
+                container_id: c.id.clone(),
+                ..Default::default()
+            },
+        );
         Ok(())
     }
 
@@ -838,30 +860,42 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND);
+        record::flush_traces(FLUSH_BOUND).await;
     }
 
-    /// The record of a Pause whose device steps failed: ctr and CRI pause a task before they
-    /// checkpoint it, so this is the checkpoint that failed (its Checkpoint never comes).
+    /// The end of a Pause that failed. One whose device or NCCL step failed is the checkpoint
+    /// that failed (ctr and CRI pause a task before they checkpoint it, and its Checkpoint
+    /// never comes): its record, and its root ends with the step's error. Any other ends the
+    /// Pause's root as a failed `pause`, with no record. Its spans flushed before the reply.
     async fn record_failed_pause(&self, c: &mut Container, e: &Error) {
-        if !matches!(
+        if matches!(
             e,
             Error::Step {
                 operation: "checkpoint",
                 ..
             }
         ) {
-            return;
+            let cri = c.bundle.cri(&c.id);
+            let ending = record::Ending {
+                operation: journal::Operation::Checkpoint,
+                facts: Facts::new(&self.namespace, &c.id, Some(cri)),
+                result: Err(e),
+                manifest: None,
+            };
+            record::finish(&c.op, ending, &c.options).await;
+        } else {
+            record::end_pause(&c.op, Some(e));
         }
-        let cri = c.bundle.cri(&c.id);
-        let ending = record::Ending {
-            operation: journal::Operation::Checkpoint,
-            facts: Facts::new(&self.namespace, &c.id, Some(cri)),
-            result: Err(e),
-            manifest: None,
-        };
-        record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
+        record::flush_traces(FLUSH_BOUND).await;
+    }
+
+    /// The root of a Pause no checkpoint followed ended as `pause` (Resume, Kill, Delete;
+    /// `error`: a failed Resume's), its spans flushed.
+    async fn end_pause(&self, c: &Container, error: Option<&Error>) {
+        if record::end_pause(&c.op, error) {
+            record::flush_traces(FLUSH_BOUND).await;
+        }
     }
 
     async fn do_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
@@ -881,17 +915,25 @@ impl Tasks {
     }
 }
 
-/// The root span of a checkpoint of `c`, joined to containerd's trace; its clock goes on from
-/// the Pause that began it (the container is paused, frozen since), else starts now.
+/// The root span of a checkpoint of `c`: the one its Pause opened (ctr and CRI pause first;
+/// its clock and device steps go on), else a new one joined to containerd's trace, its clock
+/// starting now.
 fn checkpoint_root(c: &mut Container, parent: &Metadata) -> tracing::Span {
+    if c.init.status == Status::Paused {
+        if let Some(root) = c.op.continue_pause() {
+            return root;
+        }
+    }
+    let root = new_root(c, parent);
+    c.op = OpLog::new(root.clone());
+    root
+}
+
+/// A new root span of a checkpoint of `c`, joined to the trace in the request's metadata.
+fn new_root(c: &Container, parent: &Metadata) -> tracing::Span {
     let cri = c.bundle.cri(&c.id);
     let root = record::root_span(journal::Operation::Checkpoint, &c.id, Some(&cri));
     record::adopt_parent(&root, parent);
-    if c.init.status == Status::Paused && c.op.frozen() {
-        c.op.set_root(root.clone());
-    } else {
-        c.op = OpLog::new(root.clone());
-    }
     root
 }
 
@@ -945,16 +987,24 @@ impl Task for TaskService {
         serve("pids", &req.id, self.do_pids(&req.id)).await
     }
 
-    async fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
-        serve("pause", &req.id, self.set_paused(&req.id, true))
-            .await
-            .map(|_| Empty::new())
+    async fn pause(&self, ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
+        serve(
+            "pause",
+            &req.id,
+            self.set_paused(&req.id, true, &ctx.metadata),
+        )
+        .await
+        .map(|_| Empty::new())
     }
 
-    async fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
-        serve("resume", &req.id, self.set_paused(&req.id, false))
-            .await
-            .map(|_| Empty::new())
+    async fn resume(&self, ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
+        serve(
+            "resume",
+            &req.id,
+            self.set_paused(&req.id, false, &ctx.metadata),
+        )
+        .await
+        .map(|_| Empty::new())
     }
 
     async fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
@@ -970,6 +1020,9 @@ impl Task for TaskService {
                 crate::nccl::abort(&req.id);
             }
             let c = container.lock().await;
+            if req.exec_id.is_empty() {
+                self.end_pause(&c, None).await;
+            }
             c.kill(&req.exec_id, req.signal, req.all).await
         };
         serve("kill", &req.id, fut).await.map(|_| Empty::new())

@@ -3,5 +3,6 @@ pub mod containerd;
 pub mod cri;
 pub mod gpuproc;
 pub mod image;
+pub mod otlp;
 pub mod registry;
 pub mod stack;

@@ -91,10 +91,9 @@ impl Container {
     /// Pause: the device state leaves the GPUs first (lock, then checkpoint, every process that
     /// holds some), since the driver's restore thread cannot run in a frozen cgroup; then the
     /// freeze. containerd pauses a task before it checkpoints it (ctr, the containerd client,
-    /// CRI), so this is where a checkpoint's device steps run. Undo: device resume.
+    /// CRI), so this is where a checkpoint's device steps run, timed into `self.op` (the
+    /// caller's: `OpLog::at_pause`). Undo: device resume.
     pub async fn pause(&mut self) -> Result<()> {
-        // A Pause may be a checkpoint's first step (ctr and CRI pause first): its clock.
-        self.op = crate::record::OpLog::default();
         let quiesce = Instant::now();
         self.quiesce_devices().await?;
         let quiesced = quiesce.elapsed();

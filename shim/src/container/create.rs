@@ -228,6 +228,7 @@ impl Container {
         let Some(source) = self.annotations.restore_from(&me.name).map(str::to_string) else {
             return Ok(());
         };
+        let named = source.clone();
         let staging = crate::restore::staging_dir(&self.options, containerd_namespace, &self.id)?;
         let (mut bundle, ann, options) = (
             self.bundle.clone(),
@@ -261,7 +262,10 @@ impl Container {
         })?;
         // Its spec may have lost the checkpoint volume's mounts.
         self.bundle = bundle;
-        self.pending = PendingRestore::from_plan(plan?, staging);
+        self.pending = PendingRestore::from_plan(plan?, staging).map(|mut p| {
+            p.named = Some(without_userinfo(&named));
+            p
+        });
         Ok(())
     }
 

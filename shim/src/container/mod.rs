@@ -142,8 +142,12 @@ impl Container {
     /// Where the restore Create left pending reads from, while it is pending.
     pub fn restore_source(&self) -> Option<String> {
         let pending = self.pending.as_ref()?;
-        (self.init.status == crate::process::Status::Created)
-            .then(|| pending.dir.display().to_string())
+        (self.init.status == crate::process::Status::Created).then(|| {
+            pending
+                .named
+                .clone()
+                .unwrap_or_else(|| pending.dir.display().to_string())
+        })
     }
 
     /// The directory CRIU works in (its logs): the options', else the bundle's.

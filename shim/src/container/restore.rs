@@ -130,6 +130,8 @@ pub(crate) struct PendingRestore {
     /// The restore handler's staging directory holding `dir` (`restore::staging_dir`),
     /// removed once Start's restore is done, or at Delete.
     staging: Option<PathBuf>,
+    /// What the pod named (`gpu-ckpt.io/restore-from`), for the record, where it is not `dir`.
+    pub named: Option<String>,
 }
 
 impl PendingRestore {
@@ -149,6 +151,7 @@ impl PendingRestore {
             source,
             dir: PathBuf::from(dir),
             staging: None,
+            named: None,
         })
     }
 
@@ -159,12 +162,14 @@ impl PendingRestore {
                 source: RestoreSource::Unpacked,
                 dir,
                 staging: Some(staging),
+                named: None,
             }),
             // Read in place from an image volume: Start verifies all of it.
             steps::Plan::RestoreInPlace(dir) => Some(PendingRestore {
                 source: RestoreSource::ImageVolume,
                 dir,
                 staging: None,
+                named: None,
             }),
             steps::Plan::ColdStart(_) => None,
         }
