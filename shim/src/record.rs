@@ -129,7 +129,7 @@ pub fn end_root(span: &Span, outcome: Outcome, error: Option<&Error>) {
 /// A Pause that no checkpoint followed ended (Resume, Kill, Delete; or the Pause failed
 /// otherwise than at a checkpoint's step): its root, named `pause` from here, is given the
 /// outcome (`error`: what ended or failed it) and closed. No record: it was no checkpoint.
-/// Whether there was such a root (then its spans are to be flushed).
+/// Whether there was such a root (then its spans are to be sent).
 pub fn end_pause(log: &OpLog, error: Option<&Error>) -> bool {
     let Some(root) = log.take_pause_root() else {
         return false;
@@ -593,15 +593,17 @@ pub fn trace_id(span: &Span) -> Option<String> {
     crate::telemetry::trace_id(span)
 }
 
-/// The spans ended so far sent, waiting at most `bound` (off the executor: the export waits).
-pub async fn flush_traces(bound: Duration) {
+/// Starts sending the spans ended so far (at most `bound` of export), without holding the
+/// caller: a checkpoint's reply is what lets containerd resume the paused application, so a slow
+/// or unreachable collector must not lengthen the freeze. Spans still unsent at the shim's exit
+/// go with `telemetry::shutdown`.
+pub fn send_traces(bound: Duration) {
     if !crate::telemetry::enabled() {
         return;
     }
-    let flushed = tokio::task::spawn_blocking(move || crate::telemetry::flush(bound));
-    if let Err(e) = flushed.await {
-        warn!(error = %e, "trace export before the reply");
-    }
+    drop(tokio::task::spawn_blocking(move || {
+        crate::telemetry::flush(bound)
+    }));
 }
 
 #[cfg(test)]

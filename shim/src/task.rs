@@ -48,7 +48,7 @@ use crate::{
 /// The ttrpc request's metadata (containerd's W3C `traceparent` travels there).
 type Metadata = HashMap<String, Vec<String>>;
 
-/// How long a checkpoint's or restore's spans may take to leave before its reply.
+/// How long the export of a checkpoint's or restore's spans may take (sent beside the reply, never before it).
 const FLUSH_BOUND: Duration = Duration::from_secs(2);
 
 type Shared = Arc<Mutex<Container>>;
@@ -279,7 +279,7 @@ impl Tasks {
             manifest: None,
         };
         record::finish(log, ending, options).await;
-        record::flush_traces(FLUSH_BOUND).await;
+        record::send_traces(FLUSH_BOUND);
     }
 
     async fn create_container(&self, req: &CreateTaskRequest) -> Result<CreateTaskResponse> {
@@ -383,7 +383,7 @@ impl Tasks {
     }
 
     /// Start of a container Create left a restore pending: the restore in its root span, its
-    /// record, its spans flushed before the reply.
+    /// record, its spans sent.
     async fn start_restore(
         &self,
         c: &mut Container,
@@ -405,7 +405,7 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND).await;
+        record::send_traces(FLUSH_BOUND);
         result
     }
 
@@ -838,7 +838,7 @@ impl Tasks {
     }
 
     /// The record of a checkpoint (its steps as its manifest holds them when it succeeded),
-    /// and its spans flushed before the reply.
+    /// and its spans sent.
     async fn record_checkpoint(
         &self,
         c: &mut Container,
@@ -860,13 +860,13 @@ impl Tasks {
         };
         record::finish(&c.op, ending, &c.options).await;
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND).await;
+        record::send_traces(FLUSH_BOUND);
     }
 
     /// The end of a Pause that failed. One whose device or NCCL step failed is the checkpoint
     /// that failed (ctr and CRI pause a task before they checkpoint it, and its Checkpoint
     /// never comes): its record, and its root ends with the step's error. Any other ends the
-    /// Pause's root as a failed `pause`, with no record. Its spans flushed before the reply.
+    /// Pause's root as a failed `pause`, with no record. Its spans sent.
     async fn record_failed_pause(&self, c: &mut Container, e: &Error) {
         if matches!(
             e,
@@ -887,14 +887,14 @@ impl Tasks {
             record::end_pause(&c.op, Some(e));
         }
         c.op = OpLog::default();
-        record::flush_traces(FLUSH_BOUND).await;
+        record::send_traces(FLUSH_BOUND);
     }
 
     /// The root of a Pause no checkpoint followed ended as `pause` (Resume, Kill, Delete;
-    /// `error`: a failed Resume's), its spans flushed.
+    /// `error`: a failed Resume's), its spans sent.
     async fn end_pause(&self, c: &Container, error: Option<&Error>) {
         if record::end_pause(&c.op, error) {
-            record::flush_traces(FLUSH_BOUND).await;
+            record::send_traces(FLUSH_BOUND);
         }
     }
 
