@@ -841,52 +841,12 @@ mod tests {
 mod pause_traces {
     use std::collections::HashMap;
 
-    use opentelemetry::trace::{SpanId, Status, TracerProvider as _};
-    use opentelemetry_sdk::{
-        error::OTelSdkResult,
-        trace::{SdkTracerProvider, SimpleSpanProcessor, SpanData, SpanExporter},
-    };
-    use tracing_subscriber::layer::SubscriberExt;
+    use opentelemetry::trace::{SpanId, Status};
+    use opentelemetry_sdk::trace::SpanData;
 
     use super::*;
 
-    /// An exporter that keeps what it is given.
-    #[derive(Debug, Clone, Default)]
-    struct Collect(Arc<Mutex<Vec<SpanData>>>);
-
-    impl SpanExporter for Collect {
-        fn export(
-            &self,
-            batch: Vec<SpanData>,
-        ) -> impl std::future::Future<Output = OTelSdkResult> + Send {
-            self.0.lock().expect("collect").extend(batch);
-            std::future::ready(Ok(()))
-        }
-    }
-
-    /// Runs `f` under a subscriber with the shim's export layer, and returns the spans it
-    /// exported.
-    fn traced<T>(f: impl FnOnce() -> T) -> (T, Vec<SpanData>) {
-        let collect = Collect::default();
-        let provider = SdkTracerProvider::builder()
-            .with_span_processor(crate::telemetry::StatusMessage(SimpleSpanProcessor::new(
-                collect.clone(),
-            )))
-            .build();
-        let sub = tracing_subscriber::registry()
-            .with(crate::telemetry::layer_with(provider.tracer("test")));
-        let out = tracing::subscriber::with_default(sub, f);
-        let spans = collect.0.lock().expect("collect").clone();
-        (out, spans)
-    }
-
-    fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
-        let names: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
-        spans
-            .iter()
-            .find(|s| s.name == name)
-            .unwrap_or_else(|| panic!("no span {name}: {names:?}"))
-    }
+    use crate::telemetry::testing::{named, traced};
 
     fn attribute(span: &SpanData, key: &str) -> Option<String> {
         span.attributes

@@ -689,17 +689,22 @@ pub fn shutdown(timeout: Duration) {
     }
 }
 
+/// What the shim's tests of exported spans share: an exporter that keeps what it is given, and
+/// the spans a closure's operations export through the shim's export layer.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use opentelemetry::trace::SpanId;
-    use opentelemetry_sdk::trace::SimpleSpanProcessor;
-    use tracing::{info_span, Instrument};
+pub(crate) mod testing {
+    use std::sync::{Arc, Mutex};
+
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_sdk::{
+        error::OTelSdkResult,
+        trace::{SdkTracerProvider, SimpleSpanProcessor, SpanData, SpanExporter},
+    };
     use tracing_subscriber::layer::SubscriberExt;
 
     /// An exporter that keeps what it is given.
     #[derive(Debug, Clone, Default)]
-    struct Collect(Arc<Mutex<Vec<SpanData>>>);
+    pub struct Collect(pub Arc<Mutex<Vec<SpanData>>>);
 
     impl SpanExporter for Collect {
         fn export(
@@ -710,6 +715,40 @@ mod tests {
             std::future::ready(Ok(()))
         }
     }
+
+    /// Runs `f` under a subscriber with the shim's export layer, and returns the spans it
+    /// exported.
+    pub fn traced<T>(f: impl FnOnce() -> T) -> (T, Vec<SpanData>) {
+        let collect = Collect::default();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(super::StatusMessage(SimpleSpanProcessor::new(
+                collect.clone(),
+            )))
+            .build();
+        let sub = tracing_subscriber::registry().with(super::layer_with(provider.tracer("test")));
+        let out = tracing::subscriber::with_default(sub, f);
+        let spans = collect.0.lock().expect("collect").clone();
+        (out, spans)
+    }
+
+    /// The span named `name` among `spans`.
+    pub fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
+        spans.iter().find(|s| s.name == name).unwrap_or_else(|| {
+            let names: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
+            panic!("no span {name}: {names:?}")
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::SpanId;
+    use opentelemetry_sdk::trace::SimpleSpanProcessor;
+    use tracing::{info_span, Instrument};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    use testing::Collect;
 
     /// A subscriber like the shim's (a log layer with its own level, the export layer), the
     /// export going to a [`Collect`].
@@ -731,12 +770,7 @@ mod tests {
         c.0.lock().expect("collect").clone()
     }
 
-    fn named<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
-        spans
-            .iter()
-            .find(|s| s.name == name)
-            .unwrap_or_else(|| panic!("no span {name}: {:?}", names(spans)))
-    }
+    use testing::named;
 
     fn names(spans: &[SpanData]) -> Vec<String> {
         spans.iter().map(|s| s.name.to_string()).collect()
