@@ -114,28 +114,6 @@ fn fill(r: &mut Record, prefix: &str, level: u64) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_levels_have_their_sizes() {
-        let len = |seq: u64, tear: bool| serde_json::to_vec(&record("w", seq, tear)).unwrap().len();
-        let cap = journal::MAX_RECORD_BYTES;
-        assert!(len(0, false) < 3 << 10, "{}", len(0, false));
-        assert!(
-            (4 << 10..10 << 10).contains(&len(1, false)),
-            "{}",
-            len(1, false)
-        );
-        for (seq, tear) in [(2, false), (3, true), (6, false)] {
-            let n = len(seq, tear);
-            assert!((cap * 3 / 4..cap).contains(&n), "{seq} {tear}: {n}");
-        }
-        assert!(len(3, false) > cap, "{}", len(3, false));
-    }
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (dir, segment, writer) = match args.as_slice() {
@@ -218,4 +196,26 @@ fn tear_past_the_end(file: &std::path::Path) -> std::io::Result<()> {
 fn usage() -> ExitCode {
     eprintln!("usage: gpu-ckpt-journal-stress DIR SEGMENT_BYTES WRITER [COUNT [tear]]");
     ExitCode::from(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_levels_have_their_sizes() {
+        let len = |seq: u64, tear: bool| serde_json::to_vec(&record("w", seq, tear)).unwrap().len();
+        let cap = journal::MAX_RECORD_BYTES;
+        assert!(len(0, false) < 3 << 10, "{}", len(0, false));
+        assert!(
+            (4 << 10..10 << 10).contains(&len(1, false)),
+            "{}",
+            len(1, false)
+        );
+        for (seq, tear) in [(2, false), (3, true), (6, false)] {
+            let n = len(seq, tear);
+            assert!((cap * 3 / 4..cap).contains(&n), "{seq} {tear}: {n}");
+        }
+        assert!(len(3, false) > cap, "{}", len(3, false));
+    }
 }
