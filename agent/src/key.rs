@@ -1,9 +1,12 @@
-//! The node's signing key in use: its key id, from the public key only.
+//! The node's signing key in use: its key id.
 //!
-//! The shim signs with `SigningKey` (default `/var/lib/gpu-ckpt/keys/node.key`; the chart's
-//! cluster mode: `/etc/gpu-ckpt/cluster-key/node.key`) and keeps the public key beside it as
-//! `node.pub`. The agent reads that file (never the private key) and derives the id as
-//! `gpu-ckpt key` and the shim do (`image_format::sign::key_id`).
+//! The agent the chart deploys mounts no key directory (the private key is beside `node.pub`,
+//! and root reads it whatever the file's mode): it takes the id from the newest checkpoint
+//! record's `signing_key`, which the shim writes as `image_format::sign::key_id` of the key it
+//! signed with ([`well_formed`] checks it before it becomes a label). Outside the chart,
+//! `--key-dir` names the directory of `SigningKey` (default `/var/lib/gpu-ckpt/keys/node.key`),
+//! whose `node.pub` [`key_id`] reads (never the private key) and derives the id as
+//! `gpu-ckpt key` and the shim do.
 
 use std::path::Path;
 
@@ -24,9 +27,36 @@ pub fn key_id(dir: &Path) -> Option<String> {
     }
 }
 
+/// Whether `id` is a key id as `image_format::sign::key_id` writes it:
+/// `ed25519:` and 32 lowercase hex digits.
+pub fn well_formed(id: &str) -> bool {
+    id.strip_prefix(sign::ALGORITHM)
+        .and_then(|r| r.strip_prefix(':'))
+        .is_some_and(|h| h.len() == 32 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_id_is_well_formed() {
+        let t = tempfile::tempdir().unwrap();
+        let key = sign::NodeKey::load_or_create(&t.path().join("keys").join(sign::NODE_KEY_FILE))
+            .unwrap();
+        assert!(well_formed(&sign::key_id(&key.public_key())));
+        for bad in [
+            "",
+            "ed25519:",
+            "ed25519:00112233445566778899aabbccddeef",
+            "ed25519:00112233445566778899aabbccddeeff0",
+            "ed25519:00112233445566778899AABBCCDDEEFF",
+            "rsa:00112233445566778899aabbccddeeff",
+            "ed25519:0011223344556677\"} 1\n8899aabbcc",
+        ] {
+            assert!(!well_formed(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn the_id_is_the_shims() {

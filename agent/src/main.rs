@@ -22,9 +22,12 @@ struct Args {
     /// /var/lib/kubelet/checkpoints.
     #[arg(long = "checkpoint-dir", value_name = "DIR")]
     checkpoint_dirs: Vec<PathBuf>,
-    /// The directory of the node's signing key: its public key node.pub is read.
-    #[arg(long, default_value = image_format::sign::DEFAULT_KEY_DIR)]
-    key_dir: PathBuf,
+    /// The directory of the node's signing key, whose public key node.pub is read (e.g.
+    /// /var/lib/gpu-ckpt/keys). Without it the key id is the newest checkpoint record's
+    /// signing_key, and the agent needs no access to the key directory (which holds the
+    /// private key too).
+    #[arg(long, value_name = "DIR")]
+    key_dir: Option<PathBuf>,
     /// How often the journal is polled between scrapes, in milliseconds.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..))]
     poll_interval_ms: u64,
@@ -42,7 +45,7 @@ fn main() -> Result<()> {
     let config = agent::Config {
         events_dir: args.events_dir,
         checkpoint_dirs: args.checkpoint_dirs,
-        key_dir: Some(args.key_dir),
+        key_dir: args.key_dir,
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -3,7 +3,9 @@
 //! Names and units follow Prometheus' conventions: base units (seconds, bytes), counters end in
 //! `_total` (the encoder adds it), the unit is a suffix of the name (`register_with_unit`), and a
 //! label's value is one of a small, bounded set (operation, outcome, step, error class, memory
-//! kind) except `key_id` on the info gauge, which has one series at a time.
+//! kind) except `key_id` on the info gauge, which has one series at a time. A record's string
+//! becomes a label value only when it looks like a step name or class ([`label_value`]), else
+//! `other`.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -26,6 +28,27 @@ pub const DURATION_BUCKETS: &[f64] = &[
 pub const FROZEN_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 ];
+
+/// The value a label takes from a record's string (`operation`, `outcome`, `failed_step`,
+/// `step`, `error_class`): the string itself when it matches `^[a-z0-9][a-z0-9-]{0,47}$` (every
+/// step name and error class the shim writes), else `other`, so that a record of a future or
+/// foreign writer cannot multiply the series or put odd text in a label.
+pub fn label_value(s: &str) -> String {
+    let b = s.as_bytes();
+    let ok = !b.is_empty()
+        && b.len() <= 48
+        && matches!(b[0], b'a'..=b'z' | b'0'..=b'9')
+        && b.iter()
+            .all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'-'));
+    if ok {
+        s.to_string()
+    } else {
+        OTHER.to_string()
+    }
+}
+
+/// The label value of a record's string that is not one (see [`label_value`]).
+pub const OTHER: &str = "other";
 
 /// `gpu_ckpt_operations_total`'s labels.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -201,10 +224,11 @@ impl Metrics {
 
     /// One journal record.
     pub fn observe(&self, rec: &Record) {
-        let operation = rec.operation.as_str().to_string();
-        let outcome = rec.outcome.as_str().to_string();
+        let operation = label_value(rec.operation.as_str());
+        let outcome = label_value(rec.outcome.as_str());
+        // Empty (no error) stays empty; an error's step and class are checked.
         let (failed_step, error_class) = match &rec.error {
-            Some(e) => (e.step.clone(), e.class.clone()),
+            Some(e) => (label_value(&e.step), label_value(&e.class)),
             None => (String::new(), String::new()),
         };
         self.operations
@@ -228,7 +252,7 @@ impl Metrics {
                 self.step_duration
                     .get_or_create(&StepLabels {
                         operation: operation.clone(),
-                        step: s.name.clone(),
+                        step: label_value(&s.name),
                     })
                     .observe(s.seconds);
             }
@@ -505,6 +529,74 @@ mod tests {
         assert_eq!(
             value(&om, r#"gpu_ckpt_frozen_seconds_count{operation="restore"}"#),
             None
+        );
+    }
+
+    #[test]
+    fn label_values_are_checked() {
+        for ok in [
+            "criu-dump",
+            "trust",
+            "refused",
+            "a",
+            "0",
+            "device-restore",
+            &"a".repeat(48),
+        ] {
+            assert_eq!(label_value(ok), ok);
+        }
+        for bad in [
+            "",
+            "-step",
+            "Criu-dump",
+            "criu_dump",
+            "criu dump",
+            "step\"} 1",
+            "é",
+            "step\n",
+            &"a".repeat(49),
+        ] {
+            assert_eq!(label_value(bad), "other", "{bad:?}");
+        }
+        // In the families: the odd step, class and step names become `other`, one series.
+        let m = Metrics::new();
+        for i in 0..100 {
+            let mut r = failed(
+                Operation::Checkpoint,
+                Outcome::Failed,
+                &format!("Step {i}"),
+                &format!("class_{i}"),
+            );
+            r.steps.push(StepTime {
+                name: format!("{}{i}", "x".repeat(60)),
+                seconds: 0.1,
+            });
+            m.observe(&r);
+        }
+        let om = m.openmetrics().unwrap();
+        assert_eq!(
+            value(
+                &om,
+                r#"gpu_ckpt_operations_total{operation="checkpoint",outcome="failed",failed_step="other",error_class="other"}"#
+            ),
+            Some(100.0),
+            "{om}"
+        );
+        assert_eq!(
+            value(
+                &om,
+                r#"gpu_ckpt_step_duration_seconds_count{operation="checkpoint",step="other"}"#
+            ),
+            Some(200.0),
+            "{om}"
+        );
+        assert!(!om.contains("Step ") && !om.contains("class_"), "{om}");
+        // A success keeps its empty failed_step and error_class.
+        m.observe(&checkpoint_ok());
+        let om = m.openmetrics().unwrap();
+        assert!(
+            om.contains(r#"gpu_ckpt_operations_total{operation="checkpoint",outcome="succeeded",failed_step="",error_class=""} 1"#),
+            "{om}"
         );
     }
 

@@ -12,8 +12,12 @@
 //!   ([`Skipped`]) lines that do not parse or whose crc differs.
 //! - **Bounded**: when the current file would pass the segment size, the writer renames it to
 //!   `.1` (replacing the older one) under the lock: the journal holds at most two segments. A line
-//!   is at most [`MAX_RECORD_BYTES`] (messages cut at [`MAX_MESSAGE_BYTES`], steps at
-//!   [`MAX_STEPS`]).
+//!   is at most [`MAX_RECORD_BYTES`], and every free-form field is capped whatever its source (a
+//!   tenant's annotation lands in `checkpoint`): `checkpoint` at [`MAX_CHECKPOINT_BYTES`], names
+//!   at [`MAX_NAME_BYTES`], ids at [`MAX_ID_BYTES`], step names and classes at
+//!   [`MAX_STEP_NAME_BYTES`], messages at [`MAX_MESSAGE_BYTES`], steps at [`MAX_STEPS`], GPUs at
+//!   [`MAX_GPUS`] of [`MAX_GPU_BYTES`], so a record is a few KiB and a flood of them evicts no
+//!   more history than its count times that.
 //! - **Root-only**: the directory is 0700 and the files 0600, owned by the writer (root on a
 //!   node); files are opened through the directory's descriptor with `O_NOFOLLOW`, and a
 //!   directory that is a symbolic link or owned by another user is refused.
@@ -33,7 +37,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use read::{read_all, Skipped, Tailer};
-pub use record::{Operation, Outcome, Record, RecordError, StepTime};
+pub use record::{
+    Operation, Outcome, Record, RecordError, StepTime, MAX_CHECKPOINT_BYTES, MAX_GPUS,
+    MAX_GPU_BYTES, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_STEP_NAME_BYTES,
+};
 pub use util::{hostname, new_id, now_rfc3339, parse_time, rfc3339};
 pub use write::Journal;
 

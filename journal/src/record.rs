@@ -171,16 +171,66 @@ fn crc_of(body: &[u8]) -> String {
     blake3::hash(body).to_hex()[..CRC_HEX].to_string()
 }
 
-/// The line of `rec` (its `crc` ignored and computed), `\n` included, at most
-/// [`MAX_RECORD_BYTES`]: the message cut at [`MAX_MESSAGE_BYTES`] and the steps at
-/// [`MAX_STEPS`]; a record still too long has its strings and lists cut further, by halves.
-pub(crate) fn encode(rec: &Record) -> Result<Vec<u8>> {
-    let mut r = rec.clone();
-    r.crc.clear();
+/// The longest `checkpoint` a record keeps: the restore-from annotation a tenant sets lands
+/// there, so a refusal's record must not grow with it.
+pub const MAX_CHECKPOINT_BYTES: usize = 1024;
+/// The longest Kubernetes name a record keeps (pod, pod namespace, container, containerd
+/// namespace), and the longest node name: a DNS subdomain's 253.
+pub const MAX_NAME_BYTES: usize = 253;
+/// The longest container id, driver version, key id and trace id a record keeps.
+pub const MAX_ID_BYTES: usize = 128;
+/// The longest step name (a failed step's, or a timing's) and error class a record keeps.
+pub const MAX_STEP_NAME_BYTES: usize = 64;
+/// The most GPU UUIDs a record keeps, and the longest of each.
+pub const MAX_GPUS: usize = 64;
+pub const MAX_GPU_BYTES: usize = 64;
+
+/// Every free-form field of `r` cut to its cap (on a character boundary, ending in `…`), the
+/// steps and GPUs to their counts: whatever a tenant puts in an annotation, a record's strings
+/// hold at most about 12 KiB before JSON escaping (a refusal's, about 3 KiB).
+fn cap_fields(r: &mut Record) {
+    cut(&mut r.node, MAX_NAME_BYTES);
+    cut(&mut r.namespace, MAX_NAME_BYTES);
+    cut(&mut r.container_id, MAX_ID_BYTES);
+    for s in [&mut r.pod, &mut r.pod_namespace, &mut r.container]
+        .into_iter()
+        .flatten()
+    {
+        cut(s, MAX_NAME_BYTES);
+    }
+    if let Some(c) = &mut r.checkpoint {
+        cut(c, MAX_CHECKPOINT_BYTES);
+    }
+    for s in [&mut r.driver, &mut r.signing_key, &mut r.trace_id]
+        .into_iter()
+        .flatten()
+    {
+        cut(s, MAX_ID_BYTES);
+    }
     if let Some(e) = &mut r.error {
+        cut(&mut e.step, MAX_STEP_NAME_BYTES);
+        cut(&mut e.class, MAX_STEP_NAME_BYTES);
         cut(&mut e.message, MAX_MESSAGE_BYTES);
     }
     r.steps.truncate(MAX_STEPS);
+    for s in &mut r.steps {
+        cut(&mut s.name, MAX_STEP_NAME_BYTES);
+    }
+    r.gpus.truncate(MAX_GPUS);
+    for g in &mut r.gpus {
+        cut(g, MAX_GPU_BYTES);
+    }
+}
+
+/// The line of `rec` (its `crc` ignored and computed), `\n` included, at most
+/// [`MAX_RECORD_BYTES`]: every free-form field cut to its cap ([`MAX_CHECKPOINT_BYTES`],
+/// [`MAX_NAME_BYTES`], [`MAX_ID_BYTES`], [`MAX_STEP_NAME_BYTES`], [`MAX_MESSAGE_BYTES`]), the
+/// steps at [`MAX_STEPS`] and the GPUs at [`MAX_GPUS`]; a record still too long (strings that
+/// JSON escapes six-fold) has its strings and lists cut further, by halves.
+pub(crate) fn encode(rec: &Record) -> Result<Vec<u8>> {
+    let mut r = rec.clone();
+    r.crc.clear();
+    cap_fields(&mut r);
     let mut line = line_of(&r)?;
     let (mut bytes, mut items) = (MAX_MESSAGE_BYTES, MAX_STEPS);
     while line.len() > MAX_RECORD_BYTES && (bytes > 0 || items > 0) {
@@ -297,7 +347,7 @@ pub(crate) fn decode(line: &[u8]) -> Result<Record, Bad> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn sample() -> Record {
@@ -376,6 +426,127 @@ mod tests {
         let line = encode(&r).unwrap();
         assert!(line.len() <= MAX_RECORD_BYTES, "{}", line.len());
         assert!(decode(&line[..line.len() - 1]).is_ok());
+    }
+
+    /// A refused restore as the shim records it when a tenant's restore-from annotation is
+    /// 62 KiB: the annotation in `checkpoint` and, quoted, in the message.
+    pub(crate) fn flood_record(annotation: &str) -> Record {
+        let mut r = Record::new(Operation::Restore, "k8s.io", &"c".repeat(64));
+        r.outcome = Outcome::Refused;
+        r.pod = Some("tenant-pod".into());
+        r.pod_namespace = Some("tenant".into());
+        r.container = Some("main".into());
+        r.checkpoint = Some(annotation.to_string());
+        r.error = Some(RecordError {
+            step: "trust".into(),
+            class: "refused".into(),
+            message: format!("restore refused: checkpoint {annotation:?}"),
+        });
+        r
+    }
+
+    #[test]
+    fn a_62_kib_annotation_makes_a_record_under_8_kib() {
+        let annotation = format!("/var/lib/kubelet/checkpoints/{}", "a".repeat(62 << 10));
+        let line = encode(&flood_record(&annotation)).unwrap();
+        assert!(line.len() < 8 << 10, "{} bytes", line.len());
+        let back = decode(&line[..line.len() - 1]).unwrap();
+        let c = back.checkpoint.unwrap();
+        assert!(
+            c.len() <= MAX_CHECKPOINT_BYTES && c.len() > MAX_CHECKPOINT_BYTES - 8,
+            "{}",
+            c.len()
+        );
+        assert!(c.starts_with("/var/lib/kubelet/checkpoints/aaa"), "{c}");
+        assert!(c.ends_with('…'), "{c}");
+    }
+
+    #[test]
+    fn every_free_form_field_is_capped_and_marked() {
+        let long = |n: usize| "é".repeat(n);
+        let mut r = sample();
+        r.node = long(1000);
+        r.namespace = long(1000);
+        r.container_id = long(1000);
+        r.pod = Some(long(1000));
+        r.pod_namespace = Some(long(1000));
+        r.container = Some(long(1000));
+        r.checkpoint = Some(long(5000));
+        r.driver = Some(long(1000));
+        r.signing_key = Some(long(1000));
+        r.trace_id = Some(long(1000));
+        r.error = Some(RecordError {
+            step: long(1000),
+            class: long(1000),
+            message: long(5000),
+        });
+        r.steps = (0..100)
+            .map(|_| StepTime {
+                name: long(1000),
+                seconds: 1.0,
+            })
+            .collect();
+        r.gpus = vec![long(1000); 100];
+        let line = encode(&r).unwrap();
+        let b = decode(&line[..line.len() - 1]).unwrap();
+        let e = b.error.as_ref().unwrap();
+        let mut fields: Vec<(&str, &str, usize)> = vec![
+            ("node", &b.node, MAX_NAME_BYTES),
+            ("namespace", &b.namespace, MAX_NAME_BYTES),
+            ("container_id", &b.container_id, MAX_ID_BYTES),
+            ("pod", b.pod.as_deref().unwrap(), MAX_NAME_BYTES),
+            (
+                "pod_namespace",
+                b.pod_namespace.as_deref().unwrap(),
+                MAX_NAME_BYTES,
+            ),
+            ("container", b.container.as_deref().unwrap(), MAX_NAME_BYTES),
+            (
+                "checkpoint",
+                b.checkpoint.as_deref().unwrap(),
+                MAX_CHECKPOINT_BYTES,
+            ),
+            ("driver", b.driver.as_deref().unwrap(), MAX_ID_BYTES),
+            (
+                "signing_key",
+                b.signing_key.as_deref().unwrap(),
+                MAX_ID_BYTES,
+            ),
+            ("trace_id", b.trace_id.as_deref().unwrap(), MAX_ID_BYTES),
+            ("error.step", &e.step, MAX_STEP_NAME_BYTES),
+            ("error.class", &e.class, MAX_STEP_NAME_BYTES),
+            ("error.message", &e.message, MAX_MESSAGE_BYTES),
+        ];
+        fields.extend(
+            b.steps
+                .iter()
+                .map(|s| ("step", s.name.as_str(), MAX_STEP_NAME_BYTES)),
+        );
+        fields.extend(b.gpus.iter().map(|g| ("gpu", g.as_str(), MAX_GPU_BYTES)));
+        for (name, v, cap) in fields {
+            // Cut on a character boundary, within 2 bytes + the mark of the cap, marked.
+            assert!(
+                v.len() <= cap && v.len() + 5 >= cap,
+                "{name}: {} > {cap}",
+                v.len()
+            );
+            assert!(v.ends_with('…'), "{name}: {v}");
+        }
+        assert_eq!(b.steps.len(), MAX_STEPS);
+        assert_eq!(b.gpus.len(), MAX_GPUS);
+        // A record with every field at its cap is a few KiB (two-byte characters: no escaping).
+        assert!(line.len() < 16 << 10, "{}", line.len());
+        // Short values are kept as they are.
+        let r = sample();
+        let line = encode(&r).unwrap();
+        let b = decode(&line[..line.len() - 1]).unwrap();
+        assert_eq!(
+            Record {
+                crc: String::new(),
+                ..b
+            },
+            r
+        );
     }
 
     #[test]

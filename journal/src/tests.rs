@@ -197,13 +197,73 @@ fn rotation_keeps_two_segments_and_the_newest_records() {
     );
 }
 
+/// A tenant floods the journal with refused restores whose restore-from annotation is 62 KiB:
+/// each record is capped to a few KiB, so 1000 of them take at most 1000 × 8 KiB and, within
+/// the default two segments, evict none of the records written before them (uncapped, the same
+/// flood is 64 MB: sixteen times both segments, every other record gone).
+#[test]
+fn a_flood_of_huge_annotations_evicts_no_more_than_its_share() {
+    let tmp = tempfile::tempdir().unwrap();
+    let j = Journal::open(tmp.path(), DEFAULT_SEGMENT_BYTES).unwrap();
+    for i in 0..100 {
+        j.append(&rec(i)).unwrap();
+    }
+    let before = size(tmp.path());
+    let annotation = format!("/var/lib/kubelet/checkpoints/{}", "a".repeat(62 << 10));
+    let flood = crate::record::tests::flood_record(&annotation);
+    const FLOOD: u64 = 1000;
+    let line = crate::record::encode(&flood).unwrap().len() as u64;
+    assert!(line < 8 << 10, "{line}");
+    for _ in 0..FLOOD {
+        j.append(&flood).unwrap();
+    }
+    // The flood's share: its records' bytes, no more.
+    let written = size(tmp.path());
+    assert!(
+        written <= before + FLOOD * line,
+        "{written} > {before} + {FLOOD} × {line}"
+    );
+    // Rotation keeps at least the last segment's worth (segment − one line) of records: the
+    // flood fits in it, so every earlier record is still there.
+    assert!(FLOOD * line + before <= DEFAULT_SEGMENT_BYTES * 2 - line);
+    let (got, skipped) = read_all(tmp.path()).unwrap();
+    assert_eq!(skipped.total(), 0);
+    let kept: Vec<u64> = got
+        .iter()
+        .filter(|r| r.outcome == Outcome::Succeeded)
+        .map(|r| r.host_bytes)
+        .collect();
+    assert_eq!(kept, (0..100).collect::<Vec<_>>());
+    assert_eq!(
+        got.iter().filter(|r| r.outcome == Outcome::Refused).count() as u64,
+        FLOOD
+    );
+}
+
+/// A record whose every string JSON escapes six-fold (control characters), each at its cap:
+/// still cut to [`MAX_RECORD_BYTES`], kept whole within the bound.
 #[test]
 fn a_record_near_the_cap_is_kept_whole_within_the_bound() {
     let tmp = tempfile::tempdir().unwrap();
     let j = Journal::open(tmp.path(), MIN_SEGMENT_BYTES).unwrap();
+    let esc = |n: usize| "\u{1}".repeat(n);
     for i in 0..20 {
         let mut r = rec(i);
-        r.checkpoint = Some("y".repeat(MAX_RECORD_BYTES * 2));
+        r.checkpoint = Some(esc(MAX_RECORD_BYTES * 2));
+        r.error = Some(RecordError {
+            step: esc(100),
+            class: esc(100),
+            message: esc(MAX_MESSAGE_BYTES),
+        });
+        r.steps = (0..MAX_STEPS)
+            .map(|_| StepTime {
+                name: esc(100),
+                seconds: 1.0,
+            })
+            .collect();
+        r.gpus = vec![esc(100); 100];
+        let line = crate::record::encode(&r).unwrap().len();
+        assert!(line > MAX_RECORD_BYTES / 2, "{line}");
         j.append(&r).unwrap();
         assert!(size(tmp.path()) <= 2 * MIN_SEGMENT_BYTES);
     }

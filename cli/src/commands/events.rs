@@ -121,12 +121,57 @@ fn who(r: &Record) -> String {
     match &r.pod {
         Some(pod) => format!(
             "{}/{}/{}",
-            r.pod_namespace.as_deref().unwrap_or("-"),
-            pod,
-            r.container.as_deref().unwrap_or(&r.container_id)
+            sanitize(r.pod_namespace.as_deref().unwrap_or("-")),
+            sanitize(pod),
+            sanitize(r.container.as_deref().unwrap_or(&r.container_id))
         ),
-        None => format!("{}/{}", r.namespace, r.container_id),
+        None => format!("{}/{}", sanitize(&r.namespace), sanitize(&r.container_id)),
     }
+}
+
+/// Whether `c` must not reach a terminal as it is: a control character (C0, DEL, C1), a format
+/// character (Unicode's Cf: bidi embeddings, overrides and isolates, zero-width characters, the
+/// soft hyphen, tags, ...), or a line or paragraph separator (Zl, Zp).
+fn unprintable(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c as u32,
+            0xad | 0x600..=0x605
+                | 0x61c
+                | 0x6dd
+                | 0x70f
+                | 0x890..=0x891
+                | 0x8e2
+                | 0x180e
+                | 0x200b..=0x200f
+                | 0x2028..=0x202e
+                | 0x2060..=0x2064
+                | 0x2066..=0x206f
+                | 0xfeff
+                | 0xfff9..=0xfffb
+                | 0x110bd
+                | 0x110cd
+                | 0x13430..=0x1343f
+                | 0x1bca0..=0x1bca3
+                | 0x1d173..=0x1d17a
+                | 0xe0001
+                | 0xe0020..=0xe007f
+        )
+}
+
+/// `s` safe to print on a terminal: a line break or tab as a space, every other unprintable
+/// character escaped as `\u{XX}` (so an ESC sequence, a bidi override or a second line in a
+/// record's field can neither change the terminal nor disguise what the line says).
+pub fn sanitize(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' | '\r' | '\t' => out.push(' '),
+            c if unprintable(c) => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 /// One record's line: time, operation, outcome, who, duration, and the failed step, its class
@@ -134,19 +179,19 @@ fn who(r: &Record) -> String {
 pub fn line(r: &Record) -> String {
     let mut s = format!(
         "{}  {:<10}  {:<9}  {}  {}",
-        r.time,
+        sanitize(&r.time),
         r.operation.as_str(),
         r.outcome.as_str(),
         who(r),
         seconds(r.duration_seconds)
     );
     if let Some(e) = &r.error {
-        let msg: String = e
-            .message
-            .chars()
-            .map(|c| if c.is_control() { ' ' } else { c })
-            .collect();
-        s.push_str(&format!("  {} ({}): {}", e.step, e.class, msg));
+        s.push_str(&format!(
+            "  {} ({}): {}",
+            sanitize(&e.step),
+            sanitize(&e.class),
+            sanitize(&e.message)
+        ));
     }
     s
 }
@@ -290,5 +335,43 @@ mod tests {
         let mut r = all[1].clone();
         r.duration_seconds = 0.0123;
         assert!(line(&r).contains("  12ms"), "{}", line(&r));
+    }
+
+    /// Every field printed is escaped: ESC sequences, C1 controls, bidi overrides, zero-width
+    /// and line-separator characters in the names, the step, the class and the message.
+    #[test]
+    fn every_field_printed_is_escaped() {
+        let evil = "\u{1b}]0;owned\u{7}\u{1b}[2J\u{9b}31m\u{202e}gpj.exe\u{200b}\u{2028}x\u{85}";
+        let mut r = rec(1, Operation::Restore, Outcome::Failed, Some(evil));
+        r.pod_namespace = Some(format!("ns{evil}"));
+        r.container = Some(format!("ctr{evil}"));
+        r.time = format!("2026-01-02T03:05:05.000Z{evil}");
+        r.error = Some(RecordError {
+            step: format!("step{evil}"),
+            class: format!("class{evil}"),
+            message: format!("msg{evil}\nnext"),
+        });
+        let mut ctr = r.clone();
+        ctr.pod = None;
+        ctr.namespace = format!("default{evil}");
+        ctr.container_id = format!("id{evil}");
+        for r in [r, ctr] {
+            let l = line(&r);
+            assert!(
+                l.chars().all(|c| !unprintable(c)),
+                "an unprintable character in {l:?}"
+            );
+            assert!(!l.contains('\n'), "{l:?}");
+            assert!(l.contains("\\u{1b}]0;owned\\u{7}"), "{l}");
+            assert!(
+                l.contains("\\u{202e}gpj.exe\\u{200b}\\u{2028}x\\u{85}"),
+                "{l}"
+            );
+        }
+        let l = line(&rec(1, Operation::Restore, Outcome::Failed, Some(evil)));
+        assert!(l.contains("ml/\\u{1b}]0;owned"), "{l}");
+        // Printable text, accents and all, is kept.
+        assert_eq!(sanitize("café/naïve-ü"), "café/naïve-ü");
+        assert_eq!(sanitize("a\tb\r\nc"), "a b  c");
     }
 }

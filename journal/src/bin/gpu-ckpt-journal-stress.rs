@@ -10,9 +10,9 @@
 //! microseconds only now and then; this makes the torn line every time the write crosses it.
 //!
 //! Record `seq` of writer `W`: `container_id` W, `pod` `seq-<seq>`, `host_bytes` seq,
-//! `device_bytes` [`stamp`]`(W, seq)`, and a `checkpoint` of a size by seq: small, a few KiB,
-//! close to the 64 KiB cap, or past it (shrunk by `append`), starting with `W/<seq>/` (a tearing
-//! writer's: all close to the cap).
+//! `device_bytes` [`stamp`]`(W, seq)`, a `checkpoint` starting with `W/<seq>/`, and a size by
+//! seq: small, a few KiB, close to the 64 KiB cap, or past it (shrunk by `append`) (a tearing
+//! writer's: all close to the cap); see [`fill`].
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -39,16 +39,7 @@ fn record(w: &str, seq: u64, tear: bool) -> Record {
     r.pod = Some(format!("seq-{seq}"));
     r.host_bytes = seq;
     r.device_bytes = stamp(w, seq);
-    // A tearing writer's records are all close to the cap: each write crosses its limit.
-    let pad = match if tear { 2 } else { seq % 4 } {
-        0 => 100,
-        1 => 6_000,
-        2 => 62_000,
-        _ => 120_000,
-    };
-    let mut ck = format!("{w}/{seq}/");
-    ck.extend(std::iter::repeat_n('x', pad));
-    r.checkpoint = Some(ck);
+    let prefix = format!("{w}/{seq}/");
     r.steps = (0..(seq % 80))
         .map(|i| StepTime {
             name: format!("step-{i}"),
@@ -63,7 +54,64 @@ fn record(w: &str, seq: u64, tear: bool) -> Record {
             message: "ü".repeat(900),
         });
     }
+    // A tearing writer's records are all close to the cap: each write crosses its limit.
+    let level = if tear { 2 } else { seq % 4 };
+    fill(&mut r, &prefix, level);
     r
+}
+
+/// `prefix` and then `U+0001` (which JSON escapes as six bytes) up to `len` bytes.
+fn escaped(prefix: &str, len: usize) -> String {
+    let mut s = prefix.to_string();
+    s.extend(std::iter::repeat_n(
+        '\u{1}',
+        len.saturating_sub(prefix.len()),
+    ));
+    s
+}
+
+/// Record sizes: 0 small; 1 a few KiB; 2 close to the 64 KiB line cap; 3 past it (shrunk by
+/// `append`). Every field stays within its own cap (journal::MAX_CHECKPOINT_BYTES, ...), so the
+/// large ones are made of characters JSON escapes six-fold, in every capped field.
+fn fill(r: &mut Record, prefix: &str, level: u64) {
+    let mut ck = prefix.to_string();
+    match level {
+        0 => {
+            ck.extend(std::iter::repeat_n('x', 100));
+            r.checkpoint = Some(ck);
+        }
+        1 => {
+            ck.extend(std::iter::repeat_n('x', 900));
+            r.checkpoint = Some(ck);
+            r.gpus = (0..12).map(|i| escaped(&format!("GPU-{i}-"), 60)).collect();
+        }
+        _ => {
+            r.checkpoint = Some(escaped(prefix, journal::MAX_CHECKPOINT_BYTES));
+            r.gpus = (0..journal::MAX_GPUS)
+                .map(|i| escaped(&format!("GPU-{i}-"), journal::MAX_GPU_BYTES))
+                .collect();
+            r.steps = (0..journal::MAX_STEPS)
+                .map(|i| StepTime {
+                    name: escaped(&format!("step-{i}-"), journal::MAX_STEP_NAME_BYTES),
+                    seconds: i as f64 / 10.0,
+                })
+                .collect();
+            if level > 2 {
+                for s in [&mut r.driver, &mut r.signing_key, &mut r.trace_id] {
+                    *s = Some(escaped("", journal::MAX_ID_BYTES));
+                }
+                r.node = escaped("", journal::MAX_NAME_BYTES);
+                r.pod_namespace = Some(escaped("", journal::MAX_NAME_BYTES));
+                r.container = Some(escaped("", journal::MAX_NAME_BYTES));
+                r.outcome = Outcome::Failed;
+                r.error = Some(RecordError {
+                    step: "criu-dump".into(),
+                    class: "step".into(),
+                    message: escaped("", journal::MAX_MESSAGE_BYTES),
+                });
+            }
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -148,4 +196,26 @@ fn tear_past_the_end(file: &std::path::Path) -> std::io::Result<()> {
 fn usage() -> ExitCode {
     eprintln!("usage: gpu-ckpt-journal-stress DIR SEGMENT_BYTES WRITER [COUNT [tear]]");
     ExitCode::from(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_levels_have_their_sizes() {
+        let len = |seq: u64, tear: bool| serde_json::to_vec(&record("w", seq, tear)).unwrap().len();
+        let cap = journal::MAX_RECORD_BYTES;
+        assert!(len(0, false) < 3 << 10, "{}", len(0, false));
+        assert!(
+            (4 << 10..10 << 10).contains(&len(1, false)),
+            "{}",
+            len(1, false)
+        );
+        for (seq, tear) in [(2, false), (3, true), (6, false)] {
+            let n = len(seq, tear);
+            assert!((cap * 3 / 4..cap).contains(&n), "{seq} {tear}: {n}");
+        }
+        assert!(len(3, false) > cap, "{}", len(3, false));
+    }
 }

@@ -1541,9 +1541,35 @@ fn the_installer_is_ready_when_installed_and_asks_for_its_daemonset_before_it_un
     Ok(())
 }
 
+/// The agent pod's hostPath volumes, path to type, each mounted read-only at its own path (and
+/// no volume of another kind).
+fn agent_host_paths(pod: &Value) -> Result<BTreeMap<String, String>> {
+    let c = &pod["containers"][0];
+    let mounts = c["volumeMounts"].as_array().context("volumeMounts")?;
+    let volumes = pod["volumes"].as_array().context("volumes")?;
+    ensure!(mounts.len() == volumes.len(), "{mounts:?} {volumes:?}");
+    let mut out = BTreeMap::new();
+    for v in volumes {
+        let path = v["hostPath"]["path"].as_str().context("a hostPath")?;
+        let m = mounts
+            .iter()
+            .find(|m| m["name"] == v["name"])
+            .with_context(|| format!("volume {} not mounted", v["name"]))?;
+        ensure!(
+            m["readOnly"] == true && m["mountPath"] == path,
+            "{m} for {v}"
+        );
+        let ty = v["hostPath"]["type"].as_str().unwrap_or_default();
+        out.insert(path.to_string(), ty.to_string());
+    }
+    Ok(out)
+}
+
 /// The node agent (templates/agent.yaml, docs/metrics.md): by default its DaemonSet, running
 /// gpu-ckpt-agent from the installer's image on the nodes the RuntimeClasses select, with the
-/// journal's directory and the kubelet's checkpoints read-only, no capabilities, a port
+/// journal's directory itself and the kubelet's checkpoints read-only and nothing else from the
+/// host (not the state directory with the node's private key, dumps and restore staging, not the
+/// cluster key; no --key-dir), no capabilities, a port
 /// `metrics`, resources and probes, and a headless Service on port 9402; no ServiceMonitor
 /// unless asked for. With every value set (ci/all-values.yaml, the agent on) the objects follow
 /// them and the ServiceMonitor validates against its CRD's schema (runtime-class/tools/schemas/);
@@ -1595,10 +1621,7 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         flag(&args, "--events-dir") == Some("/var/lib/gpu-ckpt/events"),
         "{args:?}"
     );
-    ensure!(
-        flag(&args, "--key-dir") == Some("/var/lib/gpu-ckpt/keys"),
-        "{args:?}"
-    );
+    ensure!(flag(&args, "--key-dir").is_none(), "{args:?}");
     ensure!(
         flag(&args, "--checkpoint-dir") == Some("/var/lib/kubelet/checkpoints"),
         "{args:?}"
@@ -1618,29 +1641,17 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         "{sc}"
     );
     ensure!(sc.get("privileged").is_none(), "{sc}");
-    // Every mount read-only; the journal's parent and the kubelet's checkpoints from the host.
-    for m in c["volumeMounts"].as_array().context("volumeMounts")? {
-        ensure!(m["readOnly"] == true, "{m}");
-    }
-    let host_paths: BTreeSet<String> = pod["volumes"]
-        .as_array()
-        .context("volumes")?
-        .iter()
-        .map(|v| {
-            v["hostPath"]["path"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        })
-        .collect();
-    ensure!(
-        host_paths
-            == ["/var/lib/gpu-ckpt", "/var/lib/kubelet/checkpoints"]
-                .into_iter()
-                .map(String::from)
-                .collect(),
-        "{host_paths:?}"
-    );
+    // Every mount read-only, at its host path; the journal's directory itself and the kubelet's
+    // checkpoints from the host, nothing else (DirectoryOrCreate: the shim makes the journal's
+    // 0700 when it opens it).
+    let want: BTreeMap<String, String> = [
+        ("/var/lib/gpu-ckpt/events", "DirectoryOrCreate"),
+        ("/var/lib/kubelet/checkpoints", "DirectoryOrCreate"),
+    ]
+    .into_iter()
+    .map(|(p, t)| (p.to_string(), t.to_string()))
+    .collect();
+    ensure!(agent_host_paths(pod)? == want, "{}", pod["volumes"]);
     let svc = object(&docs, "Service", "gpu-ckpt-agent")?;
     ensure!(svc["spec"]["clusterIP"] == "None", "{svc}");
     ensure!(
@@ -1716,11 +1727,9 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         flag(&args, "--events-dir") == m["eventsDir"].as_str(),
         "{args:?}"
     );
-    // Trust mode cluster: the cluster key the installer writes.
-    ensure!(
-        flag(&args, "--key-dir") == Some("/etc/gpu-ckpt/cluster-key"),
-        "{args:?}"
-    );
+    // Trust mode cluster: still no key directory (the cluster's private key is beside its
+    // node.pub).
+    ensure!(flag(&args, "--key-dir").is_none(), "{args:?}");
     let dirs: Vec<&str> = args
         .iter()
         .enumerate()
@@ -1728,38 +1737,18 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         .filter_map(|(i, _)| args.get(i + 1).map(String::as_str))
         .collect();
     ensure!(dirs == strings(&m["checkpointDirs"]), "{args:?}");
-    let host_paths: BTreeMap<String, String> = pod["volumes"]
-        .as_array()
-        .context("volumes")?
-        .iter()
-        .map(|v| {
-            (
-                v["hostPath"]["path"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string(),
-                v["hostPath"]["type"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string(),
-            )
-        })
+    // The journal itself (all-values' is /var/log/gpu-ckpt: not /var/log), the checkpoint
+    // directories, and nothing else: no cluster key.
+    let mut want: BTreeMap<String, String> = strings(&m["checkpointDirs"])
+        .into_iter()
+        .map(|d| (d, "DirectoryOrCreate".to_string()))
         .collect();
-    ensure!(
-        host_paths.get("/srv/gpu-ckpt").map(String::as_str) == Some("DirectoryOrCreate"),
-        "{host_paths:?}"
+    want.insert(
+        m["eventsDir"].as_str().context("eventsDir")?.to_string(),
+        "DirectoryOrCreate".to_string(),
     );
-    ensure!(
-        host_paths
-            .get("/etc/gpu-ckpt/cluster-key")
-            .map(String::as_str)
-            == Some("Directory"),
-        "{host_paths:?}"
-    );
-    ensure!(
-        host_paths.contains_key("/srv/checkpoints"),
-        "{host_paths:?}"
-    );
+    ensure!(agent_host_paths(pod)? == want, "{}", pod["volumes"]);
+    ensure!(want.contains_key("/var/log/gpu-ckpt"), "{want:?}");
     let svc = object(&docs, "Service", "gpu-ckpt-prod-agent")?;
     ensure!(
         svc["metadata"]["annotations"] == m["service"]["annotations"],
@@ -1815,19 +1804,50 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         "metrics.enabled false rendered {:?}",
         kinds(&docs)
     );
-    // A wrong value is refused by the chart's schema, naming it.
+    // A wrong value is refused by the chart's schema, naming it: among them a directory for
+    // the agent to mount that is the host's / or climbs out of where it says.
+    for (set, path) in [
+        (
+            r#"{"metrics":{"serviceMonitor":{"interval":"soon"}}}"#,
+            "/metrics/serviceMonitor/interval",
+        ),
+        (r#"{"metrics":{"eventsDir":"/"}}"#, "/metrics/eventsDir"),
+        (
+            r#"{"metrics":{"eventsDir":"/var/lib/gpu-ckpt/events/.."}}"#,
+            "/metrics/eventsDir",
+        ),
+        (
+            r#"{"metrics":{"eventsDir":"events"}}"#,
+            "/metrics/eventsDir",
+        ),
+        (
+            r#"{"metrics":{"checkpointDirs":["/"]}}"#,
+            "/metrics/checkpointDirs/0",
+        ),
+        (
+            r#"{"metrics":{"checkpointDirs":["/srv/../etc"]}}"#,
+            "/metrics/checkpointDirs/0",
+        ),
+    ] {
+        let (_, out) = chart_py(&["lint", path_str(&chart()), "--set-json", set])?;
+        ensure!(
+            out["lint"]["messages"].as_array().is_some_and(|ms| ms
+                .iter()
+                .any(|m| m["error"].as_str().is_some_and(|e| e.contains(path)))),
+            "{set}: {out}"
+        );
+    }
+    // A trailing slash is a directory still.
     let (_, out) = chart_py(&[
         "lint",
         path_str(&chart()),
         "--set-json",
-        r#"{"metrics":{"serviceMonitor":{"interval":"soon"}}}"#,
+        r#"{"metrics":{"eventsDir":"/var/lib/gpu-ckpt/events/","checkpointDirs":["/srv/c/"]}}"#,
     ])?;
     ensure!(
-        out["lint"]["messages"]
-            .as_array()
-            .is_some_and(|ms| ms.iter().any(|m| m["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("/metrics/serviceMonitor/interval")))),
+        !out["lint"]["messages"].as_array().is_some_and(|ms| ms
+            .iter()
+            .any(|m| m["error"].as_str().is_some_and(|e| e.contains("/metrics/")))),
         "{out}"
     );
     Ok(())

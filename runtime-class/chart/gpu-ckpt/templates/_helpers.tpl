@@ -187,12 +187,3 @@ shim's default. */}}
 {{- .Values.metrics.eventsDir | default (get .Values.handlerOptions "EventsDir") | default "/var/lib/gpu-ckpt/events" -}}
 {{- end -}}
 
-{{/* The directory of the signing key in use (its node.pub): trust mode cluster, the key the
-installer writes under its site directory; node mode, each node's own key. */}}
-{{- define "gpu-ckpt.keyDir" -}}
-{{- if eq .Values.trust.mode "cluster" -}}
-/etc/gpu-ckpt/cluster-key
-{{- else -}}
-/var/lib/gpu-ckpt/keys
-{{- end -}}
-{{- end -}}
