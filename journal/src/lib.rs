@@ -38,7 +38,7 @@ use std::time::Duration;
 
 pub use read::{read_all, Skipped, Tailer};
 pub use record::{
-    Operation, Outcome, Record, RecordError, StepTime, MAX_CHECKPOINT_BYTES, MAX_GPUS,
+    cut, Operation, Outcome, Record, RecordError, StepTime, MAX_CHECKPOINT_BYTES, MAX_GPUS,
     MAX_GPU_BYTES, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_STEP_NAME_BYTES,
 };
 pub use util::{hostname, new_id, now_rfc3339, parse_time, rfc3339};

@@ -282,8 +282,9 @@ fn shrink(r: &mut Record, bytes: usize, items: usize) {
     }
 }
 
-/// `s` cut to at most `max` bytes on a character boundary, ending in `…` when there is room.
-pub(crate) fn cut(s: &mut String, max: usize) {
+/// `s` cut to at most `max` bytes on a character boundary, ending in `…` when there is room
+/// (what the record does to its free-form fields; the shim does it to the text of a span's error).
+pub fn cut(s: &mut String, max: usize) {
     if s.len() <= max {
         return;
     }

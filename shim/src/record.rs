@@ -117,12 +117,20 @@ pub fn root_span(operation: Operation, id: &str, cri: Option<&CriIdentity>) -> S
     span
 }
 
+/// The text of a span's error status: the error, cut as the record cuts its message (an error can
+/// carry what a pod's annotation said, of any length).
+fn status_text(e: &Error) -> String {
+    let mut text = e.to_string();
+    journal::cut(&mut text, journal::MAX_MESSAGE_BYTES);
+    text
+}
+
 /// The root span's outcome, and its error status when it did not succeed.
 pub fn end_root(span: &Span, outcome: Outcome, error: Option<&Error>) {
     span.record("gpu_ckpt.outcome", outcome.as_str());
     if let Some(e) = error {
         span.record("otel.status_code", "ERROR");
-        span.record("otel.status_message", e.to_string().as_str());
+        span.record("otel.status_message", status_text(e).as_str());
     }
 }
 
@@ -365,7 +373,7 @@ impl Step {
         let took = self.start.elapsed();
         self.span.record("otel.status_code", "ERROR");
         self.span
-            .record("otel.status_message", e.to_string().as_str());
+            .record("otel.status_message", status_text(e).as_str());
         let mut state = self.log.state();
         state.running.retain(|s| *s != self.name);
         if state.failed.is_none() {
@@ -609,6 +617,28 @@ pub fn send_traces(bound: Duration) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A span's error text is cut as the record's message is: a refusal names the pod's
+    /// annotation, of any length, and spans go to a collector other tenants' spans share.
+    #[test]
+    fn a_spans_error_text_is_bounded() {
+        let e = Error::Refused {
+            checkpoint: "x".repeat(200_000),
+            reason: "missing".into(),
+        };
+        let text = status_text(&e);
+        assert!(
+            text.len() <= journal::MAX_MESSAGE_BYTES,
+            "{} bytes",
+            text.len()
+        );
+        assert!(
+            text.starts_with("checkpoint \"xxx") && text.ends_with('…'),
+            "{text}"
+        );
+        let short = Error::InvalidArgument("bad option".into());
+        assert_eq!(status_text(&short), "bad option");
+    }
 
     fn step_error(step: &'static str) -> Error {
         Error::Step {
