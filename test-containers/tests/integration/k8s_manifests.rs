@@ -592,35 +592,18 @@ fn the_all_values_file_sets_every_value_and_the_rendering_follows_it() -> Result
     }
     let ni = &all["nodeInstaller"];
     let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-node-installer")?;
-    ensure!(ds["metadata"]["namespace"] == "infra");
-    ensure!(
-        ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == ni["maxUnavailable"]
-    );
-    let tpl = &ds["spec"]["template"];
-    ensure!(
-        tpl["metadata"]["annotations"] == ni["podAnnotations"],
-        "{}",
-        tpl["metadata"]
-    );
-    let pod = &tpl["spec"];
-    for (field, value) in [
-        ("nodeSelector", &ni["nodeSelector"]),
-        ("affinity", &ni["affinity"]),
-        ("tolerations", &ni["tolerations"]),
-        ("priorityClassName", &ni["priorityClassName"]),
-        (
-            "terminationGracePeriodSeconds",
-            &ni["terminationGracePeriodSeconds"],
-        ),
-        ("imagePullSecrets", &all["imagePullSecrets"]),
-        ("serviceAccountName", &ni["serviceAccount"]["name"]),
-    ] {
-        ensure!(
-            pod[field] == *value,
-            "pod {field}: {} != {value}",
-            pod[field]
-        );
-    }
+    let pod = daemonset_as_values(
+        ds,
+        ni,
+        &[
+            (
+                "terminationGracePeriodSeconds",
+                &ni["terminationGracePeriodSeconds"],
+            ),
+            ("imagePullSecrets", &all["imagePullSecrets"]),
+            ("serviceAccountName", &ni["serviceAccount"]["name"]),
+        ],
+    )?;
     let c = installer_container(ds)?;
     ensure!(
         c["image"]
@@ -1688,28 +1671,7 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         r#"{"metrics":{"enabled":true}}"#,
     ])?;
     let ds = object(&docs, "DaemonSet", "gpu-ckpt-prod-agent")?;
-    ensure!(ds["metadata"]["namespace"] == "infra");
-    ensure!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == m["maxUnavailable"]);
-    let tpl = &ds["spec"]["template"];
-    ensure!(
-        tpl["metadata"]["annotations"] == m["podAnnotations"],
-        "{}",
-        tpl["metadata"]
-    );
-    let pod = &tpl["spec"];
-    for (field, value) in [
-        ("nodeSelector", &m["nodeSelector"]),
-        ("affinity", &m["affinity"]),
-        ("tolerations", &m["tolerations"]),
-        ("priorityClassName", &m["priorityClassName"]),
-        ("imagePullSecrets", &all["imagePullSecrets"]),
-    ] {
-        ensure!(
-            pod[field] == *value,
-            "pod {field}: {} != {value}",
-            pod[field]
-        );
-    }
+    let pod = daemonset_as_values(ds, m, &[("imagePullSecrets", &all["imagePullSecrets"])])?;
     let c = &pod["containers"][0];
     ensure!(c["resources"] == m["resources"], "{}", c["resources"]);
     ensure!(c["imagePullPolicy"] == all["image"]["pullPolicy"]);
@@ -1851,4 +1813,33 @@ fn the_metrics_agent_its_service_and_the_opt_in_service_monitor() -> Result<()> 
         "{out}"
     );
     Ok(())
+}
+
+/// The DaemonSet `ds` rendered from the values section `v` (`nodeInstaller`, `metrics`) with
+/// every value set: in namespace `infra`, its rollout, pod annotations and placement as `v` says,
+/// and the pod's `more` fields as given. Its pod spec.
+fn daemonset_as_values<'a>(ds: &'a Value, v: &Value, more: &[(&str, &Value)]) -> Result<&'a Value> {
+    ensure!(ds["metadata"]["namespace"] == "infra");
+    ensure!(ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == v["maxUnavailable"]);
+    let tpl = &ds["spec"]["template"];
+    ensure!(
+        tpl["metadata"]["annotations"] == v["podAnnotations"],
+        "{}",
+        tpl["metadata"]
+    );
+    let pod = &tpl["spec"];
+    let placement = [
+        ("nodeSelector", &v["nodeSelector"]),
+        ("affinity", &v["affinity"]),
+        ("tolerations", &v["tolerations"]),
+        ("priorityClassName", &v["priorityClassName"]),
+    ];
+    for (field, value) in placement.iter().chain(more) {
+        ensure!(
+            pod[*field] == **value,
+            "pod {field}: {} != {value}",
+            pod[*field]
+        );
+    }
+    Ok(pod)
 }
