@@ -77,12 +77,10 @@ impl Agent {
         };
         // The key in use survives a restart: the newest record that names one, among those
         // already written (which are not counted again).
-        match journal::read_all(&a.config.events_dir) {
-            Ok((records, _)) => {
-                for r in &records {
-                    note_key(&mut a.record_key, r);
-                }
-            }
+        // One record at a time: a journal of two large segments never sits in memory whole.
+        let mut key = None;
+        match journal::scan(&a.config.events_dir, |r| note_key(&mut key, &r)) {
+            Ok(_) => a.record_key = key,
             Err(e) => {
                 tracing::debug!(dir = %a.config.events_dir.display(), error = %e, "no journal to take the signing key from yet");
             }

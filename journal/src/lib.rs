@@ -36,7 +36,7 @@ mod write;
 use std::path::PathBuf;
 use std::time::Duration;
 
-pub use read::{read_all, Skipped, Tailer};
+pub use read::{read_all, scan, Skipped, Tailer};
 pub use record::{
     cut, Operation, Outcome, Record, RecordError, StepTime, MAX_CHECKPOINT_BYTES, MAX_GPUS,
     MAX_GPU_BYTES, MAX_ID_BYTES, MAX_NAME_BYTES, MAX_STEP_NAME_BYTES,

@@ -43,9 +43,16 @@ impl std::ops::AddAssign for Skipped {
 /// one), and the lines skipped. A missing directory holds no records.
 pub fn read_all(dir: &Path) -> Result<(Vec<Record>, Skipped)> {
     let mut out = Vec::new();
+    let skipped = scan(dir, |r| out.push(r))?;
+    Ok((out, skipped))
+}
+
+/// Each record of the journal in `dir` given to `each`, oldest first, one at a time (the
+/// journal is never held in memory whole): what [`read_all`] collects.
+pub fn scan(dir: &Path, mut each: impl FnMut(Record)) -> Result<Skipped> {
     let mut skipped = Skipped::default();
     let Some(dirfd) = fsutil::open_dir(dir, false)? else {
-        return Ok((out, skipped));
+        return Ok(skipped);
     };
     // The current file first: a rotation between the two opens makes `.1` the file already
     // open, read once.
@@ -62,11 +69,11 @@ pub fn read_all(dir: &Path) -> Result<(Vec<Record>, Skipped)> {
             continue;
         }
         let mut lines = Lines::default();
-        lines.feed_from(&mut f, &path, &mut out)?;
-        lines.finish(&mut out);
+        lines.feed_from(&mut f, &path, &mut each)?;
+        lines.finish(&mut each);
         skipped += lines.skipped;
     }
-    Ok((out, skipped))
+    Ok(skipped)
 }
 
 /// Splits bytes into lines and lines into records.
@@ -81,7 +88,7 @@ struct Lines {
 }
 
 impl Lines {
-    fn feed_from(&mut self, f: &mut File, path: &Path, out: &mut Vec<Record>) -> Result<()> {
+    fn feed_from(&mut self, f: &mut File, path: &Path, out: &mut impl FnMut(Record)) -> Result<()> {
         let mut buf = vec![0u8; 256 << 10];
         loop {
             let n = match f.read(&mut buf) {
@@ -94,7 +101,7 @@ impl Lines {
         }
     }
 
-    fn feed(&mut self, mut data: &[u8], out: &mut Vec<Record>) {
+    fn feed(&mut self, mut data: &[u8], out: &mut impl FnMut(Record)) {
         while let Some(nl) = data.iter().position(|&b| b == b'\n') {
             let (line, rest) = (&data[..nl], &data[nl + 1..]);
             data = rest;
@@ -123,19 +130,19 @@ impl Lines {
         }
     }
 
-    fn line(&mut self, line: &[u8], out: &mut Vec<Record>) {
+    fn line(&mut self, line: &[u8], out: &mut impl FnMut(Record)) {
         if line.is_empty() {
             return;
         }
         match decode(line) {
-            Ok(r) => out.push(r),
+            Ok(r) => out(r),
             Err(bad) => self.skipped.count(bad),
         }
     }
 
     /// The end of a file that will not grow: what is left is a last line without its `\n` (a
     /// record when whole, else torn).
-    fn finish(&mut self, out: &mut Vec<Record>) {
+    fn finish(&mut self, out: &mut impl FnMut(Record)) {
         if self.discard.take() == Some(true) {
             self.skipped.torn += 1;
         }
@@ -214,7 +221,7 @@ impl Tailer {
             };
             if let Some(mut prev) = fsutil::open_read(&dirfd, &self.dir, PREVIOUS_FILE)? {
                 if Some(fsutil::id_of(&prev, &prev_path)?) != cur_id {
-                    self.read_whole(&mut prev, &prev_path, &mut out)?;
+                    self.read_whole(&mut prev, &prev_path, &mut |r| out.push(r))?;
                 }
             }
             if let (Some(f), Some(id)) = (cur, cur_id) {
@@ -223,7 +230,7 @@ impl Tailer {
         }
         loop {
             if let Some((f, _)) = &mut self.file {
-                self.lines.feed_from(f, &cur_path, &mut out)?;
+                self.lines.feed_from(f, &cur_path, &mut |r| out.push(r))?;
             }
             let now = fsutil::id_at(&dirfd, &self.dir, CURRENT_FILE)?;
             let old = self.file.as_ref().map(|(_, id)| *id);
@@ -233,13 +240,13 @@ impl Tailer {
             }
             // Rotated: the old file is whole; what is left of it is a torn line.
             if old.is_some() {
-                self.lines.finish(&mut out);
+                self.lines.finish(&mut |r| out.push(r));
                 self.lines.discard = None;
                 // A segment that came and went into `.1` between two polls.
                 if let Some(mut prev) = fsutil::open_read(&dirfd, &self.dir, PREVIOUS_FILE)? {
                     let pid = fsutil::id_of(&prev, &prev_path)?;
                     if Some(pid) != old && pid != now {
-                        self.read_whole(&mut prev, &prev_path, &mut out)?;
+                        self.read_whole(&mut prev, &prev_path, &mut |r| out.push(r))?;
                     }
                 }
             }
@@ -257,7 +264,12 @@ impl Tailer {
         Ok(out)
     }
 
-    fn read_whole(&mut self, f: &mut File, path: &Path, out: &mut Vec<Record>) -> Result<()> {
+    fn read_whole(
+        &mut self,
+        f: &mut File,
+        path: &Path,
+        out: &mut impl FnMut(Record),
+    ) -> Result<()> {
         let mut lines = Lines::default();
         lines.feed_from(f, path, out)?;
         lines.finish(out);

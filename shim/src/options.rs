@@ -213,10 +213,12 @@ pub struct RuntimeOptions {
 /// Where the node installer puts the NCCL layer, when the options name no `NcclLayer`.
 pub const DEFAULT_NCCL_LAYER: &str = "/usr/local/lib/gpu-ckpt/libgpu-ckpt-nccl.so";
 
-/// The smallest `EventsSegmentBytes` other than 0: a record line may take 64 KiB.
-pub const MIN_EVENTS_SEGMENT_BYTES: u64 = 64 * 1024;
-/// The largest `EventsSegmentBytes`: the record is a node's recent history, not an archive.
-pub const MAX_EVENTS_SEGMENT_BYTES: u64 = 1 << 30;
+/// The smallest `EventsSegmentBytes` other than 0: the journal's own floor (two records of its
+/// largest size; a smaller segment would be raised to it silently).
+pub const MIN_EVENTS_SEGMENT_BYTES: u64 = journal::MIN_SEGMENT_BYTES;
+/// The largest `EventsSegmentBytes`: the record is a node's recent history, not an archive, and
+/// the agent and `gpu-ckpt events` read it on a small memory budget.
+pub const MAX_EVENTS_SEGMENT_BYTES: u64 = 64 << 20;
 
 /// `NcclTimeout` when the options name none.
 pub const DEFAULT_NCCL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -514,6 +516,11 @@ impl RuntimeOptions {
             )));
         }
         let endpoint = &self.otlp_endpoint;
+        if self.otlp_protocol == "grpc" && endpoint.starts_with("https://") {
+            return Err(Error::InvalidArgument(format!(
+                "invalid OtlpEndpoint {endpoint:?} with OtlpProtocol \"grpc\": the shim speaks gRPC without TLS (an http:// endpoint); use \"http/protobuf\" for an https:// collector"
+            )));
+        }
         let url = endpoint
             .strip_prefix("http://")
             .or_else(|| endpoint.strip_prefix("https://"));
@@ -549,13 +556,10 @@ impl RuntimeOptions {
         (!self.otlp_endpoint.is_empty()).then_some(self.otlp_endpoint.as_str())
     }
 
-    /// `OtlpProtocol`, or "http/protobuf".
+    /// `OtlpProtocol` as set: empty leaves it to `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, then
+    /// `OTEL_EXPORTER_OTLP_PROTOCOL`, then "http/protobuf" (`telemetry::resolve`).
     pub fn otlp_protocol(&self) -> &str {
-        if self.otlp_protocol.is_empty() {
-            "http/protobuf"
-        } else {
-            &self.otlp_protocol
-        }
+        &self.otlp_protocol
     }
 
     /// Each `NamespaceMoves` entry `from/to`, two namespaces.
@@ -930,10 +934,8 @@ mod tests {
         let d = RuntimeOptions::default();
         assert_eq!(d.events_dir(), PathBuf::from(journal::DEFAULT_DIR));
         assert_eq!(d.events_segment_bytes(), journal::DEFAULT_SEGMENT_BYTES);
-        assert_eq!(
-            (d.otlp_endpoint(), d.otlp_protocol()),
-            (None, "http/protobuf")
-        );
+        // Empty: the environment's protocol, else http/protobuf, decided by telemetry::resolve.
+        assert_eq!((d.otlp_endpoint(), d.otlp_protocol()), (None, ""));
         let o = RuntimeOptions::from_toml(
             "EventsDir = \"/var/lib/x/events\"\nEventsSegmentBytes = 1048576\nOtlpEndpoint = \"http://collector:4318\"\nOtlpProtocol = \"grpc\"\n",
             "t",
@@ -946,6 +948,12 @@ mod tests {
         for (bad, key) in [
             ("EventsDir = \"events\"", "EventsDir"),
             ("EventsSegmentBytes = 100", "EventsSegmentBytes"),
+            ("EventsSegmentBytes = 65536", "EventsSegmentBytes"),
+            ("EventsSegmentBytes = 134217728", "EventsSegmentBytes"),
+            (
+                "OtlpEndpoint = \"https://c:4317\"\nOtlpProtocol = \"grpc\"",
+                "OtlpEndpoint",
+            ),
             ("OtlpProtocol = \"http/json\"", "OtlpProtocol"),
             ("OtlpEndpoint = \"collector:4318\"", "OtlpEndpoint"),
         ] {

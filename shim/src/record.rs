@@ -436,7 +436,17 @@ impl Facts {
     /// the device-memory files), the device bytes its processes held, its GPUs, driver and
     /// signer.
     pub fn from_manifest(mut self, m: &Manifest) -> Self {
-        self.host_bytes = m.files.values().map(|f| f.size).sum();
+        // The checkpoint's files but its device-state files (custom storage's device memory):
+        // those are the device bytes. Staged through host memory (the default), the device
+        // memory is in CRIU's page images and so in both figures.
+        let device_files: std::collections::HashSet<&str> =
+            m.device_state.iter().map(|d| d.name.as_str()).collect();
+        self.host_bytes = m
+            .files
+            .iter()
+            .filter(|(name, _)| !device_files.contains(name.as_str()))
+            .map(|(_, f)| f.size)
+            .sum();
         self.device_bytes = m.devices.device_bytes();
         self.gpus = m.devices.gpus.iter().map(|g| g.uuid.clone()).collect();
         self.driver = driver_of(&m.devices);
@@ -808,6 +818,20 @@ mod tests {
                 blake3: String::new(),
             },
         );
+        // A device-memory file of custom storage: device bytes, not host bytes.
+        m.files.insert(
+            "device-memory-1-0.bin".into(),
+            image_format::manifest::FileDigest {
+                size: 1 << 20,
+                sha256: String::new(),
+                blake3: String::new(),
+            },
+        );
+        m.device_state.push(image_format::manifest::DeviceState {
+            name: "device-memory-1-0.bin".into(),
+            size: 1 << 20,
+            ..Default::default()
+        });
         m.devices.driver_version = "580.65.06".into();
         m.devices.cuda_driver_version = "13.0".into();
         m.devices.gpus.push(image_format::manifest::Gpu {

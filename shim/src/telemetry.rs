@@ -16,8 +16,8 @@
 //! The export layer sits in the subscriber from the start ([`layer`], added by `logging::init`);
 //! nothing leaves the shim until [`configure`] found an endpoint (the handler's `OtlpEndpoint` or
 //! the standard `OTEL_EXPORTER_OTLP_*` variables). Spans are batched and exported from a thread of
-//! their own, each export bounded by [`EXPORT_TIMEOUT`]; [`flush`] waits for them, bounded too,
-//! before a checkpoint's or a restore's reply and at exit.
+//! their own, each export bounded by [`EXPORT_TIMEOUT`]; [`flush`] sends them, bounded too, beside
+//! (never before) a checkpoint's or a restore's reply, and [`shutdown`] at exit.
 
 use std::{
     collections::HashMap,
@@ -73,6 +73,8 @@ pub enum TelemetryError {
     Protocol(String),
     #[error("OTLP endpoint {0:?} is not an http:// or https:// URL")]
     Endpoint(String),
+    #[error("OTLP endpoint {0:?} over grpc: the shim's gRPC exporter has no TLS (use http:// or http/protobuf)")]
+    GrpcTls(String),
     #[error("OTLP exporter: {0}")]
     Exporter(String),
 }
@@ -148,6 +150,11 @@ pub fn resolve(
     let url = url.trim().to_string();
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(TelemetryError::Endpoint(url));
+    }
+    // The gRPC exporter is built without TLS: an https:// collector over gRPC would take
+    // nothing, silently.
+    if protocol == Protocol::Grpc && url.starts_with("https://") {
+        return Err(TelemetryError::GrpcTls(url));
     }
     let endpoint = if base && protocol == Protocol::HttpProtobuf {
         let trimmed = url.trim_end_matches('/');
@@ -848,6 +855,28 @@ mod tests {
             resolve(Some("c:4318"), "", &none),
             Err(TelemetryError::Endpoint(_))
         ));
+        assert!(matches!(
+            resolve(Some("https://c:4317"), "grpc", &none),
+            Err(TelemetryError::GrpcTls(_))
+        ));
+    }
+
+    /// A handler without `OtlpProtocol` takes the protocol of the environment containerd gave
+    /// the shim (its default left the variable unread, and a gRPC collector got nothing).
+    #[test]
+    fn no_protocol_option_leaves_it_to_the_environment() {
+        let grpc = env(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://e:4317"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+        ]);
+        let options = crate::options::RuntimeOptions::default();
+        let d = resolve(options.otlp_endpoint(), options.otlp_protocol(), &grpc)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (d.endpoint.as_str(), d.protocol),
+            ("http://e:4317", Protocol::Grpc)
+        );
     }
 
     fn md(pairs: &[(&str, &str)]) -> HashMap<String, Vec<String>> {
