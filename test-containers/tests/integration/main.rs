@@ -36,6 +36,7 @@ mod k8s_manifests;
 mod key_rotation;
 mod log_uri;
 mod metrics;
+mod metrics_rules;
 mod nccl_inject;
 mod node_installer;
 mod nonroot_caps;
