@@ -164,7 +164,7 @@ impl Metrics {
             Family::new_with_constructor(duration_histogram as fn() -> Histogram);
         registry.register_with_unit(
             "gpu_ckpt_step_duration",
-            "How long each step of a checkpoint or restore took (device-lock, criu-dump, sign, verify, runc-restore, device-restore, ...)",
+            "How long each step of a checkpoint or restore took (device-lock, device-checkpoint, criu-dump, manifest-hash, verify, criu-restore, device-restore, ...)",
             Unit::Seconds,
             step_duration.clone(),
         );
