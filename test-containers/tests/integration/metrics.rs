@@ -149,7 +149,7 @@ fn query_until(
 
 /// The agent binary: in the stack's shim directory (`GPU_CKPT_SHIM_DIR`), else the workspace's
 /// target/debug.
-fn agent_bin() -> PathBuf {
+pub(crate) fn agent_bin() -> PathBuf {
     let p = Stack::discover()
         .map(|s| s.shim_dir())
         .unwrap_or_else(|_| PathBuf::from("target/debug"))
@@ -161,11 +161,13 @@ fn agent_bin() -> PathBuf {
     }
 }
 
-/// Debian's Prometheus from the stack (test-containers/stack/install.sh).
-fn prometheus_bin() -> Result<PathBuf> {
+/// `tool` (`prometheus`, `promtool`) of Debian's Prometheus in the stack
+/// (test-containers/stack/install.sh).
+pub(crate) fn prometheus_tool(tool: &str) -> Result<PathBuf> {
     let p = Stack::discover()?
         .prefix()
-        .join("prometheus/usr/bin/prometheus");
+        .join("prometheus/usr/bin")
+        .join(tool);
     ensure!(
         p.exists(),
         "{} is missing: run test-containers/stack/install.sh (make deps)",
@@ -239,7 +241,7 @@ fn prometheus_scrapes_the_agent_while_the_node_checkpoints_and_restores() -> Res
     )?;
     let mut prom = Proc::start(
         "prometheus",
-        Command::new(prometheus_bin()?)
+        Command::new(prometheus_tool("prometheus")?)
             .arg(format!("--config.file={}", config.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",

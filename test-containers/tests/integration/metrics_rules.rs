@@ -12,14 +12,15 @@
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use journal::{Journal, Operation, Outcome, Record, RecordError, StepTime};
 use serde_yaml::Value;
-use test_containers::stack::Stack;
+
+use crate::metrics::{agent_bin, prometheus_tool};
 
 const RULES_MARKER: &str = "<!-- promtool: rules -->";
 const OPERATOR_MARKER: &str = "<!-- promtool: prometheusrule -->";
@@ -27,20 +28,6 @@ const OPERATOR_MARKER: &str = "<!-- promtool: prometheusrule -->";
 fn doc() -> Result<String> {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/metrics.md");
     std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
-}
-
-/// Debian's promtool from the stack (test-containers/stack/install.sh), as metrics.rs finds
-/// Prometheus.
-fn promtool() -> Result<PathBuf> {
-    let p = Stack::discover()?
-        .prefix()
-        .join("prometheus/usr/bin/promtool");
-    ensure!(
-        p.exists(),
-        "{} is missing: run test-containers/stack/install.sh (make deps)",
-        p.display()
-    );
-    Ok(p)
 }
 
 /// The fenced block right after the line `marker` (blank lines between allowed).
@@ -243,7 +230,7 @@ fn the_documented_alert_rules_load_and_fire_on_the_first_failure() -> Result<()>
     }
 
     let work = tempfile::tempdir()?;
-    let promtool = promtool()?;
+    let promtool = prometheus_tool("promtool")?;
     std::fs::write(work.path().join("rules.yml"), &rules_text)?;
     let out = run(Command::new(&promtool)
         .args(["check", "rules", "rules.yml"])
@@ -289,20 +276,6 @@ fn scrape(port: u16) -> Result<String> {
     s.read_to_string(&mut buf)?;
     let (_, body) = buf.split_once("\r\n\r\n").context("no HTTP head")?;
     Ok(body.to_string())
-}
-
-/// The agent binary: in the stack's shim directory (`GPU_CKPT_SHIM_DIR`), else the workspace's
-/// target/debug.
-fn agent_bin() -> PathBuf {
-    let p = Stack::discover()
-        .map(|s| s.shim_dir())
-        .unwrap_or_else(|_| PathBuf::from("target/debug"))
-        .join("gpu-ckpt-agent");
-    if p.exists() {
-        p
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/gpu-ckpt-agent")
-    }
 }
 
 /// The sample names the agent serves once each family has a series: it runs on an empty
@@ -423,7 +396,7 @@ fn the_documented_queries_parse_and_name_the_agents_metrics() -> Result<()> {
     }
     let work = tempfile::tempdir()?;
     std::fs::write(work.path().join("queries.yml"), &file)?;
-    run(Command::new(promtool()?)
+    run(Command::new(prometheus_tool("promtool")?)
         .args(["check", "rules", "queries.yml"])
         .current_dir(work.path()))
     .with_context(|| format!("the queries as recording rules:\n{file}"))?;
